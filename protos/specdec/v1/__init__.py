@@ -1,0 +1,1 @@
+"""Generated from the .proto files beside this module by protos/generate.py; do not edit the stubs."""

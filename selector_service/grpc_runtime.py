@@ -1,0 +1,172 @@
+"""What every specdec gRPC server shares: flags (each also read from an environment variable of the same
+name), channel options, TLS / mTLS, health and reflection, metrics, and graceful shutdown on SIGTERM.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import os
+import signal
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+
+from selector_service.observability import ObservingInterceptor, RpcMetrics
+
+log = logging.getLogger("specdec.server")
+
+MiB = 1 << 20
+
+
+def env_name(flag: str) -> str:
+    """--metrics-port -> SPECDEC_METRICS_PORT: the environment variable that sets a flag's default."""
+    return "SPECDEC_" + flag.lstrip("-").replace("-", "_").upper()
+
+
+class EnvDefaultsParser(argparse.ArgumentParser):
+    """argparse whose options default to SPECDEC_<FLAG> from the environment (flags still win)."""
+
+    def add_argument(self, *args: str, **kwargs: object) -> argparse.Action:  # type: ignore[override]
+        long = next((a for a in args if a.startswith("--")), None)
+        if long is not None and long != "--help":
+            var = env_name(long)
+            if var in os.environ:
+                value = os.environ[var]
+                if kwargs.get("action") == "store_true":
+                    kwargs["default"] = value.strip().lower() in ("1", "true", "yes", "on")
+                else:
+                    kwargs["default"] = value
+            help_text = kwargs.get("help")
+            if isinstance(help_text, str):
+                kwargs["help"] = f"{help_text} [env {var}]"
+        return super().add_argument(*args, **kwargs)
+
+
+def add_server_arguments(parser: argparse.ArgumentParser, default_port: int) -> None:
+    parser.add_argument("--host", default="127.0.0.1", help="address to bind (0.0.0.0: every interface)")
+    parser.add_argument("--port", type=int, default=default_port, help="gRPC port (0: any free port)")
+    parser.add_argument("--tls-cert", help="PEM server certificate; with --tls-key, serve TLS")
+    parser.add_argument("--tls-key", help="PEM private key of --tls-cert")
+    parser.add_argument("--tls-client-ca", help="PEM CA bundle; clients must present a certificate it signed (mTLS)")
+    parser.add_argument("--max-message-bytes", type=int, default=64 * MiB, help="largest request or response")
+    parser.add_argument("--grace-seconds", type=float, default=5.0, help="drain time on SIGTERM")
+    parser.add_argument("--metrics-host", default="127.0.0.1", help="address of the Prometheus /metrics endpoint")
+    parser.add_argument("--metrics-port", type=int, default=-1, help="Prometheus port (0: any free; -1: off)")
+    parser.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+    parser.add_argument("--log-format", default="json", choices=["json", "text"])
+    parser.add_argument("--port-file", help="write the bound gRPC port here once serving (for --port 0)")
+
+
+@dataclass(frozen=True)
+class ServerSettings:
+    host: str = "127.0.0.1"
+    port: int = 0
+    tls_cert: str | None = None
+    tls_key: str | None = None
+    tls_client_ca: str | None = None
+    max_message_bytes: int = 64 * MiB
+    grace_seconds: float = 5.0
+    metrics_host: str = "127.0.0.1"
+    metrics_port: int = -1
+    port_file: str | None = None
+
+    @classmethod
+    def from_args(cls, args: argparse.Namespace) -> ServerSettings:
+        return cls(**{name: getattr(args, name) for name in cls.__dataclass_fields__})
+
+
+def server_options(settings: ServerSettings) -> list[tuple[str, int]]:
+    return [
+        ("grpc.max_send_message_length", settings.max_message_bytes),
+        ("grpc.max_receive_message_length", settings.max_message_bytes),
+        # Clients that ping during long calls must not be sent GOAWAY (SGLang's lesson).
+        ("grpc.http2.min_recv_ping_interval_without_data_ms", 10_000),
+        ("grpc.keepalive_permit_without_calls", 1),
+        ("grpc.so_reuseport", 0),
+    ]
+
+
+def server_credentials(settings: ServerSettings) -> grpc.ServerCredentials | None:
+    """TLS credentials when a certificate is configured; mTLS when a client CA is too."""
+    if not settings.tls_cert and not settings.tls_key:
+        if settings.tls_client_ca:
+            raise ValueError("--tls-client-ca needs --tls-cert and --tls-key")
+        return None
+    if not (settings.tls_cert and settings.tls_key):
+        raise ValueError("TLS needs both --tls-cert and --tls-key")
+    key, cert = Path(settings.tls_key).read_bytes(), Path(settings.tls_cert).read_bytes()
+    client_ca = Path(settings.tls_client_ca).read_bytes() if settings.tls_client_ca else None
+    return grpc.ssl_server_credentials([(key, cert)], root_certificates=client_ca, require_client_auth=client_ca is not None)
+
+
+@dataclass
+class RunningServer:
+    server: grpc.aio.Server
+    health: health.aio.HealthServicer
+    port: int
+    metrics: RpcMetrics
+    metrics_port: int | None
+    services: tuple[str, ...]
+
+    async def set_serving(self, serving: bool) -> None:
+        status = health_pb2.HealthCheckResponse.SERVING if serving else health_pb2.HealthCheckResponse.NOT_SERVING
+        for name in ("", *self.services):
+            await self.health.set(name, status)
+
+    async def stop(self, grace: float) -> None:
+        """NOT_SERVING first (load balancers drain), then finish in-flight RPCs within `grace`."""
+        await self.health.enter_graceful_shutdown()
+        await self.server.stop(grace)
+
+
+def create_server(
+    settings: ServerSettings, service_label: str, extra_interceptors: Sequence[grpc.aio.ServerInterceptor] = ()
+) -> tuple[grpc.aio.Server, RpcMetrics]:
+    metrics = RpcMetrics(service_label)
+    server = grpc.aio.server(
+        interceptors=[ObservingInterceptor(metrics), *extra_interceptors], options=server_options(settings)
+    )
+    return server, metrics
+
+
+async def start_server(
+    server: grpc.aio.Server, metrics: RpcMetrics, settings: ServerSettings, services: Sequence[str]
+) -> RunningServer:
+    """Add health and reflection, bind, start. Health starts NOT_SERVING; the caller flips it."""
+    health_servicer = health.aio.HealthServicer()
+    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
+    reflection.enable_server_reflection(
+        (*services, health.SERVICE_NAME, reflection.SERVICE_NAME), server
+    )
+    address = f"{settings.host}:{settings.port}"
+    credentials = server_credentials(settings)
+    port = server.add_secure_port(address, credentials) if credentials else server.add_insecure_port(address)
+    if port == 0:
+        raise OSError(f"could not bind {address}")
+    metrics_port = metrics.serve_http(settings.metrics_host, settings.metrics_port) if settings.metrics_port >= 0 else None
+    await server.start()
+    running = RunningServer(server, health_servicer, port, metrics, metrics_port, tuple(services))
+    await running.set_serving(False)
+    if settings.port_file:
+        Path(settings.port_file).write_text(f"{port}\n")
+    log.info(
+        "serving",
+        extra={"address": f"{settings.host}:{port}", "tls": credentials is not None, "metrics_port": metrics_port},
+    )
+    return running
+
+
+async def wait_for_termination_signal() -> None:
+    """Return on the first SIGTERM or SIGINT."""
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    await stop.wait()
+    log.info("shutting down")

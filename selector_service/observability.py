@@ -1,0 +1,119 @@
+"""One server interceptor for every service: Prometheus metrics per RPC, a log line per failure, and
+unexpected exceptions turned into INTERNAL (logged with their traceback) instead of a bare UNKNOWN."""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import Any
+
+import grpc
+from prometheus_client import CollectorRegistry, Counter, Histogram, start_http_server
+
+log = logging.getLogger("specdec.rpc")
+
+LATENCY_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30)
+
+
+class RpcMetrics:
+    """The RPC counters and latency histogram of one server, in its own registry."""
+
+    def __init__(self, service: str, registry: CollectorRegistry | None = None) -> None:
+        self.registry = registry or CollectorRegistry()
+        self.service = service
+        self.requests = Counter(
+            "specdec_rpc_requests", "RPCs handled, by method and status code", ["service", "method", "code"],
+            registry=self.registry,
+        )
+        self.errors = Counter(
+            "specdec_rpc_errors", "RPCs that ended with a non-OK status", ["service", "method", "code"],
+            registry=self.registry,
+        )
+        self.latency = Histogram(
+            "specdec_rpc_latency_seconds", "Time from receiving an RPC to its last response", ["service", "method"],
+            registry=self.registry, buckets=LATENCY_BUCKETS,
+        )
+
+    def observe(self, method: str, code: grpc.StatusCode, seconds: float) -> None:
+        self.requests.labels(self.service, method, code.name).inc()
+        if code is not grpc.StatusCode.OK:
+            self.errors.labels(self.service, method, code.name).inc()
+        self.latency.labels(self.service, method).observe(seconds)
+
+    def serve_http(self, host: str, port: int) -> int:
+        """Expose /metrics on host:port (0: any free port); returns the bound port."""
+        httpd, _ = start_http_server(port, addr=host, registry=self.registry)
+        return httpd.server_port
+
+
+class ObservingInterceptor(grpc.aio.ServerInterceptor):
+    """Wraps unary-unary and unary-stream handlers; other kinds pass through untouched."""
+
+    def __init__(self, metrics: RpcMetrics) -> None:
+        self._metrics = metrics
+
+    async def intercept_service(
+        self,
+        continuation: Callable[[grpc.HandlerCallDetails], Awaitable[grpc.RpcMethodHandler]],
+        handler_call_details: grpc.HandlerCallDetails,
+    ) -> grpc.RpcMethodHandler:
+        handler = await continuation(handler_call_details)
+        if handler is None:
+            return handler
+        method = handler_call_details.method.rsplit("/", 1)[-1]
+        if handler.unary_unary is not None:
+            return grpc.unary_unary_rpc_method_handler(
+                self._wrap_unary(method, handler.unary_unary),
+                request_deserializer=handler.request_deserializer,
+                response_serializer=handler.response_serializer,
+            )
+        if handler.unary_stream is not None:
+            return grpc.unary_stream_rpc_method_handler(
+                self._wrap_stream(method, handler.unary_stream),
+                request_deserializer=handler.request_deserializer,
+                response_serializer=handler.response_serializer,
+            )
+        return handler
+
+    def _wrap_unary(self, method: str, behavior: Callable[..., Awaitable[Any]]) -> Callable[..., Awaitable[Any]]:
+        async def observed(request: Any, context: grpc.aio.ServicerContext) -> Any:
+            start = time.perf_counter()
+            try:
+                response = await behavior(request, context)
+            except BaseException as err:
+                await self._finish_failed(method, context, err, start)
+                raise
+            self._metrics.observe(method, context.code() or grpc.StatusCode.OK, time.perf_counter() - start)
+            return response
+
+        return observed
+
+    def _wrap_stream(self, method: str, behavior: Callable[..., AsyncIterator[Any]]) -> Callable[..., AsyncIterator[Any]]:
+        async def observed(request: Any, context: grpc.aio.ServicerContext) -> AsyncIterator[Any]:
+            start = time.perf_counter()
+            try:
+                async for item in behavior(request, context):
+                    yield item
+            except BaseException as err:
+                await self._finish_failed(method, context, err, start)
+                raise
+            self._metrics.observe(method, context.code() or grpc.StatusCode.OK, time.perf_counter() - start)
+
+        return observed
+
+    async def _finish_failed(
+        self, method: str, context: grpc.aio.ServicerContext, err: BaseException, start: float
+    ) -> None:
+        elapsed = time.perf_counter() - start
+        if isinstance(err, grpc.aio.AbortError):  # the handler chose its status
+            code = context.code() or grpc.StatusCode.UNKNOWN
+            log.info("rpc failed", extra={"method": method, "code": code.name, "details": context.details()})
+        elif isinstance(err, Exception):  # a bug: say so with a traceback, answer INTERNAL
+            code = grpc.StatusCode.INTERNAL
+            log.exception("rpc raised", extra={"method": method})
+            self._metrics.observe(method, code, elapsed)
+            await context.abort(code, f"internal error in {method}: {type(err).__name__}: {err}")  # raises
+        else:  # cancelled by the client or by shutdown
+            code = grpc.StatusCode.CANCELLED
+        self._metrics.observe(method, code, elapsed)
