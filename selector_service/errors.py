@@ -44,6 +44,10 @@ class SpecdecError(Exception):
 
     def to_status(self) -> grpc.Status:
         """The grpc.Status (code, message, google.rpc.Status details) for context.abort_with_status."""
+        return rpc_status.to_status(self.status_proto())
+
+    def status_proto(self) -> status_pb2.Status:
+        """The google.rpc.Status: code, message and the BadRequest / PreconditionFailure details."""
         details = []
         if self.field_violations:
             bad_request = error_details_pb2.BadRequest(
@@ -63,8 +67,7 @@ class SpecdecError(Exception):
                 ]
             )
             details.append(_pack(failure))
-        status = status_pb2.Status(code=_CODES[self.code], message=self.message, details=details)
-        return rpc_status.to_status(status)
+        return status_pb2.Status(code=_CODES[self.code], message=self.message, details=details)
 
 
 class InvalidArgument(SpecdecError):

@@ -41,7 +41,7 @@ _CPU = ("CPU_ATTN",)
 PRIORITIES: tuple[PlatformPriority, ...] = (
     PlatformPriority(Platform.CUDA, "compute capability 10.x, causal", _CUDA_SM10X_CAUSAL),
     # FlashInfer's non-causal (cutlass) path is known to misbehave for DFlash: FLASH_ATTN goes first.
-    PlatformPriority(Platform.CUDA, "otherwise (and 10.x non-causal)", _CUDA_DEFAULT),
+    PlatformPriority(Platform.CUDA, "any other compute capability, or 10.x non-causal", _CUDA_DEFAULT),
     PlatformPriority(Platform.ROCM, "always", _ROCM),
     PlatformPriority(Platform.CPU, "always", _CPU),
 )

@@ -1,0 +1,93 @@
+"""`specdec`: the client command line.
+
+  specdec select --config request.yaml [--selector HOST:PORT | --local] [--json]
+  specdec backends [--platform cuda] [--selector HOST:PORT | --local] [--json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+import grpc
+from google.protobuf import json_format
+from google.protobuf.message import Message
+from grpc_status import rpc_status
+
+from selector_service.catalog import list_backends
+from selector_service.client import load_message, open_channel
+from selector_service.errors import SpecdecError
+from selector_service.render import render_backends, render_error, render_selection
+from selector_service.selection import Selector
+from specdec.v1 import common_pb2, selector_pb2, selector_pb2_grpc
+
+EXIT_RPC_ERROR = 2
+
+
+def _add_connection_arguments(parser: argparse.ArgumentParser) -> None:
+    where = parser.add_mutually_exclusive_group()
+    where.add_argument("--selector", default="127.0.0.1:50051", help="address of a running specdec-selector")
+    where.add_argument("--local", action="store_true", help="select in-process, without a server")
+    parser.add_argument("--json", action="store_true", help="print the response as JSON")
+    parser.add_argument("--timeout", type=float, default=10.0, help="RPC deadline in seconds")
+    parser.add_argument("--tls-ca", help="PEM CA that signed the server certificate (enables TLS)")
+    parser.add_argument("--tls-cert", help="PEM client certificate (mTLS)")
+    parser.add_argument("--tls-key", help="PEM client key (mTLS)")
+    parser.add_argument("--tls-server-name", help="expected server name, if not the address's host")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="specdec", description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    commands = parser.add_subparsers(dest="command", required=True)
+    select = commands.add_parser("select", help="decide the target's and drafter's attention backends")
+    select.add_argument("--config", required=True, help="SelectBackendsRequest as YAML or JSON")
+    _add_connection_arguments(select)
+    backends = commands.add_parser("backends", help="show the capability table and priority lists")
+    backends.add_argument("--platform", choices=["cuda", "rocm", "cpu"], help="only this platform")
+    _add_connection_arguments(backends)
+    return parser
+
+
+def _call(args: argparse.Namespace, method: str, request: Message) -> Message:
+    if args.local:
+        if method == "SelectBackends":
+            return Selector().select(request)
+        return list_backends(request)
+    with open_channel(args.selector, args.tls_ca, args.tls_cert, args.tls_key, args.tls_server_name) as channel:
+        stub = selector_pb2_grpc.BackendSelectorStub(channel)
+        return getattr(stub, method)(request, timeout=args.timeout)
+
+
+def _print(args: argparse.Namespace, response: Message, text: str) -> None:
+    if args.json:
+        print(json_format.MessageToJson(response, always_print_fields_with_no_presence=True))
+    else:
+        print(text)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        if args.command == "select":
+            request = load_message(args.config, selector_pb2.SelectBackendsRequest())
+            response = _call(args, "SelectBackends", request)
+            _print(args, response, render_selection(response))
+        else:
+            platform = common_pb2.Platform.Value(f"PLATFORM_{args.platform.upper()}") if args.platform else 0
+            response = _call(args, "ListBackends", selector_pb2.ListBackendsRequest(platform=platform))
+            _print(args, response, render_backends(response))
+    except SpecdecError as err:
+        print(render_error(err.code.name, err.message, list(err.status_proto().details)), file=sys.stderr)
+        return EXIT_RPC_ERROR
+    except grpc.RpcError as err:
+        detail = rpc_status.from_call(err)
+        print(render_error(err.code().name, err.details(), list(detail.details) if detail else []), file=sys.stderr)
+        return EXIT_RPC_ERROR
+    except (OSError, ValueError, json_format.ParseError) as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,41 @@
+"""Client-side helpers: channels (plain, TLS, mTLS) and loading a request from a YAML/JSON file."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import grpc
+import yaml
+from google.protobuf import json_format
+from google.protobuf.message import Message
+
+
+def open_channel(
+    address: str,
+    tls_ca: str | None = None,
+    tls_cert: str | None = None,
+    tls_key: str | None = None,
+    server_name: str | None = None,
+) -> grpc.Channel:
+    """A blocking channel; TLS when a CA is given, mTLS when a client certificate and key are too."""
+    if not tls_ca:
+        if tls_cert or tls_key:
+            raise ValueError("a client certificate needs --tls-ca too")
+        return grpc.insecure_channel(address)
+    credentials = grpc.ssl_channel_credentials(
+        root_certificates=Path(tls_ca).read_bytes(),
+        private_key=Path(tls_key).read_bytes() if tls_key else None,
+        certificate_chain=Path(tls_cert).read_bytes() if tls_cert else None,
+    )
+    options = [("grpc.ssl_target_name_override", server_name)] if server_name else []
+    return grpc.secure_channel(address, credentials, options=options)
+
+
+def load_message(path: str, message: Message) -> Message:
+    """Fill `message` from a YAML or JSON file in the protobuf JSON mapping (enum names as strings)."""
+    text = Path(path).read_text()
+    data = json.loads(text) if path.endswith(".json") else yaml.safe_load(text)
+    if not isinstance(data, dict):
+        raise ValueError(f"{path}: expected a mapping at the top level")
+    return json_format.ParseDict(data, message)
