@@ -10,16 +10,16 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from enum import Enum
+from enum import StrEnum
 
 
-class Platform(str, Enum):
+class Platform(StrEnum):
     CUDA = "cuda"
     ROCM = "rocm"
     CPU = "cpu"
 
 
-class DType(str, Enum):
+class DType(StrEnum):
     FLOAT16 = "float16"
     BFLOAT16 = "bfloat16"
     FLOAT32 = "float32"
@@ -212,7 +212,7 @@ BACKENDS: dict[str, BackendCapability] = {
             description="flash_attn package: FA2 varlen with block_table (SM8x), FA4 CuTe with page_table (SM9x/SM10x)",
             platforms=(Platform.CUDA,),
             dtypes=_HALF,
-            kv_cache_dtypes=_NATIVE_KV + ("fp8", "fp8_e4m3"),
+            kv_cache_dtypes=(*_NATIVE_KV, "fp8", "fp8_e4m3"),
             head_sizes=SizeRule(multiple_of=8, minimum=8, maximum=512),
             block_sizes=_MULTIPLE_OF_16,
             required_library="flash_attn",
@@ -231,7 +231,7 @@ BACKENDS: dict[str, BackendCapability] = {
             description="FlashInfer paged prefill/decode kernels",
             platforms=(Platform.CUDA,),
             dtypes=_HALF,
-            kv_cache_dtypes=_NATIVE_KV + FP8_KV_CACHE_DTYPES,
+            kv_cache_dtypes=(*_NATIVE_KV, *FP8_KV_CACHE_DTYPES),
             head_sizes=SizeRule(allowed=(64, 128, 256, 512)),
             block_sizes=SizeRule(allowed=(16, 32, 64)),
             required_library="flashinfer",

@@ -42,6 +42,11 @@ class SpecdecError(Exception):
         self.field_violations = tuple(field_violations)
         self.precondition_violations = tuple(precondition_violations)
 
+    def fresh(self) -> SpecdecError:
+        """A new instance with the same status: raising one shared instance again and again would grow
+        its __traceback__ (and keep every raising frame alive)."""
+        return type(self)(self.message, self.field_violations, self.precondition_violations)
+
     def to_status(self) -> grpc.Status:
         """The grpc.Status (code, message, google.rpc.Status details) for context.abort_with_status."""
         return rpc_status.to_status(self.status_proto())

@@ -60,7 +60,7 @@ def add_server_arguments(parser: argparse.ArgumentParser, default_port: int) -> 
     parser.add_argument("--metrics-port", type=int, default=-1, help="Prometheus port (0: any free; -1: off)")
     parser.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     parser.add_argument("--log-format", default="json", choices=["json", "text"])
-    parser.add_argument("--port-file", help="write the bound gRPC port here once serving (for --port 0)")
+    parser.add_argument("--port-file", help="write the bound gRPC port here once the server answers (for --port 0)")
 
 
 @dataclass(frozen=True)
@@ -102,7 +102,9 @@ def server_credentials(settings: ServerSettings) -> grpc.ServerCredentials | Non
         raise ValueError("TLS needs both --tls-cert and --tls-key")
     key, cert = Path(settings.tls_key).read_bytes(), Path(settings.tls_cert).read_bytes()
     client_ca = Path(settings.tls_client_ca).read_bytes() if settings.tls_client_ca else None
-    return grpc.ssl_server_credentials([(key, cert)], root_certificates=client_ca, require_client_auth=client_ca is not None)
+    return grpc.ssl_server_credentials(
+        [(key, cert)], root_certificates=client_ca, require_client_auth=client_ca is not None
+    )
 
 
 @dataclass
@@ -136,23 +138,28 @@ def create_server(
 
 
 async def start_server(
-    server: grpc.aio.Server, metrics: RpcMetrics, settings: ServerSettings, services: Sequence[str]
+    server: grpc.aio.Server,
+    metrics: RpcMetrics,
+    settings: ServerSettings,
+    services: Sequence[str],
+    ready: bool = False,
 ) -> RunningServer:
-    """Add health and reflection, bind, start. Health starts NOT_SERVING; the caller flips it."""
+    """Add health and reflection, bind, start. Health says SERVING if `ready`, else NOT_SERVING until
+    the caller flips it (an executor, once its model is loaded and warm)."""
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
-    reflection.enable_server_reflection(
-        (*services, health.SERVICE_NAME, reflection.SERVICE_NAME), server
-    )
+    reflection.enable_server_reflection((*services, health.SERVICE_NAME, reflection.SERVICE_NAME), server)
     address = f"{settings.host}:{settings.port}"
     credentials = server_credentials(settings)
     port = server.add_secure_port(address, credentials) if credentials else server.add_insecure_port(address)
     if port == 0:
         raise OSError(f"could not bind {address}")
-    metrics_port = metrics.serve_http(settings.metrics_host, settings.metrics_port) if settings.metrics_port >= 0 else None
+    metrics_port = (
+        metrics.serve_http(settings.metrics_host, settings.metrics_port) if settings.metrics_port >= 0 else None
+    )
     await server.start()
     running = RunningServer(server, health_servicer, port, metrics, metrics_port, tuple(services))
-    await running.set_serving(False)
+    await running.set_serving(ready)
     if settings.port_file:
         Path(settings.port_file).write_text(f"{port}\n")
     log.info(

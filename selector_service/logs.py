@@ -10,6 +10,11 @@ import time
 _STANDARD_ATTRS = set(vars(logging.LogRecord("", 0, "", 0, "", None, None))) | {"message", "asctime"}
 
 
+def _extras(record: logging.LogRecord) -> dict[str, object]:
+    """The fields a call passed with `extra=`."""
+    return {k: v for k, v in vars(record).items() if k not in _STANDARD_ATTRS}
+
+
 class JsonFormatter(logging.Formatter):
     """Formats a record as JSON; `extra=` fields become top-level keys."""
 
@@ -20,10 +25,22 @@ class JsonFormatter(logging.Formatter):
             "logger": record.name,
             "msg": record.getMessage(),
         }
-        entry.update({k: v for k, v in vars(record).items() if k not in _STANDARD_ATTRS})
+        entry.update(_extras(record))
         if record.exc_info:
             entry["exc"] = self.formatException(record.exc_info)
         return json.dumps(entry, default=str)
+
+
+class TextFormatter(logging.Formatter):
+    """`time LEVEL logger: message key=value ...` for people reading a terminal."""
+
+    def __init__(self) -> None:
+        super().__init__("%(asctime)s %(levelname)s %(name)s: %(message)s")
+
+    def format(self, record: logging.LogRecord) -> str:
+        line = super().format(record)
+        extras = " ".join(f"{k}={v}" for k, v in _extras(record).items())
+        return f"{line} {extras}" if extras else line
 
 
 def configure_logging(level: str = "info", fmt: str = "json") -> None:
@@ -32,7 +49,7 @@ def configure_logging(level: str = "info", fmt: str = "json") -> None:
     if fmt == "json":
         handler.setFormatter(JsonFormatter())
     else:
-        handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
+        handler.setFormatter(TextFormatter())
     root = logging.getLogger()
     root.handlers[:] = [handler]
     root.setLevel(level.upper())

@@ -6,6 +6,8 @@ import asyncio
 import logging
 import sys
 
+from specdec.v1 import selector_pb2_grpc
+
 from selector_service.grpc_runtime import (
     EnvDefaultsParser,
     RunningServer,
@@ -18,7 +20,6 @@ from selector_service.grpc_runtime import (
 from selector_service.logs import configure_logging
 from selector_service.selection import Selector
 from selector_service.servicer import SERVICE_NAME, BackendSelectorServicer
-from specdec.v1 import selector_pb2_grpc
 
 DEFAULT_PORT = 50051
 log = logging.getLogger("specdec.selector")
@@ -28,9 +29,7 @@ async def start_selector(settings: ServerSettings, cache_size: int = 4096) -> Ru
     """Start a selector server and mark it SERVING (it needs no warm-up)."""
     server, metrics = create_server(settings, "selector")
     selector_pb2_grpc.add_BackendSelectorServicer_to_server(BackendSelectorServicer(Selector(cache_size)), server)
-    running = await start_server(server, metrics, settings, [SERVICE_NAME])
-    await running.set_serving(True)
-    return running
+    return await start_server(server, metrics, settings, [SERVICE_NAME], ready=True)
 
 
 async def serve(settings: ServerSettings, cache_size: int) -> None:

@@ -1,5 +1,6 @@
-"""One server interceptor for every service: Prometheus metrics per RPC, a log line per failure, and
-unexpected exceptions turned into INTERNAL (logged with their traceback) instead of a bare UNKNOWN."""
+"""One server interceptor for every service: Prometheus metrics per RPC, a log line per failure,
+undecodable requests answered INVALID_ARGUMENT, and unexpected exceptions turned into INTERNAL (logged
+with their traceback) instead of a bare UNKNOWN."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
 import grpc
+from google.protobuf.message import DecodeError
 from prometheus_client import CollectorRegistry, Counter, Histogram, start_http_server
 
 log = logging.getLogger("specdec.rpc")
@@ -23,16 +25,23 @@ class RpcMetrics:
         self.registry = registry or CollectorRegistry()
         self.service = service
         self.requests = Counter(
-            "specdec_rpc_requests", "RPCs handled, by method and status code", ["service", "method", "code"],
+            "specdec_rpc_requests",
+            "RPCs handled, by method and status code",
+            ["service", "method", "code"],
             registry=self.registry,
         )
         self.errors = Counter(
-            "specdec_rpc_errors", "RPCs that ended with a non-OK status", ["service", "method", "code"],
+            "specdec_rpc_errors",
+            "RPCs that ended with a non-OK status",
+            ["service", "method", "code"],
             registry=self.registry,
         )
         self.latency = Histogram(
-            "specdec_rpc_latency_seconds", "Time from receiving an RPC to its last response", ["service", "method"],
-            registry=self.registry, buckets=LATENCY_BUCKETS,
+            "specdec_rpc_latency_seconds",
+            "Time from receiving an RPC to its last response",
+            ["service", "method"],
+            registry=self.registry,
+            buckets=LATENCY_BUCKETS,
         )
 
     def observe(self, method: str, code: grpc.StatusCode, seconds: float) -> None:
@@ -45,6 +54,26 @@ class RpcMetrics:
         """Expose /metrics on host:port (0: any free port); returns the bound port."""
         httpd, _ = start_http_server(port, addr=host, registry=self.registry)
         return httpd.server_port
+
+
+class _Undecodable:
+    """Stands in for a request whose bytes did not parse, so the handler can answer INVALID_ARGUMENT."""
+
+    def __init__(self, error: DecodeError) -> None:
+        self.error = error
+
+
+def _tolerant(deserializer: Callable[[bytes], Any] | None) -> Callable[[bytes], Any] | None:
+    if deserializer is None:
+        return None
+
+    def deserialize(data: bytes) -> Any:
+        try:
+            return deserializer(data)
+        except DecodeError as err:
+            return _Undecodable(err)
+
+    return deserialize
 
 
 class ObservingInterceptor(grpc.aio.ServerInterceptor):
@@ -65,13 +94,13 @@ class ObservingInterceptor(grpc.aio.ServerInterceptor):
         if handler.unary_unary is not None:
             return grpc.unary_unary_rpc_method_handler(
                 self._wrap_unary(method, handler.unary_unary),
-                request_deserializer=handler.request_deserializer,
+                request_deserializer=_tolerant(handler.request_deserializer),
                 response_serializer=handler.response_serializer,
             )
         if handler.unary_stream is not None:
             return grpc.unary_stream_rpc_method_handler(
                 self._wrap_stream(method, handler.unary_stream),
-                request_deserializer=handler.request_deserializer,
+                request_deserializer=_tolerant(handler.request_deserializer),
                 response_serializer=handler.response_serializer,
             )
         return handler
@@ -80,6 +109,7 @@ class ObservingInterceptor(grpc.aio.ServerInterceptor):
         async def observed(request: Any, context: grpc.aio.ServicerContext) -> Any:
             start = time.perf_counter()
             try:
+                await _refuse_undecodable(request, context)
                 response = await behavior(request, context)
             except BaseException as err:
                 await self._finish_failed(method, context, err, start)
@@ -89,10 +119,13 @@ class ObservingInterceptor(grpc.aio.ServerInterceptor):
 
         return observed
 
-    def _wrap_stream(self, method: str, behavior: Callable[..., AsyncIterator[Any]]) -> Callable[..., AsyncIterator[Any]]:
+    def _wrap_stream(
+        self, method: str, behavior: Callable[..., AsyncIterator[Any]]
+    ) -> Callable[..., AsyncIterator[Any]]:
         async def observed(request: Any, context: grpc.aio.ServicerContext) -> AsyncIterator[Any]:
             start = time.perf_counter()
             try:
+                await _refuse_undecodable(request, context)
                 async for item in behavior(request, context):
                     yield item
             except BaseException as err:
@@ -117,3 +150,8 @@ class ObservingInterceptor(grpc.aio.ServerInterceptor):
         else:  # cancelled by the client or by shutdown
             code = grpc.StatusCode.CANCELLED
         self._metrics.observe(method, code, elapsed)
+
+
+async def _refuse_undecodable(request: Any, context: grpc.aio.ServicerContext) -> None:
+    if isinstance(request, _Undecodable):
+        await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"request does not parse: {request.error}")

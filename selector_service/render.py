@@ -4,7 +4,6 @@ from __future__ import annotations
 
 from google.protobuf import any_pb2
 from google.rpc import error_details_pb2
-
 from specdec.v1 import common_pb2, selector_pb2
 
 
@@ -68,7 +67,9 @@ def render_error(code_name: str, message: str, details: list[any_pb2.Any]) -> st
 
 
 def _short_dtype(dtype: int) -> str:
-    return {common_pb2.DTYPE_FLOAT16: "fp16", common_pb2.DTYPE_BFLOAT16: "bf16", common_pb2.DTYPE_FLOAT32: "fp32"}[dtype]
+    return {common_pb2.DTYPE_FLOAT16: "fp16", common_pb2.DTYPE_BFLOAT16: "bf16", common_pb2.DTYPE_FLOAT32: "fp32"}[
+        dtype
+    ]
 
 
 def _size_rule(rule: selector_pb2.SizeRule) -> str:

@@ -8,10 +8,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from specdec.v1 import common_pb2, selector_pb2
+
 from kernels.capabilities import KV_CACHE_DTYPES, AttentionNeeds, DType, Hardware, Platform
 from selector_service.errors import FieldViolation, invalid_fields
 from selector_service.registry import UnknownBackendError, normalize_backend_name
-from specdec.v1 import common_pb2, selector_pb2
 
 PLATFORMS = {
     common_pb2.PLATFORM_CUDA: Platform.CUDA,
@@ -63,9 +64,7 @@ def parse_request(request: selector_pb2.SelectBackendsRequest) -> ParsedRequest:
     return ParsedRequest(hardware, target, drafter)
 
 
-def _parse_hardware(
-    request: selector_pb2.SelectBackendsRequest, violations: list[FieldViolation]
-) -> Hardware | None:
+def _parse_hardware(request: selector_pb2.SelectBackendsRequest, violations: list[FieldViolation]) -> Hardware | None:
     if not request.HasField("hardware"):
         violations.append(FieldViolation("hardware", "required: the machine's capability report"))
         return None
@@ -107,7 +106,9 @@ def _parse_layers(
             violations.append(FieldViolation(f"{prefix}.{name}", "required and positive"))
     if spec.num_heads > 0 and spec.num_kv_heads > 0 and spec.num_heads % spec.num_kv_heads:
         violations.append(
-            FieldViolation(f"{prefix}.num_kv_heads", f"must divide num_heads ({spec.num_heads}) for grouped-query attention")
+            FieldViolation(
+                f"{prefix}.num_kv_heads", f"must divide num_heads ({spec.num_heads}) for grouped-query attention"
+            )
         )
     dtype = DTYPES.get(spec.dtype)
     if spec.dtype == common_pb2.DTYPE_UNSPECIFIED:
@@ -117,7 +118,9 @@ def _parse_layers(
     kv_cache_dtype = spec.kv_cache_dtype.strip().lower() or "auto"
     if kv_cache_dtype not in KV_CACHE_DTYPES:
         violations.append(
-            FieldViolation(f"{prefix}.kv_cache_dtype", f"'{spec.kv_cache_dtype}' is not one of {', '.join(KV_CACHE_DTYPES)}")
+            FieldViolation(
+                f"{prefix}.kv_cache_dtype", f"'{spec.kv_cache_dtype}' is not one of {', '.join(KV_CACHE_DTYPES)}"
+            )
         )
     if spec.block_size < 0:
         violations.append(FieldViolation(f"{prefix}.block_size", "must not be negative (0: the backend's choice)"))
@@ -160,7 +163,9 @@ def _parse_drafter(
         violations.append(FieldViolation("speculative.method", f"unknown method {spec.method}"))
         return None
     if spec.num_speculative_tokens < 0:
-        violations.append(FieldViolation("speculative.num_speculative_tokens", "must not be negative (0: the drafter's default)"))
+        violations.append(
+            FieldViolation("speculative.num_speculative_tokens", "must not be negative (0: the drafter's default)")
+        )
     # R6: DFlash proposes its block in one non-causal pass unless the checkpoint says causal;
     # EAGLE drafters are causal.
     is_dflash = spec.method == common_pb2.SPEC_METHOD_DFLASH
@@ -184,7 +189,9 @@ def _check_dflash(spec: common_pb2.SpeculativeConfig, violations: list[FieldViol
     cfg = spec.dflash_config
     prefix = "speculative.dflash_config"
     if not cfg.HasField("mask_token_id"):
-        violations.append(FieldViolation(f"{prefix}.mask_token_id", "required for DFlash: the token that fills the block"))
+        violations.append(
+            FieldViolation(f"{prefix}.mask_token_id", "required for DFlash: the token that fills the block")
+        )
     elif cfg.mask_token_id < 0:
         violations.append(FieldViolation(f"{prefix}.mask_token_id", "must not be negative"))
     if cfg.block_size < 0 or cfg.block_size == 1:

@@ -10,11 +10,18 @@ from __future__ import annotations
 import functools
 from dataclasses import dataclass
 
+from specdec.v1 import common_pb2, selector_pb2
+
 from kernels.capabilities import BACKENDS, AttentionNeeds, Hardware, Platform
-from selector_service.errors import FailedPrecondition, FieldViolation, InvalidArgument, PreconditionViolation, SpecdecError
+from selector_service.errors import (
+    FailedPrecondition,
+    FieldViolation,
+    InvalidArgument,
+    PreconditionViolation,
+    SpecdecError,
+)
 from selector_service.registry import priority_list
 from selector_service.request import StackRequest, parse_request
-from specdec.v1 import common_pb2, selector_pb2
 
 
 @dataclass(frozen=True)
@@ -29,7 +36,9 @@ class Decision:
             backend=self.backend,
             explicit=self.explicit,
             use_non_causal=self.use_non_causal,
-            candidates=[common_pb2.CandidateVerdict(backend=name, reasons=reasons) for name, reasons in self.candidates],
+            candidates=[
+                common_pb2.CandidateVerdict(backend=name, reasons=reasons) for name, reasons in self.candidates
+            ],
         )
 
 
@@ -39,13 +48,17 @@ def decide(hardware: Hardware, stack: StackRequest) -> Decision:
     if stack.backend is not None:  # R2: validated and used, never a silent fallback
         reasons = tuple(BACKENDS[stack.backend].validate(needs, hardware))
         if reasons:
-            message = (
-                f"Selected backend {stack.backend} is not valid for this configuration. Reason: {list(reasons)}"
+            message = f"Selected backend {stack.backend} is not valid for this configuration. Reason: {list(reasons)}"
+            violation = FieldViolation(
+                stack.backend_field, f"{stack.backend} cannot serve the {stack.role}: {list(reasons)}"
             )
-            raise InvalidArgument(message, field_violations=(FieldViolation(stack.backend_field, message),))
+            raise InvalidArgument(message, field_violations=(violation,))
         return Decision(stack.backend, True, needs.use_non_causal, ((stack.backend, ()),))
     # R3: every candidate is validated and reported; the first valid one wins.
-    candidates = tuple((name, tuple(BACKENDS[name].validate(needs, hardware))) for name in priority_list(hardware, needs.use_non_causal))
+    candidates = tuple(
+        (name, tuple(BACKENDS[name].validate(needs, hardware)))
+        for name in priority_list(hardware, needs.use_non_causal)
+    )
     for name, reasons in candidates:
         if not reasons:
             return Decision(name, False, needs.use_non_causal, candidates)
@@ -78,7 +91,7 @@ class Selector:
         """A fresh response (the caller may change it); raises SpecdecError on bad input or no backend."""
         outcome = self._cached(request.SerializeToString(deterministic=True))
         if isinstance(outcome, SpecdecError):
-            raise outcome
+            raise outcome.fresh()
         response = selector_pb2.SelectBackendsResponse()
         response.CopyFrom(outcome)
         return response
@@ -91,7 +104,7 @@ def _select_serialized(key: bytes) -> selector_pb2.SelectBackendsResponse | Spec
     try:
         return select_backends(selector_pb2.SelectBackendsRequest.FromString(key))
     except SpecdecError as err:  # cached too: the same request always fails the same way
-        return err
+        return err.with_traceback(None)
 
 
 def describe_device(hardware: Hardware) -> str:

@@ -30,7 +30,9 @@ def rocm(arch: str = "gfx942", **extra_libs: str) -> common_pb2.HardwareCapabili
 
 
 def cpu(**libs: str) -> common_pb2.HardwareCapabilities:
-    return common_pb2.HardwareCapabilities(platform=common_pb2.PLATFORM_CPU, libraries=libraries(torch="2.13.0", **libs))
+    return common_pb2.HardwareCapabilities(
+        platform=common_pb2.PLATFORM_CPU, libraries=libraries(torch="2.13.0", **libs)
+    )
 
 
 def layers(
@@ -40,7 +42,9 @@ def layers(
     num_kv_heads: int = 8,
     **fields: object,
 ) -> common_pb2.LayerSpec:
-    return common_pb2.LayerSpec(head_size=head_size, dtype=dtype, num_heads=num_heads, num_kv_heads=num_kv_heads, **fields)
+    return common_pb2.LayerSpec(
+        head_size=head_size, dtype=dtype, num_heads=num_heads, num_kv_heads=num_kv_heads, **fields
+    )
 
 
 def dflash(causal: bool = False, backend: str = "", k: int = 15, **fields: object) -> common_pb2.SpeculativeConfig:

@@ -7,10 +7,10 @@ from collections.abc import Callable
 import grpc
 import pytest
 from builders import cuda, dflash, eagle, layers, request, rocm
+from specdec.v1 import common_pb2, selector_pb2
 
 from selector_service.errors import InvalidArgument
 from selector_service.selection import select_backends
-from specdec.v1 import common_pb2, selector_pb2
 
 Mutation = Callable[[selector_pb2.SelectBackendsRequest], None]
 
@@ -64,7 +64,11 @@ CASES: list[tuple[str, Mutation, str]] = [
     ("missing hardware", _clear("hardware"), "hardware"),
     ("unspecified platform", _set("hardware.platform", 0), "hardware.platform"),
     ("unknown platform", _set("hardware.platform", 7), "hardware.platform"),
-    ("cuda without compute capability", _set("hardware.compute_capability_major", 0), "hardware.compute_capability_major"),
+    (
+        "cuda without compute capability",
+        _set("hardware.compute_capability_major", 0),
+        "hardware.compute_capability_major",
+    ),
     ("negative minor", _set("hardware.compute_capability_minor", -1), "hardware.compute_capability_minor"),
     ("rocm without gfx arch", _rocm_without_arch, "hardware.gcn_arch"),
     ("negative device count", _set("hardware.device_count", -2), "hardware.device_count"),
@@ -87,14 +91,22 @@ CASES: list[tuple[str, Mutation, str]] = [
     ("negative k", _speculative(eagle(k=-1)), "speculative.num_speculative_tokens"),
     ("dflash without config", _no_dflash_config, "speculative.dflash_config.mask_token_id"),
     ("dflash without mask token", _no_mask_token, "speculative.dflash_config.mask_token_id"),
-    ("dflash negative mask token", _set("speculative.dflash_config.mask_token_id", -1), "speculative.dflash_config.mask_token_id"),
+    (
+        "dflash negative mask token",
+        _set("speculative.dflash_config.mask_token_id", -1),
+        "speculative.dflash_config.mask_token_id",
+    ),
     ("dflash block of one", _set("speculative.dflash_config.block_size", 1), "speculative.dflash_config.block_size"),
     ("dflash k beyond block", _set("speculative.num_speculative_tokens", 16), "speculative.num_speculative_tokens"),
     ("dflash negative layer", _dflash_layers(1, -3), "speculative.dflash_config.target_layer_ids[1]"),
     ("dflash duplicate layer", _dflash_layers(1, 9, 9), "speculative.dflash_config.target_layer_ids[2]"),
-    ("dflash config on eagle", _speculative(eagle(dflash_config=common_pb2.DFlashConfig(mask_token_id=1))), "speculative.dflash_config"),
+    (
+        "dflash config on eagle",
+        _speculative(eagle(dflash_config=common_pb2.DFlashConfig(mask_token_id=1))),
+        "speculative.dflash_config",
+    ),
     ("bad drafter layers", _speculative(eagle(draft_layers=layers(head_size=0))), "speculative.draft_layers.head_size"),
-]  # fmt: skip
+]
 
 
 def _base() -> selector_pb2.SelectBackendsRequest:
@@ -143,7 +155,7 @@ def test_status_carries_bad_request_details() -> None:
         select_backends(req)
     status = err.value.to_status()
     assert status.code is grpc.StatusCode.INVALID_ARGUMENT
-    (key, raw), = status.trailing_metadata
+    ((key, raw),) = status.trailing_metadata
     assert key == "grpc-status-details-bin"
     bad_request = error_details_pb2.BadRequest()
     assert status_pb2.Status.FromString(raw).details[0].Unpack(bad_request)

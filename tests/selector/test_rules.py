@@ -4,16 +4,17 @@ from __future__ import annotations
 
 import subprocess
 import sys
+import traceback
 
 import pytest
 from builders import cpu, cuda, dflash, eagle, layers, request, rocm
+from specdec.v1 import common_pb2
 
 from kernels import capabilities as caps
 from kernels.capabilities import BACKENDS, AttentionNeeds, DType, Hardware, Platform
 from selector_service.errors import FailedPrecondition, InvalidArgument
 from selector_service.registry import PRIORITIES
 from selector_service.selection import Selector, select_backends
-from specdec.v1 import common_pb2
 
 H100_FA4 = cuda(9, 0, flash_attn="4.0.0b36")
 BF16 = common_pb2.DTYPE_BFLOAT16
@@ -35,7 +36,11 @@ def test_table_covers_every_backend_of_the_priority_lists() -> None:
     }  # fmt: skip
 
 
-CUDA_ALL = Hardware(Platform.CUDA, (9, 0), libraries=(("flash_attn", "4.0.0b36"), ("flashinfer", "0.5"), ("torch", "2"), ("triton", "3")))
+CUDA_ALL = Hardware(
+    Platform.CUDA,
+    (9, 0),
+    libraries=(("flash_attn", "4.0.0b36"), ("flashinfer", "0.5"), ("torch", "2"), ("triton", "3")),
+)
 BASE = AttentionNeeds(head_size=128, dtype=DType.BFLOAT16)
 
 
@@ -45,16 +50,36 @@ BASE = AttentionNeeds(head_size=128, dtype=DType.BFLOAT16)
         ("CPU_ATTN", BASE, CUDA_ALL, caps.PLATFORM_NOT_SUPPORTED),
         ("FLASHINFER", AttentionNeeds(head_size=96, dtype=DType.BFLOAT16), CUDA_ALL, caps.HEAD_SIZE_NOT_SUPPORTED),
         ("FLASH_ATTN", AttentionNeeds(head_size=128, dtype=DType.FLOAT32), CUDA_ALL, caps.DTYPE_NOT_SUPPORTED),
-        ("FLEX_ATTENTION", AttentionNeeds(128, DType.BFLOAT16, kv_cache_dtype="fp8"), CUDA_ALL, caps.KV_CACHE_DTYPE_NOT_SUPPORTED),
+        (
+            "FLEX_ATTENTION",
+            AttentionNeeds(128, DType.BFLOAT16, kv_cache_dtype="fp8"),
+            CUDA_ALL,
+            caps.KV_CACHE_DTYPE_NOT_SUPPORTED,
+        ),
         ("FLASHINFER", AttentionNeeds(128, DType.BFLOAT16, block_size=128), CUDA_ALL, caps.BLOCK_SIZE_NOT_SUPPORTED),
         ("TRITON_ATTN", AttentionNeeds(128, DType.BFLOAT16, use_mla=True), CUDA_ALL, caps.MLA_NOT_SUPPORTED),
         ("FLEX_ATTENTION", AttentionNeeds(128, DType.BFLOAT16, has_sink=True), CUDA_ALL, caps.SINK_NOT_SUPPORTED),
-        ("FLASH_ATTN", BASE, Hardware(Platform.CUDA, (7, 5), libraries=(("flash_attn", "2.8.3"),)), caps.COMPUTE_CAPABILITY_NOT_SUPPORTED),
-        ("ROCM_AITER_FA", BASE, Hardware(Platform.ROCM, gcn_arch="gfx90a", libraries=(("aiter", "0.1"),)), caps.COMPUTE_CAPABILITY_NOT_SUPPORTED),
-        ("ROCM_AITER_UNIFIED_ATTN", AttentionNeeds(128, DType.BFLOAT16, use_non_causal=True), Hardware(Platform.ROCM, gcn_arch="gfx942", libraries=(("aiter", "0.1"),)), caps.NON_CAUSAL_NOT_SUPPORTED),
+        (
+            "FLASH_ATTN",
+            BASE,
+            Hardware(Platform.CUDA, (7, 5), libraries=(("flash_attn", "2.8.3"),)),
+            caps.COMPUTE_CAPABILITY_NOT_SUPPORTED,
+        ),
+        (
+            "ROCM_AITER_FA",
+            BASE,
+            Hardware(Platform.ROCM, gcn_arch="gfx90a", libraries=(("aiter", "0.1"),)),
+            caps.COMPUTE_CAPABILITY_NOT_SUPPORTED,
+        ),
+        (
+            "ROCM_AITER_UNIFIED_ATTN",
+            AttentionNeeds(128, DType.BFLOAT16, use_non_causal=True),
+            Hardware(Platform.ROCM, gcn_arch="gfx942", libraries=(("aiter", "0.1"),)),
+            caps.NON_CAUSAL_NOT_SUPPORTED,
+        ),
         ("FLASHINFER", BASE, Hardware(Platform.CUDA, (9, 0)), "flashinfer not installed"),
     ],
-)  # fmt: skip
+)
 def test_every_reason_of_the_vocabulary_is_reachable(
     backend: str, needs: AttentionNeeds, hardware: Hardware, reason: str
 ) -> None:
@@ -65,14 +90,19 @@ def test_every_reason_of_the_vocabulary_is_reachable(
 def test_sliding_window_reason_for_a_backend_without_windows() -> None:
     windowless = caps.BackendCapability(
         name="X", description="", platforms=(Platform.CPU,), dtypes=(DType.BFLOAT16,), kv_cache_dtypes=("auto",),
-        head_sizes=caps.SizeRule(), block_sizes=caps.SizeRule(), required_library="torch", supports_sliding_window=False,
+        head_sizes=caps.SizeRule(), block_sizes=caps.SizeRule(), required_library="torch",
+        supports_sliding_window=False,
     )  # fmt: skip
     needs = AttentionNeeds(128, DType.BFLOAT16, has_sliding_window=True)
-    assert windowless.validate(needs, Hardware(Platform.CPU, libraries=(("torch", "2"),))) == [caps.SLIDING_WINDOW_NOT_SUPPORTED]
+    assert windowless.validate(needs, Hardware(Platform.CPU, libraries=(("torch", "2"),))) == [
+        caps.SLIDING_WINDOW_NOT_SUPPORTED
+    ]
 
 
 def test_reasons_come_in_vocabulary_order_and_library_last() -> None:
-    needs = AttentionNeeds(head_size=100, dtype=DType.FLOAT32, kv_cache_dtype="fp8_e5m2", block_size=8, use_non_causal=True)
+    needs = AttentionNeeds(
+        head_size=100, dtype=DType.FLOAT32, kv_cache_dtype="fp8_e5m2", block_size=8, use_non_causal=True
+    )
     reasons = BACKENDS["FLASHINFER"].validate(needs, Hardware(Platform.ROCM, gcn_arch="gfx942"))
     assert reasons == [
         caps.PLATFORM_NOT_SUPPORTED,
@@ -98,9 +128,13 @@ def test_reasons_come_in_vocabulary_order_and_library_last() -> None:
         ("4.0.0b36", 12, 128, "auto", False, False),
     ],
 )
-def test_flash_attn_version_narrows_the_table(version: str, major: int, head_size: int, kv: str, sink: bool, valid: bool) -> None:
+def test_flash_attn_version_narrows_the_table(
+    version: str, major: int, head_size: int, kv: str, sink: bool, valid: bool
+) -> None:
     needs = AttentionNeeds(head_size, DType.BFLOAT16, kv_cache_dtype=kv, has_sink=sink)
-    reasons = BACKENDS["FLASH_ATTN"].validate(needs, Hardware(Platform.CUDA, (major, 0), libraries=(("flash_attn", version),)))
+    reasons = BACKENDS["FLASH_ATTN"].validate(
+        needs, Hardware(Platform.CUDA, (major, 0), libraries=(("flash_attn", version),))
+    )
     assert (reasons == []) == valid, reasons
 
 
@@ -278,7 +312,9 @@ def test_non_causal_support_table() -> None:
 
 def test_missing_library_invalidates() -> None:
     no_triton = common_pb2.HardwareCapabilities(
-        platform=common_pb2.PLATFORM_CUDA, compute_capability_major=9, libraries=[common_pb2.KernelLibrary(name="torch")]
+        platform=common_pb2.PLATFORM_CUDA,
+        compute_capability_major=9,
+        libraries=[common_pb2.KernelLibrary(name="torch")],
     )
     decision = select_backends(request(no_triton)).target
     assert candidates(decision)[2] == ("TRITON_ATTN", ["triton not installed"])
@@ -300,9 +336,16 @@ def test_cached_selection_equals_uncached_and_is_a_private_copy() -> None:
     assert selector.cache_info().hits == 1
 
 
-def test_cached_errors_are_raised_every_time() -> None:
+def test_cached_errors_are_raised_every_time_without_growing() -> None:
+    """Each raise is a fresh error: one shared instance would accumulate traceback frames forever."""
     selector = Selector(cache_size=8)
-    for _ in range(3):
-        with pytest.raises(FailedPrecondition):
+    raised = []
+    for _ in range(4):
+        with pytest.raises(FailedPrecondition) as err:
             selector.select(request(cuda(9, 0), layers(head_size=16, use_mla=True)))
-    assert selector.cache_info().hits == 2
+        raised.append(err.value)
+    assert selector.cache_info().hits == 3
+    assert len({id(e) for e in raised}) == 4
+    depths = [len(traceback.extract_tb(e.__traceback__)) for e in raised]
+    assert len(set(depths)) == 1, depths
+    assert len({e.message for e in raised}) == 1

@@ -8,11 +8,11 @@ from __future__ import annotations
 
 import pytest
 from builders import cpu, cuda, layers, request, rocm
+from specdec.v1 import common_pb2
 
 from selector_service.errors import FailedPrecondition, InvalidArgument, SpecdecError
 from selector_service.registry import UnknownBackendError, normalize_backend_name
 from selector_service.selection import select_backends
-from specdec.v1 import common_pb2
 
 FP16 = common_pb2.DTYPE_FLOAT16
 FP32 = common_pb2.DTYPE_FLOAT32
@@ -60,7 +60,7 @@ def test_fp32_fallback_rocm_has_no_backend() -> None:
 
 
 def test_invalid_backend() -> None:
-    with pytest.raises(UnknownBackendError, match="Unknown attention backend: 'INVALID'. Valid options are: auto, "):
+    with pytest.raises(UnknownBackendError, match=r"Unknown attention backend: 'INVALID'\. Valid options are: auto, "):
         normalize_backend_name("INVALID")
     with pytest.raises(InvalidArgument) as err:
         select_backends(request(backend="INVALID"))
@@ -111,7 +111,13 @@ def test_non_causal_backend_selection_rejects_causal_only_backend() -> None:
 
 @pytest.mark.parametrize(
     "hardware",
-    [cuda(9, 0, flash_attn="4.0.0b36"), cuda(10, 0, flash_attn="4.0.0b36", flashinfer="0.5.0"), cuda(8, 6), rocm(aiter="0.1.5"), cpu()],
+    [
+        cuda(9, 0, flash_attn="4.0.0b36"),
+        cuda(10, 0, flash_attn="4.0.0b36", flashinfer="0.5.0"),
+        cuda(8, 6),
+        rocm(aiter="0.1.5"),
+        cpu(),
+    ],
     ids=["sm90", "sm100", "sm86-no-fa", "rocm", "cpu"],
 )
 def test_non_causal_autoselect_backend(hardware: common_pb2.HardwareCapabilities) -> None:
