@@ -56,8 +56,11 @@ def main() -> int:
         generated = generate(out)
         committed = sorted(p.relative_to(PROTO_ROOT) for p in PACKAGE_DIR.iterdir() if p.name.endswith(SUFFIXES))
         if args.check:
-            stale = [str(p) for p in generated if not (PROTO_ROOT / p).exists()
-                     or not filecmp.cmp(out / p, PROTO_ROOT / p, shallow=False)]
+            stale = [
+                str(p)
+                for p in generated
+                if not (PROTO_ROOT / p).exists() or not filecmp.cmp(out / p, PROTO_ROOT / p, shallow=False)
+            ]
             stale += [str(p) for p in committed if p not in generated]
             if stale:
                 print("stale generated stubs (run python protos/generate.py):", *stale, sep="\n  ", file=sys.stderr)
