@@ -1,4 +1,4 @@
-"""Fixtures for contract tests: a real selector server in a subprocess, reached over TCP.
+"""Shared fixtures: a real selector server in a subprocess, reached over TCP.
 
 `selector_server` starts `python -m selector_service.main --port 0 --port-file ...` and waits until the port
 file appears. `server.stop()` sends SIGTERM and returns the exit status (None: still running after
@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 
-REPO_ROOT = Path(__file__).resolve().parents[2]
+REPO_ROOT = Path(__file__).resolve().parents[1]
 STARTUP_TIMEOUT_S = 20.0
 SHUTDOWN_TIMEOUT_S = 10.0
 
