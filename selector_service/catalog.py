@@ -2,10 +2,9 @@
 
 from __future__ import annotations
 
-from specdec.v1 import common_pb2, selector_pb2
-
 from kernels.capabilities import BACKENDS, BackendCapability, DType, Platform, SizeRule, reason_vocabulary
 from selector_service.registry import PRIORITIES
+from specdec.v1 import common_pb2, selector_pb2
 
 PLATFORM_TO_PROTO = {
     Platform.CUDA: common_pb2.PLATFORM_CUDA,

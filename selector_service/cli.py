@@ -13,13 +13,13 @@ import grpc
 from google.protobuf import json_format
 from google.protobuf.message import Message
 from grpc_status import rpc_status
-from specdec.v1 import common_pb2, selector_pb2, selector_pb2_grpc
 
 from selector_service.catalog import list_backends
 from selector_service.client import load_message, open_channel
 from selector_service.errors import SpecdecError
 from selector_service.render import render_backends, render_error, render_selection
 from selector_service.selection import Selector
+from specdec.v1 import common_pb2, selector_pb2, selector_pb2_grpc
 
 EXIT_RPC_ERROR = 2
 

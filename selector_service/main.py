@@ -6,8 +6,6 @@ import asyncio
 import logging
 import sys
 
-from specdec.v1 import selector_pb2_grpc
-
 from selector_service.grpc_runtime import (
     EnvDefaultsParser,
     RunningServer,
@@ -20,6 +18,7 @@ from selector_service.grpc_runtime import (
 from selector_service.logs import configure_logging
 from selector_service.selection import Selector
 from selector_service.servicer import SERVICE_NAME, BackendSelectorServicer
+from specdec.v1 import selector_pb2_grpc
 
 DEFAULT_PORT = 50051
 log = logging.getLogger("specdec.selector")

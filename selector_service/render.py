@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from google.protobuf import any_pb2
 from google.rpc import error_details_pb2
+
 from specdec.v1 import common_pb2, selector_pb2
 
 

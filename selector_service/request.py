@@ -8,11 +8,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from specdec.v1 import common_pb2, selector_pb2
-
 from kernels.capabilities import KV_CACHE_DTYPES, AttentionNeeds, DType, Hardware, Platform
 from selector_service.errors import FieldViolation, invalid_fields
 from selector_service.registry import UnknownBackendError, normalize_backend_name
+from specdec.v1 import common_pb2, selector_pb2
 
 PLATFORMS = {
     common_pb2.PLATFORM_CUDA: Platform.CUDA,

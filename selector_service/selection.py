@@ -10,8 +10,6 @@ from __future__ import annotations
 import functools
 from dataclasses import dataclass
 
-from specdec.v1 import common_pb2, selector_pb2
-
 from kernels.capabilities import BACKENDS, AttentionNeeds, Hardware, Platform
 from selector_service.errors import (
     FailedPrecondition,
@@ -22,6 +20,7 @@ from selector_service.errors import (
 )
 from selector_service.registry import priority_list
 from selector_service.request import StackRequest, parse_request
+from specdec.v1 import common_pb2, selector_pb2
 
 
 @dataclass(frozen=True)

@@ -3,11 +3,11 @@
 from __future__ import annotations
 
 import grpc
-from specdec.v1 import common_pb2, selector_pb2, selector_pb2_grpc
 
 from selector_service.catalog import PLATFORM_TO_PROTO, list_backends
 from selector_service.errors import FieldViolation, SpecdecError, invalid_fields
 from selector_service.selection import Selector
+from specdec.v1 import common_pb2, selector_pb2, selector_pb2_grpc
 
 SERVICE_NAME = selector_pb2.DESCRIPTOR.services_by_name["BackendSelector"].full_name
 

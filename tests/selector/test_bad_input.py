@@ -7,10 +7,10 @@ from collections.abc import Callable
 import grpc
 import pytest
 from builders import cuda, dflash, eagle, layers, request, rocm
-from specdec.v1 import common_pb2, selector_pb2
 
 from selector_service.errors import InvalidArgument
 from selector_service.selection import select_backends
+from specdec.v1 import common_pb2, selector_pb2
 
 Mutation = Callable[[selector_pb2.SelectBackendsRequest], None]
 

@@ -19,11 +19,11 @@ from google.rpc import error_details_pb2
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 from grpc_status import rpc_status
-from specdec.v1 import common_pb2, selector_pb2, selector_pb2_grpc
 
 from selector_service.grpc_runtime import RunningServer, ServerSettings, create_server, start_server
 from selector_service.main import start_selector
 from selector_service.selection import select_backends
+from specdec.v1 import common_pb2, selector_pb2, selector_pb2_grpc
 
 SERVICE = "specdec.v1.BackendSelector"
 

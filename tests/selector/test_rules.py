@@ -8,13 +8,13 @@ import traceback
 
 import pytest
 from builders import cpu, cuda, dflash, eagle, layers, request, rocm
-from specdec.v1 import common_pb2
 
 from kernels import capabilities as caps
 from kernels.capabilities import BACKENDS, AttentionNeeds, DType, Hardware, Platform
 from selector_service.errors import FailedPrecondition, InvalidArgument
 from selector_service.registry import PRIORITIES
 from selector_service.selection import Selector, select_backends
+from specdec.v1 import common_pb2
 
 H100_FA4 = cuda(9, 0, flash_attn="4.0.0b36")
 BF16 = common_pb2.DTYPE_BFLOAT16

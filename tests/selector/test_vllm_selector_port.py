@@ -8,11 +8,11 @@ from __future__ import annotations
 
 import pytest
 from builders import cpu, cuda, layers, request, rocm
-from specdec.v1 import common_pb2
 
 from selector_service.errors import FailedPrecondition, InvalidArgument, SpecdecError
 from selector_service.registry import UnknownBackendError, normalize_backend_name
 from selector_service.selection import select_backends
+from specdec.v1 import common_pb2
 
 FP16 = common_pb2.DTYPE_FLOAT16
 FP32 = common_pb2.DTYPE_FLOAT32
