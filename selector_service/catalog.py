@@ -2,20 +2,13 @@
 
 from __future__ import annotations
 
-from kernels.capabilities import BACKENDS, BackendCapability, DType, Platform, SizeRule, reason_vocabulary
+from kernels.capabilities import BACKENDS, BackendCapability, SizeRule, reason_vocabulary
 from selector_service.registry import PRIORITIES
+from selector_service.request import DTYPES, PLATFORMS
 from specdec.v1 import common_pb2, selector_pb2
 
-PLATFORM_TO_PROTO = {
-    Platform.CUDA: common_pb2.PLATFORM_CUDA,
-    Platform.ROCM: common_pb2.PLATFORM_ROCM,
-    Platform.CPU: common_pb2.PLATFORM_CPU,
-}
-DTYPE_TO_PROTO = {
-    DType.FLOAT16: common_pb2.DTYPE_FLOAT16,
-    DType.BFLOAT16: common_pb2.DTYPE_BFLOAT16,
-    DType.FLOAT32: common_pb2.DTYPE_FLOAT32,
-}
+PLATFORM_TO_PROTO = {platform: value for value, platform in PLATFORMS.items()}
+DTYPE_TO_PROTO = {dtype: value for value, dtype in DTYPES.items()}
 
 
 def list_backends(request: selector_pb2.ListBackendsRequest) -> selector_pb2.ListBackendsResponse:

@@ -349,3 +349,12 @@ def test_cached_errors_are_raised_every_time_without_growing() -> None:
     depths = [len(traceback.extract_tb(e.__traceback__)) for e in raised]
     assert len(set(depths)) == 1, depths
     assert len({e.message for e in raised}) == 1
+
+
+def test_selector_extra_installs_no_torch() -> None:
+    """`pip install specdec[selector]` (the slim image) must not pull torch or triton."""
+    from importlib.metadata import requires
+
+    selector_reqs = [r for r in requires("specdec") or [] if 'extra == "selector"' in r]
+    assert selector_reqs, "the selector extra is missing"
+    assert not [r for r in selector_reqs if r.split()[0].lower().startswith(("torch", "triton"))]
