@@ -1,0 +1,285 @@
+"""TRITON_ATTN: our paged attention kernel (GQA, varlen, causal or not, split-KV for long contexts).
+
+One kernel serves every call. A program owns up to BLOCK_Q new tokens of one request times all G query
+heads of one KV head (BLOCK_M = BLOCK_Q * G rows), so the heads that share a KV head share its loads.
+Programs map to (request, query tile) through a binary search over query_start_loc: no host sync.
+
+Few queries per request over long contexts (decode, DFlash blocks, verification) would leave most SMs
+idle, so the keys are split into NUM_SPLITS ranges whose partial results (normalised output and
+log-sum-exp) a second kernel combines: flash-decoding. Keys every query of a tile sees run through an
+unmasked loop; only the tail (the causal diagonal, the last partial tile) pays for masks.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+from kernels.attention import AttentionBatch
+
+LOG2E = 1.4426950408889634
+
+
+def unavailable_reason(device: torch.device) -> str | None:
+    if device.type == "cuda":
+        return None
+    if device.type == "cpu" and os.environ.get("TRITON_INTERPRET") == "1":
+        return None
+    return f"triton needs a CUDA/ROCm device (or TRITON_INTERPRET=1 on the CPU), got {device.type}"
+
+
+@triton.jit
+def _find_request(query_start_loc_ptr, tile, num_requests, BLOCK_Q: tl.constexpr):
+    """The request whose tiles contain `tile`: request b owns tiles from qsl[b] // BLOCK_Q + b on."""
+    lo = 0
+    hi = num_requests - 1
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        first_tile = tl.load(query_start_loc_ptr + mid) // BLOCK_Q + mid
+        if first_tile <= tile:
+            lo = mid
+        else:
+            hi = mid - 1
+    return lo
+
+
+@triton.jit
+def _attend_range(
+    acc, m_i, l_i, q, k_base, v_base, block_table_row, stride_kb, stride_ks, offs_d, d_mask, q_pos,
+    start, end, masked_from, kv_len,
+    scale_log2, block_size,
+    CAUSAL: tl.constexpr, BLOCK_N: tl.constexpr, PAGE_ALIGNED: tl.constexpr, DOT_PRECISION: tl.constexpr,
+):  # fmt: skip
+    """Online softmax over keys [start, end); keys from masked_from on get the causal/length mask."""
+    offs_n = tl.arange(0, BLOCK_N)
+    for n0 in range(start, end, BLOCK_N):
+        pos = n0 + offs_n
+        if PAGE_ALIGNED:  # the tile lies in one page: one block-table read
+            block = tl.load(block_table_row + n0 // block_size).to(tl.int64)
+        else:
+            block = tl.load(block_table_row + pos // block_size, mask=pos < kv_len, other=0).to(tl.int64)
+        rows = block * stride_kb + (pos % block_size) * stride_ks
+        kv_mask = (pos < kv_len)[:, None] & d_mask[None, :]
+        k = tl.load(k_base + rows[:, None] + offs_d[None, :], mask=kv_mask, other=0.0)
+        v = tl.load(v_base + rows[:, None] + offs_d[None, :], mask=kv_mask, other=0.0)
+        s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * scale_log2
+        if n0 + BLOCK_N > masked_from:
+            visible = (pos < kv_len)[None, :]
+            if CAUSAL:
+                visible = visible & (pos[None, :] <= q_pos[:, None])
+            s = tl.where(visible, s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        m_new = tl.where(m_new > float("-inf"), m_new, 0.0)  # rows with nothing visible yet
+        p = tl.math.exp2(s - m_new[:, None])
+        alpha = tl.math.exp2(m_i - m_new)
+        l_i = l_i * alpha + tl.sum(p, 1)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
+        m_i = m_new
+    return acc, m_i, l_i
+
+
+@triton.jit
+def _paged_attention_kernel(
+    q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, lse_ptr,
+    block_table_ptr, query_start_loc_ptr, seq_lens_ptr,
+    stride_qt, stride_qh, stride_ot, stride_oh,
+    stride_kb, stride_ks, stride_kh,
+    stride_bt, stride_split_o, stride_split_lse,
+    num_requests, block_size, head_size, scale_log2, split_len,
+    GROUP: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    HEAD_PAD: tl.constexpr, CAUSAL: tl.constexpr, SPLIT: tl.constexpr, PAGE_ALIGNED: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+):  # fmt: skip
+    tile = tl.program_id(0)
+    kv_head = tl.program_id(1)
+    split = tl.program_id(2)
+    req = _find_request(query_start_loc_ptr, tile, num_requests, BLOCK_Q)
+    q_start = tl.load(query_start_loc_ptr + req)
+    q_len = tl.load(query_start_loc_ptr + req + 1) - q_start
+    local = (tile - (q_start // BLOCK_Q + req)) * BLOCK_Q
+    if local >= q_len:
+        return
+    kv_len = tl.load(seq_lens_ptr + req)
+    context = kv_len - q_len
+
+    offs_m = tl.arange(0, BLOCK_M)
+    q_idx = local + offs_m // GROUP  # the request's new token of each row
+    head = kv_head * GROUP + offs_m % GROUP
+    row_mask = (offs_m < BLOCK_Q * GROUP) & (q_idx < q_len)
+    offs_d = tl.arange(0, HEAD_PAD)
+    d_mask = offs_d < head_size
+    token = (q_start + q_idx).to(tl.int64)
+    q = tl.load(
+        q_ptr + token[:, None] * stride_qt + head[:, None] * stride_qh + offs_d[None, :],
+        mask=row_mask[:, None] & d_mask[None, :],
+        other=0.0,
+    )
+    q_pos = context + q_idx
+
+    # Keys this tile needs: all of the request (non-causal) or up to its last query's position.
+    last_q = tl.minimum(local + BLOCK_Q, q_len) - 1
+    kv_end = context + last_q + 1 if CAUSAL else kv_len
+    all_visible = context + local + 1 if CAUSAL else kv_len  # keys every row of the tile sees
+    start = 0
+    end = kv_end
+    if SPLIT:
+        start = split * split_len
+        end = tl.minimum(start + split_len, kv_end)
+    unmasked_end = tl.maximum(tl.minimum(end, (all_visible // BLOCK_N) * BLOCK_N), start)
+
+    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, HEAD_PAD], tl.float32)
+    k_base = k_cache_ptr + kv_head * stride_kh
+    v_base = v_cache_ptr + kv_head * stride_kh
+    table = block_table_ptr + req.to(tl.int64) * stride_bt
+    acc, m_i, l_i = _attend_range(
+        acc, m_i, l_i, q, k_base, v_base, table, stride_kb, stride_ks, offs_d, d_mask, q_pos,
+        start, unmasked_end, unmasked_end + BLOCK_N, kv_len, scale_log2, block_size,
+        CAUSAL, BLOCK_N, PAGE_ALIGNED, DOT_PRECISION,
+    )  # fmt: skip
+    acc, m_i, l_i = _attend_range(
+        acc, m_i, l_i, q, k_base, v_base, table, stride_kb, stride_ks, offs_d, d_mask, q_pos,
+        unmasked_end, end, unmasked_end, kv_len, scale_log2, block_size,
+        CAUSAL, BLOCK_N, PAGE_ALIGNED, DOT_PRECISION,
+    )  # fmt: skip
+
+    safe_l = tl.where(l_i > 0.0, l_i, 1.0)
+    result = acc / safe_l[:, None]
+    out_offs = token[:, None] * stride_ot + head[:, None] * stride_oh + offs_d[None, :]
+    out_mask = row_mask[:, None] & d_mask[None, :]
+    if SPLIT:
+        lse = tl.where(l_i > 0.0, m_i + tl.math.log2(safe_l), float("-inf"))
+        tl.store(out_ptr + split * stride_split_o + out_offs, result, mask=out_mask)
+        num_heads = tl.num_programs(1) * GROUP
+        tl.store(lse_ptr + split * stride_split_lse + token * num_heads + head, lse, mask=row_mask)
+    else:
+        tl.store(out_ptr + out_offs, result.to(out_ptr.dtype.element_ty), mask=out_mask)
+
+
+@triton.jit
+def _combine_splits_kernel(
+    partial_ptr, lse_ptr, out_ptr, num_heads, head_size,
+    stride_split_o, stride_split_lse, stride_ot, stride_oh,
+    NUM_SPLITS: tl.constexpr, HEAD_PAD: tl.constexpr,
+):  # fmt: skip
+    """out = sum_s 2^(lse_s - lse) * out_s with lse = log2 sum_s 2^lse_s; empty splits have lse -inf."""
+    token = tl.program_id(0).to(tl.int64)
+    head = tl.program_id(1)
+    offs_s = tl.arange(0, NUM_SPLITS)
+    row = token * num_heads + head
+    lse = tl.load(lse_ptr + offs_s * stride_split_lse + row)
+    lse_max = tl.max(lse, 0)
+    weights = tl.math.exp2(lse - lse_max)
+    weights = weights / tl.sum(weights, 0)
+    offs_d = tl.arange(0, HEAD_PAD)
+    d_mask = offs_d < head_size
+    partial = tl.load(
+        partial_ptr + offs_s[:, None] * stride_split_o + row * head_size + offs_d[None, :],
+        mask=d_mask[None, :],
+        other=0.0,
+    )
+    result = tl.sum(partial * weights[:, None], 0)
+    tl.store(out_ptr + token * stride_ot + head * stride_oh + offs_d, result.to(out_ptr.dtype.element_ty), mask=d_mask)
+
+
+@dataclass(frozen=True)
+class LaunchConfig:
+    block_m: int
+    block_n: int
+    num_splits: int
+    num_warps: int
+    num_stages: int
+
+
+@functools.cache
+def _num_sms(device_index: int) -> int:
+    return torch.cuda.get_device_properties(device_index).multi_processor_count
+
+
+def choose_config(
+    num_requests: int,
+    num_kv_heads: int,
+    group: int,
+    max_query_len: int,
+    max_seq_len: int,
+    head_pad: int,
+    device: torch.device,
+) -> LaunchConfig:
+    """Tile sizes and split count. Few queries per request (decode, DFlash, verify): one tile per
+    request and enough key splits to fill the GPU; otherwise prefill tiles of 128 rows."""
+    rows = max_query_len * group
+    num_sms = _num_sms(device.index or 0) if device.type == "cuda" else 8
+    if rows <= 128:
+        block_m = max(16, triton.next_power_of_2(rows))
+        programs = max(1, num_requests * num_kv_heads)
+        wanted = -(-2 * num_sms // programs)
+        num_splits = max(1, min(wanted, max_seq_len // 512, 16))
+        num_splits = triton.next_power_of_2(num_splits)
+        return LaunchConfig(block_m, 64, num_splits, 4, 3)
+    block_m = 128 if head_pad <= 128 else 64
+    return LaunchConfig(block_m, 64, 1, 8 if head_pad >= 128 else 4, 3)
+
+
+def forward(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    batch: AttentionBatch,
+    out: torch.Tensor | None,
+    config: LaunchConfig | None = None,
+) -> torch.Tensor:
+    """`config` overrides the heuristic (tests use it to force the split-KV path on small inputs)."""
+    out = torch.empty_like(q) if out is None else out
+    num_tokens, num_heads, head_size = q.shape
+    if num_tokens == 0:
+        return out
+    num_kv_heads = k_cache.shape[2]
+    group = num_heads // num_kv_heads
+    head_pad = max(16, triton.next_power_of_2(head_size))
+    if q.stride(2) != 1 or out.stride(2) != 1 or k_cache.stride(3) != 1 or k_cache.stride() != v_cache.stride():
+        raise ValueError("TRITON_ATTN needs the head dimension contiguous and k/v caches of one layout")
+    cfg = config or choose_config(
+        batch.num_requests, num_kv_heads, group, batch.max_query_len, batch.max_seq_len, head_pad, q.device
+    )
+    block_q = max(1, cfg.block_m // group)
+    block_m = triton.next_power_of_2(block_q * group)
+    block_size = k_cache.shape[1]
+    num_tiles = num_tokens // block_q + batch.num_requests
+    split = cfg.num_splits > 1
+    if split:
+        split_len = -(-(-(-batch.max_seq_len // cfg.num_splits)) // cfg.block_n) * cfg.block_n
+        partial = torch.empty(cfg.num_splits, num_tokens, num_heads, head_size, dtype=torch.float32, device=q.device)
+        lse = torch.empty(cfg.num_splits, num_tokens, num_heads, dtype=torch.float32, device=q.device)
+        target, lse_arg = partial, lse
+        stride_split_o, stride_split_lse = partial.stride(0), lse.stride(0)
+        stride_ot, stride_oh = partial.stride(1), partial.stride(2)
+    else:
+        split_len = 0
+        target, lse_arg = out, out
+        stride_split_o = stride_split_lse = 0
+        stride_ot, stride_oh = out.stride(0), out.stride(1)
+    _paged_attention_kernel[(num_tiles, num_kv_heads, cfg.num_splits)](
+        q, k_cache, v_cache, target, lse_arg,
+        batch.block_table, batch.query_start_loc, batch.seq_lens,
+        q.stride(0), q.stride(1), stride_ot, stride_oh,
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        batch.block_table.stride(0), stride_split_o, stride_split_lse,
+        batch.num_requests, block_size, head_size, batch.scale * LOG2E, split_len,
+        GROUP=group, BLOCK_Q=block_q, BLOCK_M=block_m, BLOCK_N=cfg.block_n, HEAD_PAD=head_pad,
+        CAUSAL=batch.causal, SPLIT=split, PAGE_ALIGNED=block_size % cfg.block_n == 0,
+        DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+    )  # fmt: skip
+    if split:
+        _combine_splits_kernel[(num_tokens, num_heads)](
+            partial, lse, out, num_heads, head_size,
+            partial.stride(0), lse.stride(0), out.stride(0), out.stride(1),
+            NUM_SPLITS=cfg.num_splits, HEAD_PAD=head_pad,
+        )  # fmt: skip
+    return out

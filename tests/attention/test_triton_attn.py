@@ -1,0 +1,72 @@
+"""TRITON_ATTN paths the spec matrix may not reach on a small machine: split-KV and its combine,
+tiles that span pages, rows padded when the GQA group does not divide the tile."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kernels import unavailable_reason
+from kernels.attention import AttentionBatch
+from kernels.testing import BATCH_SPECS, BatchSpec, make_paged_batch, reference_attention
+
+DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+DTYPE = torch.bfloat16 if DEVICE.type == "cuda" else torch.float32
+TOL = 1.6e-2 if DTYPE == torch.bfloat16 else 2e-4
+
+pytestmark = pytest.mark.skipif(unavailable_reason("TRITON_ATTN", DEVICE) is not None, reason="triton unavailable")
+
+
+def _run(spec: BatchSpec, causal: bool, config, group: int = 4, block_size: int = 16, head_size: int = 64) -> None:
+    from kernels import triton_attn
+
+    batch = make_paged_batch(spec, 2 * group, 2, head_size, block_size, DTYPE, DEVICE, seed=7)
+    meta = AttentionBatch(
+        block_table=batch.block_table,
+        query_start_loc=batch.query_start_loc,
+        seq_lens=batch.seq_lens,
+        causal=causal,
+        scale=head_size**-0.5,
+        max_query_len=batch.max_query_len,
+        max_seq_len=batch.max_seq_len,
+    )
+    out = torch.full_like(batch.q, float("nan"))
+    triton_attn.forward(batch.q, batch.k_cache, batch.v_cache, meta, out, config)
+    assert not torch.isnan(out).any()
+    torch.testing.assert_close(out.double().cpu(), reference_attention(batch, causal), atol=TOL, rtol=TOL)
+
+
+@pytest.mark.parametrize("num_splits", [2, 4, 8])
+@pytest.mark.parametrize("causal", [True, False], ids=["causal", "noncausal"])
+@pytest.mark.parametrize("spec", ["small_decode", "dflash_small", "mixed_small"])
+def test_split_kv_matches_reference(spec: str, causal: bool, num_splits: int) -> None:
+    """Splits shorter than some requests' keys, empty splits for short requests, the combine."""
+    from kernels.triton_attn import LaunchConfig
+
+    _run(
+        BATCH_SPECS[spec],
+        causal,
+        LaunchConfig(block_m=64, block_n=16, num_splits=num_splits, num_warps=4, num_stages=2),
+    )
+
+
+@pytest.mark.parametrize("block_n", [16, 32, 64])
+@pytest.mark.parametrize("block_size", [16, 32, 64])
+def test_tiles_across_and_within_pages(block_n: int, block_size: int) -> None:
+    from kernels.triton_attn import LaunchConfig
+
+    spec = BatchSpec("odd", (7, 70, 129), (7, 3, 9))
+    _run(
+        spec,
+        True,
+        LaunchConfig(block_m=32, block_n=block_n, num_splits=1, num_warps=4, num_stages=2),
+        block_size=block_size,
+    )
+
+
+@pytest.mark.parametrize("group", [3, 5])
+def test_group_that_does_not_divide_the_tile(group: int) -> None:
+    """GQA groups of 3 or 5 leave padding rows in every tile."""
+    spec = BatchSpec("odd_group", (40, 90), (12, 20))
+    for causal in (True, False):
+        _run(spec, causal, None, group=group)
