@@ -253,7 +253,7 @@ def forward(
     num_tiles = num_tokens // block_q + batch.num_requests
     split = cfg.num_splits > 1
     if split:
-        split_len = -(-(-(-batch.max_seq_len // cfg.num_splits)) // cfg.block_n) * cfg.block_n
+        split_len = triton.cdiv(triton.cdiv(batch.max_seq_len, cfg.num_splits), cfg.block_n) * cfg.block_n
         partial = torch.empty(cfg.num_splits, num_tokens, num_heads, head_size, dtype=torch.float32, device=q.device)
         lse = torch.empty(cfg.num_splits, num_tokens, num_heads, dtype=torch.float32, device=q.device)
         target, lse_arg = partial, lse
