@@ -1,9 +1,14 @@
 """The capability table of every attention backend, and the one `validate` that explains refusals.
 
 Torch-free on purpose: the selector (a CPU-only service) and the executor both read this table, so
-what a backend claims and what it is asked to do are decided in one place. Figures follow vLLM 0.33
-(`../shared/reference/vllm_selector_and_spec_decode.md`); CPU_ATTN is our SDPA reference, so it
-takes any head and block size (vLLM hard-wires CPU_ATTN and never validates it).
+what a backend claims and what it is asked to do are decided in one place.
+
+For the backends this project implements (TRITON_ATTN, FLEX_ATTENTION, FLASH_ATTN through our wrapper,
+CPU_ATTN, ROCM_ATTN) the entries say what our implementations compute, and tests/attention checks that
+they do: no sinks, no sliding window, KV cache in the activation's precision (no fp8). FLASHINFER and
+the AITER backends have no implementation here; their entries keep vLLM 0.33's figures
+(`../shared/reference/vllm_selector_and_spec_decode.md`), and the executor reports them unavailable.
+CPU_ATTN is SDPA over gathered KV, so it takes any head and block size.
 """
 
 from __future__ import annotations
@@ -177,17 +182,19 @@ def library_major(version: str) -> int:
 
 
 def _flash_attn_version_check(needs: AttentionNeeds, hardware: Hardware, version: str) -> list[str]:
-    """FA2 runs on SM8.0+ without fp8 KV or sinks, head <= 256; FA3 is SM9x only; FA4 is SM9x/SM10x
-    and takes heads up to 512."""
+    """FA2: SM8.0+, head <= 256, pages of a multiple of 256 tokens. FA3: SM9x, head <= 256.
+    FA4: SM9x (head <= 256) or SM10x (head <= 128, 256 or 512)."""
     major = library_major(version)
     cc_major = hardware.compute_capability[0]
     reasons = []
-    if needs.head_size > 256 and major < 4:
+    if major == 4 and cc_major == 10:
+        head_ok = needs.head_size <= 128 or needs.head_size in (256, 512)
+    else:
+        head_ok = needs.head_size <= 256
+    if not head_ok:
         reasons.append(HEAD_SIZE_NOT_SUPPORTED)
-    if needs.kv_cache_dtype in FP8_KV_CACHE_DTYPES and major < 3:
-        reasons.append(KV_CACHE_DTYPE_NOT_SUPPORTED)
-    if needs.has_sink and major < 3:
-        reasons.append(SINK_NOT_SUPPORTED)
+    if major <= 2 and needs.block_size is not None and needs.block_size % 256:
+        reasons.append(BLOCK_SIZE_NOT_SUPPORTED)
     if (major == 3 and cc_major != 9) or (major >= 4 and cc_major not in (9, 10)):
         reasons.append(COMPUTE_CAPABILITY_NOT_SUPPORTED)
     return reasons
@@ -212,18 +219,18 @@ BACKENDS: dict[str, BackendCapability] = {
             description="flash_attn package: FA2 varlen with block_table (SM8x), FA4 CuTe with page_table (SM9x/SM10x)",
             platforms=(Platform.CUDA,),
             dtypes=_HALF,
-            kv_cache_dtypes=(*_NATIVE_KV, "fp8", "fp8_e4m3"),
+            kv_cache_dtypes=_NATIVE_KV,
             head_sizes=SizeRule(multiple_of=8, minimum=8, maximum=512),
             block_sizes=_MULTIPLE_OF_16,
             required_library="flash_attn",
             compute_capability=(80, 0),
-            supports_sink=True,
+            supports_sliding_window=False,
             supports_non_causal=True,
             version_check=_flash_attn_version_check,
             notes=(
-                "flash_attn 2.x: head_size <= 256, no fp8 KV cache, no sinks",
+                "flash_attn 2.x: head_size <= 256; pages (block_size) a multiple of 256",
                 "flash_attn 3.x: compute capability 9.x only",
-                "flash_attn 4.x: compute capability 9.x or 10.x; head_size <= 512",
+                "flash_attn 4.x: compute capability 9.x (head_size <= 256) or 10.x (<= 128, 256, 512)",
             ),
         ),
         BackendCapability(
@@ -246,11 +253,11 @@ BACKENDS: dict[str, BackendCapability] = {
             description="our Triton kernel: GQA, varlen, paged, causal or not, split-KV for long contexts",
             platforms=(Platform.CUDA, Platform.ROCM, Platform.CPU),
             dtypes=_ALL_DTYPES,
-            kv_cache_dtypes=KV_CACHE_DTYPES,
-            head_sizes=SizeRule(minimum=32),
+            kv_cache_dtypes=_NATIVE_KV,
+            head_sizes=SizeRule(minimum=32, maximum=256),
             block_sizes=_MULTIPLE_OF_16,
             required_library="triton",
-            supports_sink=True,
+            supports_sliding_window=False,
             supports_non_causal=True,
             notes=("on CPU it runs through the Triton interpreter (tests only)",),
         ),
@@ -263,6 +270,7 @@ BACKENDS: dict[str, BackendCapability] = {
             head_sizes=SizeRule(),
             block_sizes=_MULTIPLE_OF_16,
             required_library="torch",
+            supports_sliding_window=False,
             supports_non_causal=True,
         ),
         BackendCapability(
@@ -270,10 +278,11 @@ BACKENDS: dict[str, BackendCapability] = {
             description="prefix-prefill style Triton kernel (context unmasked, new tokens causal or not)",
             platforms=(Platform.ROCM,),
             dtypes=_ALL_DTYPES,
-            kv_cache_dtypes=KV_CACHE_DTYPES,
+            kv_cache_dtypes=_NATIVE_KV,
             head_sizes=SizeRule(allowed=(32, 64, 80, 96, 128, 160, 192, 224, 256)),
             block_sizes=_MULTIPLE_OF_16,
             required_library="triton",
+            supports_sliding_window=False,
             supports_non_causal=True,
         ),
         BackendCapability(
@@ -306,10 +315,11 @@ BACKENDS: dict[str, BackendCapability] = {
             description="torch SDPA over gathered KV: the CPU default and the reference implementation",
             platforms=(Platform.CPU,),
             dtypes=_ALL_DTYPES,
-            kv_cache_dtypes=KV_CACHE_DTYPES,
+            kv_cache_dtypes=_NATIVE_KV,
             head_sizes=SizeRule(),
             block_sizes=SizeRule(),
             required_library="torch",
+            supports_sliding_window=False,
             supports_non_causal=True,
         ),
     )

@@ -114,27 +114,29 @@ def test_reasons_come_in_vocabulary_order_and_library_last() -> None:
 
 
 @pytest.mark.parametrize(
-    ("version", "major", "head_size", "kv", "sink", "valid"),
+    ("version", "major", "head_size", "block_size", "valid"),
     [
-        ("2.8.3", 8, 128, "auto", False, True),
-        ("2.8.3", 9, 256, "auto", False, True),  # FA2 runs on Hopper too
-        ("2.8.3", 8, 512, "auto", False, False),  # FA2 stops at 256
-        ("2.8.3", 8, 128, "fp8", False, False),
-        ("2.8.3", 8, 128, "auto", True, False),
-        ("3.0.0", 8, 128, "auto", False, False),  # FA3 is Hopper only
-        ("3.0.0", 9, 128, "fp8_e4m3", True, True),
-        ("4.0.0b36", 8, 128, "auto", False, False),  # FA4 is SM9x/SM10x
-        ("4.0.0b36", 10, 512, "fp8", True, True),
-        ("4.0.0b36", 12, 128, "auto", False, False),
+        ("2.8.3", 8, 128, 256, True),
+        ("2.8.3", 9, 256, 512, True),  # FA2 runs on Hopper too
+        ("2.8.3", 8, 128, None, True),  # the backend's choice of page size
+        ("2.8.3", 8, 128, 16, False),  # FA2 pages are multiples of 256 tokens
+        ("2.8.3", 8, 512, 256, False),  # FA2 stops at head 256
+        ("3.0.0", 8, 128, 16, False),  # FA3 is Hopper only
+        ("3.0.0", 9, 128, 16, True),
+        ("4.0.0b36", 8, 128, 16, False),  # FA4 is SM9x/SM10x
+        ("4.0.0b36", 9, 256, 16, True),
+        ("4.0.0b36", 9, 512, 128, False),  # SM90: heads up to 256
+        ("4.0.0b36", 10, 512, 128, True),
+        ("4.0.0b36", 10, 192, 128, False),  # SM100: <= 128, 256 or 512
+        ("4.0.0b36", 12, 128, 16, False),
     ],
 )
 def test_flash_attn_version_narrows_the_table(
-    version: str, major: int, head_size: int, kv: str, sink: bool, valid: bool
+    version: str, major: int, head_size: int, block_size: int | None, valid: bool
 ) -> None:
-    needs = AttentionNeeds(head_size, DType.BFLOAT16, kv_cache_dtype=kv, has_sink=sink)
-    reasons = BACKENDS["FLASH_ATTN"].validate(
-        needs, Hardware(Platform.CUDA, (major, 0), libraries=(("flash_attn", version),))
-    )
+    needs = AttentionNeeds(head_size, DType.BFLOAT16, block_size=block_size)
+    hardware = Hardware(Platform.CUDA, (major, 0), libraries=(("flash_attn", version),))
+    reasons = BACKENDS["FLASH_ATTN"].validate(needs, hardware)
     assert (reasons == []) == valid, reasons
 
 

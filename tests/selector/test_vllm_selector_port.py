@@ -22,7 +22,7 @@ FORCED = [
     # (platform report, backend, head_size): vLLM forces FLASHINFER with head 64, FLASH_ATTN with 32.
     (cuda(9, 0, flashinfer="0.5.0"), "FLASHINFER", 64),
     (cuda(9, 0, flash_attn="4.0.0b36"), "FLASH_ATTN", 32),
-    (cuda(8, 0, flash_attn="2.8.3"), "FLASH_ATTN", 32),
+    (cuda(8, 0, flash_attn="2.8.3"), "FLASH_ATTN", 32),  # FA2: pages of 256
     (rocm(), "ROCM_ATTN", 32),
     (cpu(), "CPU_ATTN", 16),
 ]
@@ -30,7 +30,8 @@ FORCED = [
 
 @pytest.mark.parametrize(("hardware", "name", "head_size"), FORCED, ids=[f"{h.platform}-{n}" for h, n, _ in FORCED])
 def test_backend_selection(hardware: common_pb2.HardwareCapabilities, name: str, head_size: int) -> None:
-    req = request(hardware, layers(head_size, FP16, block_size=16), backend=name)
+    block_size = 256 if name == "FLASH_ATTN" and hardware.compute_capability_major == 8 else 16
+    req = request(hardware, layers(head_size, FP16, block_size=block_size), backend=name)
     decision = select_backends(req).target
     assert decision.backend == name
     assert decision.explicit
@@ -129,10 +130,16 @@ def test_non_causal_autoselect_backend(hardware: common_pb2.HardwareCapabilities
     assert decision.use_non_causal
 
 
-@pytest.mark.parametrize("kv_cache_dtype", ["fp8_e5m2"])
+@pytest.mark.parametrize("kv_cache_dtype", ["fp8", "fp8_e4m3", "fp8_e5m2"])
 def test_flash_attn_rejects_unhandled_kv_cache_dtypes(kv_cache_dtype: str) -> None:
-    with pytest.raises(InvalidArgument, match="kv_cache_dtype not supported"):
+    """vLLM's FA takes fp8/fp8_e4m3 with descales; our wrapper passes none, so it claims no fp8 KV."""
+    with pytest.raises(InvalidArgument, match=r"Reason: \['kv_cache_dtype not supported'\]"):
         select_backends(request(target=layers(kv_cache_dtype=kv_cache_dtype), backend="FLASH_ATTN"))
+
+
+def test_fp8_kv_cache_autoselects_a_backend_that_claims_it() -> None:
+    hardware = cuda(9, 0, flash_attn="4.0.0b36", flashinfer="0.5.0")
+    assert select_backends(request(hardware, layers(kv_cache_dtype="fp8"))).target.backend == "FLASHINFER"
 
 
 @pytest.mark.parametrize("kv_cache_dtype", ["fp8_ds_mla", "nvfp4", "int8_per_token_head"])
@@ -143,11 +150,10 @@ def test_unknown_kv_cache_dtypes_are_bad_input(kv_cache_dtype: str) -> None:
     assert err.value.field_violations[0].field == "target_layers.kv_cache_dtype"
 
 
-@pytest.mark.parametrize("kv_cache_dtype", ["fp8", "fp8_e4m3"])
-def test_flash_attn_accepts_handled_fp8_variants(kv_cache_dtype: str) -> None:
-    """fp8 KV needs FA3 or FA4; FA2 refuses it."""
-    fa4 = request(cuda(9, 0, flash_attn="4.0.0b36"), layers(kv_cache_dtype=kv_cache_dtype), backend="FLASH_ATTN")
-    assert select_backends(fa4).target.backend == "FLASH_ATTN"
-    fa2 = request(cuda(8, 0, flash_attn="2.8.3"), layers(kv_cache_dtype=kv_cache_dtype), backend="FLASH_ATTN")
-    with pytest.raises(SpecdecError, match=r"Reason: \['kv_cache_dtype not supported'\]"):
-        select_backends(fa2)
+def test_fa2_needs_pages_of_256_tokens() -> None:
+    hardware = cuda(8, 0, flash_attn="2.8.3")
+    assert (
+        select_backends(request(hardware, layers(block_size=256), backend="FLASH_ATTN")).target.backend == "FLASH_ATTN"
+    )
+    with pytest.raises(SpecdecError, match=r"Reason: \['block_size not supported'\]"):
+        select_backends(request(hardware, layers(block_size=16), backend="FLASH_ATTN"))
