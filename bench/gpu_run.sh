@@ -1,0 +1,41 @@
+#!/usr/bin/env bash
+# What one call on the GPU host runs (see /work/.library/device/README.md for the host):
+#   bash bench/gpu_run.sh stash            first call: carries fa/fa-a, keeps it in /root/fa-stash
+#   bash bench/gpu_run.sh install [STEPS]  next call (machine still warm): carries fa/fa-b, installs FA4
+#   bash bench/gpu_run.sh run STEPS        later calls on the same machine: FA4 already in /tmp/fa-site
+# STEPS: comma-separated from tests, bench, sweep, bench16. Results and logs go to $OUT.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+mode=${1:?stash|install|run}
+steps=${2:-tests,bench}
+out=${OUT:-/tmp/out}
+mkdir -p "$out"
+export PYTHONPATH=$PWD:$PWD/protos PYTHONUNBUFFERED=1
+
+if [[ $mode == stash ]]; then
+  mkdir -p /root/fa-stash && cp fa/fa-a/* /root/fa-stash/ && ls -la /root/fa-stash
+fi
+if [[ $mode == install ]]; then
+  cat /root/fa-stash/cu13.part00 fa/fa-b/cu13.part01 > /tmp/nvidia_cutlass_dsl_libs_cu13-4.8.1-cp312-cp312-manylinux_2_28_x86_64.whl
+  for w in /tmp/nvidia_cutlass_dsl_libs_cu13*.whl fa/fa-b/*.whl; do
+    python3 -m pip install -q --no-index --no-deps --no-compile --target "/tmp/fa-site-$(basename "$w")" "$w"
+  done
+  mkdir -p /tmp/fa-site && cp -r /tmp/fa-site-*/* /tmp/fa-site/
+fi
+if [[ -d /tmp/fa-site ]]; then
+  export PYTHONPATH=$PYTHONPATH:/tmp/fa-site:/tmp/fa-site/nvidia_cutlass_dsl/dsl_packages
+fi
+nvidia-smi --query-gpu=name,memory.used,memory.total,clocks.sm --format=csv
+python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)"
+python3 -c "from kernels import flash_attn; print('flash_attn:', flash_attn.load())"
+
+for step in ${steps//,/ }; do
+  case $step in
+    tests) python3 -m pytest tests/attention -q -x -p no:cacheprovider 2>&1 | tee "$out/tests.log" | tail -40 ;;
+    bench) python3 bench/attention_bench.py --out "$out" 2>&1 | tee "$out/bench.log" ;;
+    sweep) python3 bench/attention_bench.py --sweep --out "$out" 2>&1 | tee "$out/sweep.log" ;;
+    bench16) python3 bench/attention_bench.py --block-size 16 --out "$out" 2>&1 | tee "$out/bench16.log" ;;
+    none) ;;
+    *) echo "unknown step $step" ;;
+  esac
+done
