@@ -124,13 +124,13 @@ def sweep_triton(batch: PagedBatch, causal: bool) -> list[dict]:
     rows = batch.max_query_len * group
     small = rows <= 128
     block_ms = [max(16, triton.next_power_of_2(rows))] if small else [64, 128]
-    splits = [1, 2, 4, 8, 16] if small else [1]
+    splits = [1, 2, 4, 8] if small else [1]
     results = []
     for block_m in block_ms:
         for block_n in (32, 64, 128):
             for num_splits in splits:
                 for num_warps in (4, 8):
-                    for num_stages in (2, 3, 4):
+                    for num_stages in (2, 3):
                         cfg = LaunchConfig(block_m, block_n, num_splits, num_warps, num_stages)
                         try:
                             ms = time_ms(
@@ -181,6 +181,7 @@ def main() -> int:
     parser.add_argument("--block-size", type=int, default=128)
     parser.add_argument("--cases", default=",".join(CASES))
     parser.add_argument("--sweep", action="store_true", help="also sweep TRITON_ATTN launch configurations")
+    parser.add_argument("--only", help="comma-separated implementations to time (default: all)")
     parser.add_argument("--out", default=str(REPO / "bench" / "results"))
     args = parser.parse_args()
     if not torch.cuda.is_available():
@@ -195,7 +196,10 @@ def main() -> int:
         )
         expected = reference(batch, causal)
         rows = {}
-        for impl, fn in implementations(batch, causal).items():
+        impls = implementations(batch, causal)
+        if args.only:
+            impls = {k: v for k, v in impls.items() if k in args.only.split(",")}
+        for impl, fn in impls.items():
             try:
                 got = fn()
                 err = ((got.float() - expected).abs().max() / expected.abs().max()).item()

@@ -31,9 +31,9 @@ python3 -c "from kernels import flash_attn; print('flash_attn:', flash_attn.load
 
 for step in ${steps//,/ }; do
   case $step in
-    tests) python3 -m pytest tests/attention -q -x -p no:cacheprovider 2>&1 | tee "$out/tests.log" | tail -40 ;;
+    tests) timeout 530 python3 -m pytest tests/attention -q -n 8 --maxfail=30 -p no:cacheprovider -m "${MARK:-gpu or not gpu}" 2>&1 | tee "$out/tests.log" | tail -40 ;;
     bench) python3 bench/attention_bench.py --out "$out" 2>&1 | tee "$out/bench.log" ;;
-    sweep) python3 bench/attention_bench.py --sweep --out "$out" 2>&1 | tee "$out/sweep.log" ;;
+    sweep) timeout 560 python3 bench/attention_bench.py --sweep --only TRITON_ATTN --cases "${CASES:-dflash,decode,prefill_causal}" --out "$out/sweep" 2>&1 | tee "$out/sweep.log" | grep -v "^ " ;;
     bench16) python3 bench/attention_bench.py --block-size 16 --out "$out" 2>&1 | tee "$out/bench16.log" ;;
     none) ;;
     *) echo "unknown step $step" ;;
