@@ -105,6 +105,11 @@ def build_flex_metadata(
     candidates = torch.where(partial, table[req], num_blocks).view(-1, Q_BLOCK * max_blocks)
     kv_num, kv_indices = _unique_rows(candidates, num_blocks)
     full_num, full_indices = _unique_rows(torch.where(full, table[req[first]], num_blocks), num_blocks)
+    # The compiled CUDA kernel (torch 2.11) reads the full lists with the partial lists' layout: lists of
+    # different widths gave wrong rows and illegal addresses on an H100. Pad both to one width.
+    width = max(kv_indices.shape[-1], full_indices.shape[-1])
+    kv_indices = F.pad(kv_indices, (0, width - kv_indices.shape[-1])).contiguous()
+    full_indices = F.pad(full_indices, (0, width - full_indices.shape[-1])).contiguous()
 
     # Physical -> logical block per request; -1 where the request does not use the block (column num_blocks
     # soaks up the writes of table entries past a request's length, which may point anywhere).

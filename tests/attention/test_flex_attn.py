@@ -160,3 +160,24 @@ def test_empty_batch() -> None:
 def test_unavailable_reason() -> None:
     assert unavailable_reason(torch.device("cpu")) is None
     assert "meta" in (unavailable_reason(torch.device("meta")) or "")
+
+
+def test_partial_and_full_block_lists_share_one_layout() -> None:
+    """On CUDA (torch 2.11) flex read the full-block lists with the partial lists' strides: lists of
+    different widths produced wrong outputs and illegal memory accesses on an H100. Keep them equal."""
+    from kernels.testing import BATCH_SPECS, make_paged_batch
+
+    batch = make_paged_batch(BATCH_SPECS["dflash_small"], 4, 2, 64, 16, torch.float32, "cpu")
+    for causal in (True, False):
+        meta = flex_attn.build_flex_metadata(
+            batch.block_table,
+            batch.query_start_loc,
+            batch.seq_lens,
+            causal,
+            batch.k_cache.shape[0],
+            16,
+            batch.q.shape[0],
+        )
+        mask = meta.block_mask
+        assert mask.kv_indices.shape == mask.full_kv_indices.shape
+        assert int(mask.full_kv_num_blocks.sum()) > 0  # the case that broke: tiles with full blocks
