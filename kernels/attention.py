@@ -19,7 +19,15 @@ from types import ModuleType
 
 import torch
 
-from kernels.capabilities import BACKENDS, AttentionNeeds, DType, Hardware, Platform
+from kernels.capabilities import (
+    BACKENDS,
+    COMPUTE_CAPABILITY_NOT_SUPPORTED,
+    PLATFORM_NOT_SUPPORTED,
+    AttentionNeeds,
+    DType,
+    Hardware,
+    Platform,
+)
 
 # Backend name -> the module that implements `forward` and `unavailable_reason` for it.
 IMPLEMENTATIONS = {
@@ -93,8 +101,10 @@ def paged_attention(
     """
     name = backend.strip().upper()
     _check_shapes(q, k_cache, v_cache, block_table, query_start_loc, seq_lens, out)
-    _check_capabilities(name, q, k_cache, causal)
     module = implementation(name)
+    reasons = refusal_reasons(name, q, k_cache, causal)
+    if reasons:
+        raise ValueError(f"{name} cannot run this call: {reasons}")
     reason = module.unavailable_reason(q.device)
     if reason is not None:
         raise BackendUnavailableError(f"{name} cannot run on {q.device}: {reason}")
@@ -147,11 +157,15 @@ def _check_shapes(
         raise ValueError(f"out must match q {tuple(q.shape)} {q.dtype}; got {tuple(out.shape)} {out.dtype}")
 
 
-def _check_capabilities(name: str, q: torch.Tensor, k_cache: torch.Tensor, causal: bool) -> None:
-    """Refuse what the capability table does not claim for this backend (R9), with its reasons."""
-    capability = BACKENDS.get(name)
-    if capability is None:
-        raise BackendUnavailableError(f"unknown attention backend {name}")
+def refusal_reasons(backend: str, q: torch.Tensor, k_cache: torch.Tensor, causal: bool) -> list[str]:
+    """Why the capability table refuses this call on this device (R9); empty when it claims it.
+
+    The platform is not checked: kernels run wherever they can (ROCM_ATTN is tested on CUDA, CPU_ATTN is
+    the reference on GPUs); the selector keeps each platform to its own backends.
+    """
+    name = backend.strip().upper()
+    module = implementation(name)
+    capability = BACKENDS[name]
     dtype = TORCH_DTYPES.get(q.dtype)
     needs = AttentionNeeds(
         head_size=q.shape[-1],
@@ -159,20 +173,21 @@ def _check_capabilities(name: str, q: torch.Tensor, k_cache: torch.Tensor, causa
         block_size=k_cache.shape[1],
         use_non_causal=not causal,
     )
-    # Device and library checks belong to unavailable_reason; here only what the table says of the call.
-    reasons = [r for r in capability.validate(needs, _ANY_DEVICE[name]) if not r.endswith(" not installed")]
+    version = getattr(module, "library_version", lambda: None)()
+    hardware = Hardware(
+        platform=_platform(q.device),
+        compute_capability=torch.cuda.get_device_capability(q.device) if q.device.type == "cuda" else (0, 0),
+        gcn_arch="",
+        libraries=((capability.required_library, version),) if version else (),
+    )
+    ignored = (PLATFORM_NOT_SUPPORTED, COMPUTE_CAPABILITY_NOT_SUPPORTED)  # unavailable_reason's business
+    reasons = [r for r in capability.validate(needs, hardware) if r not in ignored and not r.endswith(" not installed")]
     if dtype is None:
         reasons.insert(0, "dtype not supported")
-    if reasons:
-        raise ValueError(f"{name} cannot run this call: {reasons}")
+    return reasons
 
 
-# A device every backend's table accepts, so validate() reports only what depends on the call.
-_ANY_DEVICE = {
-    name: Hardware(
-        platform=cap.platforms[0],
-        compute_capability=(9, 0) if cap.platforms[0] is Platform.CUDA else (0, 0),
-        gcn_arch=cap.gcn_archs[0] if cap.gcn_archs else "gfx942",
-    )
-    for name, cap in BACKENDS.items()
-}
+def _platform(device: torch.device) -> Platform:
+    if device.type == "cuda":
+        return Platform.ROCM if torch.version.hip else Platform.CUDA
+    return Platform.CPU

@@ -183,12 +183,13 @@ def library_major(version: str) -> int:
 
 def _flash_attn_version_check(needs: AttentionNeeds, hardware: Hardware, version: str) -> list[str]:
     """FA2: SM8.0+, head <= 256, pages of a multiple of 256 tokens. FA3: SM9x, head <= 256.
-    FA4: SM9x (head <= 256) or SM10x (head <= 128, 256 or 512)."""
+    FA4 4.0.0b36 with paged KV: heads 32, 64, 128, 256 (SM10x also 512). On an H100 it refused head 40
+    ("Paged KV does not support irregular head dim") and returned wrong results for 80 and 96."""
     major = library_major(version)
     cc_major = hardware.compute_capability[0]
     reasons = []
-    if major == 4 and cc_major == 10:
-        head_ok = needs.head_size <= 128 or needs.head_size in (256, 512)
+    if major >= 4:
+        head_ok = needs.head_size in ((32, 64, 128, 256, 512) if cc_major == 10 else (32, 64, 128, 256))
     else:
         head_ok = needs.head_size <= 256
     if not head_ok:
@@ -230,7 +231,7 @@ BACKENDS: dict[str, BackendCapability] = {
             notes=(
                 "flash_attn 2.x: head_size <= 256; pages (block_size) a multiple of 256",
                 "flash_attn 3.x: compute capability 9.x only",
-                "flash_attn 4.x: compute capability 9.x (head_size <= 256) or 10.x (<= 128, 256, 512)",
+                "flash_attn 4.x: compute capability 9.x or 10.x; head_size 32, 64, 128, 256 (10.x: also 512)",
             ),
         ),
         BackendCapability(

@@ -50,6 +50,12 @@ def _version(*distributions: str) -> str:
     return "unknown"
 
 
+def library_version() -> str | None:
+    """The loaded flash_attn's version, which narrows the capability entry (FA2 vs FA4)."""
+    fa = load()
+    return fa.version if fa else None
+
+
 def unavailable_reason(device: torch.device) -> str | None:
     if device.type != "cuda" or torch.version.hip:
         return "flash_attn runs on NVIDIA GPUs only"

@@ -125,9 +125,12 @@ def test_reasons_come_in_vocabulary_order_and_library_last() -> None:
         ("3.0.0", 9, 128, 16, True),
         ("4.0.0b36", 8, 128, 16, False),  # FA4 is SM9x/SM10x
         ("4.0.0b36", 9, 256, 16, True),
+        ("4.0.0b36", 9, 32, 16, True),
+        ("4.0.0b36", 9, 96, 16, False),  # FA4 b36 paged: wrong results for 80/96 on an H100
+        ("4.0.0b36", 9, 40, 128, False),  # "Paged KV does not support irregular head dim"
         ("4.0.0b36", 9, 512, 128, False),  # SM90: heads up to 256
         ("4.0.0b36", 10, 512, 128, True),
-        ("4.0.0b36", 10, 192, 128, False),  # SM100: <= 128, 256 or 512
+        ("4.0.0b36", 10, 192, 128, False),  # SM100: 32, 64, 128, 256 or 512
         ("4.0.0b36", 12, 128, 16, False),
     ],
 )
