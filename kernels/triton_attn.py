@@ -50,13 +50,15 @@ def _find_request(query_start_loc_ptr, tile, num_requests, BLOCK_Q: tl.constexpr
 
 @triton.jit
 def _attend_range(
-    acc, m_i, l_i, q, k_base, v_base, block_table_row, stride_kb, stride_ks, offs_d, d_mask, q_pos,
-    start, end, masked_from, kv_len,
-    scale_log2, block_size,
-    CAUSAL: tl.constexpr, BLOCK_N: tl.constexpr, PAGE_ALIGNED: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    acc, m_i, l_i, q, k_base, v_base, block_table_row, stride_kb, stride_ks, offs_d, q_pos,
+    start, end, kv_len, scale_log2, block_size,
+    MASKED: tl.constexpr, CAUSAL: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_SIZE: tl.constexpr,
+    HEAD_PAD: tl.constexpr, PAGE_ALIGNED: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):  # fmt: skip
-    """Online softmax over keys [start, end); keys from masked_from on get the causal/length mask."""
+    """Online softmax over keys [start, end). Unless MASKED, every row of the tile sees every key of the
+    range, which lies below kv_len: the loads and scores then need no masks at all."""
     offs_n = tl.arange(0, BLOCK_N)
+    d_mask = offs_d < HEAD_SIZE
     for n0 in range(start, end, BLOCK_N):
         pos = n0 + offs_n
         if PAGE_ALIGNED:  # the tile lies in one page: one block-table read
@@ -64,17 +66,26 @@ def _attend_range(
         else:
             block = tl.load(block_table_row + pos // block_size, mask=pos < kv_len, other=0).to(tl.int64)
         rows = block * stride_kb + (pos % block_size) * stride_ks
-        kv_mask = (pos < kv_len)[:, None] & d_mask[None, :]
-        k = tl.load(k_base + rows[:, None] + offs_d[None, :], mask=kv_mask, other=0.0)
-        v = tl.load(v_base + rows[:, None] + offs_d[None, :], mask=kv_mask, other=0.0)
+        kv_ptrs = rows[:, None] + offs_d[None, :]
+        if MASKED:
+            kv_mask = (pos < kv_len)[:, None] & d_mask[None, :]
+            k = tl.load(k_base + kv_ptrs, mask=kv_mask, other=0.0)
+            v = tl.load(v_base + kv_ptrs, mask=kv_mask, other=0.0)
+        elif HEAD_SIZE == HEAD_PAD:
+            k = tl.load(k_base + kv_ptrs)
+            v = tl.load(v_base + kv_ptrs)
+        else:
+            k = tl.load(k_base + kv_ptrs, mask=d_mask[None, :], other=0.0)
+            v = tl.load(v_base + kv_ptrs, mask=d_mask[None, :], other=0.0)
         s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * scale_log2
-        if n0 + BLOCK_N > masked_from:
+        if MASKED:
             visible = (pos < kv_len)[None, :]
             if CAUSAL:
                 visible = visible & (pos[None, :] <= q_pos[:, None])
             s = tl.where(visible, s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 1))
-        m_new = tl.where(m_new > float("-inf"), m_new, 0.0)  # rows with nothing visible yet
+        if MASKED:
+            m_new = tl.where(m_new > float("-inf"), m_new, 0.0)  # rows with nothing visible yet
         p = tl.math.exp2(s - m_new[:, None])
         alpha = tl.math.exp2(m_i - m_new)
         l_i = l_i * alpha + tl.sum(p, 1)
@@ -90,12 +101,14 @@ def _paged_attention_kernel(
     stride_qt, stride_qh, stride_ot, stride_oh,
     stride_kb, stride_ks, stride_kh,
     stride_bt, stride_split_o, stride_split_lse,
-    num_requests, block_size, head_size, scale_log2, split_len,
+    num_requests, block_size, scale_log2, split_len,
     GROUP: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    HEAD_PAD: tl.constexpr, CAUSAL: tl.constexpr, SPLIT: tl.constexpr, PAGE_ALIGNED: tl.constexpr,
-    DOT_PRECISION: tl.constexpr,
+    HEAD_SIZE: tl.constexpr, HEAD_PAD: tl.constexpr, CAUSAL: tl.constexpr, SPLIT: tl.constexpr,
+    PAGE_ALIGNED: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):  # fmt: skip
     tile = tl.program_id(0)
+    if CAUSAL:  # the last tiles see the most keys: start them first so they do not trail the grid
+        tile = tl.num_programs(0) - 1 - tile
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
     req = _find_request(query_start_loc_ptr, tile, num_requests, BLOCK_Q)
@@ -112,7 +125,7 @@ def _paged_attention_kernel(
     head = kv_head * GROUP + offs_m % GROUP
     row_mask = (offs_m < BLOCK_Q * GROUP) & (q_idx < q_len)
     offs_d = tl.arange(0, HEAD_PAD)
-    d_mask = offs_d < head_size
+    d_mask = offs_d < HEAD_SIZE
     token = (q_start + q_idx).to(tl.int64)
     q = tl.load(
         q_ptr + token[:, None] * stride_qt + head[:, None] * stride_qh + offs_d[None, :],
@@ -139,14 +152,14 @@ def _paged_attention_kernel(
     v_base = v_cache_ptr + kv_head * stride_kh
     table = block_table_ptr + req.to(tl.int64) * stride_bt
     acc, m_i, l_i = _attend_range(
-        acc, m_i, l_i, q, k_base, v_base, table, stride_kb, stride_ks, offs_d, d_mask, q_pos,
-        start, unmasked_end, unmasked_end + BLOCK_N, kv_len, scale_log2, block_size,
-        CAUSAL, BLOCK_N, PAGE_ALIGNED, DOT_PRECISION,
+        acc, m_i, l_i, q, k_base, v_base, table, stride_kb, stride_ks, offs_d, q_pos,
+        start, unmasked_end, kv_len, scale_log2, block_size,
+        False, CAUSAL, BLOCK_N, HEAD_SIZE, HEAD_PAD, PAGE_ALIGNED, DOT_PRECISION,
     )  # fmt: skip
     acc, m_i, l_i = _attend_range(
-        acc, m_i, l_i, q, k_base, v_base, table, stride_kb, stride_ks, offs_d, d_mask, q_pos,
-        unmasked_end, end, unmasked_end, kv_len, scale_log2, block_size,
-        CAUSAL, BLOCK_N, PAGE_ALIGNED, DOT_PRECISION,
+        acc, m_i, l_i, q, k_base, v_base, table, stride_kb, stride_ks, offs_d, q_pos,
+        unmasked_end, end, kv_len, scale_log2, block_size,
+        True, CAUSAL, BLOCK_N, HEAD_SIZE, HEAD_PAD, PAGE_ALIGNED, DOT_PRECISION,
     )  # fmt: skip
 
     safe_l = tl.where(l_i > 0.0, l_i, 1.0)
@@ -222,8 +235,10 @@ def choose_config(
         num_splits = max(1, min(wanted, max_seq_len // 512, 16))
         num_splits = triton.next_power_of_2(num_splits)
         return LaunchConfig(block_m, 64, num_splits, 4, 3)
-    block_m = 128 if head_pad <= 128 else 64
-    return LaunchConfig(block_m, 64, 1, 8 if head_pad >= 128 else 4, 3)
+    # Prefill: on an H100 (d=128, bf16) 128x128 tiles, 8 warps, 3 stages were fastest of the sweep.
+    if head_pad <= 128:
+        return LaunchConfig(128, 128 if head_pad == 128 else 64, 1, 8 if head_pad == 128 else 4, 3)
+    return LaunchConfig(64, 64, 1, 8, 2)
 
 
 def forward(
@@ -270,8 +285,8 @@ def forward(
         q.stride(0), q.stride(1), stride_ot, stride_oh,
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         batch.block_table.stride(0), stride_split_o, stride_split_lse,
-        batch.num_requests, block_size, head_size, batch.scale * LOG2E, split_len,
-        GROUP=group, BLOCK_Q=block_q, BLOCK_M=block_m, BLOCK_N=cfg.block_n, HEAD_PAD=head_pad,
+        batch.num_requests, block_size, batch.scale * LOG2E, split_len,
+        GROUP=group, BLOCK_Q=block_q, BLOCK_M=block_m, BLOCK_N=cfg.block_n, HEAD_SIZE=head_size, HEAD_PAD=head_pad,
         CAUSAL=batch.causal, SPLIT=split, PAGE_ALIGNED=block_size % cfg.block_n == 0,
         DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
