@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import datetime as dt
 import json
+import os
 import subprocess
 import sys
 from collections.abc import Callable
@@ -235,12 +236,10 @@ def main() -> int:
         del batch, expected
         torch.cuda.empty_cache()
 
-    commit = subprocess.run(
+    # The GPU host gets a copy of the tree without .git: the sender passes the commit in SPECDEC_COMMIT.
+    commit = os.environ.get("SPECDEC_COMMIT") or subprocess.run(
         ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, cwd=REPO
     ).stdout.strip()
-    dirty = subprocess.run(
-        ["git", "status", "--porcelain", "--", "kernels"], capture_output=True, text=True, cwd=REPO
-    ).stdout
     from kernels import flash_attn
 
     fa = flash_attn.load()
@@ -248,7 +247,7 @@ def main() -> int:
     report = {
         "benchmark": "attention",
         "utc": now.isoformat(timespec="seconds"),
-        "commit": commit + ("-dirty" if dirty else ""),
+        "commit": commit,
         "device": torch.cuda.get_device_name(),
         "versions": {
             "torch": torch.__version__,
@@ -271,7 +270,8 @@ def main() -> int:
     }
     out_dir = Path(args.out)
     out_dir.mkdir(parents=True, exist_ok=True)
-    path = out_dir / f"attention_{now:%Y-%m-%d}_{commit}_bs{args.block_size}.json"
+    device_tag = torch.cuda.get_device_name().split()[1].lower()  # "NVIDIA H100 80GB HBM3" -> "h100"
+    path = out_dir / f"attention_{now:%Y-%m-%d}_{device_tag}_{commit}_bs{args.block_size}.json"
     path.write_text(json.dumps(report, indent=1))
     print(f"wrote {path}")
     return 0

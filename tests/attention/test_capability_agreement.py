@@ -76,7 +76,7 @@ def test_refusals_use_the_tables_reasons() -> None:
     args = (batch.q, batch.k_cache, batch.v_cache, batch.block_table, batch.query_start_loc, batch.seq_lens, True)
     with pytest.raises(ValueError, match=r"TRITON_ATTN cannot run this call: \['head_size not supported'\]"):
         paged_attention("TRITON_ATTN", *args)
-    with pytest.raises(ValueError, match=r"FLASH_ATTN cannot run this call: \['dtype not supported'\]"):
+    with pytest.raises(ValueError, match=r"FLASH_ATTN cannot run this call: \[.*'dtype not supported'"):
         paged_attention("FLASH_ATTN", *args)
     odd = make_paged_batch(SPEC, 4, 2, 64, 8, torch.float32, DEVICE)
     odd_args = (odd.q, odd.k_cache, odd.v_cache, odd.block_table, odd.query_start_loc, odd.seq_lens, False)
