@@ -102,14 +102,15 @@ def _paged_attention_kernel(
     stride_kb, stride_ks, stride_kh,
     stride_bt, stride_split_o, stride_split_lse,
     num_requests, block_size, scale_log2, split_len,
-    GROUP: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    HEAD_SIZE: tl.constexpr, HEAD_PAD: tl.constexpr, CAUSAL: tl.constexpr, SPLIT: tl.constexpr,
+    GROUP: tl.constexpr, ROW_GROUP: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr, HEAD_SIZE: tl.constexpr, HEAD_PAD: tl.constexpr, CAUSAL: tl.constexpr, SPLIT: tl.constexpr,
     PAGE_ALIGNED: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):  # fmt: skip
     tile = tl.program_id(0)
     if CAUSAL:  # the last tiles see the most keys: start them first so they do not trail the grid
         tile = tl.num_programs(0) - 1 - tile
-    kv_head = tl.program_id(1)
+    head_block = tl.program_id(1)  # ROW_GROUP query heads (all GROUP heads of a KV head, or just one)
+    kv_head = head_block * ROW_GROUP // GROUP
     split = tl.program_id(2)
     req = _find_request(query_start_loc_ptr, tile, num_requests, BLOCK_Q)
     q_start = tl.load(query_start_loc_ptr + req)
@@ -121,9 +122,9 @@ def _paged_attention_kernel(
     context = kv_len - q_len
 
     offs_m = tl.arange(0, BLOCK_M)
-    q_idx = local + offs_m // GROUP  # the request's new token of each row
-    head = kv_head * GROUP + offs_m % GROUP
-    row_mask = (offs_m < BLOCK_Q * GROUP) & (q_idx < q_len)
+    q_idx = local + offs_m // ROW_GROUP  # the request's new token of each row
+    head = head_block * ROW_GROUP + offs_m % ROW_GROUP
+    row_mask = (offs_m < BLOCK_Q * ROW_GROUP) & (q_idx < q_len)
     offs_d = tl.arange(0, HEAD_PAD)
     d_mask = offs_d < HEAD_SIZE
     token = (q_start + q_idx).to(tl.int64)
@@ -169,7 +170,7 @@ def _paged_attention_kernel(
     if SPLIT:
         lse = tl.where(l_i > 0.0, m_i + tl.math.log2(safe_l), float("-inf"))
         tl.store(out_ptr + split * stride_split_o + out_offs, result, mask=out_mask)
-        num_heads = tl.num_programs(1) * GROUP
+        num_heads = tl.num_programs(1) * ROW_GROUP
         tl.store(lse_ptr + split * stride_split_lse + token * num_heads + head, lse, mask=row_mask)
     else:
         tl.store(out_ptr + out_offs, result.to(out_ptr.dtype.element_ty), mask=out_mask)
@@ -208,6 +209,10 @@ class LaunchConfig:
     num_splits: int
     num_warps: int
     num_stages: int
+    # Pack a KV head's query heads into one tile's rows (they share K/V loads: what memory-bound steps
+    # want). Compute-bound prefill prefers tiles of one head: more query positions per tile, so the
+    # masked causal diagonal is a smaller share of each tile's work.
+    pack_gqa: bool = True
 
 
 @functools.cache
@@ -237,8 +242,8 @@ def choose_config(
         return LaunchConfig(block_m, 64, num_splits, 4, 3)
     # Prefill: on an H100 (d=128, bf16) 128x128 tiles, 8 warps, 3 stages were fastest of the sweep.
     if head_pad <= 128:
-        return LaunchConfig(128, 128 if head_pad == 128 else 64, 1, 8 if head_pad == 128 else 4, 3)
-    return LaunchConfig(64, 64, 1, 8, 2)
+        return LaunchConfig(128, 128 if head_pad == 128 else 64, 1, 8 if head_pad == 128 else 4, 3, pack_gqa=False)
+    return LaunchConfig(64, 64, 1, 8, 2, pack_gqa=False)
 
 
 def forward(
@@ -262,10 +267,13 @@ def forward(
     cfg = config or choose_config(
         batch.num_requests, num_kv_heads, group, batch.max_query_len, batch.max_seq_len, head_pad, q.device
     )
-    block_q = max(1, cfg.block_m // group)
-    block_m = triton.next_power_of_2(block_q * group)
+    row_group = group if cfg.pack_gqa else 1
+    block_q = max(1, cfg.block_m // row_group)
+    block_m = triton.next_power_of_2(block_q * row_group)
     block_size = k_cache.shape[1]
     num_tiles = num_tokens // block_q + batch.num_requests
+    if cfg.num_splits > 1 and block_q < batch.max_query_len:
+        raise ValueError(f"split-KV needs each request's queries in one tile ({block_q} < {batch.max_query_len})")
     split = cfg.num_splits > 1
     if split:
         split_len = triton.cdiv(triton.cdiv(batch.max_seq_len, cfg.num_splits), cfg.block_n) * cfg.block_n
@@ -279,14 +287,15 @@ def forward(
         target, lse_arg = out, out
         stride_split_o = stride_split_lse = 0
         stride_ot, stride_oh = out.stride(0), out.stride(1)
-    _paged_attention_kernel[(num_tiles, num_kv_heads, cfg.num_splits)](
+    _paged_attention_kernel[(num_tiles, num_heads // row_group, cfg.num_splits)](
         q, k_cache, v_cache, target, lse_arg,
         batch.block_table, batch.query_start_loc, batch.seq_lens,
         q.stride(0), q.stride(1), stride_ot, stride_oh,
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         batch.block_table.stride(0), stride_split_o, stride_split_lse,
         batch.num_requests, block_size, batch.scale * LOG2E, split_len,
-        GROUP=group, BLOCK_Q=block_q, BLOCK_M=block_m, BLOCK_N=cfg.block_n, HEAD_SIZE=head_size, HEAD_PAD=head_pad,
+        GROUP=group, ROW_GROUP=row_group, BLOCK_Q=block_q, BLOCK_M=block_m, BLOCK_N=cfg.block_n,
+        HEAD_SIZE=head_size, HEAD_PAD=head_pad,
         CAUSAL=batch.causal, SPLIT=split, PAGE_ALIGNED=block_size % cfg.block_n == 0,
         DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,

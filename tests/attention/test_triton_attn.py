@@ -70,3 +70,14 @@ def test_group_that_does_not_divide_the_tile(group: int) -> None:
     spec = BatchSpec("odd_group", (40, 90), (12, 20))
     for causal in (True, False):
         _run(spec, causal, None, group=group)
+
+
+@pytest.mark.parametrize("causal", [True, False], ids=["causal", "noncausal"])
+@pytest.mark.parametrize("block_m", [16, 32])
+def test_unpacked_heads_for_prefill(causal: bool, block_m: int) -> None:
+    """Prefill tiles of one query head each (pack_gqa=False): several tiles per request and head."""
+    from kernels.triton_attn import LaunchConfig
+
+    spec = BatchSpec("prefill_like", (70, 45, 16), (70, 30, 5))
+    config = LaunchConfig(block_m=block_m, block_n=16, num_splits=1, num_warps=4, num_stages=2, pack_gqa=False)
+    _run(spec, causal, config)
