@@ -209,9 +209,9 @@ class LaunchConfig:
     num_splits: int
     num_warps: int
     num_stages: int
-    # Pack a KV head's query heads into one tile's rows (they share K/V loads: what memory-bound steps
-    # want). Compute-bound prefill prefers tiles of one head: more query positions per tile, so the
-    # masked causal diagonal is a smaller share of each tile's work.
+    # Pack a KV head's query heads into one tile's rows, so they share K/V loads. Tiles of one head
+    # (False) hold 4x more query positions, shrinking the masked causal diagonal's share, but on an H100
+    # 4k causal prefill ran 0.428 ms unpacked vs 0.393 ms packed: the extra K/V reads cost more.
     pack_gqa: bool = True
 
 
@@ -242,8 +242,8 @@ def choose_config(
         return LaunchConfig(block_m, 64, num_splits, 4, 3)
     # Prefill: on an H100 (d=128, bf16) 128x128 tiles, 8 warps, 3 stages were fastest of the sweep.
     if head_pad <= 128:
-        return LaunchConfig(128, 128 if head_pad == 128 else 64, 1, 8 if head_pad == 128 else 4, 3, pack_gqa=False)
-    return LaunchConfig(64, 64, 1, 8, 2, pack_gqa=False)
+        return LaunchConfig(128, 128 if head_pad == 128 else 64, 1, 8 if head_pad == 128 else 4, 3)
+    return LaunchConfig(64, 64, 1, 8, 2)
 
 
 def forward(
