@@ -237,9 +237,12 @@ def main() -> int:
         torch.cuda.empty_cache()
 
     # The GPU host gets a copy of the tree without .git: the sender passes the commit in SPECDEC_COMMIT.
-    commit = os.environ.get("SPECDEC_COMMIT") or subprocess.run(
-        ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, cwd=REPO
-    ).stdout.strip()
+    commit = (
+        os.environ.get("SPECDEC_COMMIT")
+        or subprocess.run(
+            ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, cwd=REPO
+        ).stdout.strip()
+    )
     from kernels import flash_attn
 
     fa = flash_attn.load()
