@@ -68,7 +68,10 @@ def implementation(backend: str) -> ModuleType:
     if name not in IMPLEMENTATIONS:
         known = ", ".join(IMPLEMENTATIONS)
         raise BackendUnavailableError(f"{name}: no implementation in this project (implemented: {known})")
-    return importlib.import_module(IMPLEMENTATIONS[name])
+    try:
+        return importlib.import_module(IMPLEMENTATIONS[name])
+    except ImportError as err:  # e.g. triton missing: the backend is unavailable, not broken
+        raise BackendUnavailableError(f"{name}: {err}") from err
 
 
 def unavailable_reason(backend: str, device: torch.device) -> str | None:

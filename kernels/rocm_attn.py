@@ -27,6 +27,7 @@ from collections.abc import Callable
 import torch
 
 from kernels.attention import AttentionBatch
+from kernels.triton_attn import find_request  # the tile -> request search both Triton kernels use
 
 BLOCK_M = 64  # new tokens per program
 BLOCK_N = 64  # keys per step
@@ -34,10 +35,6 @@ NUM_WARPS = 4
 
 
 def unavailable_reason(device: torch.device) -> str | None:
-    try:
-        import triton  # noqa: F401
-    except ImportError:
-        return "triton not installed"
     if device.type == "cuda":  # CUDA and ROCm builds of torch both say cuda
         return None
     if device.type == "cpu":
@@ -87,15 +84,7 @@ def _kernel() -> Callable:
         head = tl.program_id(1)
         kv_head = head // num_queries_per_kv
 
-        # The request: the last b whose first tile, query_start_loc[b] // BLOCK_M + b, is <= tile.
-        lo = tile * 0
-        hi = lo + num_requests
-        while hi - lo > 1:
-            mid = (lo + hi) // 2
-            first_tile = tl.load(query_start_loc_ptr + mid) // BLOCK_M + mid
-            lo = tl.where(first_tile <= tile, mid, lo)
-            hi = tl.where(first_tile <= tile, hi, mid)
-        request = lo
+        request = find_request(query_start_loc_ptr, tile, num_requests, BLOCK_M)
         q_start = tl.load(query_start_loc_ptr + request)
         query_len = tl.load(query_start_loc_ptr + request + 1) - q_start
         tile_start = (tile - (q_start // BLOCK_M + request)) * BLOCK_M

@@ -34,7 +34,7 @@ def unavailable_reason(device: torch.device) -> str | None:
 
 
 @triton.jit
-def _find_request(query_start_loc_ptr, tile, num_requests, BLOCK_Q: tl.constexpr):
+def find_request(query_start_loc_ptr, tile, num_requests, BLOCK_Q: tl.constexpr):
     """The request whose tiles contain `tile`: request b owns tiles from qsl[b] // BLOCK_Q + b on."""
     lo = 0
     hi = num_requests - 1
@@ -112,7 +112,7 @@ def _paged_attention_kernel(
     head_block = tl.program_id(1)  # ROW_GROUP query heads (all GROUP heads of a KV head, or just one)
     kv_head = head_block * ROW_GROUP // GROUP
     split = tl.program_id(2)
-    req = _find_request(query_start_loc_ptr, tile, num_requests, BLOCK_Q)
+    req = find_request(query_start_loc_ptr, tile, num_requests, BLOCK_Q)
     q_start = tl.load(query_start_loc_ptr + req)
     q_len = tl.load(query_start_loc_ptr + req + 1) - q_start
     local = (tile - (q_start // BLOCK_Q + req)) * BLOCK_Q
