@@ -1,0 +1,1 @@
+"""The executor: loads a target (and a drafter) with the selected attention kernels and generates."""
