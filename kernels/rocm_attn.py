@@ -20,14 +20,14 @@ tiles from query_start_loc[b] // BLOCK_M + b on, and a program finds its request
 
 from __future__ import annotations
 
-import functools
 import os
-from collections.abc import Callable
 
 import torch
+import triton
+import triton.language as tl
 
 from kernels.attention import AttentionBatch
-from kernels.triton_attn import find_request  # the tile -> request search both Triton kernels use
+from kernels.triton_attn import LOG2E, find_request  # the tile -> request search both kernels use
 
 BLOCK_M = 64  # new tokens per program
 BLOCK_N = 64  # keys per step
@@ -56,9 +56,9 @@ def forward(
     # Keep the K and V tiles within shared memory for wide heads in fp32 (head 256 x 4 bytes).
     block_n = BLOCK_N if block_d * q.element_size() <= 512 else BLOCK_N // 2
     grid = (-(-num_tokens // BLOCK_M) + num_requests, num_heads)
-    _kernel()[grid](
+    prefix_prefill_kernel[grid](
         q, k_cache, v_cache, out, batch.block_table, batch.query_start_loc, batch.seq_lens,
-        batch.scale * 1.4426950408889634, num_requests, num_heads // k_cache.shape[2], head_size, k_cache.shape[1],
+        batch.scale * LOG2E, num_requests, num_heads // k_cache.shape[2], head_size, k_cache.shape[1],
         *q.stride(), *out.stride(), *k_cache.stride(), *v_cache.stride(), batch.block_table.stride(0),
         BLOCK_M=BLOCK_M, BLOCK_N=block_n, BLOCK_D=block_d, CAUSAL=batch.causal,
         PRECISION="ieee" if q.dtype == torch.float32 else None, num_warps=NUM_WARPS,
@@ -66,81 +66,74 @@ def forward(
     return out
 
 
-@functools.cache
-def _kernel() -> Callable:
-    import triton
-    import triton.language as tl
+@triton.jit
+def prefix_prefill_kernel(
+    q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, block_table_ptr, query_start_loc_ptr, seq_lens_ptr,
+    scale_log2e, num_requests, num_queries_per_kv, head_size, block_size,
+    stride_qt, stride_qh, stride_qd, stride_ot, stride_oh, stride_od,
+    stride_kb, stride_ks, stride_kh, stride_kd, stride_vb, stride_vs, stride_vh, stride_vd, stride_table,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+    CAUSAL: tl.constexpr, PRECISION: tl.constexpr,
+):  # fmt: skip
+    tile = tl.program_id(0)
+    head = tl.program_id(1)
+    kv_head = head // num_queries_per_kv
 
-    @triton.jit
-    def prefix_prefill_kernel(
-        q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, block_table_ptr, query_start_loc_ptr, seq_lens_ptr,
-        scale_log2e, num_requests, num_queries_per_kv, head_size, block_size,
-        stride_qt, stride_qh, stride_qd, stride_ot, stride_oh, stride_od,
-        stride_kb, stride_ks, stride_kh, stride_kd, stride_vb, stride_vs, stride_vh, stride_vd, stride_table,
-        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
-        CAUSAL: tl.constexpr, PRECISION: tl.constexpr,
-    ):  # fmt: skip
-        tile = tl.program_id(0)
-        head = tl.program_id(1)
-        kv_head = head // num_queries_per_kv
+    request = find_request(query_start_loc_ptr, tile, num_requests, BLOCK_M)
+    q_start = tl.load(query_start_loc_ptr + request)
+    query_len = tl.load(query_start_loc_ptr + request + 1) - q_start
+    tile_start = (tile - (q_start // BLOCK_M + request)) * BLOCK_M
+    if tile_start >= query_len:
+        return
+    seq_len = tl.load(seq_lens_ptr + request)
+    context_len = seq_len - query_len
 
-        request = find_request(query_start_loc_ptr, tile, num_requests, BLOCK_M)
-        q_start = tl.load(query_start_loc_ptr + request)
-        query_len = tl.load(query_start_loc_ptr + request + 1) - q_start
-        tile_start = (tile - (q_start // BLOCK_M + request)) * BLOCK_M
-        if tile_start >= query_len:
-            return
-        seq_len = tl.load(seq_lens_ptr + request)
-        context_len = seq_len - query_len
+    offs_m = tile_start + tl.arange(0, BLOCK_M)  # query index within the request
+    offs_d = tl.arange(0, BLOCK_D)
+    m_mask = offs_m < query_len
+    d_mask = offs_d < head_size
+    rows = (q_start + offs_m).to(tl.int64)
+    q_offs = rows[:, None] * stride_qt + head * stride_qh + offs_d[None, :] * stride_qd
+    q = tl.load(q_ptr + q_offs, mask=m_mask[:, None] & d_mask[None, :], other=0.0)
 
-        offs_m = tile_start + tl.arange(0, BLOCK_M)  # query index within the request
-        offs_d = tl.arange(0, BLOCK_D)
-        m_mask = offs_m < query_len
-        d_mask = offs_d < head_size
-        rows = (q_start + offs_m).to(tl.int64)
-        q_offs = rows[:, None] * stride_qt + head * stride_qh + offs_d[None, :] * stride_qd
-        q = tl.load(q_ptr + q_offs, mask=m_mask[:, None] & d_mask[None, :], other=0.0)
+    acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
+    m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+    table_ptr = block_table_ptr + request.to(tl.int64) * stride_table
+    q_pos = context_len + offs_m
 
-        acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
-        m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
-        l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
-        table_ptr = block_table_ptr + request.to(tl.int64) * stride_table
-        q_pos = context_len + offs_m
+    # Phase 0, the cached context: every query sees all of it (bounded by context_len only).
+    # Phase 1, the new tokens: causal up to the tile's last query, else all of them; masked at seq_len.
+    for phase in tl.static_range(2):
+        if phase == 0:
+            start, end, valid_end = 0, context_len, context_len
+        else:
+            start, valid_end = context_len, seq_len
+            end = tl.minimum(seq_len, context_len + tile_start + BLOCK_M) if CAUSAL else seq_len
+        for start_n in range(start, end, BLOCK_N):
+            k_pos = start_n + tl.arange(0, BLOCK_N)
+            k_valid = k_pos < valid_end
+            block = tl.load(table_ptr + k_pos // block_size, mask=k_valid, other=0).to(tl.int64)
+            slot = k_pos % block_size
+            kv_mask = k_valid[:, None] & d_mask[None, :]
+            k_offs = block[:, None] * stride_kb + slot[:, None] * stride_ks + kv_head * stride_kh
+            k = tl.load(k_cache_ptr + k_offs + offs_d[None, :] * stride_kd, mask=kv_mask, other=0.0)
+            v_offs = block[:, None] * stride_vb + slot[:, None] * stride_vs + kv_head * stride_vh
+            v = tl.load(v_cache_ptr + v_offs + offs_d[None, :] * stride_vd, mask=kv_mask, other=0.0)
 
-        # Phase 0, the cached context: every query sees all of it (bounded by context_len only).
-        # Phase 1, the new tokens: causal up to the tile's last query, else all of them; masked at seq_len.
-        for phase in tl.static_range(2):
-            if phase == 0:
-                start, end, valid_end = 0, context_len, context_len
-            else:
-                start, valid_end = context_len, seq_len
-                end = tl.minimum(seq_len, context_len + tile_start + BLOCK_M) if CAUSAL else seq_len
-            for start_n in range(start, end, BLOCK_N):
-                k_pos = start_n + tl.arange(0, BLOCK_N)
-                k_valid = k_pos < valid_end
-                block = tl.load(table_ptr + k_pos // block_size, mask=k_valid, other=0).to(tl.int64)
-                slot = k_pos % block_size
-                kv_mask = k_valid[:, None] & d_mask[None, :]
-                k_offs = block[:, None] * stride_kb + slot[:, None] * stride_ks + kv_head * stride_kh
-                k = tl.load(k_cache_ptr + k_offs + offs_d[None, :] * stride_kd, mask=kv_mask, other=0.0)
-                v_offs = block[:, None] * stride_vb + slot[:, None] * stride_vs + kv_head * stride_vh
-                v = tl.load(v_cache_ptr + v_offs + offs_d[None, :] * stride_vd, mask=kv_mask, other=0.0)
+            scores = tl.dot(q, tl.trans(k.to(q.dtype)), input_precision=PRECISION) * scale_log2e
+            visible = k_valid[None, :]  # the key-length mask (what vLLM's first non-causal version lacked)
+            if phase == 1 and CAUSAL:
+                visible = visible & (q_pos[:, None] >= k_pos[None, :])
+            scores = tl.where(visible, scores, float("-inf"))
 
-                scores = tl.dot(q, tl.trans(k.to(q.dtype)), input_precision=PRECISION) * scale_log2e
-                visible = k_valid[None, :]  # the key-length mask (what vLLM's first non-causal version lacked)
-                if phase == 1 and CAUSAL:
-                    visible = visible & (q_pos[:, None] >= k_pos[None, :])
-                scores = tl.where(visible, scores, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(scores, 1))
+            p = tl.exp2(scores - m_new[:, None])
+            alpha = tl.exp2(m_i - m_new)
+            l_i = l_i * alpha + tl.sum(p, 1)
+            acc = acc * alpha[:, None] + tl.dot(p.to(q.dtype), v.to(q.dtype), input_precision=PRECISION)
+            m_i = m_new
 
-                m_new = tl.maximum(m_i, tl.max(scores, 1))
-                p = tl.exp2(scores - m_new[:, None])
-                alpha = tl.exp2(m_i - m_new)
-                l_i = l_i * alpha + tl.sum(p, 1)
-                acc = acc * alpha[:, None] + tl.dot(p.to(q.dtype), v.to(q.dtype), input_precision=PRECISION)
-                m_i = m_new
-
-        o_offs = rows[:, None] * stride_ot + head * stride_oh + offs_d[None, :] * stride_od
-        result = acc / l_i[:, None]
-        tl.store(out_ptr + o_offs, result.to(out_ptr.dtype.element_ty), mask=m_mask[:, None] & d_mask[None, :])
-
-    return prefix_prefill_kernel
+    o_offs = rows[:, None] * stride_ot + head * stride_oh + offs_d[None, :] * stride_od
+    result = acc / l_i[:, None]
+    tl.store(out_ptr + o_offs, result.to(out_ptr.dtype.element_ty), mask=m_mask[:, None] & d_mask[None, :])
