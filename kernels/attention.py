@@ -12,6 +12,7 @@ DFlash steps; a backend asked for what its capability entry does not claim fails
 
 from __future__ import annotations
 
+import functools
 import importlib
 import math
 from dataclasses import dataclass
@@ -24,6 +25,7 @@ from kernels.capabilities import (
     COMPUTE_CAPABILITY_NOT_SUPPORTED,
     PLATFORM_NOT_SUPPORTED,
     AttentionNeeds,
+    BackendCapability,
     DType,
     Hardware,
     Platform,
@@ -168,26 +170,40 @@ def refusal_reasons(backend: str, q: torch.Tensor, k_cache: torch.Tensor, causal
     """
     name = backend.strip().upper()
     module = implementation(name)
-    capability = BACKENDS[name]
-    dtype = TORCH_DTYPES.get(q.dtype)
+    version = getattr(module, "library_version", lambda: None)()
+    reasons = _refusal_reasons(BACKENDS[name], version, q.dtype, q.shape[-1], k_cache.shape[1], causal, q.device)
+    return list(reasons)
+
+
+@functools.lru_cache(maxsize=256)
+def _refusal_reasons(
+    capability: BackendCapability,
+    version: str | None,
+    dtype: torch.dtype,
+    head_size: int,
+    block_size: int,
+    causal: bool,
+    device: torch.device,
+) -> tuple[str, ...]:
+    """Cached: a model's layers ask the same question every step, and the answer never changes."""
+    table_dtype = TORCH_DTYPES.get(dtype)
     needs = AttentionNeeds(
-        head_size=q.shape[-1],
-        dtype=dtype or DType.FLOAT32,
-        block_size=k_cache.shape[1],
+        head_size=head_size,
+        dtype=table_dtype or DType.FLOAT32,
+        block_size=block_size,
         use_non_causal=not causal,
     )
-    version = getattr(module, "library_version", lambda: None)()
     hardware = Hardware(
-        platform=_platform(q.device),
-        compute_capability=torch.cuda.get_device_capability(q.device) if q.device.type == "cuda" else (0, 0),
+        platform=_platform(device),
+        compute_capability=torch.cuda.get_device_capability(device) if device.type == "cuda" else (0, 0),
         gcn_arch="",
         libraries=((capability.required_library, version),) if version else (),
     )
     ignored = (PLATFORM_NOT_SUPPORTED, COMPUTE_CAPABILITY_NOT_SUPPORTED)  # unavailable_reason's business
     reasons = [r for r in capability.validate(needs, hardware) if r not in ignored and not r.endswith(" not installed")]
-    if dtype is None:
+    if table_dtype is None:
         reasons.insert(0, "dtype not supported")
-    return reasons
+    return tuple(reasons)
 
 
 def _platform(device: torch.device) -> Platform:
