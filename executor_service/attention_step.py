@@ -1,0 +1,67 @@
+"""The attention metadata of one engine step, built once and used by every layer.
+
+The model's layers only call `attend`; which kernel runs, and what it needs prepared per step (flex's
+BlockMask), stays here. Host-side bounds (max query / sequence length) come from the scheduler, so no
+layer ever syncs with the device.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from kernels import paged_attention, write_kv
+from kernels.attention import refusal_reasons
+
+
+@dataclass
+class AttentionStep:
+    backend: str
+    block_table: torch.Tensor  # [B, max_blocks] int32
+    query_start_loc: torch.Tensor  # [B + 1] int32
+    seq_lens: torch.Tensor  # [B] int32: context + this step's tokens
+    slot_mapping: torch.Tensor  # [T] int64 cache slot of each new token (-1: do not store)
+    max_query_len: int
+    max_seq_len: int
+    causal: bool = True
+    _flex: object | None = field(default=None, repr=False)
+
+    def store_kv(self, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> None:
+        write_kv(k, v, k_cache, v_cache, self.slot_mapping)
+
+    def attend(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, scale: float) -> torch.Tensor:
+        """Attention of q [T, Hq, D] over the paged cache (this step's keys already stored)."""
+        if self.backend == "FLEX_ATTENTION":
+            return self._attend_flex(q, k_cache, v_cache, scale)
+        return paged_attention(
+            self.backend,
+            q,
+            k_cache,
+            v_cache,
+            self.block_table,
+            self.query_start_loc,
+            self.seq_lens,
+            self.causal,
+            scale,
+            max_query_len=self.max_query_len,
+            max_seq_len=self.max_seq_len,
+        )
+
+    def _attend_flex(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, scale: float) -> torch.Tensor:
+        from kernels import flex_attn
+
+        if self._flex is None:  # first layer of the step: check the call once, build the BlockMask once
+            reasons = refusal_reasons(self.backend, q, k_cache, self.causal)
+            if reasons:
+                raise ValueError(f"{self.backend} cannot run this call: {reasons}")
+            self._flex = flex_attn.build_flex_metadata(
+                self.block_table,
+                self.query_start_loc,
+                self.seq_lens,
+                self.causal,
+                num_blocks=k_cache.shape[0],
+                block_size=k_cache.shape[1],
+                num_tokens=q.shape[0],
+            )
+        return flex_attn.forward_with_metadata(q, k_cache, v_cache, self._flex, scale)  # type: ignore[arg-type]

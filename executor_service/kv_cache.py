@@ -1,0 +1,85 @@
+"""The paged KV cache: one tensor pair per layer, a block allocator, and how many blocks fit.
+
+Blocks are owned by requests (their block tables) and come back on finish, abort, cancel, error and
+preemption; `BlockAllocator.num_free` is what the no-leak tests and the metrics read.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+
+import torch
+
+from executor_service.config import ModelConfig
+from selector_service.errors import ResourceExhausted
+
+
+class BlockAllocator:
+    """A free list of block ids; allocation is all-or-nothing."""
+
+    def __init__(self, num_blocks: int) -> None:
+        self.num_blocks = num_blocks
+        self._free = deque(range(num_blocks))
+
+    @property
+    def num_free(self) -> int:
+        return len(self._free)
+
+    @property
+    def num_used(self) -> int:
+        return self.num_blocks - len(self._free)
+
+    def can_allocate(self, count: int) -> bool:
+        return count <= len(self._free)
+
+    def allocate(self, count: int) -> list[int]:
+        if count > len(self._free):
+            raise ResourceExhausted(f"KV cache full: {count} blocks asked, {len(self._free)} free")
+        return [self._free.popleft() for _ in range(count)]
+
+    def free(self, blocks: list[int]) -> None:
+        self._free.extend(blocks)
+
+
+def blocks_needed(num_tokens: int, block_size: int) -> int:
+    return -(-num_tokens // block_size)
+
+
+def bytes_per_block(config: ModelConfig, block_size: int, dtype: torch.dtype) -> int:
+    element = torch.empty((), dtype=dtype).element_size()
+    return 2 * config.num_layers * block_size * config.kv_size * element
+
+
+def blocks_for_memory_fraction(
+    config: ModelConfig, block_size: int, dtype: torch.dtype, device: torch.device, fraction: float
+) -> int:
+    """Blocks that fit in `fraction` of the device's memory after what is already allocated (the weights),
+    keeping a margin for activations. CUDA only: a CPU run names --num-kv-blocks."""
+    free, total = torch.cuda.mem_get_info(device)
+    used = total - free
+    activations = 2 << 30  # logits of a large prefill chunk, MLP intermediates, allocator slack
+    budget = int(total * fraction) - used - activations
+    count = budget // bytes_per_block(config, block_size, dtype)
+    if count <= 0:
+        raise ResourceExhausted(
+            f"gpu_memory_utilization {fraction} leaves no room for the KV cache "
+            f"({used / 2**30:.1f} GiB in use of {total / 2**30:.1f} GiB)"
+        )
+    return int(count)
+
+
+class KVCache:
+    """k and v [num_blocks, block_size, num_kv_heads, head_size] per layer, in one allocation."""
+
+    def __init__(
+        self, config: ModelConfig, num_blocks: int, block_size: int, dtype: torch.dtype, device: torch.device
+    ) -> None:
+        self.num_blocks, self.block_size = num_blocks, block_size
+        shape = (config.num_layers, 2, num_blocks, block_size, config.num_kv_heads, config.head_size)
+        self.storage = torch.zeros(shape, dtype=dtype, device=device)
+        self.layers = [(self.storage[i, 0], self.storage[i, 1]) for i in range(config.num_layers)]
+        self.allocator = BlockAllocator(num_blocks)
+
+    @property
+    def capacity_tokens(self) -> int:
+        return self.num_blocks * self.block_size

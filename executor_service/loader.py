@@ -1,0 +1,168 @@
+"""Load a Hugging Face directory (config.json, one or sharded safetensors, tokenizer.json), or build a
+synthetic model; write one back in Hugging Face format.
+
+A malformed checkpoint is INVALID_ARGUMENT naming the field (`<field>`: the request field that named the
+directory) and every missing, unexpected or misshapen tensor, checked before a byte is copied.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from executor_service.config import ModelConfig
+from executor_service.model import DecoderModel
+from executor_service.weights import empty_model, export_hf_state, hf_layout, place, synthetic_model
+from selector_service.errors import FieldViolation, invalid_fields
+
+SINGLE_FILE = "model.safetensors"
+SHARD_INDEX = "model.safetensors.index.json"
+# Tensors a checkpoint may carry that the model recomputes.
+IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
+LISTED = 8  # names quoted per error, so a wrong model does not produce a megabyte of details
+
+
+@dataclass
+class LoadedModel:
+    config: ModelConfig
+    model: DecoderModel
+    tokenizer: Any | None  # tokenizers.Tokenizer when the directory has tokenizer.json
+    source: str
+
+
+def read_config(directory: Path, field: str) -> ModelConfig:
+    path = directory / "config.json"
+    try:
+        raw = json.loads(path.read_text())
+    except FileNotFoundError:
+        raise invalid_fields([FieldViolation(field, f"{path.name} not found in the model directory")]) from None
+    except (json.JSONDecodeError, UnicodeDecodeError) as err:
+        raise invalid_fields([FieldViolation(field, f"config.json is not valid JSON: {err}")]) from None
+    config = ModelConfig.from_hf(raw)
+    generation = directory / "generation_config.json"
+    if not config.eos_token_ids and generation.exists():
+        eos = json.loads(generation.read_text()).get("eos_token_id")
+        if eos is not None:
+            from dataclasses import replace
+
+            config = replace(config, eos_token_ids=tuple(eos) if isinstance(eos, list) else (int(eos),))
+    return config
+
+
+def tensor_files(directory: Path, field: str) -> dict[str, Path]:
+    """Tensor name -> the safetensors file holding it (one file, or the shards an index names)."""
+    from safetensors import safe_open
+
+    index = directory / SHARD_INDEX
+    if index.exists():
+        weight_map = json.loads(index.read_text()).get("weight_map", {})
+        missing = sorted({f for f in weight_map.values() if not (directory / f).exists()})
+        if missing:
+            raise invalid_fields([FieldViolation(field, f"shards named in {SHARD_INDEX} are missing: {missing}")])
+        return {name: directory / file for name, file in weight_map.items()}
+    files = sorted(directory.glob("*.safetensors"))
+    if not files:
+        raise invalid_fields([FieldViolation(field, f"no {SINGLE_FILE} or {SHARD_INDEX} in the model directory")])
+    located = {}
+    for file in files:
+        try:
+            with safe_open(str(file), framework="pt") as handle:
+                located.update({name: file for name in handle.keys()})  # noqa: SIM118 - safe_open has no __iter__
+        except Exception as err:  # safetensors raises its own error types for corrupt headers
+            raise invalid_fields(
+                [FieldViolation(field, f"{file.name} is not a readable safetensors file: {err}")]
+            ) from None
+    return located
+
+
+def check_checkpoint(config: ModelConfig, shapes: dict[str, tuple[int, ...]], field: str) -> None:
+    """Every tensor the model needs is present with its shape; nothing unknown is left over."""
+    layout = hf_layout(config)
+    violations = []
+    missing = [name for name in layout if name not in shapes]
+    if missing:
+        violations.append(FieldViolation(field, f"{len(missing)} tensors missing, e.g. {missing[:LISTED]}"))
+    wrong = [
+        f"{name}: {list(shapes[name])}, expected {list(p.shape)}"
+        for name, p in layout.items()
+        if name in shapes and tuple(shapes[name]) != p.shape
+    ]
+    if wrong:
+        violations.append(FieldViolation(field, f"{len(wrong)} tensors with wrong shapes, e.g. {wrong[:LISTED]}"))
+    unexpected = [n for n in shapes if n not in layout and not n.endswith(IGNORED_SUFFIXES)]
+    if config.tie_word_embeddings:
+        unexpected = [n for n in unexpected if n != "lm_head.weight"]
+    if unexpected:
+        violations.append(FieldViolation(field, f"{len(unexpected)} unexpected tensors, e.g. {unexpected[:LISTED]}"))
+    if violations:
+        raise invalid_fields(violations)
+
+
+@torch.no_grad()
+def load_directory(directory: Path, dtype: torch.dtype, device: torch.device, field: str) -> LoadedModel:
+    from safetensors import safe_open
+
+    config = read_config(directory, field)
+    located = tensor_files(directory, field)
+    shapes: dict[str, tuple[int, ...]] = {}
+    for file in sorted(set(located.values())):
+        with safe_open(str(file), framework="pt") as handle:
+            for name in handle.keys():  # noqa: SIM118
+                if located.get(name) == file:
+                    shapes[name] = tuple(handle.get_slice(name).get_shape())
+    check_checkpoint(config, shapes, field)
+    model = empty_model(config, dtype, device)
+    layout = hf_layout(config)
+    for file in sorted(set(located.values())):
+        with safe_open(str(file), framework="pt", device="cpu") as handle:
+            for name in handle.keys():  # noqa: SIM118
+                if name in layout and located[name] == file:
+                    place(model, layout[name], handle.get_tensor(name))
+    return LoadedModel(config, model, load_tokenizer(directory), str(directory))
+
+
+def load_tokenizer(directory: Path) -> Any | None:
+    """tokenizers.Tokenizer from tokenizer.json, or None (no file, or the package is not installed)."""
+    path = directory / "tokenizer.json"
+    if not path.exists():
+        return None
+    try:
+        from tokenizers import Tokenizer
+    except ImportError:
+        return None
+    return Tokenizer.from_file(str(path))
+
+
+def build_synthetic(config: ModelConfig, seed: int, dtype: torch.dtype, device: torch.device) -> LoadedModel:
+    return LoadedModel(config, synthetic_model(config, seed, dtype, device), None, f"synthetic(seed={seed})")
+
+
+def save_directory(model: DecoderModel, directory: Path, max_shard_bytes: int | None = None) -> None:
+    """Write config.json and safetensors (sharded with an index past `max_shard_bytes`), as HF does."""
+    from safetensors.torch import save_file
+
+    directory.mkdir(parents=True, exist_ok=True)
+    (directory / "config.json").write_text(json.dumps(model.config.to_hf(), indent=2))
+    state = export_hf_state(model)
+    if max_shard_bytes is None:
+        save_file(state, str(directory / SINGLE_FILE), metadata={"format": "pt"})
+        return
+    shards: list[dict[str, torch.Tensor]] = [{}]
+    size = 0
+    for name, tensor in state.items():
+        nbytes = tensor.numel() * tensor.element_size()
+        if shards[-1] and size + nbytes > max_shard_bytes:
+            shards.append({})
+            size = 0
+        shards[-1][name] = tensor
+        size += nbytes
+    weight_map = {}
+    for number, shard in enumerate(shards, start=1):
+        file = f"model-{number:05d}-of-{len(shards):05d}.safetensors"
+        save_file(shard, str(directory / file), metadata={"format": "pt"})
+        weight_map.update({name: file for name in shard})
+    (directory / SHARD_INDEX).write_text(json.dumps({"metadata": {}, "weight_map": weight_map}, indent=2))

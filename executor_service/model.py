@@ -1,0 +1,133 @@
+"""Llama and Qwen3 decoders on the paged attention kernels.
+
+Hugging Face's module names, with vLLM's two fusions: q/k/v in one `qkv_proj` and gate/up in one
+`gate_up_proj` (one matmul each instead of three and two). Qwen3 differs from Llama only by an
+RMSNorm over each head of q and k before RoPE.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from executor_service.attention_step import AttentionStep
+from executor_service.config import ModelConfig
+from executor_service.rope import RotaryEmbedding
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, size: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(size))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """As Hugging Face computes it: the statistics in fp32, the scale in the model's dtype."""
+        dtype = x.dtype
+        x32 = x.float()
+        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x32.to(dtype)
+
+
+class Attention(nn.Module):
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.num_heads, self.num_kv_heads, self.head_size = config.num_heads, config.num_kv_heads, config.head_size
+        self.q_size, self.kv_size = config.q_size, config.kv_size
+        self.scale = self.head_size**-0.5
+        self.qkv_proj = nn.Linear(config.hidden_size, self.q_size + 2 * self.kv_size, bias=config.attention_bias)
+        self.o_proj = nn.Linear(self.q_size, config.hidden_size, bias=config.attention_bias)
+        self.qk_norm = config.architecture == "qwen3"
+        if self.qk_norm:
+            self.q_norm = RMSNorm(self.head_size, config.rms_norm_eps)
+            self.k_norm = RMSNorm(self.head_size, config.rms_norm_eps)
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        positions: torch.Tensor,
+        rope: RotaryEmbedding,
+        kv_cache: tuple[torch.Tensor, torch.Tensor],
+        step: AttentionStep,
+    ) -> torch.Tensor:
+        tokens = x.shape[0]
+        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q = q.reshape(tokens, self.num_heads, self.head_size)
+        k = k.reshape(tokens, self.num_kv_heads, self.head_size)
+        v = v.reshape(tokens, self.num_kv_heads, self.head_size)
+        if self.qk_norm:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = rope(positions, q, k)
+        k_cache, v_cache = kv_cache
+        step.store_kv(k, v, k_cache, v_cache)
+        out = step.attend(q, k_cache, v_cache, self.scale)
+        return self.o_proj(out.reshape(tokens, self.q_size))
+
+
+class MLP(nn.Module):
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.intermediate_size = config.intermediate_size
+        self.gate_up_proj = nn.Linear(config.hidden_size, 2 * config.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up_proj(x).split(self.intermediate_size, dim=-1)
+        return self.down_proj(F.silu(gate) * up)
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.self_attn = Attention(config)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.mlp = MLP(config)
+
+    def forward(
+        self,
+        hidden: torch.Tensor,
+        positions: torch.Tensor,
+        rope: RotaryEmbedding,
+        kv_cache: tuple[torch.Tensor, torch.Tensor],
+        step: AttentionStep,
+    ) -> torch.Tensor:
+        hidden = hidden + self.self_attn(self.input_layernorm(hidden), positions, rope, kv_cache, step)
+        return hidden + self.mlp(self.post_attention_layernorm(hidden))
+
+
+class DecoderModel(nn.Module):
+    """Token ids of one step (all requests flattened) -> final hidden states; logits on demand."""
+
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.config = config
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(config) for _ in range(config.num_layers))
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        if config.tie_word_embeddings:
+            self.lm_head.weight = self.embed_tokens.weight
+        self.rope = RotaryEmbedding(config)
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
+        step: AttentionStep,
+        aux_layer_ids: tuple[int, ...] = (),
+    ) -> tuple[torch.Tensor, list[torch.Tensor]]:
+        """Hidden states after the final norm, and the residual stream after each layer in `aux_layer_ids`
+        (what EAGLE-3 and DFlash drafters read from the target)."""
+        hidden = self.embed_tokens(input_ids)
+        aux: list[torch.Tensor] = []
+        for index, layer in enumerate(self.layers):
+            hidden = layer(hidden, positions, self.rope, kv_caches[index], step)
+            if index in aux_layer_ids:
+                aux.append(hidden)
+        return self.norm(hidden), aux
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(hidden).float()

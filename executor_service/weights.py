@@ -1,0 +1,111 @@
+"""Where each Hugging Face tensor lives in our model, and synthetic weights from a seed.
+
+The layout is the one place that knows the fusions: q/k/v land in row ranges of `qkv_proj`, gate/up in
+row ranges of `gate_up_proj`. Loading, validation and export all read it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from executor_service.config import ModelConfig
+from executor_service.model import DecoderModel
+
+
+@dataclass(frozen=True)
+class Placement:
+    parameter: str  # our parameter's name
+    row_start: int  # first row of the fused parameter this tensor fills
+    shape: tuple[int, ...]  # the checkpoint tensor's shape
+
+
+def hf_layout(config: ModelConfig) -> dict[str, Placement]:
+    """Every tensor a Hugging Face checkpoint of `config` must hold -> where it goes."""
+    hidden, inter, q, kv = config.hidden_size, config.intermediate_size, config.q_size, config.kv_size
+    layout = {
+        "model.embed_tokens.weight": Placement("embed_tokens.weight", 0, (config.vocab_size, hidden)),
+        "model.norm.weight": Placement("norm.weight", 0, (hidden,)),
+    }
+    if not config.tie_word_embeddings:
+        layout["lm_head.weight"] = Placement("lm_head.weight", 0, (config.vocab_size, hidden))
+    for i in range(config.num_layers):
+        hf, ours = f"model.layers.{i}", f"layers.{i}"
+        layout[f"{hf}.input_layernorm.weight"] = Placement(f"{ours}.input_layernorm.weight", 0, (hidden,))
+        layout[f"{hf}.post_attention_layernorm.weight"] = Placement(
+            f"{ours}.post_attention_layernorm.weight", 0, (hidden,)
+        )
+        kinds = ["weight", "bias"] if config.attention_bias else ["weight"]
+        for kind in kinds:
+            rows = {"q_proj": (0, q), "k_proj": (q, kv), "v_proj": (q + kv, kv)}
+            for name, (start, size) in rows.items():
+                shape = (size, hidden) if kind == "weight" else (size,)
+                layout[f"{hf}.self_attn.{name}.{kind}"] = Placement(f"{ours}.self_attn.qkv_proj.{kind}", start, shape)
+            o_shape = (hidden, q) if kind == "weight" else (hidden,)
+            layout[f"{hf}.self_attn.o_proj.{kind}"] = Placement(f"{ours}.self_attn.o_proj.{kind}", 0, o_shape)
+        if config.architecture == "qwen3":
+            for name in ("q_norm", "k_norm"):
+                layout[f"{hf}.self_attn.{name}.weight"] = Placement(
+                    f"{ours}.self_attn.{name}.weight", 0, (config.head_size,)
+                )
+        layout[f"{hf}.mlp.gate_proj.weight"] = Placement(f"{ours}.mlp.gate_up_proj.weight", 0, (inter, hidden))
+        layout[f"{hf}.mlp.up_proj.weight"] = Placement(f"{ours}.mlp.gate_up_proj.weight", inter, (inter, hidden))
+        layout[f"{hf}.mlp.down_proj.weight"] = Placement(f"{ours}.mlp.down_proj.weight", 0, (hidden, inter))
+    return layout
+
+
+def empty_model(config: ModelConfig, dtype: torch.dtype, device: torch.device) -> DecoderModel:
+    """The model with uninitialized weights on `device` (no time spent on an init we overwrite)."""
+    with torch.device("meta"):
+        model = DecoderModel(config)
+    model = model.to_empty(device=device).to(dtype)
+    model.rope = model.rope.__class__(config).to(device)  # buffers computed, not left empty
+    if config.tie_word_embeddings:
+        model.lm_head.weight = model.embed_tokens.weight
+    return model.eval().requires_grad_(False)
+
+
+def place(model: DecoderModel, placement: Placement, tensor: torch.Tensor) -> None:
+    target = model.get_parameter(placement.parameter)
+    rows = placement.shape[0]
+    target[placement.row_start : placement.row_start + rows].copy_(tensor)
+
+
+@torch.no_grad()
+def synthetic_model(config: ModelConfig, seed: int, dtype: torch.dtype, device: torch.device) -> DecoderModel:
+    """Random weights from `seed`, drawn on `device` in a fixed order (same seed and device: same model).
+
+    Scales keep activations O(1) through depth and make logits peaked enough that greedy choices are
+    not decided by rounding: embeddings N(0, 1), projections N(0, 1/fan_in), the LM head N(0, 16/fan_in),
+    norms 1 with a little noise so a missed norm shows in tests.
+    """
+    model = empty_model(config, dtype, device)
+    generator = torch.Generator(device=device).manual_seed(seed)
+    for name, placement in hf_layout(config).items():
+        shape = placement.shape
+        if name.endswith("norm.weight"):
+            values = 1 + 0.1 * torch.randn(shape, generator=generator, device=device)
+        elif name.endswith(".bias"):
+            values = 0.1 * torch.randn(shape, generator=generator, device=device)
+        elif name == "model.embed_tokens.weight":
+            values = torch.randn(shape, generator=generator, device=device)
+        else:
+            gain = (
+                16.0
+                if name == "lm_head.weight"
+                else (1.0 / (2 * config.num_layers) if "o_proj" in name or "down_proj" in name else 1.0)
+            )
+            values = torch.randn(shape, generator=generator, device=device) * (gain / shape[1]) ** 0.5
+        place(model, placement, values)
+    return model
+
+
+def export_hf_state(model: DecoderModel) -> dict[str, torch.Tensor]:
+    """Our weights under Hugging Face names (fused parameters split back), contiguous, on the CPU."""
+    state = {}
+    for name, placement in hf_layout(model.config).items():
+        source = model.get_parameter(placement.parameter)
+        rows = placement.shape[0]
+        state[name] = source[placement.row_start : placement.row_start + rows].detach().cpu().contiguous()
+    return state
