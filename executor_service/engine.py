@@ -1,0 +1,153 @@
+"""The engine: continuous batching on its own thread.
+
+Callers (the asyncio gRPC servicer, tests, benchmarks) only `add` requests and `abort` them; both are
+thread-safe and never wait on the device. The engine thread owns the scheduler and the cache, runs
+`step()` while there is work, and hands each request's new tokens to the request's sink.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+from collections.abc import Callable, Iterable
+
+from executor_service.model_runner import ModelRunner
+from executor_service.request import Finish, Request, RequestOutput, Status
+from executor_service.sampling import sample
+from executor_service.scheduler import Scheduler
+
+log = logging.getLogger("specdec.engine")
+
+StepObserver = Callable[[int, int, float], None]  # (tokens computed, tokens generated, seconds)
+
+
+class Engine:
+    def __init__(
+        self, runner: ModelRunner, scheduler: Scheduler, max_model_len: int, on_step: StepObserver | None = None
+    ) -> None:
+        self.runner, self.scheduler, self.max_model_len = runner, scheduler, max_model_len
+        self.on_step = on_step
+        self._commands: queue.SimpleQueue[Callable[[], None]] = queue.SimpleQueue()
+        self._wake = threading.Event()
+        self._stop = threading.Event()
+        self._lock = threading.Lock()
+        self._live: dict[str, Request] = {}  # every request not yet finished, by id
+        self._thread: threading.Thread | None = None
+
+    # ---- called from any thread -------------------------------------------------------------
+    def start(self) -> None:
+        self._thread = threading.Thread(target=self._run, name="specdec-engine", daemon=True)
+        self._thread.start()
+
+    def shutdown(self) -> None:
+        """Abort whatever is still live (its sinks get finish "abort"), then stop the thread."""
+        self.abort(self.live_ids())
+        self._stop.set()
+        self._wake.set()
+        if self._thread is not None:
+            self._thread.join()
+
+    def add(self, request: Request) -> None:
+        """Queue a request the caller has checked (validation.py); KeyError if its id is live."""
+        with self._lock:
+            if request.request_id in self._live:
+                raise KeyError(request.request_id)
+            self._live[request.request_id] = request
+        self._submit(lambda: self.scheduler.add(request))
+
+    def abort(self, request_ids: Iterable[str]) -> list[str]:
+        """Stop these requests (finish "abort"); returns the ids that were still live."""
+        with self._lock:
+            found = [rid for rid in request_ids if rid in self._live]
+        if found:
+            self._submit(lambda: self._abort(found))
+        return found
+
+    def run_until_idle(self) -> None:
+        """Step on the caller's thread until no work is left; only before start() (warm-up, tests)."""
+        if self._thread is not None:
+            raise RuntimeError("the engine thread is running")
+        self._drain_commands()
+        while self.scheduler.has_work():
+            self.step()
+            self._drain_commands()
+
+    def live_ids(self) -> list[str]:
+        with self._lock:
+            return list(self._live)
+
+    @property
+    def num_live(self) -> int:
+        return len(self._live)
+
+    # ---- the engine thread -------------------------------------------------------------------
+    def _submit(self, command: Callable[[], None]) -> None:
+        self._commands.put(command)
+        self._wake.set()
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            self._wake.clear()
+            self._drain_commands()
+            if self.scheduler.has_work():
+                self.step()
+            else:
+                self._wake.wait()
+        self._drain_commands()
+
+    def _drain_commands(self) -> None:
+        while True:
+            try:
+                command = self._commands.get_nowait()
+            except queue.Empty:
+                return
+            command()
+
+    def step(self) -> None:
+        """Schedule, run the model once, sample, and hand out the new tokens."""
+        started = time.perf_counter()
+        scheduled = self.scheduler.schedule()
+        if not scheduled:
+            return
+        try:
+            inputs = self.runner.prepare(scheduled)
+            logits = self.runner.execute(inputs)
+            requests = [scheduled.requests[i] for i in inputs.sampled]
+            tokens = sample(logits, [r.settings for r in requests], [r.generator for r in requests])
+        except Exception as err:  # a kernel or device failure fails this step's requests, not the server
+            log.exception("step failed; failing its %d requests", len(scheduled.requests))
+            for request in scheduled.requests:
+                self._finish(request, None, error=err)
+            return
+        for request, num_new in zip(scheduled.requests, scheduled.num_new_tokens, strict=True):
+            request.num_computed_tokens += num_new
+        for request, token in zip(requests, tokens, strict=True):
+            request.output_ids.append(token)
+            reason = request.stop_reason(self.max_model_len)
+            if reason is None:
+                request.sink(RequestOutput(request.request_id, [token]))
+            else:
+                self._finish(request, reason, new_tokens=[token])
+        if self.on_step is not None:
+            self.on_step(scheduled.num_tokens, len(tokens), time.perf_counter() - started)
+
+    def _abort(self, request_ids: list[str]) -> None:
+        for rid in request_ids:
+            request = self._live.get(rid)
+            if request is not None and request.status is not Status.FINISHED:
+                self._finish(request, "abort")
+
+    def _finish(
+        self,
+        request: Request,
+        reason: str | None,
+        new_tokens: list[int] | None = None,
+        error: BaseException | None = None,
+    ) -> None:
+        self.scheduler.remove(request)
+        with self._lock:
+            self._live.pop(request.request_id, None)
+        finish: Finish | None = request.finish(reason) if reason is not None else None
+        request.sink(RequestOutput(request.request_id, new_tokens or [], finish=finish, error=error))

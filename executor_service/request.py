@@ -1,0 +1,98 @@
+"""One generation request as the engine tracks it, and what the engine hands back for it."""
+
+from __future__ import annotations
+
+import enum
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+
+from executor_service.sampling import SamplingSettings
+
+
+class Status(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+@dataclass(frozen=True)
+class Finish:
+    reason: str  # "stop" | "length" | "abort"
+    prompt_tokens: int
+    completion_tokens: int
+    drafted_tokens: int = 0
+    accepted_tokens: int = 0
+    acceptance_per_position: tuple[float, ...] = ()
+    verify_steps: int = 0
+
+
+@dataclass(frozen=True)
+class RequestOutput:
+    """New tokens of one step; `finish` on the last; `error` instead when the engine failed the request."""
+
+    request_id: str
+    token_ids: list[int]
+    num_drafted: int = 0
+    num_accepted: int = 0
+    finish: Finish | None = None
+    error: BaseException | None = None
+
+
+Sink = Callable[[RequestOutput], None]
+
+
+@dataclass(eq=False)
+class Request:
+    request_id: str
+    prompt_ids: list[int]
+    settings: SamplingSettings
+    max_tokens: int  # resolved: the request's own, or what is left of the context
+    eos_token_ids: frozenset[int]
+    sink: Sink
+    generator: torch.Generator | None = None
+    output_ids: list[int] = field(default_factory=list)
+    num_computed_tokens: int = 0  # tokens whose K/V are in the cache
+    block_ids: list[int] = field(default_factory=list)
+    status: Status = Status.WAITING
+    arrival_time: float = field(default_factory=time.monotonic)
+    num_preemptions: int = 0
+    drafted_tokens: int = 0
+    accepted_tokens: int = 0
+    verify_steps: int = 0
+    accepted_per_position: list[int] = field(default_factory=list)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_ids) + len(self.output_ids)
+
+    def token_ids(self, start: int, stop: int) -> list[int]:
+        prompt = len(self.prompt_ids)
+        if stop <= prompt:
+            return self.prompt_ids[start:stop]
+        if start >= prompt:
+            return self.output_ids[start - prompt : stop - prompt]
+        return self.prompt_ids[start:] + self.output_ids[: stop - prompt]
+
+    def stop_reason(self, max_model_len: int) -> str | None:
+        """Why generation ends after the newest token, or None to go on."""
+        last = self.output_ids[-1]
+        if last in self.settings.stop_token_ids or (last in self.eos_token_ids and not self.settings.ignore_eos):
+            return "stop"
+        if len(self.output_ids) >= self.max_tokens or self.num_tokens >= max_model_len:
+            return "length"
+        return None
+
+    def finish(self, reason: str) -> Finish:
+        steps = max(self.verify_steps, 1)
+        return Finish(
+            reason=reason,
+            prompt_tokens=len(self.prompt_ids),
+            completion_tokens=len(self.output_ids),
+            drafted_tokens=self.drafted_tokens,
+            accepted_tokens=self.accepted_tokens,
+            acceptance_per_position=tuple(n / steps for n in self.accepted_per_position),
+            verify_steps=self.verify_steps,
+        )

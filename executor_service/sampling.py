@@ -1,0 +1,78 @@
+"""Per-request sampling: greedy, or temperature / top-k / top-p with the request's own seeded generator.
+
+`target_probs` is the distribution a sampled request draws from, exposed for the rejection sampler of
+speculative decoding, which must accept and resample against exactly this distribution.
+"""
+
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass, field
+
+import torch
+
+from specdec.v1 import executor_pb2
+
+
+@dataclass(frozen=True)
+class SamplingSettings:
+    temperature: float = 0.0
+    top_p: float = 1.0
+    top_k: int = 0  # 0: the whole vocabulary
+    max_tokens: int | None = None
+    seed: int | None = None
+    stop_token_ids: frozenset[int] = field(default_factory=frozenset)
+    ignore_eos: bool = False
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+    @classmethod
+    def from_proto(cls, params: executor_pb2.SamplingParams) -> SamplingSettings:
+        return cls(
+            temperature=params.temperature,
+            top_p=params.top_p if params.HasField("top_p") else 1.0,
+            top_k=params.top_k,
+            max_tokens=params.max_tokens if params.HasField("max_tokens") else None,
+            seed=params.seed if params.HasField("seed") else None,
+            stop_token_ids=frozenset(params.stop_token_ids),
+            ignore_eos=params.ignore_eos,
+        )
+
+
+def make_generator(settings: SamplingSettings, device: torch.device) -> torch.Generator | None:
+    """The request's own random stream: seeded requests replay exactly, whatever else is batched."""
+    if settings.greedy:
+        return None
+    seed = settings.seed if settings.seed is not None else random.getrandbits(63)
+    return torch.Generator(device=device).manual_seed(seed)
+
+
+def target_probs(logits: torch.Tensor, settings: SamplingSettings) -> torch.Tensor:
+    """Softmax of logits [..., V] / temperature, restricted to the top-k and then the top-p nucleus."""
+    scaled = logits.float() / settings.temperature
+    vocab = scaled.shape[-1]
+    if 0 < settings.top_k < vocab:
+        kth = torch.topk(scaled, settings.top_k, dim=-1).values[..., -1:]
+        scaled = scaled.masked_fill(scaled < kth, float("-inf"))
+    probs = torch.softmax(scaled, dim=-1)
+    if settings.top_p < 1.0:
+        sorted_probs, order = probs.sort(dim=-1, descending=True)
+        before = sorted_probs.cumsum(dim=-1) - sorted_probs  # mass of strictly more likely tokens
+        sorted_probs = sorted_probs.masked_fill(before >= settings.top_p, 0.0)
+        probs = torch.zeros_like(probs).scatter_(-1, order, sorted_probs)
+        probs = probs / probs.sum(dim=-1, keepdim=True)
+    return probs
+
+
+def sample(
+    logits: torch.Tensor, settings: list[SamplingSettings], generators: list[torch.Generator | None]
+) -> list[int]:
+    """One token per row of logits [N, V]; greedy rows in one argmax, sampled rows each with its generator."""
+    tokens = logits.argmax(dim=-1)
+    for row, (setting, generator) in enumerate(zip(settings, generators, strict=True)):
+        if not setting.greedy:
+            probs = target_probs(logits[row], setting)
+            tokens[row] = torch.multinomial(probs, 1, generator=generator)[0]
+    return tokens.tolist()

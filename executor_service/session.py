@@ -1,0 +1,185 @@
+"""A loaded model ready to serve: weights, KV cache, scheduler and a running engine, plus the backend
+decision it runs on. LoadModel builds one in steps that the servicer interleaves with its event loop:
+resolve the source, ask for backends, then load and warm up in a worker thread.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from executor_service.config import ModelConfig
+from executor_service.engine import Engine, StepObserver
+from executor_service.kv_cache import KVCache, blocks_for_memory_fraction, blocks_needed
+from executor_service.loader import LoadedModel, build_synthetic, load_directory, read_config
+from executor_service.model_runner import ModelRunner
+from executor_service.request import Request, RequestOutput, Sink
+from executor_service.sampling import SamplingSettings, make_generator
+from executor_service.scheduler import Scheduler
+from executor_service.validation import DEFAULT_BLOCK_SIZE, ModelLimits, resolve_model_path
+from specdec.v1 import common_pb2, executor_pb2, selector_pb2
+
+log = logging.getLogger("specdec.executor")
+
+TORCH_DTYPES = {
+    common_pb2.DTYPE_FLOAT16: torch.float16,
+    common_pb2.DTYPE_BFLOAT16: torch.bfloat16,
+    common_pb2.DTYPE_FLOAT32: torch.float32,
+}
+CPU_DEFAULT_KV_TOKENS = 16384
+DEFAULT_GPU_MEMORY_UTILIZATION = 0.9
+
+
+@dataclass(frozen=True)
+class TargetSource:
+    config: ModelConfig
+    path: Path | None  # None: synthetic
+    seed: int = 0
+
+
+@dataclass(frozen=True)
+class EngineSettings:
+    max_num_batched_tokens: int = 8192
+    max_num_seqs: int = 256
+
+
+def resolve_target(source: executor_pb2.ModelSource, model_root: Path | None, field: str) -> TargetSource:
+    """The target's config (config.json is read; weights are not yet)."""
+    if source.WhichOneof("source") == "synthetic":
+        return TargetSource(
+            ModelConfig.from_synthetic(source.synthetic, f"{field}.synthetic"), None, source.synthetic.seed
+        )
+    path = resolve_model_path(source.path, model_root, f"{field}.path")
+    return TargetSource(read_config(path, f"{field}.path"), path)
+
+
+def resolve_dtype(requested: int, device: torch.device) -> torch.dtype:
+    if requested == common_pb2.DTYPE_UNSPECIFIED:
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    return TORCH_DTYPES[requested]
+
+
+def selection_request(
+    request: executor_pb2.LoadModelRequest,
+    config: ModelConfig,
+    hardware: common_pb2.HardwareCapabilities,
+    dtype: torch.dtype,
+) -> selector_pb2.SelectBackendsRequest:
+    """What the selector decides from: this machine's report and the target's layer spec."""
+    dtype_enum = {v: k for k, v in TORCH_DTYPES.items()}[dtype]
+    return selector_pb2.SelectBackendsRequest(
+        hardware=hardware,
+        target_layers=common_pb2.LayerSpec(
+            head_size=config.head_size,
+            num_heads=config.num_heads,
+            num_kv_heads=config.num_kv_heads,
+            dtype=dtype_enum,
+            kv_cache_dtype="auto",
+            block_size=request.block_size or DEFAULT_BLOCK_SIZE,
+        ),
+        attention=request.attention,
+    )
+
+
+@dataclass
+class ModelSession:
+    loaded: LoadedModel
+    decision: common_pb2.BackendDecision
+    dtype: torch.dtype
+    kv_cache: KVCache
+    engine: Engine
+    limits: ModelLimits
+    info: executor_pb2.ModelInfo
+    load_seconds: float = 0.0
+    _ids: threading.Lock = field(default_factory=threading.Lock)
+
+    def new_request(
+        self, request_id: str, prompt: list[int], settings: SamplingSettings, max_tokens: int, sink: Sink
+    ) -> Request:
+        return Request(
+            request_id=request_id,
+            prompt_ids=prompt,
+            settings=settings,
+            max_tokens=max_tokens,
+            eos_token_ids=frozenset(self.loaded.config.eos_token_ids),
+            sink=sink,
+            generator=make_generator(settings, self.kv_cache.storage.device),
+        )
+
+    def shutdown(self) -> None:
+        self.engine.shutdown()
+
+
+def build_session(
+    source: TargetSource,
+    request: executor_pb2.LoadModelRequest,
+    decision: common_pb2.BackendDecision,
+    device: torch.device,
+    settings: EngineSettings,
+    on_step: StepObserver | None = None,
+) -> ModelSession:
+    """Load weights, size and allocate the KV cache, warm the kernels up, start the engine thread."""
+    started = time.perf_counter()
+    dtype = resolve_dtype(request.dtype, device)
+    if source.path is None:
+        loaded = build_synthetic(source.config, source.seed, dtype, device)
+    else:
+        loaded = load_directory(source.path, dtype, device, "target.path")
+    config = loaded.config
+    block_size = request.block_size or DEFAULT_BLOCK_SIZE
+    if request.num_kv_blocks > 0:
+        num_blocks = request.num_kv_blocks
+    elif device.type == "cuda":
+        fraction = request.gpu_memory_utilization or DEFAULT_GPU_MEMORY_UTILIZATION
+        num_blocks = blocks_for_memory_fraction(config, block_size, dtype, device, fraction)
+        num_blocks = min(num_blocks, blocks_needed(settings.max_num_seqs * config.max_position_embeddings, block_size))
+    else:
+        num_blocks = blocks_needed(CPU_DEFAULT_KV_TOKENS, block_size)
+    kv_cache = KVCache(config, num_blocks, block_size, dtype, device)
+    runner = ModelRunner(loaded.model, kv_cache, decision.backend, device)
+    scheduler = Scheduler(kv_cache.allocator, block_size, settings.max_num_batched_tokens, settings.max_num_seqs)
+    max_model_len = config.max_position_embeddings
+    engine = Engine(runner, scheduler, max_model_len, on_step)
+    limits = ModelLimits(config.vocab_size, max_model_len, kv_cache.capacity_tokens, loaded.tokenizer is not None)
+    info = executor_pb2.ModelInfo(
+        architecture=config.architecture,
+        vocab_size=config.vocab_size,
+        hidden_size=config.hidden_size,
+        num_layers=config.num_layers,
+        num_heads=config.num_heads,
+        num_kv_heads=config.num_kv_heads,
+        head_size=config.head_size,
+        max_model_len=max_model_len,
+        dtype={v: k for k, v in TORCH_DTYPES.items()}[dtype],
+        block_size=block_size,
+        num_kv_blocks=num_blocks,
+        spec_method=common_pb2.SPEC_METHOD_NONE,
+        has_tokenizer=loaded.tokenizer is not None,
+        eos_token_id=config.eos_token_ids[0] if config.eos_token_ids else -1,
+    )
+    session = ModelSession(loaded, decision, dtype, kv_cache, engine, limits, info)
+    warm_up(session)
+    engine.start()
+    session.load_seconds = time.perf_counter() - started
+    return session
+
+
+def warm_up(session: ModelSession) -> None:
+    """Run a prefill and a few decode steps (a mixed batch) before serving: kernels compile now, not on
+    the first caller's time. Runs on the caller's thread before the engine thread starts."""
+    outputs: list[RequestOutput] = []
+    prompt_len = min(32, session.limits.max_model_len - 4)
+    for index, length in enumerate((prompt_len, max(1, prompt_len // 3))):
+        prompt = [1 % session.limits.vocab_size] * length
+        session.engine.add(session.new_request(f"warmup-{index}", prompt, SamplingSettings(), 3, outputs.append))
+    session.engine.run_until_idle()
+    errors = [o.error for o in outputs if o.error is not None]
+    if errors:
+        raise errors[0]
+    if session.kv_cache.allocator.num_used:
+        raise RuntimeError("warm-up leaked KV blocks")  # an engine bug: refuse to serve with it

@@ -1,0 +1,129 @@
+"""Checks of LoadModel and Generate requests: every bad field reported at once, before any work starts."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from executor_service.sampling import SamplingSettings
+from selector_service.errors import FieldViolation, ResourceExhausted, invalid_fields
+from specdec.v1 import common_pb2, executor_pb2
+
+DEFAULT_BLOCK_SIZE = 16
+
+
+def resolve_model_path(raw: str, model_root: Path | None, field: str) -> Path:
+    """A directory strictly under --model-root; anything else (absolute elsewhere, `..`, links out) is refused."""
+    if model_root is None:
+        raise invalid_fields(
+            [FieldViolation(field, "loading from a path is off: start the executor with --model-root")]
+        )
+    if not raw:
+        raise invalid_fields([FieldViolation(field, "required: a directory under the model root")])
+    if ".." in Path(raw).parts:
+        raise invalid_fields([FieldViolation(field, "'..' is not allowed in model paths")])
+    root = model_root.resolve()
+    candidate = (root / raw).resolve()  # an absolute `raw` replaces root; resolve() follows links
+    if candidate != root and root not in candidate.parents:
+        raise invalid_fields([FieldViolation(field, f"{raw!r} is outside the model root")])
+    if not candidate.is_dir():
+        raise invalid_fields([FieldViolation(field, f"{raw!r} is not a directory under the model root")])
+    return candidate
+
+
+def check_load_request(request: executor_pb2.LoadModelRequest) -> None:
+    violations = []
+    if not request.HasField("target") or request.target.WhichOneof("source") is None:
+        violations.append(FieldViolation("target", "required: a path under the model root or a synthetic spec"))
+    if request.dtype not in (
+        common_pb2.DTYPE_UNSPECIFIED,
+        common_pb2.DTYPE_FLOAT16,
+        common_pb2.DTYPE_BFLOAT16,
+        common_pb2.DTYPE_FLOAT32,
+    ):
+        violations.append(FieldViolation("dtype", f"unknown dtype {request.dtype}"))
+    if request.block_size < 0 or request.block_size % 16:
+        violations.append(FieldViolation("block_size", f"a positive multiple of 16 (0: {DEFAULT_BLOCK_SIZE})"))
+    if request.num_kv_blocks < 0:
+        violations.append(FieldViolation("num_kv_blocks", "must be >= 0 (0: sized from gpu_memory_utilization)"))
+    if not 0.0 <= request.gpu_memory_utilization <= 1.0:
+        violations.append(FieldViolation("gpu_memory_utilization", "must be in (0, 1] (0: the executor's default)"))
+    if request.attention.use_non_causal:
+        violations.append(
+            FieldViolation("attention.use_non_causal", "the target is a causal decoder; non-causal is for drafters")
+        )
+    if violations:
+        raise invalid_fields(violations)
+
+
+@dataclass(frozen=True)
+class ModelLimits:
+    """What a Generate request is checked against."""
+
+    vocab_size: int
+    max_model_len: int
+    capacity_tokens: int  # the whole KV cache
+    has_tokenizer: bool
+
+
+def check_generate(
+    request: executor_pb2.GenerateRequest, limits: ModelLimits, tokenizer: Any | None
+) -> tuple[list[int], SamplingSettings, int]:
+    """The prompt's token ids, the sampling settings and the resolved max_tokens, or every problem at once."""
+    violations: list[FieldViolation] = []
+    if not request.request_id:
+        violations.append(FieldViolation("request_id", "required (unique among running requests)"))
+    prompt: list[int] = []
+    kind = request.WhichOneof("input")
+    if kind == "token_ids":
+        prompt = list(request.token_ids.ids)
+        bad = [i for i in prompt if not 0 <= i < limits.vocab_size]
+        if bad:
+            violations.append(
+                FieldViolation("token_ids.ids", f"{len(bad)} ids outside [0, {limits.vocab_size}), e.g. {bad[:8]}")
+            )
+    elif kind == "text":
+        if tokenizer is None:
+            violations.append(FieldViolation("text", "the loaded model has no tokenizer; send token_ids"))
+        else:
+            prompt = tokenizer.encode(request.text).ids
+    if kind is None or (not prompt and not any(v.field == "text" for v in violations)):
+        violations.append(FieldViolation(kind or "input", "the prompt is empty"))
+    elif len(prompt) >= limits.max_model_len:
+        violations.append(
+            FieldViolation(
+                kind, f"prompt of {len(prompt)} tokens leaves no room in the context of {limits.max_model_len}"
+            )
+        )
+    params = request.sampling
+    if params.temperature < 0 or params.temperature != params.temperature:
+        violations.append(FieldViolation("sampling.temperature", f"must be >= 0, got {params.temperature}"))
+    if params.HasField("top_p") and not 0.0 < params.top_p <= 1.0:
+        violations.append(FieldViolation("sampling.top_p", f"must be in (0, 1], got {params.top_p}"))
+    if params.top_k < 0:
+        violations.append(FieldViolation("sampling.top_k", f"must be >= 0 (0: no limit), got {params.top_k}"))
+    if params.HasField("max_tokens") and params.max_tokens <= 0:
+        violations.append(FieldViolation("sampling.max_tokens", f"must be > 0, got {params.max_tokens}"))
+    elif params.HasField("max_tokens") and prompt and len(prompt) + params.max_tokens > limits.max_model_len:
+        violations.append(
+            FieldViolation(
+                "sampling.max_tokens",
+                f"prompt ({len(prompt)}) + max_tokens ({params.max_tokens}) exceeds the context of {limits.max_model_len}",
+            )
+        )
+    bad_stops = [i for i in params.stop_token_ids if not 0 <= i < limits.vocab_size]
+    if bad_stops:
+        violations.append(FieldViolation("sampling.stop_token_ids", f"ids outside the vocabulary: {bad_stops[:8]}"))
+    if violations:
+        raise invalid_fields(violations)
+    settings = SamplingSettings.from_proto(params)
+    room = min(limits.max_model_len, limits.capacity_tokens) - len(prompt)
+    max_tokens = settings.max_tokens if settings.max_tokens is not None else room
+    if len(prompt) + max_tokens > limits.capacity_tokens or room <= 0:
+        raise ResourceExhausted(
+            f"prompt ({len(prompt)}) + max_tokens ({max_tokens}) can never fit the KV cache of "
+            f"{limits.capacity_tokens} tokens",
+            field_violations=(FieldViolation("sampling.max_tokens", "more tokens than the whole KV cache holds"),),
+        )
+    return prompt, settings, max_tokens
