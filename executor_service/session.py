@@ -122,8 +122,10 @@ def build_session(
     device: torch.device,
     settings: EngineSettings,
     on_step: StepObserver | None = None,
+    start: bool = True,
 ) -> ModelSession:
-    """Load weights, size and allocate the KV cache, warm the kernels up, start the engine thread."""
+    """Load weights, size and allocate the KV cache, warm the kernels up, start the engine thread
+    (`start=False`: the caller drives `engine.run_until_idle()` itself, as deterministic tests do)."""
     started = time.perf_counter()
     dtype = resolve_dtype(request.dtype, device)
     if source.path is None:
@@ -164,7 +166,8 @@ def build_session(
     )
     session = ModelSession(loaded, decision, dtype, kv_cache, engine, limits, info)
     warm_up(session)
-    engine.start()
+    if start:
+        engine.start()
     session.load_seconds = time.perf_counter() - started
     return session
 

@@ -109,7 +109,8 @@ def check_generate(
         violations.append(
             FieldViolation(
                 "sampling.max_tokens",
-                f"prompt ({len(prompt)}) + max_tokens ({params.max_tokens}) exceeds the context of {limits.max_model_len}",
+                f"prompt ({len(prompt)}) + max_tokens ({params.max_tokens}) exceeds the context "
+                f"of {limits.max_model_len}",
             )
         )
     bad_stops = [i for i in params.stop_token_ids if not 0 <= i < limits.vocab_size]

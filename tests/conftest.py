@@ -20,6 +20,21 @@ from pathlib import Path
 import pytest
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    """Kernels run on the GPU when there is one, else on the CPU with Triton's interpreter (single-threaded:
+    it runs thousands of tiny numpy matmuls, which a BLAS thread pool makes several times slower)."""
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
+    try:
+        import torch
+    except ImportError:  # a selector-only install: no kernels to run
+        return
+    if not torch.cuda.is_available():
+        torch.set_num_threads(1)
+        # Must be set before any @triton.jit runs: kernels are built as interpreted functions then.
+        os.environ.setdefault("TRITON_INTERPRET", "1")
 STARTUP_TIMEOUT_S = 20.0
 SHUTDOWN_TIMEOUT_S = 10.0
 

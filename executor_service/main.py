@@ -1,0 +1,131 @@
+"""`specdec-executor`: serve the Executor gRPC service on one device until SIGTERM.
+
+Health is NOT_SERVING until a model is loaded and warmed up (LoadModel, or --load at start). On SIGTERM
+health goes NOT_SERVING, new generations are refused, running ones get --grace-seconds to finish and
+are then aborted (their streams end with finish_reason "abort"), and the process exits 0.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from executor_service.capabilities import default_device
+from executor_service.metrics import EngineMetrics
+from executor_service.selection import BackendChooser
+from executor_service.servicer import SERVICE_NAME, ExecutorServicer
+from executor_service.session import EngineSettings
+from selector_service.client import load_message
+from selector_service.errors import SpecdecError
+from selector_service.grpc_runtime import (
+    EnvDefaultsParser,
+    RunningServer,
+    ServerSettings,
+    add_server_arguments,
+    create_server,
+    start_server,
+    wait_for_termination_signal,
+)
+from selector_service.logs import configure_logging
+from specdec.v1 import executor_pb2, executor_pb2_grpc
+
+DEFAULT_PORT = 50052
+log = logging.getLogger("specdec.executor")
+
+
+@dataclass(frozen=True)
+class ExecutorOptions:
+    device: torch.device
+    model_root: Path | None = None
+    selector_address: str | None = None
+    engine: EngineSettings = field(default_factory=EngineSettings)
+    max_live_requests: int = 4096
+
+
+@dataclass
+class RunningExecutor:
+    server: RunningServer
+    servicer: ExecutorServicer
+
+    async def stop(self, grace_seconds: float) -> None:
+        await self.server.health.enter_graceful_shutdown()
+        await self.servicer.drain(grace_seconds)
+        await self.server.server.stop(1.0)
+        await self.servicer.chooser.close()
+
+
+async def start_executor(settings: ServerSettings, options: ExecutorOptions) -> RunningExecutor:
+    server, rpc_metrics = create_server(settings, "executor")
+    holder: list[RunningServer] = []
+
+    async def set_serving(serving: bool) -> None:
+        if holder:
+            await holder[0].set_serving(serving)
+
+    servicer = ExecutorServicer(
+        device=options.device,
+        model_root=options.model_root,
+        chooser=BackendChooser(options.selector_address),
+        engine_settings=options.engine,
+        metrics=EngineMetrics(rpc_metrics.registry),
+        set_serving=set_serving,
+        max_live_requests=options.max_live_requests,
+    )
+    executor_pb2_grpc.add_ExecutorServicer_to_server(servicer, server)
+    running = await start_server(server, rpc_metrics, settings, [SERVICE_NAME], ready=False)
+    holder.append(running)
+    return RunningExecutor(running, servicer)
+
+
+async def serve(settings: ServerSettings, options: ExecutorOptions, load_file: str | None) -> int:
+    executor = await start_executor(settings, options)
+    if load_file:
+        try:
+            request = load_message(load_file, executor_pb2.LoadModelRequest())
+            response = await executor.servicer.load(request)  # type: ignore[arg-type]
+            log.info("loaded at start", extra={"backend": response.target_backend.backend})
+        except (SpecdecError, ValueError, OSError) as err:
+            log.error("cannot load %s: %s", load_file, err)
+            await executor.stop(0)
+            return 1
+    await wait_for_termination_signal()
+    await executor.stop(settings.grace_seconds)
+    log.info("stopped")
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = EnvDefaultsParser(prog="specdec-executor", description=__doc__)
+    add_server_arguments(parser, DEFAULT_PORT)
+    parser.add_argument("--selector-address", help="ask this selector for backends (default: decide in-process)")
+    parser.add_argument("--model-root", help="LoadModel paths must lie under this directory (unset: synthetic only)")
+    parser.add_argument("--device", help="cuda, cuda:N or cpu (default: the first GPU, else the CPU)")
+    parser.add_argument("--load", help="a LoadModelRequest (YAML or JSON) to load before serving")
+    parser.add_argument("--max-num-batched-tokens", type=int, default=8192, help="tokens per engine step")
+    parser.add_argument("--max-num-seqs", type=int, default=256, help="requests in the running batch")
+    parser.add_argument(
+        "--max-live-requests", type=int, default=4096, help="running + queued; more: RESOURCE_EXHAUSTED"
+    )
+    args = parser.parse_args(argv)
+    configure_logging(args.log_level, args.log_format)
+    options = ExecutorOptions(
+        device=torch.device(args.device) if args.device else default_device(),
+        model_root=Path(args.model_root) if args.model_root else None,
+        selector_address=args.selector_address,
+        engine=EngineSettings(int(args.max_num_batched_tokens), int(args.max_num_seqs)),
+        max_live_requests=int(args.max_live_requests),
+    )
+    try:
+        return asyncio.run(serve(ServerSettings.from_args(args), options, args.load))
+    except (OSError, ValueError) as err:
+        log.error("cannot serve: %s", err)
+        return 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,71 @@
+"""The executor's Prometheus metrics, next to the RPC metrics in the same registry: tokens (and tokens/s
+over a sliding window), queue depth, running requests, KV blocks used, step latency."""
+
+from __future__ import annotations
+
+import collections
+import threading
+import time
+from collections.abc import Callable
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+STEP_BUCKETS = (0.001, 0.0025, 0.005, 0.0075, 0.01, 0.015, 0.02, 0.03, 0.05, 0.075, 0.1, 0.25, 0.5, 1, 2.5, 10)
+WINDOW_SECONDS = 10.0
+
+
+class EngineMetrics:
+    def __init__(self, registry: CollectorRegistry) -> None:
+        self.generated = Counter("specdec_generated_tokens", "Tokens generated (sampled)", registry=registry)
+        self.computed = Counter("specdec_computed_tokens", "Tokens run through the target model", registry=registry)
+        self.step_latency = Histogram(
+            "specdec_step_latency_seconds",
+            "One engine step: schedule, forward, sample",
+            registry=registry,
+            buckets=STEP_BUCKETS,
+        )
+        self.tokens_per_second = Gauge(
+            "specdec_generation_tokens_per_second",
+            f"Generated tokens/s over the last {WINDOW_SECONDS:.0f} s",
+            registry=registry,
+        )
+        self.queue_depth = Gauge("specdec_queue_depth", "Requests waiting for admission", registry=registry)
+        self.running = Gauge("specdec_running_requests", "Requests in the running batch", registry=registry)
+        self.kv_used = Gauge("specdec_kv_blocks_used", "KV cache blocks held by requests", registry=registry)
+        self.kv_total = Gauge("specdec_kv_blocks_total", "KV cache blocks in all", registry=registry)
+        self._window: collections.deque[tuple[float, int]] = collections.deque()
+        self._lock = threading.Lock()
+        self.tokens_per_second.set_function(self._rate)
+
+    def on_step(self, computed: int, generated: int, seconds: float) -> None:
+        """Called by the engine thread after each step."""
+        self.computed.inc(computed)
+        self.generated.inc(generated)
+        self.step_latency.observe(seconds)
+        now = time.monotonic()
+        with self._lock:
+            self._window.append((now, generated))
+            while self._window and self._window[0][0] < now - WINDOW_SECONDS:
+                self._window.popleft()
+
+    def watch(
+        self,
+        queue_depth: Callable[[], float],
+        running: Callable[[], float],
+        kv_used: Callable[[], float],
+        kv_total: Callable[[], float],
+    ) -> None:
+        """Read the gauges from the current session at scrape time."""
+        self.queue_depth.set_function(queue_depth)
+        self.running.set_function(running)
+        self.kv_used.set_function(kv_used)
+        self.kv_total.set_function(kv_total)
+
+    def _rate(self) -> float:
+        now = time.monotonic()
+        with self._lock:
+            recent = [(t, n) for t, n in self._window if t >= now - WINDOW_SECONDS]
+        if not recent:
+            return 0.0
+        span = max(now - recent[0][0], 1e-3)
+        return sum(n for _, n in recent) / span

@@ -1,0 +1,254 @@
+"""The Executor gRPC service: an asyncio shell over the engine thread.
+
+Handlers never touch the device: loading runs in a worker thread, generation hands requests to the
+engine and awaits their tokens on an asyncio queue that the engine thread fills thread-safely.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable
+from pathlib import Path
+
+import grpc
+import torch
+
+from executor_service.capabilities import probe
+from executor_service.detokenizer import IncrementalDetokenizer
+from executor_service.metrics import EngineMetrics
+from executor_service.request import RequestOutput
+from executor_service.selection import BackendChooser
+from executor_service.session import EngineSettings, ModelSession, build_session, resolve_target, selection_request
+from executor_service.validation import check_generate, check_load_request
+from selector_service.errors import (
+    AlreadyExists,
+    FailedPrecondition,
+    FieldViolation,
+    ResourceExhausted,
+    SpecdecError,
+)
+from specdec.v1 import common_pb2, executor_pb2, executor_pb2_grpc
+
+SERVICE_NAME = executor_pb2.DESCRIPTOR.services_by_name["Executor"].full_name
+log = logging.getLogger("specdec.executor")
+
+
+class Unavailable(SpecdecError):
+    code = grpc.StatusCode.UNAVAILABLE
+
+
+class ExecutorServicer(executor_pb2_grpc.ExecutorServicer):
+    def __init__(
+        self,
+        device: torch.device,
+        model_root: Path | None,
+        chooser: BackendChooser,
+        engine_settings: EngineSettings,
+        metrics: EngineMetrics,
+        set_serving: Callable[[bool], Awaitable[None]],
+        max_live_requests: int = 4096,
+    ) -> None:
+        self.device, self.model_root, self.chooser = device, model_root, chooser
+        self.engine_settings, self.metrics, self.set_serving = engine_settings, metrics, set_serving
+        self.max_live_requests = max_live_requests
+        self.session: ModelSession | None = None
+        self.draining = False
+        self._capabilities: common_pb2.HardwareCapabilities | None = None
+        self._load_lock = asyncio.Lock()
+        metrics.watch(
+            queue_depth=lambda: len(self.session.engine.scheduler.waiting) if self.session else 0,
+            running=lambda: len(self.session.engine.scheduler.running) if self.session else 0,
+            kv_used=lambda: self.session.kv_cache.allocator.num_used if self.session else 0,
+            kv_total=lambda: self.session.kv_cache.num_blocks if self.session else 0,
+        )
+
+    async def capabilities(self) -> common_pb2.HardwareCapabilities:
+        if self._capabilities is None:
+            self._capabilities = await asyncio.to_thread(probe, self.device)
+        return self._capabilities
+
+    async def GetCapabilities(
+        self, request: executor_pb2.GetCapabilitiesRequest, context: grpc.aio.ServicerContext
+    ) -> common_pb2.HardwareCapabilities:
+        return await self.capabilities()
+
+    async def LoadModel(
+        self, request: executor_pb2.LoadModelRequest, context: grpc.aio.ServicerContext
+    ) -> executor_pb2.LoadModelResponse:
+        try:
+            return await self.load(request)
+        except SpecdecError as err:
+            await context.abort_with_status(err.to_status())
+            raise
+        except grpc.aio.AioRpcError as err:  # the selector's answer, passed on with its details
+            await context.abort(err.code(), err.details() or "", err.trailing_metadata())
+            raise
+
+    async def load(self, request: executor_pb2.LoadModelRequest) -> executor_pb2.LoadModelResponse:
+        """Check, choose backends, load and warm up; replaces an idle loaded model."""
+        check_load_request(request)
+        if self._load_lock.locked():
+            raise FailedPrecondition("another LoadModel is in progress")
+        async with self._load_lock:
+            if self.session is not None and self.session.engine.num_live:
+                raise FailedPrecondition(
+                    f"{self.session.engine.num_live} requests are running on the loaded model; abort them first"
+                )
+            source = await asyncio.to_thread(resolve_target, request.target, self.model_root, "target")
+            hardware = await self.capabilities()
+            dtype = _dtype(request, self.device)
+            decision = await self.chooser.choose(selection_request(request, source.config, hardware, dtype))
+            old, self.session = self.session, None
+            await self.set_serving(False)
+            if old is not None:
+                await asyncio.to_thread(old.shutdown)
+            session = await asyncio.to_thread(
+                build_session,
+                source,
+                request,
+                decision.target,
+                self.device,
+                self.engine_settings,
+                self.metrics.on_step,
+            )
+            self.session = session
+            await self.set_serving(True)
+            log.info(
+                "model loaded",
+                extra={
+                    "source": session.loaded.source,
+                    "backend": decision.target.backend,
+                    "kv_blocks": session.kv_cache.num_blocks,
+                    "seconds": round(session.load_seconds, 2),
+                },
+            )
+            return executor_pb2.LoadModelResponse(target_backend=decision.target, info=session.info)
+
+    async def GetModelInfo(
+        self, request: executor_pb2.GetModelInfoRequest, context: grpc.aio.ServicerContext
+    ) -> executor_pb2.GetModelInfoResponse:
+        session = self.session
+        if session is None:
+            await context.abort_with_status(_not_loaded().to_status())
+        assert session is not None
+        return executor_pb2.GetModelInfoResponse(info=session.info, target_backend=session.decision)
+
+    async def Generate(
+        self, request: executor_pb2.GenerateRequest, context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[executor_pb2.GenerateResponse]:
+        try:
+            session, outputs = self._admit(request)
+        except SpecdecError as err:
+            await context.abort_with_status(err.to_status())
+            return
+        detokenizer = IncrementalDetokenizer(session.loaded.tokenizer) if session.loaded.tokenizer else None
+        finished = False
+        try:
+            while not finished:
+                chunk = [await outputs.get()]
+                while not outputs.empty():  # coalesce what piled up while we were sending
+                    chunk.append(outputs.get_nowait())
+                error = next((o.error for o in chunk if o.error is not None), None)
+                if error is not None:
+                    await context.abort(grpc.StatusCode.INTERNAL, f"generation failed: {error}")
+                response, finished = _response(request.request_id, chunk, detokenizer)
+                yield response
+        finally:
+            if not finished:  # client cancelled or the stream broke: stop the work, free the blocks
+                session.engine.abort([request.request_id])
+
+    def _admit(self, request: executor_pb2.GenerateRequest) -> tuple[ModelSession, asyncio.Queue[RequestOutput]]:
+        session = self.session
+        if self.draining:
+            raise Unavailable("the executor is shutting down")
+        if session is None:
+            raise _not_loaded()
+        prompt, settings, max_tokens = check_generate(request, session.limits, session.loaded.tokenizer)
+        if request.request_id in session.engine.live_ids():
+            raise AlreadyExists(
+                f"request_id {request.request_id!r} is already running",
+                field_violations=(FieldViolation("request_id", "already running; ids must be unique"),),
+            )
+        if session.engine.num_live >= self.max_live_requests:
+            raise ResourceExhausted(
+                f"{session.engine.num_live} requests in flight; the limit is {self.max_live_requests}"
+            )
+        loop = asyncio.get_running_loop()
+        outputs: asyncio.Queue[RequestOutput] = asyncio.Queue()
+
+        def sink(output: RequestOutput) -> None:  # called on the engine thread
+            loop.call_soon_threadsafe(outputs.put_nowait, output)
+
+        engine_request = session.new_request(request.request_id, prompt, settings, max_tokens, sink)
+        try:
+            session.engine.add(engine_request)
+        except KeyError:
+            raise AlreadyExists(
+                f"request_id {request.request_id!r} is already running",
+                field_violations=(FieldViolation("request_id", "already running; ids must be unique"),),
+            ) from None
+        return session, outputs
+
+    async def Abort(
+        self, request: executor_pb2.AbortRequest, context: grpc.aio.ServicerContext
+    ) -> executor_pb2.AbortResponse:
+        session = self.session
+        aborted = session.engine.abort(request.request_ids) if session is not None else []
+        return executor_pb2.AbortResponse(aborted_request_ids=aborted)
+
+    async def drain(self, grace_seconds: float) -> None:
+        """Refuse new generations, let running ones finish for `grace_seconds`, then abort the rest (their
+        streams end with finish_reason "abort"), and stop the engine."""
+        self.draining = True
+        session = self.session
+        if session is None:
+            return
+        deadline = time.monotonic() + grace_seconds
+        while session.engine.num_live and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+        if session.engine.num_live:
+            log.info("aborting %d requests at shutdown", session.engine.num_live)
+            session.engine.abort(session.engine.live_ids())
+            await asyncio.sleep(0.2)  # let the streams send their final message
+        await asyncio.to_thread(session.shutdown)
+
+
+def _not_loaded() -> FailedPrecondition:
+    return FailedPrecondition("no model is loaded: call LoadModel first")
+
+
+def _dtype(request: executor_pb2.LoadModelRequest, device: torch.device) -> torch.dtype:
+    from executor_service.session import resolve_dtype
+
+    return resolve_dtype(request.dtype, device)
+
+
+def _response(
+    request_id: str, chunk: list[RequestOutput], detokenizer: IncrementalDetokenizer | None
+) -> tuple[executor_pb2.GenerateResponse, bool]:
+    token_ids = [t for output in chunk for t in output.token_ids]
+    response = executor_pb2.GenerateResponse(
+        request_id=request_id,
+        token_ids=token_ids,
+        num_drafted=sum(o.num_drafted for o in chunk),
+        num_accepted=sum(o.num_accepted for o in chunk),
+    )
+    finish = chunk[-1].finish
+    if detokenizer is not None:
+        response.text = detokenizer.add(token_ids, final=finish is not None)
+    if finish is not None:
+        steps = finish.verify_steps
+        response.finished.CopyFrom(
+            executor_pb2.Finished(
+                finish_reason=finish.reason,
+                prompt_tokens=finish.prompt_tokens,
+                completion_tokens=finish.completion_tokens,
+                drafted_tokens=finish.drafted_tokens,
+                accepted_tokens=finish.accepted_tokens,
+                mean_acceptance_length=finish.completion_tokens / steps if steps else 0.0,
+                acceptance_rate_per_position=finish.acceptance_per_position,
+            )
+        )
+    return response, finish is not None
