@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from executor_builders import tiny_config
 
 from executor_service.attention_step import AttentionStep
 from executor_service.config import ModelConfig
@@ -16,7 +17,6 @@ from executor_service.kv_cache import KVCache
 from executor_service.loader import build_synthetic, load_directory, save_directory
 from executor_service.model import DecoderModel
 from selector_service.errors import InvalidArgument
-from executor_builders import tiny_config
 
 transformers = pytest.importorskip("transformers")
 CPU = torch.device("cpu")
@@ -109,7 +109,7 @@ def checkpoint(tmp_path: Path) -> Path:
     return tmp_path
 
 
-def _rewrite(directory: Path, change) -> None:  # noqa: ANN001 - a callable over the state dict
+def _rewrite(directory: Path, change) -> None:
     from safetensors.torch import load_file, save_file
 
     state = load_file(str(directory / "model.safetensors"))
@@ -144,20 +144,20 @@ def test_corrupt_files_and_configs(checkpoint: Path) -> None:
     with pytest.raises(InvalidArgument, match="not a readable safetensors file"):
         load_directory(checkpoint, torch.float32, CPU, "target.path")
     (checkpoint / "model.safetensors").unlink()
-    with pytest.raises(InvalidArgument, match="no model.safetensors"):
+    with pytest.raises(InvalidArgument, match=r"no model.safetensors"):
         load_directory(checkpoint, torch.float32, CPU, "target.path")
     (checkpoint / "config.json").write_text("{broken")
     with pytest.raises(InvalidArgument, match="not valid JSON"):
         load_directory(checkpoint, torch.float32, CPU, "target.path")
     (checkpoint / "config.json").unlink()
-    with pytest.raises(InvalidArgument, match="config.json not found"):
+    with pytest.raises(InvalidArgument, match=r"config.json not found"):
         load_directory(checkpoint, torch.float32, CPU, "target.path")
 
 
 def test_missing_shard_is_named(tmp_path: Path) -> None:
     save_directory(build_synthetic(tiny_config(), 0, torch.float32, CPU).model, tmp_path, 60_000)
     next(tmp_path.glob("model-00002-*.safetensors")).unlink()
-    with pytest.raises(InvalidArgument, match="shards named in model.safetensors.index.json are missing"):
+    with pytest.raises(InvalidArgument, match=r"shards named in model.safetensors.index.json are missing"):
         load_directory(tmp_path, torch.float32, CPU, "target.path")
 
 
