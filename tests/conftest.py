@@ -35,6 +35,8 @@ def pytest_configure(config: pytest.Config) -> None:
         torch.set_num_threads(1)
         # Must be set before any @triton.jit runs: kernels are built as interpreted functions then.
         os.environ.setdefault("TRITON_INTERPRET", "1")
+
+
 STARTUP_TIMEOUT_S = 20.0
 SHUTDOWN_TIMEOUT_S = 10.0
 

@@ -17,7 +17,7 @@ TINY = {
     "num_layers": 2,
     "num_heads": 4,
     "num_kv_heads": 2,
-    "head_size": 16,
+    "head_size": 32,
 }
 
 

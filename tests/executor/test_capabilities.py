@@ -16,6 +16,11 @@ def _names(report: common_pb2.HardwareCapabilities) -> set[str]:
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the CPU report")
 def test_cpu_report(monkeypatch: pytest.MonkeyPatch) -> None:
+    # Triton decides interpreted-or-compiled when a kernel module is imported: import them under the
+    # interpreter first, so later tests in this process still run them interpreted.
+    import kernels.rocm_attn
+    import kernels.triton_attn  # noqa: F401
+
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
     report = probe("cpu")
     assert report.platform == common_pb2.PLATFORM_CPU

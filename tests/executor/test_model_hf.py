@@ -53,7 +53,7 @@ CASES = {
     "llama": tiny_config("llama"),
     "qwen3": tiny_config("qwen3"),
     "llama-tied-bias": tiny_config("llama", tie_word_embeddings=True, attention_bias=True),
-    "qwen3-gqa4-head32": tiny_config("qwen3", num_heads=8, num_kv_heads=2, head_size=32),
+    "qwen3-gqa4-head64": tiny_config("qwen3", num_heads=8, num_kv_heads=2, head_size=64),
 }
 
 
@@ -176,4 +176,4 @@ def test_config_roundtrip_reads_transformers_own_output(tmp_path: Path) -> None:
     hf_config = transformers.Qwen3Config(**{k: v for k, v in config.to_hf().items() if k not in ("architectures",)})
     hf_config.save_pretrained(tmp_path)
     read = ModelConfig.from_hf(json.loads((tmp_path / "config.json").read_text()))
-    assert (read.architecture, read.head_size, read.num_kv_heads, read.rope_theta) == ("qwen3", 16, 2, 10000.0)
+    assert (read.architecture, read.head_size, read.num_kv_heads, read.rope_theta) == ("qwen3", 32, 2, 10000.0)
