@@ -83,7 +83,7 @@ class ExecutorServicer(executor_pb2_grpc.ExecutorServicer):
             await context.abort_with_status(err.to_status())
             raise
         except grpc.aio.AioRpcError as err:  # the selector's answer, passed on with its details
-            await context.abort(err.code(), err.details() or "", err.trailing_metadata())
+            await context.abort(err.code(), err.details() or "", tuple(err.trailing_metadata() or ()))
             raise
 
     async def load(self, request: executor_pb2.LoadModelRequest) -> executor_pb2.LoadModelResponse:

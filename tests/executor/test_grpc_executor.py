@@ -1,0 +1,273 @@
+"""The Executor over gRPC, in-process on a free port: health transitions, LoadModel (synthetic, paths under
+the model root, the selector remote or in-process), streaming Generate against the reference, Abort,
+client cancel, bad inputs with field details, metrics."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+import grpc
+import pytest
+import torch
+from executor_builders import load_request, tiny_config
+from google.rpc import error_details_pb2
+from greedy_reference import greedy_reference
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from grpc_status import rpc_status
+
+from executor_service.loader import build_synthetic, save_directory
+from executor_service.main import ExecutorOptions, RunningExecutor, start_executor
+from executor_service.session import EngineSettings
+from selector_service.grpc_runtime import ServerSettings
+from specdec.v1 import common_pb2, executor_pb2, executor_pb2_grpc
+
+CPU = torch.device("cpu")
+
+
+@pytest.fixture
+async def executor(tmp_path: Path) -> AsyncIterator[RunningExecutor]:
+    running = await start_executor(
+        ServerSettings(port=0, metrics_port=0),
+        ExecutorOptions(device=CPU, model_root=tmp_path, engine=EngineSettings(64, 8), max_live_requests=16),
+    )
+    yield running
+    await running.stop(0.5)
+
+
+@pytest.fixture
+async def stub(executor: RunningExecutor) -> AsyncIterator[executor_pb2_grpc.ExecutorStub]:
+    async with grpc.aio.insecure_channel(f"127.0.0.1:{executor.server.port}") as channel:
+        yield executor_pb2_grpc.ExecutorStub(channel)
+
+
+async def health(executor: RunningExecutor) -> int:
+    async with grpc.aio.insecure_channel(f"127.0.0.1:{executor.server.port}") as channel:
+        response = await health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(service=""))
+        return response.status
+
+
+def violations(err: grpc.aio.AioRpcError) -> dict[str, str]:
+    status = rpc_status.from_call(err)
+    found = {}
+    for detail in status.details if status else []:
+        bad = error_details_pb2.BadRequest()
+        if detail.Unpack(bad):
+            found.update({v.field: v.description for v in bad.field_violations})
+    return found
+
+
+async def generate(stub, request_id: str, ids: list[int], **sampling) -> list[executor_pb2.GenerateResponse]:
+    request = executor_pb2.GenerateRequest(
+        request_id=request_id,
+        token_ids=executor_pb2.TokenIds(ids=ids),
+        sampling=executor_pb2.SamplingParams(**sampling),
+    )
+    return [response async for response in stub.Generate(request)]
+
+
+async def test_health_load_info_and_generation(executor: RunningExecutor, stub) -> None:
+    assert await health(executor) == health_pb2.HealthCheckResponse.NOT_SERVING
+    capabilities = await stub.GetCapabilities(executor_pb2.GetCapabilitiesRequest())
+    assert capabilities.platform == common_pb2.PLATFORM_CPU
+    with pytest.raises(grpc.aio.AioRpcError) as err:
+        await stub.GetModelInfo(executor_pb2.GetModelInfoRequest())
+    assert err.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+    with pytest.raises(grpc.aio.AioRpcError) as err:
+        await generate(stub, "early", [1, 2, 3], max_tokens=2)
+    assert err.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+
+    loaded = await stub.LoadModel(load_request("qwen3"))
+    assert loaded.target_backend.backend == "CPU_ATTN" and not loaded.target_backend.explicit
+    assert loaded.target_backend.candidates[0].backend == "CPU_ATTN"
+    assert loaded.info.num_kv_blocks == 64 and loaded.info.architecture == "qwen3"
+    assert await health(executor) == health_pb2.HealthCheckResponse.SERVING
+    info = await stub.GetModelInfo(executor_pb2.GetModelInfoRequest())
+    assert info.info == loaded.info and info.target_backend == loaded.target_backend
+
+    model = executor.servicer.session.loaded.model
+    prompts = {f"g{i}": list(range(i + 3, 5 * i + 20)) for i in range(4)}
+    streams = await asyncio.gather(*(generate(stub, rid, ids, max_tokens=9) for rid, ids in prompts.items()))
+    for (rid, ids), responses in zip(prompts.items(), streams, strict=True):
+        assert all(r.request_id == rid for r in responses)
+        assert [t for r in responses for t in r.token_ids] == greedy_reference(model, ids, 9)
+        assert [r.HasField("finished") for r in responses] == [False] * (len(responses) - 1) + [True]
+        finished = responses[-1].finished
+        assert (finished.finish_reason, finished.prompt_tokens, finished.completion_tokens) == ("length", len(ids), 9)
+    assert executor.servicer.session.kv_cache.allocator.num_used == 0
+
+
+async def test_bad_generate_requests_name_their_fields(executor: RunningExecutor, stub) -> None:
+    await stub.LoadModel(load_request())
+    cases = [
+        (dict(request_id="a", token_ids=executor_pb2.TokenIds(ids=[])), {"token_ids"}),
+        (dict(request_id="b", token_ids=executor_pb2.TokenIds(ids=[1, 512, -1])), {"token_ids.ids"}),
+        (dict(request_id="c", token_ids=executor_pb2.TokenIds(ids=[1] * 9000)), {"token_ids"}),
+        (dict(request_id="d", text="hello"), {"text"}),
+        (dict(token_ids=executor_pb2.TokenIds(ids=[1])), {"request_id"}),
+        (dict(request_id="e"), {"input"}),
+        (
+            dict(
+                request_id="f",
+                token_ids=executor_pb2.TokenIds(ids=[1]),
+                sampling=executor_pb2.SamplingParams(max_tokens=0, temperature=-1, top_p=1.5, top_k=-2),
+            ),
+            {"sampling.max_tokens", "sampling.temperature", "sampling.top_p", "sampling.top_k"},
+        ),
+        (
+            dict(
+                request_id="g", token_ids=executor_pb2.TokenIds(ids=[1]), sampling=executor_pb2.SamplingParams(top_p=0)
+            ),
+            {"sampling.top_p"},
+        ),
+        (
+            dict(
+                request_id="h",
+                token_ids=executor_pb2.TokenIds(ids=[1] * 10),
+                sampling=executor_pb2.SamplingParams(max_tokens=8190),
+            ),
+            {"sampling.max_tokens"},
+        ),
+    ]
+    for fields, expected in cases:
+        with pytest.raises(grpc.aio.AioRpcError) as err:
+            [r async for r in stub.Generate(executor_pb2.GenerateRequest(**fields))]
+        assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT, fields
+        assert set(violations(err.value)) == expected, (fields, violations(err.value))
+    # Still serving, nothing held.
+    assert len(await generate(stub, "ok", [1, 2], max_tokens=2)) >= 1
+    assert executor.servicer.session.kv_cache.allocator.num_used == 0
+
+
+async def test_more_than_the_cache_is_resource_exhausted(tmp_path: Path) -> None:
+    running = await start_executor(ServerSettings(port=0), ExecutorOptions(device=CPU))
+    try:
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{running.server.port}") as channel:
+            stub = executor_pb2_grpc.ExecutorStub(channel)
+            await stub.LoadModel(load_request(num_kv_blocks=4))  # 64 tokens in all
+            with pytest.raises(grpc.aio.AioRpcError) as err:
+                await generate(stub, "big", list(range(40)), max_tokens=30)
+            assert err.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+            assert "sampling.max_tokens" in violations(err.value)
+            unset = await generate(stub, "fits", list(range(40)))  # max_tokens unset: what the cache allows
+            assert unset[-1].finished.completion_tokens == 24 and unset[-1].finished.finish_reason == "length"
+    finally:
+        await running.stop(0.5)
+
+
+async def test_duplicate_ids_abort_and_cancel(executor: RunningExecutor, stub) -> None:
+    await stub.LoadModel(load_request(num_kv_blocks=64))
+    request = executor_pb2.GenerateRequest(request_id="dup", token_ids=executor_pb2.TokenIds(ids=[5, 6, 7]))
+    stream = stub.Generate(request)
+    first = await stream.read()
+    assert first.token_ids
+    with pytest.raises(grpc.aio.AioRpcError) as err:
+        await generate(stub, "dup", [1], max_tokens=1)
+    assert err.value.code() == grpc.StatusCode.ALREADY_EXISTS and "request_id" in violations(err.value)
+    aborted = await stub.Abort(executor_pb2.AbortRequest(request_ids=["dup", "nope"]))
+    assert list(aborted.aborted_request_ids) == ["dup"]
+    last = first
+    while (response := await stream.read()) is not grpc.aio.EOF:
+        last = response
+    assert last.finished.finish_reason == "abort"
+    session = executor.servicer.session
+    assert session.kv_cache.allocator.num_used == 0
+
+    cancelled = stub.Generate(executor_pb2.GenerateRequest(request_id="c", token_ids=executor_pb2.TokenIds(ids=[9])))
+    await cancelled.read()
+    cancelled.cancel()
+    for _ in range(100):
+        if not session.engine.num_live:
+            break
+        await asyncio.sleep(0.05)
+    assert session.engine.num_live == 0 and session.kv_cache.allocator.num_used == 0
+
+
+async def test_load_paths_stay_under_the_model_root(executor: RunningExecutor, stub, tmp_path: Path) -> None:
+    save_directory(build_synthetic(tiny_config(), 5, torch.float32, CPU).model, tmp_path / "tiny")
+    (tmp_path / "broken").mkdir()
+    (tmp_path / "broken" / "config.json").write_text("{}")
+    outside = tmp_path.parent / f"{tmp_path.name}-outside"
+    save_directory(build_synthetic(tiny_config(), 5, torch.float32, CPU).model, outside)
+    bad = {
+        "../x": "'..' is not allowed",
+        "tiny/../tiny": "'..' is not allowed",
+        str(outside): "outside the model root",
+        "missing": "not a directory",
+        "broken": "config",
+    }
+    for path, message in bad.items():
+        request = executor_pb2.LoadModelRequest(target=executor_pb2.ModelSource(path=path), num_kv_blocks=8)
+        with pytest.raises(grpc.aio.AioRpcError) as err:
+            await stub.LoadModel(request)
+        assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT, path
+        assert message in err.value.details(), (path, err.value.details())
+    (tmp_path / "link").symlink_to(outside)
+    with pytest.raises(grpc.aio.AioRpcError) as err:
+        await stub.LoadModel(executor_pb2.LoadModelRequest(target=executor_pb2.ModelSource(path="link")))
+    assert "outside the model root" in err.value.details()
+    loaded = await stub.LoadModel(
+        executor_pb2.LoadModelRequest(target=executor_pb2.ModelSource(path="tiny"), num_kv_blocks=8)
+    )
+    assert loaded.info.architecture == "llama" and loaded.info.dtype == common_pb2.DTYPE_FLOAT32
+
+
+async def test_load_refusals(executor: RunningExecutor, stub) -> None:
+    with pytest.raises(grpc.aio.AioRpcError) as err:
+        await stub.LoadModel(executor_pb2.LoadModelRequest(block_size=20, num_kv_blocks=-1, gpu_memory_utilization=2))
+    assert set(violations(err.value)) == {"target", "block_size", "num_kv_blocks", "gpu_memory_utilization"}
+    synthetic = load_request()
+    synthetic.target.synthetic.num_kv_heads = 3
+    with pytest.raises(grpc.aio.AioRpcError) as err:
+        await stub.LoadModel(synthetic)
+    assert "target.synthetic.num_kv_heads" in violations(err.value)
+    explicit = load_request(backend="FLASH_ATTN")
+    with pytest.raises(grpc.aio.AioRpcError) as err:
+        await stub.LoadModel(explicit)
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert err.value.details().startswith("Selected backend FLASH_ATTN is not valid for this configuration. Reason:")
+    assert await health(executor) == health_pb2.HealthCheckResponse.NOT_SERVING
+
+
+async def test_backends_from_a_remote_selector(selector_address: str) -> None:
+    running = await start_executor(
+        ServerSettings(port=0), ExecutorOptions(device=CPU, selector_address=selector_address)
+    )
+    try:
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{running.server.port}") as channel:
+            stub = executor_pb2_grpc.ExecutorStub(channel)
+            loaded = await stub.LoadModel(load_request(backend="flex_attention"))
+            assert loaded.target_backend.backend == "FLEX_ATTENTION" and loaded.target_backend.explicit
+            with pytest.raises(grpc.aio.AioRpcError) as err:
+                await stub.LoadModel(load_request(backend="FLASH_ATTN"))
+            assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+            assert "attention.backend" in violations(err.value)  # the selector's details, passed on
+            responses = await generate(stub, "remote", [1, 2, 3], max_tokens=3)
+            assert responses[-1].finished.completion_tokens == 3
+    finally:
+        await running.stop(0.5)
+
+
+async def test_metrics_report_tokens_queue_and_kv(executor: RunningExecutor, stub) -> None:
+    import urllib.request
+
+    await stub.LoadModel(load_request())
+    await generate(stub, "m", [1, 2, 3, 4], max_tokens=5)
+    url = f"http://127.0.0.1:{executor.server.metrics_port}/metrics"
+    generate_ok = 'specdec_rpc_requests_total{code="OK",method="Generate",service="executor"}'
+    for _ in range(40):  # the stream's handler finishes just after the client has its last message
+        text = await asyncio.to_thread(lambda: urllib.request.urlopen(url).read().decode())
+        if generate_ok in text:
+            break
+        await asyncio.sleep(0.05)
+    for name in (
+        "specdec_generated_tokens_total",
+        "specdec_generation_tokens_per_second",
+        "specdec_queue_depth",
+        "specdec_kv_blocks_used",
+        "specdec_kv_blocks_total 64.0",
+        "specdec_step_latency_seconds_bucket",
+        generate_ok,
+    ):
+        assert name in text, name
