@@ -13,7 +13,9 @@ from torch import nn
 
 from executor_service.attention_step import AttentionStep
 from executor_service.config import ModelConfig
-from executor_service.rope import RotaryEmbedding
+from executor_service.rope import RotaryEmbedding, apply_rotary
+
+Rotary = tuple[torch.Tensor, torch.Tensor]  # cos, sin of this step's positions
 
 
 class RMSNorm(nn.Module):
@@ -46,8 +48,7 @@ class Attention(nn.Module):
     def forward(
         self,
         x: torch.Tensor,
-        positions: torch.Tensor,
-        rope: RotaryEmbedding,
+        rotary: Rotary,
         kv_cache: tuple[torch.Tensor, torch.Tensor],
         step: AttentionStep,
     ) -> torch.Tensor:
@@ -58,7 +59,7 @@ class Attention(nn.Module):
         v = v.reshape(tokens, self.num_kv_heads, self.head_size)
         if self.qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
-        q, k = rope(positions, q, k)
+        q, k = apply_rotary(q, k, *rotary)
         k_cache, v_cache = kv_cache
         step.store_kv(k, v, k_cache, v_cache)
         out = step.attend(q, k_cache, v_cache, self.scale)
@@ -88,12 +89,11 @@ class DecoderLayer(nn.Module):
     def forward(
         self,
         hidden: torch.Tensor,
-        positions: torch.Tensor,
-        rope: RotaryEmbedding,
+        rotary: Rotary,
         kv_cache: tuple[torch.Tensor, torch.Tensor],
         step: AttentionStep,
     ) -> torch.Tensor:
-        hidden = hidden + self.self_attn(self.input_layernorm(hidden), positions, rope, kv_cache, step)
+        hidden = hidden + self.self_attn(self.input_layernorm(hidden), rotary, kv_cache, step)
         return hidden + self.mlp(self.post_attention_layernorm(hidden))
 
 
@@ -122,9 +122,10 @@ class DecoderModel(nn.Module):
         """Hidden states after the final norm, and the residual stream after each layer in `aux_layer_ids`
         (what EAGLE-3 and DFlash drafters read from the target)."""
         hidden = self.embed_tokens(input_ids)
+        rotary = self.rope.lookup(positions, hidden.dtype)
         aux: list[torch.Tensor] = []
         for index, layer in enumerate(self.layers):
-            hidden = layer(hidden, positions, self.rope, kv_caches[index], step)
+            hidden = layer(hidden, rotary, kv_caches[index], step)
             if index in aux_layer_ids:
                 aux.append(hidden)
         return self.norm(hidden), aux

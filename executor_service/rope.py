@@ -37,11 +37,22 @@ class RotaryEmbedding(nn.Module):
         self.register_buffer("cos", angles.cos(), persistent=False)
         self.register_buffer("sin", angles.sin(), persistent=False)
 
+    def lookup(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos, sin [T, 1, D] of each token's position: computed once per step, shared by every layer."""
+        cos = self.cos[positions].to(dtype).repeat(1, 2)[:, None, :]
+        sin = self.sin[positions].to(dtype).repeat(1, 2)[:, None, :]
+        return cos, sin
+
     def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """q [T, Hq, D], k [T, Hkv, D] rotated by their tokens' positions [T]."""
-        cos = self.cos[positions].to(q.dtype).repeat(1, 2)[:, None, :]
-        sin = self.sin[positions].to(q.dtype).repeat(1, 2)[:, None, :]
-        return _rotate(q, cos, sin), _rotate(k, cos, sin)
+        cos, sin = self.lookup(positions, q.dtype)
+        return apply_rotary(q, k, cos, sin)
+
+
+def apply_rotary(
+    q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    return _rotate(q, cos, sin), _rotate(k, cos, sin)
 
 
 def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
