@@ -3,7 +3,7 @@
 #   bash bench/gpu_run.sh stash            first call: carries fa/fa-a, keeps it in /root/fa-stash
 #   bash bench/gpu_run.sh install [STEPS]  next call (machine still warm): carries fa/fa-b, installs FA4
 #   bash bench/gpu_run.sh run STEPS        later calls on the same machine: FA4 already in /tmp/fa-site
-# STEPS: comma-separated from tests, bench, sweep, bench16. Results and logs go to $OUT.
+# STEPS: comma-separated from tests, bench, sweep, bench16, executor-tests, executor-bench. Results and logs go to $OUT.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 mode=${1:?stash|install|run}
@@ -22,6 +22,11 @@ if [[ $mode == install ]]; then
   done
   mkdir -p /tmp/fa-site && cp -r /tmp/fa-site-*/* /tmp/fa-site/
 fi
+# grpcio-status / health / reflection and friends are not on the host: pure-Python wheels carried in .whl/
+if [[ -d .whl ]] && [[ ! -d /tmp/site ]]; then
+  python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/*.whl
+fi
+export PYTHONPATH=$PYTHONPATH:/tmp/site
 if [[ -d /tmp/fa-site ]]; then
   export PYTHONPATH=$PYTHONPATH:/tmp/fa-site:/tmp/fa-site/nvidia_cutlass_dsl/dsl_packages
 fi
@@ -35,6 +40,8 @@ for step in ${steps//,/ }; do
     bench) python3 bench/attention_bench.py --out "$out" 2>&1 | tee "$out/bench.log" ;;
     sweep) timeout 560 python3 bench/attention_bench.py --sweep --only TRITON_ATTN --cases "${CASES:-dflash,decode,prefill_causal}" --out "$out/sweep" 2>&1 | tee "$out/sweep.log" | grep -v "^ " ;;
     bench16) python3 bench/attention_bench.py --block-size 16 --out "$out" 2>&1 | tee "$out/bench16.log" ;;
+    executor-tests) timeout 400 python3 -m pytest tests/executor -q -p no:cacheprovider -x 2>&1 | tee "$out/executor_tests.log" | tail -30 ;;
+    executor-bench) timeout 540 python3 bench/executor_bench.py ${BENCH_ARGS:-} --out "$out" 2>&1 | tee "$out/executor_bench.log" | tail -60 ;;
     none) ;;
     *) echo "unknown step $step" ;;
   esac
