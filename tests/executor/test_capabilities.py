@@ -29,6 +29,7 @@ def test_cpu_report(monkeypatch: pytest.MonkeyPatch) -> None:
     assert next(lib.version for lib in report.libraries if lib.name == "torch") == torch.__version__
 
 
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the interpreter would stay on for GPU kernels")
 def test_interpreter_makes_triton_runnable_on_cpu(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("TRITON_INTERPRET", "1")
     libraries = runnable_libraries(torch.device("cpu"))
