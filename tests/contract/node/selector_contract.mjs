@@ -4,82 +4,10 @@
 //
 // Prints one line per check ("ok - ..." or "not ok - ...") and exits non-zero when any check fails.
 import assert from 'node:assert/strict';
-import path from 'node:path';
-import { fileURLToPath } from 'node:url';
 
-import grpc from '@grpc/grpc-js';
-import protoLoader from '@grpc/proto-loader';
-import protobuf from 'protobufjs';
+import { connect, invalidArgument, runChecks, unary, unaryError } from './grpc_helpers.mjs';
 
-const HERE = path.dirname(fileURLToPath(import.meta.url));
-const PROTOS_ROOT = path.resolve(HERE, '..', '..', '..', 'protos');
-const DEADLINE_MS = 10_000;
-
-const address = process.argv[2];
-if (!address) {
-  console.error('usage: node selector_contract.mjs HOST:PORT');
-  process.exit(2);
-}
-
-const packageDefinition = protoLoader.loadSync(['specdec/v1/selector.proto', path.join(HERE, 'health.proto')], {
-  keepCase: true,
-  enums: String,
-  defaults: true,
-  oneofs: true,
-  includeDirs: [PROTOS_ROOT],
-});
-const loaded = grpc.loadPackageDefinition(packageDefinition);
-const credentials = grpc.credentials.createInsecure();
-const selector = new loaded.specdec.v1.BackendSelector(address, credentials);
-const health = new loaded.grpc.health.v1.Health(address, credentials);
-
-// google.rpc.Status and its details, to decode the grpc-status-details-bin trailer (field names as in the .proto).
-const statusRoot = new protobuf.Root().loadSync(path.join(HERE, 'status.proto'), { keepCase: true });
-const RpcStatus = statusRoot.lookupType('google.rpc.Status');
-const detailTypes = new Map(
-  ['google.rpc.BadRequest', 'google.rpc.PreconditionFailure'].map((name) => [
-    `type.googleapis.com/${name}`,
-    statusRoot.lookupType(name),
-  ]),
-);
-
-function unary(client, method, request) {
-  return new Promise((resolve, reject) => {
-    client[method](request, { deadline: Date.now() + DEADLINE_MS }, (err, response) =>
-      err ? reject(err) : resolve(response),
-    );
-  });
-}
-
-// Call a unary method that must fail; returns the grpc-js ServiceError.
-async function unaryError(client, method, request) {
-  let response;
-  try {
-    response = await unary(client, method, request);
-  } catch (err) {
-    return err;
-  }
-  assert.fail(`${method} succeeded but was expected to fail: ${JSON.stringify(response)}`);
-}
-
-// The google.rpc.Status of a failed call, its details unpacked: [{typeUrl, message}].
-function richStatus(err) {
-  const raw = err.metadata?.get('grpc-status-details-bin') ?? [];
-  assert.equal(raw.length, 1, 'exactly one grpc-status-details-bin trailer');
-  const status = RpcStatus.toObject(RpcStatus.decode(raw[0]), { defaults: true });
-  status.details = status.details.map((any) => {
-    const type = detailTypes.get(any.type_url);
-    assert.ok(type, `unexpected detail type ${any.type_url}`);
-    return { typeUrl: any.type_url, message: type.toObject(type.decode(any.value), { defaults: true }) };
-  });
-  return status;
-}
-
-function badRequestViolations(status) {
-  const badRequests = status.details.filter((d) => d.typeUrl === 'type.googleapis.com/google.rpc.BadRequest');
-  assert.equal(badRequests.length, 1, 'exactly one google.rpc.BadRequest detail');
-  return badRequests[0].message.field_violations;
-}
+const { client: selector, health } = connect('specdec/v1/selector.proto', 'specdec.v1.BackendSelector');
 
 const DFLASH_REQUEST = Object.freeze({
   hardware: {
@@ -145,17 +73,8 @@ const checks = [
     async () => {
       const request = { ...DFLASH_REQUEST, attention: { backend: 'flashinfer' } };
       const err = await unaryError(selector, 'SelectBackends', request);
-      assert.equal(err.code, grpc.status.INVALID_ARGUMENT, `code (${err.details})`);
+      const violations = invalidArgument(err, ['attention.backend']);
       assert.ok(err.details.startsWith(INVALID_BACKEND_MESSAGE), `message: ${err.details}`);
-      const status = richStatus(err);
-      assert.equal(status.code, grpc.status.INVALID_ARGUMENT, 'google.rpc.Status.code');
-      assert.equal(status.message, err.details, 'google.rpc.Status.message matches grpc-message');
-      const violations = badRequestViolations(status);
-      assert.deepEqual(
-        violations.map((v) => v.field),
-        ['attention.backend'],
-        'field violations',
-      );
       assert.ok(violations[0].description.includes('flashinfer not installed'), violations[0].description);
     },
   ],
@@ -180,31 +99,12 @@ const checks = [
     'SelectBackends: no hardware is INVALID_ARGUMENT with BadRequest on hardware',
     async () => {
       const { hardware: _omitted, ...request } = DFLASH_REQUEST;
-      const err = await unaryError(selector, 'SelectBackends', request);
-      assert.equal(err.code, grpc.status.INVALID_ARGUMENT, `code (${err.details})`);
-      const violations = badRequestViolations(richStatus(err));
-      assert.deepEqual(
-        violations.map((v) => v.field),
-        ['hardware'],
-        'field violations',
-      );
+      invalidArgument(await unaryError(selector, 'SelectBackends', request), ['hardware']);
     },
   ],
 ];
 
-let failures = 0;
-for (const [name, check] of checks) {
-  try {
-    await check();
-    console.log(`ok - ${name}`);
-  } catch (err) {
-    failures += 1;
-    console.log(`not ok - ${name}`);
-    const detail = err instanceof assert.AssertionError || err?.code !== undefined ? err.message : err?.stack;
-    console.log(`  ${String(detail ?? err).replaceAll('\n', '\n  ')}`);
-  }
-}
+const failures = await runChecks(checks);
 selector.close();
 health.close();
-console.log(failures ? `${failures} of ${checks.length} checks failed` : `all ${checks.length} checks passed`);
 process.exitCode = failures ? 1 : 0;
