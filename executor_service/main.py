@@ -108,6 +108,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--load", help="a LoadModelRequest (YAML or JSON) to load before serving")
     parser.add_argument("--max-num-batched-tokens", type=int, default=8192, help="tokens per engine step")
     parser.add_argument("--max-num-seqs", type=int, default=256, help="requests in the running batch")
+    parser.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs for decode steps")
     parser.add_argument(
         "--max-live-requests", type=int, default=4096, help="running + queued; more: RESOURCE_EXHAUSTED"
     )
@@ -117,7 +118,7 @@ def main(argv: list[str] | None = None) -> int:
         device=torch.device(args.device) if args.device else default_device(),
         model_root=Path(args.model_root) if args.model_root else None,
         selector_address=args.selector_address,
-        engine=EngineSettings(int(args.max_num_batched_tokens), int(args.max_num_seqs)),
+        engine=EngineSettings(int(args.max_num_batched_tokens), int(args.max_num_seqs), not args.enforce_eager),
         max_live_requests=int(args.max_live_requests),
     )
     try:

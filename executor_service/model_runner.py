@@ -11,6 +11,7 @@ from dataclasses import dataclass
 import torch
 
 from executor_service.attention_step import AttentionStep
+from executor_service.cuda_graphs import DecodeGraphs
 from executor_service.kv_cache import KVCache
 from executor_service.model import DecoderModel
 from executor_service.scheduler import ScheduledStep
@@ -23,12 +24,14 @@ class StepInputs:
     attention: AttentionStep
     logits_indices: torch.Tensor  # rows of the flattened tokens whose logits are sampled
     sampled: list[int]  # index into step.requests of each sampled row (requests whose tokens are all computed)
+    decode_only: bool  # one new token per request, each sampled: what the CUDA graphs replay
 
 
 class ModelRunner:
     def __init__(self, model: DecoderModel, kv_cache: KVCache, backend: str, device: torch.device) -> None:
         self.model, self.kv_cache, self.backend, self.device = model, kv_cache, backend, device
         self.block_size = kv_cache.block_size
+        self.graphs: DecodeGraphs | None = None  # set by the session when the backend can be captured
 
     def prepare(self, step: ScheduledStep, causal: bool = True) -> StepInputs:
         input_ids: list[int] = []
@@ -65,11 +68,16 @@ class ModelRunner:
             attention=attention,
             logits_indices=self._tensor(logits_indices, torch.int64),
             sampled=sampled,
+            decode_only=len(input_ids) == len(sampled),
         )
 
     @torch.inference_mode()
     def execute(self, inputs: StepInputs) -> torch.Tensor:
         """Logits [len(inputs.sampled), V] in fp32."""
+        graphs = self.graphs
+        if graphs is not None and inputs.decode_only and len(inputs.sampled) <= graphs.max_batch:
+            step = inputs.attention
+            return graphs.run(inputs.input_ids, inputs.positions, step.slot_mapping, step.block_table, step.seq_lens)
         hidden, _ = self.model(inputs.input_ids, inputs.positions, self.kv_cache.layers, inputs.attention)
         return self.model.compute_logits(hidden[inputs.logits_indices])
 

@@ -14,6 +14,7 @@ from pathlib import Path
 import torch
 
 from executor_service.config import ModelConfig
+from executor_service.cuda_graphs import GRAPH_BACKENDS, DecodeGraphs
 from executor_service.engine import Engine, StepObserver
 from executor_service.kv_cache import KVCache, blocks_for_memory_fraction, blocks_needed
 from executor_service.loader import LoadedModel, build_synthetic, load_directory, read_config
@@ -46,6 +47,7 @@ class TargetSource:
 class EngineSettings:
     max_num_batched_tokens: int = 8192
     max_num_seqs: int = 256
+    cuda_graphs: bool = True  # decode steps replayed from CUDA graphs where the backend allows
 
 
 def resolve_target(source: executor_pb2.ModelSource, model_root: Path | None, field: str) -> TargetSource:
@@ -166,6 +168,9 @@ def build_session(
     )
     session = ModelSession(loaded, decision, dtype, kv_cache, engine, limits, info)
     warm_up(session)
+    if settings.cuda_graphs and device.type == "cuda" and decision.backend in GRAPH_BACKENDS:
+        runner.graphs = DecodeGraphs(loaded.model, kv_cache, decision.backend, settings.max_num_seqs, max_model_len)
+        runner.graphs.capture()
     if start:
         engine.start()
     session.load_seconds = time.perf_counter() - started
