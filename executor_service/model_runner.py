@@ -82,7 +82,4 @@ class ModelRunner:
         return self.model.compute_logits(hidden[inputs.logits_indices])
 
     def _tensor(self, values: list, dtype: torch.dtype) -> torch.Tensor:
-        host = torch.tensor(values, dtype=dtype)
-        if self.device.type == "cpu":
-            return host
-        return host.pin_memory().to(self.device, non_blocking=True)
+        return torch.tensor(values, dtype=dtype, device=self.device)

@@ -89,3 +89,41 @@ def test_bf16_tokens_are_the_reference_argmax_up_to_rounding(backend: str) -> No
         exact += int((gaps == 0).sum())
         total += len(outputs[rid])
     assert exact >= 0.9 * total, (backend, exact, total)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_rotary_kernel_matches_the_torch_expression(dtype: torch.dtype) -> None:
+    from executor_service.rope import RotaryEmbedding, _rotate, apply_rotary
+
+    rope = RotaryEmbedding(CONFIG).to(CUDA)
+    qkv = torch.randn(37, (8 + 2 + 2) * 64, device=CUDA, dtype=dtype)
+    q, k, _ = qkv.split([8 * 64, 2 * 64, 2 * 64], dim=-1)
+    q, k = q.view(37, 8, 64), k.view(37, 2, 64)
+    cos, sin = rope.lookup(torch.arange(100, 137, device=CUDA), dtype)
+    expected_q, expected_k = _rotate(q.float(), cos.float(), sin.float()), _rotate(k.float(), cos.float(), sin.float())
+    got_q, got_k = apply_rotary(q, k, cos, sin)
+    tolerance = 1e-5 if dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(got_q.float(), expected_q, rtol=tolerance, atol=tolerance)
+    torch.testing.assert_close(got_k.float(), expected_k, rtol=tolerance, atol=tolerance)
+
+
+def test_decode_graphs_give_the_eager_tokens() -> None:
+    """The same batch through the session's CUDA-graph decode and through eager steps: same tokens."""
+    from executor_builders import tiny_session
+
+    from executor_service.sampling import SamplingSettings as Settings
+
+    tokens = {}
+    for graphs in (True, False):
+        session = tiny_session(backend="TRITON_ATTN", device="cuda", num_kv_blocks=128, cuda_graphs=graphs)
+        assert (session.engine.runner.graphs is not None) == graphs
+        outputs: dict[str, list[int]] = {}
+
+        def sink(output: RequestOutput, outputs: dict[str, list[int]] = outputs) -> None:
+            outputs.setdefault(output.request_id, []).extend(output.token_ids)
+
+        for rid, prompt in batch_of(5, seed=3, longest=60).items():
+            session.engine.add(session.new_request(rid, prompt, Settings(), 20, sink))
+        session.engine.run_until_idle()
+        tokens[graphs] = outputs
+    assert tokens[True] == tokens[False]
