@@ -84,6 +84,8 @@ async def start_executor(settings: ServerSettings, options: ExecutorOptions) -> 
 
 async def serve(settings: ServerSettings, options: ExecutorOptions, load_file: str | None) -> int:
     executor = await start_executor(settings, options)
+    signalled = asyncio.ensure_future(wait_for_termination_signal())  # SIGTERM during --load stops cleanly too
+    status = 0
     if load_file:
         try:
             request = load_message(load_file, executor_pb2.LoadModelRequest())
@@ -91,12 +93,13 @@ async def serve(settings: ServerSettings, options: ExecutorOptions, load_file: s
             log.info("loaded at start", extra={"backend": response.target_backend.backend})
         except (SpecdecError, ValueError, OSError) as err:
             log.error("cannot load %s: %s", load_file, err)
-            await executor.stop(0)
-            return 1
-    await wait_for_termination_signal()
-    await executor.stop(settings.grace_seconds)
+            signalled.cancel()
+            status = 1
+    if status == 0:
+        await signalled
+    await executor.stop(settings.grace_seconds if status == 0 else 0)
     log.info("stopped")
-    return 0
+    return status
 
 
 def main(argv: list[str] | None = None) -> int:

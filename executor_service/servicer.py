@@ -18,7 +18,7 @@ import torch
 from executor_service.capabilities import probe
 from executor_service.detokenizer import IncrementalDetokenizer
 from executor_service.metrics import EngineMetrics
-from executor_service.request import RequestOutput
+from executor_service.request import Finish, RequestOutput
 from executor_service.selection import BackendChooser
 from executor_service.session import EngineSettings, ModelSession, build_session, resolve_target, selection_request
 from executor_service.validation import check_generate, check_load_request
@@ -31,6 +31,7 @@ from selector_service.errors import (
 )
 from specdec.v1 import common_pb2, executor_pb2, executor_pb2_grpc
 
+STREAM_FLUSH_SECONDS = 5.0
 SERVICE_NAME = executor_pb2.DESCRIPTOR.services_by_name["Executor"].full_name
 log = logging.getLogger("specdec.executor")
 
@@ -55,6 +56,7 @@ class ExecutorServicer(executor_pb2_grpc.ExecutorServicer):
         self.max_live_requests = max_live_requests
         self.session: ModelSession | None = None
         self.draining = False
+        self.open_streams = 0  # Generate streams not yet closed
         self._capabilities: common_pb2.HardwareCapabilities | None = None
         self._load_lock = asyncio.Lock()
         metrics.watch(
@@ -89,6 +91,8 @@ class ExecutorServicer(executor_pb2_grpc.ExecutorServicer):
     async def load(self, request: executor_pb2.LoadModelRequest) -> executor_pb2.LoadModelResponse:
         """Check, choose backends, load and warm up; replaces an idle loaded model."""
         check_load_request(request)
+        if self.draining:
+            raise Unavailable("the executor is shutting down")
         if self._load_lock.locked():
             raise FailedPrecondition("another LoadModel is in progress")
         async with self._load_lock:
@@ -145,6 +149,7 @@ class ExecutorServicer(executor_pb2_grpc.ExecutorServicer):
             return
         detokenizer = IncrementalDetokenizer(session.loaded.tokenizer) if session.loaded.tokenizer else None
         finished = False
+        self.open_streams += 1
         try:
             while not finished:
                 chunk = [await outputs.get()]
@@ -156,6 +161,7 @@ class ExecutorServicer(executor_pb2_grpc.ExecutorServicer):
                 response, finished = _response(request.request_id, chunk, detokenizer)
                 yield response
         finally:
+            self.open_streams -= 1
             if not finished:  # client cancelled or the stream broke: stop the work, free the blocks
                 session.engine.abort([request.request_id])
 
@@ -202,16 +208,20 @@ class ExecutorServicer(executor_pb2_grpc.ExecutorServicer):
         """Refuse new generations, let running ones finish for `grace_seconds`, then abort the rest (their
         streams end with finish_reason "abort"), and stop the engine."""
         self.draining = True
-        session = self.session
+        async with self._load_lock:  # a LoadModel under way finishes first; new ones are refused
+            session, self.session = self.session, None
         if session is None:
             return
+        self.session = session  # still answering GetModelInfo and Abort while draining
         deadline = time.monotonic() + grace_seconds
         while session.engine.num_live and time.monotonic() < deadline:
             await asyncio.sleep(0.05)
         if session.engine.num_live:
             log.info("aborting %d requests at shutdown", session.engine.num_live)
             session.engine.abort(session.engine.live_ids())
-            await asyncio.sleep(0.2)  # let the streams send their final message
+        deadline = time.monotonic() + STREAM_FLUSH_SECONDS
+        while self.open_streams and time.monotonic() < deadline:  # their final "abort" messages go out
+            await asyncio.sleep(0.01)
         await asyncio.to_thread(session.shutdown)
 
 
@@ -239,7 +249,6 @@ def _response(
     if detokenizer is not None:
         response.text = detokenizer.add(token_ids, final=finish is not None)
     if finish is not None:
-        steps = finish.verify_steps
         response.finished.CopyFrom(
             executor_pb2.Finished(
                 finish_reason=finish.reason,
@@ -247,8 +256,15 @@ def _response(
                 completion_tokens=finish.completion_tokens,
                 drafted_tokens=finish.drafted_tokens,
                 accepted_tokens=finish.accepted_tokens,
-                mean_acceptance_length=finish.completion_tokens / steps if steps else 0.0,
+                mean_acceptance_length=_tokens_per_step(finish),
                 acceptance_rate_per_position=finish.acceptance_per_position,
             )
         )
     return response, finish is not None
+
+
+def _tokens_per_step(finish: Finish) -> float:
+    """Tokens emitted per target step: plain decoding emits one; speculative steps count their verifies."""
+    if finish.verify_steps:
+        return finish.completion_tokens / finish.verify_steps
+    return 1.0 if finish.completion_tokens else 0.0
