@@ -17,6 +17,7 @@ import torch
 
 from executor_service.capabilities import probe
 from executor_service.detokenizer import IncrementalDetokenizer
+from executor_service.mailbox import Mailbox
 from executor_service.metrics import EngineMetrics
 from executor_service.request import Finish, RequestOutput
 from executor_service.selection import BackendChooser
@@ -57,6 +58,7 @@ class ExecutorServicer(executor_pb2_grpc.ExecutorServicer):
         self.session: ModelSession | None = None
         self.draining = False
         self.open_streams = 0  # Generate streams not yet closed
+        self._mailbox: Mailbox | None = None
         self._capabilities: common_pb2.HardwareCapabilities | None = None
         self._load_lock = asyncio.Lock()
         metrics.watch(
@@ -181,11 +183,13 @@ class ExecutorServicer(executor_pb2_grpc.ExecutorServicer):
             raise ResourceExhausted(
                 f"{session.engine.num_live} requests in flight; the limit is {self.max_live_requests}"
             )
-        loop = asyncio.get_running_loop()
+        if self._mailbox is None:
+            self._mailbox = Mailbox(asyncio.get_running_loop())
+        mailbox = self._mailbox
         outputs: asyncio.Queue[RequestOutput] = asyncio.Queue()
 
         def sink(output: RequestOutput) -> None:  # called on the engine thread
-            loop.call_soon_threadsafe(outputs.put_nowait, output)
+            mailbox.post(outputs, output)
 
         engine_request = session.new_request(request.request_id, prompt, settings, max_tokens, sink)
         try:
