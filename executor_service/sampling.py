@@ -75,4 +75,18 @@ def sample(
         if not setting.greedy:
             probs = target_probs(logits[row], setting)
             tokens[row] = torch.multinomial(probs, 1, generator=generator)[0]
-    return tokens.tolist()
+    return to_host(tokens)
+
+
+def to_host(tokens: torch.Tensor) -> list[int]:
+    """The sampled ids on the host. On GPUs the wait happens in CUDA event synchronize, which releases
+    the GIL: the asyncio loop streams the previous step's tokens while this step runs (tolist() would hold
+    the GIL for the whole step)."""
+    if not tokens.is_cuda:
+        return tokens.tolist()
+    host = torch.empty(tokens.shape, dtype=tokens.dtype, pin_memory=True)
+    host.copy_(tokens, non_blocking=True)
+    done = torch.cuda.Event()
+    done.record()
+    done.synchronize()
+    return host.tolist()
