@@ -107,15 +107,22 @@ def test_rotary_kernel_matches_the_torch_expression(dtype: torch.dtype) -> None:
     torch.testing.assert_close(got_k.float(), expected_k, rtol=tolerance, atol=tolerance)
 
 
-def test_decode_graphs_give_the_eager_tokens() -> None:
+@pytest.mark.parametrize("backend", ["TRITON_ATTN", "FLASH_ATTN"])
+def test_decode_graphs_give_the_eager_tokens(backend: str) -> None:
     """The same batch through the session's CUDA-graph decode and through eager steps: same tokens."""
     from executor_builders import tiny_session
 
     from executor_service.sampling import SamplingSettings as Settings
+    from specdec.v1 import common_pb2
 
+    reason = unavailable_reason(backend, CUDA)
+    if reason is not None:
+        pytest.skip(f"{backend}: {reason}")
     tokens = {}
     for graphs in (True, False):
-        session = tiny_session(backend="TRITON_ATTN", device="cuda", num_kv_blocks=128, cuda_graphs=graphs)
+        session = tiny_session(
+            backend=backend, device="cuda", num_kv_blocks=128, cuda_graphs=graphs, dtype=common_pb2.DTYPE_BFLOAT16
+        )
         assert (session.engine.runner.graphs is not None) == graphs
         outputs: dict[str, list[int]] = {}
 
