@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -65,7 +66,7 @@ GIL_SWITCH_INTERVAL_S = 0.0005
 
 
 async def start_executor(settings: ServerSettings, options: ExecutorOptions) -> RunningExecutor:
-    sys.setswitchinterval(GIL_SWITCH_INTERVAL_S)
+    sys.setswitchinterval(float(os.environ.get("SPECDEC_GIL_SWITCH_INTERVAL_S", GIL_SWITCH_INTERVAL_S)))
     server, rpc_metrics = create_server(settings, "executor")
     holder: list[RunningServer] = []
 
