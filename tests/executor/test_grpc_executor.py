@@ -271,3 +271,28 @@ async def test_metrics_report_tokens_queue_and_kv(executor: RunningExecutor, stu
         generate_ok,
     ):
         assert name in text, name
+
+
+async def test_text_in_text_out_with_the_checkpoints_tokenizer(
+    executor: RunningExecutor, stub: executor_pb2_grpc.ExecutorStub, tmp_path: Path
+) -> None:
+    tokenizers = pytest.importorskip("tokenizers")
+    save_directory(build_synthetic(tiny_config(), 4, torch.float32, CPU).model, tmp_path / "worded")
+    vocab = {f"w{i}": i for i in range(tiny_config().vocab_size)}
+    tokenizer = tokenizers.Tokenizer(tokenizers.models.WordLevel(vocab, unk_token="w0"))
+    tokenizer.pre_tokenizer = tokenizers.pre_tokenizers.Whitespace()
+    tokenizer.decoder = tokenizers.decoders.WordPiece()  # joins words with spaces
+    tokenizer.save(str(tmp_path / "worded" / "tokenizer.json"))
+    loaded = await stub.LoadModel(
+        executor_pb2.LoadModelRequest(target=executor_pb2.ModelSource(path="worded"), num_kv_blocks=16)
+    )
+    assert loaded.info.has_tokenizer
+    request = executor_pb2.GenerateRequest(
+        request_id="t", text="w5 w9 w33", sampling=executor_pb2.SamplingParams(max_tokens=6)
+    )
+    responses = [r async for r in stub.Generate(request)]
+    tokens = [t for r in responses for t in r.token_ids]
+    model = executor.servicer.session.loaded.model
+    assert tokens == greedy_reference(model, [5, 9, 33], 6)
+    assert "".join(r.text for r in responses) == tokenizer.decode(tokens)
+    assert responses[-1].finished.prompt_tokens == 3
