@@ -7,7 +7,7 @@ from pathlib import Path
 from typing import Any
 
 from executor_service.sampling import SamplingSettings
-from selector_service.errors import FieldViolation, ResourceExhausted, invalid_fields
+from selector_service.errors import FieldViolation, ResourceExhausted, Unimplemented, invalid_fields
 from specdec.v1 import common_pb2, executor_pb2
 
 DEFAULT_BLOCK_SIZE = 16
@@ -55,6 +55,14 @@ def check_load_request(request: executor_pb2.LoadModelRequest) -> None:
         )
     if violations:
         raise invalid_fields(violations)
+    if request.HasField("draft") and request.draft.method not in (
+        common_pb2.SPEC_METHOD_UNSPECIFIED,
+        common_pb2.SPEC_METHOD_NONE,
+    ):
+        raise Unimplemented(
+            "speculative decoding (a draft model) is not available in this executor yet; load the target alone",
+            field_violations=(FieldViolation("draft.method", "drafters are not supported yet"),),
+        )
 
 
 @dataclass(frozen=True)

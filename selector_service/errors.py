@@ -95,6 +95,10 @@ class AlreadyExists(SpecdecError):
     code = grpc.StatusCode.ALREADY_EXISTS
 
 
+class Unimplemented(SpecdecError):
+    code = grpc.StatusCode.UNIMPLEMENTED
+
+
 def invalid_fields(violations: list[FieldViolation]) -> InvalidArgument:
     """One INVALID_ARGUMENT for every bad field found, so callers fix them all in one round trip."""
     summary = "; ".join(f"{v.field}: {v.description}" for v in violations)

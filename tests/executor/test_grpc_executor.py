@@ -227,6 +227,11 @@ async def test_load_refusals(executor: RunningExecutor, stub) -> None:
         await stub.LoadModel(explicit)
     assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
     assert err.value.details().startswith("Selected backend FLASH_ATTN is not valid for this configuration. Reason:")
+    drafted = load_request()
+    drafted.draft.method = common_pb2.SPEC_METHOD_EAGLE
+    with pytest.raises(grpc.aio.AioRpcError) as err:
+        await stub.LoadModel(drafted)
+    assert err.value.code() == grpc.StatusCode.UNIMPLEMENTED and "draft.method" in violations(err.value)
     assert await health(executor) == health_pb2.HealthCheckResponse.NOT_SERVING
 
 
