@@ -14,7 +14,7 @@ import time
 from collections.abc import Callable, Iterable
 
 from executor_service.model_runner import ModelRunner
-from executor_service.request import Finish, Request, RequestOutput, Status
+from executor_service.request import Finish, Request, RequestOutput, Sink, Status
 from executor_service.sampling import sample
 from executor_service.scheduler import Scheduler
 
@@ -35,6 +35,7 @@ class Engine:
         self._lock = threading.Lock()
         self._live: dict[str, Request] = {}  # every request not yet finished, by id
         self._thread: threading.Thread | None = None
+        self._outbox: list[tuple[Sink, RequestOutput]] = []  # in order; see _flush_outbox
 
     # ---- called from any thread -------------------------------------------------------------
     def start(self) -> None:
@@ -73,6 +74,7 @@ class Engine:
         while self.scheduler.has_work():
             self.step()
             self._drain_commands()
+        self._flush_outbox()
 
     def live_ids(self) -> list[str]:
         with self._lock:
@@ -94,8 +96,10 @@ class Engine:
             if self.scheduler.has_work():
                 self.step()
             else:
+                self._flush_outbox()
                 self._wake.wait()
         self._drain_commands()
+        self._flush_outbox()
 
     def _drain_commands(self) -> None:
         while True:
@@ -114,12 +118,14 @@ class Engine:
         try:
             inputs = self.runner.prepare(scheduled)
             logits = self.runner.execute(inputs)
+            self._flush_outbox()  # the previous step's outputs go out while this one runs on the device
             requests = [scheduled.requests[i] for i in inputs.sampled]
             tokens = sample(logits, [r.settings for r in requests], [r.generator for r in requests])
         except Exception as err:  # a kernel or device failure fails this step's requests, not the server
             log.exception("step failed; failing its %d requests", len(scheduled.requests))
             for request in scheduled.requests:
                 self._finish(request, None, error=err)
+            self._flush_outbox()
             return
         for request, num_new in zip(scheduled.requests, scheduled.num_new_tokens, strict=True):
             request.num_computed_tokens += num_new
@@ -127,7 +133,7 @@ class Engine:
             request.output_ids.append(token)
             reason = request.stop_reason(self.max_model_len)
             if reason is None:
-                request.sink(RequestOutput(request.request_id, [token]))
+                self._outbox.append((request.sink, RequestOutput(request.request_id, [token])))
             else:
                 self._finish(request, reason, new_tokens=[token])
         if self.on_step is not None:
@@ -150,4 +156,13 @@ class Engine:
         with self._lock:
             self._live.pop(request.request_id, None)
         finish: Finish | None = request.finish(reason) if reason is not None else None
-        request.sink(RequestOutput(request.request_id, new_tokens or [], finish=finish, error=error))
+        self._outbox.append(
+            (request.sink, RequestOutput(request.request_id, new_tokens or [], finish=finish, error=error))
+        )
+
+    def _flush_outbox(self) -> None:
+        """Hand out what the last step produced. Deferred until the next step is launched, so the callers'
+        work on these outputs (gRPC streaming, on the same GIL) overlaps the device instead of delaying it."""
+        outbox, self._outbox = self._outbox, []
+        for sink, output in outbox:
+            sink(output)

@@ -14,6 +14,7 @@ from greedy_reference import dense_logits, greedy_reference
 
 from executor_service.request import RequestOutput
 from executor_service.sampling import SamplingSettings
+from executor_service.scheduler import ScheduledStep
 from executor_service.session import ModelSession
 from kernels import unavailable_reason
 
@@ -79,15 +80,16 @@ def test_preemption_by_recompute_keeps_tokens_and_frees_blocks() -> None:
     batch = {f"r{i}": [(7 * i + j) % VOCAB for j in range(30 + i)] for i in range(4)}
     sink = Collector()
     add_all(session, batch, greedy(24), sink)
-    preempted = []
-    session.engine._drain_commands()
-    while session.engine.scheduler.has_work():
-        step = session.engine.scheduler.schedule  # observe preemptions without changing behaviour
-        scheduled = step()
-        preempted += [r.request_id for r in scheduled.preempted]
-        session.engine.scheduler.schedule = lambda s=scheduled: s  # type: ignore[method-assign]
-        session.engine.step()
-        del session.engine.scheduler.schedule
+    preempted: list[str] = []
+    schedule = session.engine.scheduler.schedule
+
+    def recording_schedule() -> ScheduledStep:  # observe preemptions without changing behaviour
+        step = schedule()
+        preempted.extend(r.request_id for r in step.preempted)
+        return step
+
+    session.engine.scheduler.schedule = recording_schedule  # type: ignore[method-assign]
+    session.engine.run_until_idle()
     assert preempted, "the cache was sized to force preemption"
     for rid, prompt in batch.items():
         assert sink.tokens(rid) == greedy_reference(session.loaded.model, prompt, 24), rid
