@@ -8,11 +8,15 @@ layer ever syncs with the device.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 
 from kernels import paged_attention, write_kv
-from kernels.attention import refusal_reasons
+from kernels.attention import check_claimed
+
+if TYPE_CHECKING:
+    from kernels.flex_attn import FlexMetadata
 
 
 @dataclass
@@ -25,7 +29,7 @@ class AttentionStep:
     max_query_len: int
     max_seq_len: int
     causal: bool = True
-    _flex: object | None = field(default=None, repr=False)
+    _flex: FlexMetadata | None = field(default=None, repr=False)  # built by the first layer that needs it
 
     def store_kv(self, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> None:
         write_kv(k, v, k_cache, v_cache, self.slot_mapping)
@@ -52,9 +56,7 @@ class AttentionStep:
         from kernels import flex_attn
 
         if self._flex is None:  # first layer of the step: check the call once, build the BlockMask once
-            reasons = refusal_reasons(self.backend, q, k_cache, self.causal)
-            if reasons:
-                raise ValueError(f"{self.backend} cannot run this call: {reasons}")
+            check_claimed(self.backend, q, k_cache, self.causal)
             self._flex = flex_attn.build_flex_metadata(
                 self.block_table,
                 self.query_start_loc,
@@ -64,4 +66,4 @@ class AttentionStep:
                 block_size=k_cache.shape[1],
                 num_tokens=q.shape[0],
             )
-        return flex_attn.forward_with_metadata(q, k_cache, v_cache, self._flex, scale)  # type: ignore[arg-type]
+        return flex_attn.forward_with_metadata(q, k_cache, v_cache, self._flex, scale)

@@ -91,8 +91,6 @@ class ModelConfig:
             raise invalid_fields(violations)
         num_heads = raw["num_attention_heads"]
         head_size = raw.get("head_dim") or raw["hidden_size"] // num_heads
-        eos = raw.get("eos_token_id")
-        eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (int(eos),))
         return cls(
             architecture=architecture or "llama",
             vocab_size=raw["vocab_size"],
@@ -108,7 +106,7 @@ class ModelConfig:
             rope_scaling=_llama3_scaling(rope) if rope_type == "llama3" else None,
             tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
             attention_bias=bool(raw.get("attention_bias", False)),
-            eos_token_ids=eos_ids,
+            eos_token_ids=eos_token_ids(raw.get("eos_token_id")),
             bos_token_id=raw.get("bos_token_id"),
             extra=raw,
         )
@@ -178,6 +176,13 @@ class ModelConfig:
         if self.eos_token_ids:
             raw["eos_token_id"] = list(self.eos_token_ids)
         return raw
+
+
+def eos_token_ids(value: int | list[int] | None) -> tuple[int, ...]:
+    """HF's eos_token_id: one id, a list of ids, or absent."""
+    if value is None:
+        return ()
+    return tuple(value) if isinstance(value, list) else (int(value),)
 
 
 def _rope_parameters(raw: dict[str, Any]) -> dict[str, Any]:

@@ -76,6 +76,10 @@ class Engine:
             self._drain_commands()
         self._flush_outbox()
 
+    def is_live(self, request_id: str) -> bool:
+        with self._lock:
+            return request_id in self._live
+
     def live_ids(self) -> list[str]:
         with self._lock:
             return list(self._live)

@@ -8,13 +8,13 @@ directory) and every missing, unexpected or misshapen tensor, checked before a b
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from executor_service.config import ModelConfig
+from executor_service.config import ModelConfig, eos_token_ids
 from executor_service.model import DecoderModel
 from executor_service.weights import empty_model, export_hf_state, hf_layout, place, synthetic_model
 from selector_service.errors import FieldViolation, invalid_fields
@@ -45,11 +45,9 @@ def read_config(directory: Path, field: str) -> ModelConfig:
     config = ModelConfig.from_hf(raw)
     generation = directory / "generation_config.json"
     if not config.eos_token_ids and generation.exists():
-        eos = json.loads(generation.read_text()).get("eos_token_id")
-        if eos is not None:
-            from dataclasses import replace
-
-            config = replace(config, eos_token_ids=tuple(eos) if isinstance(eos, list) else (int(eos),))
+        eos = eos_token_ids(json.loads(generation.read_text()).get("eos_token_id"))
+        if eos:
+            config = replace(config, eos_token_ids=eos)
     return config
 
 

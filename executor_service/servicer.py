@@ -21,7 +21,14 @@ from executor_service.mailbox import Mailbox
 from executor_service.metrics import EngineMetrics
 from executor_service.request import Finish, RequestOutput
 from executor_service.selection import BackendChooser
-from executor_service.session import EngineSettings, ModelSession, build_session, resolve_target, selection_request
+from executor_service.session import (
+    EngineSettings,
+    ModelSession,
+    build_session,
+    resolve_dtype,
+    resolve_target,
+    selection_request,
+)
 from executor_service.validation import check_generate, check_load_request
 from selector_service.errors import (
     AlreadyExists,
@@ -104,7 +111,7 @@ class ExecutorServicer(executor_pb2_grpc.ExecutorServicer):
                 )
             source = await asyncio.to_thread(resolve_target, request.target, self.model_root, "target")
             hardware = await self.capabilities()
-            dtype = _dtype(request, self.device)
+            dtype = resolve_dtype(request.dtype, self.device)
             decision = await self.chooser.choose(selection_request(request, source.config, hardware, dtype))
             old, self.session = self.session, None
             await self.set_serving(False)
@@ -174,11 +181,8 @@ class ExecutorServicer(executor_pb2_grpc.ExecutorServicer):
         if session is None:
             raise _not_loaded()
         prompt, settings, max_tokens = check_generate(request, session.limits, session.loaded.tokenizer)
-        if request.request_id in session.engine.live_ids():
-            raise AlreadyExists(
-                f"request_id {request.request_id!r} is already running",
-                field_violations=(FieldViolation("request_id", "already running; ids must be unique"),),
-            )
+        if session.engine.is_live(request.request_id):
+            raise _already_running(request.request_id)
         if session.engine.num_live >= self.max_live_requests:
             raise ResourceExhausted(
                 f"{session.engine.num_live} requests in flight; the limit is {self.max_live_requests}"
@@ -194,11 +198,8 @@ class ExecutorServicer(executor_pb2_grpc.ExecutorServicer):
         engine_request = session.new_request(request.request_id, prompt, settings, max_tokens, sink)
         try:
             session.engine.add(engine_request)
-        except KeyError:
-            raise AlreadyExists(
-                f"request_id {request.request_id!r} is already running",
-                field_violations=(FieldViolation("request_id", "already running; ids must be unique"),),
-            ) from None
+        except KeyError:  # the same id was added between the check above and here
+            raise _already_running(request.request_id) from None
         return session, outputs
 
     async def Abort(
@@ -213,10 +214,9 @@ class ExecutorServicer(executor_pb2_grpc.ExecutorServicer):
         streams end with finish_reason "abort"), and stop the engine."""
         self.draining = True
         async with self._load_lock:  # a LoadModel under way finishes first; new ones are refused
-            session, self.session = self.session, None
+            session = self.session
         if session is None:
             return
-        self.session = session  # still answering GetModelInfo and Abort while draining
         deadline = time.monotonic() + grace_seconds
         while session.engine.num_live and time.monotonic() < deadline:
             await asyncio.sleep(0.05)
@@ -229,14 +229,15 @@ class ExecutorServicer(executor_pb2_grpc.ExecutorServicer):
         await asyncio.to_thread(session.shutdown)
 
 
+def _already_running(request_id: str) -> AlreadyExists:
+    return AlreadyExists(
+        f"request_id {request_id!r} is already running",
+        field_violations=(FieldViolation("request_id", "already running; ids must be unique"),),
+    )
+
+
 def _not_loaded() -> FailedPrecondition:
     return FailedPrecondition("no model is loaded: call LoadModel first")
-
-
-def _dtype(request: executor_pb2.LoadModelRequest, device: torch.device) -> torch.dtype:
-    from executor_service.session import resolve_dtype
-
-    return resolve_dtype(request.dtype, device)
 
 
 def _response(

@@ -6,9 +6,8 @@ resolve the source, ask for backends, then load and warm up in a worker thread.
 from __future__ import annotations
 
 import logging
-import threading
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -32,6 +31,7 @@ TORCH_DTYPES = {
     common_pb2.DTYPE_BFLOAT16: torch.bfloat16,
     common_pb2.DTYPE_FLOAT32: torch.float32,
 }
+DTYPE_ENUMS = {dtype: enum for enum, dtype in TORCH_DTYPES.items()}
 CPU_DEFAULT_KV_TOKENS = 16384
 DEFAULT_GPU_MEMORY_UTILIZATION = 0.9
 
@@ -73,14 +73,13 @@ def selection_request(
     dtype: torch.dtype,
 ) -> selector_pb2.SelectBackendsRequest:
     """What the selector decides from: this machine's report and the target's layer spec."""
-    dtype_enum = {v: k for k, v in TORCH_DTYPES.items()}[dtype]
     return selector_pb2.SelectBackendsRequest(
         hardware=hardware,
         target_layers=common_pb2.LayerSpec(
             head_size=config.head_size,
             num_heads=config.num_heads,
             num_kv_heads=config.num_kv_heads,
-            dtype=dtype_enum,
+            dtype=DTYPE_ENUMS[dtype],
             kv_cache_dtype="auto",
             block_size=request.block_size or DEFAULT_BLOCK_SIZE,
         ),
@@ -98,7 +97,6 @@ class ModelSession:
     limits: ModelLimits
     info: executor_pb2.ModelInfo
     load_seconds: float = 0.0
-    _ids: threading.Lock = field(default_factory=threading.Lock)
 
     def new_request(
         self, request_id: str, prompt: list[int], settings: SamplingSettings, max_tokens: int, sink: Sink
@@ -159,7 +157,7 @@ def build_session(
         num_kv_heads=config.num_kv_heads,
         head_size=config.head_size,
         max_model_len=max_model_len,
-        dtype={v: k for k, v in TORCH_DTYPES.items()}[dtype],
+        dtype=DTYPE_ENUMS[dtype],
         block_size=block_size,
         num_kv_blocks=num_blocks,
         spec_method=common_pb2.SPEC_METHOD_NONE,

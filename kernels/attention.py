@@ -107,9 +107,7 @@ def paged_attention(
     name = backend.strip().upper()
     _check_shapes(q, k_cache, v_cache, block_table, query_start_loc, seq_lens, out)
     module = implementation(name)
-    reasons = refusal_reasons(name, q, k_cache, causal)
-    if reasons:
-        raise ValueError(f"{name} cannot run this call: {reasons}")
+    check_claimed(name, q, k_cache, causal)
     reason = module.unavailable_reason(q.device)
     if reason is not None:
         raise BackendUnavailableError(f"{name} cannot run on {q.device}: {reason}")
@@ -160,6 +158,13 @@ def _check_shapes(
         )
     if out is not None and (out.shape != q.shape or out.dtype != q.dtype or out.device != q.device):
         raise ValueError(f"out must match q {tuple(q.shape)} {q.dtype}; got {tuple(out.shape)} {out.dtype}")
+
+
+def check_claimed(backend: str, q: torch.Tensor, k_cache: torch.Tensor, causal: bool) -> None:
+    """ValueError with the table's reasons unless the capability entry claims this call (R9)."""
+    reasons = refusal_reasons(backend, q, k_cache, causal)
+    if reasons:
+        raise ValueError(f"{backend.strip().upper()} cannot run this call: {reasons}")
 
 
 def refusal_reasons(backend: str, q: torch.Tensor, k_cache: torch.Tensor, causal: bool) -> list[str]:
