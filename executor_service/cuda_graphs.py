@@ -1,21 +1,23 @@
-"""CUDA graphs for decode steps: one graph per batch-size bucket, replayed with new inputs.
+"""CUDA graphs for uniform steps: every request brings the same number of query tokens (decode: 1,
+verify: k + 1, an EAGLE chain step: 1, a DFlash block: B). One graph per batch-size bucket.
 
 A decode step of an 8B model launches ~1000 small kernels; launched one by one from Python, the host
 needs several times longer than the GPU needs to run them. Replaying a captured graph costs one launch.
-Inputs live in static buffers that each replay overwrites; a batch is padded up to its bucket with
-requests that write nothing (slot -1) and read one key. Attention is captured with `max_seq_len` set to
-the context length, so one graph serves every sequence length.
+Inputs live in static buffers that each replay overwrites, attention metadata included (positions,
+seq_lens, slot_mapping and block table are copied in before every replay, so a drafter's chain steps
+never see the previous step's metadata). A batch is padded up to its bucket with requests that write
+nothing (slot -1) and read only their own query. Attention is captured with `max_seq_len` set to the
+context length, so one graph serves every sequence length.
 """
 
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 
 import torch
 
 from executor_service.attention_step import AttentionStep
-from executor_service.kv_cache import KVCache
-from executor_service.model import DecoderModel
 
 log = logging.getLogger("specdec.executor")
 
@@ -24,79 +26,105 @@ log = logging.getLogger("specdec.executor")
 # its block mask with data-dependent shapes and runs eagerly.
 GRAPH_BACKENDS = frozenset({"TRITON_ATTN", "FLASH_ATTN"})
 
+MAX_LOOKAHEAD = 64  # at least any drafter's positions_ahead (k + 1 <= 33, DFlash block <= 33)
+
+# (attention metadata, positions, named per-token inputs) -> output tensors
+GraphForward = Callable[[AttentionStep, torch.Tensor, dict[str, torch.Tensor]], tuple[torch.Tensor, ...]]
+
 
 def batch_buckets(max_batch: int) -> list[int]:
     sizes = [1, 2, 4, 8, *range(16, max_batch + 1, 16)]
     return sorted({min(s, max_batch) for s in sizes})
 
 
-class DecodeGraphs:
+class StepGraphs:
     def __init__(
-        self, model: DecoderModel, kv_cache: KVCache, backend: str, max_batch: int, max_model_len: int
+        self,
+        name: str,
+        forward: GraphForward,
+        backend: str,
+        query_len: int,
+        max_batch: int,
+        max_model_len: int,
+        block_size: int,
+        device: torch.device,
+        inputs: dict[str, tuple[tuple[int, ...], torch.dtype]],
+        causal: bool = True,
     ) -> None:
-        self.model, self.kv_cache, self.backend = model, kv_cache, backend
-        self.max_model_len = max_model_len
+        """`inputs`: name -> (trailing shape, dtype) of each per-token input besides positions."""
+        self.name, self.forward, self.backend = name, forward, backend
+        self.query_len, self.max_model_len, self.causal = query_len, max_model_len, causal
         self.buckets = batch_buckets(max_batch)
-        device = kv_cache.storage.device
-        max_blocks = -(-max_model_len // kv_cache.block_size)
         top = self.buckets[-1]
-        self.input_ids = torch.zeros(top, dtype=torch.int64, device=device)
-        self.positions = torch.zeros(top, dtype=torch.int64, device=device)
-        self.slot_mapping = torch.full((top,), -1, dtype=torch.int64, device=device)
+        tokens = top * query_len
+        max_blocks = -(-(max_model_len + MAX_LOOKAHEAD) // block_size)  # blocks reserved past the context
+        self.inputs = {
+            n: torch.zeros(tokens, *shape, dtype=dtype, device=device) for n, (shape, dtype) in inputs.items()
+        }
+        self.positions = torch.zeros(tokens, dtype=torch.int64, device=device)
+        self.slot_mapping = torch.full((tokens,), -1, dtype=torch.int64, device=device)
         self.block_table = torch.zeros(top, max_blocks, dtype=torch.int32, device=device)
-        self.seq_lens = torch.ones(top, dtype=torch.int32, device=device)
-        self.query_start_loc = torch.arange(top + 1, dtype=torch.int32, device=device)
+        self.seq_lens = torch.full((top,), query_len, dtype=torch.int32, device=device)
+        self.query_start_loc = torch.arange(top + 1, dtype=torch.int32, device=device) * query_len
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
-        self.logits: dict[int, torch.Tensor] = {}
+        self.outputs: dict[int, tuple[torch.Tensor, ...]] = {}
 
     @property
     def max_batch(self) -> int:
         return self.buckets[-1]
 
     @torch.inference_mode()
-    def capture(self) -> None:
-        pool = torch.cuda.graph_pool_handle()
+    def capture(self, pool: object | None = None) -> None:
+        pool = pool if pool is not None else torch.cuda.graph_pool_handle()
         for size in reversed(self.buckets):  # largest first: smaller graphs reuse its memory
-            self._forward(size)  # warm up: compile kernels, settle allocations
+            self._run_eager(size)  # warm up: compile kernels, settle allocations
             torch.cuda.synchronize()
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, pool=pool):
-                self.logits[size] = self._forward(size)
+                self.outputs[size] = self._run_eager(size)
             self.graphs[size] = graph
         torch.cuda.synchronize()
-        log.info("captured decode graphs", extra={"batch_sizes": self.buckets})
+        log.info("captured %s graphs", self.name, extra={"batch_sizes": self.buckets, "query_len": self.query_len})
 
-    def _forward(self, size: int) -> torch.Tensor:
+    def _run_eager(self, size: int) -> tuple[torch.Tensor, ...]:
+        tokens = size * self.query_len
         step = AttentionStep(
             backend=self.backend,
             block_table=self.block_table[:size],
             query_start_loc=self.query_start_loc[: size + 1],
             seq_lens=self.seq_lens[:size],
-            slot_mapping=self.slot_mapping[:size],
-            max_query_len=1,
+            slot_mapping=self.slot_mapping[:tokens],
+            max_query_len=self.query_len,
             max_seq_len=self.max_model_len,
+            causal=self.causal,
         )
-        hidden, _ = self.model(self.input_ids[:size], self.positions[:size], self.kv_cache.layers, step)
-        return self.model.compute_logits(hidden)
+        return self.forward(step, self.positions[:tokens], {n: t[:tokens] for n, t in self.inputs.items()})
 
-    @torch.inference_mode()
     def run(
         self,
-        input_ids: torch.Tensor,
-        positions: torch.Tensor,
-        slot_mapping: torch.Tensor,
         block_table: torch.Tensor,
         seq_lens: torch.Tensor,
-    ) -> torch.Tensor:
-        """Logits [B, V] of one decode token for each of B requests (B <= max_batch)."""
-        count = input_ids.shape[0]
+        slot_mapping: torch.Tensor,
+        positions: torch.Tensor,
+        **inputs: torch.Tensor,
+    ) -> tuple[torch.Tensor, ...]:
+        """Outputs for the first `len(seq_lens)` requests (token-wise outputs: their rows only)."""
+        count = seq_lens.shape[0]
         size = next(s for s in self.buckets if s >= count)
-        self.input_ids[:count].copy_(input_ids)
-        self.positions[:count].copy_(positions)
-        self.slot_mapping[:count].copy_(slot_mapping)
-        self.slot_mapping[count:size].fill_(-1)
+        tokens, padded = count * self.query_len, size * self.query_len
+        for name, value in inputs.items():
+            self.inputs[name][:tokens].copy_(value)
+        self.positions[:tokens].copy_(positions)
+        self.slot_mapping[:tokens].copy_(slot_mapping)
+        self.slot_mapping[tokens:padded].fill_(-1)
         self.seq_lens[:count].copy_(seq_lens)
-        self.seq_lens[count:size].fill_(1)
+        self.seq_lens[count:size].fill_(self.query_len)
         self.block_table[:count, : block_table.shape[1]].copy_(block_table)
         self.graphs[size].replay()
-        return self.logits[size][:count]
+        return tuple(_first_rows(out, size, count) for out in self.outputs[size])
+
+
+def _first_rows(output: torch.Tensor, size: int, count: int) -> torch.Tensor:
+    """An output of `size` padded requests cut to the first `count`: token-wise or request-wise rows."""
+    rows_per_request = output.shape[0] // size if output.dim() else 0
+    return output[: count * rows_per_request] if output.dim() else output

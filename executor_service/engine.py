@@ -13,22 +13,32 @@ import threading
 import time
 from collections.abc import Callable, Iterable
 
+import torch
+
 from executor_service.model_runner import ModelRunner
+from executor_service.proposer import ProposeBatch, ProposeEntry, Proposer
+from executor_service.rejection_sampler import verify_batch
 from executor_service.request import Finish, Request, RequestOutput, Sink, Status
-from executor_service.sampling import sample
 from executor_service.scheduler import Scheduler
 
 log = logging.getLogger("specdec.engine")
 
 StepObserver = Callable[[int, int, float], None]  # (tokens computed, tokens generated, seconds)
+VerifyObserver = Callable[[list[int], list[int]], None]  # per verified request: (drafts, accepted drafts)
 
 
 class Engine:
     def __init__(
-        self, runner: ModelRunner, scheduler: Scheduler, max_model_len: int, on_step: StepObserver | None = None
+        self,
+        runner: ModelRunner,
+        scheduler: Scheduler,
+        max_model_len: int,
+        on_step: StepObserver | None = None,
+        proposer: Proposer | None = None,
+        on_verify: VerifyObserver | None = None,
     ) -> None:
         self.runner, self.scheduler, self.max_model_len = runner, scheduler, max_model_len
-        self.on_step = on_step
+        self.on_step, self.proposer, self.on_verify = on_step, proposer, on_verify
         self._commands: queue.SimpleQueue[Callable[[], None]] = queue.SimpleQueue()
         self._wake = threading.Event()
         self._stop = threading.Event()
@@ -114,34 +124,83 @@ class Engine:
             command()
 
     def step(self) -> None:
-        """Schedule, run the model once, sample, and hand out the new tokens."""
+        """Schedule, run the target once, verify (or sample), hand out the new tokens, propose drafts."""
         started = time.perf_counter()
         scheduled = self.scheduler.schedule()
         if not scheduled:
             return
         try:
             inputs = self.runner.prepare(scheduled)
-            logits = self.runner.execute(inputs)
+            output = self.runner.execute(inputs)
             self._flush_outbox()  # the previous step's outputs go out while this one runs on the device
-            requests = [scheduled.requests[i] for i in inputs.sampled]
-            tokens = sample(logits, [r.settings for r in requests], [r.generator for r in requests])
+            sampled = [scheduled.requests[i] for i in inputs.sampled]
+            drafts = [r.draft_ids for r in sampled]
+            emitted = verify_batch(output.logits, [r.settings for r in sampled], [r.generator for r in sampled], drafts)
         except Exception as err:  # a kernel or device failure fails this step's requests, not the server
-            log.exception("step failed; failing its %d requests", len(scheduled.requests))
-            for request in scheduled.requests:
-                self._finish(request, None, error=err)
-            self._flush_outbox()
+            self._fail(scheduled.requests, err)
             return
-        for request, num_new in zip(scheduled.requests, scheduled.num_new_tokens, strict=True):
-            request.num_computed_tokens += num_new
-        for request, token in zip(requests, tokens, strict=True):
+        kept = {id(r): n for r, n in zip(scheduled.requests, scheduled.num_new_tokens, strict=True)}
+        for request, request_drafts, tokens in zip(sampled, drafts, emitted, strict=True):
+            accepted = len(tokens) - 1
+            kept[id(request)] -= len(request_drafts) - accepted  # rejected drafts' K/V are rolled back
+            if request_drafts:
+                request.record_verification(len(request_drafts), accepted)
+            request.draft_ids = []
+        for request in scheduled.requests:
+            request.num_computed_tokens += kept[id(request)]
+        generated = 0
+        for request, request_drafts, tokens in zip(sampled, drafts, emitted, strict=True):
+            generated += self._emit(request, tokens, len(request_drafts))
+        if self.proposer is not None:
+            self._propose(scheduled.requests, inputs.row_starts, scheduled.num_new_tokens, kept, output.features)
+        if self.on_step is not None:
+            self.on_step(scheduled.num_tokens, generated, time.perf_counter() - started)
+        if self.on_verify is not None and drafts:
+            self.on_verify([len(d) for d in drafts], [len(t) - 1 for t in emitted])
+
+    def _emit(self, request: Request, tokens: list[int], num_drafted: int) -> int:
+        """Append the verified tokens up to a stop; hand them out. Returns how many were kept."""
+        for count, token in enumerate(tokens, start=1):
             request.output_ids.append(token)
             reason = request.stop_reason(self.max_model_len)
-            if reason is None:
-                self._outbox.append((request.sink, RequestOutput(request.request_id, [token])))
-            else:
-                self._finish(request, reason, new_tokens=[token])
-        if self.on_step is not None:
-            self.on_step(scheduled.num_tokens, len(tokens), time.perf_counter() - started)
+            if reason is not None:
+                self._finish(request, reason, new_tokens=tokens[:count], num_drafted=num_drafted)
+                return count
+        output = RequestOutput(request.request_id, tokens, num_drafted=num_drafted, num_accepted=len(tokens) - 1)
+        self._outbox.append((request.sink, output))
+        return len(tokens)
+
+    def _propose(
+        self,
+        requests: list[Request],
+        row_starts: list[int],
+        num_new: list[int],
+        kept: dict[int, int],
+        features: torch.Tensor | None,
+    ) -> None:
+        """Draft for the next step from this step's target features (requests that finished are skipped)."""
+        assert self.proposer is not None and features is not None
+        entries = [
+            ProposeEntry(r, start, rows, kept[id(r)], propose=r.num_computed_tokens == r.num_tokens - 1)
+            for r, start, rows in zip(requests, row_starts, num_new, strict=True)
+            if r.status is Status.RUNNING
+        ]
+        running = [e.request for e in entries]
+        try:
+            self.proposer.propose(ProposeBatch(entries, features))
+        except Exception as err:
+            self._fail(running, err)
+            return
+        for request in running:  # never verify past the context or the tokens still wanted
+            room = min(self.max_model_len - request.num_tokens, request.max_tokens - len(request.output_ids) - 1)
+            del request.draft_ids[max(room, 0) :]
+
+    def _fail(self, requests: list[Request], err: BaseException) -> None:
+        log.exception("step failed; failing its %d requests", len(requests), exc_info=err)
+        for request in requests:
+            if request.status is not Status.FINISHED:
+                self._finish(request, None, error=err)
+        self._flush_outbox()
 
     def _abort(self, request_ids: list[str]) -> None:
         for rid in request_ids:
@@ -155,14 +214,16 @@ class Engine:
         reason: str | None,
         new_tokens: list[int] | None = None,
         error: BaseException | None = None,
+        num_drafted: int = 0,
     ) -> None:
         self.scheduler.remove(request)
         with self._lock:
             self._live.pop(request.request_id, None)
         finish: Finish | None = request.finish(reason) if reason is not None else None
-        self._outbox.append(
-            (request.sink, RequestOutput(request.request_id, new_tokens or [], finish=finish, error=error))
-        )
+        tokens = new_tokens or []
+        accepted = max(len(tokens) - 1, 0) if num_drafted else 0
+        output = RequestOutput(request.request_id, tokens, num_drafted, accepted, finish=finish, error=error)
+        self._outbox.append((request.sink, output))
 
     def _flush_outbox(self) -> None:
         """Hand out what the last step produced. Deferred until the next step is launched, so the callers'

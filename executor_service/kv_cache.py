@@ -51,15 +51,16 @@ def bytes_per_block(config: ModelConfig, block_size: int, dtype: torch.dtype) ->
 
 
 def blocks_for_memory_fraction(
-    config: ModelConfig, block_size: int, dtype: torch.dtype, device: torch.device, fraction: float
+    configs: list[ModelConfig], block_size: int, dtype: torch.dtype, device: torch.device, fraction: float
 ) -> int:
     """Blocks that fit in `fraction` of the device's memory after what is already allocated (the weights),
-    keeping a margin for activations. CUDA only: a CPU run names --num-kv-blocks."""
+    keeping a margin for activations. A block holds K/V of every model in `configs` (target, drafter).
+    CUDA only: a CPU run names --num-kv-blocks."""
     free, total = torch.cuda.mem_get_info(device)
     used = total - free
     activations = 2 << 30  # logits of a large prefill chunk, MLP intermediates, allocator slack
     budget = int(total * fraction) - used - activations
-    count = budget // bytes_per_block(config, block_size, dtype)
+    count = budget // sum(bytes_per_block(config, block_size, dtype) for config in configs)
     if count <= 0:
         raise ResourceExhausted(
             f"gpu_memory_utilization {fraction} leaves no room for the KV cache "
@@ -72,13 +73,20 @@ class KVCache:
     """k and v [num_blocks, block_size, num_kv_heads, head_size] per layer, in one allocation."""
 
     def __init__(
-        self, config: ModelConfig, num_blocks: int, block_size: int, dtype: torch.dtype, device: torch.device
+        self,
+        config: ModelConfig,
+        num_blocks: int,
+        block_size: int,
+        dtype: torch.dtype,
+        device: torch.device,
+        allocator: BlockAllocator | None = None,
     ) -> None:
+        """`allocator`: share another cache's block ids (the drafter's cache uses the target's)."""
         self.num_blocks, self.block_size = num_blocks, block_size
         shape = (config.num_layers, 2, num_blocks, block_size, config.num_kv_heads, config.head_size)
         self.storage = torch.zeros(shape, dtype=dtype, device=device)
         self.layers = [(self.storage[i, 0], self.storage[i, 1]) for i in range(config.num_layers)]
-        self.allocator = BlockAllocator(num_blocks)
+        self.allocator = allocator or BlockAllocator(num_blocks)
 
     @property
     def capacity_tokens(self) -> int:

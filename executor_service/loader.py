@@ -16,7 +16,7 @@ import torch
 
 from executor_service.config import ModelConfig, eos_token_ids
 from executor_service.model import DecoderModel
-from executor_service.weights import empty_model, export_hf_state, hf_layout, place, synthetic_model
+from executor_service.weights import Placement, empty_model, export_hf_state, hf_layout, place, synthetic_model
 from selector_service.errors import FieldViolation, invalid_fields
 
 SINGLE_FILE = "model.safetensors"
@@ -34,15 +34,18 @@ class LoadedModel:
     source: str
 
 
-def read_config(directory: Path, field: str) -> ModelConfig:
+def read_config_json(directory: Path, field: str) -> dict[str, Any]:
     path = directory / "config.json"
     try:
-        raw = json.loads(path.read_text())
+        return json.loads(path.read_text())
     except FileNotFoundError:
         raise invalid_fields([FieldViolation(field, f"{path.name} not found in the model directory")]) from None
     except (json.JSONDecodeError, UnicodeDecodeError) as err:
         raise invalid_fields([FieldViolation(field, f"config.json is not valid JSON: {err}")]) from None
-    config = ModelConfig.from_hf(raw)
+
+
+def read_config(directory: Path, field: str) -> ModelConfig:
+    config = ModelConfig.from_hf(read_config_json(directory, field))
     generation = directory / "generation_config.json"
     if not config.eos_token_ids and generation.exists():
         eos = eos_token_ids(json.loads(generation.read_text()).get("eos_token_id"))
@@ -77,9 +80,29 @@ def tensor_files(directory: Path, field: str) -> dict[str, Path]:
     return located
 
 
+def read_tensor_shapes(located: dict[str, Path]) -> dict[str, tuple[int, ...]]:
+    """Every tensor's shape from the safetensors headers (no data read)."""
+    from safetensors import safe_open
+
+    shapes: dict[str, tuple[int, ...]] = {}
+    for file in sorted(set(located.values())):
+        with safe_open(str(file), framework="pt") as handle:
+            for name in handle.keys():  # noqa: SIM118
+                if located.get(name) == file:
+                    shapes[name] = tuple(handle.get_slice(name).get_shape())
+    return shapes
+
+
 def check_checkpoint(config: ModelConfig, shapes: dict[str, tuple[int, ...]], field: str) -> None:
     """Every tensor the model needs is present with its shape; nothing unknown is left over."""
-    layout = hf_layout(config)
+    tied = ("lm_head.weight",) if config.tie_word_embeddings else ()
+    check_tensors(hf_layout(config), shapes, field, ignored=IGNORED_SUFFIXES + tied)
+
+
+def check_tensors(
+    layout: dict[str, Placement], shapes: dict[str, tuple[int, ...]], field: str, ignored: tuple[str, ...] = ()
+) -> None:
+    """`shapes` holds exactly the tensors of `layout` with their shapes, plus names ending in `ignored`."""
     violations = []
     missing = [name for name in layout if name not in shapes]
     if missing:
@@ -91,9 +114,7 @@ def check_checkpoint(config: ModelConfig, shapes: dict[str, tuple[int, ...]], fi
     ]
     if wrong:
         violations.append(FieldViolation(field, f"{len(wrong)} tensors with wrong shapes, e.g. {wrong[:LISTED]}"))
-    unexpected = [n for n in shapes if n not in layout and not n.endswith(IGNORED_SUFFIXES)]
-    if config.tie_word_embeddings:
-        unexpected = [n for n in unexpected if n != "lm_head.weight"]
+    unexpected = [n for n in shapes if n not in layout and not n.endswith(ignored)]
     if unexpected:
         violations.append(FieldViolation(field, f"{len(unexpected)} unexpected tensors, e.g. {unexpected[:LISTED]}"))
     if violations:
@@ -106,13 +127,7 @@ def load_directory(directory: Path, dtype: torch.dtype, device: torch.device, fi
 
     config = read_config(directory, field)
     located = tensor_files(directory, field)
-    shapes: dict[str, tuple[int, ...]] = {}
-    for file in sorted(set(located.values())):
-        with safe_open(str(file), framework="pt") as handle:
-            for name in handle.keys():  # noqa: SIM118
-                if located.get(name) == file:
-                    shapes[name] = tuple(handle.get_slice(name).get_shape())
-    check_checkpoint(config, shapes, field)
+    check_checkpoint(config, read_tensor_shapes(located), field)
     model = empty_model(config, dtype, device)
     layout = hf_layout(config)
     for file in sorted(set(located.values())):

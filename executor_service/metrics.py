@@ -1,5 +1,6 @@
 """The executor's Prometheus metrics, next to the RPC metrics in the same registry: tokens (and tokens/s
-over a sliding window), queue depth, running requests, KV blocks used, step latency."""
+over a sliding window), queue depth, running requests, KV blocks used, step latency, and speculative
+decoding's drafted / accepted tokens, per draft position and as a mean acceptance length."""
 
 from __future__ import annotations
 
@@ -33,6 +34,28 @@ class EngineMetrics:
         self.running = Gauge("specdec_running_requests", "Requests in the running batch", registry=registry)
         self.kv_used = Gauge("specdec_kv_blocks_used", "KV cache blocks held by requests", registry=registry)
         self.kv_total = Gauge("specdec_kv_blocks_total", "KV cache blocks in all", registry=registry)
+        self.drafted = Counter("specdec_draft_tokens", "Drafted tokens verified by the target", registry=registry)
+        self.accepted = Counter("specdec_accepted_tokens", "Drafted tokens the target accepted", registry=registry)
+        self.verify_steps = Counter(
+            "specdec_verify_steps",
+            "Request-steps that verified drafts (per request per target step)",
+            registry=registry,
+        )
+        self.position_drafted = Counter(
+            "specdec_position_drafted_tokens", "Drafts verified per draft position", ["position"], registry=registry
+        )
+        self.position_accepted = Counter(
+            "specdec_position_accepted_tokens",
+            "Drafts accepted at each draft position",
+            ["position"],
+            registry=registry,
+        )
+        self.mean_acceptance_length = Gauge(
+            "specdec_mean_acceptance_length",
+            "Tokens emitted per verify step since start (accepted drafts + 1)",
+            registry=registry,
+        )
+        self.mean_acceptance_length.set_function(self._acceptance_length)
         self._window: collections.deque[tuple[float, int]] = collections.deque()
         self._lock = threading.Lock()
         self.tokens_per_second.set_function(self._rate)
@@ -47,6 +70,23 @@ class EngineMetrics:
             self._window.append((now, generated))
             while self._window and self._window[0][0] < now - WINDOW_SECONDS:
                 self._window.popleft()
+
+    def on_verify(self, drafted: list[int], accepted: list[int]) -> None:
+        """Called by the engine thread after a step that verified drafts: per request, drafts and accepted."""
+        for num_drafts, num_accepted in zip(drafted, accepted, strict=True):
+            if not num_drafts:
+                continue
+            self.verify_steps.inc()
+            self.drafted.inc(num_drafts)
+            self.accepted.inc(num_accepted)
+            for position in range(num_drafts):
+                self.position_drafted.labels(str(position)).inc()
+                if position < num_accepted:
+                    self.position_accepted.labels(str(position)).inc()
+
+    def _acceptance_length(self) -> float:
+        steps = self.verify_steps._value.get()
+        return 1.0 + self.accepted._value.get() / steps if steps else 0.0
 
     def watch(
         self,

@@ -14,6 +14,7 @@ from torch import nn
 from executor_service.attention_step import AttentionStep
 from executor_service.config import ModelConfig
 from executor_service.rope import RotaryEmbedding, apply_rotary
+from kernels import write_kv
 
 Rotary = tuple[torch.Tensor, torch.Tensor]  # cos, sin of this step's positions
 
@@ -30,12 +31,13 @@ class RMSNorm(nn.Module):
 
 
 class Attention(nn.Module):
-    def __init__(self, config: ModelConfig) -> None:
+    def __init__(self, config: ModelConfig, input_size: int | None = None) -> None:
         super().__init__()
         self.num_heads, self.num_kv_heads, self.head_size = config.num_heads, config.num_kv_heads, config.head_size
         self.q_size, self.kv_size = config.q_size, config.kv_size
         self.scale = self.head_size**-0.5
-        self.qkv_proj = nn.Linear(config.hidden_size, self.q_size + 2 * self.kv_size, bias=config.attention_bias)
+        in_features = input_size or config.hidden_size  # EAGLE-3 attends over [embedding; hidden]
+        self.qkv_proj = nn.Linear(in_features, self.q_size + 2 * self.kv_size, bias=config.attention_bias)
         self.o_proj = nn.Linear(self.q_size, config.hidden_size, bias=config.attention_bias)
         self.qk_norm = config.architecture == "qwen3"
         if self.qk_norm:
@@ -61,6 +63,21 @@ class Attention(nn.Module):
         step.store_kv(k, v, k_cache, v_cache)
         out = step.attend(q, k_cache, v_cache, self.scale)
         return self.o_proj(out.reshape(tokens, self.q_size))
+
+    def store_context_kv(
+        self, x: torch.Tensor, rotary: Rotary, kv_cache: tuple[torch.Tensor, torch.Tensor], slots: torch.Tensor
+    ) -> None:
+        """Project x [T, H] to keys and values only and store them (DFlash's context from target features)."""
+        tokens = x.shape[0]
+        weight = self.qkv_proj.weight[self.q_size :]
+        bias = self.qkv_proj.bias[self.q_size :] if self.qkv_proj.bias is not None else None
+        k, v = F.linear(x, weight, bias).split([self.kv_size, self.kv_size], dim=-1)
+        k = k.reshape(tokens, self.num_kv_heads, self.head_size)
+        v = v.reshape(tokens, self.num_kv_heads, self.head_size)
+        if self.qk_norm:
+            k = self.k_norm(k)
+        _, k = apply_rotary(k[:, :0], k, *rotary)  # no query heads: a view, so the kernel gets a real pointer
+        write_kv(k, v, kv_cache[0], kv_cache[1], slots)
 
 
 class MLP(nn.Module):
@@ -120,12 +137,12 @@ class DecoderModel(nn.Module):
         (what EAGLE-3 and DFlash drafters read from the target)."""
         hidden = self.embed_tokens(input_ids)
         rotary = self.rope.lookup(positions, hidden.dtype)
-        aux: list[torch.Tensor] = []
+        captured: dict[int, torch.Tensor] = {}
         for index, layer in enumerate(self.layers):
             hidden = layer(hidden, rotary, kv_caches[index], step)
             if index in aux_layer_ids:
-                aux.append(hidden)
-        return self.norm(hidden), aux
+                captured[index] = hidden
+        return self.norm(hidden), [captured[i] for i in aux_layer_ids]
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head(hidden).float()

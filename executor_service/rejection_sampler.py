@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import torch
 
+from executor_service.sampling import SamplingSettings, target_probs, to_host
+
 
 def verify_greedy(draft_tokens: list[int], target_argmax: list[int]) -> list[int]:
     """The accepted drafts and then the target's own token: `target_argmax` has k + 1 entries."""
@@ -65,3 +67,28 @@ def rejection_sample(
 def _sample(weights: torch.Tensor, generator: torch.Generator | None) -> int:
     """One draw from unnormalized non-negative weights (multinomial normalizes)."""
     return int(torch.multinomial(weights, 1, generator=generator))
+
+
+def verify_batch(
+    logits: torch.Tensor,
+    settings: list[SamplingSettings],
+    generators: list[torch.Generator | None],
+    drafts: list[list[int]],
+) -> list[list[int]]:
+    """Emitted tokens of each request from its k + 1 rows of target logits (k = its drafts, 0 or more).
+
+    Greedy requests need only the argmax: one device-to-host copy for the whole batch. Sampled requests
+    go through `rejection_sample` against the distribution they sample from (point-mass drafts).
+    """
+    argmax = to_host(logits.argmax(dim=-1))
+    emitted, row = [], 0
+    for setting, generator, request_drafts in zip(settings, generators, drafts, strict=True):
+        rows = len(request_drafts) + 1
+        if setting.greedy:
+            emitted.append(verify_greedy(request_drafts, argmax[row : row + rows]))
+        else:
+            probs = target_probs(logits[row : row + rows], setting)
+            draft_tokens = torch.tensor(request_drafts, dtype=torch.int64, device=logits.device)
+            emitted.append(rejection_sample(draft_tokens, None, probs, generator))
+        row += rows
+    return emitted

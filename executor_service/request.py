@@ -59,10 +59,12 @@ class Request:
     status: Status = Status.WAITING
     arrival_time: float = field(default_factory=time.monotonic)
     num_preemptions: int = 0
+    draft_ids: list[int] = field(default_factory=list)  # proposed for the next step to verify
     drafted_tokens: int = 0
     accepted_tokens: int = 0
-    verify_steps: int = 0
-    accepted_per_position: list[int] = field(default_factory=list)
+    verify_steps: int = 0  # target steps that verified drafts
+    drafted_per_position: list[int] = field(default_factory=list)  # verify steps that had a draft i
+    accepted_per_position: list[int] = field(default_factory=list)  # ... and accepted it
 
     @property
     def num_tokens(self) -> int:
@@ -85,14 +87,27 @@ class Request:
             return "length"
         return None
 
+    def record_verification(self, num_drafts: int, num_accepted: int) -> None:
+        self.verify_steps += 1
+        self.drafted_tokens += num_drafts
+        self.accepted_tokens += num_accepted
+        missing = num_drafts - len(self.drafted_per_position)
+        if missing > 0:
+            self.drafted_per_position += [0] * missing
+            self.accepted_per_position += [0] * missing
+        for i in range(num_drafts):
+            self.drafted_per_position[i] += 1
+            self.accepted_per_position[i] += i < num_accepted
+
     def finish(self, reason: str) -> Finish:
-        steps = max(self.verify_steps, 1)
         return Finish(
             reason=reason,
             prompt_tokens=len(self.prompt_ids),
             completion_tokens=len(self.output_ids),
             drafted_tokens=self.drafted_tokens,
             accepted_tokens=self.accepted_tokens,
-            acceptance_per_position=tuple(n / steps for n in self.accepted_per_position),
+            acceptance_per_position=tuple(
+                a / d for a, d in zip(self.accepted_per_position, self.drafted_per_position, strict=True)
+            ),
             verify_steps=self.verify_steps,
         )

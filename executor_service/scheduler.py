@@ -58,7 +58,9 @@ class Scheduler:
         index = 0
         while index < len(self.running) and budget > 0:
             request = self.running[index]
-            num_new = min(request.num_tokens - request.num_computed_tokens, budget)
+            if request.draft_ids:  # verify the drafts with the last token, as many as the budget allows
+                del request.draft_ids[max(budget - 1, 0) :]
+            num_new = min(request.num_tokens - request.num_computed_tokens + len(request.draft_ids), budget)
             if not self._grow(request, num_new):
                 victim = self.running[-1]  # the latest admitted goes back to the queue
                 self._preempt(victim, step)
@@ -85,7 +87,7 @@ class Scheduler:
     def _grow(self, request: Request, num_new: int) -> bool:
         """Give `request` the blocks for its computed tokens, `num_new` more and the lookahead slots."""
         total = request.num_computed_tokens + num_new
-        if total == request.num_tokens:
+        if total == request.num_tokens + len(request.draft_ids):  # it will sample: the drafter writes ahead
             total += self.num_lookahead_tokens
         missing = blocks_needed(total, self.block_size) - len(request.block_ids)
         if missing <= 0:
@@ -99,6 +101,7 @@ class Scheduler:
         self.running.remove(request)
         self.release(request)
         request.num_computed_tokens = 0
+        request.draft_ids = []
         request.num_preemptions += 1
         request.status = Status.WAITING
         self.waiting.appendleft(request)

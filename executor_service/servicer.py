@@ -17,6 +17,7 @@ import torch
 
 from executor_service.capabilities import probe
 from executor_service.detokenizer import IncrementalDetokenizer
+from executor_service.drafting import check_drafter_backend, resolve_draft
 from executor_service.mailbox import Mailbox
 from executor_service.metrics import EngineMetrics
 from executor_service.request import Finish, RequestOutput
@@ -29,7 +30,7 @@ from executor_service.session import (
     resolve_target,
     selection_request,
 )
-from executor_service.validation import check_generate, check_load_request
+from executor_service.validation import check_generate, check_load_request, has_drafter
 from selector_service.errors import (
     AlreadyExists,
     FailedPrecondition,
@@ -110,9 +111,14 @@ class ExecutorServicer(executor_pb2_grpc.ExecutorServicer):
                     f"{self.session.engine.num_live} requests are running on the loaded model; abort them first"
                 )
             source = await asyncio.to_thread(resolve_target, request.target, self.model_root, "target")
+            draft = None
+            if has_drafter(request):
+                draft = await asyncio.to_thread(resolve_draft, request.draft, source.config, self.model_root)
             hardware = await self.capabilities()
             dtype = resolve_dtype(request.dtype, self.device)
-            decision = await self.chooser.choose(selection_request(request, source.config, hardware, dtype))
+            decision = await self.chooser.choose(selection_request(request, source.config, hardware, dtype, draft))
+            if draft is not None:
+                check_drafter_backend(draft.config, decision.drafter.backend)
             old, self.session = self.session, None
             await self.set_serving(False)
             if old is not None:
@@ -125,6 +131,9 @@ class ExecutorServicer(executor_pb2_grpc.ExecutorServicer):
                 self.device,
                 self.engine_settings,
                 self.metrics.on_step,
+                draft=draft,
+                draft_decision=decision.drafter if draft is not None else None,
+                on_verify=self.metrics.on_verify,
             )
             self.session = session
             await self.set_serving(True)
@@ -133,11 +142,14 @@ class ExecutorServicer(executor_pb2_grpc.ExecutorServicer):
                 extra={
                     "source": session.loaded.source,
                     "backend": decision.target.backend,
+                    "draft_backend": decision.drafter.backend if draft is not None else None,
                     "kv_blocks": session.kv_cache.num_blocks,
                     "seconds": round(session.load_seconds, 2),
                 },
             )
-            return executor_pb2.LoadModelResponse(target_backend=decision.target, info=session.info)
+            return executor_pb2.LoadModelResponse(
+                target_backend=decision.target, draft_backend=session.draft_decision, info=session.info
+            )
 
     async def GetModelInfo(
         self, request: executor_pb2.GetModelInfoRequest, context: grpc.aio.ServicerContext
@@ -146,7 +158,9 @@ class ExecutorServicer(executor_pb2_grpc.ExecutorServicer):
         if session is None:
             await context.abort_with_status(_not_loaded().to_status())
         assert session is not None
-        return executor_pb2.GetModelInfoResponse(info=session.info, target_backend=session.decision)
+        return executor_pb2.GetModelInfoResponse(
+            info=session.info, target_backend=session.decision, draft_backend=session.draft_decision
+        )
 
     async def Generate(
         self, request: executor_pb2.GenerateRequest, context: grpc.aio.ServicerContext
@@ -269,7 +283,8 @@ def _response(
 
 
 def _tokens_per_step(finish: Finish) -> float:
-    """Tokens emitted per target step: plain decoding emits one; speculative steps count their verifies."""
+    """Mean acceptance length: tokens emitted per verify step (accepted drafts + the target's own token);
+    1.0 without drafts."""
     if finish.verify_steps:
-        return finish.completion_tokens / finish.verify_steps
+        return 1.0 + finish.accepted_tokens / finish.verify_steps
     return 1.0 if finish.completion_tokens else 0.0

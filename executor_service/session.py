@@ -13,11 +13,14 @@ from pathlib import Path
 import torch
 
 from executor_service.config import ModelConfig
-from executor_service.cuda_graphs import GRAPH_BACKENDS, DecodeGraphs
-from executor_service.engine import Engine, StepObserver
+from executor_service.cuda_graphs import GRAPH_BACKENDS
+from executor_service.draft_config import METHOD_ENUMS
+from executor_service.drafting import DraftSource, build_drafter, feature_layers, speculative_config
+from executor_service.engine import Engine, StepObserver, VerifyObserver
 from executor_service.kv_cache import KVCache, blocks_for_memory_fraction, blocks_needed
 from executor_service.loader import LoadedModel, build_synthetic, load_directory, read_config
 from executor_service.model_runner import ModelRunner
+from executor_service.proposer import Proposer
 from executor_service.request import Request, RequestOutput, Sink
 from executor_service.sampling import SamplingSettings, make_generator
 from executor_service.scheduler import Scheduler
@@ -33,6 +36,7 @@ TORCH_DTYPES = {
 }
 DTYPE_ENUMS = {dtype: enum for enum, dtype in TORCH_DTYPES.items()}
 CPU_DEFAULT_KV_TOKENS = 16384
+MAX_SPEC_GRAPH_BATCH = 32  # verify/draft graphs hold logits for batch x (k + 1) rows per bucket
 DEFAULT_GPU_MEMORY_UTILIZATION = 0.9
 
 
@@ -71,8 +75,13 @@ def selection_request(
     config: ModelConfig,
     hardware: common_pb2.HardwareCapabilities,
     dtype: torch.dtype,
+    draft: DraftSource | None = None,
 ) -> selector_pb2.SelectBackendsRequest:
-    """What the selector decides from: this machine's report and the target's layer spec."""
+    """What the selector decides from: this machine's report, the target's layer spec and the drafter's."""
+    block_size = request.block_size or DEFAULT_BLOCK_SIZE
+    speculative = (
+        speculative_config(draft, request.draft, DTYPE_ENUMS[dtype], block_size) if draft is not None else None
+    )
     return selector_pb2.SelectBackendsRequest(
         hardware=hardware,
         target_layers=common_pb2.LayerSpec(
@@ -81,9 +90,10 @@ def selection_request(
             num_kv_heads=config.num_kv_heads,
             dtype=DTYPE_ENUMS[dtype],
             kv_cache_dtype="auto",
-            block_size=request.block_size or DEFAULT_BLOCK_SIZE,
+            block_size=block_size,
         ),
         attention=request.attention,
+        speculative=speculative,
     )
 
 
@@ -97,6 +107,8 @@ class ModelSession:
     limits: ModelLimits
     info: executor_pb2.ModelInfo
     load_seconds: float = 0.0
+    draft_decision: common_pb2.BackendDecision | None = None
+    proposer: Proposer | None = None
 
     def new_request(
         self, request_id: str, prompt: list[int], settings: SamplingSettings, max_tokens: int, sink: Sink
@@ -123,9 +135,13 @@ def build_session(
     settings: EngineSettings,
     on_step: StepObserver | None = None,
     start: bool = True,
+    draft: DraftSource | None = None,
+    draft_decision: common_pb2.BackendDecision | None = None,
+    on_verify: VerifyObserver | None = None,
 ) -> ModelSession:
-    """Load weights, size and allocate the KV cache, warm the kernels up, start the engine thread
-    (`start=False`: the caller drives `engine.run_until_idle()` itself, as deterministic tests do)."""
+    """Load weights (and the drafter's), size and allocate the KV caches, warm the kernels up, capture
+    graphs, start the engine thread (`start=False`: the caller drives `engine.run_until_idle()` itself,
+    as deterministic tests do)."""
     started = time.perf_counter()
     dtype = resolve_dtype(request.dtype, device)
     if source.path is None:
@@ -133,20 +149,30 @@ def build_session(
     else:
         loaded = load_directory(source.path, dtype, device, "target.path")
     config = loaded.config
+    drafter = build_drafter(draft, loaded.model, dtype, device) if draft is not None else None
+    draft_model = [draft.config.model] if draft is not None else []
     block_size = request.block_size or DEFAULT_BLOCK_SIZE
     if request.num_kv_blocks > 0:
         num_blocks = request.num_kv_blocks
     elif device.type == "cuda":
         fraction = request.gpu_memory_utilization or DEFAULT_GPU_MEMORY_UTILIZATION
-        num_blocks = blocks_for_memory_fraction(config, block_size, dtype, device, fraction)
+        num_blocks = blocks_for_memory_fraction([config, *draft_model], block_size, dtype, device, fraction)
         num_blocks = min(num_blocks, blocks_needed(settings.max_num_seqs * config.max_position_embeddings, block_size))
     else:
         num_blocks = blocks_needed(CPU_DEFAULT_KV_TOKENS, block_size)
     kv_cache = KVCache(config, num_blocks, block_size, dtype, device)
-    runner = ModelRunner(loaded.model, kv_cache, decision.backend, device)
-    scheduler = Scheduler(kv_cache.allocator, block_size, settings.max_num_batched_tokens, settings.max_num_seqs)
     max_model_len = config.max_position_embeddings
-    engine = Engine(runner, scheduler, max_model_len, on_step)
+    proposer = None
+    if draft is not None and drafter is not None and draft_decision is not None:
+        draft_cache = KVCache(draft.config.model, num_blocks, block_size, dtype, device, kv_cache.allocator)
+        proposer = Proposer(drafter, draft_cache, draft_decision.backend, max_model_len, device)
+    layers = feature_layers(draft.config) if draft is not None else None
+    runner = ModelRunner(loaded.model, kv_cache, decision.backend, device, layers)
+    lookahead = draft.config.positions_ahead if draft is not None else 0
+    scheduler = Scheduler(
+        kv_cache.allocator, block_size, settings.max_num_batched_tokens, settings.max_num_seqs, lookahead
+    )
+    engine = Engine(runner, scheduler, max_model_len, on_step, proposer, on_verify)
     limits = ModelLimits(config.vocab_size, max_model_len, kv_cache.capacity_tokens, loaded.tokenizer is not None)
     info = executor_pb2.ModelInfo(
         architecture=config.architecture,
@@ -160,19 +186,31 @@ def build_session(
         dtype=DTYPE_ENUMS[dtype],
         block_size=block_size,
         num_kv_blocks=num_blocks,
-        spec_method=common_pb2.SPEC_METHOD_NONE,
+        spec_method=METHOD_ENUMS[draft.config.method] if draft is not None else common_pb2.SPEC_METHOD_NONE,
+        num_speculative_tokens=draft.config.num_speculative_tokens if draft is not None else 0,
         has_tokenizer=loaded.tokenizer is not None,
         eos_token_id=config.eos_token_ids[0] if config.eos_token_ids else -1,
     )
-    session = ModelSession(loaded, decision, dtype, kv_cache, engine, limits, info)
+    session = ModelSession(loaded, decision, dtype, kv_cache, engine, limits, info, 0.0, draft_decision, proposer)
     warm_up(session)
-    if settings.cuda_graphs and device.type == "cuda" and decision.backend in GRAPH_BACKENDS:
-        runner.graphs = DecodeGraphs(loaded.model, kv_cache, decision.backend, settings.max_num_seqs, max_model_len)
-        runner.graphs.capture()
+    if settings.cuda_graphs and device.type == "cuda":
+        capture_graphs(session, settings, max_model_len)
     if start:
         engine.start()
     session.load_seconds = time.perf_counter() - started
     return session
+
+
+def capture_graphs(session: ModelSession, settings: EngineSettings, max_model_len: int) -> None:
+    """Target decode (and verify) graphs, and the drafter's, where each one's backend can be captured."""
+    runner, proposer = session.engine.runner, session.proposer
+    spec_batch = min(settings.max_num_seqs, MAX_SPEC_GRAPH_BATCH)
+    if session.decision.backend in GRAPH_BACKENDS:
+        runner.capture_graphs([1], settings.max_num_seqs, max_model_len)
+        if proposer is not None:
+            runner.capture_graphs([proposer.k + 1], spec_batch, max_model_len)
+    if proposer is not None and proposer.backend in GRAPH_BACKENDS:
+        proposer.capture_graphs(spec_batch)
 
 
 def warm_up(session: ModelSession) -> None:

@@ -7,7 +7,7 @@ from pathlib import Path
 from typing import Any
 
 from executor_service.sampling import SamplingSettings
-from selector_service.errors import FieldViolation, ResourceExhausted, Unimplemented, invalid_fields
+from selector_service.errors import FieldViolation, ResourceExhausted, invalid_fields
 from specdec.v1 import common_pb2, executor_pb2
 
 DEFAULT_BLOCK_SIZE = 16
@@ -53,16 +53,31 @@ def check_load_request(request: executor_pb2.LoadModelRequest) -> None:
         violations.append(
             FieldViolation("attention.use_non_causal", "the target is a causal decoder; non-causal is for drafters")
         )
+    if has_drafter(request):
+        violations += _draft_violations(request.draft)
     if violations:
         raise invalid_fields(violations)
-    if request.HasField("draft") and request.draft.method not in (
-        common_pb2.SPEC_METHOD_UNSPECIFIED,
-        common_pb2.SPEC_METHOD_NONE,
-    ):
-        raise Unimplemented(
-            "speculative decoding (a draft model) is not available in this executor yet; load the target alone",
-            field_violations=(FieldViolation("draft.method", "drafters are not supported yet"),),
+
+
+def has_drafter(request: executor_pb2.LoadModelRequest) -> bool:
+    return request.HasField("draft") and request.draft.method != common_pb2.SPEC_METHOD_NONE
+
+
+def _draft_violations(draft: executor_pb2.DraftModel) -> list[FieldViolation]:
+    """What can be checked before the drafter's config is read (the rest: draft_config.py)."""
+    violations = []
+    methods = (common_pb2.SPEC_METHOD_EAGLE, common_pb2.SPEC_METHOD_EAGLE3, common_pb2.SPEC_METHOD_DFLASH)
+    if draft.method not in methods:
+        violations.append(
+            FieldViolation("draft.method", "SPEC_METHOD_EAGLE, _EAGLE3 or _DFLASH (SPEC_METHOD_NONE: no drafter)")
         )
+    if not draft.HasField("source") or draft.source.WhichOneof("source") is None:
+        violations.append(FieldViolation("draft.source", "required: a path under the model root or a synthetic spec"))
+    if draft.num_speculative_tokens < 0:
+        violations.append(FieldViolation("draft.num_speculative_tokens", "must be >= 0 (0: the drafter's default)"))
+    if draft.HasField("dflash_config") and draft.method != common_pb2.SPEC_METHOD_DFLASH:
+        violations.append(FieldViolation("draft.dflash_config", "only valid with SPEC_METHOD_DFLASH"))
+    return violations
 
 
 @dataclass(frozen=True)

@@ -9,6 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+from torch import nn
 
 from executor_service.config import ModelConfig
 from executor_service.model import DecoderModel
@@ -23,7 +24,7 @@ class Placement:
 
 def hf_layout(config: ModelConfig) -> dict[str, Placement]:
     """Every tensor a Hugging Face checkpoint of `config` must hold -> where it goes."""
-    hidden, inter, q, kv = config.hidden_size, config.intermediate_size, config.q_size, config.kv_size
+    hidden = config.hidden_size
     layout = {
         "model.embed_tokens.weight": Placement("embed_tokens.weight", 0, (config.vocab_size, hidden)),
         "model.norm.weight": Placement("norm.weight", 0, (hidden,)),
@@ -31,27 +32,37 @@ def hf_layout(config: ModelConfig) -> dict[str, Placement]:
     if not config.tie_word_embeddings:
         layout["lm_head.weight"] = Placement("lm_head.weight", 0, (config.vocab_size, hidden))
     for i in range(config.num_layers):
-        hf, ours = f"model.layers.{i}", f"layers.{i}"
+        layout.update(layer_layout(config, f"model.layers.{i}", f"layers.{i}"))
+    return layout
+
+
+def layer_layout(
+    config: ModelConfig, hf: str, ours: str, input_size: int | None = None, input_norm: bool = True
+) -> dict[str, Placement]:
+    """One decoder layer's tensors (`hf` and `ours`: the layer's name prefixes). Drafters reuse it:
+    EAGLE-3's attention reads [embedding; hidden] (`input_size` 2H), EAGLE-1's first layer has no input norm."""
+    hidden, inter, q, kv = config.hidden_size, config.intermediate_size, config.q_size, config.kv_size
+    width = input_size or hidden
+    layout: dict[str, Placement] = {}
+    if input_norm:
         layout[f"{hf}.input_layernorm.weight"] = Placement(f"{ours}.input_layernorm.weight", 0, (hidden,))
-        layout[f"{hf}.post_attention_layernorm.weight"] = Placement(
-            f"{ours}.post_attention_layernorm.weight", 0, (hidden,)
-        )
-        kinds = ["weight", "bias"] if config.attention_bias else ["weight"]
-        for kind in kinds:
-            rows = {"q_proj": (0, q), "k_proj": (q, kv), "v_proj": (q + kv, kv)}
-            for name, (start, size) in rows.items():
-                shape = (size, hidden) if kind == "weight" else (size,)
-                layout[f"{hf}.self_attn.{name}.{kind}"] = Placement(f"{ours}.self_attn.qkv_proj.{kind}", start, shape)
-            o_shape = (hidden, q) if kind == "weight" else (hidden,)
-            layout[f"{hf}.self_attn.o_proj.{kind}"] = Placement(f"{ours}.self_attn.o_proj.{kind}", 0, o_shape)
-        if config.architecture == "qwen3":
-            for name in ("q_norm", "k_norm"):
-                layout[f"{hf}.self_attn.{name}.weight"] = Placement(
-                    f"{ours}.self_attn.{name}.weight", 0, (config.head_size,)
-                )
-        layout[f"{hf}.mlp.gate_proj.weight"] = Placement(f"{ours}.mlp.gate_up_proj.weight", 0, (inter, hidden))
-        layout[f"{hf}.mlp.up_proj.weight"] = Placement(f"{ours}.mlp.gate_up_proj.weight", inter, (inter, hidden))
-        layout[f"{hf}.mlp.down_proj.weight"] = Placement(f"{ours}.mlp.down_proj.weight", 0, (hidden, inter))
+    layout[f"{hf}.post_attention_layernorm.weight"] = Placement(f"{ours}.post_attention_layernorm.weight", 0, (hidden,))
+    kinds = ["weight", "bias"] if config.attention_bias else ["weight"]
+    for kind in kinds:
+        rows = {"q_proj": (0, q), "k_proj": (q, kv), "v_proj": (q + kv, kv)}
+        for name, (start, size) in rows.items():
+            shape = (size, width) if kind == "weight" else (size,)
+            layout[f"{hf}.self_attn.{name}.{kind}"] = Placement(f"{ours}.self_attn.qkv_proj.{kind}", start, shape)
+        o_shape = (hidden, q) if kind == "weight" else (hidden,)
+        layout[f"{hf}.self_attn.o_proj.{kind}"] = Placement(f"{ours}.self_attn.o_proj.{kind}", 0, o_shape)
+    if config.architecture == "qwen3":
+        for name in ("q_norm", "k_norm"):
+            layout[f"{hf}.self_attn.{name}.weight"] = Placement(
+                f"{ours}.self_attn.{name}.weight", 0, (config.head_size,)
+            )
+    layout[f"{hf}.mlp.gate_proj.weight"] = Placement(f"{ours}.mlp.gate_up_proj.weight", 0, (inter, hidden))
+    layout[f"{hf}.mlp.up_proj.weight"] = Placement(f"{ours}.mlp.gate_up_proj.weight", inter, (inter, hidden))
+    layout[f"{hf}.mlp.down_proj.weight"] = Placement(f"{ours}.mlp.down_proj.weight", 0, (hidden, inter))
     return layout
 
 
@@ -66,7 +77,7 @@ def empty_model(config: ModelConfig, dtype: torch.dtype, device: torch.device) -
     return model.eval().requires_grad_(False)
 
 
-def place(model: DecoderModel, placement: Placement, tensor: torch.Tensor) -> None:
+def place(model: nn.Module, placement: Placement, tensor: torch.Tensor) -> None:
     target = model.get_parameter(placement.parameter)
     rows = placement.shape[0]
     target[placement.row_start : placement.row_start + rows].copy_(tensor)

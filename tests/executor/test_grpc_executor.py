@@ -229,9 +229,12 @@ async def test_load_refusals(executor: RunningExecutor, stub) -> None:
     assert err.value.details().startswith("Selected backend FLASH_ATTN is not valid for this configuration. Reason:")
     drafted = load_request()
     drafted.draft.method = common_pb2.SPEC_METHOD_EAGLE
+    drafted.draft.num_speculative_tokens = -1
+    drafted.draft.dflash_config.block_size = 4
     with pytest.raises(grpc.aio.AioRpcError) as err:
         await stub.LoadModel(drafted)
-    assert err.value.code() == grpc.StatusCode.UNIMPLEMENTED and "draft.method" in violations(err.value)
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert {"draft.source", "draft.num_speculative_tokens", "draft.dflash_config"} <= set(violations(err.value))
     assert await health(executor) == health_pb2.HealthCheckResponse.NOT_SERVING
 
 

@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from specdec.v1 import common_pb2 as specdec_dot_v1_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x19specdec/v1/executor.proto\x12\nspecdec.v1\x1a\x17specdec/v1/common.proto\"\x18\n\x16GetCapabilitiesRequest\"\xc8\x01\n\x0eSyntheticModel\x12\x14\n\x0c\x61rchitecture\x18\x01 \x01(\t\x12\x12\n\nvocab_size\x18\x02 \x01(\x05\x12\x13\n\x0bhidden_size\x18\x03 \x01(\x05\x12\x19\n\x11intermediate_size\x18\x04 \x01(\x05\x12\x12\n\nnum_layers\x18\x05 \x01(\x05\x12\x11\n\tnum_heads\x18\x06 \x01(\x05\x12\x14\n\x0cnum_kv_heads\x18\x07 \x01(\x05\x12\x11\n\thead_size\x18\x08 \x01(\x05\x12\x0c\n\x04seed\x18\t \x01(\x03\"X\n\x0bModelSource\x12\x0e\n\x04path\x18\x01 \x01(\tH\x00\x12/\n\tsynthetic\x18\x02 \x01(\x0b\x32\x1a.specdec.v1.SyntheticModelH\x00\x42\x08\n\x06source\"\xc9\x01\n\nDraftModel\x12&\n\x06method\x18\x01 \x01(\x0e\x32\x16.specdec.v1.SpecMethod\x12\'\n\x06source\x18\x02 \x01(\x0b\x32\x17.specdec.v1.ModelSource\x12\x1e\n\x16num_speculative_tokens\x18\x03 \x01(\x05\x12\x19\n\x11\x61ttention_backend\x18\x04 \x01(\t\x12/\n\rdflash_config\x18\x05 \x01(\x0b\x32\x18.specdec.v1.DFlashConfig\"\xff\x01\n\x10LoadModelRequest\x12\'\n\x06target\x18\x01 \x01(\x0b\x32\x17.specdec.v1.ModelSource\x12%\n\x05\x64raft\x18\x02 \x01(\x0b\x32\x16.specdec.v1.DraftModel\x12 \n\x05\x64type\x18\x03 \x01(\x0e\x32\x11.specdec.v1.DType\x12.\n\tattention\x18\x04 \x01(\x0b\x32\x1b.specdec.v1.AttentionConfig\x12\x12\n\nblock_size\x18\x05 \x01(\x05\x12\x15\n\rnum_kv_blocks\x18\x06 \x01(\x05\x12\x1e\n\x16gpu_memory_utilization\x18\x07 \x01(\x02\"\xf8\x02\n\tModelInfo\x12\x14\n\x0c\x61rchitecture\x18\x01 \x01(\t\x12\x12\n\nvocab_size\x18\x02 \x01(\x05\x12\x13\n\x0bhidden_size\x18\x03 \x01(\x05\x12\x12\n\nnum_layers\x18\x04 \x01(\x05\x12\x11\n\tnum_heads\x18\x05 \x01(\x05\x12\x14\n\x0cnum_kv_heads\x18\x06 \x01(\x05\x12\x11\n\thead_size\x18\x07 \x01(\x05\x12\x15\n\rmax_model_len\x18\x08 \x01(\x05\x12 \n\x05\x64type\x18\t \x01(\x0e\x32\x11.specdec.v1.DType\x12\x12\n\nblock_size\x18\n \x01(\x05\x12\x15\n\rnum_kv_blocks\x18\x0b \x01(\x05\x12+\n\x0bspec_method\x18\x0c \x01(\x0e\x32\x16.specdec.v1.SpecMethod\x12\x1e\n\x16num_speculative_tokens\x18\r \x01(\x05\x12\x15\n\rhas_tokenizer\x18\x0e \x01(\x08\x12\x14\n\x0c\x65os_token_id\x18\x0f \x01(\x05\"\xa1\x01\n\x11LoadModelResponse\x12\x33\n\x0etarget_backend\x18\x01 \x01(\x0b\x32\x1b.specdec.v1.BackendDecision\x12\x32\n\rdraft_backend\x18\x02 \x01(\x0b\x32\x1b.specdec.v1.BackendDecision\x12#\n\x04info\x18\x03 \x01(\x0b\x32\x15.specdec.v1.ModelInfo\"\x15\n\x13GetModelInfoRequest\"\xa4\x01\n\x14GetModelInfoResponse\x12#\n\x04info\x18\x01 \x01(\x0b\x32\x15.specdec.v1.ModelInfo\x12\x33\n\x0etarget_backend\x18\x02 \x01(\x0b\x32\x1b.specdec.v1.BackendDecision\x12\x32\n\rdraft_backend\x18\x03 \x01(\x0b\x32\x1b.specdec.v1.BackendDecision\"\xc2\x01\n\x0eSamplingParams\x12\x13\n\x0btemperature\x18\x01 \x01(\x02\x12\x12\n\x05top_p\x18\x02 \x01(\x02H\x00\x88\x01\x01\x12\r\n\x05top_k\x18\x03 \x01(\x05\x12\x17\n\nmax_tokens\x18\x04 \x01(\x05H\x01\x88\x01\x01\x12\x11\n\x04seed\x18\x05 \x01(\x03H\x02\x88\x01\x01\x12\x16\n\x0estop_token_ids\x18\x06 \x03(\x05\x12\x12\n\nignore_eos\x18\x07 \x01(\x08\x42\x08\n\x06_top_pB\r\n\x0b_max_tokensB\x07\n\x05_seed\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\x05\"\x97\x01\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12)\n\ttoken_ids\x18\x02 \x01(\x0b\x32\x14.specdec.v1.TokenIdsH\x00\x12\x0e\n\x04text\x18\x03 \x01(\tH\x00\x12,\n\x08sampling\x18\x04 \x01(\x0b\x32\x1a.specdec.v1.SamplingParamsB\x07\n\x05input\"\xca\x01\n\x08\x46inished\x12\x15\n\rfinish_reason\x18\x01 \x01(\t\x12\x15\n\rprompt_tokens\x18\x02 \x01(\x05\x12\x19\n\x11\x63ompletion_tokens\x18\x03 \x01(\x05\x12\x16\n\x0e\x64rafted_tokens\x18\x04 \x01(\x05\x12\x17\n\x0f\x61\x63\x63\x65pted_tokens\x18\x05 \x01(\x05\x12\x1e\n\x16mean_acceptance_length\x18\x06 \x01(\x01\x12$\n\x1c\x61\x63\x63\x65ptance_rate_per_position\x18\x07 \x03(\x01\"\x9a\x01\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\x05\x12\x0c\n\x04text\x18\x03 \x01(\t\x12\x13\n\x0bnum_drafted\x18\x04 \x01(\x05\x12\x14\n\x0cnum_accepted\x18\x05 \x01(\x05\x12&\n\x08\x66inished\x18\x06 \x01(\x0b\x32\x14.specdec.v1.Finished\"#\n\x0c\x41\x62ortRequest\x12\x13\n\x0brequest_ids\x18\x01 \x03(\t\",\n\rAbortResponse\x12\x1b\n\x13\x61\x62orted_request_ids\x18\x01 \x03(\t2\x87\x03\n\x08\x45xecutor\x12W\n\x0fGetCapabilities\x12\".specdec.v1.GetCapabilitiesRequest\x1a .specdec.v1.HardwareCapabilities\x12H\n\tLoadModel\x12\x1c.specdec.v1.LoadModelRequest\x1a\x1d.specdec.v1.LoadModelResponse\x12Q\n\x0cGetModelInfo\x12\x1f.specdec.v1.GetModelInfoRequest\x1a .specdec.v1.GetModelInfoResponse\x12G\n\x08Generate\x12\x1b.specdec.v1.GenerateRequest\x1a\x1c.specdec.v1.GenerateResponse0\x01\x12<\n\x05\x41\x62ort\x12\x18.specdec.v1.AbortRequest\x1a\x19.specdec.v1.AbortResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x19specdec/v1/executor.proto\x12\nspecdec.v1\x1a\x17specdec/v1/common.proto\"\x18\n\x16GetCapabilitiesRequest\"\xe2\x01\n\x0eSyntheticModel\x12\x14\n\x0c\x61rchitecture\x18\x01 \x01(\t\x12\x12\n\nvocab_size\x18\x02 \x01(\x05\x12\x13\n\x0bhidden_size\x18\x03 \x01(\x05\x12\x19\n\x11intermediate_size\x18\x04 \x01(\x05\x12\x12\n\nnum_layers\x18\x05 \x01(\x05\x12\x11\n\tnum_heads\x18\x06 \x01(\x05\x12\x14\n\x0cnum_kv_heads\x18\x07 \x01(\x05\x12\x11\n\thead_size\x18\x08 \x01(\x05\x12\x0c\n\x04seed\x18\t \x01(\x03\x12\x18\n\x10\x64raft_vocab_size\x18\n \x01(\x05\"X\n\x0bModelSource\x12\x0e\n\x04path\x18\x01 \x01(\tH\x00\x12/\n\tsynthetic\x18\x02 \x01(\x0b\x32\x1a.specdec.v1.SyntheticModelH\x00\x42\x08\n\x06source\"\xc9\x01\n\nDraftModel\x12&\n\x06method\x18\x01 \x01(\x0e\x32\x16.specdec.v1.SpecMethod\x12\'\n\x06source\x18\x02 \x01(\x0b\x32\x17.specdec.v1.ModelSource\x12\x1e\n\x16num_speculative_tokens\x18\x03 \x01(\x05\x12\x19\n\x11\x61ttention_backend\x18\x04 \x01(\t\x12/\n\rdflash_config\x18\x05 \x01(\x0b\x32\x18.specdec.v1.DFlashConfig\"\xff\x01\n\x10LoadModelRequest\x12\'\n\x06target\x18\x01 \x01(\x0b\x32\x17.specdec.v1.ModelSource\x12%\n\x05\x64raft\x18\x02 \x01(\x0b\x32\x16.specdec.v1.DraftModel\x12 \n\x05\x64type\x18\x03 \x01(\x0e\x32\x11.specdec.v1.DType\x12.\n\tattention\x18\x04 \x01(\x0b\x32\x1b.specdec.v1.AttentionConfig\x12\x12\n\nblock_size\x18\x05 \x01(\x05\x12\x15\n\rnum_kv_blocks\x18\x06 \x01(\x05\x12\x1e\n\x16gpu_memory_utilization\x18\x07 \x01(\x02\"\xf8\x02\n\tModelInfo\x12\x14\n\x0c\x61rchitecture\x18\x01 \x01(\t\x12\x12\n\nvocab_size\x18\x02 \x01(\x05\x12\x13\n\x0bhidden_size\x18\x03 \x01(\x05\x12\x12\n\nnum_layers\x18\x04 \x01(\x05\x12\x11\n\tnum_heads\x18\x05 \x01(\x05\x12\x14\n\x0cnum_kv_heads\x18\x06 \x01(\x05\x12\x11\n\thead_size\x18\x07 \x01(\x05\x12\x15\n\rmax_model_len\x18\x08 \x01(\x05\x12 \n\x05\x64type\x18\t \x01(\x0e\x32\x11.specdec.v1.DType\x12\x12\n\nblock_size\x18\n \x01(\x05\x12\x15\n\rnum_kv_blocks\x18\x0b \x01(\x05\x12+\n\x0bspec_method\x18\x0c \x01(\x0e\x32\x16.specdec.v1.SpecMethod\x12\x1e\n\x16num_speculative_tokens\x18\r \x01(\x05\x12\x15\n\rhas_tokenizer\x18\x0e \x01(\x08\x12\x14\n\x0c\x65os_token_id\x18\x0f \x01(\x05\"\xa1\x01\n\x11LoadModelResponse\x12\x33\n\x0etarget_backend\x18\x01 \x01(\x0b\x32\x1b.specdec.v1.BackendDecision\x12\x32\n\rdraft_backend\x18\x02 \x01(\x0b\x32\x1b.specdec.v1.BackendDecision\x12#\n\x04info\x18\x03 \x01(\x0b\x32\x15.specdec.v1.ModelInfo\"\x15\n\x13GetModelInfoRequest\"\xa4\x01\n\x14GetModelInfoResponse\x12#\n\x04info\x18\x01 \x01(\x0b\x32\x15.specdec.v1.ModelInfo\x12\x33\n\x0etarget_backend\x18\x02 \x01(\x0b\x32\x1b.specdec.v1.BackendDecision\x12\x32\n\rdraft_backend\x18\x03 \x01(\x0b\x32\x1b.specdec.v1.BackendDecision\"\xc2\x01\n\x0eSamplingParams\x12\x13\n\x0btemperature\x18\x01 \x01(\x02\x12\x12\n\x05top_p\x18\x02 \x01(\x02H\x00\x88\x01\x01\x12\r\n\x05top_k\x18\x03 \x01(\x05\x12\x17\n\nmax_tokens\x18\x04 \x01(\x05H\x01\x88\x01\x01\x12\x11\n\x04seed\x18\x05 \x01(\x03H\x02\x88\x01\x01\x12\x16\n\x0estop_token_ids\x18\x06 \x03(\x05\x12\x12\n\nignore_eos\x18\x07 \x01(\x08\x42\x08\n\x06_top_pB\r\n\x0b_max_tokensB\x07\n\x05_seed\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\x05\"\x97\x01\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12)\n\ttoken_ids\x18\x02 \x01(\x0b\x32\x14.specdec.v1.TokenIdsH\x00\x12\x0e\n\x04text\x18\x03 \x01(\tH\x00\x12,\n\x08sampling\x18\x04 \x01(\x0b\x32\x1a.specdec.v1.SamplingParamsB\x07\n\x05input\"\xca\x01\n\x08\x46inished\x12\x15\n\rfinish_reason\x18\x01 \x01(\t\x12\x15\n\rprompt_tokens\x18\x02 \x01(\x05\x12\x19\n\x11\x63ompletion_tokens\x18\x03 \x01(\x05\x12\x16\n\x0e\x64rafted_tokens\x18\x04 \x01(\x05\x12\x17\n\x0f\x61\x63\x63\x65pted_tokens\x18\x05 \x01(\x05\x12\x1e\n\x16mean_acceptance_length\x18\x06 \x01(\x01\x12$\n\x1c\x61\x63\x63\x65ptance_rate_per_position\x18\x07 \x03(\x01\"\x9a\x01\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\x05\x12\x0c\n\x04text\x18\x03 \x01(\t\x12\x13\n\x0bnum_drafted\x18\x04 \x01(\x05\x12\x14\n\x0cnum_accepted\x18\x05 \x01(\x05\x12&\n\x08\x66inished\x18\x06 \x01(\x0b\x32\x14.specdec.v1.Finished\"#\n\x0c\x41\x62ortRequest\x12\x13\n\x0brequest_ids\x18\x01 \x03(\t\",\n\rAbortResponse\x12\x1b\n\x13\x61\x62orted_request_ids\x18\x01 \x03(\t2\x87\x03\n\x08\x45xecutor\x12W\n\x0fGetCapabilities\x12\".specdec.v1.GetCapabilitiesRequest\x1a .specdec.v1.HardwareCapabilities\x12H\n\tLoadModel\x12\x1c.specdec.v1.LoadModelRequest\x1a\x1d.specdec.v1.LoadModelResponse\x12Q\n\x0cGetModelInfo\x12\x1f.specdec.v1.GetModelInfoRequest\x1a .specdec.v1.GetModelInfoResponse\x12G\n\x08Generate\x12\x1b.specdec.v1.GenerateRequest\x1a\x1c.specdec.v1.GenerateResponse0\x01\x12<\n\x05\x41\x62ort\x12\x18.specdec.v1.AbortRequest\x1a\x19.specdec.v1.AbortResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -35,35 +35,35 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_GETCAPABILITIESREQUEST']._serialized_start=66
   _globals['_GETCAPABILITIESREQUEST']._serialized_end=90
   _globals['_SYNTHETICMODEL']._serialized_start=93
-  _globals['_SYNTHETICMODEL']._serialized_end=293
-  _globals['_MODELSOURCE']._serialized_start=295
-  _globals['_MODELSOURCE']._serialized_end=383
-  _globals['_DRAFTMODEL']._serialized_start=386
-  _globals['_DRAFTMODEL']._serialized_end=587
-  _globals['_LOADMODELREQUEST']._serialized_start=590
-  _globals['_LOADMODELREQUEST']._serialized_end=845
-  _globals['_MODELINFO']._serialized_start=848
-  _globals['_MODELINFO']._serialized_end=1224
-  _globals['_LOADMODELRESPONSE']._serialized_start=1227
-  _globals['_LOADMODELRESPONSE']._serialized_end=1388
-  _globals['_GETMODELINFOREQUEST']._serialized_start=1390
-  _globals['_GETMODELINFOREQUEST']._serialized_end=1411
-  _globals['_GETMODELINFORESPONSE']._serialized_start=1414
-  _globals['_GETMODELINFORESPONSE']._serialized_end=1578
-  _globals['_SAMPLINGPARAMS']._serialized_start=1581
-  _globals['_SAMPLINGPARAMS']._serialized_end=1775
-  _globals['_TOKENIDS']._serialized_start=1777
-  _globals['_TOKENIDS']._serialized_end=1800
-  _globals['_GENERATEREQUEST']._serialized_start=1803
-  _globals['_GENERATEREQUEST']._serialized_end=1954
-  _globals['_FINISHED']._serialized_start=1957
-  _globals['_FINISHED']._serialized_end=2159
-  _globals['_GENERATERESPONSE']._serialized_start=2162
-  _globals['_GENERATERESPONSE']._serialized_end=2316
-  _globals['_ABORTREQUEST']._serialized_start=2318
-  _globals['_ABORTREQUEST']._serialized_end=2353
-  _globals['_ABORTRESPONSE']._serialized_start=2355
-  _globals['_ABORTRESPONSE']._serialized_end=2399
-  _globals['_EXECUTOR']._serialized_start=2402
-  _globals['_EXECUTOR']._serialized_end=2793
+  _globals['_SYNTHETICMODEL']._serialized_end=319
+  _globals['_MODELSOURCE']._serialized_start=321
+  _globals['_MODELSOURCE']._serialized_end=409
+  _globals['_DRAFTMODEL']._serialized_start=412
+  _globals['_DRAFTMODEL']._serialized_end=613
+  _globals['_LOADMODELREQUEST']._serialized_start=616
+  _globals['_LOADMODELREQUEST']._serialized_end=871
+  _globals['_MODELINFO']._serialized_start=874
+  _globals['_MODELINFO']._serialized_end=1250
+  _globals['_LOADMODELRESPONSE']._serialized_start=1253
+  _globals['_LOADMODELRESPONSE']._serialized_end=1414
+  _globals['_GETMODELINFOREQUEST']._serialized_start=1416
+  _globals['_GETMODELINFOREQUEST']._serialized_end=1437
+  _globals['_GETMODELINFORESPONSE']._serialized_start=1440
+  _globals['_GETMODELINFORESPONSE']._serialized_end=1604
+  _globals['_SAMPLINGPARAMS']._serialized_start=1607
+  _globals['_SAMPLINGPARAMS']._serialized_end=1801
+  _globals['_TOKENIDS']._serialized_start=1803
+  _globals['_TOKENIDS']._serialized_end=1826
+  _globals['_GENERATEREQUEST']._serialized_start=1829
+  _globals['_GENERATEREQUEST']._serialized_end=1980
+  _globals['_FINISHED']._serialized_start=1983
+  _globals['_FINISHED']._serialized_end=2185
+  _globals['_GENERATERESPONSE']._serialized_start=2188
+  _globals['_GENERATERESPONSE']._serialized_end=2342
+  _globals['_ABORTREQUEST']._serialized_start=2344
+  _globals['_ABORTREQUEST']._serialized_end=2379
+  _globals['_ABORTRESPONSE']._serialized_start=2381
+  _globals['_ABORTRESPONSE']._serialized_end=2425
+  _globals['_EXECUTOR']._serialized_start=2428
+  _globals['_EXECUTOR']._serialized_end=2819
 # @@protoc_insertion_point(module_scope)

@@ -12,7 +12,7 @@ class GetCapabilitiesRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class SyntheticModel(_message.Message):
-    __slots__ = ("architecture", "vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads", "num_kv_heads", "head_size", "seed")
+    __slots__ = ("architecture", "vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads", "num_kv_heads", "head_size", "seed", "draft_vocab_size")
     ARCHITECTURE_FIELD_NUMBER: _ClassVar[int]
     VOCAB_SIZE_FIELD_NUMBER: _ClassVar[int]
     HIDDEN_SIZE_FIELD_NUMBER: _ClassVar[int]
@@ -22,6 +22,7 @@ class SyntheticModel(_message.Message):
     NUM_KV_HEADS_FIELD_NUMBER: _ClassVar[int]
     HEAD_SIZE_FIELD_NUMBER: _ClassVar[int]
     SEED_FIELD_NUMBER: _ClassVar[int]
+    DRAFT_VOCAB_SIZE_FIELD_NUMBER: _ClassVar[int]
     architecture: str
     vocab_size: int
     hidden_size: int
@@ -31,7 +32,8 @@ class SyntheticModel(_message.Message):
     num_kv_heads: int
     head_size: int
     seed: int
-    def __init__(self, architecture: _Optional[str] = ..., vocab_size: _Optional[int] = ..., hidden_size: _Optional[int] = ..., intermediate_size: _Optional[int] = ..., num_layers: _Optional[int] = ..., num_heads: _Optional[int] = ..., num_kv_heads: _Optional[int] = ..., head_size: _Optional[int] = ..., seed: _Optional[int] = ...) -> None: ...
+    draft_vocab_size: int
+    def __init__(self, architecture: _Optional[str] = ..., vocab_size: _Optional[int] = ..., hidden_size: _Optional[int] = ..., intermediate_size: _Optional[int] = ..., num_layers: _Optional[int] = ..., num_heads: _Optional[int] = ..., num_kv_heads: _Optional[int] = ..., head_size: _Optional[int] = ..., seed: _Optional[int] = ..., draft_vocab_size: _Optional[int] = ...) -> None: ...
 
 class ModelSource(_message.Message):
     __slots__ = ("path", "synthetic")

@@ -1,0 +1,172 @@
+"""Proposers: after each target step, the drafter turns the target's features into the next drafts.
+
+The drafter has its own paged cache (its own layers, the target's block ids). Each proposal first runs
+the drafter over every row the target just computed (the "context pass": EAGLE's first step, DFlash's
+context K/V). Rows the verification rejected are run too, so that steps have a fixed shape for CUDA
+graphs; their cache entries lie past the verified tokens and are overwritten before anything reads
+them. Then:
+
+- EAGLE / EAGLE-3: k - 1 more chain steps, one token per request, each with its attention metadata
+  (positions, seq_lens, slot_mapping) rebuilt before it runs (R10).
+- DFlash: one pass over the block [last token, MASK x (B-1)], non-causal unless configured causal (R9).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+from executor_service.attention_step import AttentionStep
+from executor_service.draft_models import DFlashDrafter, Drafter
+from executor_service.kv_cache import KVCache
+from executor_service.request import Request
+from executor_service.sampling import to_host
+
+Replay = Callable[[Request, list[int]], list[int]]  # test drafters: rewrite a request's drafts
+
+
+@dataclass(frozen=True)
+class ProposeEntry:
+    """One request that ran in the target step just verified and is still running."""
+
+    request: Request
+    row_start: int  # its first row among the target step's rows (into the features)
+    num_rows: int  # rows the target computed for it
+    num_valid: int  # of which verified (prefill chunk: all; verify: accepted drafts + 1)
+    propose: bool  # has a new last token: draft for the next step (not a prefill chunk mid-prompt)
+
+    @property
+    def first_position(self) -> int:
+        return self.request.num_computed_tokens - self.num_valid
+
+
+@dataclass
+class ProposeBatch:
+    entries: list[ProposeEntry]
+    features: torch.Tensor  # [T, F] what the drafter reads of every target row
+
+
+class Proposer:
+    def __init__(
+        self, drafter: Drafter, kv_cache: KVCache, backend: str, max_model_len: int, device: torch.device
+    ) -> None:
+        self.drafter, self.kv_cache, self.backend = drafter, kv_cache, backend
+        self.config = drafter.config
+        self.k = self.config.num_speculative_tokens
+        self.block_size = kv_cache.block_size
+        self.max_model_len, self.device = max_model_len, device
+        self.replay: Replay | None = None
+
+    # ---- metadata from host lists -----------------------------------------------------------
+    def slot(self, request: Request, position: int) -> int:
+        """Cache slot of `position`, -1 past the context or the request's blocks (written nowhere)."""
+        block = position // self.block_size
+        if position >= self.max_model_len or block >= len(request.block_ids):
+            return -1
+        return request.block_ids[block] * self.block_size + position % self.block_size
+
+    def attention(
+        self, requests: list[Request], query_lens: list[int], seq_lens: list[int], slots: list[int], causal: bool
+    ) -> AttentionStep:
+        query_start_loc = [0]
+        for length in query_lens:
+            query_start_loc.append(query_start_loc[-1] + length)
+        width = max(len(r.block_ids) for r in requests)
+        block_table = [r.block_ids + [0] * (width - len(r.block_ids)) for r in requests]
+        return AttentionStep(
+            backend=self.backend,
+            block_table=self.tensor(block_table, torch.int32),
+            query_start_loc=self.tensor(query_start_loc, torch.int32),
+            seq_lens=self.tensor(seq_lens, torch.int32),
+            slot_mapping=self.tensor(slots, torch.int64),
+            max_query_len=max(query_lens),
+            max_seq_len=max(seq_lens),
+            causal=causal,
+        )
+
+    def tensor(self, values: list, dtype: torch.dtype) -> torch.Tensor:
+        return torch.tensor(values, dtype=dtype, device=self.device)
+
+    def context_pass(self, batch: ProposeBatch) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, AttentionStep]:
+        """Features, positions and next-token ids of every row the target computed, and their metadata."""
+        rows, positions, next_ids, slots, seq_lens = [], [], [], [], []
+        for entry in batch.entries:
+            first, count, valid = entry.first_position, entry.num_rows, entry.num_valid
+            rows += range(entry.row_start, entry.row_start + count)
+            positions += range(first, first + count)
+            following = entry.request.token_ids(first + 1, first + valid + 1)  # row p pairs with token p + 1
+            next_ids += following + [0] * (count - valid)
+            slots += [self.slot(entry.request, p) for p in range(first, first + count)]
+            seq_lens.append(first + count)
+        requests = [e.request for e in batch.entries]
+        step = self.attention(requests, [e.num_rows for e in batch.entries], seq_lens, slots, causal=True)
+        features = batch.features[self.tensor(rows, torch.int64)]
+        return features, self.tensor(positions, torch.int64), self.tensor(next_ids, torch.int64), step
+
+    # ---- proposing --------------------------------------------------------------------------
+    @torch.inference_mode()
+    def propose(self, batch: ProposeBatch) -> None:
+        """Run the drafter and set `draft_ids` of every proposing request in the batch."""
+        if not batch.entries:
+            return
+        dflash = isinstance(self.drafter, DFlashDrafter)
+        drafts = self._propose_dflash(batch) if dflash else self._propose_eagle(batch)
+        proposing = [e.request for e in batch.entries if e.propose]
+        for request, ids in zip(proposing, drafts, strict=True):
+            request.draft_ids = self.replay(request, ids) if self.replay is not None else ids
+
+    def _propose_eagle(self, batch: ProposeBatch) -> list[list[int]]:
+        drafter, caches = self.drafter, self.kv_cache.layers
+        features, positions, next_ids, step = self.context_pass(batch)
+        feedback, head = drafter(next_ids, positions, drafter.combine(features), caches, step)
+        sample_rows, proposing, offset = [], [], 0
+        for entry in batch.entries:
+            if entry.propose:
+                sample_rows.append(offset + entry.num_valid - 1)  # the newest verified row
+                proposing.append(entry.request)
+            offset += entry.num_rows
+        if not proposing:
+            return []
+        picked = self.tensor(sample_rows, torch.int64)
+        tokens, hidden = drafter.draft_tokens(head[picked]), feedback[picked]
+        drafted = [tokens]
+        last = [r.num_computed_tokens - 1 for r in proposing]  # position of each request's newest verified row
+        for j in range(1, self.k):
+            # R10: positions, seq_lens and slots of this chain step, rebuilt before it runs.
+            step_positions = [min(p + j, self.max_model_len - 1) for p in last]
+            step_slots = [self.slot(r, p + j) for r, p in zip(proposing, last, strict=True)]
+            step_seq_lens = [p + 1 for p in step_positions]
+            step = self.attention(proposing, [1] * len(proposing), step_seq_lens, step_slots, causal=True)
+            feedback, head = drafter(tokens, self.tensor(step_positions, torch.int64), hidden, caches, step)
+            tokens, hidden = drafter.draft_tokens(head), feedback
+            drafted.append(tokens)
+        return _rows(torch.stack(drafted, dim=1))
+
+    def _propose_dflash(self, batch: ProposeBatch) -> list[list[int]]:
+        drafter, caches, config = self.drafter, self.kv_cache.layers, self.config
+        assert isinstance(drafter, DFlashDrafter)
+        features, positions, _, step = self.context_pass(batch)
+        drafter.store_context(features, positions, step.slot_mapping, caches)
+        proposing = [e.request for e in batch.entries if e.propose]
+        if not proposing:
+            return []
+        size = config.block_size
+        block_ids, block_positions, block_slots, seq_lens = [], [], [], []
+        for request in proposing:
+            first = request.num_tokens - 1  # the newest token opens the block
+            block_ids += [request.output_ids[-1]] + [config.mask_token_id] * (size - 1)
+            block_positions += [min(first + j, self.max_model_len - 1) for j in range(size)]
+            block_slots += [self.slot(request, first + j) for j in range(size)]
+            seq_lens.append(min(first + size, self.max_model_len))
+        step = self.attention(proposing, [size] * len(proposing), seq_lens, block_slots, causal=config.causal)
+        hidden = drafter(self.tensor(block_ids, torch.int64), self.tensor(block_positions, torch.int64), caches, step)
+        hidden = hidden.view(len(proposing), size, -1)[:, 1 : self.k + 1]  # slot i predicts the token at slot i
+        return _rows(drafter.draft_tokens(hidden))
+
+
+def _rows(tokens: torch.Tensor) -> list[list[int]]:
+    flat = to_host(tokens.reshape(-1))
+    width = tokens.shape[-1]
+    return [flat[i : i + width] for i in range(0, len(flat), width)]

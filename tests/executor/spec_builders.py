@@ -1,0 +1,85 @@
+"""Sessions with a synthetic drafter, and a replaying drafter for acceptance tests."""
+
+from __future__ import annotations
+
+import torch
+from executor_builders import TINY, load_request
+
+from executor_service.drafting import resolve_draft
+from executor_service.request import Request
+from executor_service.session import EngineSettings, ModelSession, build_session, resolve_target
+from specdec.v1 import common_pb2, executor_pb2
+
+METHODS = {
+    "eagle": common_pb2.SPEC_METHOD_EAGLE,
+    "eagle3": common_pb2.SPEC_METHOD_EAGLE3,
+    "dflash": common_pb2.SPEC_METHOD_DFLASH,
+    "dflash_causal": common_pb2.SPEC_METHOD_DFLASH,
+}
+
+
+def draft_model(method: str, k: int, seed: int = 7, vocab_size: int = TINY["vocab_size"]) -> executor_pb2.DraftModel:
+    """A synthetic drafter of the tiny target's width: EAGLE 1 layer, EAGLE-3 with a reduced vocabulary,
+    DFlash 2 layers with a block of k + 1 (mask: the last id)."""
+    dflash = method.startswith("dflash")
+    spec = executor_pb2.SyntheticModel(
+        architecture="llama", seed=seed, **{**TINY, "vocab_size": 0, "num_layers": 2 if dflash else 1}
+    )
+    if method == "eagle3":
+        spec.draft_vocab_size = vocab_size // 2
+    draft = executor_pb2.DraftModel(method=METHODS[method], num_speculative_tokens=k)
+    draft.source.synthetic.CopyFrom(spec)
+    if dflash:
+        draft.dflash_config.mask_token_id = vocab_size - 1
+        draft.dflash_config.block_size = k + 1
+        draft.dflash_config.causal = method == "dflash_causal"
+    return draft
+
+
+def spec_session(
+    method: str,
+    k: int,
+    backend: str = "CPU_ATTN",
+    draft_backend: str | None = None,
+    num_kv_blocks: int = 96,
+    max_num_batched_tokens: int = 64,
+    max_num_seqs: int = 16,
+    device: str = "cpu",
+    dtype: int = common_pb2.DTYPE_FLOAT32,
+    cuda_graphs: bool = True,
+    vocab_size: int = TINY["vocab_size"],
+) -> ModelSession:
+    """A warmed-up speculative session, engine thread not started (tests drive run_until_idle)."""
+    request = load_request(backend=backend, num_kv_blocks=num_kv_blocks)
+    request.target.synthetic.vocab_size = vocab_size
+    request.dtype = dtype
+    request.draft.CopyFrom(draft_model(method, k, vocab_size=vocab_size))
+    source = resolve_target(request.target, None, "target")
+    draft = resolve_draft(request.draft, source.config, None)
+    settings = EngineSettings(max_num_batched_tokens, max_num_seqs, cuda_graphs)
+    return build_session(
+        source,
+        request,
+        common_pb2.BackendDecision(backend=backend),
+        torch.device(device),
+        settings,
+        start=False,
+        draft=draft,
+        draft_decision=common_pb2.BackendDecision(backend=draft_backend or backend),
+    )
+
+
+class ReplayDrafts:
+    """A test drafter: proposes the target's own continuation (known in advance), with the draft at
+    `wrong_at` corrupted, so every verify step accepts exactly `wrong_at` drafts (None: all of them)."""
+
+    def __init__(self, references: dict[str, list[int]], vocab_size: int, wrong_at: int | None = None) -> None:
+        self.references, self.vocab_size, self.wrong_at = references, vocab_size, wrong_at
+
+    def __call__(self, request: Request, drafts: list[int]) -> list[int]:
+        done = len(request.output_ids)
+        upcoming = self.references[request.request_id][done : done + len(drafts)]
+        upcoming += [0] * (len(drafts) - len(upcoming))
+        if self.wrong_at is not None and self.wrong_at < len(upcoming):
+            upcoming[self.wrong_at] = (upcoming[self.wrong_at] + 1) % self.vocab_size
+        return upcoming
