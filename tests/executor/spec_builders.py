@@ -48,12 +48,13 @@ def spec_session(
     dtype: int = common_pb2.DTYPE_FLOAT32,
     cuda_graphs: bool = True,
     vocab_size: int = TINY["vocab_size"],
+    draft_seed: int = 7,
 ) -> ModelSession:
     """A warmed-up speculative session, engine thread not started (tests drive run_until_idle)."""
     request = load_request(backend=backend, num_kv_blocks=num_kv_blocks)
     request.target.synthetic.vocab_size = vocab_size
     request.dtype = dtype
-    request.draft.CopyFrom(draft_model(method, k, vocab_size=vocab_size))
+    request.draft.CopyFrom(draft_model(method, k, draft_seed, vocab_size))
     source = resolve_target(request.target, None, "target")
     draft = resolve_draft(request.draft, source.config, None)
     settings = EngineSettings(max_num_batched_tokens, max_num_seqs, cuda_graphs)

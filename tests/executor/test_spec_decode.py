@@ -121,7 +121,7 @@ def scripted_verify_steps(max_tokens: int, k: int, wrong_at: int | None) -> int:
 @pytest.mark.parametrize("method", ["eagle", "dflash"])
 def test_small_vocabulary_gives_partial_acceptance(method: str) -> None:
     """With 4 tokens a random drafter is right sometimes but not always: both paths of verification run."""
-    session = spec_session(method, 3, vocab_size=4)
+    session = spec_session(method, 3, vocab_size=4, draft_seed=3)  # accepts 54 / 176 and 57 / 166
     batch, sink = prompts(4, seed=5, vocab=3), Collector()
     add_all(session, batch, greedy(30), sink)
     session.engine.run_until_idle()
