@@ -3,7 +3,7 @@
 #   bash bench/gpu_run.sh stash            first call: carries fa/fa-a, keeps it in /root/fa-stash
 #   bash bench/gpu_run.sh install [STEPS]  next call (machine still warm): carries fa/fa-b, installs FA4
 #   bash bench/gpu_run.sh run STEPS        later calls on the same machine: FA4 already in /tmp/fa-site
-# STEPS: comma-separated from tests, bench, sweep, bench16, executor-tests, executor-bench. Results and logs go to $OUT.
+# STEPS: comma-separated from tests, bench, sweep, bench16, executor-tests, gpu-tests, executor-bench, specdec-bench. Results and logs go to $OUT.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 mode=${1:?stash|install|run}
@@ -41,6 +41,8 @@ for step in ${steps//,/ }; do
     sweep) timeout 560 python3 bench/attention_bench.py --sweep --only TRITON_ATTN --cases "${CASES:-dflash,decode,prefill_causal}" --out "$out/sweep" 2>&1 | tee "$out/sweep.log" | grep -v "^ " ;;
     bench16) python3 bench/attention_bench.py --block-size 16 --out "$out" 2>&1 | tee "$out/bench16.log" ;;
     executor-tests) timeout 400 python3 -m pytest tests/executor -q -p no:cacheprovider -x 2>&1 | tee "$out/executor_tests.log" | tail -30 ;;
+    gpu-tests) timeout 400 python3 -m pytest tests/executor -q -p no:cacheprovider -m gpu 2>&1 | tee "$out/gpu_tests.log" | tail -30 ;;
+    specdec-bench) timeout 540 python3 bench/specdec_bench.py ${SPEC_ARGS:-} --out "$out" 2>&1 | tee "$out/specdec_bench.log" | tail -80 ;;
     executor-bench) timeout 540 python3 bench/executor_bench.py ${BENCH_ARGS:-} --out "$out" 2>&1 | tee "$out/executor_bench.log" | tail -60 ;;
     none) ;;
     *) echo "unknown step $step" ;;

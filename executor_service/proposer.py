@@ -19,6 +19,7 @@ from dataclasses import dataclass
 import torch
 
 from executor_service.attention_step import AttentionStep
+from executor_service.cuda_graphs import GraphForward, StepGraphs
 from executor_service.draft_models import DFlashDrafter, Drafter
 from executor_service.kv_cache import KVCache
 from executor_service.request import Request
@@ -58,6 +59,7 @@ class Proposer:
         self.block_size = kv_cache.block_size
         self.max_model_len, self.device = max_model_len, device
         self.replay: Replay | None = None
+        self.graphs: dict[str, StepGraphs] = {}  # by pass name; see capture_graphs
 
     # ---- metadata from host lists -----------------------------------------------------------
     def slot(self, request: Request, position: int) -> int:
@@ -118,9 +120,11 @@ class Proposer:
             request.draft_ids = self.replay(request, ids) if self.replay is not None else ids
 
     def _propose_eagle(self, batch: ProposeBatch) -> list[list[int]]:
-        drafter, caches = self.drafter, self.kv_cache.layers
         features, positions, next_ids, step = self.context_pass(batch)
-        feedback, head = drafter(next_ids, positions, drafter.combine(features), caches, step)
+        uniform = all(e.propose and e.num_rows == self.k + 1 for e in batch.entries)
+        feedback, head = self._run(
+            "eagle_context", uniform, step, positions, input_ids=next_ids, features=features
+        )  # fmt: skip
         sample_rows, proposing, offset = [], [], 0
         for entry in batch.entries:
             if entry.propose:
@@ -130,25 +134,26 @@ class Proposer:
         if not proposing:
             return []
         picked = self.tensor(sample_rows, torch.int64)
-        tokens, hidden = drafter.draft_tokens(head[picked]), feedback[picked]
+        tokens, hidden = self.drafter.draft_tokens(head[picked]), feedback[picked]
         drafted = [tokens]
         last = [r.num_computed_tokens - 1 for r in proposing]  # position of each request's newest verified row
         for j in range(1, self.k):
-            # R10: positions, seq_lens and slots of this chain step, rebuilt before it runs.
+            # R10: positions, seq_lens and slots of this chain step, rebuilt before it runs (graphs too:
+            # StepGraphs.run copies them into its static buffers before the replay).
             step_positions = [min(p + j, self.max_model_len - 1) for p in last]
             step_slots = [self.slot(r, p + j) for r, p in zip(proposing, last, strict=True)]
             step_seq_lens = [p + 1 for p in step_positions]
             step = self.attention(proposing, [1] * len(proposing), step_seq_lens, step_slots, causal=True)
-            feedback, head = drafter(tokens, self.tensor(step_positions, torch.int64), hidden, caches, step)
-            tokens, hidden = drafter.draft_tokens(head), feedback
-            drafted.append(tokens)
+            positions = self.tensor(step_positions, torch.int64)
+            tokens, hidden = self._run("eagle_chain", True, step, positions, input_ids=tokens, hidden=hidden)
+            drafted.append(tokens.clone())  # a graph's output buffer is overwritten by its next replay
         return _rows(torch.stack(drafted, dim=1))
 
     def _propose_dflash(self, batch: ProposeBatch) -> list[list[int]]:
-        drafter, caches, config = self.drafter, self.kv_cache.layers, self.config
-        assert isinstance(drafter, DFlashDrafter)
+        config = self.config
         features, positions, _, step = self.context_pass(batch)
-        drafter.store_context(features, positions, step.slot_mapping, caches)
+        uniform = all(e.propose and e.num_rows == self.k + 1 for e in batch.entries)
+        self._run("dflash_context", uniform, step, positions, features=features)
         proposing = [e.request for e in batch.entries if e.propose]
         if not proposing:
             return []
@@ -161,9 +166,62 @@ class Proposer:
             block_slots += [self.slot(request, first + j) for j in range(size)]
             seq_lens.append(min(first + size, self.max_model_len))
         step = self.attention(proposing, [size] * len(proposing), seq_lens, block_slots, causal=config.causal)
-        hidden = drafter(self.tensor(block_ids, torch.int64), self.tensor(block_positions, torch.int64), caches, step)
-        hidden = hidden.view(len(proposing), size, -1)[:, 1 : self.k + 1]  # slot i predicts the token at slot i
-        return _rows(drafter.draft_tokens(hidden))
+        positions = self.tensor(block_positions, torch.int64)
+        (tokens,) = self._run("dflash_block", True, step, positions, input_ids=self.tensor(block_ids, torch.int64))
+        return _rows(tokens)
+
+    # ---- the drafter's passes: eager, or replayed from a graph when the batch is uniform --------
+    def _run(
+        self, name: str, uniform: bool, step: AttentionStep, positions: torch.Tensor, **inputs: torch.Tensor
+    ) -> tuple[torch.Tensor, ...]:
+        graphs = self.graphs.get(name)
+        if graphs is not None and uniform and step.seq_lens.shape[0] <= graphs.max_batch:
+            return graphs.run(step.block_table, step.seq_lens, step.slot_mapping, positions, **inputs)
+        return self._passes()[name][0](step, positions, inputs)
+
+    def _passes(self) -> dict[str, tuple[GraphForward, int, dict[str, tuple[tuple[int, ...], torch.dtype]]]]:
+        """name -> (forward, query tokens per request, per-token inputs) of each pass a graph can replay."""
+        hidden = self.config.model.hidden_size
+        features = len(self.config.target_layer_ids) * hidden or hidden
+        dtype, ids = self.kv_cache.storage.dtype, ((), torch.int64)
+        if isinstance(self.drafter, DFlashDrafter):
+            return {
+                "dflash_context": (self._dflash_context, self.k + 1, {"features": ((features,), dtype)}),
+                "dflash_block": (self._dflash_block, self.config.block_size, {"input_ids": ids}),
+            }
+        return {
+            "eagle_context": (self._eagle_context, self.k + 1, {"input_ids": ids, "features": ((features,), dtype)}),
+            "eagle_chain": (self._eagle_chain, 1, {"input_ids": ids, "hidden": ((hidden,), dtype)}),
+        }
+
+    def _eagle_context(self, step: AttentionStep, positions: torch.Tensor, x: dict[str, torch.Tensor]) -> tuple:
+        hidden = self.drafter.combine(x["features"])
+        return self.drafter(x["input_ids"], positions, hidden, self.kv_cache.layers, step)
+
+    def _eagle_chain(self, step: AttentionStep, positions: torch.Tensor, x: dict[str, torch.Tensor]) -> tuple:
+        feedback, head = self.drafter(x["input_ids"], positions, x["hidden"], self.kv_cache.layers, step)
+        return self.drafter.draft_tokens(head), feedback
+
+    def _dflash_context(self, step: AttentionStep, positions: torch.Tensor, x: dict[str, torch.Tensor]) -> tuple:
+        self.drafter.store_context(x["features"], positions, step.slot_mapping, self.kv_cache.layers)
+        return ()
+
+    def _dflash_block(self, step: AttentionStep, positions: torch.Tensor, x: dict[str, torch.Tensor]) -> tuple:
+        hidden = self.drafter(x["input_ids"], positions, self.kv_cache.layers, step)
+        hidden = hidden.view(-1, self.config.block_size, hidden.shape[-1])[:, 1 : self.k + 1]  # slot i: token i
+        return (self.drafter.draft_tokens(hidden),)
+
+    def capture_graphs(self, max_batch: int) -> None:
+        """One graph set per pass (CUDA, capture-safe drafter backend); batches that are not uniform and
+        larger ones run eagerly."""
+        for name, (forward, query_len, inputs) in self._passes().items():
+            causal = not (name == "dflash_block" and not self.config.causal)
+            graphs = StepGraphs(
+                f"drafter {name}", forward, self.backend, query_len, max_batch, self.max_model_len,
+                self.block_size, self.device, inputs, causal,
+            )  # fmt: skip
+            graphs.capture()
+            self.graphs[name] = graphs
 
 
 def _rows(tokens: torch.Tensor) -> list[list[int]]:

@@ -138,13 +138,17 @@ def build_session(
     draft: DraftSource | None = None,
     draft_decision: common_pb2.BackendDecision | None = None,
     on_verify: VerifyObserver | None = None,
+    preloaded: LoadedModel | None = None,
 ) -> ModelSession:
     """Load weights (and the drafter's), size and allocate the KV caches, warm the kernels up, capture
     graphs, start the engine thread (`start=False`: the caller drives `engine.run_until_idle()` itself,
-    as deterministic tests do)."""
+    as deterministic tests do). `preloaded`: target weights already loaded (benchmarks pairing one target
+    with several drafters)."""
     started = time.perf_counter()
     dtype = resolve_dtype(request.dtype, device)
-    if source.path is None:
+    if preloaded is not None:
+        loaded = preloaded
+    elif source.path is None:
         loaded = build_synthetic(source.config, source.seed, dtype, device)
     else:
         loaded = load_directory(source.path, dtype, device, "target.path")

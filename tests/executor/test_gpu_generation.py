@@ -123,7 +123,7 @@ def test_decode_graphs_give_the_eager_tokens(backend: str) -> None:
         session = tiny_session(
             backend=backend, device="cuda", num_kv_blocks=128, cuda_graphs=graphs, dtype=common_pb2.DTYPE_BFLOAT16
         )
-        assert (session.engine.runner.graphs is not None) == graphs
+        assert bool(session.engine.runner.graphs) == graphs
         outputs: dict[str, list[int]] = {}
 
         def sink(output: RequestOutput, outputs: dict[str, list[int]] = outputs) -> None:

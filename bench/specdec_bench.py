@@ -1,0 +1,321 @@
+"""Speculative decoding on the GPU: pass times against their memory floors, and the end-to-end speedup.
+
+(a) Passes at batch 1, CUDA graphs, over a context of --context tokens: one target decode step, one
+    verify pass over k + 1 = 16 tokens, one EAGLE chain step (EAGLE-1 and EAGLE-3, 1 layer), one DFlash
+    block pass (5 layers, block 16). Each is timed as replayed by the engine (static-buffer copies +
+    graph replay, CUDA events, median) and compared with one target decode step and with its own memory
+    floor: the bytes it must move (weights it reads, KV read and written, logits written) over the copy
+    bandwidth measured in the same run.
+(b) End to end: tokens/s of greedy generation with a replaying test drafter (it proposes the target's own
+    continuation with draft L corrupted, so each verify step emits exactly L tokens) at acceptance lengths
+    1, 3, 6 and full, against target-only decoding of the same prompts in the same run; batch 1 and 16.
+
+    python bench/specdec_bench.py --out bench/results            # H100: synthetic Llama-3-8B, bf16
+    python bench/specdec_bench.py --preset tiny --device cpu     # a smoke run of the script itself
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import gc
+import json
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+REPO = Path(__file__).resolve().parent.parent
+for _path in (REPO, REPO / "bench", REPO / "protos", REPO / "tests" / "executor"):
+    if str(_path) not in sys.path:
+        sys.path.append(str(_path))
+
+import torch  # noqa: E402
+from executor_bench import PRESETS, copy_bandwidth, device_tag, make_prompts, median, versions  # noqa: E402
+from spec_builders import ReplayDrafts  # noqa: E402
+
+from executor_service.drafting import resolve_draft  # noqa: E402
+from executor_service.loader import LoadedModel, build_synthetic  # noqa: E402
+from executor_service.request import RequestOutput  # noqa: E402
+from executor_service.sampling import SamplingSettings  # noqa: E402
+from executor_service.session import EngineSettings, ModelSession, build_session, resolve_target  # noqa: E402
+from executor_service.validation import DEFAULT_BLOCK_SIZE  # noqa: E402
+from specdec.v1 import common_pb2, executor_pb2  # noqa: E402
+
+# method -> (SpecMethod, k, drafter layers); EAGLE-3's head covers 32000 ids as the published ones do.
+DRAFTERS = {
+    "eagle": (common_pb2.SPEC_METHOD_EAGLE, 7, 1),
+    "eagle3": (common_pb2.SPEC_METHOD_EAGLE3, 7, 1),
+    "dflash": (common_pb2.SPEC_METHOD_DFLASH, 15, 5),
+}
+ACCEPTANCE = {"1": 0, "3": 2, "6": 5, "full": None}  # acceptance length -> corrupted draft (None: none)
+FLOOR_BAR = 1.4
+
+
+def log(message: str) -> None:
+    print(message, flush=True)
+
+
+def target_request(preset: dict[str, Any], dtype: int, backend: str, blocks: int) -> executor_pb2.LoadModelRequest:
+    synthetic = executor_pb2.SyntheticModel(
+        architecture="llama", vocab_size=preset["vocab"], hidden_size=preset["hidden"],
+        intermediate_size=preset["intermediate"], num_layers=preset["layers"], num_heads=preset["heads"],
+        num_kv_heads=preset["kv_heads"], head_size=preset["head_size"], seed=0,
+    )  # fmt: skip
+    request = executor_pb2.LoadModelRequest(dtype=dtype, block_size=DEFAULT_BLOCK_SIZE, num_kv_blocks=blocks)
+    request.target.synthetic.CopyFrom(synthetic)
+    request.attention.backend = backend
+    return request
+
+
+def draft_request(method: str, preset: dict[str, Any]) -> executor_pb2.DraftModel:
+    enum, k, layers = DRAFTERS[method]
+    draft = executor_pb2.DraftModel(method=enum, num_speculative_tokens=k)
+    spec = draft.source.synthetic
+    spec.architecture, spec.seed, spec.num_layers = "llama", 1, layers
+    spec.hidden_size, spec.intermediate_size = preset["hidden"], preset["intermediate"]
+    spec.num_heads, spec.num_kv_heads, spec.head_size = preset["heads"], preset["kv_heads"], preset["head_size"]
+    if method == "eagle3":
+        spec.draft_vocab_size = min(32000, preset["vocab"])
+    if method == "dflash":
+        draft.dflash_config.mask_token_id = preset["vocab"] - 1
+        draft.dflash_config.block_size = k + 1
+    return draft
+
+
+def open_session(
+    args: argparse.Namespace, loaded: LoadedModel, method: str | None, preset: dict[str, Any]
+) -> ModelSession:
+    request = target_request(preset, common_pb2.DTYPE_BFLOAT16 if args.device == "cuda" else 0, args.backend,
+                             args.kv_blocks)  # fmt: skip
+    source = resolve_target(request.target, None, "target")
+    draft = None
+    if method is not None:
+        request.draft.CopyFrom(draft_request(method, preset))
+        draft = resolve_draft(request.draft, source.config, None)
+    decision = common_pb2.BackendDecision(backend=args.backend)
+    settings = EngineSettings(max_num_batched_tokens=8192, max_num_seqs=max(args.batches), cuda_graphs=True)
+    started = time.perf_counter()
+    session = build_session(
+        source, request, decision, torch.device(args.device), settings, start=False, draft=draft,
+        draft_decision=decision if draft is not None else None, preloaded=loaded,
+    )  # fmt: skip
+    log(f"session {method or 'target-only'}: {time.perf_counter() - started:.1f} s (load, warm-up, graphs)")
+    return session
+
+
+# ---- (a) passes --------------------------------------------------------------------------------------------------
+def time_graph(run: Any, device: torch.device, iters: int) -> float:
+    """Median ms of `run()` (what the engine calls: buffer copies + replay)."""
+    for _ in range(5):
+        run()
+    times = []
+    for _ in range(iters):
+        if device.type == "cuda":
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            run()
+            end.record()
+            end.synchronize()
+            times.append(start.elapsed_time(end))
+        else:
+            began = time.perf_counter()
+            run()
+            times.append((time.perf_counter() - began) * 1e3)
+    return median(times)
+
+
+def graph_call(graphs: Any, blocks: list[int], context: int, inputs: dict[str, torch.Tensor]) -> Any:
+    """A batch-1 call of `graphs` whose queries follow `context` cached tokens, in real cache blocks."""
+    device, q, bs = graphs.positions.device, graphs.query_len, DEFAULT_BLOCK_SIZE
+    positions = torch.arange(context, context + q, device=device)
+    slots = torch.tensor([blocks[p // bs] * bs + p % bs for p in range(context, context + q)], device=device)
+    table = torch.tensor([blocks], dtype=torch.int32, device=device)
+    seq_lens = torch.tensor([context + q], dtype=torch.int32, device=device)
+    return lambda: graphs.run(table, seq_lens, slots, positions, **inputs)
+
+
+def parameter_bytes(module: torch.nn.Module, skip: tuple[str, ...] = ()) -> int:
+    return sum(p.numel() * p.element_size() for n, p in module.named_parameters() if not n.startswith(skip))
+
+
+def kv_bytes_per_token(session_cache: Any) -> int:
+    storage = session_cache.storage  # [L, 2, N, bs, H, D]
+    layers, _, _, _, heads, dim = storage.shape
+    return 2 * layers * heads * dim * storage.element_size()
+
+
+def pass_report(ms: float, bytes_moved: int, bandwidth_gbps: float, decode_ms: float) -> dict[str, Any]:
+    floor_ms = bytes_moved / (bandwidth_gbps * 1e9) * 1e3
+    return {
+        "ms": round(ms, 4),
+        "bytes_moved": bytes_moved,
+        "floor_ms": round(floor_ms, 4),
+        "over_floor": round(ms / floor_ms, 3),
+        "within_1_4x_floor": ms / floor_ms <= FLOOR_BAR,
+        "over_target_decode": round(ms / decode_ms, 3),
+    }
+
+
+def measure_passes(
+    sessions: dict[str, ModelSession], args: argparse.Namespace, bandwidth: float, preset: dict[str, Any]
+) -> dict[str, Any]:
+    device, context, iters = torch.device(args.device), args.context, args.iters
+    target = sessions["target-only"]
+    model = target.loaded.model
+    hidden, vocab = preset["hidden"], preset["vocab"]
+    element = model.embed_tokens.weight.element_size()
+    weights = parameter_bytes(model, ("embed_tokens",))  # a step reads q rows of the embedding, not the table
+    per_token_kv = kv_bytes_per_token(target.kv_cache)
+    report: dict[str, Any] = {"context_tokens": context, "copy_GBps": bandwidth}
+
+    def target_bytes(q: int) -> int:
+        return weights + q * hidden * element + (context + q) * per_token_kv + q * vocab * 4
+
+    blocks = target.kv_cache.allocator.allocate(-(-(context + 64) // DEFAULT_BLOCK_SIZE))
+    ids = torch.zeros(1, dtype=torch.int64, device=device)
+    decode = graph_call(target.engine.runner.graphs[1], blocks, context, {"input_ids": ids})
+    decode_ms = time_graph(decode, device, iters)
+    report["target_decode"] = pass_report(decode_ms, target_bytes(1), bandwidth, decode_ms)
+    target.kv_cache.allocator.free(blocks)
+    for method, session in sessions.items():
+        proposer = session.proposer
+        if proposer is None:
+            continue
+        runner, q = session.engine.runner, proposer.k + 1
+        blocks = session.kv_cache.allocator.allocate(-(-(context + 64) // DEFAULT_BLOCK_SIZE))
+        verify = graph_call(runner.graphs[q], blocks, context, {"input_ids": torch.zeros(q, dtype=torch.int64,
+                                                                                           device=device)})  # fmt: skip
+        report[f"verify_{q}_{method}"] = pass_report(time_graph(verify, device, iters), target_bytes(q), bandwidth,
+                                                     decode_ms)  # fmt: skip
+        drafter = proposer.drafter
+        draft_kv = kv_bytes_per_token(proposer.kv_cache)
+        if method == "dflash":
+            block = proposer.config.block_size
+            call = graph_call(proposer.graphs["dflash_block"], blocks, context,
+                              {"input_ids": torch.zeros(block, dtype=torch.int64, device=device)})  # fmt: skip
+            moved = (parameter_bytes(drafter, ("fc", "hidden_norm")) + vocab * hidden * element
+                     + (context + block) * draft_kv + block * hidden * element)  # fmt: skip
+            report["dflash_block_pass"] = pass_report(time_graph(call, device, iters), moved, bandwidth, decode_ms)
+        else:
+            dtype = model.embed_tokens.weight.dtype
+            inputs = {"input_ids": torch.zeros(1, dtype=torch.int64, device=device),
+                      "hidden": torch.zeros(1, hidden, dtype=dtype, device=device)}  # fmt: skip
+            call = graph_call(proposer.graphs["eagle_chain"], blocks, context, inputs)
+            head = 0 if method == "eagle3" else vocab * hidden * element  # EAGLE-1 reads the target's LM head
+            moved = parameter_bytes(drafter) + head + (context + 1) * draft_kv + 3 * hidden * element
+            report[f"{method}_draft_step"] = pass_report(time_graph(call, device, iters), moved, bandwidth, decode_ms)
+        session.kv_cache.allocator.free(blocks)
+    return report
+
+
+# ---- (b) end to end ----------------------------------------------------------------------------------------------
+def generate(session: ModelSession, prompts: list[list[int]], max_tokens: int) -> tuple[dict[str, list[int]], dict]:
+    outputs: dict[str, list[RequestOutput]] = {f"p{i}": [] for i in range(len(prompts))}
+    settings = SamplingSettings(max_tokens=max_tokens, ignore_eos=True)
+    started = time.perf_counter()
+    for i, prompt in enumerate(prompts):
+        session.engine.add(session.new_request(f"p{i}", prompt, settings, max_tokens, outputs[f"p{i}"].append))
+    session.engine.run_until_idle()
+    seconds = time.perf_counter() - started
+    tokens = {rid: [t for o in outs for t in o.token_ids] for rid, outs in outputs.items()}
+    finishes = [outs[-1].finish for outs in outputs.values()]
+    steps = sum(f.verify_steps for f in finishes if f)
+    accepted = sum(f.accepted_tokens for f in finishes if f)
+    total = sum(len(t) for t in tokens.values())
+    return tokens, {
+        "seconds": round(seconds, 4),
+        "tokens": total,
+        "tokens_per_s": round(total / seconds, 1),
+        "mean_acceptance_length": round(1 + accepted / steps, 3) if steps else 1.0,
+    }
+
+
+def measure_end_to_end(
+    sessions: dict[str, ModelSession], args: argparse.Namespace, preset: dict[str, Any]
+) -> dict[str, Any]:
+    report: dict[str, Any] = {"prompt_tokens": args.prompt_len, "max_tokens": args.max_tokens}
+    for batch in args.batches:
+        prompts = make_prompts(batch, args.prompt_len, preset["vocab"] - 1, seed=batch)
+        references, baseline = generate(sessions["target-only"], prompts, args.max_tokens)
+        entry: dict[str, Any] = {"target_only": baseline}
+        for method, session in sessions.items():
+            if session.proposer is None or method not in args.e2e_methods:
+                continue
+            for label, wrong_at in ACCEPTANCE.items():
+                session.proposer.replay = ReplayDrafts(references, preset["vocab"], wrong_at)
+                tokens, result = generate(session, prompts, args.max_tokens)
+                result["same_tokens_as_target_only"] = tokens == references
+                result["speedup"] = round(result["tokens_per_s"] / baseline["tokens_per_s"], 3)
+                entry[f"{method}_acceptance_{label}"] = result
+                log(f"batch {batch} {method} L={label}: {result}")
+            session.proposer.replay = None
+        report[f"batch_{batch}"] = entry
+    return report
+
+
+def parse_args() -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--preset", choices=sorted(PRESETS), default="llama3-8b")
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--backend", default="TRITON_ATTN")
+    parser.add_argument("--methods", default="eagle,eagle3,dflash")
+    parser.add_argument("--e2e-methods", default="eagle3,dflash")
+    parser.add_argument("--batches", default="1,16")
+    parser.add_argument("--context", type=int, default=1024)
+    parser.add_argument("--prompt-len", type=int, default=128)
+    parser.add_argument("--max-tokens", type=int, default=128)
+    parser.add_argument("--iters", type=int, default=50)
+    parser.add_argument("--kv-blocks", type=int, default=1024)
+    parser.add_argument("--out", type=Path, default=REPO / "bench" / "results")
+    args = parser.parse_args()
+    args.methods = [m for m in args.methods.split(",") if m]
+    args.e2e_methods = [m for m in args.e2e_methods.split(",") if m]
+    args.batches = [int(b) for b in args.batches.split(",")]
+    return args
+
+
+def main() -> int:
+    args = parse_args()
+    preset = PRESETS[args.preset]
+    device = torch.device(args.device)
+    from executor_bench import commit_id
+
+    commit, dirty = commit_id()
+    report: dict[str, Any] = {
+        "benchmark": "specdec",
+        "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
+        "commit": commit,
+        "dirty": dirty,
+        "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
+        "versions": versions(),
+        "preset": args.preset,
+        "backend": args.backend,
+        "drafters": {m: {"k": DRAFTERS[m][1], "layers": DRAFTERS[m][2]} for m in args.methods},
+    }
+    report["copy_bandwidth"] = copy_bandwidth(device, preset["copy_mib"], 20)
+    bandwidth = report["copy_bandwidth"]["GBps"]
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    request = target_request(preset, 0, args.backend, args.kv_blocks)
+    config = resolve_target(request.target, None, "target").config
+    loaded = build_synthetic(config, 0, dtype, device)
+    sessions: dict[str, ModelSession] = {"target-only": open_session(args, loaded, None, preset)}
+    for method in args.methods:
+        sessions[method] = open_session(args, loaded, method, preset)
+    if device.type == "cuda":
+        report["passes"] = measure_passes(sessions, args, bandwidth, preset)
+        log(json.dumps(report["passes"], indent=1))
+    report["end_to_end"] = measure_end_to_end(sessions, args, preset)
+    for session in sessions.values():
+        session.shutdown()
+    gc.collect()
+    args.out.mkdir(parents=True, exist_ok=True)
+    day = datetime.date.today().isoformat()
+    path = args.out / f"specdec_{day}_{device_tag(device)}_{commit}.json"
+    path.write_text(json.dumps(report, indent=1))
+    log(f"wrote {path}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
