@@ -161,7 +161,8 @@ class Proposer:
         block_ids, block_positions, block_slots, seq_lens = [], [], [], []
         for request in proposing:
             first = request.num_tokens - 1  # the newest token opens the block
-            block_ids += [request.output_ids[-1]] + [config.mask_token_id] * (size - 1)
+            newest = request.token_ids(first, first + 1)  # sampled, or the last prompt token after a chunk
+            block_ids += newest + [config.mask_token_id] * (size - 1)
             block_positions += [min(first + j, self.max_model_len - 1) for j in range(size)]
             block_slots += [self.slot(request, first + j) for j in range(size)]
             seq_lens.append(min(first + size, self.max_model_len))

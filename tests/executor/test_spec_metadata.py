@@ -1,0 +1,252 @@
+"""The proposer's drafts equal a from-scratch recompute: every proposal the engine makes, for every drafter,
+is checked against the drafter run densely over the request's whole history on a fresh cache. Stale
+attention metadata or positions in EAGLE's chain steps 2..k (R10), or in DFlash's context and block, change
+the drafts; the tests below the reference show that the comparison catches such staleness.
+
+The reference for a request with tokens t_0..t_{N-1}: target features f_0..f_{N-2} from one pass of the
+target over t_0..t_{N-2} (EAGLE-1: the final normed hidden state; EAGLE-3 and DFlash: the residual stream
+after each of the drafter's target layers, concatenated).
+- EAGLE: rows p = 0..N-2 pair t_{p+1} with f_p at position p; chain step j adds the row (draft j, the
+  drafter's own output hidden state of the row before) at position N-2+j. Draft j is the head of the
+  newest row; every row is recomputed from scratch, causally, for each draft.
+- DFlash: context f_0..f_{N-2} at positions 0..N-2, then the block [t_{N-1}, MASK x (B-1)] at positions
+  N-1..N+B-2 (non-causal unless configured causal); drafts are the target's LM head on block rows 1..k.
+"""
+
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass
+
+import pytest
+import torch
+from greedy_reference import greedy_reference
+from spec_builders import ReplayDrafts, spec_session
+from test_engine import Collector
+
+from executor_service.attention_step import AttentionStep
+from executor_service.draft_models import DFlashDrafter, Drafter
+from executor_service.kv_cache import KVCache, blocks_needed
+from executor_service.proposer import ProposeBatch, Proposer
+from executor_service.request import Finish, Request
+from executor_service.sampling import SamplingSettings
+from executor_service.session import ModelSession
+
+K = 4
+VOCAB = 512
+MAX_TOKENS = 20
+BATCHED_TOKENS = 24  # longer prompts are prefilled in chunks, which feed the drafter but propose nothing
+# Prompt lengths at and around the block size (16) and twice it, so chain steps and blocks cross blocks.
+LENGTHS = {"all": 31, "some": 16, "own": 28, "w0": 32, "w1": 17, "w3": 5}
+# Scripted drafts (the target's continuation, wrong at this index; None: all right) so verification accepts
+# all, some or none of them; "own" keeps the drafter's own drafts (almost never accepted).
+WRONG_AT: dict[str, int | None] = {"all": None, "some": 2, "w0": 0, "w1": 1, "w3": 3}
+METHODS = ["eagle", "eagle3", "dflash", "dflash_causal"]
+
+
+def prompts() -> dict[str, list[int]]:
+    rng = random.Random(0)
+    return {rid: [rng.randrange(VOCAB) for _ in range(length)] for rid, length in LENGTHS.items()}
+
+
+@dataclass(frozen=True)
+class Proposal:
+    request_id: str
+    tokens: list[int]  # prompt and output when the drafts were made
+    drafts: list[int]  # what the drafter proposed (before any scripted replacement)
+
+
+class Recorder:
+    """The proposer's replay hook: records every proposal, then hands the engine the scripted drafts."""
+
+    def __init__(self, scripts: dict[str, ReplayDrafts]) -> None:
+        self.scripts, self.proposals = scripts, []
+
+    def __call__(self, request: Request, drafts: list[int]) -> list[int]:
+        self.proposals.append(Proposal(request.request_id, request.prompt_ids + request.output_ids, list(drafts)))
+        script = self.scripts.get(request.request_id)
+        return script(request, drafts) if script is not None else drafts
+
+
+def run_recorded(
+    session: ModelSession, batch: dict[str, list[int]], wrong_at: dict[str, int | None], max_tokens: int
+) -> tuple[list[Proposal], dict[str, Finish]]:
+    """Greedy requests through the engine; every proposal made, and each request's finish. The tokens must
+    be the target's own (whatever the drafts, greedy verification keeps them)."""
+    assert session.proposer is not None
+    expected = {rid: greedy_reference(session.loaded.model, prompt, max_tokens) for rid, prompt in batch.items()}
+    recorder = Recorder({rid: ReplayDrafts(expected, VOCAB, wrong) for rid, wrong in wrong_at.items()})
+    session.proposer.replay, sink = recorder, Collector()
+    for rid, prompt in batch.items():
+        session.engine.add(session.new_request(rid, prompt, SamplingSettings(), max_tokens, sink))
+    session.engine.run_until_idle()
+    finishes = {}
+    for rid in batch:
+        last = sink.outputs[rid][-1]
+        assert last.error is None and last.finish is not None, (rid, last.error)
+        assert sink.tokens(rid) == expected[rid], rid
+        finishes[rid] = last.finish
+    return recorder.proposals, finishes
+
+
+# ---- the reference ----------------------------------------------------------------------------------
+def one_sequence_step(num_rows: int, seq_len: int, block_size: int, causal: bool = True) -> AttentionStep:
+    """One sequence on blocks 0, 1, ... of a fresh cache: its last `num_rows` of `seq_len` positions computed."""
+    return AttentionStep(
+        backend="CPU_ATTN",
+        block_table=torch.arange(blocks_needed(seq_len, block_size), dtype=torch.int32)[None],
+        query_start_loc=torch.tensor([0, num_rows], dtype=torch.int32),
+        seq_lens=torch.tensor([seq_len], dtype=torch.int32),
+        slot_mapping=torch.arange(seq_len - num_rows, seq_len),
+        max_query_len=num_rows,
+        max_seq_len=seq_len,
+        causal=causal,
+    )
+
+
+def fresh_cache(session: ModelSession, of_drafter: bool, num_tokens: int) -> KVCache:
+    assert session.proposer is not None
+    config = session.proposer.config.model if of_drafter else session.loaded.config
+    block_size = session.kv_cache.block_size
+    return KVCache(config, blocks_needed(num_tokens, block_size), block_size, torch.float32, torch.device("cpu"))
+
+
+def target_features(session: ModelSession, drafter: Drafter, tokens: list[int]) -> torch.Tensor:
+    """What the drafter reads of positions 0..N-2, from one pass of the target over them."""
+    count, layers = len(tokens) - 1, drafter.config.target_layer_ids
+    cache = fresh_cache(session, False, count)
+    step = one_sequence_step(count, count, cache.block_size)
+    hidden, aux = session.loaded.model(torch.tensor(tokens[:-1]), torch.arange(count), cache.layers, step, layers)
+    return torch.cat(aux, dim=-1) if layers else hidden
+
+
+def eagle_reference(session: ModelSession, drafter: Drafter, tokens: list[int], features: torch.Tensor) -> list[int]:
+    ids, hidden = tokens[1:], drafter.combine(features)
+    drafts: list[int] = []
+    for _ in range(K):
+        rows = len(ids)
+        cache = fresh_cache(session, True, rows)
+        step = one_sequence_step(rows, rows, cache.block_size)
+        feedback, head = drafter(torch.tensor(ids), torch.arange(rows), hidden, cache.layers, step)
+        drafts.append(int(drafter.draft_tokens(head[-1:])[0]))
+        ids, hidden = ids + drafts[-1:], torch.cat([hidden, feedback[-1:]])
+    return drafts
+
+
+def dflash_reference(
+    session: ModelSession, drafter: DFlashDrafter, tokens: list[int], features: torch.Tensor
+) -> list[int]:
+    config, context = drafter.config, len(tokens) - 1
+    size = config.block_size
+    cache = fresh_cache(session, True, context + size)
+    drafter.store_context(features, torch.arange(context), torch.arange(context), cache.layers)
+    block = torch.tensor([tokens[-1]] + [config.mask_token_id] * (size - 1))
+    step = one_sequence_step(size, context + size, cache.block_size, causal=config.causal)
+    hidden = drafter(block, torch.arange(context, context + size), cache.layers, step)
+    return drafter.draft_tokens(hidden[1 : K + 1]).tolist()
+
+
+@torch.inference_mode()
+def reference_drafts(session: ModelSession, tokens: list[int]) -> list[int]:
+    assert session.proposer is not None
+    drafter = session.proposer.drafter
+    features = target_features(session, drafter, tokens)
+    if isinstance(drafter, DFlashDrafter):
+        return dflash_reference(session, drafter, tokens, features)
+    return eagle_reference(session, drafter, tokens, features)
+
+
+def mismatches(session: ModelSession, proposals: list[Proposal]) -> list[tuple[Proposal, list[int]]]:
+    """Each proposal whose drafts differ from the reference, with the reference's."""
+    found = [(p, reference_drafts(session, p.tokens)) for p in proposals]
+    return [(p, expected) for p, expected in found if p.drafts != expected]
+
+
+# ---- the engine's drafts are the reference's --------------------------------------------------------
+@pytest.mark.parametrize("method", METHODS)
+def test_every_proposal_equals_a_dense_recompute(method: str) -> None:
+    session = spec_session(method, K, max_num_batched_tokens=BATCHED_TOKENS)
+    proposals, finishes = run_recorded(session, prompts(), WRONG_AT, MAX_TOKENS)
+    assert {p.request_id for p in proposals} == set(LENGTHS) and len(proposals) >= 50
+    assert finishes["all"].accepted_tokens == finishes["all"].drafted_tokens > 0
+    assert 0 < finishes["some"].accepted_tokens < finishes["some"].drafted_tokens
+    assert finishes["w0"].accepted_tokens == 0 < finishes["w0"].drafted_tokens
+    assert not mismatches(session, proposals)
+
+
+@pytest.mark.parametrize("method", ["eagle", "eagle3", "dflash", "dflash_causal"])
+def test_proposal_after_a_chunk_one_short_of_the_prompt(method: str) -> None:
+    """A prefill chunk ending at the prompt's last token leaves num_computed_tokens == num_tokens - 1 before any
+    token is sampled: whatever the engine does then (propose from the prompt, or wait), it must not fail."""
+    session = spec_session(method, K, max_num_batched_tokens=BATCHED_TOKENS)
+    prompt = [*prompts()["own"][:BATCHED_TOKENS], 1]  # chunks of 24 and 1
+    proposals, _ = run_recorded(session, {"short": prompt}, {}, 6)
+    assert proposals and not mismatches(session, proposals)
+
+
+# ---- the comparison catches stale metadata --------------------------------------------------------------
+class StaleChainSteps:
+    """Corrupts EAGLE's chain steps 2..k: they reuse chain step 1's attention metadata (seq_lens and
+    slot_mapping not rebuilt) or its positions. Per proposal the calls are: context pass, step 1, step 2, ..."""
+
+    def __init__(self, proposer: Proposer) -> None:
+        self.proposer, self.calls = proposer, 0
+        self.propose, self.attention, self.forward = proposer.propose, proposer.attention, proposer.drafter.forward
+        self.first_step: AttentionStep | None = None
+        self.first_positions: torch.Tensor | None = None
+
+    def patch(self, what: str, monkeypatch: pytest.MonkeyPatch) -> None:
+        monkeypatch.setattr(self.proposer, "propose", self.counted_propose)
+        if what == "metadata":
+            monkeypatch.setattr(self.proposer, "attention", self.stale_attention)
+        else:
+            monkeypatch.setattr(self.proposer.drafter, "forward", self.stale_positions)
+
+    def counted_propose(self, batch: ProposeBatch) -> None:
+        self.calls = 0
+        self.propose(batch)
+
+    def stale_attention(self, *args: object, **kwargs: object) -> AttentionStep:
+        self.calls += 1
+        if self.calls > 2 and self.first_step is not None:
+            return self.first_step
+        step = self.attention(*args, **kwargs)  # type: ignore[arg-type]
+        self.first_step = step if self.calls == 2 else None
+        return step
+
+    def stale_positions(self, input_ids: torch.Tensor, positions: torch.Tensor, *rest: object) -> object:
+        self.calls += 1
+        if self.calls == 2:
+            self.first_positions = positions
+        elif self.calls > 2 and self.first_positions is not None:
+            positions = self.first_positions
+        return self.forward(input_ids, positions, *rest)
+
+
+@pytest.mark.parametrize("what", ["metadata", "positions"])
+@pytest.mark.parametrize("method", ["eagle", "eagle3"])
+def test_stale_chain_steps_are_caught(method: str, what: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    session = spec_session(method, K, max_num_batched_tokens=BATCHED_TOKENS)
+    assert session.proposer is not None
+    StaleChainSteps(session.proposer).patch(what, monkeypatch)
+    proposals, _ = run_recorded(session, prompts(), WRONG_AT, MAX_TOKENS)
+    monkeypatch.undo()  # the reference runs the drafter as it is
+    wrong = mismatches(session, proposals)
+    assert len(wrong) >= 3, "stale chain steps went unnoticed"
+    assert all(p.drafts[:2] == expected[:2] for p, expected in wrong)  # drafts 1 and 2 come before any staleness
+
+
+@pytest.mark.parametrize("method", ["dflash", "dflash_causal"])
+def test_a_dflash_block_one_position_late_is_caught(method: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    session = spec_session(method, K, max_num_batched_tokens=BATCHED_TOKENS)
+    assert session.proposer is not None
+    drafter = session.proposer.drafter
+    forward = drafter.forward
+
+    def late(input_ids: torch.Tensor, positions: torch.Tensor, *rest: object) -> object:
+        return forward(input_ids, positions + 1, *rest)
+
+    monkeypatch.setattr(drafter, "forward", late)
+    proposals, _ = run_recorded(session, prompts(), WRONG_AT, MAX_TOKENS)
+    monkeypatch.undo()
+    assert len(mismatches(session, proposals)) >= 3, "a misplaced block went unnoticed"
