@@ -304,3 +304,36 @@ async def test_text_in_text_out_with_the_checkpoints_tokenizer(
     assert tokens == greedy_reference(model, [5, 9, 33], 6)
     assert "".join(r.text for r in responses) == tokenizer.decode(tokens)
     assert responses[-1].finished.prompt_tokens == 3
+
+
+async def test_speculative_generation_over_grpc(executor: RunningExecutor, stub) -> None:
+    """A drafter in LoadModel: its own backend decision comes back, streams carry drafted / accepted counts,
+    the final message the acceptance statistics, and the metrics count them."""
+    import urllib.request
+
+    from spec_builders import draft_model
+
+    request = load_request()
+    request.draft.CopyFrom(draft_model("dflash", 3))
+    loaded = await stub.LoadModel(request)
+    assert loaded.draft_backend.backend == "CPU_ATTN" and loaded.draft_backend.use_non_causal
+    assert (loaded.info.spec_method, loaded.info.num_speculative_tokens) == (common_pb2.SPEC_METHOD_DFLASH, 3)
+    info = await stub.GetModelInfo(executor_pb2.GetModelInfoRequest())
+    assert info.draft_backend == loaded.draft_backend
+    model = executor.servicer.session.loaded.model
+    ids = [5, 6, 7, 8, 9]
+    responses = await generate(stub, "spec", ids, max_tokens=16)
+    assert [t for r in responses for t in r.token_ids] == greedy_reference(model, ids, 16)
+    finished = responses[-1].finished
+    assert finished.drafted_tokens == sum(r.num_drafted for r in responses) > 0
+    assert finished.accepted_tokens == sum(r.num_accepted for r in responses)
+    assert finished.mean_acceptance_length >= 1.0 and len(finished.acceptance_rate_per_position) == 3
+    url = f"http://127.0.0.1:{executor.server.metrics_port}/metrics"
+    text = await asyncio.to_thread(lambda: urllib.request.urlopen(url).read().decode())
+    for name in (
+        "specdec_draft_tokens_total",
+        "specdec_accepted_tokens_total",
+        'specdec_position_drafted_tokens_total{position="0"}',
+        "specdec_mean_acceptance_length",
+    ):
+        assert name in text, name
