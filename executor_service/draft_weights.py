@@ -12,12 +12,11 @@ from dataclasses import replace
 from pathlib import Path
 
 import torch
-from torch import nn
 
 from executor_service.draft_config import DraftConfig, dflash_hf_fields
 from executor_service.draft_models import DRAFTERS, Drafter, TargetHeads
-from executor_service.loader import check_tensors, read_tensor_shapes, tensor_files
-from executor_service.weights import Placement, layer_layout, place
+from executor_service.loader import check_tensors, load_tensors, read_tensor_shapes, tensor_files
+from executor_service.weights import Placement, export_state, layer_layout, materialize, place, synthetic_values
 
 IGNORED = ("embed_tokens.weight", "t2d")
 
@@ -51,17 +50,9 @@ def draft_layout(config: DraftConfig) -> dict[str, Placement]:
 def empty_drafter(config: DraftConfig, target: TargetHeads, dtype: torch.dtype, device: torch.device) -> Drafter:
     with torch.device("meta"):
         drafter = DRAFTERS[config.method](config)
-    drafter = drafter.to_empty(device=device).to(dtype)
-    drafter.rope = drafter.rope.__class__(config.model).to(device)  # buffers computed, not left empty
+    drafter = materialize(drafter, config.model, dtype, device)
     drafter.target = target
-    return drafter.eval().requires_grad_(False)
-
-
-def place_tensor(drafter: nn.Module, placement: Placement, tensor: torch.Tensor) -> None:
-    if placement.parameter == "d2t":  # a buffer of ids, not a parameter
-        drafter.get_buffer("d2t").copy_(tensor.to(torch.int64))
-    else:
-        place(drafter, placement, tensor)
+    return drafter
 
 
 def checkpoint_name(name: str) -> str:
@@ -72,8 +63,6 @@ def checkpoint_name(name: str) -> str:
 def load_drafter(
     directory: Path, config: DraftConfig, target: TargetHeads, dtype: torch.dtype, device: torch.device, field: str
 ) -> Drafter:
-    from safetensors import safe_open
-
     located = tensor_files(directory, field)
     shapes = {checkpoint_name(name): shape for name, shape in read_tensor_shapes(located).items()}
     if config.method == "eagle":  # whether fc has a bias is what the checkpoint holds (configs disagree)
@@ -81,12 +70,7 @@ def load_drafter(
     layout = draft_layout(config)
     check_tensors(layout, shapes, field, ignored=IGNORED)
     drafter = empty_drafter(config, target, dtype, device)
-    for file in sorted(set(located.values())):
-        with safe_open(str(file), framework="pt", device="cpu") as handle:
-            for name in handle.keys():  # noqa: SIM118 - safe_open has no __iter__
-                ours = checkpoint_name(name)
-                if ours in layout and located[name] == file:
-                    place_tensor(drafter, layout[ours], handle.get_tensor(name))
+    load_tensors(drafter, located, layout, rename=checkpoint_name)
     return drafter
 
 
@@ -94,7 +78,7 @@ def load_drafter(
 def synthetic_drafter(
     config: DraftConfig, target: TargetHeads, seed: int, dtype: torch.dtype, device: torch.device
 ) -> Drafter:
-    """Random weights from `seed` (same scales as the synthetic target); EAGLE-3's d2t maps its reduced
+    """Random weights from `seed` (the synthetic target's scales); EAGLE-3's d2t maps its reduced
     vocabulary onto a seeded random subset of the target's."""
     drafter = empty_drafter(config, target, dtype, device)
     generator = torch.Generator(device=device).manual_seed(seed)
@@ -104,28 +88,10 @@ def synthetic_drafter(
         if name == "d2t":
             chosen = torch.randperm(config.model.vocab_size, generator=generator, device=device)[: shape[0]]
             values = chosen.sort().values - torch.arange(shape[0], device=device)
-        elif name.endswith("norm.weight"):
-            values = 1 + 0.1 * torch.randn(shape, generator=generator, device=device)
-        elif name.endswith(".bias"):
-            values = 0.1 * torch.randn(shape, generator=generator, device=device)
         else:
-            residual_out = "o_proj" in name or "down_proj" in name
-            gain = 16.0 if name == "lm_head.weight" else (1.0 / (2 * num_layers) if residual_out else 1.0)
-            values = torch.randn(shape, generator=generator, device=device) * (gain / shape[1]) ** 0.5
-        place_tensor(drafter, placement, values)
+            values = synthetic_values(name, shape, num_layers, generator, device)
+        place(drafter, placement, values)
     return drafter
-
-
-def export_drafter_state(drafter: Drafter) -> dict[str, torch.Tensor]:
-    state = {}
-    for name, placement in draft_layout(drafter.config).items():
-        if name == "d2t":
-            state[name] = drafter.get_buffer("d2t").detach().cpu().contiguous()
-            continue
-        source = drafter.get_parameter(placement.parameter)
-        rows = placement.shape[0]
-        state[name] = source[placement.row_start : placement.row_start + rows].detach().cpu().contiguous()
-    return state
 
 
 def save_drafter(drafter: Drafter, num_target_layers: int, directory: Path) -> None:
@@ -146,4 +112,5 @@ def save_drafter(drafter: Drafter, num_target_layers: int, directory: Path) -> N
         raw.update(dflash_hf_fields(config, num_target_layers))
     directory.mkdir(parents=True, exist_ok=True)
     (directory / "config.json").write_text(json.dumps(raw, indent=2))
-    save_file(export_drafter_state(drafter), str(directory / "model.safetensors"), metadata={"format": "pt"})
+    state = export_state(drafter, draft_layout(config))
+    save_file(state, str(directory / "model.safetensors"), metadata={"format": "pt"})

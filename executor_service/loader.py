@@ -8,6 +8,7 @@ directory) and every missing, unexpected or misshapen tensor, checked before a b
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
@@ -123,19 +124,26 @@ def check_tensors(
 
 @torch.no_grad()
 def load_directory(directory: Path, dtype: torch.dtype, device: torch.device, field: str) -> LoadedModel:
-    from safetensors import safe_open
-
     config = read_config(directory, field)
     located = tensor_files(directory, field)
     check_checkpoint(config, read_tensor_shapes(located), field)
     model = empty_model(config, dtype, device)
-    layout = hf_layout(config)
+    load_tensors(model, located, hf_layout(config))
+    return LoadedModel(config, model, load_tokenizer(directory), str(directory))
+
+
+def load_tensors(
+    module: torch.nn.Module, located: dict[str, Path], layout: dict[str, Placement], rename: Callable[[str], str] = str
+) -> None:
+    """Copy every tensor of `layout` from its file into `module` (`rename`: checkpoint name -> layout name)."""
+    from safetensors import safe_open
+
     for file in sorted(set(located.values())):
         with safe_open(str(file), framework="pt", device="cpu") as handle:
-            for name in handle.keys():  # noqa: SIM118
-                if name in layout and located[name] == file:
-                    place(model, layout[name], handle.get_tensor(name))
-    return LoadedModel(config, model, load_tokenizer(directory), str(directory))
+            for name in handle.keys():  # noqa: SIM118 - safe_open has no __iter__
+                ours = rename(name)
+                if ours in layout and located[name] == file:
+                    place(module, layout[ours], handle.get_tensor(name))
 
 
 def load_tokenizer(directory: Path) -> Any | None:

@@ -7,12 +7,16 @@ row ranges of `gate_up_proj`. Loading, validation and export all read it.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TypeVar
 
 import torch
 from torch import nn
 
 from executor_service.config import ModelConfig
 from executor_service.model import DecoderModel
+from executor_service.rope import RotaryEmbedding
+
+ModuleT = TypeVar("ModuleT", bound=nn.Module)
 
 
 @dataclass(frozen=True)
@@ -70,53 +74,74 @@ def empty_model(config: ModelConfig, dtype: torch.dtype, device: torch.device) -
     """The model with uninitialized weights on `device` (no time spent on an init we overwrite)."""
     with torch.device("meta"):
         model = DecoderModel(config)
-    model = model.to_empty(device=device).to(dtype)
-    model.rope = model.rope.__class__(config).to(device)  # buffers computed, not left empty
+    model = materialize(model, config, dtype, device)
     if config.tie_word_embeddings:
         model.lm_head.weight = model.embed_tokens.weight
-    return model.eval().requires_grad_(False)
+    return model
 
 
-def place(model: nn.Module, placement: Placement, tensor: torch.Tensor) -> None:
-    target = model.get_parameter(placement.parameter)
+def materialize(module: ModuleT, config: ModelConfig, dtype: torch.dtype, device: torch.device) -> ModuleT:
+    """A module built on the meta device, given uninitialized storage on `device` and its RoPE tables
+    computed (buffers are not left empty); frozen for inference."""
+    module = module.to_empty(device=device).to(dtype)
+    module.rope = RotaryEmbedding(config).to(device)
+    return module.eval().requires_grad_(False)
+
+
+def _tensor(module: nn.Module, name: str) -> torch.Tensor:
+    """A parameter, or a buffer (EAGLE-3's d2t)."""
+    try:
+        return module.get_parameter(name)
+    except AttributeError:
+        return module.get_buffer(name)
+
+
+def place(module: nn.Module, placement: Placement, tensor: torch.Tensor) -> None:
+    target = _tensor(module, placement.parameter)
     rows = placement.shape[0]
     target[placement.row_start : placement.row_start + rows].copy_(tensor)
 
 
-@torch.no_grad()
-def synthetic_model(config: ModelConfig, seed: int, dtype: torch.dtype, device: torch.device) -> DecoderModel:
-    """Random weights from `seed`, drawn on `device` in a fixed order (same seed and device: same model).
+def synthetic_values(
+    name: str, shape: tuple[int, ...], num_layers: int, generator: torch.Generator, device: torch.device
+) -> torch.Tensor:
+    """A random tensor for checkpoint tensor `name` (target or drafter), drawn from `generator`.
 
     Scales keep activations O(1) through depth and make logits peaked enough that greedy choices are
-    not decided by rounding: embeddings N(0, 1), projections N(0, 1/fan_in), the LM head N(0, 16/fan_in),
+    not decided by rounding: embeddings N(0, 1), projections N(0, 1/fan_in), an LM head N(0, 16/fan_in),
     norms 1 with a little noise so a missed norm shows in tests.
     """
+    if name.endswith("norm.weight"):
+        return 1 + 0.1 * torch.randn(shape, generator=generator, device=device)
+    if name.endswith(".bias"):
+        return 0.1 * torch.randn(shape, generator=generator, device=device)
+    if name == "model.embed_tokens.weight":
+        return torch.randn(shape, generator=generator, device=device)
+    residual_out = "o_proj" in name or "down_proj" in name
+    gain = 16.0 if name == "lm_head.weight" else (1.0 / (2 * num_layers) if residual_out else 1.0)
+    return torch.randn(shape, generator=generator, device=device) * (gain / shape[1]) ** 0.5
+
+
+@torch.no_grad()
+def synthetic_model(config: ModelConfig, seed: int, dtype: torch.dtype, device: torch.device) -> DecoderModel:
+    """Random weights from `seed`, drawn on `device` in a fixed order (same seed and device: same model)."""
     model = empty_model(config, dtype, device)
     generator = torch.Generator(device=device).manual_seed(seed)
     for name, placement in hf_layout(config).items():
-        shape = placement.shape
-        if name.endswith("norm.weight"):
-            values = 1 + 0.1 * torch.randn(shape, generator=generator, device=device)
-        elif name.endswith(".bias"):
-            values = 0.1 * torch.randn(shape, generator=generator, device=device)
-        elif name == "model.embed_tokens.weight":
-            values = torch.randn(shape, generator=generator, device=device)
-        else:
-            gain = (
-                16.0
-                if name == "lm_head.weight"
-                else (1.0 / (2 * config.num_layers) if "o_proj" in name or "down_proj" in name else 1.0)
-            )
-            values = torch.randn(shape, generator=generator, device=device) * (gain / shape[1]) ** 0.5
-        place(model, placement, values)
+        place(model, placement, synthetic_values(name, placement.shape, config.num_layers, generator, device))
     return model
 
 
-def export_hf_state(model: DecoderModel) -> dict[str, torch.Tensor]:
-    """Our weights under Hugging Face names (fused parameters split back), contiguous, on the CPU."""
+def export_state(module: nn.Module, layout: dict[str, Placement]) -> dict[str, torch.Tensor]:
+    """`module`'s tensors under checkpoint names (fused parameters split back), contiguous, on the CPU."""
     state = {}
-    for name, placement in hf_layout(model.config).items():
-        source = model.get_parameter(placement.parameter)
+    for name, placement in layout.items():
+        source = _tensor(module, placement.parameter)
         rows = placement.shape[0]
         state[name] = source[placement.row_start : placement.row_start + rows].detach().cpu().contiguous()
     return state
+
+
+def export_hf_state(model: DecoderModel) -> dict[str, torch.Tensor]:
+    """Our weights under Hugging Face names."""
+    return export_state(model, hf_layout(model.config))
