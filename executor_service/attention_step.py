@@ -67,3 +67,39 @@ class AttentionStep:
                 num_tokens=q.shape[0],
             )
         return flex_attn.forward_with_metadata(q, k_cache, v_cache, self._flex, scale)
+
+
+def cache_slot(block_ids: list[int], position: int, block_size: int) -> int:
+    """The paged-cache slot of `position` in a request's blocks; -1 (written nowhere) past its blocks."""
+    block = position // block_size
+    if block >= len(block_ids):
+        return -1
+    return block_ids[block] * block_size + position % block_size
+
+
+def build_attention_step(
+    backend: str,
+    block_ids: list[list[int]],
+    query_lens: list[int],
+    seq_lens: list[int],
+    slots: list[int],
+    causal: bool,
+    device: torch.device,
+) -> AttentionStep:
+    """Metadata of one step from host lists (per request: its blocks, query and sequence length; per
+    token: its slot), one host-to-device copy per tensor and no device sync."""
+    query_start_loc = [0]
+    for length in query_lens:
+        query_start_loc.append(query_start_loc[-1] + length)
+    width = max(len(blocks) for blocks in block_ids)
+    block_table = [blocks + [0] * (width - len(blocks)) for blocks in block_ids]
+    return AttentionStep(
+        backend=backend,
+        block_table=torch.tensor(block_table, dtype=torch.int32, device=device),
+        query_start_loc=torch.tensor(query_start_loc, dtype=torch.int32, device=device),
+        seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=device),
+        slot_mapping=torch.tensor(slots, dtype=torch.int64, device=device),
+        max_query_len=max(query_lens),
+        max_seq_len=max(seq_lens),
+        causal=causal,
+    )

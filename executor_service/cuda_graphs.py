@@ -126,5 +126,6 @@ class StepGraphs:
 
 def _first_rows(output: torch.Tensor, size: int, count: int) -> torch.Tensor:
     """An output of `size` padded requests cut to the first `count`: token-wise or request-wise rows."""
-    rows_per_request = output.shape[0] // size if output.dim() else 0
-    return output[: count * rows_per_request] if output.dim() else output
+    if output.dim() == 0:
+        return output
+    return output[: count * (output.shape[0] // size)]

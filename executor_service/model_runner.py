@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 import torch
 
-from executor_service.attention_step import AttentionStep
+from executor_service.attention_step import AttentionStep, build_attention_step, cache_slot
 from executor_service.cuda_graphs import StepGraphs
 from executor_service.kv_cache import KVCache
 from executor_service.model import DecoderModel
@@ -56,31 +56,21 @@ class ModelRunner:
         positions: list[int] = []
         slots: list[int] = []
         query_start_loc, seq_lens, sampled, num_drafts, logits_indices = [0], [], [], [], []
-        max_blocks = max(len(r.block_ids) for r in step.requests)
-        block_table = []
         for index, (request, num_new) in enumerate(zip(step.requests, step.num_new_tokens, strict=True)):
             start, stop = request.num_computed_tokens, request.num_computed_tokens + num_new
             known = min(stop, request.num_tokens)
             input_ids += request.token_ids(start, known) + request.draft_ids[: stop - known]
             positions += range(start, stop)
-            blocks = request.block_ids
-            slots += [blocks[p // self.block_size] * self.block_size + p % self.block_size for p in range(start, stop)]
+            slots += [cache_slot(request.block_ids, p, self.block_size) for p in range(start, stop)]
             query_start_loc.append(query_start_loc[-1] + num_new)
             seq_lens.append(stop)
-            block_table.append(blocks + [0] * (max_blocks - len(blocks)))
             if stop == request.num_tokens + len(request.draft_ids):
                 sampled.append(index)
                 num_drafts.append(len(request.draft_ids))
                 logits_indices += range(query_start_loc[-1] - 1 - len(request.draft_ids), query_start_loc[-1])
-        attention = AttentionStep(
-            backend=self.backend,
-            block_table=self._tensor(block_table, torch.int32),
-            query_start_loc=self._tensor(query_start_loc, torch.int32),
-            seq_lens=self._tensor(seq_lens, torch.int32),
-            slot_mapping=self._tensor(slots, torch.int64),
-            max_query_len=max(step.num_new_tokens),
-            max_seq_len=max(seq_lens),
-            causal=causal,
+        block_ids = [r.block_ids for r in step.requests]
+        attention = build_attention_step(
+            self.backend, block_ids, step.num_new_tokens, seq_lens, slots, causal, self.device
         )
         query_len = step.num_new_tokens[0]
         uniform = len(sampled) == len(step.requests) and all(n == query_len for n in step.num_new_tokens)

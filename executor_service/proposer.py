@@ -18,7 +18,7 @@ from dataclasses import dataclass
 
 import torch
 
-from executor_service.attention_step import AttentionStep
+from executor_service.attention_step import AttentionStep, build_attention_step, cache_slot
 from executor_service.cuda_graphs import GraphForward, StepGraphs
 from executor_service.draft_models import DFlashDrafter, Drafter
 from executor_service.kv_cache import KVCache
@@ -60,33 +60,20 @@ class Proposer:
         self.max_model_len, self.device = max_model_len, device
         self.replay: Replay | None = None
         self.graphs: dict[str, StepGraphs] = {}  # by pass name; see capture_graphs
+        self.passes = self._passes()
 
     # ---- metadata from host lists -----------------------------------------------------------
     def slot(self, request: Request, position: int) -> int:
         """Cache slot of `position`, -1 past the context or the request's blocks (written nowhere)."""
-        block = position // self.block_size
-        if position >= self.max_model_len or block >= len(request.block_ids):
+        if position >= self.max_model_len:
             return -1
-        return request.block_ids[block] * self.block_size + position % self.block_size
+        return cache_slot(request.block_ids, position, self.block_size)
 
     def attention(
         self, requests: list[Request], query_lens: list[int], seq_lens: list[int], slots: list[int], causal: bool
     ) -> AttentionStep:
-        query_start_loc = [0]
-        for length in query_lens:
-            query_start_loc.append(query_start_loc[-1] + length)
-        width = max(len(r.block_ids) for r in requests)
-        block_table = [r.block_ids + [0] * (width - len(r.block_ids)) for r in requests]
-        return AttentionStep(
-            backend=self.backend,
-            block_table=self.tensor(block_table, torch.int32),
-            query_start_loc=self.tensor(query_start_loc, torch.int32),
-            seq_lens=self.tensor(seq_lens, torch.int32),
-            slot_mapping=self.tensor(slots, torch.int64),
-            max_query_len=max(query_lens),
-            max_seq_len=max(seq_lens),
-            causal=causal,
-        )
+        block_ids = [r.block_ids for r in requests]
+        return build_attention_step(self.backend, block_ids, query_lens, seq_lens, slots, causal, self.device)
 
     def tensor(self, values: list, dtype: torch.dtype) -> torch.Tensor:
         return torch.tensor(values, dtype=dtype, device=self.device)
@@ -178,7 +165,7 @@ class Proposer:
         graphs = self.graphs.get(name)
         if graphs is not None and uniform and step.seq_lens.shape[0] <= graphs.max_batch:
             return graphs.run(step.block_table, step.seq_lens, step.slot_mapping, positions, **inputs)
-        return self._passes()[name][0](step, positions, inputs)
+        return self.passes[name][0](step, positions, inputs)
 
     def _passes(self) -> dict[str, tuple[GraphForward, int, dict[str, tuple[tuple[int, ...], torch.dtype]]]]:
         """name -> (forward, query tokens per request, per-token inputs) of each pass a graph can replay."""
@@ -215,7 +202,7 @@ class Proposer:
     def capture_graphs(self, max_batch: int) -> None:
         """One graph set per pass (CUDA, capture-safe drafter backend); batches that are not uniform and
         larger ones run eagerly."""
-        for name, (forward, query_len, inputs) in self._passes().items():
+        for name, (forward, query_len, inputs) in self.passes.items():
             causal = not (name == "dflash_block" and not self.config.causal)
             graphs = StepGraphs(
                 f"drafter {name}", forward, self.backend, query_len, max_batch, self.max_model_len,
