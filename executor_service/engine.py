@@ -159,14 +159,16 @@ class Engine:
             self.on_verify([len(d) for d in drafts], [len(t) - 1 for t in emitted])
 
     def _emit(self, request: Request, tokens: list[int], num_drafted: int) -> int:
-        """Append the verified tokens up to a stop; hand them out. Returns how many were kept."""
+        """Append the verified tokens up to a stop; hand them out. Returns how many were kept. The chunk's
+        counts are the verification's (as in the request's totals), also when a stop cuts the tokens short."""
+        accepted = len(tokens) - 1
         for count, token in enumerate(tokens, start=1):
             request.output_ids.append(token)
             reason = request.stop_reason(self.max_model_len)
             if reason is not None:
-                self._finish(request, reason, new_tokens=tokens[:count], num_drafted=num_drafted)
+                self._finish(request, reason, tokens[:count], num_drafted=num_drafted, num_accepted=accepted)
                 return count
-        output = RequestOutput(request.request_id, tokens, num_drafted=num_drafted, num_accepted=len(tokens) - 1)
+        output = RequestOutput(request.request_id, tokens, num_drafted=num_drafted, num_accepted=accepted)
         self._outbox.append((request.sink, output))
         return len(tokens)
 
@@ -215,14 +217,15 @@ class Engine:
         new_tokens: list[int] | None = None,
         error: BaseException | None = None,
         num_drafted: int = 0,
+        num_accepted: int = 0,
     ) -> None:
         self.scheduler.remove(request)
         with self._lock:
             self._live.pop(request.request_id, None)
         finish: Finish | None = request.finish(reason) if reason is not None else None
-        tokens = new_tokens or []
-        accepted = max(len(tokens) - 1, 0) if num_drafted else 0
-        output = RequestOutput(request.request_id, tokens, num_drafted, accepted, finish=finish, error=error)
+        output = RequestOutput(
+            request.request_id, new_tokens or [], num_drafted, num_accepted, finish=finish, error=error
+        )
         self._outbox.append((request.sink, output))
 
     def _flush_outbox(self) -> None:

@@ -150,4 +150,6 @@ def test_stop_token_inside_accepted_drafts_ends_there() -> None:
     session.engine.run_until_idle()
     assert sink.tokens("s") == expected[: expected.index(stop) + 1]
     assert sink.finish_reason("s") == "stop"
+    finish = sink.outputs["s"][-1].finish
+    assert finish is not None and finish.accepted_tokens == sum(o.num_accepted for o in sink.outputs["s"]) == k
     assert_no_leak(session)
