@@ -105,10 +105,8 @@ def draft_from_synthetic(
     spec: executor_pb2.SyntheticModel, method: str, target: ModelConfig, request: executor_pb2.DraftModel, field: str
 ) -> DraftConfig:
     """From a SyntheticModel (vocab_size 0: the target's). EAGLE-1 synthetic drafters have an fc bias."""
-    if spec.vocab_size == 0:
-        spec = executor_pb2.SyntheticModel()
-        spec.CopyFrom(request.source.synthetic)
-        spec.vocab_size = target.vocab_size
+    if spec.vocab_size == 0:  # a copy: the request itself stays as the caller sent it
+        spec = executor_pb2.SyntheticModel(vocab_size=target.vocab_size, **_set_fields(spec))
     model = ModelConfig.from_synthetic(spec, field)
     model = replace(
         model,
@@ -125,6 +123,10 @@ def draft_from_synthetic(
         fc_bias=method == "eagle",
     )
     return finish_draft_config(config, target, request, field)
+
+
+def _set_fields(message: executor_pb2.SyntheticModel) -> dict[str, Any]:
+    return {field.name: value for field, value in message.ListFields() if field.name != "vocab_size"}
 
 
 def finish_draft_config(

@@ -56,6 +56,7 @@ class EngineMetrics:
             registry=registry,
         )
         self.mean_acceptance_length.set_function(self._acceptance_length)
+        self._verify_totals = [0, 0]  # verify steps, accepted drafts: what the gauge divides
         self._window: collections.deque[tuple[float, int]] = collections.deque()
         self._lock = threading.Lock()
         self.tokens_per_second.set_function(self._rate)
@@ -79,14 +80,18 @@ class EngineMetrics:
             self.verify_steps.inc()
             self.drafted.inc(num_drafts)
             self.accepted.inc(num_accepted)
+            with self._lock:
+                self._verify_totals[0] += 1
+                self._verify_totals[1] += num_accepted
             for position in range(num_drafts):
                 self.position_drafted.labels(str(position)).inc()
                 if position < num_accepted:
                     self.position_accepted.labels(str(position)).inc()
 
     def _acceptance_length(self) -> float:
-        steps = self.verify_steps._value.get()
-        return 1.0 + self.accepted._value.get() / steps if steps else 0.0
+        with self._lock:
+            steps, accepted = self._verify_totals
+        return 1.0 + accepted / steps if steps else 0.0
 
     def watch(
         self,

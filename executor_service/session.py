@@ -167,7 +167,8 @@ def build_session(
     kv_cache = KVCache(config, num_blocks, block_size, dtype, device)
     max_model_len = config.max_position_embeddings
     proposer = None
-    if draft is not None and drafter is not None and draft_decision is not None:
+    if drafter is not None:
+        assert draft is not None and draft_decision is not None, "a drafter is loaded with its backend decision"
         draft_cache = KVCache(draft.config.model, num_blocks, block_size, dtype, device, kv_cache.allocator)
         proposer = Proposer(drafter, draft_cache, draft_decision.backend, max_model_len, device)
     layers = feature_layers(draft.config) if draft is not None else None

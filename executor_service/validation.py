@@ -6,6 +6,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from executor_service.draft_config import METHODS
 from executor_service.sampling import SamplingSettings
 from selector_service.errors import FieldViolation, ResourceExhausted, invalid_fields
 from specdec.v1 import common_pb2, executor_pb2
@@ -66,8 +67,7 @@ def has_drafter(request: executor_pb2.LoadModelRequest) -> bool:
 def _draft_violations(draft: executor_pb2.DraftModel) -> list[FieldViolation]:
     """What can be checked before the drafter's config is read (the rest: draft_config.py)."""
     violations = []
-    methods = (common_pb2.SPEC_METHOD_EAGLE, common_pb2.SPEC_METHOD_EAGLE3, common_pb2.SPEC_METHOD_DFLASH)
-    if draft.method not in methods:
+    if draft.method not in METHODS:
         violations.append(
             FieldViolation("draft.method", "SPEC_METHOD_EAGLE, _EAGLE3 or _DFLASH (SPEC_METHOD_NONE: no drafter)")
         )
