@@ -31,7 +31,16 @@ for _path in (REPO, REPO / "bench", REPO / "protos", REPO / "tests" / "executor"
         sys.path.append(str(_path))
 
 import torch  # noqa: E402
-from executor_bench import PRESETS, copy_bandwidth, device_tag, make_prompts, median, versions  # noqa: E402
+from executor_bench import (  # noqa: E402
+    PRESETS,
+    commit_id,
+    copy_bandwidth,
+    device_tag,
+    log,
+    make_prompts,
+    median,
+    versions,
+)
 from spec_builders import ReplayDrafts  # noqa: E402
 
 from executor_service.drafting import resolve_draft  # noqa: E402
@@ -50,10 +59,6 @@ DRAFTERS = {
 }
 ACCEPTANCE = {"1": 0, "3": 2, "6": 5, "full": None}  # acceptance length -> corrupted draft (None: none)
 FLOOR_BAR = 1.4
-
-
-def log(message: str) -> None:
-    print(message, flush=True)
 
 
 def target_request(preset: dict[str, Any], dtype: int, backend: str, blocks: int) -> executor_pb2.LoadModelRequest:
@@ -300,8 +305,6 @@ def main() -> int:
     args = parse_args()
     preset = PRESETS[args.preset]
     device = torch.device(args.device)
-    from executor_bench import commit_id
-
     commit, dirty = commit_id()
     report: dict[str, Any] = {
         "benchmark": "specdec",
