@@ -1,4 +1,5 @@
-"""Client-side helpers: channels (plain, TLS, mTLS) and loading a request from a YAML/JSON file."""
+"""Client-side helpers: channels (plain, TLS, mTLS, with or without a bearer token) and loading a request from a
+YAML/JSON file."""
 
 from __future__ import annotations
 
@@ -10,6 +11,8 @@ import yaml
 from google.protobuf import json_format
 from google.protobuf.message import Message
 
+from selector_service.auth import BearerTokenClientInterceptor
+
 
 def open_channel(
     address: str,
@@ -17,8 +20,18 @@ def open_channel(
     tls_cert: str | None = None,
     tls_key: str | None = None,
     server_name: str | None = None,
+    auth_token: str | None = None,
 ) -> grpc.Channel:
-    """A blocking channel; TLS when a CA is given, mTLS when a client certificate and key are too."""
+    """A blocking channel; TLS when a CA is given, mTLS when a client certificate and key are too; every call
+    carries `authorization: Bearer <auth_token>` when a token is given."""
+    token = BearerTokenClientInterceptor(auth_token) if auth_token else None  # a bad token fails before connecting
+    channel = _open(address, tls_ca, tls_cert, tls_key, server_name)
+    return grpc.intercept_channel(channel, token) if token else channel
+
+
+def _open(
+    address: str, tls_ca: str | None, tls_cert: str | None, tls_key: str | None, server_name: str | None
+) -> grpc.Channel:
     if not tls_ca:
         if tls_cert or tls_key:
             raise ValueError("a client certificate needs --tls-ca too")

@@ -1,5 +1,6 @@
 """What every specdec gRPC server shares: flags (each also read from an environment variable of the same
-name), channel options, TLS / mTLS, health and reflection, metrics, and graceful shutdown on SIGTERM.
+name), channel options, TLS / mTLS, an optional bearer token, health and reflection, metrics, and graceful
+shutdown on SIGTERM.
 """
 
 from __future__ import annotations
@@ -10,13 +11,14 @@ import logging
 import os
 import signal
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
+from selector_service.auth import TokenAuthInterceptor, resolve_token
 from selector_service.observability import ObservingInterceptor, RpcMetrics
 
 log = logging.getLogger("specdec.server")
@@ -54,6 +56,10 @@ def add_server_arguments(parser: argparse.ArgumentParser, default_port: int) -> 
     parser.add_argument("--tls-cert", help="PEM server certificate; with --tls-key, serve TLS")
     parser.add_argument("--tls-key", help="PEM private key of --tls-cert")
     parser.add_argument("--tls-client-ca", help="PEM CA bundle; clients must present a certificate it signed (mTLS)")
+    parser.add_argument(
+        "--auth-token", help="shared token: every call but health needs metadata 'authorization: Bearer <token>'"
+    )
+    parser.add_argument("--auth-token-file", help="read the shared token from this file (keeps it out of argv and env)")
     parser.add_argument("--max-message-bytes", type=int, default=64 * MiB, help="largest request or response")
     parser.add_argument("--grace-seconds", type=float, default=5.0, help="drain time on SIGTERM")
     parser.add_argument("--metrics-host", default="127.0.0.1", help="address of the Prometheus /metrics endpoint")
@@ -70,6 +76,8 @@ class ServerSettings:
     tls_cert: str | None = None
     tls_key: str | None = None
     tls_client_ca: str | None = None
+    auth_token: str | None = field(default=None, repr=False)
+    auth_token_file: str | None = None
     max_message_bytes: int = 64 * MiB
     grace_seconds: float = 5.0
     metrics_host: str = "127.0.0.1"
@@ -130,9 +138,13 @@ class RunningServer:
 def create_server(
     settings: ServerSettings, service_label: str, extra_interceptors: Sequence[grpc.aio.ServerInterceptor] = ()
 ) -> tuple[grpc.aio.Server, RpcMetrics]:
+    """The server with its interceptors: metrics and error mapping outermost, so that it counts the token
+    check's refusals, then the token check (when a token is configured), then `extra_interceptors`."""
+    token = resolve_token(settings.auth_token, settings.auth_token_file)
+    auth = [TokenAuthInterceptor(token)] if token else []
     metrics = RpcMetrics(service_label)
     server = grpc.aio.server(
-        interceptors=[ObservingInterceptor(metrics), *extra_interceptors], options=server_options(settings)
+        interceptors=[ObservingInterceptor(metrics), *auth, *extra_interceptors], options=server_options(settings)
     )
     return server, metrics
 
@@ -164,7 +176,13 @@ async def start_server(
         Path(settings.port_file).write_text(f"{port}\n")
     log.info(
         "serving",
-        extra={"address": f"{settings.host}:{port}", "tls": credentials is not None, "metrics_port": metrics_port},
+        extra={
+            "address": f"{settings.host}:{port}",
+            "tls": credentials is not None,
+            "mtls": bool(settings.tls_client_ca),
+            "auth_token": bool(settings.auth_token or settings.auth_token_file),
+            "metrics_port": metrics_port,
+        },
     )
     return running
 

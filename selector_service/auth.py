@@ -1,0 +1,151 @@
+"""Optional shared-token authentication for both specdec gRPC services (torch-free).
+
+A server started with a token (--auth-token or --auth-token-file) answers every call that lacks the
+metadata `authorization: Bearer <token>` with UNAUTHENTICATED, except the gRPC health service: container
+and load-balancer probes speak only the standard Health protocol, without credentials, and health reveals
+nothing but SERVING / NOT_SERVING. Tokens are compared in constant time and never echoed or logged.
+"""
+
+from __future__ import annotations
+
+import hmac
+from collections import namedtuple
+from collections.abc import AsyncIterator, Awaitable, Callable
+from pathlib import Path
+from typing import Any
+
+import grpc
+
+METADATA_KEY = "authorization"  # gRPC metadata keys are lower case
+SCHEME = "Bearer"
+# Services callable without a token: the health probe (grpc.health.v1.Health/Check and /Watch).
+OPEN_SERVICES = frozenset({"grpc.health.v1.Health"})
+
+
+def check_token(token: str, origin: str) -> str:
+    """`token` if it can travel in gRPC metadata (printable ASCII, no spaces), else ValueError naming `origin`."""
+    if not token:
+        raise ValueError(f"{origin}: the auth token is empty")
+    if not all(0x21 <= ord(char) <= 0x7E for char in token):
+        raise ValueError(f"{origin}: the auth token must be printable ASCII without spaces")
+    return token
+
+
+def resolve_token(token: str | None, token_file: str | None) -> str | None:
+    """The server's token from --auth-token or --auth-token-file (one, not both); None: authentication off.
+    A file's surrounding whitespace (its trailing newline) is not part of the token."""
+    if token and token_file:
+        raise ValueError("give --auth-token or --auth-token-file, not both")
+    if token_file:
+        return check_token(Path(token_file).read_text().strip(), f"--auth-token-file {token_file}")
+    if token:
+        return check_token(token, "--auth-token")
+    return None
+
+
+def bearer_metadata(token: str) -> tuple[tuple[str, str]]:
+    """The metadata that authenticates one call, for clients that pass metadata per call."""
+    return ((METADATA_KEY, f"{SCHEME} {token}"),)
+
+
+def _presented(metadata: Any) -> str | None:
+    for key, value in metadata or ():
+        if key == METADATA_KEY:
+            return value if isinstance(value, str) else value.decode("ascii", "replace")
+    return None
+
+
+class TokenAuthInterceptor(grpc.aio.ServerInterceptor):
+    """Refuses calls without the right bearer token before their handler (or request parsing) runs. Placed
+    after the observing interceptor, so refusals are counted in specdec_rpc_requests{code="UNAUTHENTICATED"}."""
+
+    def __init__(self, token: str) -> None:
+        self._expected = check_token(token, "auth token").encode("ascii")
+
+    def problem(self, metadata: Any) -> str | None:
+        """Why the call's metadata does not authenticate it; None when it does."""
+        value = _presented(metadata)
+        if value is None:
+            return f"missing '{METADATA_KEY}' metadata: this server requires '{METADATA_KEY}: {SCHEME} <token>'"
+        scheme, _, presented = value.strip().partition(" ")
+        if scheme.lower() != SCHEME.lower() or not presented.strip():
+            return f"the '{METADATA_KEY}' metadata must read '{SCHEME} <token>'"
+        if not hmac.compare_digest(presented.strip().encode("utf-8", "replace"), self._expected):
+            return "invalid bearer token"
+        return None
+
+    async def intercept_service(
+        self,
+        continuation: Callable[[grpc.HandlerCallDetails], Awaitable[grpc.RpcMethodHandler]],
+        handler_call_details: grpc.HandlerCallDetails,
+    ) -> grpc.RpcMethodHandler:
+        handler = await continuation(handler_call_details)
+        service = handler_call_details.method.lstrip("/").split("/", 1)[0]
+        if handler is None or service in OPEN_SERVICES:
+            return handler
+        problem = self.problem(handler_call_details.invocation_metadata)
+        return handler if problem is None else _refusing(handler, problem)
+
+
+def _refusing(handler: grpc.RpcMethodHandler, message: str) -> grpc.RpcMethodHandler:
+    """A handler of the same kind as `handler` that answers UNAUTHENTICATED. It takes the request as raw
+    bytes (no deserializer), so an unauthenticated caller learns nothing about the request's validity."""
+
+    async def refuse(request: Any, context: grpc.aio.ServicerContext) -> None:
+        await context.abort(grpc.StatusCode.UNAUTHENTICATED, message)
+
+    async def refuse_stream(request: Any, context: grpc.aio.ServicerContext) -> AsyncIterator[Any]:
+        await context.abort(grpc.StatusCode.UNAUTHENTICATED, message)
+        yield  # never reached (abort raises); it makes this an async generator, as streaming handlers are
+
+    serializer = handler.response_serializer
+    if handler.unary_unary is not None:
+        return grpc.unary_unary_rpc_method_handler(refuse, response_serializer=serializer)
+    if handler.unary_stream is not None:
+        return grpc.unary_stream_rpc_method_handler(refuse_stream, response_serializer=serializer)
+    if handler.stream_unary is not None:
+        return grpc.stream_unary_rpc_method_handler(refuse, response_serializer=serializer)
+    return grpc.stream_stream_rpc_method_handler(refuse_stream, response_serializer=serializer)
+
+
+class _CallDetails(
+    namedtuple("_CallDetails", ("method", "timeout", "metadata", "credentials", "wait_for_ready", "compression")),
+    grpc.ClientCallDetails,
+):
+    """A call's details with changed metadata (grpc.ClientCallDetails is an interface without a constructor)."""
+
+
+class BearerTokenClientInterceptor(
+    grpc.UnaryUnaryClientInterceptor,
+    grpc.UnaryStreamClientInterceptor,
+    grpc.StreamUnaryClientInterceptor,
+    grpc.StreamStreamClientInterceptor,
+):
+    """Adds `authorization: Bearer <token>` to every call of a blocking channel, plain or TLS (call
+    credentials would need TLS)."""
+
+    def __init__(self, token: str) -> None:
+        self._metadata = bearer_metadata(check_token(token, "auth token"))
+
+    def _with_token(self, details: grpc.ClientCallDetails) -> grpc.ClientCallDetails:
+        kept = tuple((key, value) for key, value in details.metadata or () if key != METADATA_KEY)
+        return _CallDetails(
+            details.method,
+            details.timeout,
+            kept + self._metadata,
+            details.credentials,
+            getattr(details, "wait_for_ready", None),
+            getattr(details, "compression", None),
+        )
+
+    def intercept_unary_unary(self, continuation, client_call_details, request):  # type: ignore[no-untyped-def]
+        return continuation(self._with_token(client_call_details), request)
+
+    def intercept_unary_stream(self, continuation, client_call_details, request):  # type: ignore[no-untyped-def]
+        return continuation(self._with_token(client_call_details), request)
+
+    def intercept_stream_unary(self, continuation, client_call_details, request_iterator):  # type: ignore[no-untyped-def]
+        return continuation(self._with_token(client_call_details), request_iterator)
+
+    def intercept_stream_stream(self, continuation, client_call_details, request_iterator):  # type: ignore[no-untyped-def]
+        return continuation(self._with_token(client_call_details), request_iterator)
