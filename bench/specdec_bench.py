@@ -3,9 +3,10 @@
 (a) Passes at batch 1, CUDA graphs, over a context of --context tokens: one target decode step, one
     verify pass over k + 1 = 16 tokens, one EAGLE chain step (EAGLE-1 and EAGLE-3, 1 layer), one DFlash
     block pass (5 layers, block 16). Each is timed as replayed by the engine (static-buffer copies +
-    graph replay, CUDA events, median) and compared with one target decode step and with its own memory
-    floor: the bytes it must move (weights it reads, KV read and written, logits written) over the copy
-    bandwidth measured in the same run.
+    graph replay, CUDA events): issued back to back, as the chain and the engine issue them (`ms`), and
+    alone on an idle GPU, which adds the host's launch latency (`alone`). Each is compared with one target
+    decode step and with its own memory floor: the bytes it must move (weights it reads, KV read and
+    written, logits written) over the copy bandwidth measured in the same run.
 (b) End to end: tokens/s of greedy generation with a replaying test drafter (it proposes the target's own
     continuation with draft L corrupted, so each verify step emits exactly L tokens) at acceptance lengths
     1, 3, 6 and full, against target-only decoding of the same prompts in the same run; batch 1 and 16.
@@ -109,9 +110,23 @@ def open_session(
     return session
 
 
+def open_sessions(args: argparse.Namespace, preset: dict[str, Any]) -> dict[str, ModelSession]:
+    """Target-only and one session per drafter method, all over the same target weights."""
+    device = torch.device(args.device)
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    request = target_request(preset, 0, args.backend, args.kv_blocks)
+    config = resolve_target(request.target, None, "target").config
+    loaded = build_synthetic(config, 0, dtype, device)
+    sessions: dict[str, ModelSession] = {"target-only": open_session(args, loaded, None, preset)}
+    for method in args.methods:
+        sessions[method] = open_session(args, loaded, method, preset)
+    return sessions
+
+
 # ---- (a) passes --------------------------------------------------------------------------------------------------
 def time_graph(run: Any, device: torch.device, iters: int) -> float:
-    """Median ms of `run()` (what the engine calls: buffer copies + replay)."""
+    """Median ms of one `run()` (what the engine calls: buffer copies + replay) alone on an idle GPU: includes
+    the host's launch latency, which a pipelined engine hides behind the previous pass."""
     for _ in range(5):
         run()
     times = []
@@ -127,6 +142,23 @@ def time_graph(run: Any, device: torch.device, iters: int) -> float:
             began = time.perf_counter()
             run()
             times.append((time.perf_counter() - began) * 1e3)
+    return median(times)
+
+
+def time_back_to_back(run: Any, iters: int, repeats: int = 5) -> float:
+    """Median over `repeats` of the mean ms per `run()` when `iters` of them are issued back to back, as the
+    drafter's chain steps and the engine's steps are: the device time of one pass."""
+    for _ in range(5):
+        run()
+    times = []
+    for _ in range(repeats):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for _ in range(iters):
+            run()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) / iters)
     return median(times)
 
 
@@ -162,55 +194,70 @@ def pass_report(ms: float, bytes_moved: int, bandwidth_gbps: float, decode_ms: f
     }
 
 
-def measure_passes(
-    sessions: dict[str, ModelSession], args: argparse.Namespace, bandwidth: float, preset: dict[str, Any]
-) -> dict[str, Any]:
-    device, context, iters = torch.device(args.device), args.context, args.iters
+def pass_calls(
+    sessions: dict[str, ModelSession], args: argparse.Namespace, preset: dict[str, Any]
+) -> dict[str, tuple[Any, int]]:
+    """Each pass at batch 1 after `args.context` cached tokens: its replay callable and the bytes it must move.
+    Cache blocks stay allocated for the life of the sessions (the bench ends with them)."""
+    device, context = torch.device(args.device), args.context
     target = sessions["target-only"]
     model = target.loaded.model
     hidden, vocab = preset["hidden"], preset["vocab"]
     element = model.embed_tokens.weight.element_size()
     weights = parameter_bytes(model, ("embed_tokens",))  # a step reads q rows of the embedding, not the table
     per_token_kv = kv_bytes_per_token(target.kv_cache)
-    report: dict[str, Any] = {"context_tokens": context, "copy_GBps": bandwidth}
 
     def target_bytes(q: int) -> int:
         return weights + q * hidden * element + (context + q) * per_token_kv + q * vocab * 4
 
-    blocks = target.kv_cache.allocator.allocate(-(-(context + 64) // DEFAULT_BLOCK_SIZE))
-    ids = torch.zeros(1, dtype=torch.int64, device=device)
-    decode = graph_call(target.engine.runner.graphs[1], blocks, context, {"input_ids": ids})
-    decode_ms = time_graph(decode, device, iters)
-    report["target_decode"] = pass_report(decode_ms, target_bytes(1), bandwidth, decode_ms)
-    target.kv_cache.allocator.free(blocks)
+    def ids(n: int) -> torch.Tensor:
+        return torch.zeros(n, dtype=torch.int64, device=device)
+
+    def cache_blocks(session: ModelSession) -> list[int]:
+        return session.kv_cache.allocator.allocate(-(-(context + 64) // DEFAULT_BLOCK_SIZE))
+
+    blocks = cache_blocks(target)
+    calls = {"target_decode": (graph_call(target.engine.runner.graphs[1], blocks, context, {"input_ids": ids(1)}),
+                               target_bytes(1))}  # fmt: skip
     for method, session in sessions.items():
         proposer = session.proposer
         if proposer is None:
             continue
         runner, q = session.engine.runner, proposer.k + 1
-        blocks = session.kv_cache.allocator.allocate(-(-(context + 64) // DEFAULT_BLOCK_SIZE))
-        verify = graph_call(runner.graphs[q], blocks, context, {"input_ids": torch.zeros(q, dtype=torch.int64,
-                                                                                           device=device)})  # fmt: skip
-        report[f"verify_{q}_{method}"] = pass_report(time_graph(verify, device, iters), target_bytes(q), bandwidth,
-                                                     decode_ms)  # fmt: skip
+        blocks = cache_blocks(session)
+        calls[f"verify_{q}_{method}"] = (graph_call(runner.graphs[q], blocks, context, {"input_ids": ids(q)}),
+                                         target_bytes(q))  # fmt: skip
         drafter = proposer.drafter
         draft_kv = kv_bytes_per_token(proposer.kv_cache)
         if method == "dflash":
             block = proposer.config.block_size
-            call = graph_call(proposer.graphs["dflash_block"], blocks, context,
-                              {"input_ids": torch.zeros(block, dtype=torch.int64, device=device)})  # fmt: skip
+            call = graph_call(proposer.graphs["dflash_block"], blocks, context, {"input_ids": ids(block)})
             moved = (parameter_bytes(drafter, ("fc", "hidden_norm")) + vocab * hidden * element
                      + (context + block) * draft_kv + block * hidden * element)  # fmt: skip
-            report["dflash_block_pass"] = pass_report(time_graph(call, device, iters), moved, bandwidth, decode_ms)
+            calls["dflash_block_pass"] = (call, moved)
         else:
             dtype = model.embed_tokens.weight.dtype
-            inputs = {"input_ids": torch.zeros(1, dtype=torch.int64, device=device),
-                      "hidden": torch.zeros(1, hidden, dtype=dtype, device=device)}  # fmt: skip
+            inputs = {"input_ids": ids(1), "hidden": torch.zeros(1, hidden, dtype=dtype, device=device)}
             call = graph_call(proposer.graphs["eagle_chain"], blocks, context, inputs)
             head = 0 if method == "eagle3" else vocab * hidden * element  # EAGLE-1 reads the target's LM head
             moved = parameter_bytes(drafter) + head + (context + 1) * draft_kv + 3 * hidden * element
-            report[f"{method}_draft_step"] = pass_report(time_graph(call, device, iters), moved, bandwidth, decode_ms)
-        session.kv_cache.allocator.free(blocks)
+            calls[f"{method}_draft_step"] = (call, moved)
+    return calls
+
+
+def measure_passes(
+    sessions: dict[str, ModelSession], args: argparse.Namespace, bandwidth: float, preset: dict[str, Any]
+) -> dict[str, Any]:
+    device = torch.device(args.device)
+    report: dict[str, Any] = {"context_tokens": args.context, "copy_GBps": bandwidth}
+    calls = pass_calls(sessions, args, preset)
+    times = {name: (time_back_to_back(call, args.iters), time_graph(call, device, args.iters))
+             for name, (call, _) in calls.items()}  # fmt: skip
+    decode_ms, decode_alone_ms = times["target_decode"]
+    for name, (_, moved) in calls.items():
+        ms, alone_ms = times[name]
+        report[name] = pass_report(ms, moved, bandwidth, decode_ms)
+        report[name]["alone"] = pass_report(alone_ms, moved, bandwidth, decode_alone_ms)
     return report
 
 
@@ -319,13 +366,7 @@ def main() -> int:
     }
     report["copy_bandwidth"] = copy_bandwidth(device, preset["copy_mib"], 20)
     bandwidth = report["copy_bandwidth"]["GBps"]
-    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
-    request = target_request(preset, 0, args.backend, args.kv_blocks)
-    config = resolve_target(request.target, None, "target").config
-    loaded = build_synthetic(config, 0, dtype, device)
-    sessions: dict[str, ModelSession] = {"target-only": open_session(args, loaded, None, preset)}
-    for method in args.methods:
-        sessions[method] = open_session(args, loaded, method, preset)
+    sessions = open_sessions(args, preset)
     if device.type == "cuda":
         report["passes"] = measure_passes(sessions, args, bandwidth, preset)
         log(json.dumps(report["passes"], indent=1))

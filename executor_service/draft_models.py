@@ -21,6 +21,7 @@ from torch import nn
 
 from executor_service.attention_step import AttentionStep
 from executor_service.draft_config import DraftConfig
+from executor_service.fused_ops import argmax
 from executor_service.model import MLP, Attention, DecoderLayer, RMSNorm, Rotary
 from executor_service.rope import RotaryEmbedding
 
@@ -68,7 +69,7 @@ class EagleDrafter(nn.Module):
 
     def draft_tokens(self, hidden: torch.Tensor) -> torch.Tensor:
         assert self.target is not None
-        return self.target.lm_head(hidden).argmax(dim=-1)
+        return argmax(self.target.lm_head(hidden))
 
 
 class Eagle3Layer(nn.Module):
@@ -86,8 +87,8 @@ class Eagle3Layer(nn.Module):
         step: AttentionStep,
     ) -> torch.Tensor:  # fmt: skip
         x = torch.cat([self.input_layernorm(embeds), self.hidden_norm(hidden)], dim=-1)
-        hidden = hidden + self.self_attn(x, rotary, kv_cache, step)
-        return hidden + self.mlp(self.post_attention_layernorm(hidden))
+        hidden = self.self_attn(x, rotary, kv_cache, step, residual=hidden)
+        return self.mlp(self.post_attention_layernorm(hidden), residual=hidden)
 
 
 class Eagle3Drafter(nn.Module):
@@ -122,7 +123,7 @@ class Eagle3Drafter(nn.Module):
         return out, self.norm(out)
 
     def draft_tokens(self, hidden: torch.Tensor) -> torch.Tensor:
-        draft_ids = self.lm_head(hidden).argmax(dim=-1)
+        draft_ids = argmax(self.lm_head(hidden))
         return draft_ids + self.d2t[draft_ids]
 
 
@@ -162,7 +163,7 @@ class DFlashDrafter(nn.Module):
 
     def draft_tokens(self, hidden: torch.Tensor) -> torch.Tensor:
         assert self.target is not None
-        return self.target.lm_head(hidden).argmax(dim=-1)
+        return argmax(self.target.lm_head(hidden))
 
 
 Drafter = EagleDrafter | Eagle3Drafter | DFlashDrafter

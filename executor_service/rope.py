@@ -40,10 +40,9 @@ class RotaryEmbedding(nn.Module):
         self.register_buffer("sin", angles.sin(), persistent=False)
 
     def lookup(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos, sin [T, 1, D] of each token's position: computed once per step, shared by every layer."""
-        cos = self.cos[positions].to(dtype).repeat(1, 2)[:, None, :]
-        sin = self.sin[positions].to(dtype).repeat(1, 2)[:, None, :]
-        return cos, sin
+        """cos, sin [T, 1, D/2] of each token's position (both halves of a head turn by the same angles):
+        looked up once per step, shared by every layer."""
+        return self.cos[positions].to(dtype)[:, None, :], self.sin[positions].to(dtype)[:, None, :]
 
     def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """q [T, Hq, D], k [T, Hkv, D] rotated by their tokens' positions [T]."""
@@ -54,7 +53,7 @@ class RotaryEmbedding(nn.Module):
 def apply_rotary(
     q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """q [T, Hq, D] and k [T, Hkv, D] rotated; cos, sin [T, 1, D] from `RotaryEmbedding.lookup`.
+    """q [T, Hq, D] and k [T, Hkv, D] rotated; cos, sin [T, 1, D/2] from `RotaryEmbedding.lookup`.
 
     On GPUs one Triton kernel rotates q and k in place (eight elementwise kernels per layer otherwise,
     which is a tenth of a decode step); on the CPU the plain torch expression, as Hugging Face writes it.
@@ -68,7 +67,7 @@ def apply_rotary(
 def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     half = x.shape[-1] // 2
     rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-    return x * cos + rotated * sin
+    return x * cos.repeat(1, 1, 2) + rotated * sin.repeat(1, 1, 2)
 
 
 @functools.cache

@@ -5,7 +5,7 @@ heads of one KV head (BLOCK_M = BLOCK_Q * G rows), so the heads that share a KV 
 Programs map to (request, query tile) through a binary search over query_start_loc: no host sync.
 
 Few queries per request over long contexts (decode, DFlash blocks, verification) would leave most SMs
-idle, so the keys are split into NUM_SPLITS ranges whose partial results (normalised output and
+idle, so each request's keys are split into NUM_SPLITS equal ranges whose partial results (normalised output and
 log-sum-exp) a second kernel combines: flash-decoding. Keys every query of a tile sees run through an
 unmasked loop; only the tail (the causal diagonal, the last partial tile) pays for masks.
 """
@@ -101,10 +101,10 @@ def _paged_attention_kernel(
     stride_qt, stride_qh, stride_ot, stride_oh,
     stride_kb, stride_ks, stride_kh,
     stride_bt, stride_split_o, stride_split_lse,
-    num_requests, block_size, scale_log2, split_len,
+    num_requests, block_size, scale_log2,
     GROUP: tl.constexpr, ROW_GROUP: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr, HEAD_SIZE: tl.constexpr, HEAD_PAD: tl.constexpr, CAUSAL: tl.constexpr, SPLIT: tl.constexpr,
-    PAGE_ALIGNED: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    PAGE_ALIGNED: tl.constexpr, DOT_PRECISION: tl.constexpr, MAX_SPLITS: tl.constexpr, MIN_SPLIT_LEN: tl.constexpr,
 ):  # fmt: skip
     tile = tl.program_id(0)
     if CAUSAL:  # the last tiles see the most keys: start them first so they do not trail the grid
@@ -141,7 +141,11 @@ def _paged_attention_kernel(
     all_visible = context + local + 1 if CAUSAL else kv_len  # keys every row of the tile sees
     start = 0
     end = kv_end
-    if SPLIT:
+    if SPLIT:  # MAX_SPLITS parts of this request's keys, at least MIN_SPLIT_LEN each: a function of the
+        # request alone, so a CUDA graph (launched for its largest context) adds exactly what eager adds.
+        # The last term only matters when fewer programs were launched than that needs (tests force it).
+        split_len = tl.maximum(tl.cdiv(tl.cdiv(kv_end, MAX_SPLITS), BLOCK_N) * BLOCK_N, MIN_SPLIT_LEN)
+        split_len = tl.maximum(split_len, tl.cdiv(tl.cdiv(kv_end, tl.num_programs(2)), BLOCK_N) * BLOCK_N)
         start = split * split_len
         end = tl.minimum(start + split_len, kv_end)
     unmasked_end = tl.maximum(tl.minimum(end, (all_visible // BLOCK_N) * BLOCK_N), start)
@@ -202,6 +206,12 @@ def _combine_splits_kernel(
     tl.store(out_ptr + token * stride_ot + head * stride_oh + offs_d, result.to(out_ptr.dtype.element_ty), mask=d_mask)
 
 
+# Split-KV: a request's keys go to at most MAX_SPLITS programs per head, each given at least MIN_SPLIT_LEN keys
+# (fewer, longer splits for short contexts: every split costs a partial write and a share of the combine).
+MAX_SPLITS = 16
+MIN_SPLIT_LEN = 128
+
+
 @dataclass(frozen=True)
 class LaunchConfig:
     block_m: int
@@ -213,6 +223,7 @@ class LaunchConfig:
     # (False) hold 4x more query positions, shrinking the masked causal diagonal's share, but on an H100
     # 4k causal prefill ran 0.428 ms unpacked vs 0.393 ms packed: the extra K/V reads cost more.
     pack_gqa: bool = True
+    min_split_len: int = MIN_SPLIT_LEN  # tests lower it to split short contexts
 
 
 @functools.cache
@@ -236,10 +247,10 @@ def choose_config(
     if rows <= 128:
         block_m = max(16, triton.next_power_of_2(rows))
         programs = max(1, num_requests * num_kv_heads)
-        wanted = -(-2 * num_sms // programs)
-        num_splits = max(1, min(wanted, max_seq_len // 512, 16))
-        num_splits = triton.next_power_of_2(num_splits)
-        return LaunchConfig(block_m, 64, num_splits, 4, 3)
+        if programs >= num_sms:  # the requests fill the GPU without splitting their keys
+            return LaunchConfig(block_m, 64, 1, 4, 3)
+        needed = min(MAX_SPLITS, -(-max_seq_len // MIN_SPLIT_LEN))  # the splits the longest request uses
+        return LaunchConfig(block_m, 64, triton.next_power_of_2(needed), 4, 3)
     # Prefill: on an H100 (d=128, bf16) 128x128 tiles, 8 warps, 3 stages were fastest of the sweep.
     if head_pad <= 128:
         return LaunchConfig(128, 128 if head_pad == 128 else 64, 1, 8 if head_pad == 128 else 4, 3)
@@ -276,14 +287,12 @@ def forward(
         raise ValueError(f"split-KV needs each request's queries in one tile ({block_q} < {batch.max_query_len})")
     split = cfg.num_splits > 1
     if split:
-        split_len = triton.cdiv(triton.cdiv(batch.max_seq_len, cfg.num_splits), cfg.block_n) * cfg.block_n
         partial = torch.empty(cfg.num_splits, num_tokens, num_heads, head_size, dtype=torch.float32, device=q.device)
         lse = torch.empty(cfg.num_splits, num_tokens, num_heads, dtype=torch.float32, device=q.device)
         target, lse_arg = partial, lse
         stride_split_o, stride_split_lse = partial.stride(0), lse.stride(0)
         stride_ot, stride_oh = partial.stride(1), partial.stride(2)
     else:
-        split_len = 0
         target, lse_arg = out, out
         stride_split_o = stride_split_lse = 0
         stride_ot, stride_oh = out.stride(0), out.stride(1)
@@ -293,11 +302,12 @@ def forward(
         q.stride(0), q.stride(1), stride_ot, stride_oh,
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         batch.block_table.stride(0), stride_split_o, stride_split_lse,
-        batch.num_requests, block_size, batch.scale * LOG2E, split_len,
+        batch.num_requests, block_size, batch.scale * LOG2E,
         GROUP=group, ROW_GROUP=row_group, BLOCK_Q=block_q, BLOCK_M=block_m, BLOCK_N=cfg.block_n,
         HEAD_SIZE=head_size, HEAD_PAD=head_pad,
         CAUSAL=batch.causal, SPLIT=split, PAGE_ALIGNED=block_size % cfg.block_n == 0,
         DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
+        MAX_SPLITS=MAX_SPLITS, MIN_SPLIT_LEN=cfg.min_split_len,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )  # fmt: skip
     if split:

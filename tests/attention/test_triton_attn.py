@@ -17,7 +17,9 @@ TOL = 2e-4 if DTYPE is torch.float32 else 1.6e-2
 pytestmark = pytest.mark.skipif(unavailable_reason("TRITON_ATTN", DEVICE) is not None, reason="triton unavailable")
 
 
-def _run(spec: BatchSpec, causal: bool, config, group: int = 4, block_size: int = 16, head_size: int = 64) -> None:
+def _run(
+    spec: BatchSpec, causal: bool, config, group: int = 4, block_size: int = 16, head_size: int = 64
+) -> torch.Tensor:
     from kernels import triton_attn
 
     batch = make_paged_batch(spec, 2 * group, 2, head_size, block_size, DTYPE, DEVICE, seed=7)
@@ -34,6 +36,7 @@ def _run(spec: BatchSpec, causal: bool, config, group: int = 4, block_size: int 
     triton_attn.forward(batch.q, batch.k_cache, batch.v_cache, meta, out, config)
     assert not torch.isnan(out).any()
     torch.testing.assert_close(out.double().cpu(), reference_attention(batch, causal), atol=TOL, rtol=TOL)
+    return out
 
 
 @pytest.mark.parametrize("num_splits", [2, 4, 8])
@@ -46,8 +49,22 @@ def test_split_kv_matches_reference(spec: str, causal: bool, num_splits: int) ->
     _run(
         BATCH_SPECS[spec],
         causal,
-        LaunchConfig(block_m=64, block_n=16, num_splits=num_splits, num_warps=4, num_stages=2),
+        LaunchConfig(block_m=64, block_n=16, num_splits=num_splits, num_warps=4, num_stages=2, min_split_len=16),
     )
+
+
+@pytest.mark.parametrize("spec", ["small_decode", "dflash_small"])
+def test_split_boundaries_do_not_depend_on_the_launch(spec: str) -> None:
+    """A CUDA graph launches the splits of its largest context, eager those of the batch's: each request's
+    keys must split at the same places, so both give bit-identical outputs (graph == eager drafting)."""
+    from kernels.triton_attn import LaunchConfig
+
+    longest = max(BATCH_SPECS[spec].seq_lens)
+    needed = 1 << (-(-longest // 32) - 1).bit_length()  # what choose_config launches for min_split_len 32
+    outputs = [
+        _run(BATCH_SPECS[spec], False, LaunchConfig(64, 16, splits, 4, 2, min_split_len=32)) for splits in (needed, 16)
+    ]
+    assert needed < 16 and torch.equal(outputs[0], outputs[1])
 
 
 @pytest.mark.parametrize("block_n", [16, 32, 64])

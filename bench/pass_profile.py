@@ -1,0 +1,84 @@
+"""Where each speculative-decoding pass spends its time: kernels by name, and the gaps between them.
+
+Replays every pass of `specdec_bench.py` (CUDA graphs, batch 1) under torch.profiler and splits its time
+into the kernels it runs (summed per name, per replay) and what is left of the wall time (launch gaps,
+tails, the static-buffer copies). Says whether a pass is bound by kernel count or by kernel speed.
+
+    python bench/pass_profile.py --methods eagle,dflash --out bench/results
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import sys
+from collections import defaultdict
+from pathlib import Path
+from typing import Any
+
+sys.path.append(str(Path(__file__).resolve().parent))
+
+import torch
+from specdec_bench import PRESETS, commit_id, device_tag, log, open_sessions, parse_args, pass_calls, time_graph
+from torch.profiler import ProfilerActivity, profile
+
+REPLAYS = 20
+TOP_KERNELS = 12
+
+
+def kernel_profile(call: Any, replays: int) -> dict[str, Any]:
+    """Kernel time per replay by kernel name (µs), their count and their sum."""
+    for _ in range(3):
+        call()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(replays):
+            call()
+        torch.cuda.synchronize()
+    by_name: dict[str, list[float]] = defaultdict(list)
+    for event in prof.events():
+        if event.device_type == torch.autograd.DeviceType.CUDA:
+            by_name[event.name].append(event.device_time)
+    per_replay = {name: sum(times) / replays for name, times in by_name.items()}
+    counts = {name: len(times) / replays for name, times in by_name.items()}
+    top = sorted(per_replay.items(), key=lambda item: -item[1])[:TOP_KERNELS]
+    return {
+        "kernels_per_replay": round(sum(counts.values()), 1),
+        "kernel_us": round(sum(per_replay.values()), 1),
+        "top": [{"name": name[:90], "us": round(us, 1), "count": counts[name]} for name, us in top],
+    }
+
+
+def main() -> int:
+    args = parse_args()
+    preset, device = PRESETS[args.preset], torch.device(args.device)
+    commit, dirty = commit_id()
+    sessions = open_sessions(args, preset)
+    report: dict[str, Any] = {
+        "benchmark": "pass_profile",
+        "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
+        "commit": commit,
+        "dirty": dirty,
+        "device": torch.cuda.get_device_name(device),
+        "preset": args.preset,
+        "backend": args.backend,
+        "passes": {},
+    }
+    for name, (call, _moved) in pass_calls(sessions, args, preset).items():
+        wall_us = time_graph(call, device, args.iters) * 1e3
+        kernels = kernel_profile(call, REPLAYS)
+        kernels["wall_us"] = round(wall_us, 1)
+        kernels["gap_us"] = round(wall_us - kernels["kernel_us"], 1)
+        report["passes"][name] = kernels
+        log(f"{name}: {json.dumps(kernels, indent=1)}")
+    for session in sessions.values():
+        session.shutdown()
+    args.out.mkdir(parents=True, exist_ok=True)
+    path = args.out / f"pass_profile_{datetime.date.today().isoformat()}_{device_tag(device)}_{commit}.json"
+    path.write_text(json.dumps(report, indent=1))
+    log(f"wrote {path}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

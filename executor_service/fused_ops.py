@@ -1,0 +1,149 @@
+"""The small ops around the GEMMs, as one Triton kernel each on GPUs: RMSNorm, SiLU-and-mul, argmax; and the
+residual add folded into the GEMM before it.
+
+At batch 1 a decode step is bandwidth-bound GEMMs plus about ten small kernels per layer. On an H100 torch's
+RMSNorm took 5.8 µs a row of 4096 (65 per Llama-3-8B step), SiLU and the multiply were two kernels, and an
+argmax over a 128k vocabulary ran in one thread block for 36 µs. Each function here falls back to the plain
+torch expression on the CPU (or for layouts the kernel does not take), which is also the tests' reference.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+ARGMAX_CHUNK = 4096  # vocabulary entries per program in the first argmax pass
+
+
+def _use_triton(*tensors: torch.Tensor) -> bool:
+    return all(t.is_cuda and t.dim() == 2 and t.stride(-1) == 1 and t.shape[0] > 0 for t in tensors)
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """x * rsqrt(mean(x^2) + eps) * weight over the last dimension, statistics in fp32."""
+    if _use_triton(x):
+        return triton_rms_norm(x, weight, eps)
+    return F.rms_norm(x, weight.shape, weight, eps)
+
+
+def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """silu(gate) * up for gate_up = [gate | up] along the last dimension (vLLM's SiluAndMul)."""
+    if _use_triton(gate_up):
+        return triton_silu_and_mul(gate_up)
+    gate, up = gate_up.split(gate_up.shape[-1] // 2, dim=-1)
+    return F.silu(gate) * up
+
+
+def linear_residual(x: torch.Tensor, layer: nn.Linear, residual: torch.Tensor | None) -> torch.Tensor:
+    """residual + layer(x) as one GEMM (beta = 1: cuBLAS adds the residual in its epilogue) instead of a GEMM
+    and an add kernel, twice per layer."""
+    if residual is None:
+        return layer(x)
+    if layer.bias is not None:
+        return residual + layer(x)
+    return torch.addmm(residual, x, layer.weight.t())
+
+
+def argmax(logits: torch.Tensor) -> torch.Tensor:
+    """Row-wise argmax [N, V] -> [N] int64: the first index of the maximum, as torch.argmax."""
+    if _use_triton(logits):
+        return triton_argmax(logits)
+    return logits.argmax(dim=-1)
+
+
+# The launchers: on GPUs, or on the CPU under TRITON_INTERPRET=1 (the kernel tests).
+def triton_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    out = torch.empty_like(x)
+    size = x.shape[1]
+    block = _next_power_of_2(size)
+    _kernels()["rms_norm"][(x.shape[0],)](
+        x, weight, out, x.stride(0), out.stride(0), size, eps, BLOCK=block, num_warps=min(16, max(1, block // 512))
+    )
+    return out
+
+
+def triton_silu_and_mul(gate_up: torch.Tensor, block: int = 1024) -> torch.Tensor:
+    half = gate_up.shape[-1] // 2
+    out = torch.empty(gate_up.shape[0], half, dtype=gate_up.dtype, device=gate_up.device)
+    grid = (gate_up.shape[0], -(-half // block))
+    _kernels()["silu_and_mul"][grid](gate_up, out, gate_up.stride(0), out.stride(0), half, BLOCK=block, num_warps=4)
+    return out
+
+
+def triton_argmax(logits: torch.Tensor, chunk: int = ARGMAX_CHUNK) -> torch.Tensor:
+    """Two passes, so that a handful of rows still spread over the whole GPU: the maximum of each chunk of
+    the vocabulary, then of the chunks."""
+    rows, vocab = logits.shape
+    chunks = -(-vocab // chunk)
+    partial_max = torch.empty(rows, chunks, dtype=torch.float32, device=logits.device)
+    partial_idx = torch.empty(rows, chunks, dtype=torch.int64, device=logits.device)
+    out = torch.empty(rows, dtype=torch.int64, device=logits.device)
+    kernels = _kernels()
+    kernels["argmax_chunks"][(rows, chunks)](
+        logits, partial_max, partial_idx, logits.stride(0), vocab, chunks, BLOCK=chunk, num_warps=8
+    )
+    kernels["argmax_combine"][(rows,)](partial_max, partial_idx, out, chunks, BLOCK=_next_power_of_2(chunks))
+    return out
+
+
+def _next_power_of_2(n: int) -> int:
+    return 1 << (max(1, n) - 1).bit_length()
+
+
+@functools.cache
+def _kernels() -> dict[str, Callable[..., Any]]:
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def rms_norm_kernel(x_ptr, w_ptr, out_ptr, stride_x, stride_o, size, eps, BLOCK: tl.constexpr):
+        row = tl.program_id(0).to(tl.int64)
+        offs = tl.arange(0, BLOCK)
+        mask = offs < size
+        x = tl.load(x_ptr + row * stride_x + offs, mask=mask, other=0.0).to(tl.float32)
+        rstd = 1.0 / tl.sqrt(tl.sum(x * x, 0) / size + eps)
+        w = tl.load(w_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+        tl.store(out_ptr + row * stride_o + offs, (x * rstd * w).to(out_ptr.dtype.element_ty), mask=mask)
+
+    @triton.jit
+    def silu_and_mul_kernel(x_ptr, out_ptr, stride_x, stride_o, half, BLOCK: tl.constexpr):
+        row = tl.program_id(0).to(tl.int64)
+        offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+        mask = offs < half
+        gate = tl.load(x_ptr + row * stride_x + offs, mask=mask, other=0.0).to(tl.float32)
+        up = tl.load(x_ptr + row * stride_x + half + offs, mask=mask, other=0.0).to(tl.float32)
+        result = gate / (1.0 + tl.exp(-gate)) * up
+        tl.store(out_ptr + row * stride_o + offs, result.to(out_ptr.dtype.element_ty), mask=mask)
+
+    @triton.jit
+    def argmax_chunks_kernel(x_ptr, max_ptr, idx_ptr, stride_x, vocab, chunks, BLOCK: tl.constexpr):
+        row, chunk = tl.program_id(0).to(tl.int64), tl.program_id(1)
+        offs = chunk * BLOCK + tl.arange(0, BLOCK)
+        x = tl.load(x_ptr + row * stride_x + offs, mask=offs < vocab, other=float("-inf")).to(tl.float32)
+        best = tl.max(x, 0)
+        first = tl.min(tl.where(x == best, offs, vocab), 0)  # the lowest index holding the maximum
+        tl.store(max_ptr + row * chunks + chunk, best)
+        tl.store(idx_ptr + row * chunks + chunk, first.to(tl.int64))
+
+    @triton.jit
+    def argmax_combine_kernel(max_ptr, idx_ptr, out_ptr, chunks, BLOCK: tl.constexpr):
+        row = tl.program_id(0).to(tl.int64)
+        offs = tl.arange(0, BLOCK)
+        mask = offs < chunks
+        best = tl.load(max_ptr + row * chunks + offs, mask=mask, other=float("-inf"))
+        idx = tl.load(idx_ptr + row * chunks + offs, mask=mask, other=0)
+        top = tl.max(best, 0)
+        big = tl.full([BLOCK], 2**62, tl.int64)
+        tl.store(out_ptr + row, tl.min(tl.where(mask & (best == top), idx, big), 0))
+
+    return {
+        "rms_norm": rms_norm_kernel,
+        "silu_and_mul": silu_and_mul_kernel,
+        "argmax_chunks": argmax_chunks_kernel,
+        "argmax_combine": argmax_combine_kernel,
+    }
