@@ -7,6 +7,7 @@ are then aborted (their streams end with finish_reason "abort"), and the process
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 import logging
 import os
@@ -18,9 +19,10 @@ import torch
 
 from executor_service.capabilities import default_device
 from executor_service.metrics import EngineMetrics
-from executor_service.selection import BackendChooser
+from executor_service.selection import BackendChooser, SelectorClientSettings
 from executor_service.servicer import SERVICE_NAME, ExecutorServicer
 from executor_service.session import EngineSettings
+from selector_service.auth import resolve_token
 from selector_service.client import load_message
 from selector_service.errors import SpecdecError
 from selector_service.grpc_runtime import (
@@ -44,6 +46,7 @@ class ExecutorOptions:
     device: torch.device
     model_root: Path | None = None
     selector_address: str | None = None
+    selector_client: SelectorClientSettings = field(default_factory=SelectorClientSettings)
     engine: EngineSettings = field(default_factory=EngineSettings)
     max_live_requests: int = 4096
 
@@ -77,7 +80,7 @@ async def start_executor(settings: ServerSettings, options: ExecutorOptions) -> 
     servicer = ExecutorServicer(
         device=options.device,
         model_root=options.model_root,
-        chooser=BackendChooser(options.selector_address),
+        chooser=BackendChooser(options.selector_address, options.selector_client),
         engine_settings=options.engine,
         metrics=EngineMetrics(rpc_metrics.registry),
         set_serving=set_serving,
@@ -109,10 +112,34 @@ async def serve(settings: ServerSettings, options: ExecutorOptions, load_file: s
     return status
 
 
+def add_selector_client_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--selector-address", help="ask this selector for backends (default: decide in-process)")
+    parser.add_argument("--selector-tls-ca", help="PEM CA that signed the selector's certificate (enables TLS)")
+    parser.add_argument("--selector-tls-cert", help="PEM client certificate for a selector that wants mTLS")
+    parser.add_argument("--selector-tls-key", help="PEM private key of --selector-tls-cert")
+    parser.add_argument("--selector-tls-server-name", help="the selector's certificate name, if not the address's host")
+    parser.add_argument(
+        "--selector-auth-token",
+        help="bearer token sent to the selector (default: this executor's own --auth-token / --auth-token-file, "
+        "for one shared token per deployment)",
+    )
+    parser.add_argument("--selector-auth-token-file", help="read --selector-auth-token from this file")
+
+
+def selector_client_settings(args: argparse.Namespace) -> SelectorClientSettings:
+    """The selector channel's TLS files and token; without a selector token of its own the executor sends its
+    own --auth-token, since one token shared by the whole deployment is the common case."""
+    token = resolve_token(args.selector_auth_token, args.selector_auth_token_file, "--selector-auth-token")
+    tls = (args.selector_tls_ca, args.selector_tls_cert, args.selector_tls_key, args.selector_tls_server_name)
+    if not args.selector_address and (token or any(tls)):
+        raise ValueError("the --selector-tls-* and --selector-auth-token* flags need --selector-address")
+    return SelectorClientSettings(*tls, auth_token=token or resolve_token(args.auth_token, args.auth_token_file))
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = EnvDefaultsParser(prog="specdec-executor", description=__doc__)
     add_server_arguments(parser, DEFAULT_PORT)
-    parser.add_argument("--selector-address", help="ask this selector for backends (default: decide in-process)")
+    add_selector_client_arguments(parser)
     parser.add_argument("--model-root", help="LoadModel paths must lie under this directory (unset: synthetic only)")
     parser.add_argument("--device", help="cuda, cuda:N or cpu (default: the first GPU, else the CPU)")
     parser.add_argument("--load", help="a LoadModelRequest (YAML or JSON) to load before serving")
@@ -124,14 +151,15 @@ def main(argv: list[str] | None = None) -> int:
     )
     args = parser.parse_args(argv)
     configure_logging(args.log_level, args.log_format)
-    options = ExecutorOptions(
-        device=torch.device(args.device) if args.device else default_device(),
-        model_root=Path(args.model_root) if args.model_root else None,
-        selector_address=args.selector_address,
-        engine=EngineSettings(int(args.max_num_batched_tokens), int(args.max_num_seqs), not args.enforce_eager),
-        max_live_requests=int(args.max_live_requests),
-    )
     try:
+        options = ExecutorOptions(
+            device=torch.device(args.device) if args.device else default_device(),
+            model_root=Path(args.model_root) if args.model_root else None,
+            selector_address=args.selector_address,
+            selector_client=selector_client_settings(args),
+            engine=EngineSettings(int(args.max_num_batched_tokens), int(args.max_num_seqs), not args.enforce_eager),
+            max_live_requests=int(args.max_live_requests),
+        )
         return asyncio.run(serve(ServerSettings.from_args(args), options, args.load))
     except (OSError, ValueError) as err:
         log.error("cannot serve: %s", err)

@@ -1,37 +1,96 @@
-"""Where the executor's backend decisions come from: the selector service (--selector-address) or the
-same selection code in-process. Either way the input is one SelectBackendsRequest built from this
-machine's capability report and the model's layer spec."""
+"""Where the executor's backend decisions come from: the selector service (--selector-address, over plaintext,
+TLS or mTLS, with a bearer token when the selector wants one) or the same selection code in-process. Either
+way the input is one SelectBackendsRequest built from this machine's capability report and the model's
+layer spec."""
 
 from __future__ import annotations
 
+import logging
+from dataclasses import dataclass, field
+
 import grpc
 
+from selector_service.client import open_aio_channel
+from selector_service.errors import FailedPrecondition, SpecdecError
 from selector_service.selection import Selector
 from specdec.v1 import selector_pb2, selector_pb2_grpc
 
 SELECT_TIMEOUT_SECONDS = 10.0
+log = logging.getLogger("specdec.executor")
+
+
+@dataclass(frozen=True)
+class SelectorClientSettings:
+    """How the executor's channel to the selector is secured: TLS when `tls_ca` is set, mTLS with a client
+    certificate and key too; `auth_token` goes with every call as `authorization: Bearer <token>`."""
+
+    tls_ca: str | None = None
+    tls_cert: str | None = None
+    tls_key: str | None = None
+    server_name: str | None = None
+    auth_token: str | None = field(default=None, repr=False)
+
+
+class SelectorUnavailable(SpecdecError):
+    code = grpc.StatusCode.UNAVAILABLE
 
 
 class BackendChooser:
-    """`choose` returns the SelectBackendsResponse; raises SpecdecError (in-process) or AioRpcError
-    (remote) with the selector's status and details, which LoadModel passes on unchanged."""
+    """`choose` returns the SelectBackendsResponse; raises SpecdecError (in-process) or AioRpcError (remote)
+    with the selector's status and details, which LoadModel passes on unchanged, except for failures that
+    concern the executor's link to the selector rather than the request: a refused token becomes
+    FAILED_PRECONDITION, an unreachable selector (a TLS handshake failure included) UNAVAILABLE, each naming
+    the selector's address, so that the executor's caller does not take them for its own."""
 
-    def __init__(self, selector_address: str | None = None) -> None:
+    def __init__(
+        self, selector_address: str | None = None, client: SelectorClientSettings = SelectorClientSettings()
+    ) -> None:
+        """Opens the channel now (inside the serving event loop): a bad token or an unreadable certificate
+        fails at start, not at the first LoadModel. No connection is made until a call."""
         self.selector_address = selector_address
         self._local = Selector(cache_size=64)
         self._channel: grpc.aio.Channel | None = None
+        if selector_address is not None:
+            self._channel = open_aio_channel(
+                selector_address,
+                client.tls_ca,
+                client.tls_cert,
+                client.tls_key,
+                client.server_name,
+                client.auth_token,
+                flags="--selector-tls",
+            )
 
     @property
     def remote(self) -> bool:
         return self.selector_address is not None
 
     async def choose(self, request: selector_pb2.SelectBackendsRequest) -> selector_pb2.SelectBackendsResponse:
-        if self.selector_address is None:
-            return self._local.select(request)
         if self._channel is None:
-            self._channel = grpc.aio.insecure_channel(self.selector_address)
+            return self._local.select(request)
         stub = selector_pb2_grpc.BackendSelectorStub(self._channel)
-        return await stub.SelectBackends(request, timeout=SELECT_TIMEOUT_SECONDS)
+        try:
+            return await stub.SelectBackends(request, timeout=SELECT_TIMEOUT_SECONDS)
+        except grpc.aio.AioRpcError as err:
+            explained = self._link_failure(err)
+            if explained is None:
+                raise
+            log.warning("selector call failed: %s", explained.message)
+            raise explained from err
+
+    def _link_failure(self, err: grpc.aio.AioRpcError) -> SpecdecError | None:
+        """The error that tells the executor's caller its selector link failed; None: the selector's answer."""
+        where, details = f"the selector at {self.selector_address}", err.details() or ""
+        if err.code() in (grpc.StatusCode.UNAUTHENTICATED, grpc.StatusCode.PERMISSION_DENIED):
+            return FailedPrecondition(
+                f"{where} refused authentication ({details}): the executor needs the selector's token "
+                "(--selector-auth-token or --selector-auth-token-file; default: the executor's own --auth-token)"
+            )
+        if err.code() is grpc.StatusCode.UNAVAILABLE:
+            return SelectorUnavailable(f"{where} is unavailable: {details}")
+        if err.code() is grpc.StatusCode.DEADLINE_EXCEEDED:
+            return SelectorUnavailable(f"{where} did not answer within {SELECT_TIMEOUT_SECONDS:.0f} s")
+        return None
 
     async def close(self) -> None:
         if self._channel is not None:

@@ -31,15 +31,16 @@ def check_token(token: str, origin: str) -> str:
     return token
 
 
-def resolve_token(token: str | None, token_file: str | None) -> str | None:
-    """The server's token from --auth-token or --auth-token-file (one, not both); None: authentication off.
-    A file's surrounding whitespace (its trailing newline) is not part of the token."""
+def resolve_token(token: str | None, token_file: str | None, flag: str = "--auth-token") -> str | None:
+    """The token from `flag` or `flag`-file (one, not both; `flag` names them in errors, e.g. the executor's
+    --selector-auth-token); None: no token. A file's surrounding whitespace (its trailing newline) is not
+    part of the token."""
     if token and token_file:
-        raise ValueError("give --auth-token or --auth-token-file, not both")
+        raise ValueError(f"give {flag} or {flag}-file, not both")
     if token_file:
-        return check_token(Path(token_file).read_text().strip(), f"--auth-token-file {token_file}")
+        return check_token(Path(token_file).read_text().strip(), f"{flag}-file {token_file}")
     if token:
-        return check_token(token, "--auth-token")
+        return check_token(token, flag)
     return None
 
 
@@ -149,3 +150,29 @@ class BearerTokenClientInterceptor(
 
     def intercept_stream_stream(self, continuation, client_call_details, request_iterator):  # type: ignore[no-untyped-def]
         return continuation(self._with_token(client_call_details), request_iterator)
+
+
+class _AioBearerToken:
+    def __init__(self, token: str) -> None:
+        self._metadata = bearer_metadata(check_token(token, "auth token"))
+
+    def _with_token(self, details: grpc.aio.ClientCallDetails) -> grpc.aio.ClientCallDetails:
+        kept = [(key, value) for key, value in details.metadata or () if key != METADATA_KEY]
+        return details._replace(metadata=grpc.aio.Metadata(*kept, *self._metadata))
+
+
+class _AioUnaryUnaryBearerToken(_AioBearerToken, grpc.aio.UnaryUnaryClientInterceptor):
+    async def intercept_unary_unary(self, continuation, client_call_details, request):  # type: ignore[no-untyped-def]
+        return await continuation(self._with_token(client_call_details), request)
+
+
+class _AioUnaryStreamBearerToken(_AioBearerToken, grpc.aio.UnaryStreamClientInterceptor):
+    async def intercept_unary_stream(self, continuation, client_call_details, request):  # type: ignore[no-untyped-def]
+        return await continuation(self._with_token(client_call_details), request)
+
+
+def aio_bearer_interceptors(token: str) -> list[grpc.aio.ClientInterceptor]:
+    """Interceptors that add `authorization: Bearer <token>` to the unary and server-streaming calls of a grpc.aio
+    channel (the executor's selector client; the specdec services have no client-streaming methods). One per
+    call kind: grpc.aio files an interceptor under the first kind it implements only."""
+    return [_AioUnaryUnaryBearerToken(token), _AioUnaryStreamBearerToken(token)]

@@ -11,7 +11,7 @@ import yaml
 from google.protobuf import json_format
 from google.protobuf.message import Message
 
-from selector_service.auth import BearerTokenClientInterceptor
+from selector_service.auth import BearerTokenClientInterceptor, aio_bearer_interceptors
 
 
 def open_channel(
@@ -25,24 +25,52 @@ def open_channel(
     """A blocking channel; TLS when a CA is given, mTLS when a client certificate and key are too; every call
     carries `authorization: Bearer <auth_token>` when a token is given."""
     token = BearerTokenClientInterceptor(auth_token) if auth_token else None  # a bad token fails before connecting
-    channel = _open(address, tls_ca, tls_cert, tls_key, server_name)
+    credentials, options = channel_security(tls_ca, tls_cert, tls_key, server_name)
+    channel = (
+        grpc.secure_channel(address, credentials, options=options) if credentials else grpc.insecure_channel(address)
+    )
     return grpc.intercept_channel(channel, token) if token else channel
 
 
-def _open(
-    address: str, tls_ca: str | None, tls_cert: str | None, tls_key: str | None, server_name: str | None
-) -> grpc.Channel:
+def open_aio_channel(
+    address: str,
+    tls_ca: str | None = None,
+    tls_cert: str | None = None,
+    tls_key: str | None = None,
+    server_name: str | None = None,
+    auth_token: str | None = None,
+    flags: str = "--tls",
+) -> grpc.aio.Channel:
+    """open_channel for grpc.aio (unary and server-streaming calls), e.g. the executor's selector client;
+    `flags` names the TLS flags in errors. Create it inside the event loop that uses it."""
+    interceptors = aio_bearer_interceptors(auth_token) if auth_token else None
+    credentials, options = channel_security(tls_ca, tls_cert, tls_key, server_name, flags)
+    if credentials is None:
+        return grpc.aio.insecure_channel(address, interceptors=interceptors)
+    return grpc.aio.secure_channel(address, credentials, options=options, interceptors=interceptors)
+
+
+def channel_security(
+    tls_ca: str | None,
+    tls_cert: str | None,
+    tls_key: str | None,
+    server_name: str | None,
+    flags: str = "--tls",
+) -> tuple[grpc.ChannelCredentials | None, list[tuple[str, str]]]:
+    """The channel credentials (None: plaintext) and options for these PEM files; reads them now, so a missing
+    file fails when the channel is made. `flags` is the flags' prefix, for the errors."""
     if not tls_ca:
-        if tls_cert or tls_key:
-            raise ValueError("a client certificate needs --tls-ca too")
-        return grpc.insecure_channel(address)
+        if tls_cert or tls_key or server_name:
+            raise ValueError(f"{flags}-cert, {flags}-key and {flags}-server-name need {flags}-ca too")
+        return None, []
+    if bool(tls_cert) != bool(tls_key):
+        raise ValueError(f"a client certificate needs both {flags}-cert and {flags}-key (mTLS)")
     credentials = grpc.ssl_channel_credentials(
         root_certificates=Path(tls_ca).read_bytes(),
         private_key=Path(tls_key).read_bytes() if tls_key else None,
         certificate_chain=Path(tls_cert).read_bytes() if tls_cert else None,
     )
-    options = [("grpc.ssl_target_name_override", server_name)] if server_name else []
-    return grpc.secure_channel(address, credentials, options=options)
+    return credentials, [("grpc.ssl_target_name_override", server_name)] if server_name else []
 
 
 def load_message(path: str, message: Message) -> Message:
