@@ -2,11 +2,13 @@
 
 specdec select --config request.yaml [--selector HOST:PORT | --local] [--json]
 specdec backends [--platform cuda] [--selector HOST:PORT | --local] [--json]
+specdec demo [--prompt TEXT] [--method eagle3] [--selector HOST:PORT] [--executor HOST:PORT] [--json]
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 
 import grpc
@@ -16,6 +18,7 @@ from grpc_status import rpc_status
 
 from selector_service.catalog import list_backends
 from selector_service.client import load_message, open_channel
+from selector_service.demo import add_demo_arguments, run_demo
 from selector_service.errors import SpecdecError
 from selector_service.render import render_backends, render_error, render_selection
 from selector_service.selection import Selector
@@ -34,6 +37,11 @@ def _add_connection_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--tls-cert", help="PEM client certificate (mTLS)")
     parser.add_argument("--tls-key", help="PEM client key (mTLS)")
     parser.add_argument("--tls-server-name", help="expected server name, if not the address's host")
+    parser.add_argument(
+        "--auth-token",
+        default=os.environ.get("SPECDEC_AUTH_TOKEN"),
+        help="send 'authorization: Bearer <token>' with every call [env SPECDEC_AUTH_TOKEN]",
+    )
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -45,6 +53,12 @@ def build_parser() -> argparse.ArgumentParser:
     backends = commands.add_parser("backends", help="show the capability table and priority lists")
     backends.add_argument("--platform", choices=["cuda", "rocm", "cpu"], help="only this platform")
     _add_connection_arguments(backends)
+    demo = commands.add_parser(
+        "demo",
+        help="start selector + executor here (or use --selector/--executor), "
+        "select, load, generate speculatively, print decisions and acceptance",
+    )
+    add_demo_arguments(demo)
     return parser
 
 
@@ -53,7 +67,8 @@ def _call(args: argparse.Namespace, method: str, request: Message) -> Message:
         if method == "SelectBackends":
             return Selector().select(request)
         return list_backends(request)
-    with open_channel(args.selector, args.tls_ca, args.tls_cert, args.tls_key, args.tls_server_name) as channel:
+    tls = (args.tls_ca, args.tls_cert, args.tls_key, args.tls_server_name)
+    with open_channel(args.selector, *tls, auth_token=args.auth_token) as channel:
         stub = selector_pb2_grpc.BackendSelectorStub(channel)
         return getattr(stub, method)(request, timeout=args.timeout)
 
@@ -67,6 +82,8 @@ def _print(args: argparse.Namespace, response: Message, text: str) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    if args.command == "demo":
+        return run_demo(args)
     try:
         if args.command == "select":
             request = load_message(args.config, selector_pb2.SelectBackendsRequest())

@@ -1,0 +1,246 @@
+"""`specdec demo`: the whole flow, end to end, over real gRPC.
+
+Start a selector and an executor here (or use running ones: --selector, --executor), ask the executor what
+it can run (GetCapabilities), let the selector decide the target's and the drafter's attention backends
+(SelectBackends), load both with exactly those backends (LoadModel), generate speculatively (Generate,
+streamed), print the decisions, the output and the acceptance statistics, and stop what was started.
+Torch-free: the executor is its own process.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import tempfile
+import time
+import uuid
+from collections.abc import Callable
+from contextlib import ExitStack
+from pathlib import Path
+
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from grpc_status import rpc_status
+
+from selector_service.client import open_channel
+from selector_service.demo_model import (
+    METHODS,
+    MODEL_NOTE,
+    default_load_request,
+    describe,
+    dtype_for,
+    selection_request,
+    with_backends,
+)
+from selector_service.demo_output import Output
+from selector_service.demo_render import render_capabilities, render_finished, render_loaded
+from selector_service.local_servers import LocalServer, ServerError, start_server, stop_all
+from selector_service.render import render_error, render_selection
+from specdec.v1 import executor_pb2, executor_pb2_grpc, selector_pb2_grpc
+
+EXIT_ERROR, EXIT_RPC_ERROR, EXIT_INTERRUPTED = 1, 2, 130
+LONG_CALL_TIMEOUT_S = 600.0  # LoadModel and Generate: a real checkpoint on a remote GPU takes a while
+DEFAULT_PROMPT = "Speculative decoding lets a small drafter propose tokens that the target verifies at once."
+HEALTH = health_pb2.HealthCheckResponse.ServingStatus
+
+
+class DemoError(Exception):
+    """A failure the demo explains itself (no gRPC status to show)."""
+
+
+def add_demo_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--prompt", default=DEFAULT_PROMPT, help="text to continue")
+    parser.add_argument("--max-tokens", type=_positive, default=48, help="tokens to generate")
+    parser.add_argument("--temperature", type=float, default=0.0, help="0: greedy")
+    parser.add_argument("--method", choices=list(METHODS), default="eagle3", help="the drafter's method")
+    parser.add_argument("--k", type=_positive, default=3, help="tokens the drafter proposes per step")
+    parser.add_argument("--selector", help="a running specdec-selector, HOST:PORT (default: start one here)")
+    parser.add_argument("--executor", help="a running specdec-executor, HOST:PORT (default: start one here)")
+    parser.add_argument("--device", default="cpu", help="device of the executor started here: cpu, cuda, cuda:N")
+    parser.add_argument("--json", action="store_true", help="print one JSON document instead of the text report")
+    parser.add_argument("--timeout", type=float, default=10.0, help="deadline of the short RPCs, seconds")
+    parser.add_argument("--tls-ca", help="remote servers: PEM CA that signed their certificates (enables TLS)")
+    parser.add_argument("--tls-cert", help="remote servers: PEM client certificate (mTLS)")
+    parser.add_argument("--tls-key", help="remote servers: PEM client key (mTLS)")
+    parser.add_argument("--tls-server-name", help="remote servers: expected name, if not the address's host")
+    parser.add_argument(
+        "--auth-token",
+        default=os.environ.get("SPECDEC_AUTH_TOKEN"),
+        help="remote servers: send 'authorization: Bearer <token>' [env SPECDEC_AUTH_TOKEN]",
+    )
+
+
+def _positive(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
+    return value
+
+
+def run_demo(args: argparse.Namespace) -> int:
+    out = Output(args.json)
+    servers: list[LocalServer] = []
+    status = 0
+    with tempfile.TemporaryDirectory(prefix="specdec-demo-") as log_dir:
+        try:
+            _flow(args, out, servers, Path(log_dir))
+        except grpc.RpcError as err:
+            detail = rpc_status.from_call(err)  # type: ignore[arg-type]
+            message = render_error(err.code().name, err.details() or "", list(detail.details) if detail else [])
+            out.error(f"error: {out.step} failed\n{message}")
+            status = EXIT_RPC_ERROR
+        except (DemoError, ServerError, OSError, ValueError) as err:
+            out.error(f"error: {err}")
+            status = EXIT_ERROR
+        except KeyboardInterrupt:
+            out.error("interrupted")
+            status = EXIT_INTERRUPTED
+        finally:
+            failures = stop_all(servers)
+        if servers:
+            out.section("shutdown (SIGTERM, wait, exit status)")
+            for server in reversed(servers):  # the order they were stopped in
+                out.line(f"{server.name}: exit status {server.exit_status}")
+            out.record("servers_stopped", {s.name: s.exit_status for s in servers})
+        for failure in failures:
+            out.error(f"error: {failure}")
+    out.finish()
+    return status or (EXIT_ERROR if failures else 0)
+
+
+def _flow(args: argparse.Namespace, out: Output, servers: list[LocalServer], log_dir: Path) -> None:
+    with ExitStack() as channels:
+        opened = _connect(args, out, servers, log_dir, channels)
+        executor = executor_pb2_grpc.ExecutorStub(opened["executor"])
+        selector = selector_pb2_grpc.BackendSelectorStub(opened["selector"])
+        info = _select_and_load(args, out, executor, selector, lambda: _health(opened["executor"], args.timeout))
+        out.section("speculative generation (Executor.Generate, streamed)")
+        _generate(args, out, executor, info)
+
+
+def _connect(
+    args: argparse.Namespace, out: Output, servers: list[LocalServer], log_dir: Path, channels: ExitStack
+) -> dict[str, grpc.Channel]:
+    """Channels to both servers: remote ones checked first (a wrong address fails before anything starts),
+    then those not given started here; the executor started here validates backends with the selector
+    started here (a remote selector may need TLS or a token that the executor is not given)."""
+    remote = {"selector": args.selector, "executor": args.executor}
+    opened: dict[str, grpc.Channel] = {}
+    for name, address in remote.items():
+        if address:
+            tls = (args.tls_ca, args.tls_cert, args.tls_key, args.tls_server_name)
+            opened[name] = channels.enter_context(open_channel(address, *tls, auth_token=args.auth_token))
+            out.step = f"reaching the {name} at {address} (grpc.health.v1 Check)"
+            _health(opened[name], args.timeout)
+    out.section("servers")
+    if not args.selector:
+        servers.append(start_server("selector", log_dir))
+    if not args.executor:
+        selector = [] if args.selector else ["--selector-address", servers[0].address]
+        servers.append(start_server("executor", log_dir, "--device", args.device, *selector))
+    for name in ("selector", "executor"):
+        local = next((s for s in servers if s.name == name), None)
+        if local is not None:
+            opened[name] = channels.enter_context(grpc.insecure_channel(local.address))
+            where = f"started here, pid {local.process.pid}"
+            if name == "executor":
+                where += f", device {args.device}" + ("" if args.selector else ", validates backends with the selector")
+        else:
+            where = f"running already, --{name}"
+        address = local.address if local else remote[name]
+        out.line(f"{name:<9} {address}  ({where})")
+        out.record(f"{name}_address", address)
+    return opened
+
+
+def _select_and_load(
+    args: argparse.Namespace,
+    out: Output,
+    executor: executor_pb2_grpc.ExecutorStub,
+    selector: selector_pb2_grpc.BackendSelectorStub,
+    health: Callable[[], int],
+) -> executor_pb2.ModelInfo:
+    """GetCapabilities, SelectBackends from that report, LoadModel with exactly the selected backends."""
+    out.section("executor capabilities (Executor.GetCapabilities)")
+    out.step = "GetCapabilities on the executor"
+    hardware = executor.GetCapabilities(executor_pb2.GetCapabilitiesRequest(), timeout=args.timeout)
+    out.line(render_capabilities(hardware))
+    out.record("capabilities", hardware)
+
+    out.section("backend selection (BackendSelector.SelectBackends, every candidate with its reasons)")
+    load = default_load_request(args.method, args.k)
+    load.dtype = dtype_for(hardware)
+    out.step = "SelectBackends on the selector"
+    selection = selector.SelectBackends(selection_request(load, hardware), timeout=args.timeout)
+    out.line(render_selection(selection))
+    out.record("selection", selection)
+
+    out.section("loading target and drafter (Executor.LoadModel)")
+    for line in describe(load):
+        out.line(line)
+    out.line(f"note: {MODEL_NOTE}")
+    out.step = "LoadModel on the executor"
+    started = time.monotonic()
+    future = executor.LoadModel.future(with_backends(load, selection), timeout=LONG_CALL_TIMEOUT_S)
+    loaded = out.wait_with_progress(future, "loading", health)
+    out.line(render_loaded(loaded, time.monotonic() - started))
+    for role, chosen, got in (
+        ("target", selection.target, loaded.target_backend),
+        ("drafter", selection.drafter, loaded.draft_backend),
+    ):
+        if got.backend != chosen.backend:
+            raise DemoError(f"the executor loaded the {role} on {got.backend}, not the selected {chosen.backend}")
+    out.step = "the executor's health check"
+    status = health()
+    out.line(f"executor health: {HEALTH.Name(status)}")
+    if status != health_pb2.HealthCheckResponse.SERVING:
+        raise DemoError("the executor does not report SERVING after LoadModel")
+    out.record("loaded", loaded)
+    return loaded.info
+
+
+def _generate(
+    args: argparse.Namespace, out: Output, executor: executor_pb2_grpc.ExecutorStub, info: executor_pb2.ModelInfo
+) -> None:
+    request = executor_pb2.GenerateRequest(request_id=f"demo-{uuid.uuid4().hex[:8]}")
+    request.sampling.temperature = args.temperature
+    request.sampling.max_tokens = args.max_tokens
+    if info.has_tokenizer:
+        request.text = args.prompt
+        out.line(f"prompt: {args.prompt!r}")
+    else:
+        ids = list(args.prompt.encode())
+        if info.vocab_size < 256:
+            raise DemoError(f"the model has no tokenizer and {info.vocab_size} ids: too few for the prompt's bytes")
+        request.token_ids.ids.extend(ids)
+        out.line(f"prompt: {args.prompt!r}")
+        out.line(f"the model has no tokenizer: the prompt goes as its {len(ids)} UTF-8 bytes (ids 0-255)")
+        out.line("and the output is printed as token ids")
+    out.line("output, as it streams in:")
+    out.step = "Generate on the executor"
+    started = time.monotonic()
+    token_ids: list[int] = []
+    text: list[str] = []
+    finished = None
+    for response in executor.Generate(request, timeout=LONG_CALL_TIMEOUT_S):
+        token_ids += response.token_ids
+        text.append(response.text)
+        out.stream(response.text if info.has_tokenizer else "".join(f" {t}" for t in response.token_ids))
+        if response.HasField("finished"):
+            finished = response.finished
+    seconds = time.monotonic() - started
+    out.stream("\n")
+    if finished is None:
+        raise DemoError("the Generate stream ended without its final message")
+    out.section("acceptance statistics (the stream's final message)")
+    out.line(render_finished(finished, seconds))
+    out.record("prompt_token_ids", list(request.token_ids.ids))
+    out.record("output_token_ids", token_ids)
+    out.record("text", "".join(text))
+    out.record("finished", finished)
+    out.record("generate_seconds", round(seconds, 3))
+
+
+def _health(channel: grpc.Channel, timeout: float) -> int:
+    request = health_pb2.HealthCheckRequest()
+    return health_pb2_grpc.HealthStub(channel).Check(request, timeout=timeout).status
