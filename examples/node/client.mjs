@@ -1,0 +1,213 @@
+// The whole specdec flow from Node.js, with @grpc/grpc-js and @grpc/proto-loader reading protos/specdec/v1/*.proto:
+//
+//   1. GetCapabilities  ask the executor what its machine really runs;
+//   2. SelectBackends   ask the selector which attention backend the target and the drafter use, and why;
+//   3. LoadModel        load a tiny synthetic Llama target and a synthetic drafter on the chosen backends;
+//   4. Generate         stream a greedy speculative generation, printing tokens as they arrive;
+//   5. print the acceptance statistics of the final message.
+//
+//   npm ci && node client.mjs --selector HOST:PORT --executor HOST:PORT [--method dflash|eagle3]
+//
+// Addresses default to $SPECDEC_SELECTOR and $SPECDEC_EXECUTOR; when $SPECDEC_AUTH_TOKEN is set every call carries
+// `authorization: Bearer <token>`. --protos DIR points at another copy of the protos. Exits 1, printing the gRPC
+// status, when a call fails.
+import path from 'node:path';
+import { fileURLToPath } from 'node:url';
+import { parseArgs } from 'node:util';
+
+import grpc from '@grpc/grpc-js';
+import protoLoader from '@grpc/proto-loader';
+
+const HERE = path.dirname(fileURLToPath(import.meta.url));
+
+const { values: args } = parseArgs({
+  options: {
+    selector: { type: 'string', default: process.env.SPECDEC_SELECTOR ?? '127.0.0.1:50051' },
+    executor: { type: 'string', default: process.env.SPECDEC_EXECUTOR ?? '127.0.0.1:50052' },
+    method: { type: 'string', default: 'dflash' }, // the drafter's kind: dflash | eagle3
+    'num-speculative-tokens': { type: 'string', default: '4' },
+    'target-backend': { type: 'string', default: 'auto' }, // "auto" or a backend name, e.g. CPU_ATTN
+    'drafter-backend': { type: 'string', default: 'auto' }, // the drafter's own; never inherited
+    'max-tokens': { type: 'string', default: '24' },
+    prompt: { type: 'string', default: '1 2 3 4 5' }, // token ids, separated by spaces
+    protos: { type: 'string', default: path.resolve(HERE, '..', '..', 'protos') },
+  },
+});
+const METHODS = { dflash: 'SPEC_METHOD_DFLASH', eagle3: 'SPEC_METHOD_EAGLE3' };
+if (!(args.method in METHODS)) {
+  console.error(`--method must be one of ${Object.keys(METHODS).join(', ')}`);
+  process.exit(2);
+}
+
+// Field names as in the .proto files, enums as their names, 64-bit integers as decimal strings.
+const definition = protoLoader.loadSync(['specdec/v1/selector.proto', 'specdec/v1/executor.proto'], {
+  keepCase: true,
+  enums: String,
+  longs: String,
+  defaults: true,
+  oneofs: true,
+  includeDirs: [args.protos],
+});
+const { specdec } = grpc.loadPackageDefinition(definition);
+
+// The target: a random-weight Llama built from a seed by the executor (no checkpoint to download).
+const TINY_LLAMA = {
+  architecture: 'llama',
+  vocab_size: 512,
+  hidden_size: 64,
+  intermediate_size: 128,
+  num_layers: 2,
+  num_heads: 4,
+  num_kv_heads: 2,
+  head_size: 32,
+  seed: 0,
+};
+// The drafter: random weights too, so its guesses rarely match the target's. With this seed the DFlash and the
+// EAGLE-3 drafter each get one token of the default run accepted, so the statistics are not all zero.
+const DRAFTER_SEED = 38;
+const BLOCK_SIZE = 16; // tokens per KV-cache block
+const LOAD_TIMEOUT_MS = 600_000; // a real checkpoint on a GPU takes a while to load and warm up
+const CALL_TIMEOUT_MS = 30_000;
+
+// A synthetic drafter of the target's width: DFlash (2 layers, one non-causal block of k+1 positions filled with a
+// mask token) or EAGLE-3 (1 layer, its own output vocabulary of half the target's).
+function draftModel(method, k) {
+  const synthetic = { ...TINY_LLAMA, vocab_size: 0, seed: DRAFTER_SEED }; // vocab_size 0: the target's
+  const draft = { method: METHODS[method], num_speculative_tokens: k, source: { synthetic } };
+  if (method === 'dflash') {
+    synthetic.num_layers = 2;
+    draft.dflash_config = { mask_token_id: TINY_LLAMA.vocab_size - 1, block_size: k + 1 };
+  } else {
+    synthetic.num_layers = 1;
+    synthetic.draft_vocab_size = TINY_LLAMA.vocab_size / 2;
+  }
+  return draft;
+}
+
+// What one attention stack needs, as the selector reads it.
+function layerSpec(model) {
+  return {
+    head_size: model.head_size,
+    num_heads: model.num_heads,
+    num_kv_heads: model.num_kv_heads,
+    dtype: 'DTYPE_FLOAT32',
+    kv_cache_dtype: 'auto',
+    block_size: BLOCK_SIZE,
+  };
+}
+
+function printDecision(role, decision) {
+  const how = decision.explicit ? 'explicit' : 'auto';
+  const causality = decision.use_non_causal ? 'non-causal' : 'causal';
+  console.log(`${role}: ${decision.backend} (${how}, ${causality})`);
+  for (const candidate of decision.candidates) {
+    const verdict = candidate.reasons.length ? candidate.reasons.join('; ') : 'ok';
+    const selected = candidate.backend === decision.backend ? ' <- selected' : '';
+    console.log(`  ${candidate.backend}: ${verdict}${selected}`);
+  }
+}
+
+function printStatistics(finished) {
+  console.log(
+    `finished: ${finished.finish_reason}, ${finished.prompt_tokens} prompt tokens, ` +
+      `${finished.completion_tokens} completion tokens`,
+  );
+  const rate = finished.drafted_tokens ? finished.accepted_tokens / finished.drafted_tokens : 0;
+  console.log(
+    `drafted ${finished.drafted_tokens}, accepted ${finished.accepted_tokens} (${(100 * rate).toFixed(1)}%), ` +
+      `mean acceptance length ${finished.mean_acceptance_length.toFixed(3)}`,
+  );
+  const perPosition = finished.acceptance_rate_per_position.map((r) => r.toFixed(3)).join(' ');
+  console.log(`acceptance rate per position: ${perPosition}`);
+}
+
+// A unary call as a promise. waitForReady: servers that are still starting (docker compose up) are waited for.
+function unary(client, method, request, metadata, timeoutMs = CALL_TIMEOUT_MS) {
+  return new Promise((resolve, reject) => {
+    const options = { deadline: Date.now() + timeoutMs, waitForReady: true };
+    client[method](request, metadata, options, (err, response) => (err ? reject(err) : resolve(response)));
+  });
+}
+
+async function run(metadata) {
+  const credentials = grpc.credentials.createInsecure();
+  const executor = new specdec.v1.Executor(args.executor, credentials);
+  const selector = new specdec.v1.BackendSelector(args.selector, credentials);
+  try {
+    const hardware = await unary(executor, 'GetCapabilities', {}, metadata);
+    const libraries = hardware.libraries.map((lib) => `${lib.name} ${lib.version}`).join(', ');
+    console.log(`executor ${args.executor}: ${hardware.platform} ${hardware.device_name} (${libraries})`);
+
+    const draft = draftModel(args.method, Number(args['num-speculative-tokens']));
+    const selection = await unary(
+      selector,
+      'SelectBackends',
+      {
+        hardware,
+        target_layers: layerSpec(TINY_LLAMA),
+        attention: { backend: args['target-backend'] },
+        speculative: {
+          method: draft.method,
+          num_speculative_tokens: draft.num_speculative_tokens,
+          attention_backend: args['drafter-backend'],
+          draft_layers: layerSpec(draft.source.synthetic),
+          dflash_config: draft.dflash_config,
+        },
+      },
+      metadata,
+    );
+    console.log(`selector ${args.selector} decided:`);
+    printDecision('target', selection.target);
+    printDecision('drafter', selection.drafter);
+
+    // Load with the selector's choices named explicitly: the executor validates them and never falls back.
+    const load = {
+      target: { synthetic: TINY_LLAMA },
+      draft: { ...draft, attention_backend: selection.drafter.backend },
+      dtype: 'DTYPE_FLOAT32',
+      attention: { backend: selection.target.backend },
+      block_size: BLOCK_SIZE,
+      num_kv_blocks: 64,
+    };
+    console.log(`loading a synthetic llama target and a ${args.method} drafter ...`);
+    const started = performance.now();
+    const loaded = await unary(executor, 'LoadModel', load, metadata, LOAD_TIMEOUT_MS);
+    console.log(
+      `loaded in ${((performance.now() - started) / 1000).toFixed(2)} s: target ${loaded.target_backend.backend}, ` +
+        `drafter ${loaded.draft_backend.backend}, ${loaded.info.num_kv_blocks} KV blocks of ` +
+        `${loaded.info.block_size} tokens`,
+    );
+
+    const prompt = args.prompt.trim().split(/\s+/).map(Number);
+    const request = {
+      request_id: `node-client-${process.pid}`,
+      token_ids: { ids: prompt },
+      sampling: { temperature: 0, max_tokens: Number(args['max-tokens']) },
+    };
+    console.log(`generating up to ${args['max-tokens']} tokens after the prompt ${prompt.join(' ')}:`);
+    let finished = null;
+    // Server streaming: a readable stream of GenerateResponse; a failed call throws out of the loop.
+    for await (const response of executor.Generate(request, metadata)) {
+      if (response.token_ids.length) {
+        const tokens = response.token_ids.join(' ');
+        console.log(`  + ${tokens} (drafted ${response.num_drafted}, accepted ${response.num_accepted})`);
+      }
+      if (response.finished) finished = response.finished;
+    }
+    if (!finished) throw new Error('the stream ended without a final message');
+    printStatistics(finished);
+  } finally {
+    executor.close();
+    selector.close();
+  }
+}
+
+const metadata = new grpc.Metadata();
+if (process.env.SPECDEC_AUTH_TOKEN) metadata.add('authorization', `Bearer ${process.env.SPECDEC_AUTH_TOKEN}`);
+try {
+  await run(metadata);
+} catch (err) {
+  if (err.code === undefined) throw err; // not a gRPC status: a bug, with its stack
+  console.error(`error: ${grpc.status[err.code]}: ${err.details}`);
+  process.exitCode = 1;
+}

@@ -1,0 +1,198 @@
+"""The whole specdec flow from Python, with nothing but grpcio and the generated stubs (specdec.v1.*_pb2*):
+
+  1. GetCapabilities  ask the executor what its machine really runs;
+  2. SelectBackends   ask the selector which attention backend the target and the drafter use, and why;
+  3. LoadModel        load a tiny synthetic Llama target and a synthetic drafter on the chosen backends;
+  4. Generate         stream a greedy speculative generation, printing tokens as they arrive;
+  5. print the acceptance statistics of the final message.
+
+    python examples/python/client.py --selector HOST:PORT --executor HOST:PORT [--method dflash|eagle3]
+
+Addresses default to $SPECDEC_SELECTOR and $SPECDEC_EXECUTOR; when $SPECDEC_AUTH_TOKEN is set every call
+carries `authorization: Bearer <token>`. Exits 1, printing the gRPC status, when a call fails.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+
+import grpc
+
+from specdec.v1 import common_pb2, executor_pb2, executor_pb2_grpc, selector_pb2, selector_pb2_grpc
+
+# The target: a random-weight Llama built from a seed by the executor (no checkpoint to download).
+TINY_LLAMA = executor_pb2.SyntheticModel(
+    architecture="llama",
+    vocab_size=512,
+    hidden_size=64,
+    intermediate_size=128,
+    num_layers=2,
+    num_heads=4,
+    num_kv_heads=2,
+    head_size=32,
+    seed=0,
+)
+# The drafter: random weights too, so its guesses rarely match the target's. With this seed the DFlash and the
+# EAGLE-3 drafter each get one token of the default run accepted, so the statistics are not all zero.
+DRAFTER_SEED = 38
+BLOCK_SIZE = 16  # tokens per KV-cache block
+METHODS = {"dflash": common_pb2.SPEC_METHOD_DFLASH, "eagle3": common_pb2.SPEC_METHOD_EAGLE3}
+LOAD_TIMEOUT_S = 600.0  # a real checkpoint on a GPU takes a while to load and warm up
+CALL_TIMEOUT_S = 30.0
+
+
+def parse_args() -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--selector", default=os.environ.get("SPECDEC_SELECTOR", "127.0.0.1:50051"))
+    parser.add_argument("--executor", default=os.environ.get("SPECDEC_EXECUTOR", "127.0.0.1:50052"))
+    parser.add_argument("--method", choices=sorted(METHODS), default="dflash", help="the drafter's kind")
+    parser.add_argument("--num-speculative-tokens", type=int, default=4)
+    parser.add_argument("--target-backend", default="auto", help='"auto" or a backend name, e.g. CPU_ATTN')
+    parser.add_argument("--drafter-backend", default="auto", help="the drafter's own; never inherited")
+    parser.add_argument("--max-tokens", type=int, default=24)
+    parser.add_argument("--prompt", default="1 2 3 4 5", help="token ids, separated by spaces")
+    return parser.parse_args()
+
+
+def draft_model(method: str, k: int) -> executor_pb2.DraftModel:
+    """A synthetic drafter of the target's width: DFlash (2 layers, one non-causal block of k+1 positions
+    filled with a mask token) or EAGLE-3 (1 layer, its own output vocabulary of half the target's)."""
+    draft = executor_pb2.DraftModel(method=METHODS[method], num_speculative_tokens=k)
+    spec = draft.source.synthetic
+    spec.CopyFrom(TINY_LLAMA)
+    spec.vocab_size = 0  # 0: the target's
+    spec.seed = DRAFTER_SEED
+    if method == "dflash":
+        spec.num_layers = 2
+        draft.dflash_config.mask_token_id = TINY_LLAMA.vocab_size - 1
+        draft.dflash_config.block_size = k + 1
+    else:
+        spec.num_layers = 1
+        spec.draft_vocab_size = TINY_LLAMA.vocab_size // 2
+    return draft
+
+
+def layer_spec(model: executor_pb2.SyntheticModel) -> common_pb2.LayerSpec:
+    """What one attention stack needs, as the selector reads it."""
+    return common_pb2.LayerSpec(
+        head_size=model.head_size,
+        num_heads=model.num_heads,
+        num_kv_heads=model.num_kv_heads,
+        dtype=common_pb2.DTYPE_FLOAT32,
+        kv_cache_dtype="auto",
+        block_size=BLOCK_SIZE,
+    )
+
+
+def print_decision(role: str, decision: common_pb2.BackendDecision) -> None:
+    how = "explicit" if decision.explicit else "auto"
+    causality = "non-causal" if decision.use_non_causal else "causal"
+    print(f"{role}: {decision.backend} ({how}, {causality})")
+    for candidate in decision.candidates:
+        verdict = "; ".join(candidate.reasons) or "ok"
+        selected = " <- selected" if candidate.backend == decision.backend else ""
+        print(f"  {candidate.backend}: {verdict}{selected}")
+
+
+def run(args: argparse.Namespace, metadata: tuple[tuple[str, str], ...]) -> None:
+    with grpc.insecure_channel(args.executor) as executor_channel, grpc.insecure_channel(args.selector) as sel_channel:
+        executor = executor_pb2_grpc.ExecutorStub(executor_channel)
+        selector = selector_pb2_grpc.BackendSelectorStub(sel_channel)
+        # wait_for_ready: servers that are still starting (docker compose up) are waited for, not failed.
+        options = {"metadata": metadata, "timeout": CALL_TIMEOUT_S, "wait_for_ready": True}
+
+        hardware = executor.GetCapabilities(executor_pb2.GetCapabilitiesRequest(), **options)
+        libraries = ", ".join(f"{lib.name} {lib.version}" for lib in hardware.libraries)
+        platform = common_pb2.Platform.Name(hardware.platform)
+        print(f"executor {args.executor}: {platform} {hardware.device_name} ({libraries})")
+
+        draft = draft_model(args.method, args.num_speculative_tokens)
+        speculative = common_pb2.SpeculativeConfig(
+            method=draft.method,
+            num_speculative_tokens=draft.num_speculative_tokens,
+            attention_backend=args.drafter_backend,
+            draft_layers=layer_spec(draft.source.synthetic),
+            dflash_config=draft.dflash_config if draft.HasField("dflash_config") else None,
+        )
+        selection = selector.SelectBackends(
+            selector_pb2.SelectBackendsRequest(
+                hardware=hardware,
+                target_layers=layer_spec(TINY_LLAMA),
+                attention=common_pb2.AttentionConfig(backend=args.target_backend),
+                speculative=speculative,
+            ),
+            **options,
+        )
+        print(f"selector {args.selector} decided:")
+        print_decision("target", selection.target)
+        print_decision("drafter", selection.drafter)
+
+        # Load with the selector's choices named explicitly: the executor validates them and never falls back.
+        draft.attention_backend = selection.drafter.backend
+        load = executor_pb2.LoadModelRequest(
+            target=executor_pb2.ModelSource(synthetic=TINY_LLAMA),
+            draft=draft,
+            dtype=common_pb2.DTYPE_FLOAT32,
+            attention=common_pb2.AttentionConfig(backend=selection.target.backend),
+            block_size=BLOCK_SIZE,
+            num_kv_blocks=64,
+        )
+        print(f"loading a synthetic llama target and a {args.method} drafter ...", flush=True)
+        started = time.monotonic()
+        loaded = executor.LoadModel(load, metadata=metadata, timeout=LOAD_TIMEOUT_S)
+        print(
+            f"loaded in {time.monotonic() - started:.2f} s: target {loaded.target_backend.backend}, "
+            f"drafter {loaded.draft_backend.backend}, {loaded.info.num_kv_blocks} KV blocks of "
+            f"{loaded.info.block_size} tokens"
+        )
+
+        prompt = [int(token) for token in args.prompt.split()]
+        request = executor_pb2.GenerateRequest(
+            request_id=f"python-client-{os.getpid()}",
+            token_ids=executor_pb2.TokenIds(ids=prompt),
+            sampling=executor_pb2.SamplingParams(temperature=0.0, max_tokens=args.max_tokens),
+        )
+        print(f"generating up to {args.max_tokens} tokens after the prompt {' '.join(map(str, prompt))}:")
+        finished = None
+        for response in executor.Generate(request, metadata=metadata):  # server streaming
+            if response.token_ids:
+                tokens = " ".join(str(token) for token in response.token_ids)
+                print(f"  + {tokens} (drafted {response.num_drafted}, accepted {response.num_accepted})", flush=True)
+            if response.HasField("finished"):
+                finished = response.finished
+        if finished is None:
+            raise RuntimeError("the stream ended without a final message")
+        print_statistics(finished)
+
+
+def print_statistics(finished: executor_pb2.Finished) -> None:
+    print(
+        f"finished: {finished.finish_reason}, {finished.prompt_tokens} prompt tokens, "
+        f"{finished.completion_tokens} completion tokens"
+    )
+    rate = finished.accepted_tokens / finished.drafted_tokens if finished.drafted_tokens else 0.0
+    print(
+        f"drafted {finished.drafted_tokens}, accepted {finished.accepted_tokens} ({100 * rate:.1f}%), "
+        f"mean acceptance length {finished.mean_acceptance_length:.3f}"
+    )
+    per_position = " ".join(f"{r:.3f}" for r in finished.acceptance_rate_per_position)
+    print(f"acceptance rate per position: {per_position}")
+
+
+def main() -> int:
+    args = parse_args()
+    token = os.environ.get("SPECDEC_AUTH_TOKEN")
+    metadata = (("authorization", f"Bearer {token}"),) if token else ()
+    try:
+        run(args, metadata)
+    except grpc.RpcError as err:
+        print(f"error: {err.code().name}: {err.details()}", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

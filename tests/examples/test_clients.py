@@ -1,0 +1,271 @@
+"""The example clients (examples/python, examples/node, examples/go) against a real selector and executor on the CPU.
+
+Both servers require a bearer token, so every successful run also shows the client sends $SPECDEC_AUTH_TOKEN. Each
+client runs four times: the DFlash flow with addresses from $SPECDEC_SELECTOR / $SPECDEC_EXECUTOR, the EAGLE-3 flow
+with addresses from flags, an explicit drafter backend the CPU cannot run (INVALID_ARGUMENT, exit 1) and no token
+(UNAUTHENTICATED, exit 1). What a client prints must equal what the servers report to this test's own calls:
+the capabilities, the selector's decisions with every candidate's verdict, the loaded backends, and the streamed
+tokens and final statistics of the same greedy request on the model the examples document, loaded by this test.
+"""
+
+from __future__ import annotations
+
+import ast
+import os
+import re
+import shutil
+import subprocess
+import sys
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import grpc
+import pytest
+
+from specdec.v1 import common_pb2, executor_pb2, executor_pb2_grpc, selector_pb2, selector_pb2_grpc
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
+EXAMPLES = REPO_ROOT / "examples"
+CLIENT_TIMEOUT_S = 120
+TOKEN = "examples-token.1"
+AUTH = (("authorization", f"Bearer {TOKEN}"),)
+# What the clients load and generate by default (examples/*: TINY_LLAMA, num_speculative_tokens, prompt, max_tokens).
+LAYERS = common_pb2.LayerSpec(
+    head_size=32, num_heads=4, num_kv_heads=2, dtype=common_pb2.DTYPE_FLOAT32, kv_cache_dtype="auto", block_size=16
+)
+VOCAB_SIZE, K, PROMPT, MAX_TOKENS = 512, 4, [1, 2, 3, 4, 5], 24
+METHODS = {"dflash": common_pb2.SPEC_METHOD_DFLASH, "eagle3": common_pb2.SPEC_METHOD_EAGLE3}
+GO_PACKAGES = (
+    "golang-go golang-google-grpc-dev golang-github-golang-protobuf-1-5-dev golang-google-protobuf-dev "
+    "protoc-gen-go protoc-gen-go-grpc protobuf-compiler"
+)
+
+
+@dataclass
+class Printed:
+    """What a client printed, parsed: the lines every example prints in the same format."""
+
+    executor: tuple[str, ...] = ()  # platform, device name, libraries
+    decisions: dict[str, tuple] = field(default_factory=dict)  # role -> (backend, how, causality, candidates)
+    loaded: tuple[str, ...] = ()  # target backend, drafter backend, KV blocks, block size
+    chunks: list[tuple[list[int], int, int]] = field(default_factory=list)  # token ids, drafted, accepted
+    finished: tuple[str, ...] = ()  # finish reason, prompt tokens, completion tokens
+    acceptance: tuple[str, ...] = ()  # drafted, accepted, percent, mean acceptance length
+    per_position: list[float] = field(default_factory=list)
+
+
+def parse(stdout: str) -> Printed:
+    printed, role = Printed(), None
+    for line in stdout.splitlines():
+        if m := re.fullmatch(r"executor \S+: (\S+) (.*) \((.*)\)", line):
+            printed.executor = m.groups()
+        elif m := re.fullmatch(r"(target|drafter): (\S+) \((auto|explicit), (causal|non-causal)\)", line):
+            role = m[1]
+            printed.decisions[role] = (m[2], m[3], m[4], [])
+        elif role and (m := re.fullmatch(r"  ([A-Z_]+): (.*?)( <- selected)?", line)):
+            printed.decisions[role][3].append((m[1], m[2], bool(m[3])))
+        elif m := re.fullmatch(
+            r"loaded in [\d.]+ s: target (\S+), drafter (\S+), (\d+) KV blocks of (\d+) tokens", line
+        ):
+            printed.loaded, role = m.groups(), None
+        elif m := re.fullmatch(r"  \+ ([\d ]+) \(drafted (\d+), accepted (\d+)\)", line):
+            printed.chunks.append(([int(t) for t in m[1].split()], int(m[2]), int(m[3])))
+        elif m := re.fullmatch(r"finished: (\w+), (\d+) prompt tokens, (\d+) completion tokens", line):
+            printed.finished = m.groups()
+        elif m := re.fullmatch(r"drafted (\d+), accepted (\d+) \(([\d.]+)%\), mean acceptance length ([\d.]+)", line):
+            printed.acceptance = m.groups()
+        elif m := re.fullmatch(r"acceptance rate per position: ([\d. ]*)", line):
+            printed.per_position = [float(r) for r in m[1].split()]
+    return printed
+
+
+def expected_decisions(selector: selector_pb2_grpc.BackendSelectorStub, hardware, method: str) -> dict[str, tuple]:
+    """The selector's answer for the clients' tiny llama and drafter, asked by this test, in `Printed` form."""
+    speculative = common_pb2.SpeculativeConfig(
+        method=METHODS[method], num_speculative_tokens=K, attention_backend="auto", draft_layers=LAYERS
+    )
+    if method == "dflash":
+        speculative.dflash_config.mask_token_id = VOCAB_SIZE - 1
+        speculative.dflash_config.block_size = K + 1
+    request = selector_pb2.SelectBackendsRequest(
+        hardware=hardware,
+        target_layers=LAYERS,
+        attention=common_pb2.AttentionConfig(backend="auto"),
+        speculative=speculative,
+    )
+    response = selector.SelectBackends(request, metadata=AUTH, timeout=10)
+    return {role: as_printed(getattr(response, role)) for role in ("target", "drafter")}
+
+
+def as_printed(decision: common_pb2.BackendDecision) -> tuple:
+    candidates = [(c.backend, "; ".join(c.reasons) or "ok", c.backend == decision.backend) for c in decision.candidates]
+    how = "explicit" if decision.explicit else "auto"
+    return (decision.backend, how, "non-causal" if decision.use_non_causal else "causal", candidates)
+
+
+def reference_load(method: str) -> executor_pb2.LoadModelRequest:
+    """The tiny llama and the synthetic drafter (seed 38) that the examples load."""
+    target = executor_pb2.SyntheticModel(
+        architecture="llama", vocab_size=VOCAB_SIZE, hidden_size=64, intermediate_size=128, num_layers=2,
+        num_heads=4, num_kv_heads=2, head_size=32, seed=0,
+    )  # fmt: skip
+    draft = executor_pb2.DraftModel(method=METHODS[method], num_speculative_tokens=K, attention_backend="CPU_ATTN")
+    draft.source.synthetic.CopyFrom(target)
+    draft.source.synthetic.vocab_size, draft.source.synthetic.seed = 0, 38
+    if method == "dflash":
+        draft.source.synthetic.num_layers = 2
+        draft.dflash_config.mask_token_id, draft.dflash_config.block_size = VOCAB_SIZE - 1, K + 1
+    else:
+        draft.source.synthetic.num_layers, draft.source.synthetic.draft_vocab_size = 1, VOCAB_SIZE // 2
+    return executor_pb2.LoadModelRequest(
+        target=executor_pb2.ModelSource(synthetic=target),
+        draft=draft,
+        dtype=common_pb2.DTYPE_FLOAT32,
+        attention=common_pb2.AttentionConfig(backend="CPU_ATTN"),
+        block_size=16,
+        num_kv_blocks=64,
+    )
+
+
+def check_flow(printed: Printed, selector_address: str, executor_address: str, method: str) -> None:
+    """Everything the client printed against what the servers tell this test."""
+    with grpc.insecure_channel(executor_address) as ex_channel, grpc.insecure_channel(selector_address) as sel_channel:
+        executor = executor_pb2_grpc.ExecutorStub(ex_channel)
+        hardware = executor.GetCapabilities(executor_pb2.GetCapabilitiesRequest(), metadata=AUTH, timeout=10)
+        libraries = ", ".join(f"{lib.name} {lib.version}" for lib in hardware.libraries)
+        assert printed.executor == (common_pb2.Platform.Name(hardware.platform), hardware.device_name, libraries)
+
+        decisions = expected_decisions(selector_pb2_grpc.BackendSelectorStub(sel_channel), hardware, method)
+        assert printed.decisions == decisions
+        # R6: only a (non-causal) DFlash drafter needs non-causal attention.
+        assert decisions["drafter"][2] == ("non-causal" if method == "dflash" else "causal")
+
+        # The model the client loaded is the one serving, on the backends the selector chose.
+        info = executor.GetModelInfo(executor_pb2.GetModelInfoRequest(), metadata=AUTH, timeout=10)
+        assert (info.info.spec_method, info.info.num_speculative_tokens) == (METHODS[method], K)
+        assert (info.target_backend.backend, info.draft_backend.backend) == (
+            decisions["target"][0],
+            decisions["drafter"][0],
+        )
+        assert printed.loaded == (
+            info.target_backend.backend,
+            info.draft_backend.backend,
+            str(info.info.num_kv_blocks),
+            str(info.info.block_size),
+        )
+
+        # This test loads the model the examples document, on its own, and generates: greedy, so the same tokens
+        # stream (speculative decoding is lossless), and the same drafter accepts the same drafts. Chunk boundaries
+        # may differ (a slow reader gets chunks merged); their drafted / accepted counts add up to the final message's.
+        executor.LoadModel(reference_load(method), metadata=AUTH, timeout=60)
+        request = executor_pb2.GenerateRequest(
+            request_id="test",
+            token_ids=executor_pb2.TokenIds(ids=PROMPT),
+            sampling=executor_pb2.SamplingParams(max_tokens=MAX_TOKENS),
+        )
+        responses = list(executor.Generate(request, metadata=AUTH, timeout=60))
+    finished = responses[-1].finished
+    assert [t for ids, _, _ in printed.chunks for t in ids] == [t for r in responses for t in r.token_ids]
+    assert len(printed.chunks) > 1, "streamed in more than one message"
+    assert sum(drafted for _, drafted, _ in printed.chunks) == finished.drafted_tokens
+    assert sum(accepted for _, _, accepted in printed.chunks) == finished.accepted_tokens
+    assert printed.finished == (finished.finish_reason, str(len(PROMPT)), str(MAX_TOKENS))
+    assert finished.finish_reason == "length" and finished.completion_tokens == MAX_TOKENS
+    drafted, accepted, percent, mean_length = printed.acceptance
+    assert (int(drafted), int(accepted)) == (finished.drafted_tokens, finished.accepted_tokens)
+    assert finished.drafted_tokens > 0 and finished.accepted_tokens > 0, "the statistics are not all zero"
+    assert float(percent) == pytest.approx(100 * finished.accepted_tokens / finished.drafted_tokens, abs=0.051)
+    assert float(mean_length) == pytest.approx(finished.mean_acceptance_length, abs=5e-4)
+    assert printed.per_position == pytest.approx(list(finished.acceptance_rate_per_position), abs=5e-4)
+    assert len(printed.per_position) == K
+
+
+def run_client(command: list[str], cwd: Path, env: dict[str, str]) -> subprocess.CompletedProcess[str]:
+    base = {k: v for k, v in os.environ.items() if not k.startswith("SPECDEC_")}
+    try:
+        return subprocess.run(
+            command, cwd=cwd, env={**base, **env}, capture_output=True, text=True, timeout=CLIENT_TIMEOUT_S
+        )
+    except subprocess.TimeoutExpired as err:
+        pytest.fail(f"{command} ran past {CLIENT_TIMEOUT_S} s\nstdout:\n{err.stdout}\nstderr:\n{err.stderr}")
+
+
+def exercise(client: list[str], cwd: Path, launch_server: Callable, launch_executor: Callable) -> None:
+    """The four runs of one client (see the module docstring), against servers that require TOKEN."""
+    selector = launch_server("selector", "--auth-token", TOKEN)
+    executor = launch_executor(None, "--auth-token", TOKEN)
+    addresses = {"SPECDEC_SELECTOR": selector.address, "SPECDEC_EXECUTOR": executor.address}
+    flags = [f"--selector={selector.address}", f"--executor={executor.address}"]
+
+    def outcome(result: subprocess.CompletedProcess[str]) -> str:
+        return f"status {result.returncode}\nstdout:\n{result.stdout}\nstderr:\n{result.stderr}\n{executor.log()}"
+
+    runs = [
+        ("dflash", [], {**addresses, "SPECDEC_AUTH_TOKEN": TOKEN}),
+        ("eagle3", [*flags, "--method=eagle3"], {"SPECDEC_AUTH_TOKEN": TOKEN}),
+    ]
+    for method, args, env in runs:
+        result = run_client([*client, *args], cwd, env)
+        assert result.returncode == 0, outcome(result)
+        check_flow(parse(result.stdout), selector.address, executor.address, method)
+
+    bad = run_client([*client, *flags, "--drafter-backend=flash_attn"], cwd, {"SPECDEC_AUTH_TOKEN": TOKEN})
+    assert bad.returncode == 1, outcome(bad)
+    assert bad.stderr.startswith(
+        "error: INVALID_ARGUMENT: Selected backend FLASH_ATTN is not valid for this configuration. Reason: ["
+    ), outcome(bad)
+    stopped = parse(bad.stdout)  # at SelectBackends: nothing decided, nothing loaded
+    assert stopped.executor and not stopped.decisions and not stopped.loaded, outcome(bad)
+
+    anonymous = run_client([*client, *flags], cwd, {})
+    assert anonymous.returncode == 1, outcome(anonymous)
+    assert anonymous.stderr.startswith("error: UNAUTHENTICATED: "), outcome(anonymous)
+    assert anonymous.stdout == ""  # refused at the first call, GetCapabilities
+
+
+def test_python_client_imports_only_grpcio_and_the_stubs() -> None:
+    """The Python example is documentation: beside the standard library it may use grpcio and specdec.v1 alone."""
+    tree = ast.parse((EXAMPLES / "python" / "client.py").read_text())
+    modules = {alias.name for node in ast.walk(tree) if isinstance(node, ast.Import) for alias in node.names}
+    modules |= {node.module for node in ast.walk(tree) if isinstance(node, ast.ImportFrom) and node.module}
+    assert {m for m in modules if m.split(".")[0] not in sys.stdlib_module_names} == {"grpc", "specdec.v1"}
+
+
+def test_python_client(launch_server, launch_executor) -> None:
+    exercise([sys.executable, str(EXAMPLES / "python" / "client.py")], REPO_ROOT, launch_server, launch_executor)
+
+
+@pytest.mark.node
+def test_node_client(launch_server, launch_executor) -> None:
+    node = shutil.which("node")
+    if node is None:
+        pytest.skip("node is not on PATH: install Node.js 20+ to run the Node.js example")
+    if not (EXAMPLES / "node" / "node_modules").is_dir():
+        pytest.skip("examples/node/node_modules is missing: run `npm ci` in examples/node")
+    exercise([node, "client.mjs"], EXAMPLES / "node", launch_server, launch_executor)
+
+
+@pytest.fixture
+def go_client(tmp_path: Path) -> Path:
+    """examples/go built with Debian's Go packages (skipped, saying which, when they are not installed)."""
+    sources = Path(os.environ.get("GOPATH_DEPS", "/usr/share/gocode")) / "src"
+    missing = [
+        tool for tool in ("go", "gofmt", "protoc", "protoc-gen-go", "protoc-gen-go-grpc") if not shutil.which(tool)
+    ]
+    missing += [
+        str(sources / p) for p in ("google.golang.org/grpc", "google.golang.org/protobuf") if not (sources / p).is_dir()
+    ]
+    if missing:
+        pytest.skip(f"the Go toolchain is missing {', '.join(missing)}: apt-get install {GO_PACKAGES}")
+    built = subprocess.run(
+        ["bash", str(EXAMPLES / "go" / "build.sh"), str(tmp_path / "go")], capture_output=True, text=True, timeout=300
+    )
+    assert built.returncode == 0, f"examples/go/build.sh failed:\n{built.stdout}\n{built.stderr}"
+    unformatted = subprocess.run(["gofmt", "-l", str(EXAMPLES / "go")], capture_output=True, text=True, check=True)
+    assert unformatted.stdout == "", f"gofmt would change: {unformatted.stdout}"
+    return tmp_path / "go" / "specdec-client"
+
+
+def test_go_client(go_client: Path, launch_server, launch_executor) -> None:
+    exercise([str(go_client)], REPO_ROOT, launch_server, launch_executor)
