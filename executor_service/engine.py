@@ -193,9 +193,10 @@ class Engine:
         except Exception as err:
             self._fail(running, err)
             return
-        for request in running:  # never verify past the context or the tokens still wanted
-            room = min(self.max_model_len - request.num_tokens, request.max_tokens - len(request.output_ids) - 1)
-            del request.draft_ids[max(room, 0) :]
+        # Never verify past the context. Drafts past max_tokens are verified and their tokens dropped: the
+        # last steps keep k + 1 tokens per request, so they replay the verify graph instead of running eagerly.
+        for request in running:
+            del request.draft_ids[max(self.max_model_len - request.num_tokens, 0) :]
 
     def _fail(self, requests: list[Request], err: BaseException) -> None:
         log.exception("step failed; failing its %d requests", len(requests), exc_info=err)

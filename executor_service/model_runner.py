@@ -7,6 +7,7 @@ that samples this step gets logits for its last token and each of its drafts (k 
 
 from __future__ import annotations
 
+from collections import Counter
 from dataclasses import dataclass
 
 import torch
@@ -50,6 +51,7 @@ class ModelRunner:
         # None: no drafter. (): the final normed hidden state (EAGLE-1). Else these layers' outputs.
         self.feature_layers = feature_layers
         self.graphs: dict[int, StepGraphs] = {}  # by query length; set by the session where capturable
+        self.step_counts: Counter[str] = Counter()  # "graph" / "eager": how steps ran (benchmarks read it)
 
     def prepare(self, step: ScheduledStep, causal: bool = True) -> StepInputs:
         input_ids: list[int] = []
@@ -91,10 +93,12 @@ class ModelRunner:
         graphs = self.graphs.get(inputs.uniform_query_len or 0)
         step = inputs.attention
         if graphs is not None and len(inputs.sampled) <= graphs.max_batch:
+            self.step_counts["graph"] += 1
             outputs = graphs.run(
                 step.block_table, step.seq_lens, step.slot_mapping, inputs.positions, input_ids=inputs.input_ids
             )
             return StepOutput(outputs[0], outputs[1] if len(outputs) > 1 else None)
+        self.step_counts["eager"] += 1
         logits, features = self.forward(inputs.input_ids, inputs.positions, step, inputs.logits_indices)
         return StepOutput(logits, features)
 

@@ -13,6 +13,7 @@ them. Then:
 
 from __future__ import annotations
 
+from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -59,6 +60,7 @@ class Proposer:
         self.block_size = kv_cache.block_size
         self.max_model_len, self.device = max_model_len, device
         self.replay: Replay | None = None
+        self.pass_counts: Counter[str] = Counter()  # "<pass> graph" / "<pass> eager" (benchmarks read it)
         self.graphs: dict[str, StepGraphs] = {}  # by pass name; see capture_graphs
         self.passes = self._passes()
 
@@ -164,7 +166,9 @@ class Proposer:
     ) -> tuple[torch.Tensor, ...]:
         graphs = self.graphs.get(name)
         if graphs is not None and uniform and step.seq_lens.shape[0] <= graphs.max_batch:
+            self.pass_counts[f"{name} graph"] += 1
             return graphs.run(step.block_table, step.seq_lens, step.slot_mapping, positions, **inputs)
+        self.pass_counts[f"{name} eager"] += 1
         return self.passes[name][0](step, positions, inputs)
 
     def _passes(self) -> dict[str, tuple[GraphForward, int, dict[str, tuple[tuple[int, ...], torch.dtype]]]]:

@@ -107,15 +107,10 @@ def test_replayed_drafts_accept_as_scripted(method: str, wrong_at: int | None) -
 
 
 def scripted_verify_steps(max_tokens: int, k: int, wrong_at: int | None) -> int:
-    """Verify steps when each accepts min(wrong_at, drafts) drafts: the prefill emits the first token; the
-    engine drafts at most (tokens still wanted - 1), so the last token may come from a draft-less step."""
-    remaining, steps = max_tokens - 1, 0
-    while remaining > 0:
-        drafts = min(k, remaining - 1)
-        accepted = drafts if wrong_at is None else min(wrong_at, drafts)
-        steps += drafts > 0
-        remaining -= accepted + 1
-    return steps
+    """Verify steps when each accepts min(wrong_at, k) drafts: the prefill emits the first token, every verify
+    step the accepted drafts and one more (drafts are not cut at max_tokens: the extra tokens are dropped)."""
+    per_step = (k if wrong_at is None else min(wrong_at, k)) + 1
+    return -(-(max_tokens - 1) // per_step)
 
 
 @pytest.mark.parametrize("method", ["eagle", "dflash"])
