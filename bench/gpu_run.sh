@@ -3,6 +3,7 @@
 #   bash bench/gpu_run.sh stash            first call: carries fa/fa-a, keeps it in /root/fa-stash
 #   bash bench/gpu_run.sh install [STEPS]  next call (machine still warm): carries fa/fa-b, installs FA4
 #   bash bench/gpu_run.sh run STEPS        later calls on the same machine: FA4 already in /tmp/fa-site
+#   bash bench/gpu_run.sh smol-stash / smol-install   the SmolLM2 GGUF, likewise (to /root/models/smollm2)
 # STEPS: comma-separated from tests, bench, sweep, bench16, executor-tests, gpu-tests, executor-bench, specdec-bench. Results and logs go to $OUT.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -14,6 +15,15 @@ export PYTHONPATH=$PWD:$PWD/protos PYTHONUNBUFFERED=1
 
 if [[ $mode == stash ]]; then
   mkdir -p /root/fa-stash && cp fa/fa-a/* /root/fa-stash/ && ls -la /root/fa-stash
+fi
+# The SmolLM2 GGUF (98 MB) in two calls, as flash-attn: smol/smol-a then smol/smol-b (bench/README.md).
+if [[ $mode == smol-stash ]]; then
+  mkdir -p /root/smol-stash && cp smol/smol-a/* /root/smol-stash/ && ls -la /root/smol-stash
+fi
+if [[ $mode == smol-install ]]; then
+  mkdir -p /root/models/smollm2
+  cat /root/smol-stash/part00 smol/smol-b/part01 > /root/models/smollm2/SmolLM2-135M-Instruct.Q4_1.gguf
+  echo "$(cat smol/smol-b/sha256)  /root/models/smollm2/SmolLM2-135M-Instruct.Q4_1.gguf" | sha256sum -c
 fi
 if [[ $mode == install ]]; then
   cat /root/fa-stash/cu13.part00 fa/fa-b/cu13.part01 > /tmp/nvidia_cutlass_dsl_libs_cu13-4.8.1-cp312-cp312-manylinux_2_28_x86_64.whl
