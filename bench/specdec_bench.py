@@ -12,7 +12,7 @@
     1, 3, 6 and full, against target-only decoding of the same prompts in the same run; batch 1 and 16.
 
     python bench/specdec_bench.py --out bench/results            # H100: synthetic Llama-3-8B, bf16
-    python bench/specdec_bench.py --preset tiny --device cpu     # a smoke run of the script itself
+    python bench/specdec_bench.py --preset tiny --device cpu --backend CPU_ATTN   # a smoke run of the script
 """
 
 from __future__ import annotations
@@ -268,8 +268,10 @@ def generate(session: ModelSession, prompts: list[list[int]], max_tokens: int) -
     settings = SamplingSettings(max_tokens=max_tokens, ignore_eos=True)
     counts_before = pass_counts(session)
     started = time.perf_counter()
-    for i, prompt in enumerate(prompts):
-        session.engine.add(session.new_request(f"p{i}", prompt, settings, max_tokens, outputs[f"p{i}"].append))
+    requests = [session.new_request(f"p{i}", p, settings, max_tokens, outputs[f"p{i}"].append)
+                for i, p in enumerate(prompts)]  # fmt: skip
+    for request in requests:
+        session.engine.add(request)
     session.engine.run_until_idle()
     seconds = time.perf_counter() - started
     tokens = {rid: [t for o in outs for t in o.token_ids] for rid, outs in outputs.items()}
@@ -283,6 +285,8 @@ def generate(session: ModelSession, prompts: list[list[int]], max_tokens: int) -
         "tokens_per_s": round(total / seconds, 1),
         "mean_acceptance_length": round(1 + accepted / steps, 3) if steps else 1.0,
         "passes": dict(pass_counts(session) - counts_before),  # how target steps and drafter passes ran
+        "verify_steps_per_request": [min(r.verify_steps for r in requests), max(r.verify_steps for r in requests)],
+        "preemptions": sum(r.num_preemptions for r in requests),
     }
 
 
