@@ -50,7 +50,7 @@ def kernel_profile(call: Any, replays: int) -> dict[str, Any]:
 
 
 def main() -> int:
-    args = parse_args()
+    args = parse_args(__doc__)
     preset, device = PRESETS[args.preset], torch.device(args.device)
     commit, dirty = commit_id()
     sessions = open_sessions(args, preset)

@@ -357,8 +357,9 @@ def agreement(tokens: dict[str, list[int]], reference: dict[str, list[int]]) -> 
     return {"identical_requests": f"{same}/{len(reference)}", "mean_common_prefix": sum(prefixes) / len(prefixes)}
 
 
-def parse_args() -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def parse_args(description: str | None = __doc__) -> argparse.Namespace:
+    """This benchmark's flags; other scripts that replay its passes (pass_profile.py) pass their own description."""
+    parser = argparse.ArgumentParser(description=description, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--preset", choices=sorted(PRESETS), default="llama3-8b")
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--backend", default="TRITON_ATTN")

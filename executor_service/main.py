@@ -140,9 +140,16 @@ def main(argv: list[str] | None = None) -> int:
     parser = EnvDefaultsParser(prog="specdec-executor", description=__doc__)
     add_server_arguments(parser, DEFAULT_PORT)
     add_selector_client_arguments(parser)
-    parser.add_argument("--model-root", help="LoadModel paths must lie under this directory (unset: synthetic only)")
+    parser.add_argument(
+        "--model-root",
+        help="LoadModel paths must lie under this directory (unset: synthetic models and package:<name> GGUFs only)",
+    )
     parser.add_argument("--device", help="cuda, cuda:N or cpu (default: the first GPU, else the CPU)")
-    parser.add_argument("--load", help="a LoadModelRequest (YAML or JSON) to load before serving")
+    parser.add_argument(
+        "--load",
+        help="a LoadModelRequest (YAML or JSON) to load at start; the server answers meanwhile (health NOT_SERVING "
+        "until it is loaded and warm); the process exits 1 if it fails",
+    )
     parser.add_argument("--max-num-batched-tokens", type=int, default=8192, help="tokens per engine step")
     parser.add_argument("--max-num-seqs", type=int, default=256, help="requests in the running batch")
     parser.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs for decode steps")

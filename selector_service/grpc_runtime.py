@@ -31,8 +31,19 @@ def env_name(flag: str) -> str:
     return "SPECDEC_" + flag.lstrip("-").replace("-", "_").upper()
 
 
+class _BadEnvDefault:
+    """An environment value its flag's type or choices refuse: an error only when the flag does not override it."""
+
+    def __init__(self, message: str) -> None:
+        self.message = message
+
+
 class EnvDefaultsParser(argparse.ArgumentParser):
-    """argparse whose options default to SPECDEC_<FLAG> from the environment (flags still win)."""
+    """argparse whose options default to SPECDEC_<FLAG> from the environment (flags still win).
+
+    argparse checks neither the choices of a default nor (until parsing) its type, so an environment value is
+    checked here and, when bad, refused at parse time like a bad flag (exit 2), naming the variable.
+    """
 
     def add_argument(self, *args: str, **kwargs: object) -> argparse.Action:  # type: ignore[override]
         long = next((a for a in args if a.startswith("--")), None)
@@ -43,11 +54,35 @@ class EnvDefaultsParser(argparse.ArgumentParser):
                 if kwargs.get("action") == "store_true":
                     kwargs["default"] = value.strip().lower() in ("1", "true", "yes", "on")
                 else:
-                    kwargs["default"] = value
+                    kwargs["default"] = self._env_default(long, var, value, kwargs)
             help_text = kwargs.get("help")
             if isinstance(help_text, str):
                 kwargs["help"] = f"{help_text} [env {var}]"
         return super().add_argument(*args, **kwargs)
+
+    def _env_default(self, flag: str, var: str, value: str, kwargs: dict[str, object]) -> object:
+        """The value converted by the flag's type and within its choices, or what is wrong with it."""
+        convert = self._registry_get("type", kwargs.get("type"), kwargs.get("type"))
+        where = f"{var}={value!r} (for {flag})"
+        try:
+            converted = convert(value) if callable(convert) else value
+        except argparse.ArgumentTypeError as err:
+            return _BadEnvDefault(f"{where}: {err}")
+        except (TypeError, ValueError):
+            return _BadEnvDefault(f"{where}: invalid {getattr(convert, '__name__', repr(convert))} value")
+        choices = kwargs.get("choices")
+        if choices is not None and converted not in choices:
+            return _BadEnvDefault(f"{where}: invalid choice (choose from {', '.join(map(repr, choices))})")
+        return converted
+
+    def parse_known_args(
+        self, args: Sequence[str] | None = None, namespace: argparse.Namespace | None = None
+    ) -> tuple[argparse.Namespace, list[str]]:
+        parsed, extras = super().parse_known_args(args, namespace)
+        bad = [value.message for value in vars(parsed).values() if isinstance(value, _BadEnvDefault)]
+        if bad:
+            self.error("; ".join(bad))
+        return parsed, extras
 
 
 def add_server_arguments(parser: argparse.ArgumentParser, default_port: int) -> None:
@@ -64,8 +99,15 @@ def add_server_arguments(parser: argparse.ArgumentParser, default_port: int) -> 
     parser.add_argument("--grace-seconds", type=float, default=5.0, help="drain time on SIGTERM")
     parser.add_argument("--metrics-host", default="127.0.0.1", help="address of the Prometheus /metrics endpoint")
     parser.add_argument("--metrics-port", type=int, default=-1, help="Prometheus port (0: any free; -1: off)")
-    parser.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
-    parser.add_argument("--log-format", default="json", choices=["json", "text"])
+    parser.add_argument(
+        "--log-level",
+        default="info",
+        choices=["debug", "info", "warning", "error"],
+        help="the least severe level logged (stderr)",
+    )
+    parser.add_argument(
+        "--log-format", default="json", choices=["json", "text"], help="json: one JSON object a line; text: plain lines"
+    )
     parser.add_argument("--port-file", help="write the bound gRPC port here once the server answers (for --port 0)")
 
 

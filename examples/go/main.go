@@ -282,6 +282,11 @@ func main() {
 	flag.IntVar(&opts.maxTokens, "max-tokens", 24, "tokens to generate at most")
 	flag.StringVar(&opts.prompt, "prompt", "1 2 3 4 5", "token ids, separated by spaces")
 	flag.Parse()
+	if flag.NArg() > 0 {
+		fmt.Fprintf(os.Stderr, "unexpected argument %q: this command takes flags only\n", flag.Arg(0))
+		flag.Usage()
+		os.Exit(2)
+	}
 	if _, ok := methods[opts.method]; !ok {
 		fmt.Fprintln(os.Stderr, "-method must be dflash or eagle3")
 		os.Exit(2)

@@ -20,23 +20,58 @@ import protoLoader from '@grpc/proto-loader';
 
 const HERE = path.dirname(fileURLToPath(import.meta.url));
 
-const { values: args } = parseArgs({
-  options: {
-    selector: { type: 'string', default: process.env.SPECDEC_SELECTOR ?? '127.0.0.1:50051' },
-    executor: { type: 'string', default: process.env.SPECDEC_EXECUTOR ?? '127.0.0.1:50052' },
-    method: { type: 'string', default: 'dflash' }, // the drafter's kind: dflash | eagle3
-    'num-speculative-tokens': { type: 'string', default: '4' },
-    'target-backend': { type: 'string', default: 'auto' }, // "auto" or a backend name, e.g. CPU_ATTN
-    'drafter-backend': { type: 'string', default: 'auto' }, // the drafter's own; never inherited
-    'max-tokens': { type: 'string', default: '24' },
-    prompt: { type: 'string', default: '1 2 3 4 5' }, // token ids, separated by spaces
-    protos: { type: 'string', default: path.resolve(HERE, '..', '..', 'protos') },
-  },
-});
-const METHODS = { dflash: 'SPEC_METHOD_DFLASH', eagle3: 'SPEC_METHOD_EAGLE3' };
-if (!(args.method in METHODS)) {
-  console.error(`--method must be one of ${Object.keys(METHODS).join(', ')}`);
+const USAGE = `usage: node client.mjs [--selector HOST:PORT] [--executor HOST:PORT] [--method dflash|eagle3]
+                      [--num-speculative-tokens N] [--target-backend NAME] [--drafter-backend NAME]
+                      [--max-tokens N] [--prompt "IDS"] [--protos DIR] [--help]
+
+The whole specdec flow from Node.js: GetCapabilities, SelectBackends, LoadModel, Generate (streamed).
+  --selector HOST:PORT         selector address (default $SPECDEC_SELECTOR or 127.0.0.1:50051)
+  --executor HOST:PORT         executor address (default $SPECDEC_EXECUTOR or 127.0.0.1:50052)
+  --method dflash|eagle3       the drafter's kind (default dflash)
+  --num-speculative-tokens N   tokens drafted per step (default 4)
+  --target-backend NAME        "auto" or a backend name, e.g. CPU_ATTN (default auto)
+  --drafter-backend NAME       the drafter's own; never inherited (default auto)
+  --max-tokens N               tokens to generate at most (default 24)
+  --prompt "IDS"               token ids, separated by spaces (default "1 2 3 4 5")
+  --protos DIR                 another copy of the protos (default ../../protos)
+  -h, --help                   print this and exit
+$SPECDEC_AUTH_TOKEN, when set, is sent as \`authorization: Bearer <token>\` on every call.`;
+
+// A bad command line prints the usage and exits 2 (like argparse and Go's flag package); --help exits 0.
+function usageError(message) {
+  console.error(`${USAGE}\n\nclient.mjs: error: ${message}`);
   process.exit(2);
+}
+
+let parsed;
+try {
+  parsed = parseArgs({
+    options: {
+      help: { type: 'boolean', short: 'h', default: false },
+      selector: { type: 'string', default: process.env.SPECDEC_SELECTOR ?? '127.0.0.1:50051' },
+      executor: { type: 'string', default: process.env.SPECDEC_EXECUTOR ?? '127.0.0.1:50052' },
+      method: { type: 'string', default: 'dflash' },
+      'num-speculative-tokens': { type: 'string', default: '4' },
+      'target-backend': { type: 'string', default: 'auto' },
+      'drafter-backend': { type: 'string', default: 'auto' },
+      'max-tokens': { type: 'string', default: '24' },
+      prompt: { type: 'string', default: '1 2 3 4 5' },
+      protos: { type: 'string', default: path.resolve(HERE, '..', '..', 'protos') },
+    },
+  });
+} catch (err) {
+  if (!err.code?.startsWith('ERR_PARSE_ARGS_')) throw err;
+  usageError(err.message);
+}
+const args = parsed.values;
+if (args.help) {
+  console.log(USAGE);
+  process.exit(0);
+}
+const METHODS = { dflash: 'SPEC_METHOD_DFLASH', eagle3: 'SPEC_METHOD_EAGLE3' };
+if (!(args.method in METHODS)) usageError(`--method must be one of ${Object.keys(METHODS).join(', ')}`);
+for (const name of ['num-speculative-tokens', 'max-tokens']) {
+  if (!/^\d+$/.test(args[name])) usageError(`--${name} must be a whole number, not '${args[name]}'`);
 }
 
 // Field names as in the .proto files, enums as their names, 64-bit integers as decimal strings.

@@ -3,7 +3,8 @@
 Both servers require a bearer token, so every successful run also shows the client sends $SPECDEC_AUTH_TOKEN. Each
 client runs four times: the DFlash flow with addresses from $SPECDEC_SELECTOR / $SPECDEC_EXECUTOR, the EAGLE-3 flow
 with addresses from flags, an explicit drafter backend the CPU cannot run (INVALID_ARGUMENT, exit 1) and no token
-(UNAUTHENTICATED, exit 1). What a client prints must equal what the servers report to this test's own calls:
+(UNAUTHENTICATED, exit 1); before them, --help exits 0 and a misspelled flag or a stray argument exits 2,
+both with the usage and no traceback. What a client prints must equal what the servers report to this test's own calls:
 the capabilities, the selector's decisions with every candidate's verdict, the loaded backends, and the streamed
 tokens and final statistics of the same greedy request on the model the examples document, loaded by this test.
 """
@@ -191,8 +192,22 @@ def run_client(command: list[str], cwd: Path, env: dict[str, str]) -> subprocess
         pytest.fail(f"{command} ran past {CLIENT_TIMEOUT_S} s\nstdout:\n{err.stdout}\nstderr:\n{err.stderr}")
 
 
+def check_command_line(client: list[str], cwd: Path) -> None:
+    """--help prints the usage naming every flag (exit 0); a bad command line prints it and the error (exit 2)."""
+    shown = run_client([*client, "--help"], cwd, {})
+    usage = shown.stdout + shown.stderr  # Go's flag package prints its usage on stderr
+    assert shown.returncode == 0, usage
+    assert all(f"-{flag}" in usage for flag in ("selector", "executor", "method", "drafter-backend", "max-tokens"))
+    for bad, named in (["--metod=eagle3"], "metod"), (["stray"], "stray"):
+        refused = run_client([*client, *bad], cwd, {})
+        assert (refused.returncode, refused.stdout) == (2, ""), f"{bad}: {refused.returncode}\n{refused.stderr}"
+        assert named in refused.stderr and "-max-tokens" in refused.stderr, refused.stderr
+        assert "Traceback" not in refused.stderr and "    at " not in refused.stderr, refused.stderr
+
+
 def exercise(client: list[str], cwd: Path, launch_server: Callable, launch_executor: Callable) -> None:
-    """The four runs of one client (see the module docstring), against servers that require TOKEN."""
+    """The runs of one client (see the module docstring), against servers that require TOKEN."""
+    check_command_line(client, cwd)
     selector = launch_server("selector", "--auth-token", TOKEN)
     executor = launch_executor(None, "--auth-token", TOKEN)
     addresses = {"SPECDEC_SELECTOR": selector.address, "SPECDEC_EXECUTOR": executor.address}

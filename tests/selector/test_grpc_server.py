@@ -252,3 +252,26 @@ def test_env_vars_configure_the_server(tmp_path: Path) -> None:
         assert parser.parse_args(["--metrics-port", "7"]).metrics_port == 7
     finally:
         del os.environ["SPECDEC_METRICS_PORT"]
+
+
+def test_bad_env_values_are_refused_like_bad_flags(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture
+) -> None:
+    """A SPECDEC_* value its flag's choices or type refuse exits 2 naming the variable, unless the flag overrides it."""
+    from selector_service.grpc_runtime import EnvDefaultsParser, add_server_arguments
+
+    monkeypatch.setenv("SPECDEC_LOG_LEVEL", "verbose")
+    monkeypatch.setenv("SPECDEC_METRICS_PORT", "ninety")
+    monkeypatch.setenv("SPECDEC_LOG_FORMAT", "text")
+    parser = EnvDefaultsParser(prog="specdec-test")
+    add_server_arguments(parser, default_port=1)
+    with pytest.raises(SystemExit) as exited:
+        parser.parse_args([])
+    assert exited.value.code == 2
+    err = capsys.readouterr().err
+    assert "SPECDEC_LOG_LEVEL='verbose' (for --log-level): invalid choice (choose from 'debug', 'info'" in err
+    assert "SPECDEC_METRICS_PORT='ninety' (for --metrics-port): invalid int value" in err
+    args = parser.parse_args(["--log-level", "debug", "--metrics-port", "9"])
+    assert (args.log_level, args.metrics_port, args.log_format) == ("debug", 9, "text")
+    shown = " ".join(parser.format_help().split())
+    assert "[env SPECDEC_LOG_LEVEL]" in shown and "[env SPECDEC_LOG_FORMAT]" in shown
