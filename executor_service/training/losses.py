@@ -1,0 +1,136 @@
+"""The three drafters' losses, and what each batch says about acceptance.
+
+- EAGLE-1: per unrolled step, smooth-L1 between the drafter's output and the target's next feature
+  (weight `feature_weight`) plus cross-entropy of the target's LM head on it (weight `token_weight`).
+- EAGLE-3: per step, cross-entropy of its own head against the target's tokens mapped into the reduced
+  vocabulary (t2d); tokens outside it are not scored. Step j weighs `step_decay ** j`.
+- DFlash: random anchors in the response; cross-entropy of slots 1 .. B-1, slot i weighted by
+  exp(-(i - 1) / gamma).
+
+`accept_length` is, over the scored rows, 1 + the mean number of leading correct drafts: what greedy
+verification would accept there (exact for DFlash's block and for the unrolled chain, given the target's
+tokens as context).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from executor_service.draft_models import DFlashDrafter, Drafter, Eagle3Drafter, EagleDrafter
+from executor_service.training.features import TargetView, shifted
+from executor_service.training.unroll import dflash_blocks, eagle_unroll
+
+IGNORE = -100
+
+
+@dataclass(frozen=True)
+class LossSettings:
+    ttt_steps: int = 1  # EAGLE / EAGLE-3 unrolled steps
+    step_decay: float = 0.8
+    feature_weight: float = 1.0  # EAGLE-1
+    token_weight: float = 0.1  # EAGLE-1
+    num_anchors: int = 32  # DFlash, per sequence
+    gamma: float = 7.0  # DFlash
+
+
+@dataclass
+class LossOutput:
+    loss: torch.Tensor
+    metrics: dict[str, float]  # per-step / per-slot accuracies, accept_length, loss parts
+
+
+def drafter_loss(
+    drafter: Drafter,
+    view: TargetView,
+    settings: LossSettings,
+    generator: torch.Generator,
+    t2d: torch.Tensor | None = None,
+) -> LossOutput:
+    if isinstance(drafter, DFlashDrafter):
+        return dflash_loss(drafter, view, settings, generator)
+    return eagle_loss(drafter, view, settings, t2d)
+
+
+def eagle_loss(
+    drafter: EagleDrafter | Eagle3Drafter, view: TargetView, settings: LossSettings, t2d: torch.Tensor | None
+) -> LossOutput:
+    eagle3 = isinstance(drafter, Eagle3Drafter)
+    assert drafter.target is not None and (t2d is not None or not eagle3)
+    steps = eagle_unroll(drafter, view.ids, view.features, settings.ttt_steps)
+    total = view.ids.new_zeros((), dtype=torch.float32)
+    metrics: dict[str, float] = {}
+    leading: torch.Tensor | None = None  # per row: all steps so far correct
+    accepted = torch.zeros_like(view.valid, dtype=torch.float32)
+    scored = view.valid  # rows whose first prediction counts
+    for j, step in enumerate(steps):
+        labels, valid = shifted(view.labels, 1 + j), shifted(view.valid, 1 + j, fill=False)
+        if eagle3:
+            assert t2d is not None
+            labels = t2d[labels]
+            valid = valid & (labels >= 0)
+            logits = drafter.lm_head(step.head[valid])
+        else:
+            logits = drafter.target.lm_head(step.head[valid])
+        ce = F.cross_entropy(logits.float(), labels[valid]) if logits.shape[0] else total * 0
+        loss = ce if eagle3 else settings.token_weight * ce
+        if not eagle3:
+            target = shifted(view.hidden, 1 + j)[valid].float()
+            feature = F.smooth_l1_loss(step.feedback[valid].float(), target) if target.shape[0] else total * 0
+            loss = loss + settings.feature_weight * feature
+            metrics[f"feature_loss_{j}"] = feature.item()
+        total = total + settings.step_decay**j * loss
+        correct = torch.zeros_like(valid)
+        correct[valid] = logits.argmax(-1) == labels[valid]
+        metrics[f"ce_{j}"] = ce.item()
+        metrics[f"acc_{j}"] = float(correct[valid].float().mean()) if valid.any() else 0.0
+        leading = correct if leading is None else leading & correct
+        accepted += leading.float()
+    metrics["accept_length"] = 1 + float(accepted[scored].mean()) if scored.any() else 1.0
+    metrics["loss"] = total.item()
+    return LossOutput(total, metrics)
+
+
+def sample_anchors(view: TargetView, count: int, generator: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+    """Up to `count` distinct anchors per row among positions a >= 1 whose next token is a response token
+    ([B, count] anchors and whether each is real); drawn from `generator` on the CPU (device-independent)."""
+    eligible = view.valid.clone()
+    eligible[:, 0] = False
+    scores = torch.rand(eligible.shape, generator=generator).to(eligible.device)
+    scores = scores.masked_fill(~eligible, 2.0)
+    count = min(count, eligible.shape[1])
+    anchors = scores.topk(count, dim=1, largest=False).indices
+    real = eligible.gather(1, anchors)
+    return anchors.masked_fill(~real, 1), real
+
+
+def dflash_loss(
+    drafter: DFlashDrafter, view: TargetView, settings: LossSettings, generator: torch.Generator
+) -> LossOutput:
+    assert drafter.target is not None
+    size = drafter.config.block_size
+    anchors, real = sample_anchors(view, settings.num_anchors, generator)
+    hidden = dflash_blocks(drafter, view.ids, view.features, anchors)[:, :, 1:]  # slot i predicts token a + i
+    label_positions = anchors[..., None] + torch.arange(size - 1, device=anchors.device)  # [B, A, B-1]
+    within = label_positions < view.ids.shape[1]
+    label_positions = label_positions.clamp(max=view.ids.shape[1] - 1)
+    flat = label_positions.flatten(1)
+    labels = view.labels.gather(1, flat).view_as(label_positions)
+    valid = view.valid.gather(1, flat).view_as(label_positions) & within & real[..., None]
+    weights = torch.exp(-torch.arange(size - 1, device=anchors.device, dtype=torch.float32) / settings.gamma)
+    logits = drafter.target.lm_head(hidden[valid]).float()
+    per_token = F.cross_entropy(logits, labels[valid], reduction="none")
+    row_weights = weights.expand_as(valid)[valid]
+    loss = (per_token * row_weights).sum() / row_weights.sum().clamp(min=1e-6)
+    correct = torch.zeros_like(valid)
+    correct[valid] = logits.argmax(-1) == labels[valid]
+    metrics = {"loss": loss.item(), "ce": per_token.mean().item() if per_token.numel() else 0.0}
+    for slot in range(size - 1):
+        here = valid[..., slot]
+        metrics[f"acc_{slot}"] = float(correct[..., slot][here].float().mean()) if here.any() else 0.0
+    scored = valid[..., 0]
+    leading = correct.int().cumprod(dim=-1).sum(dim=-1).float()
+    metrics["accept_length"] = 1 + float(leading[scored].mean()) if scored.any() else 1.0
+    return LossOutput(loss, metrics)

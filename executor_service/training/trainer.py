@@ -1,0 +1,173 @@
+"""The training loop: AdamW, warmup then cosine decay, bf16 autocast on GPUs (fp32 on the CPU), gradient
+clipping, a progress bar, and checkpoints that make a run resumable and deterministic.
+
+Everything random is drawn from the seed: the drafter's initial weights, each epoch's order of the
+sequences (a generator seeded with seed and epoch, so step s always trains on the same batch), and
+DFlash's anchors (one generator whose state is checkpointed). A run stopped at any checkpoint and
+resumed therefore ends with the same weights as one that never stopped.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import time
+from collections import defaultdict
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from executor_service.draft_models import Drafter
+from executor_service.model import DecoderModel
+from executor_service.training.features import Sequence, collate, target_view
+from executor_service.training.losses import drafter_loss
+from executor_service.training.progress import Progress
+from executor_service.training.recipes import Recipe
+
+EVAL_SEED_OFFSET = 7_777  # DFlash anchors of evaluations: a fixed draw, the same before and after training
+
+
+@dataclass
+class TrainOutcome:
+    steps: int
+    seconds: float
+    final: dict[str, float]  # train metrics, averaged over the last `log_every` steps
+    history: list[dict[str, float]] = field(default_factory=list)  # averaged every `log_every` steps
+
+
+class Trainer:
+    def __init__(
+        self,
+        drafter: Drafter,
+        target: DecoderModel,
+        sequences: list[Sequence],
+        recipe: Recipe,
+        seed: int,
+        device: torch.device,
+        t2d: torch.Tensor | None = None,
+        progress: bool = True,
+    ) -> None:
+        self.drafter, self.target, self.sequences, self.recipe = drafter, target, sequences, recipe
+        self.seed, self.device, self.t2d, self.progress = seed, device, t2d, progress
+        self.batches_per_epoch = math.ceil(len(sequences) / recipe.batch_size)
+        self.total_steps = max(1, math.ceil(recipe.epochs * self.batches_per_epoch))
+        decay = [p for p in drafter.parameters() if p.dim() >= 2]  # matrices; not norms and biases
+        other = [p for p in drafter.parameters() if p.dim() < 2]
+        self.optimizer = torch.optim.AdamW(
+            [{"params": decay, "weight_decay": recipe.weight_decay}, {"params": other, "weight_decay": 0.0}],
+            lr=recipe.lr,
+            betas=(0.9, 0.95),
+        )
+        self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, self._lr_factor)
+        self.generator = torch.Generator().manual_seed(seed)
+        self.step = 0
+        self.history: list[dict[str, float]] = []
+        self.window: dict[str, list[float]] = defaultdict(list)  # metrics since the last history entry
+        self.seconds = 0.0
+        self._orders: dict[int, torch.Tensor] = {}
+
+    def _lr_factor(self, step: int) -> float:
+        warmup = max(1, round(self.recipe.warmup_ratio * self.total_steps))
+        if step < warmup:
+            return (step + 1) / warmup
+        progress = (step - warmup) / max(1, self.total_steps - warmup)
+        floor = self.recipe.min_lr_ratio
+        return floor + (1 - floor) * 0.5 * (1 + math.cos(math.pi * min(progress, 1.0)))
+
+    def batch(self, step: int) -> list[Sequence]:
+        epoch, index = divmod(step, self.batches_per_epoch)
+        if epoch not in self._orders:
+            generator = torch.Generator().manual_seed(self.seed * 1_000_003 + epoch)
+            self._orders = {epoch: torch.randperm(len(self.sequences), generator=generator)}
+        size = self.recipe.batch_size
+        return [self.sequences[i] for i in self._orders[epoch][index * size : (index + 1) * size].tolist()]
+
+    def _autocast(self) -> Any:
+        return torch.autocast("cuda", dtype=torch.bfloat16, enabled=self.device.type == "cuda")
+
+    def train_step(self) -> dict[str, float]:
+        batch = collate(self.batch(self.step), self.recipe.max_len, self.device)
+        view = target_view(self.target, self.drafter.config, batch)
+        with self._autocast():
+            out = drafter_loss(self.drafter, view, self.recipe.loss, self.generator, self.t2d)
+        out.loss.backward()
+        norm = torch.nn.utils.clip_grad_norm_(self.drafter.parameters(), self.recipe.grad_clip)
+        self.optimizer.step()
+        self.scheduler.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        self.step += 1
+        return {**out.metrics, "grad_norm": float(norm), "lr": self.scheduler.get_last_lr()[0]}
+
+    def run(
+        self, checkpoint: Path | None = None, every: int = 0, stop_after: int | None = None, log_every: int = 10
+    ) -> TrainOutcome:
+        """Train to the recipe's last step (or `stop_after` more steps), saving `checkpoint` every `every`
+        steps and at the end."""
+        last = self.total_steps if stop_after is None else min(self.total_steps, self.step + stop_after)
+        bar = Progress(self.total_steps, f"training {self.drafter.config.method}", "step", self.step, self.progress)
+        started = time.perf_counter()
+        while self.step < last:
+            metrics = self.train_step()
+            for name, value in metrics.items():
+                self.window[name].append(value)
+            bar.update(1, loss=metrics["loss"], accept=metrics["accept_length"])
+            if self.step % log_every == 0 or self.step == self.total_steps:
+                self.history.append({"step": self.step, **{k: sum(v) / len(v) for k, v in self.window.items()}})
+                self.window.clear()
+            if checkpoint is not None and ((every and self.step % every == 0) or self.step == last):
+                self.seconds += time.perf_counter() - started
+                started = time.perf_counter()
+                self.save(checkpoint)
+        bar.close()
+        self.seconds += time.perf_counter() - started
+        final = {k: v for k, v in self.history[-1].items() if k != "step"} if self.history else {}
+        return TrainOutcome(self.step, self.seconds, final, self.history)
+
+    @torch.no_grad()
+    def evaluate(self, sequences: list[Sequence]) -> dict[str, float]:
+        """Mean metrics over `sequences` (batches of the recipe's size), with a fixed anchor draw."""
+        generator = torch.Generator().manual_seed(self.seed + EVAL_SEED_OFFSET)
+        totals: dict[str, float] = defaultdict(float)
+        size = self.recipe.batch_size
+        batches = [sequences[i : i + size] for i in range(0, len(sequences), size)]
+        for chunk in batches:
+            view = target_view(self.target, self.drafter.config, collate(chunk, self.recipe.max_len, self.device))
+            with self._autocast():
+                out = drafter_loss(self.drafter, view, self.recipe.loss, generator, self.t2d)
+            for name, value in out.metrics.items():
+                totals[name] += value * len(chunk)
+        return {name: value / len(sequences) for name, value in totals.items()}
+
+    def state(self) -> dict[str, Any]:
+        return {
+            "step": self.step,
+            "seed": self.seed,
+            "recipe": asdict(self.recipe),
+            "drafter": self.drafter.state_dict(),
+            "optimizer": self.optimizer.state_dict(),
+            "scheduler": self.scheduler.state_dict(),
+            "generator": self.generator.get_state(),
+            "history": self.history,
+            "window": dict(self.window),
+            "seconds": self.seconds,
+        }
+
+    def save(self, path: Path) -> None:
+        """Written beside and renamed, so an interrupted save leaves the previous checkpoint whole."""
+        path.parent.mkdir(parents=True, exist_ok=True)
+        partial = path.with_suffix(".partial")
+        torch.save(self.state(), partial)
+        os.replace(partial, path)
+
+    def load(self, path: Path) -> None:
+        state = torch.load(path, map_location=self.device, weights_only=False)
+        if state["recipe"] != asdict(self.recipe) or state["seed"] != self.seed:
+            raise ValueError(f"{path} was written by another recipe or seed: {state['recipe']}, seed {state['seed']}")
+        self.drafter.load_state_dict(state["drafter"])
+        self.optimizer.load_state_dict(state["optimizer"])
+        self.scheduler.load_state_dict(state["scheduler"])
+        self.generator.set_state(state["generator"].cpu())
+        self.step, self.history, self.seconds = state["step"], state["history"], state["seconds"]
+        self.window = defaultdict(list, state["window"])
