@@ -4,13 +4,14 @@ Start a selector and an executor here (or use running ones: --selector, --execut
 it can run (GetCapabilities), let the selector decide the target's and the drafter's attention backends
 (SelectBackends), load both with exactly those backends (LoadModel), generate speculatively (Generate,
 streamed), print the decisions, the output and the acceptance statistics, and stop what was started.
+The model is SmolLM2-135M-Instruct with a drafter trained for it (demo_model.py); --synthetic: random weights.
 Torch-free: the executor is its own process.
 """
 
 from __future__ import annotations
 
 import argparse
-import os
+import functools
 import tempfile
 import time
 import uuid
@@ -24,14 +25,14 @@ from grpc_status import rpc_status
 
 from selector_service.client import open_channel
 from selector_service.demo_model import (
-    METHODS,
-    MODEL_NOTE,
-    default_load_request,
-    describe,
+    DemoModel,
+    default_model,
     dtype_for,
     selection_request,
+    synthetic_model,
     with_backends,
 )
+from selector_service.demo_options import add_demo_arguments as add_demo_arguments  # the CLI imports it from here
 from selector_service.demo_output import Output
 from selector_service.demo_render import render_capabilities, render_finished, render_loaded
 from selector_service.local_servers import LocalServer, ServerError, start_server, stop_all
@@ -40,41 +41,11 @@ from specdec.v1 import executor_pb2, executor_pb2_grpc, selector_pb2_grpc
 
 EXIT_ERROR, EXIT_RPC_ERROR, EXIT_INTERRUPTED = 1, 2, 130
 LONG_CALL_TIMEOUT_S = 600.0  # LoadModel and Generate: a real checkpoint on a remote GPU takes a while
-DEFAULT_PROMPT = "Speculative decoding lets a small drafter propose tokens that the target verifies at once."
 HEALTH = health_pb2.HealthCheckResponse.ServingStatus
 
 
 class DemoError(Exception):
     """A failure the demo explains itself (no gRPC status to show)."""
-
-
-def add_demo_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--prompt", default=DEFAULT_PROMPT, help="text to continue")
-    parser.add_argument("--max-tokens", type=_positive, default=48, help="tokens to generate")
-    parser.add_argument("--temperature", type=float, default=0.0, help="0: greedy")
-    parser.add_argument("--method", choices=list(METHODS), default="eagle3", help="the drafter's method")
-    parser.add_argument("--k", type=_positive, default=3, help="tokens the drafter proposes per step")
-    parser.add_argument("--selector", help="a running specdec-selector, HOST:PORT (default: start one here)")
-    parser.add_argument("--executor", help="a running specdec-executor, HOST:PORT (default: start one here)")
-    parser.add_argument("--device", default="cpu", help="device of the executor started here: cpu, cuda, cuda:N")
-    parser.add_argument("--json", action="store_true", help="print one JSON document instead of the text report")
-    parser.add_argument("--timeout", type=float, default=10.0, help="deadline of the short RPCs, seconds")
-    parser.add_argument("--tls-ca", help="remote servers: PEM CA that signed their certificates (enables TLS)")
-    parser.add_argument("--tls-cert", help="remote servers: PEM client certificate (mTLS)")
-    parser.add_argument("--tls-key", help="remote servers: PEM client key (mTLS)")
-    parser.add_argument("--tls-server-name", help="remote servers: expected name, if not the address's host")
-    parser.add_argument(
-        "--auth-token",
-        default=os.environ.get("SPECDEC_AUTH_TOKEN"),
-        help="remote servers: send 'authorization: Bearer <token>' [env SPECDEC_AUTH_TOKEN]",
-    )
-
-
-def _positive(text: str) -> int:
-    value = int(text)
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
-    return value
 
 
 def run_demo(args: argparse.Namespace) -> int:
@@ -109,17 +80,27 @@ def run_demo(args: argparse.Namespace) -> int:
 
 
 def _flow(args: argparse.Namespace, out: Output, servers: list[LocalServer], log_dir: Path) -> None:
+    if args.synthetic:
+        model = synthetic_model(args.method, args.k)
+    else:  # before any server starts: a missing drafter fails at once
+        model = default_model(args.method, args.k, args.drafters)
     with ExitStack() as channels:
-        opened = _connect(args, out, servers, log_dir, channels)
+        opened = _connect(args, out, servers, log_dir, channels, model.model_root)
         executor = executor_pb2_grpc.ExecutorStub(opened["executor"])
         selector = selector_pb2_grpc.BackendSelectorStub(opened["selector"])
-        info = _select_and_load(args, out, executor, selector, lambda: _health(opened["executor"], args.timeout))
+        health = functools.partial(_health, opened["executor"], args.timeout)
+        info = _select_and_load(args, out, model, executor, selector, health)
         out.section("speculative generation (Executor.Generate, streamed)")
-        _generate(args, out, executor, info)
+        _generate(args, out, model, executor, info)
 
 
 def _connect(
-    args: argparse.Namespace, out: Output, servers: list[LocalServer], log_dir: Path, channels: ExitStack
+    args: argparse.Namespace,
+    out: Output,
+    servers: list[LocalServer],
+    log_dir: Path,
+    channels: ExitStack,
+    model_root: Path | None,
 ) -> dict[str, grpc.Channel]:
     """Channels to both servers: remote ones checked first (a wrong address fails before anything starts),
     then those not given started here; the executor started here validates backends with the selector
@@ -136,8 +117,9 @@ def _connect(
     if not args.selector:
         servers.append(start_server("selector", log_dir))
     if not args.executor:
-        selector = [] if args.selector else ["--selector-address", servers[0].address]
-        servers.append(start_server("executor", log_dir, "--device", args.device, *selector))
+        extra = [] if args.selector else ["--selector-address", servers[0].address]
+        extra += ["--model-root", str(model_root)] if model_root is not None else []
+        servers.append(start_server("executor", log_dir, "--device", args.device, *extra))
     for name in ("selector", "executor"):
         local = next((s for s in servers if s.name == name), None)
         if local is not None:
@@ -156,6 +138,7 @@ def _connect(
 def _select_and_load(
     args: argparse.Namespace,
     out: Output,
+    model: DemoModel,
     executor: executor_pb2_grpc.ExecutorStub,
     selector: selector_pb2_grpc.BackendSelectorStub,
     health: Callable[[], int],
@@ -168,17 +151,19 @@ def _select_and_load(
     out.record("capabilities", hardware)
 
     out.section("backend selection (BackendSelector.SelectBackends, every candidate with its reasons)")
-    load = default_load_request(args.method, args.k)
+    load = model.load
     load.dtype = dtype_for(hardware)
     out.step = "SelectBackends on the selector"
-    selection = selector.SelectBackends(selection_request(load, hardware), timeout=args.timeout)
+    selection = selector.SelectBackends(selection_request(model, hardware), timeout=args.timeout)
     out.line(render_selection(selection))
     out.record("selection", selection)
 
     out.section("loading target and drafter (Executor.LoadModel)")
-    for line in describe(load):
+    for line in model.description:
         out.line(line)
-    out.line(f"note: {MODEL_NOTE}")
+    out.record("model", model.description)
+    if model.note:
+        out.line(f"note: {model.note}")
     out.step = "LoadModel on the executor"
     started = time.monotonic()
     future = executor.LoadModel.future(with_backends(load, selection), timeout=LONG_CALL_TIMEOUT_S)
@@ -200,14 +185,19 @@ def _select_and_load(
 
 
 def _generate(
-    args: argparse.Namespace, out: Output, executor: executor_pb2_grpc.ExecutorStub, info: executor_pb2.ModelInfo
+    args: argparse.Namespace,
+    out: Output,
+    model: DemoModel,
+    executor: executor_pb2_grpc.ExecutorStub,
+    info: executor_pb2.ModelInfo,
 ) -> None:
     request = executor_pb2.GenerateRequest(request_id=f"demo-{uuid.uuid4().hex[:8]}")
     request.sampling.temperature = args.temperature
     request.sampling.max_tokens = args.max_tokens
     if info.has_tokenizer:
-        request.text = args.prompt
-        out.line(f"prompt: {args.prompt!r}")
+        chat = None if args.no_chat else model.chat
+        request.text = chat(args.prompt) if chat else args.prompt
+        out.line(f"prompt: {args.prompt!r}" + (", in the model's chat template" if chat else ""))
     else:
         ids = list(args.prompt.encode())
         if info.vocab_size < 256:
@@ -234,6 +224,7 @@ def _generate(
         raise DemoError("the Generate stream ended without its final message")
     out.section("acceptance statistics (the stream's final message)")
     out.line(render_finished(finished, seconds))
+    out.record("prompt_text", request.text)
     out.record("prompt_token_ids", list(request.token_ids.ids))
     out.record("output_token_ids", token_ids)
     out.record("text", "".join(text))

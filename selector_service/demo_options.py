@@ -1,0 +1,63 @@
+"""The options of `specdec demo` (its flow is in demo.py)."""
+
+from __future__ import annotations
+
+import argparse
+import os
+from pathlib import Path
+
+from selector_service.demo_drafters import repo_drafters_dir
+from selector_service.demo_model import METHODS
+
+# SmolLM2 answers it in three greedy sentences (55 tokens), which end the generation before --max-tokens.
+DEFAULT_PROMPT = "Explain in three sentences why the sky is blue."
+
+
+def add_demo_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--prompt",
+        default=DEFAULT_PROMPT,
+        help="the user's message, sent in the model's chat template (--synthetic: as its UTF-8 bytes)",
+    )
+    parser.add_argument("--no-chat", action="store_true", help="send --prompt as is, as text to continue")
+    parser.add_argument("--max-tokens", type=_positive, default=96, help="tokens to generate (at most)")
+    parser.add_argument("--temperature", type=float, default=0.0, help="0: greedy")
+    parser.add_argument("--method", choices=list(METHODS), default="eagle3", help="the drafter's method")
+    parser.add_argument(
+        "--k",
+        type=_positive,
+        help="tokens the drafter proposes per step (default 7, DFlash: its block size - 1; --synthetic: 3)",
+    )
+    parser.add_argument(
+        "--drafters",
+        type=Path,
+        metavar="DIR",
+        default=repo_drafters_dir(),
+        help="directory of the trained drafters (smollm2-eagle3/, smollm2-dflash/, ...), the --model-root of the "
+        "executor started here; a remote executor reads the same names under its own --model-root "
+        "(default: the repository's drafters/)",
+    )
+    parser.add_argument(
+        "--synthetic", action="store_true", help="a small random-weight model instead (no files; quick, no speed-up)"
+    )
+    parser.add_argument("--selector", help="a running specdec-selector, HOST:PORT (default: start one here)")
+    parser.add_argument("--executor", help="a running specdec-executor, HOST:PORT (default: start one here)")
+    parser.add_argument("--device", default="cpu", help="device of the executor started here: cpu, cuda, cuda:N")
+    parser.add_argument("--json", action="store_true", help="print one JSON document instead of the text report")
+    parser.add_argument("--timeout", type=float, default=10.0, help="deadline of the short RPCs, seconds")
+    parser.add_argument("--tls-ca", help="remote servers: PEM CA that signed their certificates (enables TLS)")
+    parser.add_argument("--tls-cert", help="remote servers: PEM client certificate (mTLS)")
+    parser.add_argument("--tls-key", help="remote servers: PEM client key (mTLS)")
+    parser.add_argument("--tls-server-name", help="remote servers: expected name, if not the address's host")
+    parser.add_argument(
+        "--auth-token",
+        default=os.environ.get("SPECDEC_AUTH_TOKEN"),
+        help="remote servers: send 'authorization: Bearer <token>' [env SPECDEC_AUTH_TOKEN]",
+    )
+
+
+def _positive(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
+    return value
