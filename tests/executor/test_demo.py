@@ -135,7 +135,7 @@ def test_demo_against_running_servers_leaves_them_running(
     assert [c["backend"] for c in drafter["candidates"]] == ["CPU_ATTN"]
     assert report["loaded"]["draftBackend"]["explicit"] is True
     assert report["prompt_text"].startswith("<|im_start|>system\n") and report["prompt_text"].endswith("assistant\n")
-    assert report["text"].startswith("The sky is blue")  # greedy SmolLM2 on the default prompt
+    assert report["text"].startswith("```python\ndef is_prime(n):")  # greedy SmolLM2 on the default prompt
     finished = report["finished"]
     assert len(report["output_token_ids"]) == finished["completionTokens"] == MAX_TOKENS
     assert len(finished["acceptanceRatePerPosition"]) == 4
@@ -158,7 +158,7 @@ def test_demo_with_the_shipped_default() -> None:
     assert result.returncode == 0, f"{out}\n{result.stderr}"
     assert f"drafter  eagle3, k=7: smollm2-eagle3 in {SHIPPED.parent} (1 layer" in out
     assert "         trained: " in out
-    assert streamed_text(out).startswith("The sky is blue")
+    assert streamed_text(out).startswith("```python\ndef is_prime(n):")
     assert check_statistics(out, 7) > 0, "the trained drafter's drafts are never accepted"
 
 
