@@ -110,7 +110,8 @@ def save_drafter(drafter: Drafter, num_target_layers: int, directory: Path) -> N
         )
     else:
         raw.update(dflash_hf_fields(config, num_target_layers))
+    state = export_state(drafter, draft_layout(config))
+    raw["torch_dtype"] = str(state["fc.weight"].dtype).removeprefix("torch.")  # what the weights are stored in
     directory.mkdir(parents=True, exist_ok=True)
     (directory / "config.json").write_text(json.dumps(raw, indent=2))
-    state = export_state(drafter, draft_layout(config))
     save_file(state, str(directory / "model.safetensors"), metadata={"format": "pt"})
