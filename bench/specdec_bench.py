@@ -320,9 +320,10 @@ def measure_end_to_end(
             entry[f"{method}_synthetic_drafter"] = drafted | {"token_agreement_with_target_only": agreement(
                 spec_tokens, target_tokens)}  # fmt: skip
             for label, wrong_at in ACCEPTANCE.items():
-                script = self_consistent_script(session, prompts, args.max_tokens, spec_tokens, preset, wrong_at)
+                script, runs = self_consistent_script(session, prompts, args.max_tokens, spec_tokens, preset, wrong_at)
                 tokens, result = generate(session, prompts, args.max_tokens)
                 result["follows_its_script"] = tokens == script
+                result["script_held_after_runs"] = runs
                 result["speedup"] = round(result["tokens_per_s"] / baseline["tokens_per_s"], 3)
                 entry[f"{method}_acceptance_{label}"] = result
                 log(f"batch {batch} {method} L={label}: {result}")
@@ -333,18 +334,20 @@ def measure_end_to_end(
 
 def self_consistent_script(
     session: ModelSession, prompts: list[list[int]], max_tokens: int, script: dict[str, list[int]],
-    preset: dict[str, Any], wrong_at: int | None, tries: int = 4,
-) -> dict[str, list[int]]:  # fmt: skip
+    preset: dict[str, Any], wrong_at: int | None, tries: int = 8,
+) -> tuple[dict[str, list[int]], int]:  # fmt: skip
     """Replay `script` and take the output as the next script until they agree, so the timed run replays the
-    target's own tokens for these very verify batches (bf16 rounding depends on the batch's shape)."""
+    target's own tokens for these very verify batches (bf16 rounding depends on the batch's shape). Leaves
+    the session replaying the script it returns, and says after how many runs it held (0: it never did)."""
     assert session.proposer is not None
-    for _ in range(tries):
+    for attempt in range(1, tries + 1):
         session.proposer.replay = ReplayDrafts(script, preset["vocab"], wrong_at)
         tokens, _ = generate(session, prompts, max_tokens)
         if tokens == script:
-            break
+            return script, attempt
         script = tokens
-    return script
+    session.proposer.replay = ReplayDrafts(script, preset["vocab"], wrong_at)
+    return script, 0
 
 
 def agreement(tokens: dict[str, list[int]], reference: dict[str, list[int]]) -> dict[str, Any]:
