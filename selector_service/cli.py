@@ -9,7 +9,6 @@ specdec train-drafter --method {eagle,eagle3,dflash} --target PATH --out DIR ...
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 
 import grpc
@@ -18,7 +17,7 @@ from google.protobuf.message import Message
 from grpc_status import rpc_status
 
 from selector_service.catalog import list_backends
-from selector_service.client import load_message, open_channel
+from selector_service.client import add_channel_arguments, load_message, open_channel_from_args
 from selector_service.demo import add_demo_arguments, run_demo
 from selector_service.errors import SpecdecError
 from selector_service.render import render_backends, render_error, render_selection
@@ -34,15 +33,7 @@ def _add_connection_arguments(parser: argparse.ArgumentParser) -> None:
     where.add_argument("--local", action="store_true", help="select in-process, without a server")
     parser.add_argument("--json", action="store_true", help="print the response as JSON")
     parser.add_argument("--timeout", type=float, default=10.0, help="RPC deadline in seconds")
-    parser.add_argument("--tls-ca", help="PEM CA that signed the server certificate (enables TLS)")
-    parser.add_argument("--tls-cert", help="PEM client certificate (mTLS)")
-    parser.add_argument("--tls-key", help="PEM client key (mTLS)")
-    parser.add_argument("--tls-server-name", help="expected server name, if not the address's host")
-    parser.add_argument(
-        "--auth-token",
-        default=os.environ.get("SPECDEC_AUTH_TOKEN"),
-        help="send 'authorization: Bearer <token>' with every call [env SPECDEC_AUTH_TOKEN]",
-    )
+    add_channel_arguments(parser, "the selector")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -70,8 +61,7 @@ def _call(args: argparse.Namespace, method: str, request: Message) -> Message:
         if method == "SelectBackends":
             return Selector().select(request)
         return list_backends(request)
-    tls = (args.tls_ca, args.tls_cert, args.tls_key, args.tls_server_name)
-    with open_channel(args.selector, *tls, auth_token=args.auth_token) as channel:
+    with open_channel_from_args(args.selector, args) as channel:
         stub = selector_pb2_grpc.BackendSelectorStub(channel)
         return getattr(stub, method)(request, timeout=args.timeout)
 

@@ -3,7 +3,9 @@ YAML/JSON file."""
 
 from __future__ import annotations
 
+import argparse
 import json
+import os
 from pathlib import Path
 
 import grpc
@@ -30,6 +32,25 @@ def open_channel(
         grpc.secure_channel(address, credentials, options=options) if credentials else grpc.insecure_channel(address)
     )
     return grpc.intercept_channel(channel, token) if token else channel
+
+
+def add_channel_arguments(parser: argparse.ArgumentParser, whom: str = "the server") -> None:
+    """The TLS / mTLS / token flags of a client reaching `whom` (read back by `open_channel_from_args`)."""
+    parser.add_argument("--tls-ca", help=f"PEM CA that signed the certificate of {whom} (enables TLS)")
+    parser.add_argument("--tls-cert", help="PEM client certificate (mTLS)")
+    parser.add_argument("--tls-key", help="PEM client key (mTLS)")
+    parser.add_argument("--tls-server-name", help=f"expected name of {whom}, if not the address's host")
+    parser.add_argument(
+        "--auth-token",
+        default=os.environ.get("SPECDEC_AUTH_TOKEN"),
+        help=f"send 'authorization: Bearer <token>' to {whom} with every call [env SPECDEC_AUTH_TOKEN]",
+    )
+
+
+def open_channel_from_args(address: str, args: argparse.Namespace) -> grpc.Channel:
+    """open_channel with the flags of `add_channel_arguments`."""
+    tls = (args.tls_ca, args.tls_cert, args.tls_key, args.tls_server_name)
+    return open_channel(address, *tls, auth_token=args.auth_token)
 
 
 def open_aio_channel(

@@ -23,7 +23,7 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_status import rpc_status
 
-from selector_service.client import open_channel
+from selector_service.client import open_channel_from_args
 from selector_service.demo_model import (
     DemoModel,
     default_model,
@@ -109,8 +109,7 @@ def _connect(
     opened: dict[str, grpc.Channel] = {}
     for name, address in remote.items():
         if address:
-            tls = (args.tls_ca, args.tls_cert, args.tls_key, args.tls_server_name)
-            opened[name] = channels.enter_context(open_channel(address, *tls, auth_token=args.auth_token))
+            opened[name] = channels.enter_context(open_channel_from_args(address, args))
             out.step = f"reaching the {name} at {address} (grpc.health.v1 Check)"
             _health(opened[name], args.timeout)
     out.section("servers")

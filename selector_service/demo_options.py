@@ -3,9 +3,9 @@
 from __future__ import annotations
 
 import argparse
-import os
 from pathlib import Path
 
+from selector_service.client import add_channel_arguments
 from selector_service.demo_drafters import repo_drafters_dir
 from selector_service.demo_model import METHODS
 
@@ -46,15 +46,7 @@ def add_demo_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--device", default="cpu", help="device of the executor started here: cpu, cuda, cuda:N")
     parser.add_argument("--json", action="store_true", help="print one JSON document instead of the text report")
     parser.add_argument("--timeout", type=float, default=10.0, help="deadline of the short RPCs, seconds")
-    parser.add_argument("--tls-ca", help="remote servers: PEM CA that signed their certificates (enables TLS)")
-    parser.add_argument("--tls-cert", help="remote servers: PEM client certificate (mTLS)")
-    parser.add_argument("--tls-key", help="remote servers: PEM client key (mTLS)")
-    parser.add_argument("--tls-server-name", help="remote servers: expected name, if not the address's host")
-    parser.add_argument(
-        "--auth-token",
-        default=os.environ.get("SPECDEC_AUTH_TOKEN"),
-        help="remote servers: send 'authorization: Bearer <token>' [env SPECDEC_AUTH_TOKEN]",
-    )
+    add_channel_arguments(parser, "the remote servers (--selector, --executor)")
 
 
 def _positive(text: str) -> int:
