@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import json
 import sys
 import time
 from collections import defaultdict
@@ -25,7 +24,7 @@ from typing import Any
 sys.path.append(str(Path(__file__).resolve().parent))
 
 import torch
-from executor_bench import commit_id, device_tag, log
+from executor_bench import commit_id, log, write_result
 
 from executor_service.draft_config import METHOD_ENUMS
 from executor_service.drafting import resolve_draft
@@ -207,10 +206,7 @@ def main() -> int:
     del loaded
     for name in args.speedup_devices.split(","):
         report["speedup_batch_1"][name] = measure_speedup(args, torch.device(name), prompts)
-    args.out.mkdir(parents=True, exist_ok=True)
-    path = args.out / f"acceptance_{datetime.date.today().isoformat()}_{device_tag(device)}_{commit}.json"
-    path.write_text(json.dumps(report, indent=1))
-    log(f"wrote {path}")
+    write_result(args.out, "acceptance", device, commit, report)
     return 0
 
 

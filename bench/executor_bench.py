@@ -776,6 +776,15 @@ def device_tag(device: torch.device) -> str:
     return next((w.lower() for w in words if re.fullmatch(r"[A-Za-z]+\d+[A-Za-z]*", w)), words[-1].lower())
 
 
+def write_result(out: Path, name: str, device: torch.device, commit: str, report: dict[str, Any]) -> Path:
+    """OUT/NAME_DATE_DEVICE_COMMIT.json: the naming every bench/results file of these scripts follows."""
+    out.mkdir(parents=True, exist_ok=True)
+    path = out / f"{name}_{dt.date.today().isoformat()}_{device_tag(device)}_{commit}.json"
+    path.write_text(json.dumps(report, indent=1))
+    log(f"wrote {path}")
+    return path
+
+
 def versions() -> dict[str, Any]:
     found: dict[str, Any] = {
         "python": platform.python_version(),

@@ -19,7 +19,8 @@ from typing import Any
 sys.path.append(str(Path(__file__).resolve().parent))
 
 import torch
-from specdec_bench import PRESETS, commit_id, device_tag, log, open_sessions, parse_args, pass_calls, time_graph
+from executor_bench import write_result
+from specdec_bench import PRESETS, commit_id, log, open_sessions, parse_args, pass_calls, time_graph
 from torch.profiler import ProfilerActivity, profile
 
 REPLAYS = 20
@@ -73,10 +74,7 @@ def main() -> int:
         log(f"{name}: {json.dumps(kernels, indent=1)}")
     for session in sessions.values():
         session.shutdown()
-    args.out.mkdir(parents=True, exist_ok=True)
-    path = args.out / f"pass_profile_{datetime.date.today().isoformat()}_{device_tag(device)}_{commit}.json"
-    path.write_text(json.dumps(report, indent=1))
-    log(f"wrote {path}")
+    write_result(args.out, "pass_profile", device, commit, report)
     return 0
 
 

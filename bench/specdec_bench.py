@@ -37,11 +37,11 @@ from executor_bench import (  # noqa: E402
     PRESETS,
     commit_id,
     copy_bandwidth,
-    device_tag,
     log,
     make_prompts,
     median,
     versions,
+    write_result,
 )
 from spec_builders import ReplayDrafts  # noqa: E402
 
@@ -408,11 +408,7 @@ def main() -> int:
     for session in sessions.values():
         session.shutdown()
     gc.collect()
-    args.out.mkdir(parents=True, exist_ok=True)
-    day = datetime.date.today().isoformat()
-    path = args.out / f"specdec_{day}_{device_tag(device)}_{commit}.json"
-    path.write_text(json.dumps(report, indent=1))
-    log(f"wrote {path}")
+    write_result(args.out, "specdec", device, commit, report)
     return 0
 
 
