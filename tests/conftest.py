@@ -14,17 +14,11 @@ file appears before the model is loaded, so wait for health SERVING. `executor_s
 from __future__ import annotations
 
 import os
-import signal
-import subprocess
-import sys
-import time
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
-
-REPO_ROOT = Path(__file__).resolve().parents[1]
+from server_processes import ServerProcess, spawn_server
 
 
 def pytest_configure(config: pytest.Config) -> None:
@@ -42,76 +36,6 @@ def pytest_configure(config: pytest.Config) -> None:
         os.environ.setdefault("TRITON_INTERPRET", "1")
 
 
-STARTUP_TIMEOUT_S = 20.0
-SHUTDOWN_TIMEOUT_S = 10.0
-HOST = "127.0.0.1"
-SERVER_MODULES = {"selector": "selector_service.main", "executor": "executor_service.main"}
-
-
-@dataclass
-class ServerProcess:
-    service: str  # "selector" or "executor"
-    process: subprocess.Popen[bytes]
-    host: str
-    port: int
-    log_path: Path
-    terminated: bool = False  # SIGTERM sent
-    stopped: bool = False  # stop() has seen it exit (or killed it)
-    killed: bool = False  # outlived SIGTERM by the shutdown timeout
-
-    @property
-    def address(self) -> str:
-        return f"{self.host}:{self.port}"
-
-    def log(self) -> str:
-        return self.log_path.read_text(errors="replace")
-
-    def terminate(self) -> None:
-        """Send SIGTERM once and return at once; the server drains meanwhile, and stop() waits for its exit."""
-        if not self.terminated:
-            self.process.send_signal(signal.SIGTERM)  # nothing if it has exited
-            self.terminated = True
-
-    def stop(self, timeout: float = SHUTDOWN_TIMEOUT_S) -> int | None:
-        """SIGTERM (unless sent already) and wait (idempotent); the exit status, or None if it outlived `timeout`
-        and was killed."""
-        if not self.stopped:
-            self.terminate()
-            self.killed = wait_or_kill(self.process, timeout) is None
-            self.stopped = True
-        return None if self.killed else self.process.returncode
-
-    def shutdown_failure(self) -> str:
-        """Why stop() did not give status 0, with the server's log, for assertion messages."""
-        outcome = "killed" if self.killed else f"status {self.process.returncode}"
-        return f"{self.service} did not exit 0 within {SHUTDOWN_TIMEOUT_S} s of SIGTERM ({outcome}):\n{self.log()}"
-
-
-def _wait_for_port(server: str, process: subprocess.Popen[bytes], port_file: Path, log_path: Path) -> int:
-    deadline = time.monotonic() + STARTUP_TIMEOUT_S
-    while time.monotonic() < deadline:
-        # The server writes "PORT\n" in one go; wait for the newline so a half-written file is never read.
-        text = port_file.read_text() if port_file.exists() else ""
-        if text.endswith("\n") and text.strip().isdigit():
-            return int(text)
-        if process.poll() is not None:
-            log = log_path.read_text(errors="replace")
-            raise RuntimeError(f"{server} exited with status {process.returncode} before serving:\n{log}")
-        time.sleep(0.05)
-    log = log_path.read_text(errors="replace")
-    raise TimeoutError(f"{server} wrote no port file within {STARTUP_TIMEOUT_S} s:\n{log}")
-
-
-def wait_or_kill(process: subprocess.Popen[bytes], timeout: float = SHUTDOWN_TIMEOUT_S) -> int | None:
-    """Wait for the exit; returns the exit status, or None if it had to be killed."""
-    try:
-        return process.wait(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        process.kill()
-        process.wait()
-        return None
-
-
 @pytest.fixture
 def launch_server(tmp_path: Path) -> Iterator[Callable[..., ServerProcess]]:
     """`launch_server(service, *args)`: a server subprocess on a free port of 127.0.0.1, logging as text to
@@ -119,22 +43,7 @@ def launch_server(tmp_path: Path) -> Iterator[Callable[..., ServerProcess]]:
     servers: list[ServerProcess] = []
 
     def launch(service: str, *args: str) -> ServerProcess:
-        name = f"{service}-{len(servers)}"
-        port_file, log_path = tmp_path / f"{name}.port", tmp_path / f"{name}.log"
-        env = {**os.environ, "PYTHONUNBUFFERED": "1"}
-        command = [
-            sys.executable, "-m", SERVER_MODULES[service],
-            "--host", HOST, "--port", "0", "--port-file", str(port_file), "--log-format", "text", *args,
-        ]  # fmt: skip
-        with log_path.open("wb") as log:
-            process = subprocess.Popen(command, cwd=REPO_ROOT, env=env, stdout=log, stderr=subprocess.STDOUT)
-        try:
-            port = _wait_for_port(name, process, port_file, log_path)
-        except BaseException:
-            process.send_signal(signal.SIGTERM)
-            wait_or_kill(process)
-            raise
-        servers.append(ServerProcess(service, process, HOST, port, log_path))
+        servers.append(spawn_server(service, f"{service}-{len(servers)}", tmp_path, *args))
         return servers[-1]
 
     yield launch

@@ -1,0 +1,117 @@
+"""Real specdec servers as subprocesses on 127.0.0.1, for the fixtures in tests/conftest.py and the fuzz suite.
+
+`spawn_server(service, name, directory, *args)` starts `python -m <service>_service.main --port 0 --port-file ...
+--log-format text *args` ("selector" or "executor"), logging to `directory/<name>.log`, and returns once the port
+file appears. Later flags win, so `*args` may override `--port`.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+STARTUP_TIMEOUT_S = 20.0
+SHUTDOWN_TIMEOUT_S = 10.0
+HOST = "127.0.0.1"
+SERVER_MODULES = {"selector": "selector_service.main", "executor": "executor_service.main"}
+
+
+@dataclass
+class ServerProcess:
+    service: str  # "selector" or "executor"
+    process: subprocess.Popen[bytes]
+    host: str
+    port: int
+    log_path: Path
+    terminated: bool = False  # SIGTERM sent
+    stopped: bool = False  # stop() has seen it exit (or killed it)
+    killed: bool = False  # outlived SIGTERM by the shutdown timeout
+
+    @property
+    def address(self) -> str:
+        return f"{self.host}:{self.port}"
+
+    def log(self) -> str:
+        return self.log_path.read_text(errors="replace")
+
+    def metrics_port(self) -> int | None:
+        """The Prometheus port the server logged (started with --metrics-port), or None."""
+        found = re.search(r"metrics_port=(\d+)", self.log())
+        return int(found.group(1)) if found else None
+
+    def terminate(self) -> None:
+        """Send SIGTERM once and return at once; the server drains meanwhile, and stop() waits for its exit."""
+        if not self.terminated:
+            self.process.send_signal(signal.SIGTERM)  # nothing if it has exited
+            self.terminated = True
+
+    def stop(self, timeout: float = SHUTDOWN_TIMEOUT_S) -> int | None:
+        """SIGTERM (unless sent already) and wait (idempotent); the exit status, or None if it outlived `timeout`
+        and was killed."""
+        if not self.stopped:
+            self.terminate()
+            self.killed = wait_or_kill(self.process, timeout) is None
+            self.stopped = True
+        return None if self.killed else self.process.returncode
+
+    def shutdown_failure(self) -> str:
+        """Why stop() did not give status 0, with the server's log, for assertion messages."""
+        outcome = "killed" if self.killed else f"status {self.process.returncode}"
+        return f"{self.service} did not exit 0 within {SHUTDOWN_TIMEOUT_S} s of SIGTERM ({outcome}):\n{self.log()}"
+
+
+def spawn_server(
+    service: str, name: str, directory: Path, *args: str, preexec_fn: Callable[[], None] | None = None
+) -> ServerProcess:
+    """Start a server and wait for its port file; `preexec_fn` runs in the child before exec (e.g. rlimits)."""
+    port_file, log_path = directory / f"{name}.port", directory / f"{name}.log"
+    port_file.unlink(missing_ok=True)  # a restarted server of the same name must not find the old port
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    command = [
+        sys.executable, "-m", SERVER_MODULES[service],
+        "--host", HOST, "--port", "0", "--port-file", str(port_file), "--log-format", "text", *args,
+    ]  # fmt: skip
+    with log_path.open("wb") as log:
+        process = subprocess.Popen(
+            command, cwd=REPO_ROOT, env=env, stdout=log, stderr=subprocess.STDOUT, preexec_fn=preexec_fn
+        )
+    try:
+        port = _wait_for_port(name, process, port_file, log_path)
+    except BaseException:
+        process.send_signal(signal.SIGTERM)
+        wait_or_kill(process)
+        raise
+    return ServerProcess(service, process, HOST, port, log_path)
+
+
+def _wait_for_port(server: str, process: subprocess.Popen[bytes], port_file: Path, log_path: Path) -> int:
+    deadline = time.monotonic() + STARTUP_TIMEOUT_S
+    while time.monotonic() < deadline:
+        # The server writes "PORT\n" in one go; wait for the newline so a half-written file is never read.
+        text = port_file.read_text() if port_file.exists() else ""
+        if text.endswith("\n") and text.strip().isdigit():
+            return int(text)
+        if process.poll() is not None:
+            log = log_path.read_text(errors="replace")
+            raise RuntimeError(f"{server} exited with status {process.returncode} before serving:\n{log}")
+        time.sleep(0.05)
+    log = log_path.read_text(errors="replace")
+    raise TimeoutError(f"{server} wrote no port file within {STARTUP_TIMEOUT_S} s:\n{log}")
+
+
+def wait_or_kill(process: subprocess.Popen[bytes], timeout: float = SHUTDOWN_TIMEOUT_S) -> int | None:
+    """Wait for the exit; returns the exit status, or None if it had to be killed."""
+    try:
+        return process.wait(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        process.kill()
+        process.wait()
+        return None
