@@ -28,8 +28,11 @@ GRAPH_BACKENDS = frozenset({"TRITON_ATTN", "FLASH_ATTN"})
 
 MAX_LOOKAHEAD = 64  # at least any drafter's positions_ahead (k + 1 <= 33, DFlash block <= 33)
 
-# (attention metadata, positions, named per-token inputs) -> output tensors
+# (attention metadata, positions, named per-token and per-request inputs) -> output tensors
 GraphForward = Callable[[AttentionStep, torch.Tensor, dict[str, torch.Tensor]], tuple[torch.Tensor, ...]]
+# name -> (trailing shape, dtype) of a per-token input; per-request inputs add the value padded requests hold
+TokenInputs = dict[str, tuple[tuple[int, ...], torch.dtype]]
+RequestInputs = dict[str, tuple[tuple[int, ...], torch.dtype, int]]
 
 
 def batch_buckets(max_batch: int) -> list[int]:
@@ -48,10 +51,12 @@ class StepGraphs:
         max_model_len: int,
         block_size: int,
         device: torch.device,
-        inputs: dict[str, tuple[tuple[int, ...], torch.dtype]],
+        inputs: TokenInputs,
         causal: bool = True,
+        request_inputs: RequestInputs | None = None,
     ) -> None:
-        """`inputs`: name -> (trailing shape, dtype) of each per-token input besides positions."""
+        """`inputs`: name -> (trailing shape, dtype) of each per-token input besides positions;
+        `request_inputs`: likewise per request, with the value a padded request holds (a slot: -1)."""
         self.name, self.forward, self.backend = name, forward, backend
         self.query_len, self.max_model_len, self.causal = query_len, max_model_len, causal
         self.buckets = batch_buckets(max_batch)
@@ -61,6 +66,11 @@ class StepGraphs:
         self.inputs = {
             n: torch.zeros(tokens, *shape, dtype=dtype, device=device) for n, (shape, dtype) in inputs.items()
         }
+        self.request_inputs = {
+            n: torch.full((top, *shape), pad, dtype=dtype, device=device)
+            for n, (shape, dtype, pad) in (request_inputs or {}).items()
+        }
+        self.pads = {n: pad for n, (_, _, pad) in (request_inputs or {}).items()}
         self.positions = torch.zeros(tokens, dtype=torch.int64, device=device)
         self.slot_mapping = torch.full((tokens,), -1, dtype=torch.int64, device=device)
         self.block_table = torch.zeros(top, max_blocks, dtype=torch.int32, device=device)
@@ -98,7 +108,8 @@ class StepGraphs:
             max_seq_len=self.max_model_len,
             causal=self.causal,
         )
-        return self.forward(step, self.positions[:tokens], {n: t[:tokens] for n, t in self.inputs.items()})
+        inputs = {n: t[:tokens] for n, t in self.inputs.items()} | {n: t[:size] for n, t in self.request_inputs.items()}
+        return self.forward(step, self.positions[:tokens], inputs)
 
     def run(
         self,
@@ -110,18 +121,35 @@ class StepGraphs:
     ) -> tuple[torch.Tensor, ...]:
         """Outputs for the first `len(seq_lens)` requests (token-wise outputs: their rows only)."""
         count = seq_lens.shape[0]
-        size = next(s for s in self.buckets if s >= count)
+        size = self._bucket(count)
         tokens, padded = count * self.query_len, size * self.query_len
-        for name, value in inputs.items():
-            self.inputs[name][:tokens].copy_(value)
-        self.positions[:tokens].copy_(positions)
         self.slot_mapping[:tokens].copy_(slot_mapping)
         self.slot_mapping[tokens:padded].fill_(-1)
         self.seq_lens[:count].copy_(seq_lens)
         self.seq_lens[count:size].fill_(self.query_len)
+        return self.replay(block_table, positions, **inputs)
+
+    def replay(
+        self, block_table: torch.Tensor, positions: torch.Tensor, **inputs: torch.Tensor
+    ) -> tuple[torch.Tensor, ...]:
+        """`run` for forwards that build their attention metadata on the device from their inputs: only the
+        block table, positions and inputs are copied in. Padded requests' per-request inputs get their pad."""
+        count = block_table.shape[0]
+        size = self._bucket(count)
+        tokens = count * self.query_len
+        for name, value in inputs.items():
+            if name in self.request_inputs:
+                self.request_inputs[name][:count].copy_(value)
+                self.request_inputs[name][count:size].fill_(self.pads[name])
+            else:
+                self.inputs[name][:tokens].copy_(value)
+        self.positions[:tokens].copy_(positions)
         self.block_table[:count, : block_table.shape[1]].copy_(block_table)
         self.graphs[size].replay()
         return tuple(_first_rows(out, size, count) for out in self.outputs[size])
+
+    def _bucket(self, count: int) -> int:
+        return next(s for s in self.buckets if s >= count)
 
 
 def _first_rows(output: torch.Tensor, size: int, count: int) -> torch.Tensor:

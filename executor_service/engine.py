@@ -15,11 +15,12 @@ from collections.abc import Callable, Iterable
 
 import torch
 
-from executor_service.model_runner import ModelRunner
+from executor_service.model_runner import ModelRunner, StepInputs
 from executor_service.proposer import ProposeBatch, ProposeEntry, Proposer
 from executor_service.rejection_sampler import verify_batch
 from executor_service.request import Finish, Request, RequestOutput, Sink, Status
-from executor_service.scheduler import Scheduler
+from executor_service.scheduler import ScheduledStep, Scheduler
+from executor_service.spec_step import SpecStep
 
 log = logging.getLogger("specdec.engine")
 
@@ -36,9 +37,11 @@ class Engine:
         on_step: StepObserver | None = None,
         proposer: Proposer | None = None,
         on_verify: VerifyObserver | None = None,
+        spec_step: SpecStep | None = None,
     ) -> None:
         self.runner, self.scheduler, self.max_model_len = runner, scheduler, max_model_len
         self.on_step, self.proposer, self.on_verify = on_step, proposer, on_verify
+        self.spec_step = spec_step  # verify + accept + propose on the device, for uniform greedy steps
         self._commands: queue.SimpleQueue[Callable[[], None]] = queue.SimpleQueue()
         self._wake = threading.Event()
         self._stop = threading.Event()
@@ -131,6 +134,9 @@ class Engine:
             return
         try:
             inputs = self.runner.prepare(scheduled)
+            if self.spec_step is not None and self.spec_step.accepts(inputs, scheduled.requests):
+                self._step_on_device(scheduled, inputs, started)
+                return
             output = self.runner.execute(inputs)
             self._flush_outbox()  # the previous step's outputs go out while this one runs on the device
             sampled = [scheduled.requests[i] for i in inputs.sampled]
@@ -157,6 +163,30 @@ class Engine:
             self.on_step(scheduled.num_tokens, generated, time.perf_counter() - started)
         if self.on_verify is not None and drafts:
             self.on_verify([len(d) for d in drafts], [len(t) - 1 for t in emitted])
+
+    def _step_on_device(self, scheduled: ScheduledStep, inputs: StepInputs, started: float) -> None:
+        """Every request verifies k drafts greedily: verification, acceptance and the next proposal run on
+        the device as one pass (spec_step.py); the host books what it reads back."""
+        assert self.spec_step is not None and self.proposer is not None
+        requests = scheduled.requests
+        pending = self.spec_step.launch(inputs, requests)
+        self._flush_outbox()  # the previous step's outputs go out while this one runs on the device
+        result = pending.result()
+        generated, drafted = 0, []
+        for index, request in enumerate(requests):
+            num_drafts, accepted = len(request.draft_ids), result.accepted[index]
+            request.num_computed_tokens += accepted + 1  # rejected drafts' K/V are rolled back
+            request.record_verification(num_drafts, accepted)
+            request.draft_ids = []
+            drafted.append(num_drafts)
+            generated += self._emit(request, result.emitted(index), num_drafts)
+            if request.status is Status.RUNNING:
+                self.proposer.set_drafts(request, result.next_drafts[index])
+                del request.draft_ids[max(self.max_model_len - request.num_tokens, 0) :]
+        if self.on_step is not None:
+            self.on_step(scheduled.num_tokens, generated, time.perf_counter() - started)
+        if self.on_verify is not None:
+            self.on_verify(drafted, result.accepted)
 
     def _emit(self, request: Request, tokens: list[int], num_drafted: int) -> int:
         """Append the verified tokens up to a stop; hand them out. Returns how many were kept. The chunk's

@@ -6,27 +6,36 @@ context K/V). Rows the verification rejected are run too, so that steps have a f
 graphs; their cache entries lie past the verified tokens and are overwritten before anything reads
 them. Then:
 
-- EAGLE / EAGLE-3: k - 1 more chain steps, one token per request, each with its attention metadata
-  (positions, seq_lens, slot_mapping) rebuilt before it runs (R10).
-- DFlash: one pass over the block [last token, MASK x (B-1)], non-causal unless configured causal (R9).
+- EAGLE / EAGLE-3: k - 1 more chain steps, one token per request. Each step's attention metadata
+  (positions, seq_lens, slot_mapping) is rebuilt before it runs (R10), on the device, from the newest
+  verified position and the slots ahead of it, so the whole chain replays as one CUDA graph.
+- DFlash: one pass over the block [last token, MASK x (B-1)], non-causal unless configured causal (R9),
+  its metadata built on the device the same way.
+
+Two entry points share these passes: `propose` (the host knows which rows were verified: after a prefill
+chunk, a sampled request, an uneven batch) and `propose_verified` (greedy verification computed on the
+device, inside the speculative step's graph: see spec_step.py).
 """
 
 from __future__ import annotations
 
 from collections import Counter
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
 from executor_service.attention_step import AttentionStep, build_attention_step, cache_slot
-from executor_service.cuda_graphs import GraphForward, StepGraphs
+from executor_service.cuda_graphs import RequestInputs, StepGraphs, TokenInputs
 from executor_service.draft_models import DFlashDrafter, Drafter
 from executor_service.kv_cache import KVCache
 from executor_service.request import Request
 from executor_service.sampling import to_host
 
 Replay = Callable[[Request, list[int]], list[int]]  # test drafters: rewrite a request's drafts
+PassForward = Callable[[AttentionStep, torch.Tensor, dict[str, torch.Tensor]], tuple[torch.Tensor, ...]]
+# (block table, one position per request, inputs) -> outputs: a pass that builds its metadata on the device
+OwnMetadataForward = Callable[[torch.Tensor, torch.Tensor, dict[str, torch.Tensor]], tuple[torch.Tensor, ...]]
 
 
 @dataclass(frozen=True)
@@ -50,6 +59,17 @@ class ProposeBatch:
     features: torch.Tensor  # [T, F] what the drafter reads of every target row
 
 
+@dataclass(frozen=True)
+class DraftPass:
+    """A drafter pass a graph can replay: its forward, query tokens per request and its inputs. Passes
+    that build their own metadata on the device read only the block table of the step they are given."""
+
+    forward: PassForward
+    query_len: int
+    inputs: TokenInputs
+    request_inputs: RequestInputs | None = None
+
+
 class Proposer:
     def __init__(
         self, drafter: Drafter, kv_cache: KVCache, backend: str, max_model_len: int, device: torch.device
@@ -57,8 +77,11 @@ class Proposer:
         self.drafter, self.kv_cache, self.backend = drafter, kv_cache, backend
         self.config = drafter.config
         self.k = self.config.num_speculative_tokens
+        self.dflash = isinstance(drafter, DFlashDrafter)
         self.block_size = kv_cache.block_size
         self.max_model_len, self.device = max_model_len, device
+        # Slots of the positions a proposal may write, from the first verified row on (see propose_verified).
+        self.ahead_width = self.k + 1 + self.config.positions_ahead
         self.replay: Replay | None = None
         self.pass_counts: Counter[str] = Counter()  # "<pass> graph" / "<pass> eager" (benchmarks read it)
         self.graphs: dict[str, StepGraphs] = {}  # by pass name; see capture_graphs
@@ -71,11 +94,21 @@ class Proposer:
             return -1
         return cache_slot(request.block_ids, position, self.block_size)
 
+    def slots_ahead(self, requests: list[Request], starts: list[int], width: int) -> torch.Tensor:
+        """[B, width] slots of positions start, start + 1, ... of each request: what its next passes write."""
+        rows = [[self.slot(r, s + j) for j in range(width)] for r, s in zip(requests, starts, strict=True)]
+        return self.tensor(rows, torch.int64)
+
     def attention(
         self, requests: list[Request], query_lens: list[int], seq_lens: list[int], slots: list[int], causal: bool
     ) -> AttentionStep:
         block_ids = [r.block_ids for r in requests]
         return build_attention_step(self.backend, block_ids, query_lens, seq_lens, slots, causal, self.device)
+
+    def block_table(self, requests: list[Request]) -> torch.Tensor:
+        width = max(len(r.block_ids) for r in requests)
+        rows = [r.block_ids + [0] * (width - len(r.block_ids)) for r in requests]
+        return self.tensor(rows, torch.int32)
 
     def tensor(self, values: list, dtype: torch.dtype) -> torch.Tensor:
         return torch.tensor(values, dtype=dtype, device=self.device)
@@ -96,24 +129,56 @@ class Proposer:
         features = batch.features[self.tensor(rows, torch.int64)]
         return features, self.tensor(positions, torch.int64), self.tensor(next_ids, torch.int64), step
 
-    # ---- proposing --------------------------------------------------------------------------
+    # ---- metadata advanced on the device (R10: rebuilt for every pass, no host list) ----------
+    def chain_step(self, block_table: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor) -> AttentionStep:
+        """One chain step: one query per request at `positions`, written to `slots`."""
+        count = positions.shape[0]
+        return AttentionStep(
+            backend=self.backend,
+            block_table=block_table,
+            query_start_loc=torch.arange(count + 1, dtype=torch.int32, device=positions.device),
+            seq_lens=(positions + 1).to(torch.int32),
+            slot_mapping=slots,
+            max_query_len=1,
+            max_seq_len=self.max_model_len,
+        )
+
+    def block_step(
+        self, block_table: torch.Tensor, starts: torch.Tensor, slots: torch.Tensor
+    ) -> tuple[AttentionStep, torch.Tensor]:
+        """DFlash's block pass: B queries per request from `starts` on, and their positions."""
+        count, size = starts.shape[0], self.config.block_size
+        offsets = torch.arange(size, device=starts.device)
+        step = AttentionStep(
+            backend=self.backend,
+            block_table=block_table,
+            query_start_loc=torch.arange(count + 1, dtype=torch.int32, device=starts.device) * size,
+            seq_lens=(starts + size).clamp(max=self.max_model_len).to(torch.int32),
+            slot_mapping=slots.reshape(-1),
+            max_query_len=size,
+            max_seq_len=self.max_model_len,
+            causal=self.config.causal,
+        )
+        return step, (starts[:, None] + offsets).clamp(max=self.max_model_len - 1).reshape(-1)
+
+    # ---- proposing from host bookkeeping ----------------------------------------------------
     @torch.inference_mode()
     def propose(self, batch: ProposeBatch) -> None:
         """Run the drafter and set `draft_ids` of every proposing request in the batch."""
         if not batch.entries:
             return
-        dflash = isinstance(self.drafter, DFlashDrafter)
-        drafts = self._propose_dflash(batch) if dflash else self._propose_eagle(batch)
+        drafts = self._propose_dflash(batch) if self.dflash else self._propose_eagle(batch)
         proposing = [e.request for e in batch.entries if e.propose]
-        for request, ids in zip(proposing, drafts, strict=True):
-            request.draft_ids = self.replay(request, ids) if self.replay is not None else ids
+        for request, ids in zip(proposing, _rows(drafts) if proposing else [], strict=True):
+            self.set_drafts(request, ids)
 
-    def _propose_eagle(self, batch: ProposeBatch) -> list[list[int]]:
+    def set_drafts(self, request: Request, drafts: list[int]) -> None:
+        request.draft_ids = self.replay(request, drafts) if self.replay is not None else drafts
+
+    def _propose_eagle(self, batch: ProposeBatch) -> torch.Tensor:
         features, positions, next_ids, step = self.context_pass(batch)
         uniform = all(e.propose and e.num_rows == self.k + 1 for e in batch.entries)
-        feedback, head = self._run(
-            "eagle_context", uniform, step, positions, input_ids=next_ids, features=features
-        )  # fmt: skip
+        feedback, head = self._run("eagle_context", uniform, step, positions, input_ids=next_ids, features=features)
         sample_rows, proposing, offset = [], [], 0
         for entry in batch.entries:
             if entry.propose:
@@ -121,99 +186,163 @@ class Proposer:
                 proposing.append(entry.request)
             offset += entry.num_rows
         if not proposing:
-            return []
+            return torch.empty(0)
         picked = self.tensor(sample_rows, torch.int64)
         tokens, hidden = self.drafter.draft_tokens(head[picked]), feedback[picked]
-        drafted = [tokens]
         last = [r.num_computed_tokens - 1 for r in proposing]  # position of each request's newest verified row
-        for j in range(1, self.k):
-            # R10: positions, seq_lens and slots of this chain step, rebuilt before it runs (graphs too:
-            # StepGraphs.run copies them into its static buffers before the replay).
-            step_positions = [min(p + j, self.max_model_len - 1) for p in last]
-            step_slots = [self.slot(r, p + j) for r, p in zip(proposing, last, strict=True)]
-            step_seq_lens = [p + 1 for p in step_positions]
-            step = self.attention(proposing, [1] * len(proposing), step_seq_lens, step_slots, causal=True)
-            positions = self.tensor(step_positions, torch.int64)
-            tokens, hidden = self._run("eagle_chain", True, step, positions, input_ids=tokens, hidden=hidden)
-            drafted.append(tokens.clone())  # a graph's output buffer is overwritten by its next replay
-        return _rows(torch.stack(drafted, dim=1))
+        chain_inputs = {"input_ids": tokens, "hidden": hidden, "ahead_slots": self.slots_ahead(proposing, last, self.k)}
+        (rest,) = self._replay("eagle_chain", self.block_table(proposing), self.tensor(last, torch.int64), chain_inputs)
+        return torch.cat([tokens[:, None], rest], dim=1)
 
-    def _propose_dflash(self, batch: ProposeBatch) -> list[list[int]]:
-        config = self.config
+    def _propose_dflash(self, batch: ProposeBatch) -> torch.Tensor:
         features, positions, _, step = self.context_pass(batch)
         uniform = all(e.propose and e.num_rows == self.k + 1 for e in batch.entries)
         self._run("dflash_context", uniform, step, positions, features=features)
         proposing = [e.request for e in batch.entries if e.propose]
         if not proposing:
-            return []
-        size = config.block_size
-        block_ids, block_positions, block_slots, seq_lens = [], [], [], []
-        for request in proposing:
-            first = request.num_tokens - 1  # the newest token opens the block
-            newest = request.token_ids(first, first + 1)  # sampled, or the last prompt token after a chunk
-            block_ids += newest + [config.mask_token_id] * (size - 1)
-            block_positions += [min(first + j, self.max_model_len - 1) for j in range(size)]
-            block_slots += [self.slot(request, first + j) for j in range(size)]
-            seq_lens.append(min(first + size, self.max_model_len))
-        step = self.attention(proposing, [size] * len(proposing), seq_lens, block_slots, causal=config.causal)
-        positions = self.tensor(block_positions, torch.int64)
-        (tokens,) = self._run("dflash_block", True, step, positions, input_ids=self.tensor(block_ids, torch.int64))
-        return _rows(tokens)
+            return torch.empty(0)
+        starts = [r.num_tokens - 1 for r in proposing]  # the newest token opens the block
+        newest = [r.token_ids(s, s + 1)[0] for r, s in zip(proposing, starts, strict=True)]
+        size = self.config.block_size
+        inputs = {
+            "input_ids": self.tensor(newest, torch.int64),
+            "ahead_slots": self.slots_ahead(proposing, starts, size),
+        }
+        (tokens,) = self._replay("dflash_block", self.block_table(proposing), self.tensor(starts, torch.int64), inputs)
+        return tokens
 
-    # ---- the drafter's passes: eager, or replayed from a graph when the batch is uniform --------
+    # ---- proposing from a verification done on the device -----------------------------------
+    def propose_verified(
+        self,
+        step: AttentionStep,
+        positions: torch.Tensor,
+        target_ids: torch.Tensor,
+        features: torch.Tensor,
+        accepted: torch.Tensor,
+        slots_ahead: torch.Tensor,
+    ) -> torch.Tensor:
+        """Drafts [B, k] after a uniform verify step, without the host: `step` and `positions` are the verify
+        pass's (B requests x k + 1 rows), `target_ids` [B, k + 1] the target's greedy tokens (row i's is the
+        token after it, wherever the drafts were accepted), `accepted` [B] the accepted drafts and
+        `slots_ahead` [B, ahead_width] the slots of positions first, first + 1, ... of each request."""
+        count, rows = target_ids.shape
+        context_step = replace(step, backend=self.backend, _flex=None)  # the verify rows, the drafter's kernels
+        first = positions.view(count, rows)[:, 0]
+        if self.dflash:
+            self._dflash_context(context_step, positions, {"features": features})
+            newest = target_ids.gather(1, accepted[:, None])[:, 0]  # the bonus token opens the block
+            starts = first + accepted + 1
+            ahead = slots_ahead.gather(1, (accepted + 1)[:, None] + self._offsets(self.config.block_size))
+            return self._dflash_block(step.block_table, starts, {"input_ids": newest, "ahead_slots": ahead})[0]
+        context = {"input_ids": target_ids.reshape(-1), "features": features}
+        feedback, head = self._eagle_context(context_step, positions, context)
+        picked = torch.arange(count, device=accepted.device) * rows + accepted  # the newest verified row
+        tokens, hidden = self.drafter.draft_tokens(head[picked]), feedback[picked]
+        ahead = slots_ahead.gather(1, accepted[:, None] + self._offsets(self.k))
+        chain = {"input_ids": tokens, "hidden": hidden, "ahead_slots": ahead}
+        (rest,) = self._eagle_chain(step.block_table, first + accepted, chain)
+        return torch.cat([tokens[:, None], rest], dim=1)
+
+    def _offsets(self, width: int) -> torch.Tensor:
+        return torch.arange(width, device=self.device)[None, :]
+
+    # ---- the drafter's passes: eager, or replayed from a graph ---------------------------------
     def _run(
         self, name: str, uniform: bool, step: AttentionStep, positions: torch.Tensor, **inputs: torch.Tensor
     ) -> tuple[torch.Tensor, ...]:
+        """A pass over host-built metadata; replayed when the batch is uniform and fits a graph."""
         graphs = self.graphs.get(name)
         if graphs is not None and uniform and step.seq_lens.shape[0] <= graphs.max_batch:
             self.pass_counts[f"{name} graph"] += 1
             return graphs.run(step.block_table, step.seq_lens, step.slot_mapping, positions, **inputs)
         self.pass_counts[f"{name} eager"] += 1
-        return self.passes[name][0](step, positions, inputs)
+        return self.passes[name].forward(step, positions, inputs)
 
-    def _passes(self) -> dict[str, tuple[GraphForward, int, dict[str, tuple[tuple[int, ...], torch.dtype]]]]:
-        """name -> (forward, query tokens per request, per-token inputs) of each pass a graph can replay."""
+    def _replay(
+        self, name: str, block_table: torch.Tensor, positions: torch.Tensor, inputs: dict[str, torch.Tensor]
+    ) -> tuple[torch.Tensor, ...]:
+        """A pass that builds its own metadata on the device (chain, block): one position per request."""
+        graphs = self.graphs.get(name)
+        if graphs is not None and block_table.shape[0] <= graphs.max_batch:
+            self.pass_counts[f"{name} graph"] += 1
+            return graphs.replay(block_table, positions, **inputs)
+        self.pass_counts[f"{name} eager"] += 1
+        forward = self._eagle_chain if name == "eagle_chain" else self._dflash_block
+        return forward(block_table, positions, inputs)
+
+    def _passes(self) -> dict[str, DraftPass]:
+        """Each pass a graph can replay, by name."""
         hidden = self.config.model.hidden_size
         features = len(self.config.target_layer_ids) * hidden or hidden
         dtype, ids = self.kv_cache.storage.dtype, ((), torch.int64)
-        if isinstance(self.drafter, DFlashDrafter):
+        if self.dflash:
+            size = self.config.block_size
             return {
-                "dflash_context": (self._dflash_context, self.k + 1, {"features": ((features,), dtype)}),
-                "dflash_block": (self._dflash_block, self.config.block_size, {"input_ids": ids}),
-            }
+                "dflash_context": DraftPass(self._dflash_context, self.k + 1, {"features": ((features,), dtype)}),
+                "dflash_block": DraftPass(
+                    _reads_block_table(self._dflash_block), 1, {"input_ids": ids},
+                    {"ahead_slots": ((size,), torch.int64, -1)},
+                ),
+            }  # fmt: skip
+        context_inputs = {"input_ids": ids, "features": ((features,), dtype)}
         return {
-            "eagle_context": (self._eagle_context, self.k + 1, {"input_ids": ids, "features": ((features,), dtype)}),
-            "eagle_chain": (self._eagle_chain, 1, {"input_ids": ids, "hidden": ((hidden,), dtype)}),
+            "eagle_context": DraftPass(self._eagle_context, self.k + 1, context_inputs),
+            "eagle_chain": DraftPass(
+                _reads_block_table(self._eagle_chain),
+                1,
+                {"input_ids": ids, "hidden": ((hidden,), dtype)},
+                {"ahead_slots": ((self.k,), torch.int64, -1)},
+            ),
         }
 
     def _eagle_context(self, step: AttentionStep, positions: torch.Tensor, x: dict[str, torch.Tensor]) -> tuple:
         hidden = self.drafter.combine(x["features"])
         return self.drafter(x["input_ids"], positions, hidden, self.kv_cache.layers, step)
 
-    def _eagle_chain(self, step: AttentionStep, positions: torch.Tensor, x: dict[str, torch.Tensor]) -> tuple:
-        feedback, head = self.drafter(x["input_ids"], positions, x["hidden"], self.kv_cache.layers, step)
-        return self.drafter.draft_tokens(head), feedback
+    def _eagle_chain(self, block_table: torch.Tensor, positions: torch.Tensor, x: dict[str, torch.Tensor]) -> tuple:
+        """Drafts 2..k [B, k - 1] from draft 1 (`input_ids`, `hidden`) at the newest verified `positions`;
+        `ahead_slots` [B, k]: slots of positions + 0..k-1."""
+        tokens, hidden, drafted = x["input_ids"], x["hidden"], []
+        for j in range(1, self.k):
+            chain_positions = (positions + j).clamp(max=self.max_model_len - 1)
+            chain_step = self.chain_step(block_table, chain_positions, x["ahead_slots"][:, j])
+            hidden, head = self.drafter(tokens, chain_positions, hidden, self.kv_cache.layers, chain_step)
+            tokens = self.drafter.draft_tokens(head)
+            drafted.append(tokens)
+        if not drafted:
+            return (torch.empty(tokens.shape[0], 0, dtype=torch.int64, device=tokens.device),)
+        return (torch.stack(drafted, dim=1),)
 
     def _dflash_context(self, step: AttentionStep, positions: torch.Tensor, x: dict[str, torch.Tensor]) -> tuple:
         self.drafter.store_context(x["features"], positions, step.slot_mapping, self.kv_cache.layers)
         return ()
 
-    def _dflash_block(self, step: AttentionStep, positions: torch.Tensor, x: dict[str, torch.Tensor]) -> tuple:
-        hidden = self.drafter(x["input_ids"], positions, self.kv_cache.layers, step)
-        hidden = hidden.view(-1, self.config.block_size, hidden.shape[-1])[:, 1 : self.k + 1]  # slot i: token i
+    def _dflash_block(self, block_table: torch.Tensor, starts: torch.Tensor, x: dict[str, torch.Tensor]) -> tuple:
+        """Drafts [B, k] from the block opened by `input_ids` at `starts`; `ahead_slots` [B, block]."""
+        size, count = self.config.block_size, starts.shape[0]
+        block_step, positions = self.block_step(block_table, starts, x["ahead_slots"])
+        block_ids = torch.full((count, size), self.config.mask_token_id, dtype=torch.int64, device=starts.device)
+        block_ids[:, 0] = x["input_ids"]
+        hidden = self.drafter(block_ids.reshape(-1), positions, self.kv_cache.layers, block_step)
+        hidden = hidden.view(count, size, hidden.shape[-1])[:, 1 : self.k + 1]  # slot i: token i
         return (self.drafter.draft_tokens(hidden),)
 
     def capture_graphs(self, max_batch: int) -> None:
-        """One graph set per pass (CUDA, capture-safe drafter backend); batches that are not uniform and
-        larger ones run eagerly."""
-        for name, (forward, query_len, inputs) in self.passes.items():
-            causal = not (name == "dflash_block" and not self.config.causal)
+        """One graph set per pass (CUDA, capture-safe drafter backend); larger batches, and context passes
+        of uneven batches, run eagerly."""
+        for name, draft_pass in self.passes.items():
             graphs = StepGraphs(
-                f"drafter {name}", forward, self.backend, query_len, max_batch, self.max_model_len,
-                self.block_size, self.device, inputs, causal,
+                f"drafter {name}", draft_pass.forward, self.backend, draft_pass.query_len, max_batch,
+                self.max_model_len, self.block_size, self.device, draft_pass.inputs,
+                request_inputs=draft_pass.request_inputs,
             )  # fmt: skip
             graphs.capture()
             self.graphs[name] = graphs
+
+
+def _reads_block_table(forward: OwnMetadataForward) -> PassForward:
+    """A graph's forward for a pass that needs only the block table of the step the graph hands it."""
+    return lambda step, positions, inputs: forward(step.block_table, positions, inputs)
 
 
 def _rows(tokens: torch.Tensor) -> list[list[int]]:

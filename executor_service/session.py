@@ -25,6 +25,7 @@ from executor_service.proposer import Proposer
 from executor_service.request import Request, RequestOutput, Sink
 from executor_service.sampling import SamplingSettings, make_generator
 from executor_service.scheduler import Scheduler
+from executor_service.spec_step import SpecStep
 from executor_service.validation import DEFAULT_BLOCK_SIZE, ModelLimits, resolve_model_path
 from specdec.v1 import common_pb2, executor_pb2, selector_pb2
 
@@ -53,6 +54,7 @@ class EngineSettings:
     max_num_batched_tokens: int = 8192
     max_num_seqs: int = 256
     cuda_graphs: bool = True  # decode steps replayed from CUDA graphs where the backend allows
+    device_spec_step: bool = True  # greedy verify + accept + propose as one device pass (spec_step.py)
 
 
 def resolve_target(source: executor_pb2.ModelSource, model_root: Path | None, field: str) -> TargetSource:
@@ -183,7 +185,8 @@ def build_session(
     scheduler = Scheduler(
         kv_cache.allocator, block_size, settings.max_num_batched_tokens, settings.max_num_seqs, lookahead
     )
-    engine = Engine(runner, scheduler, max_model_len, on_step, proposer, on_verify)
+    spec_step = SpecStep(runner, proposer) if proposer is not None and settings.device_spec_step else None
+    engine = Engine(runner, scheduler, max_model_len, on_step, proposer, on_verify, spec_step)
     limits = ModelLimits(config.vocab_size, max_model_len, kv_cache.capacity_tokens, loaded.tokenizer is not None)
     info = executor_pb2.ModelInfo(
         architecture=config.architecture,
@@ -222,6 +225,9 @@ def capture_graphs(session: ModelSession, settings: EngineSettings, max_model_le
             runner.capture_graphs([proposer.k + 1], spec_batch, max_model_len)
     if proposer is not None and proposer.backend in GRAPH_BACKENDS:
         proposer.capture_graphs(spec_batch)
+    spec_step = session.engine.spec_step
+    if spec_step is not None and {session.decision.backend, spec_step.proposer.backend} <= GRAPH_BACKENDS:
+        spec_step.capture_graphs(spec_batch, max_model_len)
 
 
 def warm_up(session: ModelSession) -> None:

@@ -16,6 +16,7 @@ after each of the drafter's target layers, concatenated).
 from __future__ import annotations
 
 import random
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import pytest
@@ -27,7 +28,7 @@ from test_engine import Collector
 from executor_service.attention_step import AttentionStep
 from executor_service.draft_models import DFlashDrafter, Drafter
 from executor_service.kv_cache import KVCache, blocks_needed
-from executor_service.proposer import ProposeBatch, Proposer
+from executor_service.proposer import Proposer
 from executor_service.request import Finish, Request
 from executor_service.sampling import SamplingSettings
 from executor_service.session import ModelSession
@@ -187,32 +188,34 @@ def test_proposal_after_a_chunk_one_short_of_the_prompt(method: str) -> None:
 # ---- the comparison catches stale metadata --------------------------------------------------------------
 class StaleChainSteps:
     """Corrupts EAGLE's chain steps 2..k: they reuse chain step 1's attention metadata (seq_lens and
-    slot_mapping not rebuilt) or its positions. Per proposal the calls are: context pass, step 1, step 2, ..."""
+    slot_mapping not advanced on the device) or its positions. Per proposal, from the host (`propose`) or
+    from a verification on the device (`propose_verified`), the drafter runs: context pass, step 1, step 2..."""
 
     def __init__(self, proposer: Proposer) -> None:
         self.proposer, self.calls = proposer, 0
-        self.propose, self.attention, self.forward = proposer.propose, proposer.attention, proposer.drafter.forward
+        self.forward, self.chain_step = proposer.drafter.forward, proposer.chain_step
         self.first_step: AttentionStep | None = None
         self.first_positions: torch.Tensor | None = None
 
     def patch(self, what: str, monkeypatch: pytest.MonkeyPatch) -> None:
-        monkeypatch.setattr(self.proposer, "propose", self.counted_propose)
+        for entry in ("propose", "propose_verified"):
+            monkeypatch.setattr(self.proposer, entry, self.counted(getattr(self.proposer, entry)))
         if what == "metadata":
-            monkeypatch.setattr(self.proposer, "attention", self.stale_attention)
+            monkeypatch.setattr(self.proposer, "chain_step", self.stale_chain_step)
         else:
             monkeypatch.setattr(self.proposer.drafter, "forward", self.stale_positions)
 
-    def counted_propose(self, batch: ProposeBatch) -> None:
-        self.calls = 0
-        self.propose(batch)
+    def counted(self, entry: Callable[..., object]) -> Callable[..., object]:
+        def proposal(*args: object) -> object:
+            self.calls, self.first_step, self.first_positions = 0, None, None
+            return entry(*args)
 
-    def stale_attention(self, *args: object, **kwargs: object) -> AttentionStep:
-        self.calls += 1
-        if self.calls > 2 and self.first_step is not None:
-            return self.first_step
-        step = self.attention(*args, **kwargs)  # type: ignore[arg-type]
-        self.first_step = step if self.calls == 2 else None
-        return step
+        return proposal
+
+    def stale_chain_step(self, *args: torch.Tensor) -> AttentionStep:
+        if self.first_step is None:
+            self.first_step = self.chain_step(*args)
+        return self.first_step
 
     def stale_positions(self, input_ids: torch.Tensor, positions: torch.Tensor, *rest: object) -> object:
         self.calls += 1
@@ -232,6 +235,7 @@ def test_stale_chain_steps_are_caught(method: str, what: str, monkeypatch: pytes
     proposals, _ = run_recorded(session, prompts(), WRONG_AT, MAX_TOKENS)
     monkeypatch.undo()  # the reference runs the drafter as it is
     wrong = mismatches(session, proposals)
+    assert session.engine.spec_step is not None and session.engine.spec_step.counts["eager"] > 0
     assert len(wrong) >= 3, "stale chain steps went unnoticed"
     assert all(p.drafts[:2] == expected[:2] for p, expected in wrong)  # drafts 1 and 2 come before any staleness
 

@@ -1,0 +1,119 @@
+"""The speculative step on the device: verify, accept and propose in one pass, read back once.
+
+When every request of a step is greedy and verifies all k of its drafts (the steady state of speculative
+decoding), nothing between the target's verify pass and the drafter's next proposal needs the host:
+
+- verify: the target's greedy token after each of the k + 1 rows (one argmax);
+- accept: the drafts that match, a cumulative product of matches (the first mismatch stops acceptance);
+- propose: the drafter's next inputs are the target's own tokens, its newest verified row is row
+  `accepted`, and each chain step's (or the DFlash block's) metadata is advanced on the device from
+  that position and the slots ahead of it, which the host lays out before the step.
+
+So the three run as one function, captured as one CUDA graph per batch bucket: one replay per step and one
+read-back of [target tokens, accepted count, next drafts] per request. The same function runs eagerly on
+the CPU and for batches larger than the graphs; the engine falls back to its host path (verify_batch,
+Proposer.propose) for sampled requests and uneven batches.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from dataclasses import dataclass
+
+import torch
+
+from executor_service.attention_step import AttentionStep
+from executor_service.cuda_graphs import StepGraphs
+from executor_service.fused_ops import argmax
+from executor_service.model_runner import ModelRunner, StepInputs
+from executor_service.proposer import Proposer
+from executor_service.request import Request
+
+
+@dataclass(frozen=True)
+class VerifiedStep:
+    """What the host reads back of one device-resident step, per request."""
+
+    target_ids: list[list[int]]  # the target's greedy token after each of the k + 1 rows
+    accepted: list[int]  # drafts accepted
+    next_drafts: list[list[int]]  # the drafter's k drafts for the next step
+
+    def emitted(self, index: int) -> list[int]:
+        """The accepted drafts (equal to the target's tokens) and the target's token after them."""
+        return self.target_ids[index][: self.accepted[index] + 1]
+
+
+class PendingStep:
+    """A launched step's packed result [B, (k + 1) + 1 + k], copied to pinned host memory behind the step."""
+
+    def __init__(self, packed: torch.Tensor, rows: int) -> None:
+        self.rows, self.width = rows, packed.shape[1]
+        self.done: torch.cuda.Event | None = None
+        if packed.is_cuda:
+            self.host = torch.empty(packed.shape, dtype=packed.dtype, pin_memory=True)
+            self.host.copy_(packed, non_blocking=True)
+            self.done = torch.cuda.Event()
+            self.done.record()
+        else:
+            self.host = packed
+
+    def result(self) -> VerifiedStep:
+        """Waits for the device (CUDA event synchronize releases the GIL: the gRPC loop streams meanwhile)."""
+        if self.done is not None:
+            self.done.synchronize()
+        per_request = self.host.tolist()
+        rows = self.rows
+        return VerifiedStep(
+            target_ids=[r[:rows] for r in per_request],
+            accepted=[r[rows] for r in per_request],
+            next_drafts=[r[rows + 1 :] for r in per_request],
+        )
+
+
+class SpecStep:
+    def __init__(self, runner: ModelRunner, proposer: Proposer) -> None:
+        self.runner, self.proposer, self.k = runner, proposer, proposer.k
+        self.graphs: StepGraphs | None = None
+        self.counts: Counter[str] = Counter()  # "graph" / "eager" (benchmarks read it)
+
+    def accepts(self, inputs: StepInputs, requests: list[Request]) -> bool:
+        """Every request verifies k drafts (all rows sampled) and decodes greedily."""
+        return inputs.uniform_query_len == self.k + 1 and all(r.settings.greedy for r in requests)
+
+    @torch.inference_mode()
+    def launch(self, inputs: StepInputs, requests: list[Request]) -> PendingStep:
+        """Queue the step on the device and its read-back; returns without waiting for either."""
+        starts = [r.num_computed_tokens for r in requests]  # the first verify row's position
+        ahead = self.proposer.slots_ahead(requests, starts, self.proposer.ahead_width)
+        step = inputs.attention
+        if self.graphs is not None and len(requests) <= self.graphs.max_batch:
+            self.counts["graph"] += 1
+            (packed,) = self.graphs.run(
+                step.block_table, step.seq_lens, step.slot_mapping, inputs.positions,
+                input_ids=inputs.input_ids, slots_ahead=ahead,
+            )  # fmt: skip
+        else:
+            self.counts["eager"] += 1
+            (packed,) = self.forward(step, inputs.positions, {"input_ids": inputs.input_ids, "slots_ahead": ahead})
+        return PendingStep(packed, self.k + 1)
+
+    def forward(self, step: AttentionStep, positions: torch.Tensor, x: dict[str, torch.Tensor]) -> tuple:
+        """[B, (k + 1) + 1 + k]: the target's tokens, the accepted count and the next drafts of each request."""
+        input_ids, ahead = x["input_ids"], x["slots_ahead"]
+        count, rows = ahead.shape[0], self.k + 1
+        logits, features = self.runner.forward(input_ids, positions, step, None)
+        assert features is not None, "a drafter reads the target's features"
+        target_ids = argmax(logits).view(count, rows)
+        drafts = input_ids.view(count, rows)[:, 1:]
+        accepted = (drafts == target_ids[:, :-1]).cumprod(dim=1).sum(dim=1)
+        next_drafts = self.proposer.propose_verified(step, positions, target_ids, features, accepted, ahead)
+        return (torch.cat([target_ids, accepted[:, None], next_drafts], dim=1),)
+
+    def capture_graphs(self, max_batch: int, max_model_len: int) -> None:
+        """One graph per batch bucket (target and drafter backends both capture-safe: the session checks)."""
+        self.graphs = StepGraphs(
+            f"speculative step (k = {self.k})", self.forward, self.runner.backend, self.k + 1, max_batch,
+            max_model_len, self.runner.block_size, self.runner.device, {"input_ids": ((), torch.int64)},
+            request_inputs={"slots_ahead": ((self.proposer.ahead_width,), torch.int64, -1)},
+        )  # fmt: skip
+        self.graphs.capture()
