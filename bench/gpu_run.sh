@@ -4,7 +4,8 @@
 #   bash bench/gpu_run.sh install [STEPS]  next call (machine still warm): carries fa/fa-b, installs FA4
 #   bash bench/gpu_run.sh run STEPS        later calls on the same machine: FA4 already in /tmp/fa-site
 #   bash bench/gpu_run.sh smol-stash / smol-install   the SmolLM2 GGUF, likewise (to /root/models/smollm2)
-# STEPS: comma-separated from tests, bench, sweep, bench16, executor-tests, gpu-tests, executor-bench, specdec-bench. Results and logs go to $OUT.
+# STEPS: comma-separated from tests, bench, sweep, bench16, executor-tests, gpu-tests, executor-bench, specdec-bench,
+# acceptance-bench, profile. Results and logs go to $OUT.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 mode=${1:?stash|install|run}
@@ -16,14 +17,15 @@ export PYTHONPATH=$PWD:$PWD/protos PYTHONUNBUFFERED=1
 if [[ $mode == stash ]]; then
   mkdir -p /root/fa-stash && cp fa/fa-a/* /root/fa-stash/ && ls -la /root/fa-stash
 fi
-# The SmolLM2 GGUF (98 MB) in two calls, as flash-attn: smol/smol-a then smol/smol-b (bench/README.md).
-if [[ $mode == smol-stash ]]; then
-  mkdir -p /root/smol-stash && cp smol/smol-a/* /root/smol-stash/ && ls -la /root/smol-stash
+# The SmolLM2 GGUF (98 MB) in parts small enough to travel beside the working tree, one per call
+# (smol/smol-NN/partNN, bench/README.md): smol-stash keeps the parts a call carries, smol-install joins them.
+if [[ $mode == smol-stash || $mode == smol-install ]]; then
+  mkdir -p /root/smol-stash && cp smol/smol-*/part* /root/smol-stash/ 2>/dev/null; ls -la /root/smol-stash
 fi
 if [[ $mode == smol-install ]]; then
   mkdir -p /root/models/smollm2
-  cat /root/smol-stash/part00 smol/smol-b/part01 > /root/models/smollm2/SmolLM2-135M-Instruct.Q4_1.gguf
-  echo "$(cat smol/smol-b/sha256)  /root/models/smollm2/SmolLM2-135M-Instruct.Q4_1.gguf" | sha256sum -c
+  cat /root/smol-stash/part* > /root/models/smollm2/SmolLM2-135M-Instruct.Q4_1.gguf
+  echo "$(cat smol/smol-*/sha256)  /root/models/smollm2/SmolLM2-135M-Instruct.Q4_1.gguf" | sha256sum -c
 fi
 if [[ $mode == install ]]; then
   cat /root/fa-stash/cu13.part00 fa/fa-b/cu13.part01 > /tmp/nvidia_cutlass_dsl_libs_cu13-4.8.1-cp312-cp312-manylinux_2_28_x86_64.whl
@@ -52,7 +54,11 @@ for step in ${steps//,/ }; do
     bench16) python3 bench/attention_bench.py --block-size 16 --out "$out" 2>&1 | tee "$out/bench16.log" ;;
     executor-tests) timeout 400 python3 -m pytest tests/executor -q -p no:cacheprovider -x 2>&1 | tee "$out/executor_tests.log" | tail -30 ;;
     gpu-tests) timeout 400 python3 -m pytest tests/executor -q -p no:cacheprovider -m gpu 2>&1 | tee "$out/gpu_tests.log" | tail -30 ;;
-    specdec-bench) timeout 540 python3 bench/specdec_bench.py ${SPEC_ARGS:-} --out "$out" 2>&1 | tee "$out/specdec_bench.log" | tail -80 ;;
+    specdec-bench) timeout ${SPEC_TIMEOUT:-540} python3 bench/specdec_bench.py ${SPEC_ARGS:-} --out "$out" 2>&1 | tee "$out/specdec_bench.log" | tail -80 ;;
+    acceptance-bench) timeout ${ACC_TIMEOUT:-540} python3 bench/acceptance_bench.py --target /root/models/smollm2/SmolLM2-135M-Instruct.Q4_1.gguf \
+        --drafter eagle3=drafters/smollm2-eagle3 --drafter dflash=drafters/smollm2-dflash --prompts drafters/prompts_heldout.jsonl \
+        ${ACC_ARGS:-} --out "$out" 2>&1 | tee "$out/acceptance_bench.log" | tail -60 ;;
+    profile) timeout ${PROFILE_TIMEOUT:-300} python3 bench/pass_profile.py ${PROFILE_ARGS:-} --out "$out" 2>&1 | tee "$out/pass_profile.log" | tail -60 ;;
     executor-bench) timeout 540 python3 bench/executor_bench.py ${BENCH_ARGS:-} --out "$out" 2>&1 | tee "$out/executor_bench.log" | tail -60 ;;
     none) ;;
     *) echo "unknown step $step" ;;

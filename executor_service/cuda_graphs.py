@@ -136,7 +136,7 @@ class StepGraphs:
         block table, positions and inputs are copied in. Padded requests' per-request inputs get their pad."""
         count = block_table.shape[0]
         size = self._bucket(count)
-        tokens = count * self.query_len
+        tokens, padded = count * self.query_len, size * self.query_len
         for name, value in inputs.items():
             if name in self.request_inputs:
                 self.request_inputs[name][:count].copy_(value)
@@ -144,6 +144,7 @@ class StepGraphs:
             else:
                 self.inputs[name][:tokens].copy_(value)
         self.positions[:tokens].copy_(positions)
+        self.positions[tokens:padded].zero_()  # padded requests: short, so device-built seq_lens read little
         self.block_table[:count, : block_table.shape[1]].copy_(block_table)
         self.graphs[size].replay()
         return tuple(_first_rows(out, size, count) for out in self.outputs[size])
