@@ -4,10 +4,15 @@ A server started with a token (--auth-token or --auth-token-file) answers every 
 metadata `authorization: Bearer <token>` with UNAUTHENTICATED, except the gRPC health service: container
 and load-balancer probes speak only the standard Health protocol, without credentials, and health reveals
 nothing but SERVING / NOT_SERVING. Tokens are compared in constant time and never echoed or logged.
+
+The header is read strictly: one `authorization` entry, the scheme `Bearer` (in any case, as RFC 7235 has
+it), one space, the token, nothing around them. Anything looser would accept values that proxies and other
+servers read differently.
 """
 
 from __future__ import annotations
 
+import hashlib
 import hmac
 from collections import namedtuple
 from collections.abc import AsyncIterator, Awaitable, Callable
@@ -49,11 +54,23 @@ def bearer_metadata(token: str) -> tuple[tuple[str, str]]:
     return ((METADATA_KEY, f"{SCHEME} {token}"),)
 
 
-def _presented(metadata: Any) -> str | None:
-    for key, value in metadata or ():
-        if key == METADATA_KEY:
-            return value if isinstance(value, str) else value.decode("ascii", "replace")
-    return None
+def _presented(metadata: Any) -> list[str]:
+    """Every `authorization` value the call carries."""
+    return [
+        value if isinstance(value, str) else value.decode("ascii", "replace")
+        for key, value in metadata or ()
+        if key == METADATA_KEY
+    ]
+
+
+def _digest(token: str | bytes) -> bytes:
+    """Compared instead of the tokens themselves: equal lengths, so the comparison leaks not even the length."""
+    return hashlib.sha256(token if isinstance(token, bytes) else token.encode("utf-8", "replace")).digest()
+
+
+def _well_formed(token: str) -> bool:
+    """A token as check_token allows: printable ASCII, no spaces (so no whitespace around it either)."""
+    return bool(token) and all(0x21 <= ord(char) <= 0x7E for char in token)
 
 
 class TokenAuthInterceptor(grpc.aio.ServerInterceptor):
@@ -61,17 +78,19 @@ class TokenAuthInterceptor(grpc.aio.ServerInterceptor):
     after the observing interceptor, so refusals are counted in specdec_rpc_requests{code="UNAUTHENTICATED"}."""
 
     def __init__(self, token: str) -> None:
-        self._expected = check_token(token, "auth token").encode("ascii")
+        self._expected = _digest(check_token(token, "auth token"))
 
     def problem(self, metadata: Any) -> str | None:
         """Why the call's metadata does not authenticate it; None when it does."""
-        value = _presented(metadata)
-        if value is None:
+        values = _presented(metadata)
+        if not values:
             return f"missing '{METADATA_KEY}' metadata: this server requires '{METADATA_KEY}: {SCHEME} <token>'"
-        scheme, _, presented = value.strip().partition(" ")
-        if scheme.lower() != SCHEME.lower() or not presented.strip():
+        if len(values) > 1:
+            return f"{len(values)} '{METADATA_KEY}' metadata entries: send exactly one, '{SCHEME} <token>'"
+        scheme, _, presented = values[0].partition(" ")
+        if scheme.lower() != SCHEME.lower() or not _well_formed(presented):
             return f"the '{METADATA_KEY}' metadata must read '{SCHEME} <token>'"
-        if not hmac.compare_digest(presented.strip().encode("utf-8", "replace"), self._expected):
+        if not hmac.compare_digest(_digest(presented), self._expected):
             return "invalid bearer token"
         return None
 

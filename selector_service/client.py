@@ -6,7 +6,9 @@ from __future__ import annotations
 import argparse
 import json
 import os
+from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
 import grpc
 import yaml
@@ -61,14 +63,16 @@ def open_aio_channel(
     server_name: str | None = None,
     auth_token: str | None = None,
     flags: str = "--tls",
+    options: Sequence[tuple[str, Any]] = (),
 ) -> grpc.aio.Channel:
     """open_channel for grpc.aio (unary and server-streaming calls), e.g. the executor's selector client;
-    `flags` names the TLS flags in errors. Create it inside the event loop that uses it."""
+    `flags` names the TLS flags in errors; `options`: more channel options (reconnect backoff, ...). Create it
+    inside the event loop that uses it."""
     interceptors = aio_bearer_interceptors(auth_token) if auth_token else None
-    credentials, options = channel_security(tls_ca, tls_cert, tls_key, server_name, flags)
+    credentials, security = channel_security(tls_ca, tls_cert, tls_key, server_name, flags)
     if credentials is None:
-        return grpc.aio.insecure_channel(address, interceptors=interceptors)
-    return grpc.aio.secure_channel(address, credentials, options=options, interceptors=interceptors)
+        return grpc.aio.insecure_channel(address, options=list(options), interceptors=interceptors)
+    return grpc.aio.secure_channel(address, credentials, options=[*security, *options], interceptors=interceptors)
 
 
 def channel_security(

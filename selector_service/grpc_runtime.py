@@ -10,6 +10,8 @@ import asyncio
 import logging
 import os
 import signal
+import socket
+import ssl
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -19,11 +21,16 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from selector_service.auth import TokenAuthInterceptor, resolve_token
+from selector_service.health_status import HealthServicer
 from selector_service.observability import ObservingInterceptor, RpcMetrics
 
 log = logging.getLogger("specdec.server")
 
 MiB = 1 << 20
+# Responses, and requests of a server that names no bound of its own (create_server's max_request_bytes).
+DEFAULT_MAX_MESSAGE_BYTES = 64 * MiB
+# Exit status of a server that cannot start: a bad flag, an unusable certificate, an address in use.
+EXIT_BAD_SETUP = 2
 
 
 def env_name(flag: str) -> str:
@@ -85,9 +92,29 @@ class EnvDefaultsParser(argparse.ArgumentParser):
         return parsed, extras
 
 
+def port_number(text: str) -> int:
+    """A TCP port for --port: 1..65535, or 0 for any free port."""
+    return _int_in(text, 0, 65535, "a port in 1..65535 (0: any free port)")
+
+
+def metrics_port_number(text: str) -> int:
+    """--metrics-port: a port, 0 for any free one, -1 for none."""
+    return _int_in(text, -1, 65535, "a port in 1..65535 (0: any free port; -1: off)")
+
+
+def _int_in(text: str, low: int, high: int, what: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"invalid int value: {text!r}") from None  # argparse's own words
+    if not low <= value <= high:
+        raise argparse.ArgumentTypeError(f"{value} is not {what}")
+    return value
+
+
 def add_server_arguments(parser: argparse.ArgumentParser, default_port: int) -> None:
     parser.add_argument("--host", default="127.0.0.1", help="address to bind (0.0.0.0: every interface)")
-    parser.add_argument("--port", type=int, default=default_port, help="gRPC port (0: any free port)")
+    parser.add_argument("--port", type=port_number, default=default_port, help="gRPC port (0: any free port)")
     parser.add_argument("--tls-cert", help="PEM server certificate; with --tls-key, serve TLS")
     parser.add_argument("--tls-key", help="PEM private key of --tls-cert")
     parser.add_argument("--tls-client-ca", help="PEM CA bundle; clients must present a certificate it signed (mTLS)")
@@ -95,10 +122,18 @@ def add_server_arguments(parser: argparse.ArgumentParser, default_port: int) -> 
         "--auth-token", help="shared token: every call but health needs metadata 'authorization: Bearer <token>'"
     )
     parser.add_argument("--auth-token-file", help="read the shared token from this file (keeps it out of argv and env)")
-    parser.add_argument("--max-message-bytes", type=int, default=64 * MiB, help="largest request or response")
+    parser.add_argument(
+        "--max-message-bytes",
+        type=int,
+        default=None,
+        help="largest request or response (default: requests up to the largest valid one of the service, "
+        "responses up to 64 MiB); larger ones get RESOURCE_EXHAUSTED before they are read",
+    )
     parser.add_argument("--grace-seconds", type=float, default=5.0, help="drain time on SIGTERM")
     parser.add_argument("--metrics-host", default="127.0.0.1", help="address of the Prometheus /metrics endpoint")
-    parser.add_argument("--metrics-port", type=int, default=-1, help="Prometheus port (0: any free; -1: off)")
+    parser.add_argument(
+        "--metrics-port", type=metrics_port_number, default=-1, help="Prometheus port (0: any free; -1: off)"
+    )
     parser.add_argument(
         "--log-level",
         default="info",
@@ -120,7 +155,7 @@ class ServerSettings:
     tls_client_ca: str | None = None
     auth_token: str | None = field(default=None, repr=False)
     auth_token_file: str | None = None
-    max_message_bytes: int = 64 * MiB
+    max_message_bytes: int | None = None  # None: the service's own request bound, 64 MiB responses
     grace_seconds: float = 5.0
     metrics_host: str = "127.0.0.1"
     metrics_port: int = -1
@@ -131,10 +166,14 @@ class ServerSettings:
         return cls(**{name: getattr(args, name) for name in cls.__dataclass_fields__})
 
 
-def server_options(settings: ServerSettings) -> list[tuple[str, int]]:
+def server_options(
+    settings: ServerSettings, max_request_bytes: int = DEFAULT_MAX_MESSAGE_BYTES
+) -> list[tuple[str, int]]:
+    """Channel options; a request over `max_request_bytes` (or --max-message-bytes when given) is refused by
+    gRPC with RESOURCE_EXHAUSTED before any of it reaches Python."""
     return [
-        ("grpc.max_send_message_length", settings.max_message_bytes),
-        ("grpc.max_receive_message_length", settings.max_message_bytes),
+        ("grpc.max_send_message_length", settings.max_message_bytes or DEFAULT_MAX_MESSAGE_BYTES),
+        ("grpc.max_receive_message_length", settings.max_message_bytes or max_request_bytes),
         # Clients that ping during long calls must not be sent GOAWAY (SGLang's lesson).
         ("grpc.http2.min_recv_ping_interval_without_data_ms", 10_000),
         ("grpc.keepalive_permit_without_calls", 1),
@@ -150,6 +189,7 @@ def server_credentials(settings: ServerSettings) -> grpc.ServerCredentials | Non
         return None
     if not (settings.tls_cert and settings.tls_key):
         raise ValueError("TLS needs both --tls-cert and --tls-key")
+    check_tls_files(settings.tls_cert, settings.tls_key, settings.tls_client_ca)
     key, cert = Path(settings.tls_key).read_bytes(), Path(settings.tls_cert).read_bytes()
     client_ca = Path(settings.tls_client_ca).read_bytes() if settings.tls_client_ca else None
     return grpc.ssl_server_credentials(
@@ -157,10 +197,50 @@ def server_credentials(settings: ServerSettings) -> grpc.ServerCredentials | Non
     )
 
 
+def check_tls_files(cert: str, key: str, client_ca: str | None) -> None:
+    """ValueError saying what is wrong with the PEM files (gRPC itself only fails to bind, with a traceback):
+    a key that does not belong to the certificate, a file that is not PEM, an unreadable one."""
+    context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+    try:
+        context.load_cert_chain(cert, key, password=lambda: b"")  # no prompt for an encrypted key
+    except ssl.SSLError as err:
+        if "KEY_VALUES_MISMATCH" in str(err):
+            raise ValueError(f"--tls-key {key} is not the private key of --tls-cert {cert}") from None
+        raise ValueError(f"--tls-cert {cert} / --tls-key {key}: not a PEM certificate and key ({err})") from None
+    except OSError as err:
+        raise ValueError(f"--tls-cert {cert} / --tls-key {key}: {err.strerror or err}") from None
+    if client_ca:
+        try:
+            context.load_verify_locations(cafile=client_ca)
+        except (ssl.SSLError, OSError) as err:
+            raise ValueError(f"--tls-client-ca {client_ca}: not a readable PEM CA bundle ({err})") from None
+
+
+def check_bindable(host: str, port: int) -> None:
+    """OSError naming the address when it cannot be bound (in use, or not this machine's), checked with a
+    plain socket first: gRPC only says "Failed to bind". Port 0 always binds."""
+    if port == 0:
+        return
+    try:
+        addresses = socket.getaddrinfo(host.strip("[]"), port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+    except socket.gaierror as err:
+        raise OSError(f"cannot bind {host}:{port}: {err.strerror}") from None
+    problems = []
+    for family, kind, proto, _, address in addresses:
+        with socket.socket(family, kind, proto) as probe:
+            probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as gRPC does
+            try:
+                probe.bind(address)
+                return  # gRPC serves if any resolved address binds
+            except OSError as err:
+                problems.append(err.strerror or str(err))
+    raise OSError(f"cannot bind {host}:{port}: {'; '.join(dict.fromkeys(problems))}")
+
+
 @dataclass
 class RunningServer:
     server: grpc.aio.Server
-    health: health.aio.HealthServicer
+    health: HealthServicer
     port: int
     metrics: RpcMetrics
     metrics_port: int | None
@@ -178,15 +258,20 @@ class RunningServer:
 
 
 def create_server(
-    settings: ServerSettings, service_label: str, extra_interceptors: Sequence[grpc.aio.ServerInterceptor] = ()
+    settings: ServerSettings,
+    service_label: str,
+    extra_interceptors: Sequence[grpc.aio.ServerInterceptor] = (),
+    max_request_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
 ) -> tuple[grpc.aio.Server, RpcMetrics]:
     """The server with its interceptors: metrics and error mapping outermost, so that it counts the token
-    check's refusals, then the token check (when a token is configured), then `extra_interceptors`."""
+    check's refusals, then the token check (when a token is configured), then `extra_interceptors`.
+    `max_request_bytes`: the largest valid request of the service (--max-message-bytes overrides it)."""
     token = resolve_token(settings.auth_token, settings.auth_token_file)
     auth = [TokenAuthInterceptor(token)] if token else []
     metrics = RpcMetrics(service_label)
     server = grpc.aio.server(
-        interceptors=[ObservingInterceptor(metrics), *auth, *extra_interceptors], options=server_options(settings)
+        interceptors=[ObservingInterceptor(metrics), *auth, *extra_interceptors],
+        options=server_options(settings, max_request_bytes),
     )
     return server, metrics
 
@@ -200,14 +285,18 @@ async def start_server(
 ) -> RunningServer:
     """Add health and reflection, bind, start. Health says SERVING if `ready`, else NOT_SERVING until
     the caller flips it (an executor, once its model is loaded and warm)."""
-    health_servicer = health.aio.HealthServicer()
+    health_servicer = HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     reflection.enable_server_reflection((*services, health.SERVICE_NAME, reflection.SERVICE_NAME), server)
     address = f"{settings.host}:{settings.port}"
     credentials = server_credentials(settings)
-    port = server.add_secure_port(address, credentials) if credentials else server.add_insecure_port(address)
+    check_bindable(settings.host, settings.port)
+    try:
+        port = server.add_secure_port(address, credentials) if credentials else server.add_insecure_port(address)
+    except RuntimeError:  # "Failed to bind to address": taken between the check and here
+        port = 0
     if port == 0:
-        raise OSError(f"could not bind {address}")
+        raise OSError(f"cannot bind {address}: in use, or not an address of this machine")
     metrics_port = (
         metrics.serve_http(settings.metrics_host, settings.metrics_port) if settings.metrics_port >= 0 else None
     )

@@ -4,6 +4,7 @@ with their traceback) instead of a bare UNKNOWN."""
 
 from __future__ import annotations
 
+import inspect
 import logging
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
@@ -13,7 +14,10 @@ import grpc
 from google.protobuf.message import DecodeError
 from prometheus_client import CollectorRegistry, Counter, Histogram, start_http_server
 
+from selector_service.errors import MAX_MESSAGE, clip
+
 log = logging.getLogger("specdec.rpc")
+LOGGED_DETAILS = 256  # of a failed RPC's status message, in its log line
 
 LATENCY_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30)
 
@@ -77,7 +81,9 @@ def _tolerant(deserializer: Callable[[bytes], Any] | None) -> Callable[[bytes], 
 
 
 class ObservingInterceptor(grpc.aio.ServerInterceptor):
-    """Wraps unary-unary and unary-stream handlers; other kinds pass through untouched."""
+    """Wraps unary-unary and unary-stream handlers; other kinds pass through untouched. A unary-stream
+    handler either yields its responses (an async generator) or writes them with context.write and returns
+    (grpc.health.v1's Watch): each is wrapped as what it is."""
 
     def __init__(self, metrics: RpcMetrics) -> None:
         self._metrics = metrics
@@ -98,8 +104,10 @@ class ObservingInterceptor(grpc.aio.ServerInterceptor):
                 response_serializer=handler.response_serializer,
             )
         if handler.unary_stream is not None:
+            stream = handler.unary_stream
+            wrap = self._wrap_stream if inspect.isasyncgenfunction(stream) else self._wrap_writer
             return grpc.unary_stream_rpc_method_handler(
-                self._wrap_stream(method, handler.unary_stream),
+                wrap(method, stream),
                 request_deserializer=_tolerant(handler.request_deserializer),
                 response_serializer=handler.response_serializer,
             )
@@ -135,18 +143,44 @@ class ObservingInterceptor(grpc.aio.ServerInterceptor):
 
         return observed
 
+    def _wrap_writer(self, method: str, behavior: Callable[..., Any]) -> Callable[..., Awaitable[None]]:
+        """A streaming handler that writes its responses (context.write) instead of yielding them."""
+
+        async def observed(request: Any, context: grpc.aio.ServicerContext) -> None:
+            start = time.perf_counter()
+            try:
+                await _refuse_undecodable(request, context)
+                outcome = behavior(request, context)
+                if inspect.isawaitable(outcome):
+                    outcome = await outcome
+                if outcome is not None:  # a plain or async iterator after all: send what it gives
+                    if hasattr(outcome, "__aiter__"):
+                        async for item in outcome:
+                            await context.write(item)
+                    else:
+                        for item in outcome:
+                            await context.write(item)
+            except BaseException as err:
+                await self._finish_failed(method, context, err, start)
+                raise
+            self._metrics.observe(method, context.code() or grpc.StatusCode.OK, time.perf_counter() - start)
+
+        return observed
+
     async def _finish_failed(
         self, method: str, context: grpc.aio.ServicerContext, err: BaseException, start: float
     ) -> None:
         elapsed = time.perf_counter() - start
         if isinstance(err, grpc.aio.AbortError):  # the handler chose its status
             code = context.code() or grpc.StatusCode.UNKNOWN
-            log.info("rpc failed", extra={"method": method, "code": code.name, "details": context.details()})
+            details = clip(context.details() or "", LOGGED_DETAILS)
+            log.info("rpc failed", extra={"method": method, "code": code.name, "details": details})
         elif isinstance(err, Exception):  # a bug: say so with a traceback, answer INTERNAL
             code = grpc.StatusCode.INTERNAL
             log.exception("rpc raised", extra={"method": method})
             self._metrics.observe(method, code, elapsed)
-            await context.abort(code, f"internal error in {method}: {type(err).__name__}: {err}")  # raises
+            message = clip(f"internal error in {method}: {type(err).__name__}: {err}", MAX_MESSAGE)
+            await context.abort(code, message)  # raises
         else:  # cancelled by the client or by shutdown
             code = grpc.StatusCode.CANCELLED
         self._metrics.observe(method, code, elapsed)
@@ -154,4 +188,5 @@ class ObservingInterceptor(grpc.aio.ServerInterceptor):
 
 async def _refuse_undecodable(request: Any, context: grpc.aio.ServicerContext) -> None:
     if isinstance(request, _Undecodable):
-        await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"request does not parse: {request.error}")
+        message = clip(f"request does not parse: {request.error}", MAX_MESSAGE)
+        await context.abort(grpc.StatusCode.INVALID_ARGUMENT, message)

@@ -1,7 +1,9 @@
 """Check a SelectBackendsRequest and turn it into what selection reads: the hardware and one
 `StackRequest` per attention stack (the target's, and the drafter's when there is one).
 
-Every bad field is reported at once as a google.rpc.BadRequest field violation (INVALID_ARGUMENT).
+Every bad field is reported at once as a google.rpc.BadRequest field violation (INVALID_ARGUMENT). Sizes
+come first: a request with a string or list over its bound (bounds.py) is refused for those alone, before its
+values are read, so they are never echoed, logged or cached.
 """
 
 from __future__ import annotations
@@ -9,7 +11,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from kernels.capabilities import KV_CACHE_DTYPES, AttentionNeeds, DType, Hardware, Platform
-from selector_service.errors import FieldViolation, invalid_fields
+from selector_service.bounds import largest_message, size_violations
+from selector_service.errors import FieldViolation, echo, invalid_fields
 from selector_service.registry import UnknownBackendError, normalize_backend_name
 from specdec.v1 import common_pb2, selector_pb2
 
@@ -24,6 +27,12 @@ DTYPES = {
     common_pb2.DTYPE_FLOAT32: DType.FLOAT32,
 }
 DRAFT_METHODS = (common_pb2.SPEC_METHOD_EAGLE, common_pb2.SPEC_METHOD_EAGLE3, common_pb2.SPEC_METHOD_DFLASH)
+# Beyond the defaults of bounds.py (strings of 256 bytes, lists of 64): a drafter reads at most this many
+# target layers (a layer id each).
+SIZE_LIMITS = {"speculative.dflash_config.target_layer_ids": 1024}
+# The selector's message limit: the largest request the bounds allow (about 45 KB), with room for fields a
+# newer client may add; anything larger is RESOURCE_EXHAUSTED before it is read.
+MAX_REQUEST_BYTES = largest_message(selector_pb2.SelectBackendsRequest, SIZE_LIMITS).ByteSize() + 16 * 1024
 
 
 @dataclass(frozen=True)
@@ -45,6 +54,9 @@ class ParsedRequest:
 
 def parse_request(request: selector_pb2.SelectBackendsRequest) -> ParsedRequest:
     """The request as selection inputs; raises InvalidArgument listing every bad field."""
+    oversized = size_violations(request, SIZE_LIMITS)
+    if oversized:
+        raise invalid_fields(oversized)
     violations: list[FieldViolation] = []
     hardware = _parse_hardware(request, violations)
     target_needs = None
@@ -118,7 +130,7 @@ def _parse_layers(
     if kv_cache_dtype not in KV_CACHE_DTYPES:
         violations.append(
             FieldViolation(
-                f"{prefix}.kv_cache_dtype", f"'{spec.kv_cache_dtype}' is not one of {', '.join(KV_CACHE_DTYPES)}"
+                f"{prefix}.kv_cache_dtype", f"{echo(spec.kv_cache_dtype)} is not one of {', '.join(KV_CACHE_DTYPES)}"
             )
         )
     if spec.block_size < 0:

@@ -1,8 +1,10 @@
 """Backend selection (rules R2-R6): explicit names are validated and used or refused, auto walks the
 platform's priority list, and the drafter is decided on its own needs, never inherited.
 
-`select_backends` is a pure function of its request; `Selector` adds a cache keyed by the request's
-deterministic serialization. The executor calls the same code in-process.
+`select_backends` is a pure function of its request; `Selector` adds a cache keyed by the parsed request:
+bounded (its strings are checked against bounds.py first) and only what selection reads (not the device's
+name or memory), so that neither a caller's large fields nor requests differing only in those fill it. A
+request that fails its checks is refused before the cache. The executor calls the same code in-process.
 """
 
 from __future__ import annotations
@@ -19,7 +21,7 @@ from selector_service.errors import (
     SpecdecError,
 )
 from selector_service.registry import priority_list
-from selector_service.request import StackRequest, parse_request
+from selector_service.request import ParsedRequest, StackRequest, parse_request
 from specdec.v1 import common_pb2, selector_pb2
 
 
@@ -73,22 +75,33 @@ def decide(hardware: Hardware, stack: StackRequest) -> Decision:
 
 def select_backends(request: selector_pb2.SelectBackendsRequest) -> selector_pb2.SelectBackendsResponse:
     """Decide the target's and the drafter's backends (uncached)."""
-    parsed = parse_request(request)
+    return select_parsed(parse_request(request))
+
+
+def select_parsed(parsed: ParsedRequest) -> selector_pb2.SelectBackendsResponse:
+    """Decide the backends of a checked request."""
     response = selector_pb2.SelectBackendsResponse(target=decide(parsed.hardware, parsed.target).to_proto())
     if parsed.drafter is not None:  # R5: decided on the drafter's own needs and name
         response.drafter.CopyFrom(decide(parsed.hardware, parsed.drafter).to_proto())
     return response
 
 
-class Selector:
-    """select_backends behind an LRU cache: selection is a pure function of the request."""
+DEFAULT_CACHE_SIZE = 1024
 
-    def __init__(self, cache_size: int = 4096) -> None:
-        self._cached = functools.lru_cache(maxsize=cache_size)(_select_serialized)
+
+class Selector:
+    """select_backends behind an LRU cache of at most `cache_size` entries, keyed by the parsed request
+    (selection is a pure function of it). The entries are bounded too: a key holds bounded strings, and a
+    response or error names only known backends, reasons and the request's bounded fields."""
+
+    def __init__(self, cache_size: int = DEFAULT_CACHE_SIZE) -> None:
+        if cache_size < 0:
+            raise ValueError(f"the cache size must be >= 0, not {cache_size}")
+        self._cached = functools.lru_cache(maxsize=cache_size)(_select_cached)
 
     def select(self, request: selector_pb2.SelectBackendsRequest) -> selector_pb2.SelectBackendsResponse:
         """A fresh response (the caller may change it); raises SpecdecError on bad input or no backend."""
-        outcome = self._cached(request.SerializeToString(deterministic=True))
+        outcome = self._cached(parse_request(request))  # bad input raises here, before the cache
         if isinstance(outcome, SpecdecError):
             raise outcome.fresh()
         response = selector_pb2.SelectBackendsResponse()
@@ -99,9 +112,9 @@ class Selector:
         return self._cached.cache_info()
 
 
-def _select_serialized(key: bytes) -> selector_pb2.SelectBackendsResponse | SpecdecError:
+def _select_cached(parsed: ParsedRequest) -> selector_pb2.SelectBackendsResponse | SpecdecError:
     try:
-        return select_backends(selector_pb2.SelectBackendsRequest.FromString(key))
+        return select_parsed(parsed)
     except SpecdecError as err:  # cached too: the same request always fails the same way
         return err.with_traceback(None)
 
