@@ -17,6 +17,8 @@ from google.protobuf.message import Message
 from google.protobuf.message_factory import GetMessageClass
 from hypothesis import strategies as st
 
+from kernels.capabilities import BACKENDS
+
 INT32_MIN, INT32_MAX = -(2**31), 2**31 - 1
 INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
 # Small values (where real requests live) and the edges of the type. Nothing in between: a mid-sized value in
@@ -28,6 +30,8 @@ FLOAT_EDGES = (0.0, -0.0, 1e-45, 1e-38, -1e-38, 1.0, -1.0, 0.5, 1e38, -1e38, 3.4
 ODD_STRINGS = ("", " ", "\x00", "a\x00b", "..", "../..", "/", "/etc/passwd", "é" * 3, "\u202e", "💥", "\t\n")
 LONG_STRING_LENGTHS = (255, 256, 4097, 10_000, 1 << 20)  # 1 MiB: past any sane name, under the message limits
 OVERSIZE_REPEATS = (1_000, 100_000)
+# Attention backend names as the services spell them, in other cases, padded, and with a NUL.
+BACKEND_NAMES = ("", "auto", *BACKENDS, *(name.lower() for name in BACKENDS), " cpu_attn ", "FLASH_ATTN\x00")
 
 
 def int32s() -> st.SearchStrategy[int]:
@@ -220,7 +224,8 @@ def near(
         message = type(original := draw(base))()
         message.CopyFrom(original)
         leaves = leaf_fields(message.DESCRIPTOR)
-        for path, field in draw(st.lists(st.sampled_from(leaves), min_size=1, max_size=max_changes, unique=True)):
+        picked = draw(st.lists(st.sampled_from(leaves), min_size=1, max_size=max_changes))
+        for path, field in dict(picked).items():  # a field drawn twice is changed once
             prefix = path[: -len(field.name)]
             _set_path(message, path, field, draw(_field(field, table, prefix, 2)))
         return message

@@ -17,13 +17,12 @@ from fuzz_checks import Shown, check_refusal
 from fuzz_servers import FuzzedServer
 from hypothesis import given
 from hypothesis import strategies as st
-from proto_strategies import messages, near, strings
+from proto_strategies import BACKEND_NAMES, messages, near, strings
 
 from kernels.capabilities import BACKENDS, KV_CACHE_DTYPES
 from specdec.v1 import common_pb2, selector_pb2, selector_pb2_grpc
 
 RPC_TIMEOUT_S = 30.0  # a no-hang bound
-BACKEND_NAMES = ("", "auto", *BACKENDS, *(name.lower() for name in BACKENDS), " cpu_attn ", "FLASH_ATTN\x00")
 SELECTOR_FIELDS = {
     "attention.backend": strings(BACKEND_NAMES),
     "speculative.attention_backend": strings(BACKEND_NAMES),
