@@ -17,7 +17,7 @@ import torch
 
 from executor_service.model_runner import ModelRunner, StepInputs
 from executor_service.proposer import ProposeBatch, ProposeEntry, Proposer
-from executor_service.rejection_sampler import verify_batch
+from executor_service.rejection_sampler import check_drafts, verify_batch
 from executor_service.request import Finish, Request, RequestOutput, Sink, Status
 from executor_service.scheduler import ScheduledStep, Scheduler
 from executor_service.spec_step import SpecStep
@@ -129,7 +129,9 @@ class Engine:
     def step(self) -> None:
         """Schedule, run the target once, verify (or sample), hand out the new tokens, propose drafts."""
         started = time.perf_counter()
+        self._fail_alone(self._bad_drafts())
         scheduled = self.scheduler.schedule()
+        self._fail_alone(scheduled.failed)  # requests that can never fit the cache
         if not scheduled:
             return
         try:
@@ -145,6 +147,7 @@ class Engine:
         except Exception as err:  # a kernel or device failure fails this step's requests, not the server
             self._fail(scheduled.requests, err)
             return
+        sampled, drafts, emitted = self._drop_failed(sampled, drafts, emitted)
         kept = {id(r): n for r, n in zip(scheduled.requests, scheduled.num_new_tokens, strict=True)}
         for request, request_drafts, tokens in zip(sampled, drafts, emitted, strict=True):
             accepted = len(tokens) - 1
@@ -227,6 +230,30 @@ class Engine:
         # last steps keep k + 1 tokens per request, so they replay the verify graph instead of running eagerly.
         for request in running:
             del request.draft_ids[max(self.max_model_len - request.num_tokens, 0) :]
+
+    def _bad_drafts(self) -> list[tuple[Request, BaseException]]:
+        """Running requests with draft ids outside the vocabulary (a faulty drafter), caught before the
+        target embeds them, where one such id fails the whole step (on CUDA, the process). Host lists: no
+        device work, no sync."""
+        if self.proposer is None:
+            return []
+        vocab = self.runner.model.config.vocab_size
+        found = [(r, check_drafts(r.draft_ids, vocab)) for r in self.scheduler.running if r.draft_ids]
+        return [(r, err) for r, err in found if err is not None]
+
+    def _drop_failed(
+        self, sampled: list[Request], drafts: list[list[int]], emitted: list
+    ) -> tuple[list[Request], list[list[int]], list[list[int]]]:
+        """Fail the requests whose own verification failed (a VerifyError in `emitted`); keep the others."""
+        self._fail_alone([(r, e) for r, e in zip(sampled, emitted, strict=True) if isinstance(e, Exception)])
+        keep = [i for i, e in enumerate(emitted) if not isinstance(e, Exception)]
+        return [sampled[i] for i in keep], [drafts[i] for i in keep], [emitted[i] for i in keep]
+
+    def _fail_alone(self, failures: list[tuple[Request, BaseException]]) -> None:
+        """Finish each request with its own error; the rest of the batch goes on."""
+        for request, err in failures:
+            log.error("request %s failed: %s", request.request_id[:64], err)
+            self._finish(request, None, error=err)
 
     def _fail(self, requests: list[Request], err: BaseException) -> None:
         log.exception("step failed; failing its %d requests", len(requests), exc_info=err)

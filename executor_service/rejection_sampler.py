@@ -6,13 +6,28 @@ q_i(d_i)); at the first rejection emit a token from norm(max(0, p_i - q_i)) and 
 accepted, emit a bonus token from p_{k+1}. The emitted tokens are distributed exactly as if the target had
 sampled them one by one. A greedy drafter is a point mass (q_i(d_i) = 1), which the same rule covers.
 Greedy requests (temperature 0) accept while the draft equals the target's argmax.
+
+A faulty drafter's id outside the vocabulary, or logits that give no distribution, fail that request
+alone: `verify_batch` returns a `VerifyError` in its place and verifies the others.
 """
 
 from __future__ import annotations
 
 import torch
 
-from executor_service.sampling import SamplingSettings, target_probs, to_host
+from executor_service.sampling import SamplingSettings, draw, target_probs, to_host
+
+
+class VerifyError(RuntimeError):
+    """One request's verification failed (drafts outside the vocabulary, logits that are not finite)."""
+
+
+def check_drafts(draft_tokens: list[int], vocab_size: int) -> VerifyError | None:
+    """An error if a draft id is outside [0, vocab_size): a faulty drafter. Host lists, so no device work."""
+    if draft_tokens and (min(draft_tokens) < 0 or max(draft_tokens) >= vocab_size):
+        bad = [t for t in draft_tokens if not 0 <= t < vocab_size][:4]
+        return VerifyError(f"the drafter proposed ids outside the vocabulary [0, {vocab_size}): {bad}")
+    return None
 
 
 def verify_greedy(draft_tokens: list[int], target_argmax: list[int]) -> list[int]:
@@ -38,35 +53,36 @@ def rejection_sample(
 
     draft_tokens [k]; draft_probs [k, V] (None: point-mass drafts); target_probs [k + 1, V].
     """
-    num_drafts = draft_tokens.shape[0]
+    num_drafts, vocab = draft_tokens.shape[0], target_probs.shape[-1]
     if target_probs.shape[0] != num_drafts + 1:
         raise ValueError(f"{num_drafts} drafts need {num_drafts + 1} rows of target probabilities")
+    draft_tokens = draft_tokens.long()
+    outside = (draft_tokens < 0) | (draft_tokens >= vocab)  # a faulty drafter: never index with these
+    safe_tokens = draft_tokens.clamp(0, vocab - 1)
     positions = torch.arange(num_drafts, device=target_probs.device)
-    p_draft = target_probs[positions, draft_tokens]
-    q_draft = draft_probs[positions, draft_tokens] if draft_probs is not None else torch.ones_like(p_draft)
+    p_draft = target_probs[positions, safe_tokens]
+    q_draft = draft_probs[positions, safe_tokens] if draft_probs is not None else torch.ones_like(p_draft)
     uniform = torch.rand(num_drafts, generator=generator, device=target_probs.device)
     accepted = uniform * q_draft <= p_draft  # u < p/q without dividing by a zero q
-    rejected = (~accepted).nonzero()
-    first_rejected = int(rejected[0]) if rejected.numel() else num_drafts
-    emitted = draft_tokens[:first_rejected].tolist()
+    first = accepted.long().cumprod(0).sum()  # drafts before the first rejection
+    first_rejected, num_outside, *drafted = to_host(torch.cat([first[None], outside.sum()[None], draft_tokens]))
+    if num_outside:
+        raise VerifyError(f"the drafter proposed ids outside the vocabulary [0, {vocab}): {drafted[:4]}")
     if first_rejected == num_drafts:
-        final = _sample(target_probs[num_drafts], generator)
+        weights = target_probs[num_drafts]
     else:
         target = target_probs[first_rejected]
         if draft_probs is None:
             residual = target.clone()
-            residual[draft_tokens[first_rejected]] = 0.0
+            residual[drafted[first_rejected]] = 0.0
         else:
             residual = (target - draft_probs[first_rejected]).clamp_min(0.0)
-        if float(residual.sum()) <= 0.0:  # p == q up to rounding: a rejection of probability ~0
-            residual = target
-        final = _sample(residual, generator)
-    return [*emitted, final]
-
-
-def _sample(weights: torch.Tensor, generator: torch.Generator | None) -> int:
-    """One draw from unnormalized non-negative weights (multinomial normalizes)."""
-    return int(torch.multinomial(weights, 1, generator=generator))
+        weights = torch.where(residual.sum() > 0.0, residual, target)  # p == q up to rounding: probability ~0
+    final, valid = draw(weights, generator)
+    final_token, is_valid = to_host(torch.stack([final, valid.long()]))
+    if not is_valid:
+        raise VerifyError("the target's probabilities are not a distribution (inf or NaN)")
+    return [*drafted[:first_rejected], final_token]
 
 
 def verify_batch(
@@ -74,21 +90,42 @@ def verify_batch(
     settings: list[SamplingSettings],
     generators: list[torch.Generator | None],
     drafts: list[list[int]],
-) -> list[list[int]]:
-    """Emitted tokens of each request from its k + 1 rows of target logits (k = its drafts, 0 or more).
+) -> list[list[int] | VerifyError]:
+    """Emitted tokens of each request from its k + 1 rows of target logits (k = its drafts, 0 or more), or
+    the VerifyError that fails that request alone (the others are verified as usual).
 
-    Greedy requests need only the argmax: one device-to-host copy for the whole batch. Sampled requests
+    Greedy requests need only the argmax: one device-to-host copy for the whole batch, which also brings
+    whether each row's logits are finite (argmax lands on a NaN or +inf if there is one). Sampled requests
     go through `rejection_sample` against the distribution they sample from (point-mass drafts).
     """
-    argmax = to_host(logits.argmax(dim=-1))
-    emitted, row = [], 0
+    vocab, num_rows = logits.shape[-1], logits.shape[0]
+    argmax = logits.argmax(dim=-1)
+    finite = torch.isfinite(logits.gather(-1, argmax[:, None])[:, 0])
+    host = to_host(torch.cat([argmax, finite.long()]))
+    emitted: list[list[int] | VerifyError] = []
+    row = 0
     for setting, generator, request_drafts in zip(settings, generators, drafts, strict=True):
         rows = len(request_drafts) + 1
-        if setting.greedy:
-            emitted.append(verify_greedy(request_drafts, argmax[row : row + rows]))
+        error = check_drafts(request_drafts, vocab)
+        if error is None and not all(host[num_rows + row : num_rows + row + rows]):
+            error = VerifyError("the target's logits are not finite (inf or NaN)")
+        if error is not None:
+            emitted.append(error)
+        elif setting.greedy:
+            emitted.append(verify_greedy(request_drafts, host[row : row + rows]))
         else:
-            probs = target_probs(logits[row : row + rows], setting)
-            draft_tokens = torch.tensor(request_drafts, dtype=torch.int64, device=logits.device)
-            emitted.append(rejection_sample(draft_tokens, None, probs, generator))
+            emitted.append(_sample_one(logits[row : row + rows], setting, generator, request_drafts))
         row += rows
     return emitted
+
+
+def _sample_one(
+    logits: torch.Tensor, setting: SamplingSettings, generator: torch.Generator | None, drafts: list[int]
+) -> list[int] | VerifyError:
+    """One sampled request's verification; a failure of its own numbers is its error, not the batch's."""
+    try:
+        probs = target_probs(logits, setting)
+        draft_tokens = torch.tensor(drafts, dtype=torch.int64, device=logits.device)
+        return rejection_sample(draft_tokens, None, probs, generator)
+    except Exception as err:  # whatever its numbers raise fails this request only
+        return err if isinstance(err, VerifyError) else VerifyError(f"sampling failed: {err}")

@@ -13,6 +13,14 @@ import torch
 
 from specdec.v1 import executor_pb2
 
+# Below this a temperature is greedy: logits / 1e-38 overflow float32 to inf and softmax turns them into
+# NaN, while at 1e-5 the distribution is already the argmax's point mass (validation and docs/api.md).
+MIN_TEMPERATURE = 1e-5
+
+
+class SamplingError(RuntimeError):
+    """One request's numbers gave no distribution to draw from; the engine fails that request alone."""
+
 
 @dataclass(frozen=True)
 class SamplingSettings:
@@ -26,7 +34,7 @@ class SamplingSettings:
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0.0
+        return self.temperature < MIN_TEMPERATURE
 
     @classmethod
     def from_proto(cls, params: executor_pb2.SamplingParams) -> SamplingSettings:
@@ -66,16 +74,35 @@ def target_probs(logits: torch.Tensor, settings: SamplingSettings) -> torch.Tens
     return probs
 
 
+def draw(weights: torch.Tensor, generator: torch.Generator | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """One token from unnormalized weights [V] and whether they were a distribution (finite, >= 0, sum > 0),
+    both still on the device. Weights that are not are swapped for uniform ones before the draw, because
+    multinomial's own check raises on the CPU and is a device-side assert on CUDA (which poisons every
+    request); the caller reads the flag with the token in the copy it makes anyway."""
+    total = weights.sum()
+    valid = torch.isfinite(weights).all() & (weights >= 0).all() & (total > 0) & torch.isfinite(total)
+    safe = torch.where(valid, weights, torch.ones_like(weights))
+    return torch.multinomial(safe, 1, generator=generator)[0], valid
+
+
 def sample(
     logits: torch.Tensor, settings: list[SamplingSettings], generators: list[torch.Generator | None]
-) -> list[int]:
-    """One token per row of logits [N, V]; greedy rows in one argmax, sampled rows each with its generator."""
+) -> list[int | SamplingError]:
+    """One token per row of logits [N, V]; greedy rows in one argmax, sampled rows each with its generator.
+    A row whose logits are not finite (or give no distribution) gets a SamplingError in its place, so only
+    its request fails; one host copy for the whole batch."""
     tokens = logits.argmax(dim=-1)
+    valid = torch.isfinite(logits.gather(-1, tokens[:, None])[:, 0])  # argmax finds a NaN or +inf if any
     for row, (setting, generator) in enumerate(zip(settings, generators, strict=True)):
         if not setting.greedy:
-            probs = target_probs(logits[row], setting)
-            tokens[row] = torch.multinomial(probs, 1, generator=generator)[0]
-    return to_host(tokens)
+            tokens[row], drawn = draw(target_probs(logits[row], setting), generator)
+            valid[row] &= drawn
+    count = tokens.shape[0]
+    host = to_host(torch.cat([tokens, valid.long()]))
+    return [
+        token if ok else SamplingError(f"row {row}: the logits give no distribution (inf or NaN)")
+        for row, (token, ok) in enumerate(zip(host[:count], host[count:], strict=True))
+    ]
 
 
 def to_host(tokens: torch.Tensor) -> list[int]:

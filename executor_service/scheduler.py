@@ -4,6 +4,8 @@ vLLM v1's shape: no prefill or decode phases, just "tokens to compute" per reque
 first (a decode is one token, an unfinished prefill its next chunk), then waiting requests are admitted
 while the step's token budget and the KV cache allow. When a running request cannot grow, the most
 recently admitted one is preempted: its blocks are freed and it will be recomputed from its tokens.
+A request that cannot fit even with the whole cache to itself is failed, never preempted or retried
+forever (admission should have refused it: `speculative_headroom`).
 """
 
 from __future__ import annotations
@@ -13,6 +15,14 @@ from dataclasses import dataclass, field
 
 from executor_service.kv_cache import BlockAllocator, blocks_needed
 from executor_service.request import Request, Status
+from selector_service.errors import FieldViolation, ResourceExhausted
+
+
+def speculative_headroom(num_speculative_tokens: int, num_lookahead_tokens: int) -> int:
+    """KV slots past prompt + max_tokens that a request may hold at its last speculative step: it is then
+    scheduled with up to prompt + max_tokens - 1 tokens, k drafts to verify and the drafter's lookahead.
+    Admission counts them (validation.check_generate), so a request alone in the cache always fits."""
+    return num_speculative_tokens + num_lookahead_tokens - 1 if num_lookahead_tokens else 0
 
 
 @dataclass
@@ -20,6 +30,7 @@ class ScheduledStep:
     requests: list[Request] = field(default_factory=list)
     num_new_tokens: list[int] = field(default_factory=list)
     preempted: list[Request] = field(default_factory=list)
+    failed: list[tuple[Request, BaseException]] = field(default_factory=list)  # out of the queues; finish them
 
     @property
     def num_tokens(self) -> int:
@@ -37,12 +48,14 @@ class Scheduler:
         max_num_batched_tokens: int,
         max_num_seqs: int,
         num_lookahead_tokens: int = 0,
+        max_model_len: int | None = None,
     ) -> None:
         self.allocator = allocator
         self.block_size = block_size
         self.max_num_batched_tokens = max_num_batched_tokens
         self.max_num_seqs = max_num_seqs
         self.num_lookahead_tokens = num_lookahead_tokens  # slots a speculative step writes past the tokens
+        self.max_model_len = max_model_len  # nothing is written or read past the context: no slots beyond
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
 
@@ -62,6 +75,10 @@ class Scheduler:
                 del request.draft_ids[max(budget - 1, 0) :]
             num_new = min(request.num_tokens - request.num_computed_tokens + len(request.draft_ids), budget)
             if not self._grow(request, num_new):
+                if len(self.running) == 1:  # the whole cache is its own: it can never grow
+                    self.running.remove(request)
+                    self._fail(request, step)
+                    continue
                 victim = self.running[-1]  # the latest admitted goes back to the queue
                 self._preempt(victim, step)
                 continue  # retry with the freed blocks (or move on, if the victim was this request)
@@ -75,6 +92,10 @@ class Scheduler:
             request = self.waiting[0]
             num_new = min(request.num_tokens - request.num_computed_tokens, budget)
             if not self._grow(request, num_new):
+                if not self.running:  # nothing holds blocks: it will never fit
+                    self.waiting.popleft()
+                    self._fail(request, step)
+                    continue
                 break  # first come, first served: no overtaking of a request that does not fit yet
             self.waiting.popleft()
             request.status = Status.RUNNING
@@ -89,6 +110,8 @@ class Scheduler:
         total = request.num_computed_tokens + num_new
         if total == request.num_tokens + len(request.draft_ids):  # it will sample: the drafter writes ahead
             total += self.num_lookahead_tokens
+            if self.max_model_len is not None:
+                total = min(total, self.max_model_len)
         missing = blocks_needed(total, self.block_size) - len(request.block_ids)
         if missing <= 0:
             return True
@@ -96,6 +119,21 @@ class Scheduler:
             return False
         request.block_ids.extend(self.allocator.allocate(missing))
         return True
+
+    def _fail(self, request: Request, step: ScheduledStep) -> None:
+        """Hand a request that no amount of preemption lets grow to the engine, which fails it."""
+        self.release(request)
+        needed = request.num_tokens + len(request.draft_ids) + self.num_lookahead_tokens
+        needed = min(needed, self.max_model_len) if self.max_model_len is not None else needed
+        capacity = self.allocator.num_blocks * self.block_size
+        lookahead = self.num_lookahead_tokens
+        ahead = f" ({lookahead} of them the speculative step's lookahead)" if lookahead else ""
+        error = ResourceExhausted(
+            f"request {request.request_id[:64]!r} needs KV slots for {needed} tokens{ahead}; the whole cache holds "
+            f"{capacity}",
+            field_violations=(FieldViolation("sampling.max_tokens", "more tokens than the whole KV cache holds"),),
+        )
+        step.failed.append((request, error))
 
     def _preempt(self, request: Request, step: ScheduledStep) -> None:
         self.running.remove(request)

@@ -24,7 +24,7 @@ from executor_service.model_runner import ModelRunner
 from executor_service.proposer import Proposer
 from executor_service.request import Request, RequestOutput, Sink
 from executor_service.sampling import SamplingSettings, make_generator
-from executor_service.scheduler import Scheduler
+from executor_service.scheduler import Scheduler, speculative_headroom
 from executor_service.spec_step import SpecStep
 from executor_service.validation import DEFAULT_BLOCK_SIZE, ModelLimits, resolve_model_path
 from specdec.v1 import common_pb2, executor_pb2, selector_pb2
@@ -183,11 +183,14 @@ def build_session(
     runner = ModelRunner(loaded.model, kv_cache, decision.backend, device, layers)
     lookahead = draft.config.positions_ahead if draft is not None else 0
     scheduler = Scheduler(
-        kv_cache.allocator, block_size, settings.max_num_batched_tokens, settings.max_num_seqs, lookahead
+        kv_cache.allocator, block_size, settings.max_num_batched_tokens, settings.max_num_seqs, lookahead, max_model_len
     )
     spec_step = SpecStep(runner, proposer) if proposer is not None and settings.device_spec_step else None
     engine = Engine(runner, scheduler, max_model_len, on_step, proposer, on_verify, spec_step)
-    limits = ModelLimits(config.vocab_size, max_model_len, kv_cache.capacity_tokens, loaded.tokenizer is not None)
+    headroom = speculative_headroom(draft.config.num_speculative_tokens, lookahead) if draft is not None else 0
+    limits = ModelLimits(
+        config.vocab_size, max_model_len, kv_cache.capacity_tokens, loaded.tokenizer is not None, headroom
+    )
     info = executor_pb2.ModelInfo(
         architecture=config.architecture,
         vocab_size=config.vocab_size,

@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from executor_service.draft_config import METHODS
-from executor_service.sampling import SamplingSettings
+from executor_service.sampling import MIN_TEMPERATURE, SamplingSettings
 from selector_service.errors import FieldViolation, ResourceExhausted, invalid_fields
 from specdec.v1 import common_pb2, executor_pb2
 
@@ -88,6 +89,7 @@ class ModelLimits:
     max_model_len: int
     capacity_tokens: int  # the whole KV cache
     has_tokenizer: bool
+    headroom_tokens: int = 0  # KV slots a speculative step holds past prompt + max_tokens (speculative_headroom)
 
 
 def check_generate(
@@ -120,8 +122,13 @@ def check_generate(
             )
         )
     params = request.sampling
-    if params.temperature < 0 or params.temperature != params.temperature:
-        violations.append(FieldViolation("sampling.temperature", f"must be >= 0, got {params.temperature}"))
+    if not 0.0 <= params.temperature < math.inf:  # NaN fails every comparison
+        violations.append(
+            FieldViolation(
+                "sampling.temperature",
+                f"must be a finite number >= 0 (0, or below {MIN_TEMPERATURE}: greedy), got {params.temperature}",
+            )
+        )
     if params.HasField("top_p") and not 0.0 < params.top_p <= 1.0:
         violations.append(FieldViolation("sampling.top_p", f"must be in (0, 1], got {params.top_p}"))
     if params.top_k < 0:
@@ -142,12 +149,31 @@ def check_generate(
     if violations:
         raise invalid_fields(violations)
     settings = SamplingSettings.from_proto(params)
-    room = min(limits.max_model_len, limits.capacity_tokens) - len(prompt)
-    max_tokens = settings.max_tokens if settings.max_tokens is not None else room
-    if len(prompt) + max_tokens > limits.capacity_tokens or room <= 0:
+    max_tokens = settings.max_tokens if settings.max_tokens is not None else _room(len(prompt), limits)
+    if max_tokens <= 0 or _kv_tokens(len(prompt), max_tokens, limits) > limits.capacity_tokens:
+        headroom = f" + {limits.headroom_tokens} for the speculative step" if limits.headroom_tokens else ""
         raise ResourceExhausted(
-            f"prompt ({len(prompt)}) + max_tokens ({max_tokens}) can never fit the KV cache of "
+            f"prompt ({len(prompt)}) + max_tokens ({max_tokens}){headroom} can never fit the KV cache of "
             f"{limits.capacity_tokens} tokens",
-            field_violations=(FieldViolation("sampling.max_tokens", "more tokens than the whole KV cache holds"),),
+            field_violations=(
+                FieldViolation(
+                    "sampling.max_tokens",
+                    f"more tokens than the whole KV cache holds (at most {max(_room(len(prompt), limits), 0)} "
+                    "for this prompt)",
+                ),
+            ),
         )
     return prompt, settings, max_tokens
+
+
+def _kv_tokens(prompt_len: int, max_tokens: int, limits: ModelLimits) -> int:
+    """KV slots the request may hold at once: its tokens, and the speculative step's headroom (drafts to
+    verify, the drafter's lookahead) up to the context, past which nothing is written."""
+    return min(prompt_len + max_tokens + limits.headroom_tokens, max(limits.max_model_len, prompt_len + max_tokens))
+
+
+def _room(prompt_len: int, limits: ModelLimits) -> int:
+    """The most tokens a prompt of this length may generate: up to the context, within the cache."""
+    if limits.max_model_len <= limits.capacity_tokens:
+        return limits.max_model_len - prompt_len
+    return limits.capacity_tokens - limits.headroom_tokens - prompt_len

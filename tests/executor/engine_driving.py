@@ -1,0 +1,45 @@
+"""Driving an engine on the test's thread for a bounded number of steps, and collecting what it hands out,
+so that a regression that stalls the engine fails the test instead of hanging it."""
+
+from __future__ import annotations
+
+from collections import defaultdict
+
+from executor_service.engine import Engine
+from executor_service.request import RequestOutput
+
+
+class Outputs:
+    """Every output per request id, as the engine handed them out."""
+
+    def __init__(self) -> None:
+        self.by_id: dict[str, list[RequestOutput]] = defaultdict(list)
+
+    def __call__(self, output: RequestOutput) -> None:
+        self.by_id[output.request_id].append(output)
+
+    def tokens(self, request_id: str) -> list[int]:
+        return [t for o in self.by_id[request_id] for t in o.token_ids]
+
+    def error(self, request_id: str) -> BaseException | None:
+        outputs = self.by_id[request_id]
+        return outputs[-1].error if outputs else None
+
+    def finish_reason(self, request_id: str) -> str | None:
+        outputs = self.by_id[request_id]
+        return outputs[-1].finish.reason if outputs and outputs[-1].finish else None
+
+
+def run_bounded(engine: Engine, max_steps: int = 2000) -> int:
+    """engine.run_until_idle(), but an AssertionError after `max_steps` steps instead of spinning forever.
+    Returns the steps taken."""
+    engine._drain_commands()
+    for steps in range(max_steps):
+        if not engine.scheduler.has_work():
+            engine._flush_outbox()
+            return steps
+        engine.step()
+        engine._drain_commands()
+    waiting = [r.request_id for r in engine.scheduler.waiting]
+    running = [(r.request_id, len(r.output_ids)) for r in engine.scheduler.running]
+    raise AssertionError(f"the engine still has work after {max_steps} steps: waiting {waiting}, running {running}")
