@@ -43,14 +43,14 @@ def _triton_writer() -> Callable[..., None]:
 
     @triton.jit
     def write_kernel(
-        k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, slot_ptr,
+        k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, slot_ptr, stride_slot,
         stride_kt, stride_kh, stride_vt, stride_vh,
         stride_cb, stride_cs, stride_ch,
         block_size, num_kv_heads, head_size,
         BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr,
     ):  # fmt: skip
         token = tl.program_id(0)
-        slot = tl.load(slot_ptr + token).to(tl.int64)
+        slot = tl.load(slot_ptr + token * stride_slot).to(tl.int64)
         if slot < 0:
             return
         heads = tl.arange(0, BLOCK_H)[:, None]
@@ -67,7 +67,7 @@ def _triton_writer() -> Callable[..., None]:
             raise ValueError("write_kv needs the head dimension contiguous and k/v caches of one layout")
         num_kv_heads, head_size = k.shape[1], k.shape[2]
         write_kernel[(k.shape[0],)](
-            k, v, k_cache, v_cache, slot_mapping,
+            k, v, k_cache, v_cache, slot_mapping, slot_mapping.stride(0),
             k.stride(0), k.stride(1), v.stride(0), v.stride(1),
             k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
             k_cache.shape[1], num_kv_heads, head_size,

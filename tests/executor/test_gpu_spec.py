@@ -10,9 +10,10 @@ import pytest
 import torch
 from executor_builders import tiny_session
 from spec_builders import spec_session
+from test_spec_metadata import BATCHED_TOKENS, MAX_TOKENS, WRONG_AT, K, run_recorded
+from test_spec_metadata import prompts as metadata_prompts
 
-from executor_service.proposer import ProposeBatch
-from executor_service.request import RequestOutput
+from executor_service.request import Request, RequestOutput
 from executor_service.sampling import SamplingSettings
 from executor_service.session import ModelSession
 from kernels import unavailable_reason
@@ -67,9 +68,9 @@ def test_bf16_speculative_equals_target_only(backend: str, method: str, k: int) 
 
 @pytest.mark.parametrize("method", METHODS)
 def test_graph_drafting_drafts_what_eager_drafting_drafts(method: str) -> None:
-    """R10 under graphs: every chain step / block replays with freshly copied positions, seq_lens and slots.
-    Stale metadata would change the drafts; batch sizes are graph buckets so eager and graph passes run
-    the same kernels on the same shapes."""
+    """R10 under graphs: every chain step / block advances its positions, seq_lens and slots on the device,
+    in the device-resident step and in the host path's chain. Stale metadata would change the drafts; batch
+    sizes are graph buckets so eager and graph passes run the same kernels on the same shapes."""
     batch = prompts(4, seed=9)
     drafts: dict[bool, list[tuple[str, int, list[int]]]] = {}
     for graphs in (True, False):
@@ -78,14 +79,28 @@ def test_graph_drafting_drafts_what_eager_drafting_drafts(method: str) -> None:
         proposer = session.proposer
         assert proposer is not None and bool(proposer.graphs) == graphs
         recorded = drafts.setdefault(graphs, [])
-        propose = proposer.propose
+        set_drafts = proposer.set_drafts
 
-        def recording(batch: ProposeBatch, propose=propose, recorded=recorded) -> None:
-            propose(batch)
-            for entry in batch.entries:
-                if entry.propose:
-                    recorded.append((entry.request.request_id, entry.request.num_tokens, list(entry.request.draft_ids)))
+        def recording(request: Request, ids: list[int], set_drafts=set_drafts, recorded=recorded) -> None:
+            recorded.append((request.request_id, request.num_tokens, list(ids)))
+            set_drafts(request, ids)
 
-        proposer.propose = recording  # type: ignore[method-assign]
+        proposer.set_drafts = recording  # type: ignore[method-assign]
         run(session, batch, 30)
+        assert session.engine.spec_step is not None and session.engine.spec_step.counts["graph" if graphs else "eager"]
     assert len(drafts[True]) > 10 and drafts[True] == drafts[False]
+
+
+@pytest.mark.parametrize("method", METHODS)
+def test_cuda_drafts_equal_cpu_drafts(method: str) -> None:
+    """Every proposal on the GPU (Triton kernels, graphs, device-resident steps; fp32) equals the CPU's
+    (CPU_ATTN, eager), which test_spec_metadata checks against a dense recompute. A batch of six requests with
+    scripted acceptance, so chain steps start at a different offset in each request: a chain step that wrote
+    or read another request's slots would change the drafts."""
+    drafted = {}
+    for device, backend in (("cpu", "CPU_ATTN"), ("cuda", "TRITON_ATTN")):
+        session = spec_session(method, K, backend, device=device, max_num_batched_tokens=BATCHED_TOKENS)
+        proposals, _ = run_recorded(session, metadata_prompts(), WRONG_AT, MAX_TOKENS)
+        drafted[device] = [(p.request_id, p.tokens, p.drafts) for p in proposals]
+        assert session.engine.spec_step is not None and session.engine.spec_step.counts
+    assert len(drafted["cuda"]) >= 50 and drafted["cuda"] == drafted["cpu"]
