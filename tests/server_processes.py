@@ -62,6 +62,13 @@ class ServerProcess:
             self.stopped = True
         return None if self.killed else self.process.returncode
 
+    def kill(self) -> int:
+        """SIGKILL (a crash, as the kernel's OOM killer or `kill -9` makes it) and wait; the fixture's teardown
+        then leaves the server alone. Returns the exit status (-9)."""
+        self.process.kill()
+        self.stopped = True
+        return self.process.wait()
+
     def shutdown_failure(self) -> str:
         """Why stop() did not give status 0, with the server's log, for assertion messages."""
         outcome = "killed" if self.killed else f"status {self.process.returncode}"
