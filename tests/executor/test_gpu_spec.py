@@ -97,10 +97,23 @@ def test_cuda_drafts_equal_cpu_drafts(method: str) -> None:
     (CPU_ATTN, eager), which test_spec_metadata checks against a dense recompute. A batch of six requests with
     scripted acceptance, so chain steps start at a different offset in each request: a chain step that wrote
     or read another request's slots would change the drafts."""
+    sessions = {
+        device: spec_session(method, K, backend, device=device, max_num_batched_tokens=BATCHED_TOKENS)
+        for device, backend in (("cpu", "CPU_ATTN"), ("cuda", "TRITON_ATTN"))
+    }
+    for part in ("loaded", "proposer"):  # synthetic weights are drawn on their device: the CPU's go to the GPU
+        cpu_module, cuda_module = (_module(sessions[d], part) for d in ("cpu", "cuda"))
+        cuda_module.load_state_dict(cpu_module.state_dict())  # copied in place: the captured graphs still read them
     drafted = {}
-    for device, backend in (("cpu", "CPU_ATTN"), ("cuda", "TRITON_ATTN")):
-        session = spec_session(method, K, backend, device=device, max_num_batched_tokens=BATCHED_TOKENS)
+    for device, session in sessions.items():
         proposals, _ = run_recorded(session, metadata_prompts(), WRONG_AT, MAX_TOKENS)
         drafted[device] = [(p.request_id, p.tokens, p.drafts) for p in proposals]
         assert session.engine.spec_step is not None and session.engine.spec_step.counts
     assert len(drafted["cuda"]) >= 50 and drafted["cuda"] == drafted["cpu"]
+
+
+def _module(session: ModelSession, part: str) -> torch.nn.Module:
+    if part == "loaded":
+        return session.loaded.model
+    assert session.proposer is not None
+    return session.proposer.drafter
