@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 BENCH = Path(__file__).resolve().parents[2] / "bench"
-SCRIPTS = ("specdec_bench", "pass_profile")  # pass_profile.py reuses specdec_bench.parse_args
+SCRIPTS = ("specdec_bench", "pass_profile", "load_bench")  # pass_profile.py reuses specdec_bench.parse_args
 
 
 @pytest.mark.parametrize("script", SCRIPTS)
