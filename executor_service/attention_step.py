@@ -77,6 +77,16 @@ def cache_slot(block_ids: list[int], position: int, block_size: int) -> int:
     return block_ids[block] * block_size + position % block_size
 
 
+def to_device(values: list, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """Host values as a device tensor without waiting for the device: on CUDA through pinned memory and an
+    asynchronous copy (a plain `torch.tensor(..., device=cuda)` synchronizes the stream, so it would wait for
+    the step in flight)."""
+    host = torch.tensor(values, dtype=dtype)
+    if device.type != "cuda":
+        return host if device.type == "cpu" else host.to(device)
+    return host.pin_memory().to(device, non_blocking=True)
+
+
 def build_attention_step(
     backend: str,
     block_ids: list[list[int]],
@@ -95,10 +105,10 @@ def build_attention_step(
     block_table = [blocks + [0] * (width - len(blocks)) for blocks in block_ids]
     return AttentionStep(
         backend=backend,
-        block_table=torch.tensor(block_table, dtype=torch.int32, device=device),
-        query_start_loc=torch.tensor(query_start_loc, dtype=torch.int32, device=device),
-        seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=device),
-        slot_mapping=torch.tensor(slots, dtype=torch.int64, device=device),
+        block_table=to_device(block_table, torch.int32, device),
+        query_start_loc=to_device(query_start_loc, torch.int32, device),
+        seq_lens=to_device(seq_lens, torch.int32, device),
+        slot_mapping=to_device(slots, torch.int64, device),
         max_query_len=max(query_lens),
         max_seq_len=max(seq_lens),
         causal=causal,

@@ -20,7 +20,7 @@ from executor_service.proposer import ProposeBatch, ProposeEntry, Proposer
 from executor_service.rejection_sampler import check_drafts, verify_batch
 from executor_service.request import Finish, Request, RequestOutput, Sink, Status
 from executor_service.scheduler import ScheduledStep, Scheduler
-from executor_service.spec_step import SpecStep
+from executor_service.spec_step import PendingStep, SpecStep
 
 log = logging.getLogger("specdec.engine")
 
@@ -49,6 +49,7 @@ class Engine:
         self._live: dict[str, Request] = {}  # every request not yet finished, by id
         self._thread: threading.Thread | None = None
         self._outbox: list[tuple[Sink, RequestOutput]] = []  # in order; see _flush_outbox
+        self._in_flight: tuple[list[Request], PendingStep] | None = None  # see _book_on_device
 
     # ---- called from any thread -------------------------------------------------------------
     def start(self) -> None:
@@ -79,12 +80,18 @@ class Engine:
             self._submit(lambda: self._abort(found))
         return found
 
-    def run_until_idle(self) -> None:
-        """Step on the caller's thread until no work is left; only before start() (warm-up, tests)."""
+    def run_until_idle(self, before_step: Callable[[int], None] | None = None) -> None:
+        """Step on the caller's thread until no work is left; only before start() (warm-up, tests).
+        `before_step(n)` runs before the n-th step (from 0) and may raise to stop: the warm-up's step bound
+        and its cancellation at shutdown."""
         if self._thread is not None:
             raise RuntimeError("the engine thread is running")
         self._drain_commands()
-        while self.scheduler.has_work():
+        steps = 0
+        while self._has_work():
+            if before_step is not None:
+                before_step(steps)
+            steps += 1
             self.step()
             self._drain_commands()
         self._flush_outbox()
@@ -110,13 +117,16 @@ class Engine:
         while not self._stop.is_set():
             self._wake.clear()
             self._drain_commands()
-            if self.scheduler.has_work():
+            if self._has_work():
                 self.step()
             else:
                 self._flush_outbox()
                 self._wake.wait()
         self._drain_commands()
         self._flush_outbox()
+
+    def _has_work(self) -> bool:
+        return self.scheduler.has_work() or self._in_flight is not None
 
     def _drain_commands(self) -> None:
         while True:
@@ -129,6 +139,14 @@ class Engine:
     def step(self) -> None:
         """Schedule, run the target once, verify (or sample), hand out the new tokens, propose drafts."""
         started = time.perf_counter()
+        if self._in_flight is not None:  # a device-resident step launched behind the last one: book it
+            requests, pending = self._in_flight
+            self._in_flight = None
+            try:
+                self._book_on_device(requests, pending, started)
+            except Exception as err:
+                self._fail(requests, err)
+            return
         self._fail_alone(self._bad_drafts())
         scheduled = self.scheduler.schedule()
         self._fail_alone(scheduled.failed)  # requests that can never fit the cache
@@ -170,26 +188,50 @@ class Engine:
     def _step_on_device(self, scheduled: ScheduledStep, inputs: StepInputs, started: float) -> None:
         """Every request verifies k drafts greedily: verification, acceptance and the next proposal run on
         the device as one pass (spec_step.py); the host books what it reads back."""
+        assert self.spec_step is not None
+        self._book_on_device(scheduled.requests, self.spec_step.launch(inputs, scheduled.requests), started)
+
+    def _book_on_device(self, requests: list[Request], pending: PendingStep, started: float) -> None:
+        """Book a device-resident step. When the same batch can go on, the step after it is launched first,
+        its inputs derived on the device, so the device runs it while the host reads this one back and books
+        it: one read-back per step, overlapped with the next step."""
         assert self.spec_step is not None and self.proposer is not None
-        requests = scheduled.requests
-        pending = self.spec_step.launch(inputs, requests)
+        following = self._launch_following(requests, pending)
         self._flush_outbox()  # the previous step's outputs go out while this one runs on the device
         result = pending.result()
-        generated, drafted = 0, []
+        generated, drafted, accepted = 0, [], []
         for index, request in enumerate(requests):
-            num_drafts, accepted = len(request.draft_ids), result.accepted[index]
-            request.num_computed_tokens += accepted + 1  # rejected drafts' K/V are rolled back
-            request.record_verification(num_drafts, accepted)
+            if request.status is not Status.RUNNING:  # finished while a following step was in flight
+                continue
+            num_drafts = len(request.draft_ids)
+            request.num_computed_tokens += result.accepted[index] + 1  # rejected drafts' K/V are rolled back
+            request.record_verification(num_drafts, result.accepted[index])
             request.draft_ids = []
             drafted.append(num_drafts)
+            accepted.append(result.accepted[index])
             generated += self._emit(request, result.emitted(index), num_drafts)
             if request.status is Status.RUNNING:
                 self.proposer.set_drafts(request, result.next_drafts[index])
                 del request.draft_ids[max(self.max_model_len - request.num_tokens, 0) :]
+        if following is not None:
+            self._in_flight = (requests, following)
         if self.on_step is not None:
-            self.on_step(scheduled.num_tokens, generated, time.perf_counter() - started)
+            self.on_step(len(requests) * (self.spec_step.k + 1), generated, time.perf_counter() - started)
         if self.on_verify is not None:
-            self.on_verify(drafted, result.accepted)
+            self.on_verify(drafted, accepted)
+
+    def _launch_following(self, requests: list[Request], pending: PendingStep) -> PendingStep | None:
+        """The step after `pending`, launched before `pending` is read back, when nothing could change the
+        batch in between: no command or waiting request, nobody finished, every request's blocks reserved
+        far enough ahead and its context long enough. Scripted drafts (`proposer.replay`) need the host."""
+        assert self.spec_step is not None and self.proposer is not None
+        if self.proposer.replay is not None or self.scheduler.waiting or not self._commands.empty():
+            return None
+        if any(r.status is not Status.RUNNING or self.spec_step.reach(r) > self.max_model_len for r in requests):
+            return None
+        if not all(self.scheduler.reserve(r, self.spec_step.reach(r)) for r in requests):
+            return None
+        return self.spec_step.launch_following(pending, requests)
 
     def _emit(self, request: Request, tokens: list[int], num_drafted: int) -> int:
         """Append the verified tokens up to a stop; hand them out. Returns how many were kept. The chunk's

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 import torch
 
-from executor_service.attention_step import AttentionStep, build_attention_step, cache_slot
+from executor_service.attention_step import AttentionStep, build_attention_step, cache_slot, to_device
 from executor_service.cuda_graphs import StepGraphs
 from executor_service.kv_cache import KVCache
 from executor_service.model import DecoderModel
@@ -128,4 +128,4 @@ class ModelRunner:
         return logits, torch.cat(aux, dim=-1) if aux else hidden
 
     def _tensor(self, values: list, dtype: torch.dtype) -> torch.Tensor:
-        return torch.tensor(values, dtype=dtype, device=self.device)
+        return to_device(values, dtype, self.device)

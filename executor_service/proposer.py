@@ -25,7 +25,7 @@ from dataclasses import dataclass, replace
 
 import torch
 
-from executor_service.attention_step import AttentionStep, build_attention_step, cache_slot
+from executor_service.attention_step import AttentionStep, build_attention_step, cache_slot, to_device
 from executor_service.cuda_graphs import RequestInputs, StepGraphs, TokenInputs
 from executor_service.draft_models import DFlashDrafter, Drafter
 from executor_service.kv_cache import KVCache
@@ -111,7 +111,7 @@ class Proposer:
         return self.tensor(rows, torch.int32)
 
     def tensor(self, values: list, dtype: torch.dtype) -> torch.Tensor:
-        return torch.tensor(values, dtype=dtype, device=self.device)
+        return to_device(values, dtype, self.device)
 
     def context_pass(self, batch: ProposeBatch) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, AttentionStep]:
         """Features, positions and next-token ids of every row the target computed, and their metadata."""

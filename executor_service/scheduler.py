@@ -112,7 +112,12 @@ class Scheduler:
             total += self.num_lookahead_tokens
             if self.max_model_len is not None:
                 total = min(total, self.max_model_len)
-        missing = blocks_needed(total, self.block_size) - len(request.block_ids)
+        return self.reserve(request, total)
+
+    def reserve(self, request: Request, positions: int) -> bool:
+        """Blocks for the request's first `positions` positions, if free ones are there (no preemption): the
+        engine reserves ahead before it launches a step whose inputs are still on the device."""
+        missing = blocks_needed(positions, self.block_size) - len(request.block_ids)
         if missing <= 0:
             return True
         if not self.allocator.can_allocate(missing):

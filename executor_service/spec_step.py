@@ -44,9 +44,11 @@ class VerifiedStep:
 
 
 class PendingStep:
-    """A launched step's packed result [B, (k + 1) + 1 + k], copied to pinned host memory behind the step."""
+    """A launched step's packed result [B, (k + 1) + 1 + k], copied to pinned host memory behind the step;
+    its packed result and positions stay on the device for the step launched after it (`launch_following`)."""
 
-    def __init__(self, packed: torch.Tensor, rows: int) -> None:
+    def __init__(self, packed: torch.Tensor, positions: torch.Tensor, rows: int) -> None:
+        self.packed, self.positions = packed, positions
         self.rows, self.width = rows, packed.shape[1]
         self.done: torch.cuda.Event | None = None
         if packed.is_cuda:
@@ -95,7 +97,48 @@ class SpecStep:
         else:
             self.counts["eager"] += 1
             (packed,) = self.forward(step, inputs.positions, {"input_ids": inputs.input_ids, "slots_ahead": ahead})
-        return PendingStep(packed, self.k + 1)
+        return PendingStep(packed, inputs.positions, self.k + 1)
+
+    def reach(self, request: Request) -> int:
+        """Positions a request must have room for before the step after its current one is launched blind:
+        this step may accept all k drafts, and the next one writes k + 1 rows and the drafter's lookahead."""
+        return request.num_computed_tokens + 2 * (self.k + 1) + self.proposer.config.positions_ahead
+
+    @torch.inference_mode()
+    def launch_following(self, previous: PendingStep, requests: list[Request]) -> PendingStep:
+        """Queue the step after `previous` for the same requests before the host has read `previous` back: its
+        inputs (the bonus token and the next drafts), positions, sequence lengths and slots follow on the device
+        from `previous`'s accepted counts. The caller has reserved every request's blocks up to `reach`."""
+        rows, width = self.k + 1, self.proposer.ahead_width
+        count = len(requests)
+        starts = [r.num_computed_tokens for r in requests]  # `previous`'s first verify row (not yet booked)
+        wide = self.proposer.slots_ahead(requests, starts, rows + width)  # from there, whatever is accepted
+        block_table = self.proposer.block_table(requests)
+        packed = previous.packed
+        accepted = packed[:, rows]
+        first = previous.positions.view(count, rows)[:, 0] + accepted + 1
+        offsets = torch.arange(width, device=packed.device)[None, :] + (accepted + 1)[:, None]
+        input_ids = torch.cat([packed[:, :rows].gather(1, accepted[:, None]), packed[:, rows + 1 :]], dim=1)
+        positions = (first[:, None] + torch.arange(rows, device=packed.device)[None, :]).reshape(-1)
+        slot_mapping = wide.gather(1, offsets[:, :rows]).reshape(-1)
+        slots_ahead = wide.gather(1, offsets)
+        seq_lens = (first + rows).to(torch.int32)
+        input_ids = input_ids.reshape(-1)
+        if self.graphs is not None and count <= self.graphs.max_batch:
+            self.counts["graph following"] += 1
+            (out,) = self.graphs.run(
+                block_table, seq_lens, slot_mapping, positions, input_ids=input_ids, slots_ahead=slots_ahead
+            )
+        else:
+            self.counts["eager following"] += 1
+            step = AttentionStep(
+                backend=self.runner.backend, block_table=block_table,
+                query_start_loc=torch.arange(count + 1, dtype=torch.int32, device=packed.device) * rows,
+                seq_lens=seq_lens, slot_mapping=slot_mapping, max_query_len=rows,
+                max_seq_len=max(starts) + 2 * rows,
+            )  # fmt: skip
+            (out,) = self.forward(step, positions, {"input_ids": input_ids, "slots_ahead": slots_ahead})
+        return PendingStep(out, positions, rows)
 
     def forward(self, step: AttentionStep, positions: torch.Tensor, x: dict[str, torch.Tensor]) -> tuple:
         """[B, (k + 1) + 1 + k]: the target's tokens, the accepted count and the next drafts of each request."""
