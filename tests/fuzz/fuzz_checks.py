@@ -94,15 +94,12 @@ def field_violations(err: grpc.RpcError) -> list[error_details_pb2.BadRequest.Fi
     return found
 
 
-def check_refusal(
-    err: grpc.RpcError, request: Message, method: str, allowed: frozenset[grpc.StatusCode] = frozenset()
-) -> None:
+def check_refusal(err: grpc.RpcError, request: Message, method: str) -> None:
     """A refused call: a status that says what to do, a short message, and for INVALID_ARGUMENT the
-    offending fields of `request` in google.rpc.BadRequest. `allowed`: codes of NEVER this call may get
-    (CANCELLED needs no entry: the caller checks it cancelled)."""
+    offending fields of `request` in google.rpc.BadRequest."""
     code, details = err.code(), err.details() or ""
     where = f"{method} answered {code.name} {details[:300]!r} to {shown(request)}"
-    assert code not in NEVER - allowed, where
+    assert code not in NEVER, where
     assert not (code == grpc.StatusCode.RESOURCE_EXHAUSTED and "metadata" in details.lower()), (
         f"the refusal's metadata overflowed the client's limit (bad input echoed whole?): {where}"
     )
