@@ -26,6 +26,7 @@ sys.path.append(str(Path(__file__).resolve().parent))
 
 import torch
 from executor_bench import commit_id, log, write_result
+from hf_reference import hf_greedy_tokens_per_s
 
 from executor_service.draft_config import METHOD_ENUMS
 from executor_service.drafting import resolve_draft
@@ -161,6 +162,13 @@ def measure_speedup(
         log(f"{device.type} batch {batch}: {report[f'batch_{batch}']}")
     for session in sessions.values():
         session.shutdown()
+    for mode in args.hf:  # Hugging Face on the same weights and prompts, batch 1, beside our target-only rate
+        figures = hf_greedy_tokens_per_s(loaded, chosen, max_tokens, device, mode == "compiled", args.repeats)
+        figures.pop("tokens")
+        ours = report["batch_1"]["target_only"]["tokens_per_s"] if "batch_1" in report else None
+        figures["ours_target_only_over_hf"] = round(ours / figures["tokens_per_s"], 2) if ours else None
+        report[f"hugging_face_{mode}"] = figures
+        log(f"{device.type} Hugging Face ({mode} cache): {figures}")
     return report
 
 
@@ -231,6 +239,7 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--speedup-prompts", type=int, default=5, help="of each kind, timed")
     parser.add_argument("--speedup-batches", default="1,16", help="batch sizes of the timed runs")
     parser.add_argument("--repeats", type=int, default=3, help="timed rounds; medians and spread are reported")
+    parser.add_argument("--hf", default="", help="Hugging Face's batch-1 figure beside ours: static, compiled, or both")
     parser.add_argument("--host-step-too", action="store_true", help="also time the drafters on the host path")
     parser.add_argument("--cpu-max-tokens", type=int, default=64)
     parser.add_argument("--kv-blocks", type=int, default=2048)
@@ -240,6 +249,7 @@ def parse_args() -> argparse.Namespace:
     args.ks = [int(k) for k in args.ks.split(",")]
     args.speedup_ks = [int(k) for k in args.speedup_ks.split(",") if k]
     args.speedup_batches = [int(b) for b in args.speedup_batches.split(",") if b]
+    args.hf = [m for m in args.hf.split(",") if m]
     args.temperatures = [float(t) for t in args.temperatures.split(",")]
     args.source = target_source(args.target)
     return args

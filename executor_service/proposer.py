@@ -130,14 +130,16 @@ class Proposer:
         return features, self.tensor(positions, torch.int64), self.tensor(next_ids, torch.int64), step
 
     # ---- metadata advanced on the device (R10: rebuilt for every pass, no host list) ----------
-    def chain_step(self, block_table: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor) -> AttentionStep:
+    def chain_step(
+        self, block_table: torch.Tensor, query_start_loc: torch.Tensor, positions: torch.Tensor,
+        seq_lens: torch.Tensor, slots: torch.Tensor,
+    ) -> AttentionStep:  # fmt: skip
         """One chain step: one query per request at `positions`, written to `slots`."""
-        count = positions.shape[0]
         return AttentionStep(
             backend=self.backend,
             block_table=block_table,
-            query_start_loc=torch.arange(count + 1, dtype=torch.int32, device=positions.device),
-            seq_lens=(positions + 1).to(torch.int32),
+            query_start_loc=query_start_loc,
+            seq_lens=seq_lens,
             slot_mapping=slots,
             max_query_len=1,
             max_seq_len=self.max_model_len,
@@ -303,10 +305,15 @@ class Proposer:
         """Drafts 2..k [B, k - 1] from draft 1 (`input_ids`, `hidden`) at the newest verified `positions`;
         `ahead_slots` [B, k]: slots of positions + 0..k-1."""
         tokens, hidden, drafted = x["input_ids"], x["hidden"], []
-        for j in range(1, self.k):
-            chain_positions = (positions + j).clamp(max=self.max_model_len - 1)
-            chain_step = self.chain_step(block_table, chain_positions, x["ahead_slots"][:, j])
-            hidden, head = self.drafter(tokens, chain_positions, hidden, self.kv_cache.layers, chain_step)
+        # Every chain step's metadata at once, one row per step (a few kernels instead of a few per step).
+        steps = torch.arange(1, self.k, device=positions.device)[:, None]
+        chain_positions = (positions[None, :] + steps).clamp(max=self.max_model_len - 1)  # [k - 1, B]
+        chain_seq_lens = (chain_positions + 1).to(torch.int32)
+        chain_slots = x["ahead_slots"][:, 1:].t().contiguous()
+        query_start_loc = torch.arange(positions.shape[0] + 1, dtype=torch.int32, device=positions.device)
+        for j in range(self.k - 1):
+            step = self.chain_step(block_table, query_start_loc, chain_positions[j], chain_seq_lens[j], chain_slots[j])
+            hidden, head = self.drafter(tokens, chain_positions[j], hidden, self.kv_cache.layers, step)
             tokens = self.drafter.draft_tokens(head)
             drafted.append(tokens)
         if not drafted:

@@ -32,22 +32,28 @@ def inverse_frequencies(head_size: int, theta: float, scaling: RopeScaling | Non
 class RotaryEmbedding(nn.Module):
     """cos / sin for every position up to the model's context, looked up by each token's position."""
 
-    def __init__(self, config: ModelConfig) -> None:
+    def __init__(self, config: ModelConfig, dtype: torch.dtype = torch.float32) -> None:
+        """Angles in fp32, the tables stored in the model's `dtype` (rounded as Hugging Face rounds them before
+        use): a lookup is one gather, not a gather and a cast, in every step and every drafter chain step."""
         super().__init__()
         inv_freq = inverse_frequencies(config.head_size, config.rope_theta, config.rope_scaling)
         angles = torch.outer(torch.arange(config.max_position_embeddings, dtype=torch.float32), inv_freq)
-        self.register_buffer("cos", angles.cos(), persistent=False)
-        self.register_buffer("sin", angles.sin(), persistent=False)
+        self.register_buffer("cos", angles.cos().to(dtype), persistent=False)
+        self.register_buffer("sin", angles.sin().to(dtype), persistent=False)
 
     def lookup(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """cos, sin [T, 1, D/2] of each token's position (both halves of a head turn by the same angles):
         looked up once per step, shared by every layer."""
-        return self.cos[positions].to(dtype)[:, None, :], self.sin[positions].to(dtype)[:, None, :]
+        return _as(self.cos[positions], dtype)[:, None, :], _as(self.sin[positions], dtype)[:, None, :]
 
     def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """q [T, Hq, D], k [T, Hkv, D] rotated by their tokens' positions [T]."""
         cos, sin = self.lookup(positions, q.dtype)
         return apply_rotary(q, k, cos, sin)
+
+
+def _as(table: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    return table if table.dtype == dtype else table.to(dtype)
 
 
 def apply_rotary(

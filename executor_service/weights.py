@@ -84,7 +84,7 @@ def materialize(module: ModuleT, config: ModelConfig, dtype: torch.dtype, device
     """A module built on the meta device, given uninitialized storage on `device` and its RoPE tables
     computed (buffers are not left empty); frozen for inference."""
     module = module.to_empty(device=device).to(dtype)
-    module.rope = RotaryEmbedding(config).to(device)
+    module.rope = RotaryEmbedding(config, dtype).to(device)
     return module.eval().requires_grad_(False)
 
 
