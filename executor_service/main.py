@@ -19,6 +19,7 @@ import torch
 
 from executor_service.capabilities import default_device
 from executor_service.metrics import EngineMetrics
+from executor_service.prompt_intake import MAX_REQUEST_BYTES
 from executor_service.selection import BackendChooser, SelectorClientSettings
 from executor_service.servicer import SERVICE_NAME, ExecutorServicer
 from executor_service.session import EngineSettings
@@ -26,6 +27,7 @@ from selector_service.auth import resolve_token
 from selector_service.client import load_message
 from selector_service.errors import SpecdecError
 from selector_service.grpc_runtime import (
+    EXIT_BAD_SETUP,
     EnvDefaultsParser,
     RunningServer,
     ServerSettings,
@@ -70,7 +72,7 @@ GIL_SWITCH_INTERVAL_S = 0.0005
 
 async def start_executor(settings: ServerSettings, options: ExecutorOptions) -> RunningExecutor:
     sys.setswitchinterval(float(os.environ.get("SPECDEC_GIL_SWITCH_INTERVAL_S", GIL_SWITCH_INTERVAL_S)))
-    server, rpc_metrics = create_server(settings, "executor")
+    server, rpc_metrics = create_server(settings, "executor", max_request_bytes=MAX_REQUEST_BYTES)
     holder: list[RunningServer] = []
 
     async def set_serving(serving: bool) -> None:
@@ -160,7 +162,7 @@ def main(argv: list[str] | None = None) -> int:
     configure_logging(args.log_level, args.log_format)
     try:
         options = ExecutorOptions(
-            device=torch.device(args.device) if args.device else default_device(),
+            device=_device(args.device) if args.device else default_device(),
             model_root=Path(args.model_root) if args.model_root else None,
             selector_address=args.selector_address,
             selector_client=selector_client_settings(args),
@@ -168,9 +170,16 @@ def main(argv: list[str] | None = None) -> int:
             max_live_requests=int(args.max_live_requests),
         )
         return asyncio.run(serve(ServerSettings.from_args(args), options, args.load))
-    except (OSError, ValueError) as err:
+    except (OSError, ValueError) as err:  # address in use, a TLS key that is not the certificate's, ...
         log.error("cannot serve: %s", err)
-        return 1
+        return EXIT_BAD_SETUP
+
+
+def _device(name: str) -> torch.device:
+    try:
+        return torch.device(name)
+    except RuntimeError as err:  # torch's words: "Expected one of cpu, cuda, ... device type at start of device string"
+        raise ValueError(f"--device {name!r}: {err}") from None
 
 
 if __name__ == "__main__":

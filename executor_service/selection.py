@@ -16,6 +16,16 @@ from selector_service.selection import Selector
 from specdec.v1 import selector_pb2, selector_pb2_grpc
 
 SELECT_TIMEOUT_SECONDS = 10.0
+# gRPC's default reconnect backoff grows to 120 s (1 s, 1.6 s, 2.6 s, ...): after a selector outage the channel
+# kept failing calls for seconds once the selector was back. Retry within a second at most instead; and a call
+# that finds the channel backing off opens a fresh one (see BackendChooser.choose).
+RECONNECT_OPTIONS = (
+    ("grpc.initial_reconnect_backoff_ms", 100),
+    ("grpc.min_reconnect_backoff_ms", 100),
+    ("grpc.max_reconnect_backoff_ms", 1000),
+    # Subchannels of its own: a fresh channel must not inherit the backing-off connection of the one it replaces.
+    ("grpc.use_local_subchannel_pool", 1),
+)
 log = logging.getLogger("specdec.executor")
 
 
@@ -48,18 +58,23 @@ class BackendChooser:
         """Opens the channel now (inside the serving event loop): a bad token or an unreadable certificate
         fails at start, not at the first LoadModel. No connection is made until a call."""
         self.selector_address = selector_address
+        self._client = client
         self._local = Selector(cache_size=64)
-        self._channel: grpc.aio.Channel | None = None
-        if selector_address is not None:
-            self._channel = open_aio_channel(
-                selector_address,
-                client.tls_ca,
-                client.tls_cert,
-                client.tls_key,
-                client.server_name,
-                client.auth_token,
-                flags="--selector-tls",
-            )
+        self._channel: grpc.aio.Channel | None = self._open() if selector_address is not None else None
+
+    def _open(self) -> grpc.aio.Channel:
+        assert self.selector_address is not None
+        client = self._client
+        return open_aio_channel(
+            self.selector_address,
+            client.tls_ca,
+            client.tls_cert,
+            client.tls_key,
+            client.server_name,
+            client.auth_token,
+            flags="--selector-tls",
+            options=RECONNECT_OPTIONS,
+        )
 
     @property
     def remote(self) -> bool:
@@ -68,6 +83,11 @@ class BackendChooser:
     async def choose(self, request: selector_pb2.SelectBackendsRequest) -> selector_pb2.SelectBackendsResponse:
         if self._channel is None:
             return self._local.select(request)
+        if self._channel.get_state() is grpc.ChannelConnectivity.TRANSIENT_FAILURE:
+            # The last attempt failed and the channel waits out its backoff, failing every call meanwhile,
+            # although the selector may be back: a fresh channel connects now (and fails fast if it is not).
+            stale, self._channel = self._channel, self._open()
+            await stale.close()
         stub = selector_pb2_grpc.BackendSelectorStub(self._channel)
         try:
             return await stub.SelectBackends(request, timeout=SELECT_TIMEOUT_SECONDS)

@@ -20,7 +20,9 @@ from executor_service.detokenizer import IncrementalDetokenizer
 from executor_service.drafting import check_drafter_backend, resolve_draft
 from executor_service.mailbox import Mailbox
 from executor_service.metrics import EngineMetrics
+from executor_service.prompt_intake import check_prompt
 from executor_service.request import Finish, RequestOutput
+from executor_service.sampling import SamplingSettings
 from executor_service.selection import BackendChooser
 from executor_service.session import (
     EngineSettings,
@@ -30,7 +32,7 @@ from executor_service.session import (
     resolve_target,
     selection_request,
 )
-from executor_service.validation import check_generate, check_load_request, has_drafter
+from executor_service.validation import check_load_request, has_drafter
 from selector_service.errors import (
     AlreadyExists,
     FailedPrecondition,
@@ -166,7 +168,7 @@ class ExecutorServicer(executor_pb2_grpc.ExecutorServicer):
         self, request: executor_pb2.GenerateRequest, context: grpc.aio.ServicerContext
     ) -> AsyncIterator[executor_pb2.GenerateResponse]:
         try:
-            session, outputs = self._admit(request)
+            session, outputs = await self._admit(request)
         except SpecdecError as err:
             await context.abort_with_status(err.to_status())
             return
@@ -188,13 +190,8 @@ class ExecutorServicer(executor_pb2_grpc.ExecutorServicer):
             if not finished:  # client cancelled or the stream broke: stop the work, free the blocks
                 session.engine.abort([request.request_id])
 
-    def _admit(self, request: executor_pb2.GenerateRequest) -> tuple[ModelSession, asyncio.Queue[RequestOutput]]:
-        session = self.session
-        if self.draining:
-            raise Unavailable("the executor is shutting down")
-        if session is None:
-            raise _not_loaded()
-        prompt, settings, max_tokens = check_generate(request, session.limits, session.loaded.tokenizer)
+    async def _admit(self, request: executor_pb2.GenerateRequest) -> tuple[ModelSession, asyncio.Queue[RequestOutput]]:
+        session, (prompt, settings, max_tokens) = await self._checked(request)
         if session.engine.is_live(request.request_id):
             raise _already_running(request.request_id)
         if session.engine.num_live >= self.max_live_requests:
@@ -215,6 +212,21 @@ class ExecutorServicer(executor_pb2_grpc.ExecutorServicer):
         except KeyError:  # the same id was added between the check above and here
             raise _already_running(request.request_id) from None
         return session, outputs
+
+    async def _checked(
+        self, request: executor_pb2.GenerateRequest
+    ) -> tuple[ModelSession, tuple[list[int], SamplingSettings, int]]:
+        """The loaded session and the request checked against it (a long prompt off the event loop); checked
+        again if a LoadModel replaced the model meanwhile."""
+        while True:
+            session = self.session
+            if self.draining:
+                raise Unavailable("the executor is shutting down")
+            if session is None:
+                raise _not_loaded()
+            checked = await check_prompt(request, session.limits, session.loaded.tokenizer)
+            if self.session is session and not self.draining:
+                return session, checked
 
     async def Abort(
         self, request: executor_pb2.AbortRequest, context: grpc.aio.ServicerContext

@@ -1,0 +1,105 @@
+"""A Generate request's size bounds, and its checks and tokenization kept off the event loop.
+
+A 60 MiB prompt used to be read whole, listed and checked id by id on the event loop, stalling every stream
+for seconds and leaving the process a gigabyte larger. Now: the server's message limit (MAX_REQUEST_BYTES,
+derived from the bounds below) refuses anything larger than the largest valid request before it is read;
+`oversized` refuses, at no cost, a request_id or a prompt over its bound or over the loaded model's context;
+and a long prompt is checked and tokenized in a small thread pool of its own, with the tokenizer's GIL-free
+call, while the event loop and the engine thread go on.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+from typing import Any
+
+from executor_service.sampling import SamplingSettings
+from executor_service.validation import ModelLimits, check_generate
+from selector_service.bounds import largest_message
+from selector_service.errors import FieldViolation, invalid_fields
+from specdec.v1 import executor_pb2
+
+MAX_REQUEST_ID_BYTES = 256  # echoed in every response chunk: a long one would break clients' 4 MiB limit
+MAX_STOP_TOKEN_IDS = 1024
+# The longest context LoadModel accepts (executor_service.limits.MAX_POSITION_EMBEDDINGS): no valid prompt has
+# more tokens. Valid ids are below the largest vocabulary, 2^21: 3 bytes each as varints.
+MAX_PROMPT_TOKENS = 1 << 21
+TOKEN_ID_BYTES = 3
+MAX_PROMPT_TEXT_BYTES = 8 << 20  # 4 bytes a token for a 2M-token context, with room to spare
+# The executor's message limit: the largest valid GenerateRequest (LoadModel's are far smaller).
+_SMALL_FIELDS = {"request_id": MAX_REQUEST_ID_BYTES, "sampling.stop_token_ids": MAX_STOP_TOKEN_IDS}
+MAX_REQUEST_BYTES = (
+    largest_message(executor_pb2.GenerateRequest, {**_SMALL_FIELDS, "token_ids.ids": 0, "text": 0}).ByteSize()
+    + max(TOKEN_ID_BYTES * MAX_PROMPT_TOKENS, MAX_PROMPT_TEXT_BYTES)
+    + 16  # the prompt's tag and length
+)
+# Prompts up to these sizes are checked inline: a thread hop would cost more than the work.
+INLINE_TOKENS = 4096
+INLINE_TEXT_CHARS = 16384
+PROMPT_THREADS = 2  # a flood of long prompts queues here, not in the default pool LoadModel uses
+
+_pool: concurrent.futures.ThreadPoolExecutor | None = None
+
+
+def oversized(request: executor_pb2.GenerateRequest, limits: ModelLimits) -> list[FieldViolation]:
+    """Sizes over their bound, found without reading the prompt: the request_id, the stop ids, a prompt of
+    more ids than the context holds, a text over MAX_PROMPT_TEXT_BYTES (possible under a raised
+    --max-message-bytes only)."""
+    found = []
+    request_id_bytes = len(request.request_id.encode("utf-8"))
+    if request_id_bytes > MAX_REQUEST_ID_BYTES:
+        found.append(FieldViolation("request_id", f"{request_id_bytes} bytes long; at most {MAX_REQUEST_ID_BYTES}"))
+    stops = len(request.sampling.stop_token_ids)
+    if stops > MAX_STOP_TOKEN_IDS:
+        found.append(FieldViolation("sampling.stop_token_ids", f"{stops} ids; at most {MAX_STOP_TOKEN_IDS}"))
+    kind = request.WhichOneof("input")
+    if kind == "token_ids" and len(request.token_ids.ids) >= limits.max_model_len:
+        found.append(
+            FieldViolation(
+                "token_ids",
+                f"prompt of {len(request.token_ids.ids)} tokens leaves no room in the context of "
+                f"{limits.max_model_len}",
+            )
+        )
+    if kind == "text" and len(request.text) > MAX_PROMPT_TEXT_BYTES:  # characters: at least as many bytes
+        found.append(FieldViolation("text", f"{len(request.text)} characters; at most {MAX_PROMPT_TEXT_BYTES} bytes"))
+    return found
+
+
+async def check_prompt(
+    request: executor_pb2.GenerateRequest, limits: ModelLimits, tokenizer: Any | None
+) -> tuple[list[int], SamplingSettings, int]:
+    """check_generate's answer (the prompt's ids, the sampling settings, max_tokens) or its error; a long
+    prompt is checked in the prompt pool, and tokenized there without holding the GIL."""
+    too_big = oversized(request, limits)
+    if too_big:
+        raise invalid_fields(too_big)
+    if len(request.token_ids.ids) <= INLINE_TOKENS and len(request.text) <= INLINE_TEXT_CHARS:
+        return check_generate(request, limits, tokenizer)
+    unlocked = GilFreeTokenizer(tokenizer) if tokenizer is not None else None
+    return await asyncio.get_running_loop().run_in_executor(_prompt_pool(), check_generate, request, limits, unlocked)
+
+
+class GilFreeTokenizer:
+    """A `tokenizers.Tokenizer` whose `encode` goes through `encode_batch`, which releases the GIL: `encode`
+    holds it for the whole text (seconds for megabytes), so that even from another thread it would stop the
+    event loop and the engine thread."""
+
+    def __init__(self, tokenizer: Any) -> None:
+        self._tokenizer = tokenizer
+
+    def encode(self, text: str) -> Any:
+        if not hasattr(self._tokenizer, "encode_batch"):
+            return self._tokenizer.encode(text)
+        return self._tokenizer.encode_batch([text])[0]
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._tokenizer, name)
+
+
+def _prompt_pool() -> concurrent.futures.ThreadPoolExecutor:
+    global _pool
+    if _pool is None:
+        _pool = concurrent.futures.ThreadPoolExecutor(PROMPT_THREADS, thread_name_prefix="specdec-prompt")
+    return _pool
