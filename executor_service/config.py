@@ -8,6 +8,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from executor_service.json_fields import FieldReader
+from executor_service.limits import MAX_POSITION_EMBEDDINGS, MAX_VOCAB_SIZE, MODEL_BOUNDS, model_violations, short_repr
 from selector_service.errors import FieldViolation, invalid_fields
 from specdec.v1 import executor_pb2
 
@@ -20,6 +22,15 @@ ARCHITECTURES = {
     "qwen3": "qwen3",
 }
 SYNTHETIC_MAX_POSITIONS = 8192
+# ModelConfig's names -> config.json's, each key's bound, and the keys that have no default.
+HF_NAMES = {
+    "num_layers": "num_hidden_layers",
+    "num_heads": "num_attention_heads",
+    "num_kv_heads": "num_key_value_heads",
+    "head_size": "head_dim",
+}
+HF_BOUNDS = {HF_NAMES.get(attr, attr): bound for attr, bound in MODEL_BOUNDS.items()}
+HF_REQUIRED = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads")
 
 
 @dataclass(frozen=True)
@@ -67,49 +78,51 @@ class ModelConfig:
         return self.num_layers * (attention + mlp + 2 * self.hidden_size) + embeddings + self.hidden_size
 
     @classmethod
-    def from_hf(cls, raw: dict[str, Any]) -> ModelConfig:
-        """From a parsed config.json; InvalidArgument naming each missing or unsupported field."""
-        violations: list[FieldViolation] = []
-        names = [*raw.get("architectures", []), raw.get("model_type", "")]
+    def from_hf(cls, raw: dict[str, Any], prefix: str = "config") -> ModelConfig:
+        """From a parsed config.json; InvalidArgument naming each missing, mistyped, out-of-bounds or
+        unsupported key as `<prefix>.<key>` (the request field that named the directory, or "config")."""
+        read = FieldReader(raw, prefix)
+        names = [*read.strings("architectures"), read.string("model_type")]
         architecture = next((ARCHITECTURES[n] for n in names if n in ARCHITECTURES), None)
-        if architecture is None:
+        if architecture is None and not read.violations:  # (a mistyped key is reported as such)
             supported = sorted({k for k in ARCHITECTURES if k[0].isupper()})
-            violations.append(FieldViolation("config.architectures", f"unsupported {names}; supported: {supported}"))
-        required = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads")
-        for name in required:
-            if not isinstance(raw.get(name), int) or raw[name] <= 0:
-                violations.append(
-                    FieldViolation(f"config.{name}", f"a positive integer is required, got {raw.get(name)!r}")
-                )
-        rope = _rope_parameters(raw)
-        rope_type = rope.get("rope_type", rope.get("type", "default"))
-        if rope_type not in ("default", "llama3"):
-            violations.append(FieldViolation("config.rope_scaling", f"rope type {rope_type!r} is not supported"))
+            read.bad("architectures", f"unsupported {short_repr(names, 120)}; supported: {supported}")
+        sizes = {key: read.integer(key, 0, HF_BOUNDS[key]) for key in HF_REQUIRED}
+        for key in HF_REQUIRED:
+            if key not in raw or raw[key] is None:
+                read.bad(key, "a positive integer is required, got None")
+        num_heads = sizes["num_attention_heads"]
+        num_kv_heads = read.integer("num_key_value_heads", num_heads, MODEL_BOUNDS["num_kv_heads"])
+        head_size = read.integer("head_dim", sizes["hidden_size"] // max(num_heads, 1), MODEL_BOUNDS["head_size"])
+        max_positions = read.integer("max_position_embeddings", SYNTHETIC_MAX_POSITIONS, MAX_POSITION_EMBEDDINGS)
+        rope_theta, rope_scaling = _rope(read)
+        last_id = sizes["vocab_size"] - 1 if sizes["vocab_size"] else MAX_VOCAB_SIZE
         if raw.get("sliding_window") and raw.get("use_sliding_window", True) and architecture == "llama":
-            violations.append(FieldViolation("config.sliding_window", "sliding-window attention is not supported"))
-        if violations:
-            raise invalid_fields(violations)
-        num_heads = raw["num_attention_heads"]
-        head_size = raw.get("head_dim") or raw["hidden_size"] // num_heads
-        return cls(
+            read.bad("sliding_window", "sliding-window attention is not supported")
+        config = cls(
             architecture=architecture or "llama",
-            vocab_size=raw["vocab_size"],
-            hidden_size=raw["hidden_size"],
-            intermediate_size=raw["intermediate_size"],
-            num_layers=raw["num_hidden_layers"],
+            vocab_size=sizes["vocab_size"],
+            hidden_size=sizes["hidden_size"],
+            intermediate_size=sizes["intermediate_size"],
+            num_layers=sizes["num_hidden_layers"],
             num_heads=num_heads,
-            num_kv_heads=raw.get("num_key_value_heads") or num_heads,
+            num_kv_heads=num_kv_heads,
             head_size=head_size,
-            max_position_embeddings=raw.get("max_position_embeddings", SYNTHETIC_MAX_POSITIONS),
-            rms_norm_eps=raw.get("rms_norm_eps", 1e-6),
-            rope_theta=float(rope.get("rope_theta", raw.get("rope_theta", 10000.0))),
-            rope_scaling=_llama3_scaling(rope) if rope_type == "llama3" else None,
-            tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
-            attention_bias=bool(raw.get("attention_bias", False)),
-            eos_token_ids=eos_token_ids(raw.get("eos_token_id")),
-            bos_token_id=raw.get("bos_token_id"),
+            max_position_embeddings=max_positions,
+            rms_norm_eps=read.number("rms_norm_eps", 1e-6),
+            rope_theta=rope_theta,
+            rope_scaling=rope_scaling,
+            tie_word_embeddings=read.flag("tie_word_embeddings", False),
+            attention_bias=read.flag("attention_bias", False),
+            eos_token_ids=read.integers("eos_token_id", last_id),
+            bos_token_id=next(iter(read.integers("bos_token_id", last_id)), None),
             extra=raw,
         )
+        if not read.violations:  # relations between sizes, once each one is sound
+            read.violations += model_violations(config, lambda attr: f"{prefix}.{HF_NAMES.get(attr, attr)}")
+        if read.violations:
+            raise invalid_fields(read.violations)
+        return config
 
     @classmethod
     def from_synthetic(cls, spec: executor_pb2.SyntheticModel, field_prefix: str) -> ModelConfig:
@@ -117,31 +130,11 @@ class ModelConfig:
         violations: list[FieldViolation] = []
         if spec.architecture not in ("llama", "qwen3"):
             violations.append(
-                FieldViolation(f"{field_prefix}.architecture", f"'llama' or 'qwen3', got {spec.architecture!r}")
-            )
-        sizes = (
-            "vocab_size",
-            "hidden_size",
-            "intermediate_size",
-            "num_layers",
-            "num_heads",
-            "num_kv_heads",
-            "head_size",
-        )
-        for name in sizes:
-            if getattr(spec, name) <= 0:
-                violations.append(
-                    FieldViolation(f"{field_prefix}.{name}", f"must be positive, got {getattr(spec, name)}")
+                FieldViolation(
+                    f"{field_prefix}.architecture", f"'llama' or 'qwen3', got {short_repr(spec.architecture)}"
                 )
-        if spec.num_heads > 0 and spec.num_kv_heads > 0 and spec.num_heads % spec.num_kv_heads:
-            violations.append(
-                FieldViolation(f"{field_prefix}.num_kv_heads", f"must divide num_heads ({spec.num_heads})")
             )
-        if spec.head_size % 2:
-            violations.append(FieldViolation(f"{field_prefix}.head_size", "must be even (rotary embedding)"))
-        if violations:
-            raise invalid_fields(violations)
-        return cls(
+        config = cls(
             architecture=spec.architecture,
             vocab_size=spec.vocab_size,
             hidden_size=spec.hidden_size,
@@ -152,6 +145,10 @@ class ModelConfig:
             head_size=spec.head_size,
             rope_theta=500000.0,
         )
+        violations += model_violations(config, lambda attr: f"{field_prefix}.{attr}")
+        if violations:
+            raise invalid_fields(violations)
+        return config
 
     def to_hf(self) -> dict[str, Any]:
         """A config.json that transformers (and our loader) read back as this config."""
@@ -178,24 +175,30 @@ class ModelConfig:
         return raw
 
 
-def eos_token_ids(value: int | list[int] | None) -> tuple[int, ...]:
-    """HF's eos_token_id: one id, a list of ids, or absent."""
-    if value is None:
-        return ()
-    return tuple(value) if isinstance(value, list) else (int(value),)
-
-
-def _rope_parameters(raw: dict[str, Any]) -> dict[str, Any]:
-    """transformers 5 keeps RoPE settings in `rope_parameters`; older configs in rope_theta / rope_scaling."""
-    merged = dict(raw.get("rope_scaling") or {})
-    merged.update(raw.get("rope_parameters") or {})
-    return merged
-
-
-def _llama3_scaling(rope: dict[str, Any]) -> RopeScaling:
-    return RopeScaling(
-        factor=float(rope["factor"]),
-        low_freq_factor=float(rope["low_freq_factor"]),
-        high_freq_factor=float(rope["high_freq_factor"]),
-        original_max_position_embeddings=int(rope["original_max_position_embeddings"]),
-    )
+def _rope(read: FieldReader) -> tuple[float, RopeScaling | None]:
+    """rope_theta and Llama 3.1's scaling. transformers 5 keeps RoPE settings in `rope_parameters`; older
+    configs in rope_theta / rope_scaling."""
+    merged = {**read.object("rope_scaling"), **read.object("rope_parameters")}
+    key = "rope_parameters" if "rope_parameters" in read.raw else "rope_scaling"
+    rope = FieldReader(merged, read.name(key))
+    rope_type = rope.string("rope_type") or rope.string("type") or "default"
+    theta = rope.number("rope_theta", read.number("rope_theta", 10000.0))
+    scaling = None
+    if rope_type not in ("default", "llama3"):
+        read.bad(key, f"rope type {short_repr(rope_type)} is not supported")
+    elif rope_type == "llama3":
+        for name in ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"):
+            if merged.get(name) is None:
+                rope.bad(name, "required for llama3 RoPE scaling")
+        scaling = RopeScaling(
+            factor=rope.number("factor", 1.0),
+            low_freq_factor=rope.number("low_freq_factor", 1.0),
+            high_freq_factor=rope.number("high_freq_factor", 4.0),
+            original_max_position_embeddings=rope.integer(
+                "original_max_position_embeddings", 8192, MAX_POSITION_EMBEDDINGS
+            ),
+        )
+        if scaling.high_freq_factor <= scaling.low_freq_factor:
+            rope.bad("high_freq_factor", "must be greater than low_freq_factor")
+    read.violations += rope.violations
+    return theta, scaling

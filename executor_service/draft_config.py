@@ -11,7 +11,9 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 from executor_service.config import ModelConfig
-from selector_service.errors import FieldViolation, invalid_fields
+from executor_service.json_fields import FieldReader, in_file
+from executor_service.limits import MAX_DFLASH_BLOCK_SIZE, MAX_HIDDEN_SIZE, MAX_NUM_LAYERS, MAX_VOCAB_SIZE
+from selector_service.errors import FieldViolation, InvalidArgument, invalid_fields
 from specdec.v1 import common_pb2, executor_pb2
 
 METHODS = {
@@ -68,35 +70,54 @@ def draft_from_hf(
     raw: dict[str, Any], method: str, target: ModelConfig, request: executor_pb2.DraftModel, field: str
 ) -> DraftConfig:
     """From a drafter checkpoint's config.json (`field`: the request field naming the directory)."""
+    read = FieldReader(raw, field)
     shape = dict(raw)
     if shape.get("model_type") not in ("llama", "qwen3"):  # e.g. "LlamaForCausalLMEagle3" with no model_type
         shape["model_type"] = "qwen3" if method == "dflash" else "llama"
     shape.setdefault("vocab_size", target.vocab_size)
-    shape.setdefault("intermediate_size", raw.get("intermediate_size", 4 * raw.get("hidden_size", 1)))
-    model = ModelConfig.from_hf(shape)
+    hidden = raw.get("hidden_size")
+    shape.setdefault("intermediate_size", 4 * hidden if type(hidden) is int and 0 < hidden <= MAX_HIDDEN_SIZE else 1)
+    violations: list[FieldViolation] = []
+    try:
+        model = ModelConfig.from_hf(shape, field)
+    except InvalidArgument as err:  # reported with what follows, all at once
+        violations += err.field_violations
+        model = ModelConfig("llama", 1, 1, 1, 1, 1, 1, 2)
     model = replace(model, vocab_size=target.vocab_size, max_position_embeddings=target.max_position_embeddings)
-    dflash = raw.get("dflash_config") or {}
-    eagle = raw.get("eagle_config") or {}
-    if method == "eagle3" and eagle.get("eagle_aux_hidden_state_layer_ids"):
+    dflash = FieldReader(read.object("dflash_config"), read.name("dflash_config"))
+    eagle = FieldReader(read.object("eagle_config"), read.name("eagle_config"))
+    aux = "eagle_aux_hidden_state_layer_ids"
+    if method == "eagle3" and eagle.raw.get(aux):
         # SpecForge / SGLang write the nested key as the layer whose OUTPUT is read: our convention.
-        layers = tuple(int(i) for i in eagle["eagle_aux_hidden_state_layer_ids"])
-    elif method == "eagle3" and raw.get("eagle_aux_hidden_state_layer_ids"):
+        layers = eagle.integers(aux, MAX_NUM_LAYERS)
+    elif method == "eagle3" and raw.get(aux):
         # vLLM's top-level key names the layer whose INPUT is read (as SafeAILab's defaults 2, L/2, L-3).
-        layers = tuple(max(int(i) - 1, 0) for i in raw["eagle_aux_hidden_state_layer_ids"])
-    elif method == "dflash" and dflash.get("target_layer_ids"):
-        layers = tuple(int(i) for i in dflash["target_layer_ids"])  # hidden_states[id + 1]: output of layer id
+        layers = tuple(max(i - 1, 0) for i in read.integers(aux, MAX_NUM_LAYERS))
+    elif method == "dflash" and dflash.raw.get("target_layer_ids"):
+        layers = dflash.integers("target_layer_ids", MAX_NUM_LAYERS)  # hidden_states[id + 1]: output of layer id
     else:
         layers = ()
+    draft_vocab_size = read.integer("draft_vocab_size", 0, MAX_VOCAB_SIZE, minimum=0) if method == "eagle3" else 0
+    fc_bias = read.flag("bias", True) if method == "eagle" else False
+    block_size, mask, causal = 0, -1, False
+    if method == "dflash":
+        block_size = dflash.integer("block_size", 0, MAX_DFLASH_BLOCK_SIZE, minimum=0)
+        block_size = block_size or read.integer("block_size", 0, MAX_DFLASH_BLOCK_SIZE, minimum=0)
+        mask = dflash.integer("mask_token_id", -1, MAX_VOCAB_SIZE, minimum=-1)
+        causal = dflash.flag("causal", read.flag("is_causal", False))
+    violations += read.violations + eagle.violations + dflash.violations
+    if violations:
+        raise in_file(violations, "config.json")
     config = DraftConfig(
         method=method,
         model=model,
         num_speculative_tokens=0,
         target_layer_ids=layers,
-        draft_vocab_size=int(raw.get("draft_vocab_size") or 0) if method == "eagle3" else 0,
-        fc_bias=bool(raw.get("bias", True)) if method == "eagle" else False,
-        block_size=int(dflash.get("block_size") or raw.get("block_size") or 0),
-        mask_token_id=int(dflash.get("mask_token_id", -1)),
-        causal=bool(dflash.get("causal", raw.get("is_causal", False))),
+        draft_vocab_size=draft_vocab_size,
+        fc_bias=fc_bias,
+        block_size=block_size,
+        mask_token_id=mask,
+        causal=causal,
     )
     return finish_draft_config(config, target, request, field)
 
@@ -148,8 +169,10 @@ def finish_draft_config(
             violations.append(
                 FieldViolation("draft.dflash_config.mask_token_id", f"required: an id in [0, {target.vocab_size})")
             )
-        if block_size < 2:
-            violations.append(FieldViolation("draft.dflash_config.block_size", "must be at least 2"))
+        if not 2 <= block_size <= MAX_DFLASH_BLOCK_SIZE:
+            violations.append(
+                FieldViolation("draft.dflash_config.block_size", f"must be in [2, {MAX_DFLASH_BLOCK_SIZE}]")
+            )
     elif method == "eagle3":
         layers = layers or default_eagle3_layers(target.num_layers)
     k = request.num_speculative_tokens or (block_size - 1 if method == "dflash" else DEFAULT_EAGLE_TOKENS)

@@ -13,6 +13,7 @@ from pathlib import Path
 
 import torch
 
+from executor_service.cancellation import check_cancelled
 from executor_service.draft_config import DraftConfig, dflash_hf_fields
 from executor_service.draft_models import DRAFTERS, Drafter, TargetHeads
 from executor_service.loader import check_tensors, load_tensors, read_tensor_shapes, tensor_files
@@ -59,18 +60,27 @@ def checkpoint_name(name: str) -> str:
     return name.removeprefix("model.")
 
 
-@torch.no_grad()
-def load_drafter(
-    directory: Path, config: DraftConfig, target: TargetHeads, dtype: torch.dtype, device: torch.device, field: str
-) -> Drafter:
+def check_drafter_checkpoint(
+    directory: Path, config: DraftConfig, field: str
+) -> tuple[dict[str, Path], DraftConfig, dict[str, Placement]]:
+    """Every tensor the drafter needs is in the checkpoint with its shape (headers only, nothing loaded):
+    where each one is, the config as the checkpoint settles it, and the layout to load."""
     located = tensor_files(directory, field)
-    shapes = {checkpoint_name(name): shape for name, shape in read_tensor_shapes(located).items()}
+    shapes = {checkpoint_name(name): shape for name, shape in read_tensor_shapes(located, field).items()}
     if config.method == "eagle":  # whether fc has a bias is what the checkpoint holds (configs disagree)
         config = replace(config, fc_bias="fc.bias" in shapes)
     layout = draft_layout(config)
     check_tensors(layout, shapes, field, ignored=IGNORED)
+    return located, config, layout
+
+
+@torch.no_grad()
+def load_drafter(
+    directory: Path, config: DraftConfig, target: TargetHeads, dtype: torch.dtype, device: torch.device, field: str
+) -> Drafter:
+    located, config, layout = check_drafter_checkpoint(directory, config, field)
     drafter = empty_drafter(config, target, dtype, device)
-    load_tensors(drafter, located, layout, rename=checkpoint_name)
+    load_tensors(drafter, located, layout, field, rename=checkpoint_name)
     return drafter
 
 
@@ -84,6 +94,7 @@ def synthetic_drafter(
     generator = torch.Generator(device=device).manual_seed(seed)
     num_layers = max(config.model.num_layers, 1)
     for name, placement in draft_layout(config).items():
+        check_cancelled()
         shape = placement.shape
         if name == "d2t":
             chosen = torch.randperm(config.model.vocab_size, generator=generator, device=device)[: shape[0]]

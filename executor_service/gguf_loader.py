@@ -19,10 +19,11 @@ from typing import Any
 
 import torch
 
+from executor_service.cancellation import check_cancelled
 from executor_service.config import ModelConfig
 from executor_service.gguf_tokenizer import gguf_tokenizer
 from executor_service.loader import LoadedModel, check_tensors
-from executor_service.validation import resolve_model_path
+from executor_service.validation import resolve_model_path, resolve_quietly
 from executor_service.weights import empty_model, hf_layout, place
 from selector_service.errors import FailedPrecondition, FieldViolation, invalid_fields
 
@@ -93,7 +94,7 @@ def resolve_gguf_path(raw: str, model_root: Path | None, field: str) -> Path | N
         return path
     if raw.lower().endswith(SUFFIX):
         directory = resolve_model_path(str(Path(raw).parent), model_root, field)
-        path = (directory / Path(raw).name).resolve()
+        path = resolve_quietly(directory / Path(raw).name, raw, field)
         if directory != path.parent and directory not in path.parents:
             raise invalid_fields([FieldViolation(field, f"{raw!r} is outside the model root")])
         if not path.is_file():
@@ -218,6 +219,7 @@ def load_gguf(path: Path, dtype: torch.dtype, device: torch.device, field: str) 
     check_tensors(layout, {hf_name(name): shape for name, shape in shapes.items()}, field)
     model = empty_model(config, dtype, device)
     for tensor in reader.tensors:
+        check_cancelled()
         name = hf_name(tensor.name)
         try:
             array = dequantize(tensor.data, tensor.tensor_type).reshape(layout[name].shape)

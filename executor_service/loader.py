@@ -8,17 +8,21 @@ directory) and every missing, unexpected or misshapen tensor, checked before a b
 from __future__ import annotations
 
 import json
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from executor_service.config import ModelConfig, eos_token_ids
+from executor_service.cancellation import check_cancelled
+from executor_service.config import ModelConfig
+from executor_service.json_fields import FieldReader, in_file, read_json_object
+from executor_service.limits import short_repr
 from executor_service.model import DecoderModel
 from executor_service.weights import Placement, empty_model, export_hf_state, hf_layout, place, synthetic_model
-from selector_service.errors import FieldViolation, invalid_fields
+from selector_service.errors import FieldViolation, InvalidArgument, invalid_fields
 
 SINGLE_FILE = "model.safetensors"
 SHARD_INDEX = "model.safetensors.index.json"
@@ -36,23 +40,28 @@ class LoadedModel:
 
 
 def read_config_json(directory: Path, field: str) -> dict[str, Any]:
-    path = directory / "config.json"
     try:
-        return json.loads(path.read_text())
+        return read_json_object(directory / "config.json", field)
     except FileNotFoundError:
-        raise invalid_fields([FieldViolation(field, f"{path.name} not found in the model directory")]) from None
-    except (json.JSONDecodeError, UnicodeDecodeError) as err:
-        raise invalid_fields([FieldViolation(field, f"config.json is not valid JSON: {err}")]) from None
+        raise invalid_fields([FieldViolation(field, "config.json not found in the model directory")]) from None
 
 
 def read_config(directory: Path, field: str) -> ModelConfig:
-    config = ModelConfig.from_hf(read_config_json(directory, field))
-    generation = directory / "generation_config.json"
-    if not config.eos_token_ids and generation.exists():
-        eos = eos_token_ids(json.loads(generation.read_text()).get("eos_token_id"))
-        if eos:
-            config = replace(config, eos_token_ids=eos)
-    return config
+    """config.json, with the end-of-sequence ids of generation_config.json where config.json has none;
+    mistyped keys of either are named `<field>.<key>`."""
+    try:
+        config = ModelConfig.from_hf(read_config_json(directory, field), field)
+    except InvalidArgument as err:
+        raise in_file(err.field_violations, "config.json") from None
+    try:
+        generation = read_json_object(directory / "generation_config.json", field)
+    except FileNotFoundError:
+        return config
+    read = FieldReader(generation, field)
+    eos = read.integers("eos_token_id", config.vocab_size - 1)
+    if read.violations:
+        raise in_file(read.violations, "generation_config.json")
+    return replace(config, eos_token_ids=eos) if eos and not config.eos_token_ids else config
 
 
 def tensor_files(directory: Path, field: str) -> dict[str, Path]:
@@ -61,12 +70,20 @@ def tensor_files(directory: Path, field: str) -> dict[str, Path]:
 
     index = directory / SHARD_INDEX
     if index.exists():
-        weight_map = json.loads(index.read_text()).get("weight_map", {})
-        missing = sorted({f for f in weight_map.values() if not (directory / f).exists()})
+        weight_map = read_json_object(index, field).get("weight_map")
+        if not isinstance(weight_map, dict) or not all(isinstance(f, str) for f in weight_map.values()):
+            raise invalid_fields([FieldViolation(field, f"{SHARD_INDEX}: weight_map must map names to file names")])
+        files = {f: directory / f for f in set(weight_map.values())}
+        outside = sorted(f for f, path in files.items() if Path(f).name != f)
+        if outside:
+            raise invalid_fields([FieldViolation(field, f"{SHARD_INDEX} names files elsewhere: {outside[:LISTED]}")])
+        missing = sorted(f for f, path in files.items() if not path.is_file())
         if missing:
-            raise invalid_fields([FieldViolation(field, f"shards named in {SHARD_INDEX} are missing: {missing}")])
-        return {name: directory / file for name, file in weight_map.items()}
-    files = sorted(directory.glob("*.safetensors"))
+            raise invalid_fields(
+                [FieldViolation(field, f"shards named in {SHARD_INDEX} are missing: {missing[:LISTED]}")]
+            )
+        return {name: files[file] for name, file in weight_map.items()}
+    files = sorted(f for f in directory.glob("*.safetensors") if f.is_file())  # not a FIFO, which would block
     if not files:
         raise invalid_fields([FieldViolation(field, f"no {SINGLE_FILE} or {SHARD_INDEX} in the model directory")])
     located = {}
@@ -81,17 +98,31 @@ def tensor_files(directory: Path, field: str) -> dict[str, Path]:
     return located
 
 
-def read_tensor_shapes(located: dict[str, Path]) -> dict[str, tuple[int, ...]]:
+def read_tensor_shapes(located: dict[str, Path], field: str) -> dict[str, tuple[int, ...]]:
     """Every tensor's shape from the safetensors headers (no data read)."""
     from safetensors import safe_open
 
     shapes: dict[str, tuple[int, ...]] = {}
     for file in sorted(set(located.values())):
-        with safe_open(str(file), framework="pt") as handle:
+        with _unreadable_as(field, file), safe_open(str(file), framework="pt") as handle:
             for name in handle.keys():  # noqa: SIM118
                 if located.get(name) == file:
                     shapes[name] = tuple(handle.get_slice(name).get_shape())
     return shapes
+
+
+@contextmanager
+def _unreadable_as(field: str, file: Path) -> Iterator[None]:
+    """A safetensors file that cannot be read (a corrupt header, data cut short): INVALID_ARGUMENT on `field`."""
+    try:
+        yield
+    except InvalidArgument:
+        raise
+    except Exception as err:  # safetensors raises its own error types
+        message = short_repr(str(err), 200)
+        raise invalid_fields(
+            [FieldViolation(field, f"{file.name} is not a readable safetensors file: {message}")]
+        ) from None
 
 
 def check_checkpoint(config: ModelConfig, shapes: dict[str, tuple[int, ...]], field: str) -> None:
@@ -122,31 +153,43 @@ def check_tensors(
         raise invalid_fields(violations)
 
 
+def check_directory(directory: Path, config: ModelConfig, field: str) -> dict[str, Path]:
+    """Every tensor of `config` is in the directory's safetensors with its shape (headers only, nothing
+    loaded); where each one is."""
+    located = tensor_files(directory, field)
+    check_checkpoint(config, read_tensor_shapes(located, field), field)
+    return located
+
+
 @torch.no_grad()
 def load_directory(directory: Path, dtype: torch.dtype, device: torch.device, field: str) -> LoadedModel:
     config = read_config(directory, field)
-    located = tensor_files(directory, field)
-    check_checkpoint(config, read_tensor_shapes(located), field)
+    located = check_directory(directory, config, field)
     model = empty_model(config, dtype, device)
-    load_tensors(model, located, hf_layout(config))
-    return LoadedModel(config, model, load_tokenizer(directory), str(directory))
+    load_tensors(model, located, hf_layout(config), field)
+    return LoadedModel(config, model, load_tokenizer(directory, field), str(directory))
 
 
 def load_tensors(
-    module: torch.nn.Module, located: dict[str, Path], layout: dict[str, Placement], rename: Callable[[str], str] = str
+    module: torch.nn.Module,
+    located: dict[str, Path],
+    layout: dict[str, Placement],
+    field: str,
+    rename: Callable[[str], str] = str,
 ) -> None:
     """Copy every tensor of `layout` from its file into `module` (`rename`: checkpoint name -> layout name)."""
     from safetensors import safe_open
 
     for file in sorted(set(located.values())):
-        with safe_open(str(file), framework="pt", device="cpu") as handle:
+        with _unreadable_as(field, file), safe_open(str(file), framework="pt", device="cpu") as handle:
             for name in handle.keys():  # noqa: SIM118 - safe_open has no __iter__
                 ours = rename(name)
+                check_cancelled()
                 if ours in layout and located[name] == file:
                     place(module, layout[ours], handle.get_tensor(name))
 
 
-def load_tokenizer(directory: Path) -> Any | None:
+def load_tokenizer(directory: Path, field: str) -> Any | None:
     """tokenizers.Tokenizer from tokenizer.json, or None (no file, or the package is not installed)."""
     path = directory / "tokenizer.json"
     if not path.exists():
@@ -155,7 +198,11 @@ def load_tokenizer(directory: Path) -> Any | None:
         from tokenizers import Tokenizer
     except ImportError:
         return None
-    return Tokenizer.from_file(str(path))
+    try:
+        return Tokenizer.from_file(str(path))
+    except Exception as err:  # the tokenizers package raises plain Exceptions for a malformed file
+        message = short_repr(str(err), 200)
+        raise invalid_fields([FieldViolation(field, f"tokenizer.json cannot be read: {message}")]) from None
 
 
 def build_synthetic(config: ModelConfig, seed: int, dtype: torch.dtype, device: torch.device) -> LoadedModel:

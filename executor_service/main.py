@@ -17,6 +17,7 @@ from pathlib import Path
 
 import torch
 
+from executor_service import daemon_thread
 from executor_service.capabilities import default_device
 from executor_service.metrics import EngineMetrics
 from executor_service.prompt_intake import MAX_REQUEST_BYTES
@@ -97,21 +98,45 @@ async def start_executor(settings: ServerSettings, options: ExecutorOptions) -> 
 async def serve(settings: ServerSettings, options: ExecutorOptions, load_file: str | None) -> int:
     executor = await start_executor(settings, options)
     signalled = asyncio.ensure_future(wait_for_termination_signal())  # SIGTERM during --load stops cleanly too
-    status = 0
-    if load_file:
-        try:
-            request = load_message(load_file, executor_pb2.LoadModelRequest())
-            response = await executor.servicer.load(request)  # type: ignore[arg-type]
-            log.info("loaded at start", extra={"backend": response.target_backend.backend})
-        except (SpecdecError, ValueError, OSError) as err:
-            log.error("cannot load %s: %s", load_file, err)
-            signalled.cancel()
-            status = 1
-    if status == 0:
+    status = await load_at_start(executor.servicer, load_file, signalled) if load_file else 0
+    if status:
+        signalled.cancel()
+    else:
         await signalled
     await executor.stop(settings.grace_seconds if status == 0 else 0)
     log.info("stopped")
     return status
+
+
+async def load_at_start(servicer: ExecutorServicer, load_file: str, signalled: asyncio.Future[None]) -> int:
+    """--load: 0 once the model is loaded, or when SIGTERM comes first (the shutdown that follows cancels the
+    load); 1 if it cannot be loaded."""
+    try:
+        request = load_message(load_file, executor_pb2.LoadModelRequest())
+    except (ValueError, OSError) as err:
+        log.error("cannot load %s: %s", load_file, err)
+        return 1
+    loading = asyncio.ensure_future(servicer.load(request))  # type: ignore[arg-type]
+    await asyncio.wait({loading, signalled}, return_when=asyncio.FIRST_COMPLETED)
+    if not loading.done():
+        loading.add_done_callback(_retrieve)
+        return 0
+    try:
+        response = loading.result()
+    except SpecdecError as err:
+        log.error("cannot load %s: %s", load_file, err)
+        return 1
+    except Exception:
+        log.exception("cannot load %s", load_file)
+        return 1
+    log.info("loaded at start", extra={"backend": response.target_backend.backend})
+    return 0
+
+
+def _retrieve(task: asyncio.Future[object]) -> None:
+    """Take the outcome of a load cancelled by the shutdown, so asyncio does not report it as never retrieved."""
+    if not task.cancelled():
+        task.exception()
 
 
 def add_selector_client_arguments(parser: argparse.ArgumentParser) -> None:
@@ -169,10 +194,15 @@ def main(argv: list[str] | None = None) -> int:
             engine=EngineSettings(int(args.max_num_batched_tokens), int(args.max_num_seqs), not args.enforce_eager),
             max_live_requests=int(args.max_live_requests),
         )
-        return asyncio.run(serve(ServerSettings.from_args(args), options, args.load))
+        status = asyncio.run(serve(ServerSettings.from_args(args), options, args.load))
     except (OSError, ValueError) as err:  # address in use, a TLS key that is not the certificate's, ...
         log.error("cannot serve: %s", err)
         return EXIT_BAD_SETUP
+    if daemon_thread.any_running():  # a model build that did not stop in time: abandon it
+        log.warning("exiting with a model build still running")
+        logging.shutdown()
+        os._exit(status)
+    return status
 
 
 def _device(name: str) -> torch.device:

@@ -7,15 +7,21 @@ engine and awaits their tokens on an asyncio queue that the engine thread fills 
 from __future__ import annotations
 
 import asyncio
+import gc
 import logging
+import threading
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from pathlib import Path
+from typing import Any
 
 import grpc
 import torch
 
+from executor_service import memory
+from executor_service.cancellation import LoadCancelled, cancellable
 from executor_service.capabilities import probe
+from executor_service.daemon_thread import in_daemon_thread
 from executor_service.detokenizer import IncrementalDetokenizer
 from executor_service.drafting import check_drafter_backend, resolve_draft
 from executor_service.mailbox import Mailbox
@@ -25,9 +31,12 @@ from executor_service.request import Finish, RequestOutput
 from executor_service.sampling import SamplingSettings
 from executor_service.selection import BackendChooser
 from executor_service.session import (
+    DEFAULT_GPU_MEMORY_UTILIZATION,
     EngineSettings,
     ModelSession,
     build_session,
+    prepare_load,
+    requested_kv_blocks,
     resolve_dtype,
     resolve_target,
     selection_request,
@@ -43,6 +52,7 @@ from selector_service.errors import (
 from specdec.v1 import common_pb2, executor_pb2, executor_pb2_grpc
 
 STREAM_FLUSH_SECONDS = 5.0
+LOAD_CANCEL_WAIT_S = 2.0  # how long shutdown waits for a LoadModel under way to notice it is cancelled (then: os._exit)
 SERVICE_NAME = executor_pb2.DESCRIPTOR.services_by_name["Executor"].full_name
 log = logging.getLogger("specdec.executor")
 
@@ -71,6 +81,7 @@ class ExecutorServicer(executor_pb2_grpc.ExecutorServicer):
         self._mailbox: Mailbox | None = None
         self._capabilities: common_pb2.HardwareCapabilities | None = None
         self._load_lock = asyncio.Lock()
+        self._cancel_load: threading.Event | None = None  # set: the LoadModel under way stops (shutdown)
         metrics.watch(
             queue_depth=lambda: len(self.session.engine.scheduler.waiting) if self.session else 0,
             running=lambda: len(self.session.engine.scheduler.running) if self.session else 0,
@@ -101,32 +112,52 @@ class ExecutorServicer(executor_pb2_grpc.ExecutorServicer):
             raise
 
     async def load(self, request: executor_pb2.LoadModelRequest) -> executor_pb2.LoadModelResponse:
-        """Check, choose backends, load and warm up; replaces an idle loaded model."""
+        """Check, choose backends, estimate, build and warm up the new model beside the loaded one, then swap.
+
+        The loaded model serves until the new one is ready, so a load that fails leaves it serving. Only when
+        the new model fits in memory just in place of the old one is the old one released first, after every
+        check that allocates nothing has passed. At the swap, the old model's streams still running end with
+        finish_reason "abort" (as they always have when a model is replaced)."""
         check_load_request(request)
         if self.draining:
             raise Unavailable("the executor is shutting down")
         if self._load_lock.locked():
             raise FailedPrecondition("another LoadModel is in progress")
         async with self._load_lock:
-            if self.session is not None and self.session.engine.num_live:
-                raise FailedPrecondition(
-                    f"{self.session.engine.num_live} requests are running on the loaded model; abort them first"
-                )
-            source = await asyncio.to_thread(resolve_target, request.target, self.model_root, "target")
-            draft = None
-            if has_drafter(request):
-                draft = await asyncio.to_thread(resolve_draft, request.draft, source.config, self.model_root)
-            hardware = await self.capabilities()
-            dtype = resolve_dtype(request.dtype, self.device)
-            decision = await self.chooser.choose(selection_request(request, source.config, hardware, dtype, draft))
-            if draft is not None:
-                check_drafter_backend(draft.config, decision.drafter.backend)
-            old, self.session = self.session, None
-            await self.set_serving(False)
-            if old is not None:
-                await asyncio.to_thread(old.shutdown)
-            session = await asyncio.to_thread(
-                build_session,
+            self._cancel_load = threading.Event()
+            try:
+                return await self._load(request, self._cancel_load)
+            finally:
+                self._cancel_load = None
+
+    async def _load(
+        self, request: executor_pb2.LoadModelRequest, cancel: threading.Event
+    ) -> executor_pb2.LoadModelResponse:
+        if self.session is not None and self.session.engine.num_live:
+            raise FailedPrecondition(
+                f"{self.session.engine.num_live} requests are running on the loaded model; abort them first"
+            )
+        source = await asyncio.to_thread(resolve_target, request.target, self.model_root, "target")
+        draft = None
+        if has_drafter(request):
+            draft = await asyncio.to_thread(resolve_draft, request.draft, source.config, self.model_root)
+        hardware = await self.capabilities()
+        dtype = resolve_dtype(request.dtype, self.device)
+        decision = await self.chooser.choose(selection_request(request, source.config, hardware, dtype, draft))
+        if draft is not None:
+            check_drafter_backend(draft.config, decision.drafter.backend)
+        estimate = await asyncio.to_thread(prepare_load, source, request, draft, self.device, self.engine_settings)
+        fraction = request.gpu_memory_utilization or DEFAULT_GPU_MEMORY_UTILIZATION
+        resident = self.session.memory if self.session is not None else None
+        beside = memory.fits_beside(estimate, self.device, fraction, resident)
+        if self.session is not None and (not beside or requested_kv_blocks(request, self.device) is None):
+            await self._release()  # it fits only in place of the old one (or takes what memory is left)
+        log.info("building the model", extra={"source": _source_name(request), "estimate": estimate.describe()})
+        try:
+            session = await in_daemon_thread(
+                "specdec-load",
+                _build_cancellable,
+                cancel,
                 source,
                 request,
                 decision.target,
@@ -136,22 +167,46 @@ class ExecutorServicer(executor_pb2_grpc.ExecutorServicer):
                 draft=draft,
                 draft_decision=decision.drafter if draft is not None else None,
                 on_verify=self.metrics.on_verify,
+                memory=estimate,
             )
-            self.session = session
-            await self.set_serving(True)
-            log.info(
-                "model loaded",
-                extra={
-                    "source": session.loaded.source,
-                    "backend": decision.target.backend,
-                    "draft_backend": decision.drafter.backend if draft is not None else None,
-                    "kv_blocks": session.kv_cache.num_blocks,
-                    "seconds": round(session.load_seconds, 2),
-                },
-            )
-            return executor_pb2.LoadModelResponse(
-                target_backend=decision.target, draft_backend=session.draft_decision, info=session.info
-            )
+        except LoadCancelled:
+            raise Unavailable("the executor is shutting down: the model being loaded was dropped") from None
+        except (torch.OutOfMemoryError, MemoryError) as err:
+            raise ResourceExhausted(
+                f"out of memory while building the model (estimated {estimate.describe()}): {str(err)[:200]}"
+            ) from None
+        if self.draining:  # shutdown began while it was built: serve nothing new
+            await asyncio.to_thread(session.shutdown)
+            raise Unavailable("the executor is shutting down: the model being loaded was dropped")
+        old, self.session = self.session, session
+        await self.set_serving(True)
+        if old is not None:
+            await asyncio.to_thread(old.shutdown)
+        log.info(
+            "model loaded",
+            extra={
+                "source": session.loaded.source,
+                "backend": decision.target.backend,
+                "draft_backend": decision.drafter.backend if draft is not None else None,
+                "kv_blocks": session.kv_cache.num_blocks,
+                "seconds": round(session.load_seconds, 2),
+            },
+        )
+        return executor_pb2.LoadModelResponse(
+            target_backend=decision.target, draft_backend=session.draft_decision, info=session.info
+        )
+
+    async def _release(self) -> None:
+        """Stop serving the loaded model and free its memory (its running streams end with "abort")."""
+        old, self.session = self.session, None
+        await self.set_serving(False)
+        if old is None:
+            return
+        await asyncio.to_thread(old.shutdown)
+        del old
+        gc.collect()
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()  # so that the free memory the next model is sized from includes it
 
     async def GetModelInfo(
         self, request: executor_pb2.GetModelInfoRequest, context: grpc.aio.ServicerContext
@@ -239,8 +294,16 @@ class ExecutorServicer(executor_pb2_grpc.ExecutorServicer):
         """Refuse new generations, let running ones finish for `grace_seconds`, then abort the rest (their
         streams end with finish_reason "abort"), and stop the engine."""
         self.draining = True
-        async with self._load_lock:  # a LoadModel under way finishes first; new ones are refused
-            session = self.session
+        if self._cancel_load is not None:  # a LoadModel under way stops at its next check; new ones are refused
+            self._cancel_load.set()
+        try:
+            await asyncio.wait_for(self._load_lock.acquire(), LOAD_CANCEL_WAIT_S)
+            self._load_lock.release()
+        except TimeoutError:  # still in a long step of the build (its thread is a daemon: it cannot hold us up)
+            log.warning(
+                "the LoadModel under way did not stop within %s s; shutting down without it", LOAD_CANCEL_WAIT_S
+            )
+        session = self.session
         if session is None:
             return
         deadline = time.monotonic() + grace_seconds
@@ -253,6 +316,16 @@ class ExecutorServicer(executor_pb2_grpc.ExecutorServicer):
         while self.open_streams and time.monotonic() < deadline:  # their final "abort" messages go out
             await asyncio.sleep(0.01)
         await asyncio.to_thread(session.shutdown)
+
+
+def _build_cancellable(cancel: threading.Event, *args: Any, **kwargs: Any) -> ModelSession:
+    """build_session on this thread, stopped (LoadCancelled) once `cancel` is set."""
+    with cancellable(cancel):
+        return build_session(*args, **kwargs)
+
+
+def _source_name(request: executor_pb2.LoadModelRequest) -> str:
+    return request.target.path[:200] if request.target.WhichOneof("source") == "path" else "synthetic"
 
 
 def _already_running(request_id: str) -> AlreadyExists:

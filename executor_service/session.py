@@ -12,21 +12,42 @@ from pathlib import Path
 
 import torch
 
+from executor_service.cancellation import check_cancelled
 from executor_service.config import ModelConfig
 from executor_service.cuda_graphs import GRAPH_BACKENDS
 from executor_service.draft_config import METHOD_ENUMS
+from executor_service.draft_weights import check_drafter_checkpoint
 from executor_service.drafting import DraftSource, build_drafter, feature_layers, speculative_config
 from executor_service.engine import Engine, StepObserver, VerifyObserver
-from executor_service.gguf_loader import is_gguf, load_gguf, read_gguf_config, resolve_gguf_path
+from executor_service.gguf_loader import (
+    hf_name,
+    is_gguf,
+    load_gguf,
+    open_gguf,
+    read_gguf_config,
+    resolve_gguf_path,
+    tensor_shapes,
+)
 from executor_service.kv_cache import KVCache, blocks_for_memory_fraction, blocks_needed
-from executor_service.loader import LoadedModel, build_synthetic, load_directory, read_config
+from executor_service.limits import MAX_NUM_KV_BLOCKS, model_violations
+from executor_service.loader import (
+    LoadedModel,
+    build_synthetic,
+    check_directory,
+    check_tensors,
+    load_directory,
+    read_config,
+)
+from executor_service.memory import MemoryEstimate, estimate_memory
 from executor_service.model_runner import ModelRunner
 from executor_service.proposer import Proposer
 from executor_service.request import Request, RequestOutput, Sink
 from executor_service.sampling import SamplingSettings, make_generator
 from executor_service.scheduler import Scheduler, speculative_headroom
 from executor_service.spec_step import SpecStep
-from executor_service.validation import DEFAULT_BLOCK_SIZE, ModelLimits, resolve_model_path
+from executor_service.validation import DEFAULT_BLOCK_SIZE, ModelLimits, check_path_text, resolve_model_path
+from executor_service.weights import hf_layout
+from selector_service.errors import FieldViolation, ResourceExhausted, invalid_fields
 from specdec.v1 import common_pb2, executor_pb2, selector_pb2
 
 log = logging.getLogger("specdec.executor")
@@ -40,6 +61,8 @@ DTYPE_ENUMS = {dtype: enum for enum, dtype in TORCH_DTYPES.items()}
 CPU_DEFAULT_KV_TOKENS = 16384
 MAX_SPEC_GRAPH_BATCH = 32  # verify/draft graphs hold logits for batch x (k + 1) rows per bucket
 DEFAULT_GPU_MEMORY_UTILIZATION = 0.9
+WARM_UP_PROMPT_TOKENS = 32
+WARM_UP_MAX_TOKENS = 3
 
 
 @dataclass(frozen=True)
@@ -63,9 +86,14 @@ def resolve_target(source: executor_pb2.ModelSource, model_root: Path | None, fi
         return TargetSource(
             ModelConfig.from_synthetic(source.synthetic, f"{field}.synthetic"), None, source.synthetic.seed
         )
+    check_path_text(source.path, f"{field}.path")
     gguf = resolve_gguf_path(source.path, model_root, f"{field}.path")
     if gguf is not None:
-        return TargetSource(read_gguf_config(gguf, f"{field}.path"), gguf)
+        config = read_gguf_config(gguf, f"{field}.path")
+        violations = model_violations(config, lambda attr: f"{field}.path.{attr}")
+        if violations:
+            raise invalid_fields(violations)
+        return TargetSource(config, gguf)
     path = resolve_model_path(source.path, model_root, f"{field}.path")
     return TargetSource(read_config(path, f"{field}.path"), path)
 
@@ -115,6 +143,7 @@ class ModelSession:
     load_seconds: float = 0.0
     draft_decision: common_pb2.BackendDecision | None = None
     proposer: Proposer | None = None
+    memory: MemoryEstimate | None = None  # what LoadModel estimated it takes (None: built without an estimate)
 
     def new_request(
         self, request_id: str, prompt: list[int], settings: SamplingSettings, max_tokens: int, sink: Sink
@@ -133,6 +162,78 @@ class ModelSession:
         self.engine.shutdown()
 
 
+def requested_kv_blocks(request: executor_pb2.LoadModelRequest, device: torch.device) -> int | None:
+    """The KV cache's blocks as the request sets them (the CPU's default when 0); None on CUDA with 0: sized
+    from the memory left once the weights are loaded."""
+    if request.num_kv_blocks > 0:
+        return request.num_kv_blocks
+    if device.type == "cuda":
+        return None
+    return blocks_needed(CPU_DEFAULT_KV_TOKENS, request.block_size or DEFAULT_BLOCK_SIZE)
+
+
+def warm_up_tokens(config: ModelConfig, draft: DraftSource | None) -> tuple[int, int]:
+    """The longest warm-up request's prompt, and the KV slots it needs with the speculative step's drafts
+    and lookahead: no cache may be smaller, or the warm-up (and every request after it) could never run."""
+    prompt = max(1, min(WARM_UP_PROMPT_TOKENS, config.max_position_embeddings - WARM_UP_MAX_TOKENS - 1))
+    ahead = draft.config.num_speculative_tokens + draft.config.positions_ahead if draft is not None else 0
+    return prompt, prompt + WARM_UP_MAX_TOKENS + ahead
+
+
+def check_warm_up_fits(
+    num_blocks: int, block_size: int, config: ModelConfig, draft: DraftSource | None, requested: bool
+) -> None:
+    """INVALID_ARGUMENT on num_kv_blocks (`requested`) or RESOURCE_EXHAUSTED (sized from free memory) for a
+    cache that cannot hold one warm-up request."""
+    prompt, needed = warm_up_tokens(config, draft)
+    if num_blocks * block_size >= needed:
+        return
+    ahead = needed - prompt - WARM_UP_MAX_TOKENS
+    why = (
+        f"{num_blocks} blocks of {block_size} tokens hold {num_blocks * block_size}; one warm-up request needs "
+        f"{needed} ({prompt} prompt + {WARM_UP_MAX_TOKENS} generated + {ahead} for the speculative step): "
+        f"at least {blocks_needed(needed, block_size)} blocks"
+    )
+    if requested:
+        raise invalid_fields([FieldViolation("num_kv_blocks", why)])
+    raise ResourceExhausted(f"the memory left for the KV cache is too small: {why}")
+
+
+def prepare_load(
+    source: TargetSource,
+    request: executor_pb2.LoadModelRequest,
+    draft: DraftSource | None,
+    device: torch.device,
+    settings: EngineSettings,
+) -> MemoryEstimate:
+    """Every check that allocates nothing, done before the loaded model is put at risk: the checkpoints'
+    tensors (names and shapes, from their headers), the KV cache against the warm-up; then the estimate of
+    the memory the build takes."""
+    if source.path is not None and is_gguf(source.path):
+        shapes = tensor_shapes(open_gguf(source.path, "target.path"))
+        check_tensors(hf_layout(source.config), {hf_name(n): s for n, s in shapes.items()}, "target.path")
+    elif source.path is not None:
+        check_directory(source.path, source.config, "target.path")
+    if draft is not None and draft.path is not None:
+        check_drafter_checkpoint(draft.path, draft.config, "draft.source.path")
+    block_size = request.block_size or DEFAULT_BLOCK_SIZE
+    num_blocks = requested_kv_blocks(request, device)
+    if num_blocks is not None:
+        check_warm_up_fits(num_blocks, block_size, source.config, draft, request.num_kv_blocks > 0)
+    else:  # sized after the weights: at least what the warm-up needs
+        num_blocks = blocks_needed(warm_up_tokens(source.config, draft)[1], block_size)
+    return estimate_memory(
+        source.config,
+        draft.config if draft is not None else None,
+        resolve_dtype(request.dtype, device),
+        num_blocks,
+        block_size,
+        settings.max_num_batched_tokens,
+        settings.max_num_seqs,
+        device,
+    )
+
+
 def build_session(
     source: TargetSource,
     request: executor_pb2.LoadModelRequest,
@@ -145,13 +246,19 @@ def build_session(
     draft_decision: common_pb2.BackendDecision | None = None,
     on_verify: VerifyObserver | None = None,
     preloaded: LoadedModel | None = None,
+    memory: MemoryEstimate | None = None,
 ) -> ModelSession:
     """Load weights (and the drafter's), size and allocate the KV caches, warm the kernels up, capture
     graphs, start the engine thread (`start=False`: the caller drives `engine.run_until_idle()` itself,
     as deterministic tests do). `preloaded`: target weights already loaded (benchmarks pairing one target
-    with several drafters)."""
+    with several drafters). `memory`: the estimate it was admitted with (prepare_load), kept on the session.
+    Under `cancellation.cancellable`, it stops (LoadCancelled) between tensors, phases and warm-up steps."""
     started = time.perf_counter()
     dtype = resolve_dtype(request.dtype, device)
+    block_size = request.block_size or DEFAULT_BLOCK_SIZE
+    num_blocks = requested_kv_blocks(request, device)
+    if num_blocks is not None:  # before anything is allocated
+        check_warm_up_fits(num_blocks, block_size, source.config, draft, request.num_kv_blocks > 0)
     if preloaded is not None:
         loaded = preloaded
     elif source.path is None:
@@ -161,17 +268,16 @@ def build_session(
     else:
         loaded = load_directory(source.path, dtype, device, "target.path")
     config = loaded.config
+    check_cancelled()
     drafter = build_drafter(draft, loaded.model, dtype, device) if draft is not None else None
     draft_model = [draft.config.model] if draft is not None else []
-    block_size = request.block_size or DEFAULT_BLOCK_SIZE
-    if request.num_kv_blocks > 0:
-        num_blocks = request.num_kv_blocks
-    elif device.type == "cuda":
+    check_cancelled()
+    if num_blocks is None:
         fraction = request.gpu_memory_utilization or DEFAULT_GPU_MEMORY_UTILIZATION
         num_blocks = blocks_for_memory_fraction([config, *draft_model], block_size, dtype, device, fraction)
-        num_blocks = min(num_blocks, blocks_needed(settings.max_num_seqs * config.max_position_embeddings, block_size))
-    else:
-        num_blocks = blocks_needed(CPU_DEFAULT_KV_TOKENS, block_size)
+        most = blocks_needed(settings.max_num_seqs * config.max_position_embeddings, block_size)
+        num_blocks = min(num_blocks, most, MAX_NUM_KV_BLOCKS)
+        check_warm_up_fits(num_blocks, block_size, config, draft, requested=False)
     kv_cache = KVCache(config, num_blocks, block_size, dtype, device)
     max_model_len = config.max_position_embeddings
     proposer = None
@@ -208,10 +314,13 @@ def build_session(
         has_tokenizer=loaded.tokenizer is not None,
         eos_token_id=config.eos_token_ids[0] if config.eos_token_ids else -1,
     )
-    session = ModelSession(loaded, decision, dtype, kv_cache, engine, limits, info, 0.0, draft_decision, proposer)
+    session = ModelSession(
+        loaded, decision, dtype, kv_cache, engine, limits, info, 0.0, draft_decision, proposer, memory
+    )
     warm_up(session)
     if settings.cuda_graphs and device.type == "cuda":
         capture_graphs(session, settings, max_model_len)
+    check_cancelled()
     if start:
         engine.start()
     session.load_seconds = time.perf_counter() - started
@@ -235,13 +344,23 @@ def capture_graphs(session: ModelSession, settings: EngineSettings, max_model_le
 
 def warm_up(session: ModelSession) -> None:
     """Run a prefill and a few decode steps (a mixed batch) before serving: kernels compile now, not on
-    the first caller's time. Runs on the caller's thread before the engine thread starts."""
+    the first caller's time. Runs on the caller's thread before the engine thread starts; bounded in steps
+    (a stalled scheduler fails the load instead of spinning) and cancellable between steps."""
     outputs: list[RequestOutput] = []
-    prompt_len = min(32, session.limits.max_model_len - 4)
-    for index, length in enumerate((prompt_len, max(1, prompt_len // 3))):
+    prompt_len = warm_up_tokens(session.loaded.config, None)[0]
+    lengths = (prompt_len, max(1, prompt_len // 3))
+    for index, length in enumerate(lengths):
         prompt = [1 % session.limits.vocab_size] * length
-        session.engine.add(session.new_request(f"warmup-{index}", prompt, SamplingSettings(), 3, outputs.append))
-    session.engine.run_until_idle()
+        request = session.new_request(f"warmup-{index}", prompt, SamplingSettings(), WARM_UP_MAX_TOKENS, outputs.append)
+        session.engine.add(request)
+    max_steps = 64 + 8 * (sum(lengths) + len(lengths) * WARM_UP_MAX_TOKENS)
+
+    def before_step(step: int) -> None:
+        check_cancelled()
+        if step >= max_steps:
+            raise RuntimeError(f"warm-up did not finish in {max_steps} engine steps")  # an engine bug
+
+    session.engine.run_until_idle(before_step)
     errors = [o.error for o in outputs if o.error is not None]
     if errors:
         raise errors[0]

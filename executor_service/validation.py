@@ -8,11 +8,14 @@ from pathlib import Path
 from typing import Any
 
 from executor_service.draft_config import METHODS
+from executor_service.limits import MAX_BLOCK_SIZE, MAX_NUM_KV_BLOCKS, short_repr
 from executor_service.sampling import MIN_TEMPERATURE, SamplingSettings
 from selector_service.errors import FieldViolation, ResourceExhausted, invalid_fields
 from specdec.v1 import common_pb2, executor_pb2
 
 DEFAULT_BLOCK_SIZE = 16
+MAX_PATH_BYTES = 4096  # PATH_MAX
+MAX_NAME_BYTES = 255  # NAME_MAX
 
 
 def resolve_model_path(raw: str, model_root: Path | None, field: str) -> Path:
@@ -23,15 +26,49 @@ def resolve_model_path(raw: str, model_root: Path | None, field: str) -> Path:
         )
     if not raw:
         raise invalid_fields([FieldViolation(field, "required: a directory under the model root")])
+    check_path_text(raw, field)
     if ".." in Path(raw).parts:
         raise invalid_fields([FieldViolation(field, "'..' is not allowed in model paths")])
     root = model_root.resolve()
-    candidate = (root / raw).resolve()  # an absolute `raw` replaces root; resolve() follows links
+    candidate = resolve_quietly(root / raw, raw, field)  # an absolute `raw` replaces root; links are followed
     if candidate != root and root not in candidate.parents:
-        raise invalid_fields([FieldViolation(field, f"{raw!r} is outside the model root")])
-    if not candidate.is_dir():
-        raise invalid_fields([FieldViolation(field, f"{raw!r} is not a directory under the model root")])
+        raise invalid_fields([FieldViolation(field, f"{short_repr(raw)} is outside the model root")])
+    if not _is_dir(candidate):
+        raise invalid_fields([FieldViolation(field, f"{short_repr(raw)} is not a directory under the model root")])
     return candidate
+
+
+def check_path_text(raw: str, field: str) -> None:
+    """What no file system accepts, refused before one is asked: a NUL byte, an over-long path or name."""
+    encoded = raw.encode("utf-8", "surrogateescape")
+    if "\0" in raw:
+        problem = "contains a NUL byte"
+    elif len(encoded) > MAX_PATH_BYTES:
+        problem = f"is {len(encoded)} bytes long; at most {MAX_PATH_BYTES}"
+    elif any(len(part) > MAX_NAME_BYTES for part in encoded.split(b"/")):
+        problem = f"has a name longer than {MAX_NAME_BYTES} bytes"
+    else:
+        return
+    raise invalid_fields([FieldViolation(field, f"{short_repr(raw)} {problem}")])
+
+
+def resolve_quietly(path: Path, raw: str, field: str) -> Path:
+    """`path` with its links followed; a link loop or an unreadable component is INVALID_ARGUMENT on `field`
+    (Path.resolve raises RuntimeError for a loop, OSError or ValueError for the rest)."""
+    try:
+        return path.resolve()
+    except RuntimeError:
+        problem = "is a loop of symbolic links"
+    except (OSError, ValueError) as err:
+        problem = f"cannot be resolved ({err.strerror if isinstance(err, OSError) else err})"
+    raise invalid_fields([FieldViolation(field, f"{short_repr(raw)} {problem}")])
+
+
+def _is_dir(path: Path) -> bool:
+    try:
+        return path.is_dir()
+    except (OSError, ValueError):
+        return False
 
 
 def check_load_request(request: executor_pb2.LoadModelRequest) -> None:
@@ -45,10 +82,17 @@ def check_load_request(request: executor_pb2.LoadModelRequest) -> None:
         common_pb2.DTYPE_FLOAT32,
     ):
         violations.append(FieldViolation("dtype", f"unknown dtype {request.dtype}"))
-    if request.block_size < 0 or request.block_size % 16:
-        violations.append(FieldViolation("block_size", f"a positive multiple of 16 (0: {DEFAULT_BLOCK_SIZE})"))
-    if request.num_kv_blocks < 0:
-        violations.append(FieldViolation("num_kv_blocks", "must be >= 0 (0: sized from gpu_memory_utilization)"))
+    if not 0 <= request.block_size <= MAX_BLOCK_SIZE or request.block_size % 16:
+        violations.append(
+            FieldViolation("block_size", f"a multiple of 16 up to {MAX_BLOCK_SIZE} (0: {DEFAULT_BLOCK_SIZE})")
+        )
+    if not 0 <= request.num_kv_blocks <= MAX_NUM_KV_BLOCKS:
+        violations.append(
+            FieldViolation(
+                "num_kv_blocks",
+                f"must be in [0, {MAX_NUM_KV_BLOCKS}] (0: sized from the memory), got {request.num_kv_blocks}",
+            )
+        )
     if not 0.0 <= request.gpu_memory_utilization <= 1.0:
         violations.append(FieldViolation("gpu_memory_utilization", "must be in (0, 1] (0: the executor's default)"))
     if request.attention.use_non_causal:

@@ -12,6 +12,7 @@ from typing import TypeVar
 import torch
 from torch import nn
 
+from executor_service.cancellation import check_cancelled
 from executor_service.config import ModelConfig
 from executor_service.model import DecoderModel
 from executor_service.rope import RotaryEmbedding
@@ -128,6 +129,7 @@ def synthetic_model(config: ModelConfig, seed: int, dtype: torch.dtype, device: 
     model = empty_model(config, dtype, device)
     generator = torch.Generator(device=device).manual_seed(seed)
     for name, placement in hf_layout(config).items():
+        check_cancelled()
         place(model, placement, synthetic_values(name, placement.shape, config.num_layers, generator, device))
     return model
 
