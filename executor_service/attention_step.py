@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from kernels import paged_attention, write_kv
+from kernels import paged_attention
 from kernels.attention import check_claimed
 
 if TYPE_CHECKING:
@@ -30,9 +30,6 @@ class AttentionStep:
     max_seq_len: int
     causal: bool = True
     _flex: FlexMetadata | None = field(default=None, repr=False)  # built by the first layer that needs it
-
-    def store_kv(self, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> None:
-        write_kv(k, v, k_cache, v_cache, self.slot_mapping)
 
     def attend(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, scale: float) -> torch.Tensor:
         """Attention of q [T, Hq, D] over the paged cache (this step's keys already stored)."""

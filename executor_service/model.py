@@ -15,6 +15,7 @@ from executor_service.attention_step import AttentionStep
 from executor_service.config import ModelConfig
 from executor_service.fused_ops import linear_residual, rms_norm, silu_and_mul
 from executor_service.rope import RotaryEmbedding, apply_rotary
+from executor_service.rotary_cache import rotate_and_store
 from kernels import write_kv
 
 Rotary = tuple[torch.Tensor, torch.Tensor]  # cos, sin of this step's positions
@@ -61,9 +62,8 @@ class Attention(nn.Module):
         v = v.reshape(tokens, self.num_kv_heads, self.head_size)
         if self.qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
-        q, k = apply_rotary(q, k, *rotary)
         k_cache, v_cache = kv_cache
-        step.store_kv(k, v, k_cache, v_cache)
+        q = rotate_and_store(q, k, v, *rotary, k_cache, v_cache, step.slot_mapping)
         out = step.attend(q, k_cache, v_cache, self.scale)
         return linear_residual(out.reshape(tokens, self.q_size), self.o_proj, residual)
 
