@@ -250,6 +250,8 @@ def parse_args() -> argparse.Namespace:
     args.speedup_ks = [int(k) for k in args.speedup_ks.split(",") if k]
     args.speedup_batches = [int(b) for b in args.speedup_batches.split(",") if b]
     args.hf = [m for m in args.hf.split(",") if m]
+    if set(args.hf) - {"static", "compiled"}:
+        parser.error(f"--hf takes static and/or compiled, not {args.hf}")
     args.temperatures = [float(t) for t in args.temperatures.split(",")]
     args.source = target_source(args.target)
     return args
