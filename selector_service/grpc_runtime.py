@@ -102,6 +102,13 @@ def metrics_port_number(text: str) -> int:
     return _int_in(text, -1, 65535, "a port in 1..65535 (0: any free port; -1: off)")
 
 
+def message_bytes(text: str) -> int | None:
+    """--max-message-bytes: a positive size, or "" (an unset compose variable) for the service's own limit."""
+    if not text.strip():
+        return None
+    return _int_in(text, 1, (1 << 31) - 1, "a size in bytes, 1..2147483647")
+
+
 def _int_in(text: str, low: int, high: int, what: str) -> int:
     try:
         value = int(text)
@@ -124,7 +131,7 @@ def add_server_arguments(parser: argparse.ArgumentParser, default_port: int) -> 
     parser.add_argument("--auth-token-file", help="read the shared token from this file (keeps it out of argv and env)")
     parser.add_argument(
         "--max-message-bytes",
-        type=int,
+        type=message_bytes,
         default=None,
         help="largest request or response (default: requests up to the largest valid one of the service, "
         "responses up to 64 MiB); larger ones get RESOURCE_EXHAUSTED before they are read",
