@@ -14,6 +14,7 @@ import asyncio
 import concurrent.futures
 from typing import Any
 
+from executor_service.limits import MAX_POSITION_EMBEDDINGS, MAX_VOCAB_SIZE
 from executor_service.sampling import SamplingSettings
 from executor_service.validation import ModelLimits, check_generate
 from selector_service.bounds import largest_message
@@ -22,10 +23,10 @@ from specdec.v1 import executor_pb2
 
 MAX_REQUEST_ID_BYTES = 256  # echoed in every response chunk: a long one would break clients' 4 MiB limit
 MAX_STOP_TOKEN_IDS = 1024
-# The longest context LoadModel accepts (executor_service.limits.MAX_POSITION_EMBEDDINGS): no valid prompt has
-# more tokens. Valid ids are below the largest vocabulary, 2^21: 3 bytes each as varints.
-MAX_PROMPT_TOKENS = 1 << 21
-TOKEN_ID_BYTES = 3
+# No valid prompt has more tokens than the longest context LoadModel accepts, nor an id past the largest
+# vocabulary: each id takes a varint of at most TOKEN_ID_BYTES.
+MAX_PROMPT_TOKENS = MAX_POSITION_EMBEDDINGS
+TOKEN_ID_BYTES = -(-(MAX_VOCAB_SIZE - 1).bit_length() // 7)  # 7 bits a byte: 3 for ids below 2^21
 MAX_PROMPT_TEXT_BYTES = 8 << 20  # 4 bytes a token for a 2M-token context, with room to spare
 # The executor's message limit: the largest valid GenerateRequest (LoadModel's are far smaller).
 _SMALL_FIELDS = {"request_id": MAX_REQUEST_ID_BYTES, "sampling.stop_token_ids": MAX_STOP_TOKEN_IDS}
