@@ -12,8 +12,10 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 
 
-class LoadCancelled(Exception):
-    """The executor is shutting down: the model being built is dropped."""
+class LoadCancelled(BaseException):
+    """The executor is shutting down: the model being built is dropped. A BaseException, as asyncio's
+    CancelledError: no `except Exception` on the way (a loader turning read errors into INVALID_ARGUMENT)
+    may take it for a failure of its own."""
 
 
 _current = threading.local()

@@ -25,7 +25,7 @@ from selector_service.errors import FieldViolation, ResourceExhausted
 CPU_MEMORY_FRACTION = 0.75  # of MemAvailable: the rest stays for the OS, the other processes and our own heap
 CPU_MARGIN_BYTES = 256 << 20  # interpreter, allocator slack, tokenizer
 CUDA_MARGIN_BYTES = 2 << 30  # CUDA graphs' pools, the caching allocator's slack, kernels' workspaces
-LOGITS_COPIES = 3  # logits in fp32, their probabilities, the sorted copy top-p / top-k work on
+LOGITS_COPIES = 2  # logits in fp32 and their probabilities
 ACTIVATION_WIDTHS = 8  # hidden-sized tensors alive at once in a layer (residual, norms, attention out, ...)
 
 
@@ -78,7 +78,8 @@ def estimate_memory(
         draft_tokens = max_num_seqs * max(draft.positions_ahead, 1)
         activations += _step_bytes(draft.model, draft_tokens, element)
         activations += tokens * (len(draft.target_layer_ids) or 1) * target.hidden_size * element  # features
-        activations += max_num_seqs * draft.positions_ahead * target.vocab_size * 4 * LOGITS_COPIES
+        rows = max_num_seqs * (draft.block_size if draft.method == "dflash" else 1)  # EAGLE: one row per chain step
+        activations += rows * (draft.draft_vocab_size or target.vocab_size) * 4 * LOGITS_COPIES
     activations += CUDA_MARGIN_BYTES if device.type == "cuda" else CPU_MARGIN_BYTES
     return MemoryEstimate(weights, kv_cache, activations)
 

@@ -305,6 +305,19 @@ def test_sigterm_stops_an_executor_that_is_building_a_model(
         assert err.value.code() in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED), err.value.details()
 
 
+def test_a_cancelled_build_stops_between_tensors(tmp_path: Path) -> None:
+    """Shutdown's cancellation reaches the tensor copy loops as LoadCancelled, not as a checkpoint read error."""
+    from executor_service.cancellation import LoadCancelled, cancellable
+    from executor_service.loader import load_directory
+
+    save_directory(tiny_model().model, tmp_path / "target")
+    cancel = threading.Event()
+    cancel.set()
+    with cancellable(cancel), pytest.raises(LoadCancelled):
+        load_directory(tmp_path / "target", torch.float32, CPU, "target.path")
+    assert load_directory(tmp_path / "target", torch.float32, CPU, "target.path").config.num_layers == 2
+
+
 def write_target(directory: Path, **config_changes: object) -> None:
     save_directory(tiny_model().model, directory)
     if config_changes:
