@@ -12,7 +12,13 @@ from typing import Any
 
 from executor_service.config import ModelConfig
 from executor_service.json_fields import FieldReader, in_file
-from executor_service.limits import MAX_DFLASH_BLOCK_SIZE, MAX_HIDDEN_SIZE, MAX_NUM_LAYERS, MAX_VOCAB_SIZE
+from executor_service.limits import (
+    MAX_DFLASH_BLOCK_SIZE,
+    MAX_HIDDEN_SIZE,
+    MAX_NUM_LAYERS,
+    MAX_VOCAB_SIZE,
+    short_repr,
+)
 from selector_service.errors import FieldViolation, InvalidArgument, invalid_fields
 from specdec.v1 import common_pb2, executor_pb2
 
@@ -157,10 +163,12 @@ def finish_draft_config(
     violations: list[FieldViolation] = []
     method = config.method
     layers = config.target_layer_ids
+    layers_field = f"{field}.target_layer_ids"
     block_size, mask, causal = config.block_size, config.mask_token_id, config.causal
     if method == "dflash":
         override = request.dflash_config
-        layers = tuple(override.target_layer_ids) or layers
+        if override.target_layer_ids:
+            layers, layers_field = tuple(override.target_layer_ids), "draft.dflash_config.target_layer_ids"
         layers = layers or default_dflash_layers(target.num_layers, config.model.num_layers)
         block_size = override.block_size or block_size or DEFAULT_DFLASH_BLOCK
         mask = override.mask_token_id if override.HasField("mask_token_id") else mask
@@ -182,10 +190,12 @@ def finish_draft_config(
     bad_layers = [i for i in layers if not 0 <= i < target.num_layers]
     if bad_layers:
         violations.append(
-            FieldViolation(f"{field}.target_layer_ids", f"{bad_layers} outside the target's {target.num_layers} layers")
+            FieldViolation(
+                layers_field, f"{short_repr(bad_layers, 80)} outside the target's {target.num_layers} layers"
+            )
         )
-    if len(set(layers)) != len(layers):
-        violations.append(FieldViolation(f"{field}.target_layer_ids", f"duplicate layers in {list(layers)}"))
+    elif len(set(layers)) != len(layers):
+        violations.append(FieldViolation(layers_field, f"duplicate layers in {short_repr(list(layers), 80)}"))
     if config.model.hidden_size != target.hidden_size:
         violations.append(
             FieldViolation(

@@ -127,6 +127,13 @@ def with_dflash_block(block_size: int) -> executor_pb2.LoadModelRequest:
     return request
 
 
+def with_dflash_layers(layers: list[int]) -> executor_pb2.LoadModelRequest:
+    request = load_request()
+    request.draft.CopyFrom(draft_model("dflash", 3))
+    request.draft.dflash_config.target_layer_ids.extend(layers)
+    return request
+
+
 def with_drafter_path(path: str) -> executor_pb2.LoadModelRequest:
     request = load_request()
     request.draft.CopyFrom(draft_model("eagle3", 3))
@@ -145,6 +152,7 @@ OUT_OF_BOUNDS = [
     ("block_size 2^30", with_changes(block_size=2**30), "INVALID_ARGUMENT", "block_size"),
     ("num_kv_blocks 2^31-1", with_changes(num_kv_blocks=2**31 - 1), "INVALID_ARGUMENT", "num_kv_blocks"),
     ("DFlash block 2^30", with_dflash_block(2**30), "INVALID_ARGUMENT", "draft.dflash_config.block_size"),
+    ("10^5 layer ids", with_dflash_layers([0] * 10**5), "INVALID_ARGUMENT", "draft.dflash_config.target_layer_ids"),
     # Every size within its bound, but about 256 GiB of weights: refused from the estimate, nothing allocated.
     ("256 GiB", with_target(vocab_size=2**20, hidden_size=2**15), "RESOURCE_EXHAUSTED", "target"),
 ]
