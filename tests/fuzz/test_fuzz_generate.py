@@ -127,9 +127,10 @@ def stream_plans(draw: st.DrawFn, request_id: str) -> StreamPlan:
     max_tokens = draw(st.one_of(st.integers(1, 24), st.sampled_from((None, 0, -1, 2**31 - 1))))
     room = max_tokens if max_tokens is not None and 0 < max_tokens <= CAPACITY else draw(st.integers(1, 24))
     shape = draw(st.sampled_from(("short", "fill", "fill-1", "over")))
-    length = {"short": draw(st.integers(1, 40)), "fill": CAPACITY - room, "fill-1": CAPACITY - room - 1}.get(
-        shape, CAPACITY - room + 1
-    )
+    if shape == "short":
+        length = draw(st.integers(1, 40))
+    else:
+        length = CAPACITY - room + {"fill": 0, "fill-1": -1, "over": 1}[shape]
     content = draw(st.sampled_from(("same", "random", "edges")))
     if content == "same":
         ids = [draw(st.integers(0, VOCAB - 1))] * length
