@@ -19,6 +19,7 @@ import datetime
 import sys
 import time
 from collections import defaultdict
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -127,13 +128,14 @@ def measure_acceptance(
 
 
 def measure_speedup(
-    args: argparse.Namespace, device: torch.device, prompts: dict[str, list[list[int]]]
+    args: argparse.Namespace, device: torch.device, prompts: dict[str, list[list[int]]], save: Callable[[dict], None]
 ) -> dict[str, Any]:
     """Greedy, on `device`, at each batch size: target-only and each drafter at each of `args.speedup_ks` (and,
     with --host-step-too, the same drafters with the device-resident step turned off). Every configuration
     runs its prompts once untimed (Triton compiles kernels for new shapes); then `args.repeats` rounds time
     every configuration once each, interleaved, so a slow moment of the machine hits all of them alike.
-    Speedups are per round against that round's target-only run; the median and the spread are reported."""
+    Speedups are per round against that round's target-only run; the median and the spread are reported.
+    `save` gets the report after each section, so a run cut short still leaves its figures."""
     loaded = load_target(args.source, torch.bfloat16 if device.type == "cuda" else torch.float32, device)
     chosen = [p for kind in KINDS for p in prompts[kind][: args.speedup_prompts]]
     max_tokens = args.max_tokens if device.type == "cuda" else args.cpu_max_tokens
@@ -160,15 +162,18 @@ def measure_speedup(
                     rounds[label(name, device_step)].append((tokens / seconds, finishes))
         report[f"batch_{batch}"] = speedup_report(rounds, args.repeats)
         log(f"{device.type} batch {batch}: {report[f'batch_{batch}']}")
+        save(report)
     for session in sessions.values():
         session.shutdown()
-    for mode in args.hf:  # Hugging Face on the same weights and prompts, batch 1, beside our target-only rate
-        figures = hf_greedy_tokens_per_s(loaded, chosen, max_tokens, device, mode == "compiled", args.repeats)
+    hf_prompts = [prompts[kind][0] for kind in KINDS][: args.hf_prompts]  # HF decodes slowly: a few prompts
+    for mode in args.hf:  # Hugging Face on the same weights, batch 1, beside our target-only rate
+        figures = hf_greedy_tokens_per_s(loaded, hf_prompts, max_tokens, device, mode == "compiled", args.repeats)
         figures.pop("tokens")
         ours = report["batch_1"]["target_only"]["tokens_per_s"] if "batch_1" in report else None
         figures["ours_target_only_over_hf"] = round(ours / figures["tokens_per_s"], 2) if ours else None
         report[f"hugging_face_{mode}"] = figures
         log(f"{device.type} Hugging Face ({mode} cache): {figures}")
+        save(report)
     return report
 
 
@@ -240,6 +245,7 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--speedup-batches", default="1,16", help="batch sizes of the timed runs")
     parser.add_argument("--repeats", type=int, default=3, help="timed rounds; medians and spread are reported")
     parser.add_argument("--hf", default="", help="Hugging Face's batch-1 figure beside ours: static, compiled, or both")
+    parser.add_argument("--hf-prompts", type=int, default=3, help="prompts Hugging Face decodes (one of each kind)")
     parser.add_argument("--host-step-too", action="store_true", help="also time the drafters on the host path")
     parser.add_argument("--cpu-max-tokens", type=int, default=64)
     parser.add_argument("--kv-blocks", type=int, default=2048)
@@ -279,10 +285,15 @@ def main() -> int:
         "acceptance": measure_acceptance(loaded, args, prompts, device),
         "speedup": {},
     }
+    write_result(args.out, "acceptance", device, commit, report)
     del loaded
     for name in args.speedup_devices.split(","):
-        report["speedup"][name] = measure_speedup(args, torch.device(name), prompts)
-    write_result(args.out, "acceptance", device, commit, report)
+
+        def save(section: dict[str, Any], name: str = name) -> None:
+            report["speedup"][name] = section
+            write_result(args.out, "acceptance", device, commit, report)
+
+        save(measure_speedup(args, torch.device(name), prompts, save))
     return 0
 
 
