@@ -185,6 +185,13 @@ def rss_mib(pid: int, key: str = "VmRSS") -> float:
     raise KeyError(key)
 
 
+def cpu_seconds(pid: int) -> float:
+    """User + system CPU time of the process so far: with the wall time it tells contention (other processes on
+    the cores) from work."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
 def scrape(port: int) -> dict[str, float]:
     with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as response:
         text = response.read().decode()
@@ -286,9 +293,10 @@ def measure(server: ServerProcess, args: argparse.Namespace, commit: str, dirty:
     pid, metrics_port = server.process.pid, server.metrics_port()
     assert metrics_port is not None, server.log()
     model = asyncio.run(load_and_warm_up(server.address, args))
-    rss_before = rss_mib(pid)
+    rss_before, cpu_before, loadavg_before = rss_mib(pid), cpu_seconds(pid), os.getloadavg()
     log(f"loaded {model}; executor RSS {rss_before} MiB; {args.streams} streams of {args.max_tokens} tokens")
     results, wall = asyncio.run(burst(server.address, args))
+    executor_cpu_s = cpu_seconds(pid) - cpu_before
     gauges = gauges_after(metrics_port, settle_s=10.0)
     rss_after = rss_mib(pid)
     summary = summarize(results, wall)
@@ -305,19 +313,22 @@ def measure(server: ServerProcess, args: argparse.Namespace, commit: str, dirty:
         "device": cpu_name(),
         "device_type": "cpu",
         "cpus": os.cpu_count(),
-        "loadavg_before": os.getloadavg(),
+        "loadavg_before": loadavg_before,
+        "loadavg_after": os.getloadavg(),
         "versions": versions(),
         "config": {key: getattr(args, key) for key in CONFIG_KEYS},
         "model": model,
         **summary,
         "executor_rss_mib": {"before": rss_before, "after": rss_after, "peak": rss_mib(pid, "VmHWM")},
+        "executor_cpu_s": round(executor_cpu_s, 2),  # over the burst; compare with wall_s x cpus
         "metrics_after": gauges,
         "checks": checks,
         "ok": all(checks.values()),
     }
     log(
         f"{summary['completed']}/{args.streams} completed, {summary['exact_token_counts']} exact, "
-        f"{summary['tokens_per_s']} tokens/s, latency p50 {summary['latency_ms']['p50']} ms "
+        f"{summary['tokens_per_s']} tokens/s ({summary['wall_s']} s, executor CPU {executor_cpu_s:.1f} s), "
+        f"latency p50 {summary['latency_ms']['p50']} ms "
         f"p99 {summary['latency_ms']['p99']} ms, first token p50 {summary['first_token_ms']['p50']} ms "
         f"p99 {summary['first_token_ms']['p99']} ms; RSS {rss_before} -> {rss_after} MiB; gauges "
         f"{ {g: gauges[g] for g in GAUGES} }; checks {checks}"
