@@ -3,7 +3,7 @@
 The executor runs as its own process on the CPU (`python -m executor_service.main --device cpu`) with a tiny
 synthetic target and a synthetic drafter (EAGLE-3 k=3 by default); an asyncio client opens --streams Generate
 streams at once over a few channels, greedy, each with --max-tokens (ignore_eos; every --stop-every-th stream
-also gets a stop token). Reported:
+also gets stop tokens, every 16th id). Reported:
 
   streams     how many completed, failed (by status) and got exactly max_tokens tokens (or stopped at their stop
               token); a stream that got any other count is listed
@@ -69,14 +69,15 @@ COUNTERS = tuple(
     for name in ("specdec_generated_tokens", "specdec_draft_tokens", "specdec_accepted_tokens", "specdec_verify_steps")
 )
 CONFIG_KEYS = ("streams", "max_tokens", "prompt_len", "method", "k", "stop_every", "channels", "max_num_seqs")
-STOP_TOKEN = 7
+# Every 16th id: a random-weight target emits one within a few dozen tokens, so stop streams really stop.
+STOP_TOKENS = frozenset(range(0, TINY_TARGET["vocab_size"], 16))
 
 
 @dataclass
 class StreamResult:
     index: int
     max_tokens: int
-    stop_token: int | None
+    stops: frozenset[int]  # empty: runs to max_tokens
     started: float = 0.0
     first_token: float | None = None
     ended: float = 0.0
@@ -86,13 +87,13 @@ class StreamResult:
     details: str = ""
 
     def exact(self) -> bool:
-        """Exactly max_tokens tokens, or fewer ending at its stop token with finish reason "stop"."""
+        """Exactly max_tokens tokens and none of its stops, or fewer ending at its first stop token ("stop")."""
         if self.code != "OK":
             return False
         if self.finish_reason == "length":
-            return len(self.tokens) == self.max_tokens and self.stop_token not in self.tokens
-        stopped = self.finish_reason == "stop" and self.tokens and self.tokens[-1] == self.stop_token
-        return bool(stopped) and self.stop_token not in self.tokens[:-1] and len(self.tokens) <= self.max_tokens
+            return len(self.tokens) == self.max_tokens and not self.stops.intersection(self.tokens)
+        stopped = self.finish_reason == "stop" and self.tokens and self.tokens[-1] in self.stops
+        return bool(stopped) and not self.stops.intersection(self.tokens[:-1]) and len(self.tokens) <= self.max_tokens
 
 
 def load_request(args: argparse.Namespace) -> executor_pb2.LoadModelRequest:
@@ -115,15 +116,14 @@ def kv_blocks_for(args: argparse.Namespace) -> int:
 
 
 def prompt(index: int, length: int) -> list[int]:
-    """A different prompt per stream (never the stop token)."""
+    """A different prompt per stream."""
     ids = [(index * 31 + 11 * i) % TINY_TARGET["vocab_size"] for i in range(length)]
-    return [8 if t == STOP_TOKEN else t for t in ids]
+    return ids
 
 
 async def run_stream(stub: executor_pb2_grpc.ExecutorStub, result: StreamResult, args: argparse.Namespace) -> None:
     params = executor_pb2.SamplingParams(max_tokens=result.max_tokens, ignore_eos=True)
-    if result.stop_token is not None:
-        params.stop_token_ids.append(result.stop_token)
+    params.stop_token_ids.extend(sorted(result.stops))
     request = executor_pb2.GenerateRequest(
         request_id=f"load-{result.index}",
         token_ids=executor_pb2.TokenIds(ids=prompt(result.index, args.prompt_len)),
@@ -147,7 +147,7 @@ async def burst(address: str, args: argparse.Namespace) -> tuple[list[StreamResu
     channels = [grpc.aio.insecure_channel(address) for _ in range(args.channels)]
     stubs = [executor_pb2_grpc.ExecutorStub(channel) for channel in channels]
     results = [
-        StreamResult(i, args.max_tokens, STOP_TOKEN if args.stop_every and i % args.stop_every == 0 else None)
+        StreamResult(i, args.max_tokens, STOP_TOKENS if args.stop_every and i % args.stop_every == 0 else frozenset())
         for i in range(args.streams)
     ]
     started = time.perf_counter()
@@ -162,7 +162,7 @@ async def load_and_warm_up(address: str, args: argparse.Namespace) -> dict[str, 
     async with grpc.aio.insecure_channel(address) as channel:
         stub = executor_pb2_grpc.ExecutorStub(channel)
         loaded = await stub.LoadModel(load_request(args), timeout=args.timeout)
-        warm = StreamResult(-1, args.max_tokens, None)
+        warm = StreamResult(-1, args.max_tokens, frozenset())
         await run_stream(stub, warm, args)
         if not warm.exact():
             raise RuntimeError(f"the warm-up stream failed: {warm}")
@@ -234,7 +234,7 @@ def summarize(results: list[StreamResult], wall: float) -> dict[str, Any]:
         "failed": dict(Counter(r.code for r in results if r.code != "OK")),
         "exact_token_counts": len(results) - len(inexact),
         "finish_reasons": dict(Counter(r.finish_reason for r in ok)),
-        "with_stop_token": sum(r.stop_token is not None for r in results),
+        "with_stop_tokens": sum(bool(r.stops) for r in results),
         "inexact": [
             {"index": r.index, "code": r.code, "details": r.details, "tokens": len(r.tokens), "finish": r.finish_reason}
             for r in inexact[:20]
@@ -262,7 +262,7 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--prompt-len", type=int, default=16, help="prompt tokens per stream")
     parser.add_argument("--method", choices=METHODS, default="eagle3", help="the synthetic drafter (none: no drafter)")
     parser.add_argument("--k", type=int, default=3, help="drafts per step")
-    parser.add_argument("--stop-every", type=int, default=8, help="every Nth stream also has a stop token (0: none)")
+    parser.add_argument("--stop-every", type=int, default=8, help="every Nth stream also has stop tokens (0: none)")
     parser.add_argument("--channels", type=int, default=8, help="client channels the streams are spread over")
     parser.add_argument("--max-num-seqs", type=int, default=256, help="the executor's running batch")
     parser.add_argument("--num-kv-blocks", type=int, default=0, help="0: a full running batch's needs + 10%%")
