@@ -9,9 +9,11 @@ import logging
 from dataclasses import dataclass, field
 
 import grpc
+from google.rpc import error_details_pb2
+from grpc_status import rpc_status
 
 from selector_service.client import open_aio_channel
-from selector_service.errors import FailedPrecondition, SpecdecError
+from selector_service.errors import FailedPrecondition, FieldViolation, InvalidArgument, SpecdecError
 from selector_service.selection import Selector
 from specdec.v1 import selector_pb2, selector_pb2_grpc
 
@@ -81,6 +83,18 @@ class BackendChooser:
         return self.selector_address is not None
 
     async def choose(self, request: selector_pb2.SelectBackendsRequest) -> selector_pb2.SelectBackendsResponse:
+        """The selector's decision; a refusal names the LoadModel fields the caller sent (see load_request_field)."""
+        try:
+            return await self._choose(request)
+        except SpecdecError as err:
+            raise _in_load_request_terms(err) from None
+        except grpc.aio.AioRpcError as err:
+            refusal = _refusal(err)
+            if refusal is None:
+                raise
+            raise _in_load_request_terms(refusal) from None
+
+    async def _choose(self, request: selector_pb2.SelectBackendsRequest) -> selector_pb2.SelectBackendsResponse:
         if self._channel is None:
             return self._local.select(request)
         if self._channel.get_state() is grpc.ChannelConnectivity.TRANSIENT_FAILURE:
@@ -115,3 +129,44 @@ class BackendChooser:
     async def close(self) -> None:
         if self._channel is not None:
             await self._channel.close()
+
+
+# SelectBackendsRequest fields, the LoadModelRequest fields the executor built them from, and whether the rest of
+# the path carries over (the same message on both sides) or not (a layer spec read from a model's config).
+LOAD_REQUEST_FIELDS = (
+    ("speculative.dflash_config", "draft.dflash_config", True),
+    ("speculative.draft_layers", "draft.source", False),
+    ("speculative.attention_backend", "draft.attention_backend", False),
+    ("speculative.num_speculative_tokens", "draft.num_speculative_tokens", False),
+    ("speculative.method", "draft.method", False),
+    ("speculative", "draft", False),
+    ("target_layers.dtype", "dtype", False),
+    ("target_layers.block_size", "block_size", False),
+    ("target_layers", "target", False),
+)
+
+
+def load_request_field(field: str) -> str:
+    """The LoadModelRequest field a SelectBackendsRequest field came from (the caller never sent the latter)."""
+    for selector_field, load_field, keeps_rest in LOAD_REQUEST_FIELDS:
+        if field == selector_field or field.startswith(selector_field + "."):
+            return load_field + field[len(selector_field) :] if keeps_rest else load_field
+    return field
+
+
+def _in_load_request_terms(err: SpecdecError) -> SpecdecError:
+    fields = tuple(FieldViolation(load_request_field(v.field), v.description) for v in err.field_violations)
+    return type(err)(err.message, fields, err.precondition_violations, err.omitted)
+
+
+def _refusal(err: grpc.aio.AioRpcError) -> SpecdecError | None:
+    """The selector's INVALID_ARGUMENT as an error of ours, with its field violations; None for other codes."""
+    if err.code() is not grpc.StatusCode.INVALID_ARGUMENT:
+        return None
+    fields = []
+    status = rpc_status.from_call(err)  # type: ignore[arg-type]
+    for detail in status.details if status is not None else ():
+        bad_request = error_details_pb2.BadRequest()
+        if detail.Unpack(bad_request):
+            fields += [FieldViolation(v.field, v.description) for v in bad_request.field_violations]
+    return InvalidArgument(err.details() or "", tuple(fields))
