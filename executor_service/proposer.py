@@ -193,7 +193,8 @@ class Proposer:
         tokens, hidden = self.drafter.draft_tokens(head[picked]), feedback[picked]
         last = [r.num_computed_tokens - 1 for r in proposing]  # position of each request's newest verified row
         chain_inputs = {"input_ids": tokens, "hidden": hidden, "ahead_slots": self.slots_ahead(proposing, last, self.k)}
-        (rest,) = self._replay("eagle_chain", self.block_table(proposing), self.tensor(last, torch.int64), chain_inputs)
+        block_table, positions = self.block_table(proposing), self.tensor(last, torch.int64)
+        (rest,) = self._run_device_metadata("eagle_chain", block_table, positions, chain_inputs)
         return torch.cat([tokens[:, None], rest], dim=1)
 
     def _propose_dflash(self, batch: ProposeBatch) -> torch.Tensor:
@@ -210,7 +211,8 @@ class Proposer:
             "input_ids": self.tensor(newest, torch.int64),
             "ahead_slots": self.slots_ahead(proposing, starts, size),
         }
-        (tokens,) = self._replay("dflash_block", self.block_table(proposing), self.tensor(starts, torch.int64), inputs)
+        block_table, positions = self.block_table(proposing), self.tensor(starts, torch.int64)
+        (tokens,) = self._run_device_metadata("dflash_block", block_table, positions, inputs)
         return tokens
 
     # ---- proposing from a verification done on the device -----------------------------------
@@ -260,7 +262,7 @@ class Proposer:
         self.pass_counts[f"{name} eager"] += 1
         return self.passes[name].forward(step, positions, inputs)
 
-    def _replay(
+    def _run_device_metadata(
         self, name: str, block_table: torch.Tensor, positions: torch.Tensor, inputs: dict[str, torch.Tensor]
     ) -> tuple[torch.Tensor, ...]:
         """A pass that builds its own metadata on the device (chain, block): one position per request."""
@@ -269,7 +271,7 @@ class Proposer:
             self.pass_counts[f"{name} graph"] += 1
             return graphs.replay(block_table, positions, **inputs)
         self.pass_counts[f"{name} eager"] += 1
-        forward = self._eagle_chain if name == "eagle_chain" else self._dflash_block
+        forward = {"eagle_chain": self._eagle_chain, "dflash_block": self._dflash_block}[name]
         return forward(block_table, positions, inputs)
 
     def _passes(self) -> dict[str, DraftPass]:
