@@ -2,10 +2,15 @@
 
 from __future__ import annotations
 
+import importlib.util
+from importlib import metadata
+
 import pytest
 import torch
 
 from executor_service.capabilities import probe, runnable_libraries
+from kernels import unavailable_reason
+from kernels.attention import IMPLEMENTATIONS
 from selector_service.selection import select_backends
 from specdec.v1 import common_pb2, selector_pb2
 
@@ -51,17 +56,41 @@ def test_report_drives_the_selector() -> None:
         ),
     )
     response = select_backends(request)
+    assert response.drafter.use_non_causal  # DFlash drafts a block at once
     if not torch.cuda.is_available():
         assert (response.target.backend, response.drafter.backend) == ("CPU_ATTN", "CPU_ATTN")
-        assert response.drafter.use_non_causal
+    else:  # a GPU backend of ours that runs here, never the CPU fallback
+        device = torch.device("cuda", 0)
+        for chosen in (response.target.backend, response.drafter.backend):
+            assert chosen in IMPLEMENTATIONS and chosen != "CPU_ATTN", chosen
+            assert unavailable_reason(chosen, device) is None, chosen
 
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
 def test_gpu_report() -> None:
+    """Each probed fact equals what torch and the installed packages say about GPU 0."""
     report = probe()
-    assert report.platform in (common_pb2.PLATFORM_CUDA, common_pb2.PLATFORM_ROCM)
-    assert report.total_memory_bytes > 0 and report.device_count >= 1
-    assert {"torch", "triton"} <= _names(report)
-    if report.platform == common_pb2.PLATFORM_CUDA:
-        assert report.compute_capability_major >= 7
+    props = torch.cuda.get_device_properties(0)
+    assert report.device_name == torch.cuda.get_device_name(0) and report.device_name
+    assert report.total_memory_bytes == props.total_memory > 0
+    assert report.device_count == torch.cuda.device_count() >= 1
+    if torch.version.hip:
+        assert report.platform == common_pb2.PLATFORM_ROCM
+        assert report.gcn_arch == props.gcnArchName.split(":")[0] and report.gcn_arch.startswith("gfx")
+        assert (report.compute_capability_major, report.compute_capability_minor) == (0, 0)
+    else:
+        assert report.platform == common_pb2.PLATFORM_CUDA
+        capability = (report.compute_capability_major, report.compute_capability_minor)
+        assert capability == torch.cuda.get_device_capability(0) and capability >= (7, 0)
+        assert report.gcn_arch == ""
+    versions = {lib.name: lib.version for lib in report.libraries}
+    assert len(versions) == len(report.libraries), "a library reported twice"
+    assert versions["torch"] == torch.__version__
+    if importlib.util.find_spec("triton") is not None:  # TRITON_ATTN and ROCM_ATTN run on any GPU
+        assert versions["triton"] == metadata.version("triton")
+    else:
+        assert "triton" not in versions
+    assert set(versions) <= {"torch", "triton", "flash_attn"}  # the libraries our backends use
+    if "flash_attn" in versions:
+        assert importlib.util.find_spec("flash_attn") is not None and versions["flash_attn"] != "unknown"
