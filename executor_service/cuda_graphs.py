@@ -89,12 +89,22 @@ class StepGraphs:
         for size in reversed(self.buckets):  # largest first: smaller graphs reuse its memory
             self._run_eager(size)  # warm up: compile kernels, settle allocations
             torch.cuda.synchronize()
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=pool):
-                self.outputs[size] = self._run_eager(size)
-            self.graphs[size] = graph
+            try:
+                self.graphs[size] = self._capture_one(size, pool)
+            except RuntimeError as err:  # torch.AcceleratorError is one: an invalidated capture, seen rarely
+                log.warning("capturing %s (batch %d) failed, capturing again: %s", self.name, size, err)
+                torch.cuda.synchronize()
+                self.graphs[size] = self._capture_one(size, pool)
         torch.cuda.synchronize()
         log.info("captured %s graphs", self.name, extra={"batch_sizes": self.buckets, "query_len": self.query_len})
+
+    def _capture_one(self, size: int, pool: object) -> torch.cuda.CUDAGraph:
+        """One bucket's graph. Thread-local capture mode: another thread's CUDA calls meanwhile (the gRPC loop,
+        another session's engine, a pinned buffer freed elsewhere) cannot invalidate this capture."""
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=pool, capture_error_mode="thread_local"):
+            self.outputs[size] = self._run_eager(size)
+        return graph
 
     def _run_eager(self, size: int) -> tuple[torch.Tensor, ...]:
         tokens = size * self.query_len
