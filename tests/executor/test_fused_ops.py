@@ -1,53 +1,128 @@
-"""The fused Triton ops (RMSNorm, SiLU-and-mul, argmax) against torch, under the interpreter on the CPU or
-on the GPU: the kernels the model runs on GPUs, checked where CI can run them."""
+"""The fused ops (RMSNorm, SiLU-and-mul, argmax, the residual folded into a GEMM) against references written
+out here in plain Python float64 arithmetic, not the torch calls the CPU fallback makes: the Triton kernels
+under the interpreter on the CPU (the conftest sets TRITON_INTERPRET=1 there) or compiled on the GPU, and
+the public functions on whichever path this machine takes."""
 
 from __future__ import annotations
 
+import math
 import os
 
 import pytest
 import torch
-import torch.nn.functional as F
+from torch import nn
 
 from executor_service import fused_ops
 
-pytestmark = pytest.mark.skipif(
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+triton_runs = pytest.mark.skipif(
     not torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1",
     reason="Triton needs a GPU or TRITON_INTERPRET=1",
 )
-DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
 
+def rms_norm_reference(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """Row by row: x / sqrt(mean(x^2) + eps) * weight, in Python floats."""
+    w = weight.double().cpu().tolist()
+    rows = []
+    for row in x.double().cpu().tolist():
+        rstd = 1.0 / math.sqrt(sum(v * v for v in row) / len(row) + eps)
+        rows.append([v * rstd * wi for v, wi in zip(row, w, strict=True)])
+    return torch.tensor(rows, dtype=torch.float64)
+
+
+def silu_and_mul_reference(gate_up: torch.Tensor) -> torch.Tensor:
+    """gate / (1 + e^-gate) * up, element by element, with gate the first half of each row."""
+    rows = []
+    for row in gate_up.double().cpu().tolist():
+        half = len(row) // 2
+        rows.append([g / (1.0 + math.exp(-g)) * u for g, u in zip(row[:half], row[half:], strict=True)])
+    return torch.tensor(rows, dtype=torch.float64)
+
+
+def argmax_reference(logits: torch.Tensor) -> list[int]:
+    """The first index of each row's maximum, by a scan."""
+    result = []
+    for row in logits.double().cpu().tolist():
+        best = 0
+        for i, v in enumerate(row):
+            if v > row[best]:
+                best = i
+        result.append(best)
+    return result
+
+
+def _close(got: torch.Tensor, expected: torch.Tensor, tol: float) -> None:
+    torch.testing.assert_close(got.double().cpu(), expected, rtol=tol, atol=tol)
+
+
+@triton_runs
 @pytest.mark.parametrize(("rows", "size"), [(1, 64), (3, 576), (5, 100)])
-def test_rms_norm_matches_torch(rows: int, size: int) -> None:
+def test_triton_rms_norm_matches_reference(rows: int, size: int) -> None:
     generator = torch.Generator().manual_seed(size)
     x = (torch.randn(rows, 2 * size, generator=generator) * 3).to(DEVICE)[:, :size]  # a strided row layout
     weight = torch.randn(size, generator=generator).to(DEVICE)
-    got = fused_ops.triton_rms_norm(x, weight, 1e-5)
-    torch.testing.assert_close(got, F.rms_norm(x, (size,), weight, 1e-5), rtol=1e-5, atol=1e-5)
+    _close(fused_ops.triton_rms_norm(x, weight, 1e-5), rms_norm_reference(x, weight, 1e-5), 1e-5)
 
 
-def test_silu_and_mul_matches_torch_across_program_blocks() -> None:
+@triton_runs
+def test_triton_rms_norm_keeps_fp16_statistics_in_fp32() -> None:
+    """Squares of 300 overflow fp16 (max 65504): statistics in fp16 would give inf and a zero row."""
+    generator = torch.Generator().manual_seed(1)
+    x = (torch.randn(2, 64, generator=generator) * 300).half().to(DEVICE)
+    weight = (torch.rand(64, generator=generator) + 0.5).half().to(DEVICE)
+    got = fused_ops.triton_rms_norm(x, weight, 1e-6)
+    assert got.dtype == torch.float16
+    _close(got, rms_norm_reference(x, weight, 1e-6), 2e-3)
+
+
+@triton_runs
+def test_triton_silu_and_mul_matches_reference_across_program_blocks() -> None:
     generator = torch.Generator().manual_seed(0)
-    gate_up = torch.randn(3, 2 * 100, generator=generator).to(DEVICE)
-    gate, up = gate_up.split(100, dim=-1)
+    gate_up = (torch.randn(3, 2 * 100, generator=generator) * 4).to(DEVICE)
     got = fused_ops.triton_silu_and_mul(gate_up, block=32)  # four programs per row, the last one partial
-    torch.testing.assert_close(got, F.silu(gate) * up, rtol=1e-5, atol=1e-6)
+    _close(got, silu_and_mul_reference(gate_up), 1e-5)
 
 
-def test_argmax_matches_torch_including_ties_across_chunks() -> None:
+@triton_runs
+def test_triton_argmax_matches_reference_including_ties_across_chunks() -> None:
     generator = torch.Generator().manual_seed(0)
-    logits = torch.randn(4, 100, generator=generator)
+    logits = torch.randn(5, 100, generator=generator)
     logits[1, 37] = logits[1, 90] = 50.0  # a tie in two different chunks: the first index wins
     logits[2, 64] = logits[2, 65] = 50.0  # a tie within one chunk
     logits[3, 99] = 50.0  # in the partial last chunk
+    logits[4] = -1e30  # all equal (and far below zero): index 0
     logits = logits.to(DEVICE)
     got = fused_ops.triton_argmax(logits, chunk=16)
-    assert got.tolist() == logits.argmax(dim=-1).tolist()
-    assert got.tolist()[1:] == [37, 64, 99]
+    assert got.dtype == torch.int64
+    assert got.tolist() == argmax_reference(logits)
+    assert got.tolist()[1:] == [37, 64, 99, 0]
 
 
-def test_cpu_tensors_take_the_torch_path() -> None:
-    x = torch.randn(2, 8)
-    torch.testing.assert_close(fused_ops.rms_norm(x, torch.ones(8), 1e-6), F.rms_norm(x, (8,), torch.ones(8), 1e-6))
-    assert fused_ops.argmax(x).tolist() == x.argmax(dim=-1).tolist()
+def test_public_functions_match_the_references_on_this_device() -> None:
+    """rms_norm / silu_and_mul / argmax as the model calls them: torch on the CPU, Triton on a GPU."""
+    generator = torch.Generator().manual_seed(2)
+    x = torch.randn(3, 48, generator=generator).to(DEVICE)
+    weight = torch.randn(48, generator=generator).to(DEVICE)  # not ones: a dropped weight shows
+    _close(fused_ops.rms_norm(x, weight, 1e-6), rms_norm_reference(x, weight, 1e-6), 1e-5)
+    _close(fused_ops.silu_and_mul(x), silu_and_mul_reference(x), 1e-5)
+    logits = x.clone()
+    logits[0, 5] = logits[0, 40] = 9.0
+    assert fused_ops.argmax(logits).tolist() == argmax_reference(logits)
+    assert fused_ops.argmax(logits).tolist()[0] == 5
+
+
+@pytest.mark.parametrize("bias", [False, True], ids=["addmm", "bias"])
+def test_linear_residual_adds_the_residual_to_the_gemm(bias: bool) -> None:
+    generator = torch.Generator().manual_seed(3)
+    layer = nn.Linear(5, 4, bias=bias).to(DEVICE)
+    x = torch.randn(3, 5, generator=generator).to(DEVICE)
+    residual = torch.randn(3, 4, generator=generator).to(DEVICE)
+    w, b = layer.weight.double().tolist(), layer.bias.double().tolist() if bias else [0.0] * 4
+    expected = [
+        [r[j] + b[j] + sum(xi * wj for xi, wj in zip(row, w[j], strict=True)) for j in range(4)]
+        for row, r in zip(x.double().tolist(), residual.double().tolist(), strict=True)
+    ]
+    with torch.no_grad():
+        _close(fused_ops.linear_residual(x, layer, residual), torch.tensor(expected, dtype=torch.float64), 1e-5)
+        _close(fused_ops.linear_residual(x, layer, None), torch.tensor(expected) - residual.double().cpu(), 1e-5)
