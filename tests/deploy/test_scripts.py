@@ -1,0 +1,105 @@
+"""scripts/run.sh and scripts/test.sh, run on a copy of their inputs with fake tools that log their calls: run.sh
+installs only when .venv is missing or what it installs changed, and says what it is doing; test.sh without
+Node.js skips the Node steps, saying so, instead of stopping with exit 127."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+from pathlib import Path
+
+from compose_local import REPO_ROOT
+
+TIMEOUT_S = 60  # only against hanging; these scripts run fake tools
+
+
+def write_tool(path: Path, body: str) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(f"#!/bin/bash\n{body}\n")
+    path.chmod(0o755)
+
+
+def copy_script(tmp_path: Path, name: str) -> Path:
+    """A checkout of one script and pyproject.toml in tmp_path (the scripts cd to their parent's parent)."""
+    (tmp_path / "scripts").mkdir()
+    shutil.copy(REPO_ROOT / "scripts" / name, tmp_path / "scripts" / name)
+    shutil.copy(REPO_ROOT / "pyproject.toml", tmp_path / "pyproject.toml")
+    return tmp_path / "scripts" / name
+
+
+def run_script(script: Path, path: str, log: Path, *args: str, **extra_env: str) -> subprocess.CompletedProcess[str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("SPECDEC_")}
+    env.update(PATH=path, CALLS=str(log), **extra_env)
+    return subprocess.run(
+        ["/bin/bash", str(script), *args], env=env, capture_output=True, text=True, timeout=TIMEOUT_S, check=False
+    )
+
+
+def calls(log: Path) -> list[str]:
+    """The logged calls, and empties the log."""
+    lines = log.read_text().splitlines() if log.exists() else []
+    log.unlink(missing_ok=True)
+    return lines
+
+
+def test_run_sh_installs_once_and_again_when_pyproject_changes(tmp_path: Path) -> None:
+    script = copy_script(tmp_path, "run.sh")
+    fake_bin = tmp_path / "fake-bin"
+    # `python3 -m venv .venv` makes a .venv whose python and specdec only log their arguments.
+    logger = 'echo "$(basename "$0") $*" >>"$CALLS"'
+    write_tool(
+        fake_bin / "python3",
+        f'{logger}\nmkdir -p .venv/bin\nfor t in python specdec; do printf "#!/bin/bash\\n%s\\n" '
+        f"'{logger}' >.venv/bin/$t; chmod +x .venv/bin/$t; done",
+    )
+    path, log = f"{fake_bin}:/usr/bin:/bin", tmp_path / "calls.log"
+
+    first = run_script(script, path, log, "--help")
+    assert first.returncode == 0, first.stderr
+    first_calls = calls(log)
+    assert first_calls[0] == "python3 -m venv .venv"
+    assert any(c.startswith("python -m pip install -q torch==") for c in first_calls), first_calls
+    assert first_calls[-1] == "specdec demo --help"
+    assert "== installing torch==" in first.stderr and first.stdout == ""
+
+    again = run_script(script, path, log, "--help")
+    assert again.returncode == 0, again.stderr
+    assert calls(log) == ["specdec demo --help"]  # nothing changed: no venv, no pip
+    assert "== python environment: .venv is up to date" in again.stderr
+
+    with (tmp_path / "pyproject.toml").open("a") as pyproject:
+        pyproject.write("# changed\n")
+    changed = run_script(script, path, log, "--synthetic")
+    assert changed.returncode == 0, changed.stderr
+    changed_calls = calls(log)
+    assert any(c.startswith("python -m pip install") for c in changed_calls), changed_calls
+    assert changed_calls[-1] == "specdec demo --synthetic"
+
+    shutil.rmtree(tmp_path / ".venv")
+    recreated = run_script(script, path, log)
+    assert recreated.returncode == 0, recreated.stderr
+    assert calls(log)[0] == "python3 -m venv .venv"
+
+
+def test_test_sh_without_node_skips_the_node_steps(tmp_path: Path) -> None:
+    script = copy_script(tmp_path, "test.sh")
+    for tool in ("python", "ruff", "pytest"):  # each logs its call and succeeds
+        write_tool(tmp_path / ".venv" / "bin" / tool, f'echo "{tool} $*" >>"$CALLS"')
+    tools = tmp_path / "no-node-bin"  # a PATH with what the script needs besides node, npm and npx
+    tools.mkdir()
+    for name in ("dirname", "cat", "printf"):
+        found = shutil.which(name)
+        if found:
+            (tools / name).symlink_to(found)
+    log = tmp_path / "calls.log"
+
+    result = run_script(script, str(tools), log, "-x", SPECDEC_SKIP_INSTALL="1")
+    assert result.returncode == 0, f"{result.returncode}\n{result.stdout}\n{result.stderr}"
+    assert "node or npm is not on PATH: skipped" in result.stdout
+    assert calls(log) == [
+        "python protos/generate.py --check",
+        "ruff check .",
+        "ruff format --check .",
+        "pytest -q -ra -x",
+    ]
