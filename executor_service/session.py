@@ -360,7 +360,14 @@ def warm_up(session: ModelSession) -> None:
         if step >= max_steps:
             raise RuntimeError(f"warm-up did not finish in {max_steps} engine steps")  # an engine bug
 
-    session.engine.run_until_idle(before_step)
+    # Not served work: its tokens, drafts and steps (kernel compilation included) stay out of the metrics.
+    engine = session.engine
+    observers = engine.on_step, engine.on_verify
+    engine.on_step = engine.on_verify = None
+    try:
+        engine.run_until_idle(before_step)
+    finally:
+        engine.on_step, engine.on_verify = observers
     errors = [o.error for o in outputs if o.error is not None]
     if errors:
         raise errors[0]

@@ -257,28 +257,79 @@ async def test_backends_from_a_remote_selector(selector_address: str) -> None:
         await running.stop(0.5)
 
 
-async def test_metrics_report_tokens_queue_and_kv(executor: RunningExecutor, stub) -> None:
+Samples = dict[tuple[str, frozenset[tuple[str, str]]], float]
+METRICS_WAIT_S = 60.0  # a no-hang bound, not a performance bar
+
+
+async def scrape(executor: RunningExecutor) -> Samples:
+    """Every sample of the executor's /metrics, by name and labels."""
     import urllib.request
 
-    await stub.LoadModel(load_request())
-    await generate(stub, "m", [1, 2, 3, 4], max_tokens=5)
+    from prometheus_client.parser import text_string_to_metric_families
+
     url = f"http://127.0.0.1:{executor.server.metrics_port}/metrics"
-    generate_ok = 'specdec_rpc_requests_total{code="OK",method="Generate",service="executor"}'
-    for _ in range(40):  # the stream's handler finishes just after the client has its last message
-        text = await asyncio.to_thread(lambda: urllib.request.urlopen(url).read().decode())
-        if generate_ok in text:
-            break
+    text = await asyncio.to_thread(lambda: urllib.request.urlopen(url).read().decode())
+    return {
+        (sample.name, frozenset(sample.labels.items())): sample.value
+        for family in text_string_to_metric_families(text)
+        for sample in family.samples
+    }
+
+
+def sample(samples: Samples, name: str, **labels: str) -> float:
+    """One sample's value; 0 for a labelled sample not yet created (a missing unlabelled one is an error)."""
+    key = (name, frozenset(labels.items()))
+    return samples[key] if not labels else samples.get(key, 0.0)
+
+
+def rpcs(samples: Samples, method: str, code: str = "OK") -> float:
+    return sample(samples, "specdec_rpc_requests_total", service="executor", method=method, code=code)
+
+
+async def scrape_after(executor: RunningExecutor, method: str, count: float) -> Samples:
+    """The metrics once `method` has `count` OK RPCs: a stream's handler (and its metrics) finishes just after
+    the client has its last message."""
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + METRICS_WAIT_S
+    while rpcs(samples := await scrape(executor), method) < count and loop.time() < deadline:
         await asyncio.sleep(0.05)
-    for name in (
-        "specdec_generated_tokens_total",
-        "specdec_generation_tokens_per_second",
-        "specdec_queue_depth",
-        "specdec_kv_blocks_used",
-        "specdec_kv_blocks_total 64.0",
-        "specdec_step_latency_seconds_bucket",
-        generate_ok,
-    ):
-        assert name in text, name
+    return samples
+
+
+async def test_metrics_count_the_work_done(executor: RunningExecutor, stub) -> None:
+    """Known work moves each metric by a known amount: tokens, steps, RPCs; the queue, the running batch and
+    the KV blocks are back to empty once the request finishes."""
+    before = await scrape(executor)
+    assert sample(before, "specdec_kv_blocks_total") == 0  # no model yet
+    await stub.LoadModel(load_request(num_kv_blocks=64))
+    responses = await generate(stub, "m", [1, 2, 3, 4], max_tokens=5)
+    finished = responses[-1].finished
+    assert (finished.prompt_tokens, finished.completion_tokens) == (4, 5)
+    after = await scrape_after(executor, "Generate", 1)
+
+    def rose(name: str) -> float:
+        return sample(after, name) - sample(before, name)
+
+    assert rose("specdec_generated_tokens_total") == 5
+    assert rose("specdec_computed_tokens_total") == 4 + 5 - 1  # the prompt, then each token but the last
+    steps = rose("specdec_step_latency_seconds_count")
+    assert steps >= 5, "one request samples at most one token per step without a drafter"
+    assert rose("specdec_step_latency_seconds_sum") > 0
+    assert sample(after, "specdec_step_latency_seconds_bucket", le="+Inf") == sample(
+        after, "specdec_step_latency_seconds_count"
+    )
+    assert (rpcs(after, "Generate"), rpcs(after, "LoadModel")) == (1, 1)
+    assert sample(after, "specdec_rpc_latency_seconds_count", service="executor", method="Generate") == 1
+    assert not [key for key, value in after.items() if key[0] == "specdec_rpc_errors_total" and value]
+    assert sample(after, "specdec_kv_blocks_total") == 64
+    for idle in ("specdec_kv_blocks_used", "specdec_queue_depth", "specdec_running_requests"):
+        assert sample(after, idle) == 0, idle
+    assert sample(after, "specdec_generation_tokens_per_second") >= 0
+    assert rose("specdec_draft_tokens_total") == 0 and sample(after, "specdec_mean_acceptance_length") == 0
+
+    await generate(stub, "m2", [7, 8], max_tokens=3)
+    again = await scrape_after(executor, "Generate", 2)
+    assert sample(again, "specdec_generated_tokens_total") - sample(after, "specdec_generated_tokens_total") == 3
 
 
 async def test_text_in_text_out_with_the_checkpoints_tokenizer(
@@ -309,9 +360,7 @@ async def test_text_in_text_out_with_the_checkpoints_tokenizer(
 async def test_speculative_generation_over_grpc(executor: RunningExecutor, stub) -> None:
     """A drafter in LoadModel: its own backend decision comes back, streams carry drafted / accepted counts,
     the final message the acceptance statistics, and the metrics count them."""
-    import urllib.request
-
-    from spec_builders import draft_model
+    from spec_builders import ReplayDrafts, draft_model
 
     request = load_request()
     request.draft.CopyFrom(draft_model("dflash", 3))
@@ -320,20 +369,31 @@ async def test_speculative_generation_over_grpc(executor: RunningExecutor, stub)
     assert (loaded.info.spec_method, loaded.info.num_speculative_tokens) == (common_pb2.SPEC_METHOD_DFLASH, 3)
     info = await stub.GetModelInfo(executor_pb2.GetModelInfoRequest())
     assert info.draft_backend == loaded.draft_backend
-    model = executor.servicer.session.loaded.model
+    session = executor.servicer.session
     ids = [5, 6, 7, 8, 9]
+    expected = greedy_reference(session.loaded.model, ids, 16)
+    # Drafts the target's own continuation with the second one wrong: each verify step accepts exactly one.
+    session.proposer.replay = ReplayDrafts({"spec": expected}, tiny_config().vocab_size, wrong_at=1)
     responses = await generate(stub, "spec", ids, max_tokens=16)
-    assert [t for r in responses for t in r.token_ids] == greedy_reference(model, ids, 16)
+    assert [t for r in responses for t in r.token_ids] == expected
     finished = responses[-1].finished
     assert finished.drafted_tokens == sum(r.num_drafted for r in responses) > 0
     assert finished.accepted_tokens == sum(r.num_accepted for r in responses)
     assert finished.mean_acceptance_length >= 1.0 and len(finished.acceptance_rate_per_position) == 3
-    url = f"http://127.0.0.1:{executor.server.metrics_port}/metrics"
-    text = await asyncio.to_thread(lambda: urllib.request.urlopen(url).read().decode())
-    for name in (
-        "specdec_draft_tokens_total",
-        "specdec_accepted_tokens_total",
-        'specdec_position_drafted_tokens_total{position="0"}',
-        "specdec_mean_acceptance_length",
-    ):
-        assert name in text, name
+    samples = await scrape_after(executor, "Generate", 1)
+    assert sample(samples, "specdec_draft_tokens_total") == finished.drafted_tokens
+    assert sample(samples, "specdec_accepted_tokens_total") == finished.accepted_tokens
+    verify_steps = sample(samples, "specdec_verify_steps_total")
+    assert finished.drafted_tokens / 3 <= verify_steps <= finished.completion_tokens - 1  # k = 3 drafts at most
+    by_position = [
+        [sample(samples, f"specdec_position_{kind}_tokens_total", position=str(p)) for p in range(3)]
+        for kind in ("drafted", "accepted")
+    ]
+    assert by_position[0][0] == verify_steps  # every verify step drafts position 0
+    assert (sum(by_position[0]), sum(by_position[1])) == (finished.drafted_tokens, finished.accepted_tokens)
+    assert [a <= d for d, a in zip(*by_position, strict=True)] == [True] * 3
+    assert by_position[1] == [finished.accepted_tokens, 0, 0] and finished.accepted_tokens > 0
+    mean = sample(samples, "specdec_mean_acceptance_length")
+    assert mean == pytest.approx(1 + finished.accepted_tokens / verify_steps)
+    assert mean == pytest.approx(finished.mean_acceptance_length)
+    assert sample(samples, "specdec_generated_tokens_total") == finished.completion_tokens == 16
