@@ -223,7 +223,7 @@ def test_sigterm_drains_and_exits_cleanly(tmp_path: Path) -> None:
         env=env,
     )
     try:
-        deadline = time.monotonic() + 20
+        deadline = time.monotonic() + 120  # a no-hang bound, not a performance bar
         while not port_file.exists() or not port_file.read_text().strip():
             assert proc.poll() is None, proc.stderr.read()
             assert time.monotonic() < deadline, "selector did not start"
