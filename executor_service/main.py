@@ -25,7 +25,7 @@ from executor_service.selection import BackendChooser, SelectorClientSettings
 from executor_service.servicer import SERVICE_NAME, ExecutorServicer
 from executor_service.session import EngineSettings
 from selector_service.auth import resolve_token
-from selector_service.client import load_message
+from selector_service.client import load_message, server_address
 from selector_service.errors import SpecdecError
 from selector_service.grpc_runtime import (
     EXIT_BAD_SETUP,
@@ -140,7 +140,9 @@ def _retrieve(task: asyncio.Future[object]) -> None:
 
 
 def add_selector_client_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--selector-address", help="ask this selector for backends (default: decide in-process)")
+    parser.add_argument(
+        "--selector-address", type=server_address, help="ask this selector for backends (default: decide in-process)"
+    )
     parser.add_argument("--selector-tls-ca", help="PEM CA that signed the selector's certificate (enables TLS)")
     parser.add_argument("--selector-tls-cert", help="PEM client certificate for a selector that wants mTLS")
     parser.add_argument("--selector-tls-key", help="PEM private key of --selector-tls-cert")

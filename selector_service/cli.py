@@ -17,7 +17,7 @@ from google.protobuf.message import Message
 from grpc_status import rpc_status
 
 from selector_service.catalog import list_backends
-from selector_service.client import add_channel_arguments, load_message, open_channel_from_args
+from selector_service.client import add_channel_arguments, load_message, open_channel_from_args, server_address
 from selector_service.demo import add_demo_arguments, run_demo
 from selector_service.errors import SpecdecError
 from selector_service.render import render_backends, render_error, render_selection
@@ -29,7 +29,9 @@ EXIT_RPC_ERROR = 2
 
 def _add_connection_arguments(parser: argparse.ArgumentParser) -> None:
     where = parser.add_mutually_exclusive_group()
-    where.add_argument("--selector", default="127.0.0.1:50051", help="address of a running specdec-selector")
+    where.add_argument(
+        "--selector", type=server_address, default="127.0.0.1:50051", help="address of a running specdec-selector"
+    )
     where.add_argument("--local", action="store_true", help="select in-process, without a server")
     parser.add_argument("--json", action="store_true", help="print the response as JSON")
     parser.add_argument("--timeout", type=float, default=10.0, help="RPC deadline in seconds")

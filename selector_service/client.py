@@ -36,6 +36,19 @@ def open_channel(
     return grpc.intercept_channel(channel, token) if token else channel
 
 
+def server_address(text: str) -> str:
+    """An argparse type for HOST:PORT flags: a port outside 1..65535 is refused at parse time (gRPC would
+    otherwise take 99999 modulo 65536 and dial 34463). Other gRPC targets (unix:..., dns:///...) pass as is."""
+    host, _, port = text.rpartition(":")
+    try:
+        number = int(port)
+    except ValueError:
+        return text
+    if host and not host.endswith(":") and not 1 <= number <= 65535:
+        raise argparse.ArgumentTypeError(f"{text[:80]!r}: {number} is not a port in 1..65535")
+    return text
+
+
 def add_channel_arguments(parser: argparse.ArgumentParser, whom: str = "the server") -> None:
     """The TLS / mTLS / token flags of a client reaching `whom` (read back by `open_channel_from_args`)."""
     parser.add_argument("--tls-ca", help=f"PEM CA that signed the certificate of {whom} (enables TLS)")

@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from selector_service.client import add_channel_arguments
+from selector_service.client import add_channel_arguments, server_address
 from selector_service.demo_drafters import repo_drafters_dir
 from selector_service.demo_model import METHODS
 
@@ -41,8 +41,12 @@ def add_demo_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--synthetic", action="store_true", help="a small random-weight model instead (no files; quick, no speed-up)"
     )
-    parser.add_argument("--selector", help="a running specdec-selector, HOST:PORT (default: start one here)")
-    parser.add_argument("--executor", help="a running specdec-executor, HOST:PORT (default: start one here)")
+    parser.add_argument(
+        "--selector", type=server_address, help="a running specdec-selector, HOST:PORT (default: start one here)"
+    )
+    parser.add_argument(
+        "--executor", type=server_address, help="a running specdec-executor, HOST:PORT (default: start one here)"
+    )
     parser.add_argument("--device", default="cpu", help="device of the executor started here: cpu, cuda, cuda:N")
     parser.add_argument("--json", action="store_true", help="print one JSON document instead of the text report")
     parser.add_argument("--timeout", type=float, default=10.0, help="deadline of the short RPCs, seconds")

@@ -67,3 +67,10 @@ def test_ports_out_of_range(flag: str, capsys: pytest.CaptureFixture[str]) -> No
         executor_main.main(["--device", "cpu", "--load", "/nonexistent/load.yaml", flag, "65536"])  # never serves
     assert exited.value.code == 2
     assert f"argument {flag}: 65536 is not a port in 1..65535" in capsys.readouterr().err
+
+
+def test_a_selector_address_with_a_port_out_of_range(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as exited:
+        executor_main.main(["--device", "cpu", "--port", "0", "--selector-address", "127.0.0.1:99999"])
+    assert exited.value.code == 2
+    assert "argument --selector-address: '127.0.0.1:99999': 99999 is not a port in 1..65535" in capsys.readouterr().err

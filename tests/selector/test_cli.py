@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from selector_service.cli import main
+from selector_service.cli import build_parser, main
 
 EXAMPLE = str(Path(__file__).resolve().parents[2] / "examples" / "select_dflash_h100.yaml")
 
@@ -70,3 +70,28 @@ def test_backends_table(selector_address: str, capsys: pytest.CaptureFixture[str
 def test_unreachable_selector_fails_cleanly(capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["backends", "--selector", "127.0.0.1:1", "--timeout", "1"]) == 2
     assert "error: UNAVAILABLE" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["backends", "--selector", "127.0.0.1:99999"],
+        ["select", "--config", EXAMPLE, "--selector", "localhost:-5"],
+        ["demo", "--selector", "127.0.0.1:65536"],
+        ["demo", "--synthetic", "--executor", "[::1]:0"],
+    ],
+)
+def test_addresses_with_a_port_out_of_range_are_refused(argv: list[str], capsys: pytest.CaptureFixture[str]) -> None:
+    """gRPC would dial the port modulo 65536 (99999 -> 34463): refused like a bad flag, naming it, no traceback."""
+    with pytest.raises(SystemExit) as exited:
+        main(argv)
+    assert exited.value.code == 2
+    err = capsys.readouterr().err
+    flag, address = argv[-2:]
+    assert f"argument {flag}: {address!r}: " in err and "is not a port in 1..65535" in err, err
+    assert "Traceback" not in err
+
+
+@pytest.mark.parametrize("address", ["127.0.0.1:50051", "[::1]:50051", "localhost", "unix:/tmp/specdec.sock"])
+def test_addresses_without_a_bad_port_parse(address: str) -> None:
+    assert build_parser().parse_args(["demo", "--selector", address, "--executor", address]).executor == address
