@@ -9,7 +9,8 @@
     python examples/python/client.py --selector HOST:PORT --executor HOST:PORT [--method dflash|eagle3]
 
 Addresses default to $SPECDEC_SELECTOR and $SPECDEC_EXECUTOR; when $SPECDEC_AUTH_TOKEN is set every call
-carries `authorization: Bearer <token>`. Exits 1, printing the gRPC status, when a call fails.
+carries `authorization: Bearer <token>`. Exits 1, printing the gRPC status, when a call fails, or naming the
+address and the cause when a server does not accept a connection within 10 s.
 """
 
 from __future__ import annotations
@@ -42,6 +43,28 @@ BLOCK_SIZE = 16  # tokens per KV-cache block
 METHODS = {"dflash": common_pb2.SPEC_METHOD_DFLASH, "eagle3": common_pb2.SPEC_METHOD_EAGLE3}
 LOAD_TIMEOUT_S = 600.0  # a real checkpoint on a GPU takes a while to load and warm up
 CALL_TIMEOUT_S = 30.0
+CONNECT_TIMEOUT_S = 10.0  # a server still starting (docker compose up) is waited for this long
+
+
+class Unreachable(Exception):
+    """A server that did not accept a connection in CONNECT_TIMEOUT_S: the message names it and the cause."""
+
+
+def connect(channel: grpc.Channel, role: str, address: str) -> None:
+    """Wait for `channel` to connect; if it does not, ask once without waiting to learn why (refused, no such host)."""
+    try:
+        grpc.channel_ready_future(channel).result(timeout=CONNECT_TIMEOUT_S)
+    except grpc.FutureTimeoutError:
+        probe = channel.unary_unary("/grpc.health.v1.Health/Check")
+        try:
+            probe(b"", timeout=CONNECT_TIMEOUT_S)
+            cause = "it did not connect in time"
+        except grpc.RpcError as err:
+            cause = f"{err.code().name}: {err.details()}"
+        flag = f"--{role} / $SPECDEC_{role.upper()}"
+        raise Unreachable(
+            f"cannot reach the {role} at {address} ({flag}) in {CONNECT_TIMEOUT_S:.0f} s: {cause}"
+        ) from None
 
 
 def parse_args() -> argparse.Namespace:
@@ -101,6 +124,8 @@ def run(args: argparse.Namespace, metadata: tuple[tuple[str, str], ...]) -> None
     with grpc.insecure_channel(args.executor) as executor_channel, grpc.insecure_channel(args.selector) as sel_channel:
         executor = executor_pb2_grpc.ExecutorStub(executor_channel)
         selector = selector_pb2_grpc.BackendSelectorStub(sel_channel)
+        connect(executor_channel, "executor", args.executor)
+        connect(sel_channel, "selector", args.selector)
         # wait_for_ready: servers that are still starting (docker compose up) are waited for, not failed.
         options = {"metadata": metadata, "timeout": CALL_TIMEOUT_S, "wait_for_ready": True}
 
@@ -190,6 +215,9 @@ def main() -> int:
         run(args, metadata)
     except grpc.RpcError as err:
         print(f"error: {err.code().name}: {err.details()}", file=sys.stderr)
+        return 1
+    except Unreachable as err:
+        print(f"error: {err}", file=sys.stderr)
         return 1
     return 0
 

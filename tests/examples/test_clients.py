@@ -15,6 +15,7 @@ import ast
 import os
 import re
 import shutil
+import socket
 import subprocess
 import sys
 from collections.abc import Callable
@@ -284,3 +285,15 @@ def go_client(tmp_path: Path) -> Path:
 
 def test_go_client(go_client: Path, launch_server, launch_executor) -> None:
     exercise([str(go_client)], REPO_ROOT, launch_server, launch_executor)
+
+
+def test_python_client_names_an_address_it_cannot_reach() -> None:
+    """A wrong address: one line naming the server, the address, the flag and the cause; exit 1, no traceback."""
+    with socket.socket() as probe:  # a port nothing listens on once closed
+        probe.bind(("127.0.0.1", 0))
+        address = f"127.0.0.1:{probe.getsockname()[1]}"
+    client = [sys.executable, str(EXAMPLES / "python" / "client.py"), f"--executor={address}"]
+    result = run_client(client, REPO_ROOT, {})
+    assert result.returncode == 1, result.stderr
+    assert result.stderr.startswith(f"error: cannot reach the executor at {address} (--executor / $SPECDEC_EXECUTOR)")
+    assert "UNAVAILABLE" in result.stderr and "Traceback" not in result.stderr and result.stdout == ""
