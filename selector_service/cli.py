@@ -20,6 +20,7 @@ from selector_service.catalog import list_backends
 from selector_service.client import add_channel_arguments, load_message, open_channel_from_args, server_address
 from selector_service.demo import add_demo_arguments, run_demo
 from selector_service.errors import SpecdecError
+from selector_service.grpc_runtime import HelpFormatter
 from selector_service.render import render_backends, render_error, render_selection
 from selector_service.selection import Selector
 from specdec.v1 import common_pb2, selector_pb2, selector_pb2_grpc
@@ -39,18 +40,23 @@ def _add_connection_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="specdec", description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    parser = argparse.ArgumentParser(prog="specdec", description=__doc__, formatter_class=HelpFormatter)
     commands = parser.add_subparsers(dest="command", required=True)
-    select = commands.add_parser("select", help="decide the target's and drafter's attention backends")
+    select = commands.add_parser(
+        "select", help="decide the target's and drafter's attention backends", formatter_class=HelpFormatter
+    )
     select.add_argument("--config", required=True, help="SelectBackendsRequest as YAML or JSON")
     _add_connection_arguments(select)
-    backends = commands.add_parser("backends", help="show the capability table and priority lists")
+    backends = commands.add_parser(
+        "backends", help="show the capability table and priority lists", formatter_class=HelpFormatter
+    )
     backends.add_argument("--platform", choices=["cuda", "rocm", "cpu"], help="only this platform")
     _add_connection_arguments(backends)
     demo = commands.add_parser(
         "demo",
         help="start selector + executor here (or use --selector/--executor), "
         "select, load, generate speculatively, print decisions and acceptance",
+        formatter_class=HelpFormatter,
     )
     add_demo_arguments(demo)
     # Parsed by executor_service.training.cli (main hands it the arguments): listed here for --help.

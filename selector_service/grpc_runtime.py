@@ -15,6 +15,7 @@ import ssl
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
@@ -45,12 +46,25 @@ class _BadEnvDefault:
         self.message = message
 
 
+class HelpFormatter(argparse.RawDescriptionHelpFormatter, argparse.ArgumentDefaultsHelpFormatter):
+    """--help keeps the description's line breaks and shows every option's default (unless its help already
+    says what the default is)."""
+
+    def _get_help_string(self, action: argparse.Action) -> str | None:
+        text = action.help or ""
+        return text if "default" in text.lower() else super()._get_help_string(action)
+
+
 class EnvDefaultsParser(argparse.ArgumentParser):
     """argparse whose options default to SPECDEC_<FLAG> from the environment (flags still win).
 
     argparse checks neither the choices of a default nor (until parsing) its type, so an environment value is
     checked here and, when bad, refused at parse time like a bad flag (exit 2), naming the variable.
     """
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        kwargs.setdefault("formatter_class", HelpFormatter)
+        super().__init__(*args, **kwargs)
 
     def add_argument(self, *args: str, **kwargs: object) -> argparse.Action:  # type: ignore[override]
         long = next((a for a in args if a.startswith("--")), None)
