@@ -18,6 +18,8 @@ from collections.abc import Callable
 import torch
 
 from executor_service.attention_step import AttentionStep
+from executor_service.draft_config import MAX_SPECULATIVE_TOKENS
+from executor_service.limits import MAX_DFLASH_BLOCK_SIZE
 
 log = logging.getLogger("specdec.executor")
 
@@ -26,7 +28,9 @@ log = logging.getLogger("specdec.executor")
 # its block mask with data-dependent shapes and runs eagerly.
 GRAPH_BACKENDS = frozenset({"TRITON_ATTN", "FLASH_ATTN"})
 
-MAX_LOOKAHEAD = 64  # at least any drafter's positions_ahead (k + 1 <= 33, DFlash block <= 33)
+# Positions a drafter writes past the verified tokens, at most (DraftConfig.positions_ahead: k + 1 for EAGLE,
+# the block for DFlash), from the bounds LoadModel enforces.
+MAX_LOOKAHEAD = max(MAX_SPECULATIVE_TOKENS + 1, MAX_DFLASH_BLOCK_SIZE)
 
 # (attention metadata, positions, named per-token and per-request inputs) -> output tensors
 GraphForward = Callable[[AttentionStep, torch.Tensor, dict[str, torch.Tensor]], tuple[torch.Tensor, ...]]
