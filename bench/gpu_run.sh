@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # What one call on the GPU host runs (see /work/.library/device/README.md for the host):
-#   bash bench/gpu_run.sh stash            first call: carries fa/fa-a, keeps it in /root/fa-stash
-#   bash bench/gpu_run.sh install [STEPS]  next call (machine still warm): carries fa/fa-b, installs FA4
+#   bash bench/gpu_run.sh stash            a call per FA4 part (bench/fa4_parts.sh): keeps it in /root/fa-stash
+#   bash bench/gpu_run.sh install [STEPS]  the last part's call (machine still warm): joins the parts, installs FA4
 #   bash bench/gpu_run.sh run STEPS        later calls on the same machine: FA4 already in /tmp/fa-site
 #   bash bench/gpu_run.sh smol-stash / smol-install   the SmolLM2 GGUF, likewise (to /root/models/smollm2)
 # STEPS: comma-separated from tests, bench, sweep, bench16, executor-tests, gpu-tests, executor-bench, specdec-bench,
@@ -14,8 +14,10 @@ out=${OUT:-/tmp/out}
 mkdir -p "$out"
 export PYTHONPATH=$PWD:$PWD/protos PYTHONUNBUFFERED=1
 
-if [[ $mode == stash ]]; then
-  mkdir -p /root/fa-stash && cp fa/fa-a/* /root/fa-stash/ && ls -la /root/fa-stash
+# FlashAttention-4 in parts (bench/fa4_parts.sh), one per call: stash keeps the parts a call carries, install
+# joins them into the CUTLASS runtime wheel and installs it with the other wheels of the last part.
+if [[ $mode == stash || $mode == install ]]; then
+  mkdir -p /root/fa-stash && cp fa/p*/cu.part* /root/fa-stash/ 2>/dev/null; ls -la /root/fa-stash
 fi
 # The SmolLM2 GGUF (98 MB) in parts small enough to travel beside the working tree, one per call
 # (smol/smol-NN/partNN, bench/README.md): smol-stash keeps the parts a call carries, smol-install joins them.
@@ -28,8 +30,8 @@ if [[ $mode == smol-install ]]; then
   echo "$(cat smol/smol-*/sha256)  /root/models/smollm2/SmolLM2-135M-Instruct.Q4_1.gguf" | sha256sum -c
 fi
 if [[ $mode == install ]]; then
-  cat /root/fa-stash/cu13.part00 fa/fa-b/cu13.part01 > /tmp/nvidia_cutlass_dsl_libs_cu13-4.8.1-cp312-cp312-manylinux_2_28_x86_64.whl
-  for w in /tmp/nvidia_cutlass_dsl_libs_cu13*.whl fa/fa-b/*.whl; do
+  cat /root/fa-stash/cu.part* > /tmp/nvidia_cutlass_dsl_libs_cu13-4.8.1-cp312-cp312-manylinux_2_28_x86_64.whl
+  for w in /tmp/nvidia_cutlass_dsl_libs_cu13*.whl fa/p*/*.whl; do
     python3 -m pip install -q --no-index --no-deps --no-compile --target "/tmp/fa-site-$(basename "$w")" "$w"
   done
   mkdir -p /tmp/fa-site && cp -r /tmp/fa-site-*/* /tmp/fa-site/
