@@ -1,7 +1,8 @@
 #!/usr/bin/env python
-"""Attention benchmark (GPU; not a test): the DESIGN.md anchor shapes (32 q heads, 8 KV heads, d=128,
-bf16, paged) for every backend that runs here, measured in one run next to FlashAttention-4 called
-directly and flex_attention compiled and called directly. Writes bench/results/attention_<date>_<commit>.json.
+"""Attention benchmark (GPU; not a test): Llama-3-8B's attention shape (32 q heads, 8 KV heads, d=128,
+bf16, paged) in the cases of CASES (DFlash block, verify, decode, 4k prefill), for every backend that runs
+here, measured in one run next to FlashAttention-4 called directly and flex_attention compiled and called
+directly. Writes bench/results/attention_<date>_<commit>.json.
 
     python bench/attention_bench.py [--block-size 128] [--sweep] [--cases dflash,decode]
 """

@@ -6,8 +6,8 @@ what a backend claims and what it is asked to do are decided in one place.
 For the backends this project implements (TRITON_ATTN, FLEX_ATTENTION, FLASH_ATTN through our wrapper,
 CPU_ATTN, ROCM_ATTN) the entries say what our implementations compute, and tests/attention checks that
 they do: no sinks, no sliding window, KV cache in the activation's precision (no fp8). FLASHINFER and
-the AITER backends have no implementation here; their entries keep vLLM 0.33's figures
-(`../shared/reference/vllm_selector_and_spec_decode.md`), and the executor reports them unavailable.
+the AITER backends have no implementation here; their entries keep vLLM 0.33's figures, and the
+executor reports them unavailable. The fields and the selection rules (R1-R10): docs/selection.md.
 CPU_ATTN is SDPA over gathered KV, so it takes any head and block size.
 """
 

@@ -1,5 +1,6 @@
 """Backend selection (rules R2-R6): explicit names are validated and used or refused, auto walks the
 platform's priority list, and the drafter is decided on its own needs, never inherited.
+The rules R1-R10, and where each is applied: docs/selection.md.
 
 `select_backends` is a pure function of its request; `Selector` adds a cache keyed by the parsed request:
 bounded (its strings are checked against bounds.py first) and only what selection reads (not the device's

@@ -1,4 +1,4 @@
-"""The selection rules of DESIGN.md, R1-R8, one group of tests per rule."""
+"""The selection rules R1-R8 (defined in docs/selection.md), one group of tests per rule."""
 
 from __future__ import annotations
 
