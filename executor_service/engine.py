@@ -137,7 +137,9 @@ class Engine:
             command()
 
     def step(self) -> None:
-        """Schedule, run the target once, verify (or sample), hand out the new tokens, propose drafts."""
+        """One step, in the order a reader follows: schedule, run the target once, verify (verify_batch: greedy
+        or rejection sampling), accept (roll back rejected drafts' K/V), emit the tokens, propose the next drafts.
+        A uniform greedy step does all of it on the device instead (_step_on_device, spec_step.py)."""
         started = time.perf_counter()
         if self._in_flight is not None:  # a device-resident step launched behind the last one: book it
             requests, pending = self._in_flight
@@ -166,15 +168,7 @@ class Engine:
             self._fail(scheduled.requests, err)
             return
         sampled, drafts, emitted = self._drop_failed(sampled, drafts, emitted)
-        kept = {id(r): n for r, n in zip(scheduled.requests, scheduled.num_new_tokens, strict=True)}
-        for request, request_drafts, tokens in zip(sampled, drafts, emitted, strict=True):
-            accepted = len(tokens) - 1
-            kept[id(request)] -= len(request_drafts) - accepted  # rejected drafts' K/V are rolled back
-            if request_drafts:
-                request.record_verification(len(request_drafts), accepted)
-            request.draft_ids = []
-        for request in scheduled.requests:
-            request.num_computed_tokens += kept[id(request)]
+        kept = self._accept(scheduled, sampled, drafts, emitted)
         generated = 0
         for request, request_drafts, tokens in zip(sampled, drafts, emitted, strict=True):
             generated += self._emit(request, tokens, len(request_drafts))
@@ -184,6 +178,22 @@ class Engine:
             self.on_step(scheduled.num_tokens, generated, time.perf_counter() - started)
         if self.on_verify is not None and drafts:
             self.on_verify([len(d) for d in drafts], [len(t) - 1 for t in emitted])
+
+    def _accept(
+        self, scheduled: ScheduledStep, sampled: list[Request], drafts: list[list[int]], emitted: list[list[int]]
+    ) -> dict[int, int]:
+        """Book the verification: each request keeps its computed rows up to its last accepted draft (the
+        rejected drafts' K/V are rolled back by not counting them). Returns the rows kept, by id(request)."""
+        kept = {id(r): n for r, n in zip(scheduled.requests, scheduled.num_new_tokens, strict=True)}
+        for request, request_drafts, tokens in zip(sampled, drafts, emitted, strict=True):
+            accepted = len(tokens) - 1
+            kept[id(request)] -= len(request_drafts) - accepted
+            if request_drafts:
+                request.record_verification(len(request_drafts), accepted)
+            request.draft_ids = []
+        for request in scheduled.requests:
+            request.num_computed_tokens += kept[id(request)]
+        return kept
 
     def _step_on_device(self, scheduled: ScheduledStep, inputs: StepInputs, started: float) -> None:
         """Every request verifies k drafts greedily: verification, acceptance and the next proposal run on
