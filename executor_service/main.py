@@ -183,6 +183,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--max-num-seqs", type=int, default=256, help="requests in the running batch")
     parser.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs for decode steps")
     parser.add_argument(
+        "--host-spec-step",
+        action="store_true",
+        help="verify and propose with host bookkeeping between passes, not as one device pass (for comparison)",
+    )
+    parser.add_argument(
         "--max-live-requests", type=int, default=4096, help="running + queued; more: RESOURCE_EXHAUSTED"
     )
     args = parser.parse_args(argv)
@@ -193,7 +198,12 @@ def main(argv: list[str] | None = None) -> int:
             model_root=Path(args.model_root) if args.model_root else None,
             selector_address=args.selector_address,
             selector_client=selector_client_settings(args),
-            engine=EngineSettings(int(args.max_num_batched_tokens), int(args.max_num_seqs), not args.enforce_eager),
+            engine=EngineSettings(
+                int(args.max_num_batched_tokens),
+                int(args.max_num_seqs),
+                not args.enforce_eager,
+                device_spec_step=not args.host_spec_step,
+            ),
             max_live_requests=int(args.max_live_requests),
         )
         status = asyncio.run(serve(ServerSettings.from_args(args), options, args.load))
