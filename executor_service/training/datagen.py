@@ -3,17 +3,20 @@
 The drafter must predict the target, so the target writes the training text: each prompt gets one
 response, greedy or sampled (temperatures taken in turn; a sampled request has its own seed, so a
 response does not depend on what else was batched with it). Sequences are appended to a JSONL file a
-chunk at a time: an interrupted run picks up where it stopped.
+chunk at a time: an interrupted run picks up where it stopped. Token ids are stored compactly: base64 of
+little-endian uint16 when the vocabulary fits (int32 otherwise), a third of the size of JSON lists.
 """
 
 from __future__ import annotations
 
+import base64
 import gc
 import json
 import random
 from dataclasses import dataclass
 from pathlib import Path
 
+import numpy as np
 import torch
 
 from executor_service.capabilities import probe
@@ -62,11 +65,38 @@ def random_prompts(vocab_size: int, count: int, seed: int, lengths: tuple[int, i
     ]
 
 
+def token_dtype(vocab_size: int) -> np.dtype:
+    """The narrowest stored id type: uint16 below 65536 ids, else int32."""
+    return np.dtype("<u2") if vocab_size <= 1 << 16 else np.dtype("<i4")
+
+
+def pack_ids(ids: list[int], dtype: np.dtype) -> str:
+    array = np.asarray(ids, dtype=np.int64)
+    if array.size and (array.min() < 0 or array.max() > np.iinfo(dtype).max):
+        raise ValueError(f"token id out of range for {dtype.name}: {int(array.min())}..{int(array.max())}")
+    return base64.b64encode(array.astype(dtype).tobytes()).decode()
+
+
+def unpack_ids(packed: str, dtype: str) -> list[int]:
+    return np.frombuffer(base64.b64decode(packed), dtype=np.dtype(dtype)).tolist()
+
+
+def sequence_row(index: int, kind: str, prompt: list[int], response: list[int], vocab_size: int) -> dict:
+    dtype = token_dtype(vocab_size)
+    return {"index": index, "kind": kind, "dtype": dtype.str, "prompt": pack_ids(prompt, dtype),
+            "response": pack_ids(response, dtype)}  # fmt: skip
+
+
 def read_sequences(path: Path) -> list[Sequence]:
+    """Rows as `generate` writes them; rows with plain id lists (older files) read too."""
     if not path.exists():
         return []
     rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
-    return [Sequence(r["prompt"], r["response"], r["kind"]) for r in rows]
+    sequences = []
+    for row in rows:
+        ids = [unpack_ids(row[k], row["dtype"]) if "dtype" in row else row[k] for k in ("prompt", "response")]
+        sequences.append(Sequence(ids[0], ids[1], row["kind"]))
+    return sequences
 
 
 def generate(
@@ -95,9 +125,8 @@ def generate(
                 chunk = list(enumerate(prompts[start : start + settings.chunk], start=start))
                 responses = _run(session, chunk, settings)
                 for (index, prompt), response in zip(chunk, responses, strict=True):
-                    file.write(
-                        json.dumps({"index": index, "kind": prompt.kind, "prompt": prompt.ids, "response": response})
-                    )
+                    row = sequence_row(index, prompt.kind, prompt.ids, response, loaded.config.vocab_size)
+                    file.write(json.dumps(row))
                     file.write("\n")
                     done.append(Sequence(prompt.ids, response, prompt.kind))
                 file.flush()
