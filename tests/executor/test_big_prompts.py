@@ -14,8 +14,7 @@ import grpc
 import pytest
 import torch
 from executor_builders import load_request
-from google.rpc import error_details_pb2
-from grpc_status import rpc_status
+from rpc_details import violated_fields
 
 from executor_service.main import ExecutorOptions, RunningExecutor, start_executor
 from executor_service.session import EngineSettings
@@ -42,16 +41,6 @@ async def stub(executor: RunningExecutor) -> AsyncIterator[executor_pb2_grpc.Exe
         stub = executor_pb2_grpc.ExecutorStub(channel)
         await stub.LoadModel(load_request(), timeout=TIMEOUT_S)
         yield stub
-
-
-def violated_fields(err: grpc.aio.AioRpcError) -> list[str]:
-    status = rpc_status.from_call(err)
-    fields = []
-    for detail in status.details if status else []:
-        bad = error_details_pb2.BadRequest()
-        if detail.Unpack(bad):
-            fields += [v.field for v in bad.field_violations]
-    return fields
 
 
 async def generate(stub, **fields: Any) -> list[executor_pb2.GenerateResponse]:

@@ -12,10 +12,9 @@ import grpc
 import pytest
 import torch
 from executor_builders import load_request, tiny_config
-from google.rpc import error_details_pb2
 from greedy_reference import greedy_reference
 from grpc_health.v1 import health_pb2, health_pb2_grpc
-from grpc_status import rpc_status
+from rpc_details import violations
 
 from executor_service.loader import build_synthetic, save_directory
 from executor_service.main import ExecutorOptions, RunningExecutor, start_executor
@@ -46,16 +45,6 @@ async def health(executor: RunningExecutor) -> int:
     async with grpc.aio.insecure_channel(f"127.0.0.1:{executor.server.port}") as channel:
         response = await health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(service=""))
         return response.status
-
-
-def violations(err: grpc.aio.AioRpcError) -> dict[str, str]:
-    status = rpc_status.from_call(err)
-    found = {}
-    for detail in status.details if status else []:
-        bad = error_details_pb2.BadRequest()
-        if detail.Unpack(bad):
-            found.update({v.field: v.description for v in bad.field_violations})
-    return found
 
 
 async def generate(stub, request_id: str, ids: list[int], **sampling) -> list[executor_pb2.GenerateResponse]:

@@ -21,9 +21,8 @@ import pytest
 import torch
 from executor_builders import load_request, tiny_model
 from google.protobuf import json_format
-from google.rpc import error_details_pb2
 from grpc_health.v1 import health_pb2, health_pb2_grpc
-from grpc_status import rpc_status
+from rpc_details import violations
 from spec_builders import draft_model
 
 import executor_service.servicer as servicer_module
@@ -56,16 +55,6 @@ async def executor(tmp_path: Path) -> AsyncIterator[RunningExecutor]:
 async def stub(executor: RunningExecutor) -> AsyncIterator[executor_pb2_grpc.ExecutorStub]:
     async with grpc.aio.insecure_channel(f"127.0.0.1:{executor.server.port}") as channel:
         yield executor_pb2_grpc.ExecutorStub(channel)
-
-
-def violations(err: grpc.RpcError) -> dict[str, str]:
-    status = rpc_status.from_call(err)  # type: ignore[arg-type]
-    found = {}
-    for detail in status.details if status else []:
-        bad = error_details_pb2.BadRequest()
-        if detail.Unpack(bad):
-            found.update({v.field: v.description for v in bad.field_violations})
-    return found
 
 
 async def health(executor: RunningExecutor) -> int:

@@ -11,8 +11,7 @@ import grpc
 import pytest
 import torch
 from executor_builders import load_request
-from google.rpc import error_details_pb2
-from grpc_status import rpc_status
+from rpc_details import violated_fields
 from spec_builders import draft_model
 
 from executor_service.main import ExecutorOptions, start_executor
@@ -46,13 +45,7 @@ async def test_a_drafter_backend_the_machine_lacks_is_named_as_sent(stub) -> Non
     with pytest.raises(grpc.aio.AioRpcError) as err:
         await stub.LoadModel(request, timeout=TIMEOUT_S)
     assert err.value.code() is grpc.StatusCode.INVALID_ARGUMENT, err.value.details()
-    status = rpc_status.from_call(err.value)
-    fields = []
-    for detail in status.details if status is not None else ():
-        bad_request = error_details_pb2.BadRequest()
-        if detail.Unpack(bad_request):
-            fields += [v.field for v in bad_request.field_violations]
-    assert fields == ["draft.attention_backend"]
+    assert violated_fields(err.value) == ["draft.attention_backend"]
 
 
 @pytest.mark.parametrize(

@@ -14,9 +14,8 @@ import pytest
 import torch
 from engine_driving import Outputs, run_bounded
 from executor_builders import TINY, greedy, load_request
-from google.rpc import error_details_pb2
 from greedy_reference import greedy_reference
-from grpc_status import rpc_status
+from rpc_details import violations
 from spec_builders import draft_model, spec_session
 
 from executor_service.main import ExecutorOptions, start_executor
@@ -142,13 +141,3 @@ async def test_the_reported_request_is_refused_and_the_largest_one_finishes_over
 
 async def _collect(stream: object) -> list[executor_pb2.GenerateResponse]:
     return [response async for response in stream]  # type: ignore[attr-defined]
-
-
-def violations(err: grpc.aio.AioRpcError) -> dict[str, str]:
-    status = rpc_status.from_call(err)
-    found = {}
-    for detail in status.details if status else []:
-        bad = error_details_pb2.BadRequest()
-        if detail.Unpack(bad):
-            found.update({v.field: v.description for v in bad.field_violations})
-    return found

@@ -14,8 +14,7 @@ import grpc
 from google.protobuf import json_format
 from google.protobuf.descriptor import Descriptor
 from google.protobuf.message import Message
-from google.rpc import error_details_pb2
-from grpc_status import rpc_status
+from rpc_details import field_violations
 
 # A bug (INTERNAL, UNKNOWN), a hang (DEADLINE_EXCEEDED: every call has a generous deadline) or a server that
 # went away (UNAVAILABLE, DATA_LOSS) is never a valid answer to a request, however bad.
@@ -81,17 +80,6 @@ def names_a_field(descriptor: Descriptor, path: str) -> bool:
         else:
             return False
     return True
-
-
-def field_violations(err: grpc.RpcError) -> list[error_details_pb2.BadRequest.FieldViolation]:
-    status = rpc_status.from_call(err)  # type: ignore[arg-type]
-    found: list[error_details_pb2.BadRequest.FieldViolation] = []
-    for detail in status.details if status is not None else []:
-        if detail.Is(error_details_pb2.BadRequest.DESCRIPTOR):
-            bad_request = error_details_pb2.BadRequest()
-            detail.Unpack(bad_request)
-            found.extend(bad_request.field_violations)
-    return found
 
 
 def check_refusal(err: grpc.RpcError, request: Message, method: str) -> None:

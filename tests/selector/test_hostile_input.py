@@ -13,8 +13,8 @@ from collections.abc import AsyncIterator, Callable
 import grpc
 import pytest
 from builders import dflash, request
-from google.rpc import error_details_pb2
 from grpc_status import rpc_status
+from rpc_details import field_violations
 
 from selector_service.errors import FieldViolation, InvalidArgument, invalid_fields
 from selector_service.grpc_runtime import RunningServer, ServerSettings, create_server, start_server
@@ -78,14 +78,8 @@ async def stub(server: RunningServer) -> AsyncIterator[selector_pb2_grpc.Backend
 
 
 def violated_fields(err: grpc.aio.AioRpcError) -> list[str]:
-    status = rpc_status.from_call(err)
-    assert status is not None, "no google.rpc.Status in the trailers"
-    fields = []
-    for detail in status.details:
-        bad = error_details_pb2.BadRequest()
-        if detail.Unpack(bad):
-            fields += [v.field for v in bad.field_violations]
-    return fields
+    assert rpc_status.from_call(err) is not None, "no google.rpc.Status in the trailers"
+    return [v.field for v in field_violations(err)]
 
 
 @pytest.mark.parametrize("field", list(STRING_FIELDS))
