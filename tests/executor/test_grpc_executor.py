@@ -5,7 +5,6 @@ client cancel, bad inputs with field details, metrics."""
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator
 from pathlib import Path
 
 import grpc
@@ -18,27 +17,10 @@ from rpc_details import violations
 
 from executor_service.loader import build_synthetic, save_directory
 from executor_service.main import ExecutorOptions, RunningExecutor, start_executor
-from executor_service.session import EngineSettings
 from selector_service.grpc_runtime import ServerSettings
 from specdec.v1 import common_pb2, executor_pb2, executor_pb2_grpc
 
 CPU = torch.device("cpu")
-
-
-@pytest.fixture
-async def executor(tmp_path: Path) -> AsyncIterator[RunningExecutor]:
-    running = await start_executor(
-        ServerSettings(port=0, metrics_port=0),
-        ExecutorOptions(device=CPU, model_root=tmp_path, engine=EngineSettings(64, 8), max_live_requests=16),
-    )
-    yield running
-    await running.stop(0.5)
-
-
-@pytest.fixture
-async def stub(executor: RunningExecutor) -> AsyncIterator[executor_pb2_grpc.ExecutorStub]:
-    async with grpc.aio.insecure_channel(f"127.0.0.1:{executor.server.port}") as channel:
-        yield executor_pb2_grpc.ExecutorStub(channel)
 
 
 async def health(executor: RunningExecutor) -> int:

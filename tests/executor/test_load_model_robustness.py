@@ -13,7 +13,7 @@ import json
 import os
 import threading
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import Callable
 from pathlib import Path
 
 import grpc
@@ -30,31 +30,13 @@ from executor_service.draft_models import TargetHeads
 from executor_service.draft_weights import save_drafter, synthetic_drafter
 from executor_service.drafting import resolve_draft
 from executor_service.loader import save_directory
-from executor_service.main import ExecutorOptions, RunningExecutor, start_executor
-from executor_service.session import EngineSettings
-from selector_service.grpc_runtime import ServerSettings
+from executor_service.main import RunningExecutor
 from specdec.v1 import executor_pb2, executor_pb2_grpc
 
 CPU = torch.device("cpu")
 SERVING = health_pb2.HealthCheckResponse.SERVING
 RPC_TIMEOUT_S = 60.0  # generous: only there so that a regression fails instead of hanging
 WAIT_S = 60.0
-
-
-@pytest.fixture
-async def executor(tmp_path: Path) -> AsyncIterator[RunningExecutor]:
-    running = await start_executor(
-        ServerSettings(port=0, metrics_port=0),
-        ExecutorOptions(device=CPU, model_root=tmp_path, engine=EngineSettings(64, 8), max_live_requests=16),
-    )
-    yield running
-    await running.stop(0.5)
-
-
-@pytest.fixture
-async def stub(executor: RunningExecutor) -> AsyncIterator[executor_pb2_grpc.ExecutorStub]:
-    async with grpc.aio.insecure_channel(f"127.0.0.1:{executor.server.port}") as channel:
-        yield executor_pb2_grpc.ExecutorStub(channel)
 
 
 async def health(executor: RunningExecutor) -> int:
