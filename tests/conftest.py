@@ -14,6 +14,7 @@ file appears before the model is loaded, so wait for health SERVING. `executor_s
 from __future__ import annotations
 
 import os
+import socket
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
@@ -87,3 +88,12 @@ def executor_server(launch_executor: Callable[..., ServerProcess]) -> ServerProc
 def executor_address(executor_server: ServerProcess) -> str:
     """The "127.0.0.1:PORT" of a running executor (see `executor_server`)."""
     return executor_server.address
+
+
+@pytest.fixture
+def busy_port() -> Iterator[int]:
+    """A port of 127.0.0.1 that another socket listens on."""
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        yield taken.getsockname()[1]

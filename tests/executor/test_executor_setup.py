@@ -5,8 +5,6 @@ RuntimeError "Failed to bind" out of main (a traceback, exit 1)."""
 from __future__ import annotations
 
 import logging
-import socket
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -33,14 +31,6 @@ def run_main(monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture):
         return status, message
 
     return run
-
-
-@pytest.fixture
-def busy_port() -> Iterator[int]:
-    with socket.socket() as taken:
-        taken.bind(("127.0.0.1", 0))
-        taken.listen()
-        yield taken.getsockname()[1]
 
 
 def test_a_tls_key_that_is_not_the_certificates(run_main, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]

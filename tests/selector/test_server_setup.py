@@ -4,10 +4,8 @@ address in use, a port out of range. Before, the first two ended in a traceback 
 from __future__ import annotations
 
 import os
-import socket
 import subprocess
 import sys
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -33,15 +31,6 @@ def one_error_line(result: subprocess.CompletedProcess[str]) -> str:
     lines = output.splitlines()
     assert len(lines) == 1, output
     return lines[0]
-
-
-@pytest.fixture
-def busy_port() -> Iterator[int]:
-    """A port of 127.0.0.1 that another socket listens on."""
-    with socket.socket() as taken:
-        taken.bind(("127.0.0.1", 0))
-        taken.listen()
-        yield taken.getsockname()[1]
 
 
 def test_a_tls_key_that_is_not_the_certificates(tmp_path: Path) -> None:
