@@ -84,6 +84,12 @@ def to_device(values: list, dtype: torch.dtype, device: torch.device) -> torch.T
     return host.pin_memory().to(device, non_blocking=True)
 
 
+def block_table_tensor(block_ids: list[list[int]], device: torch.device) -> torch.Tensor:
+    """[B, max blocks] int32: each request's block ids, padded with block 0 (never read past seq_lens)."""
+    width = max(len(blocks) for blocks in block_ids)
+    return to_device([blocks + [0] * (width - len(blocks)) for blocks in block_ids], torch.int32, device)
+
+
 def build_attention_step(
     backend: str,
     block_ids: list[list[int]],
@@ -98,11 +104,9 @@ def build_attention_step(
     query_start_loc = [0]
     for length in query_lens:
         query_start_loc.append(query_start_loc[-1] + length)
-    width = max(len(blocks) for blocks in block_ids)
-    block_table = [blocks + [0] * (width - len(blocks)) for blocks in block_ids]
     return AttentionStep(
         backend=backend,
-        block_table=to_device(block_table, torch.int32, device),
+        block_table=block_table_tensor(block_ids, device),
         query_start_loc=to_device(query_start_loc, torch.int32, device),
         seq_lens=to_device(seq_lens, torch.int32, device),
         slot_mapping=to_device(slots, torch.int64, device),

@@ -25,7 +25,13 @@ from dataclasses import dataclass, replace
 
 import torch
 
-from executor_service.attention_step import AttentionStep, build_attention_step, cache_slot, to_device
+from executor_service.attention_step import (
+    AttentionStep,
+    block_table_tensor,
+    build_attention_step,
+    cache_slot,
+    to_device,
+)
 from executor_service.cuda_graphs import RequestInputs, StepGraphs, TokenInputs
 from executor_service.draft_models import DFlashDrafter, Drafter
 from executor_service.kv_cache import KVCache
@@ -106,9 +112,7 @@ class Proposer:
         return build_attention_step(self.backend, block_ids, query_lens, seq_lens, slots, causal, self.device)
 
     def block_table(self, requests: list[Request]) -> torch.Tensor:
-        width = max(len(r.block_ids) for r in requests)
-        rows = [r.block_ids + [0] * (width - len(r.block_ids)) for r in requests]
-        return self.tensor(rows, torch.int32)
+        return block_table_tensor([r.block_ids for r in requests], self.device)
 
     def tensor(self, values: list, dtype: torch.dtype) -> torch.Tensor:
         return to_device(values, dtype, self.device)
