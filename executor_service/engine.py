@@ -222,7 +222,6 @@ class Engine:
             generated += self._emit(request, result.emitted(index), num_drafts)
             if request.status is Status.RUNNING:
                 self.proposer.set_drafts(request, result.next_drafts[index])
-                del request.draft_ids[max(self.max_model_len - request.num_tokens, 0) :]
         if following is not None:
             self._in_flight = (requests, following)
         if self.on_step is not None:
@@ -277,11 +276,6 @@ class Engine:
             self.proposer.propose(ProposeBatch(entries, features))
         except Exception as err:
             self._fail(running, err)
-            return
-        # Never verify past the context. Drafts past max_tokens are verified and their tokens dropped: the
-        # last steps keep k + 1 tokens per request, so they replay the verify graph instead of running eagerly.
-        for request in running:
-            del request.draft_ids[max(self.max_model_len - request.num_tokens, 0) :]
 
     def _bad_drafts(self) -> list[tuple[Request, BaseException]]:
         """Running requests with draft ids outside the vocabulary (a faulty drafter), caught before the

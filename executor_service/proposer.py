@@ -179,7 +179,11 @@ class Proposer:
             self.set_drafts(request, ids)
 
     def set_drafts(self, request: Request, drafts: list[int]) -> None:
-        request.draft_ids = self.replay(request, drafts) if self.replay is not None else drafts
+        """The request's drafts for its next step, never past the context. Drafts past max_tokens are kept
+        (verified, their tokens dropped): the last steps keep k + 1 tokens per request, so they replay the
+        verify graph instead of running eagerly."""
+        drafts = self.replay(request, drafts) if self.replay is not None else drafts
+        request.draft_ids = drafts[: max(self.max_model_len - request.num_tokens, 0)]
 
     def _propose_eagle(self, batch: ProposeBatch) -> torch.Tensor:
         features, positions, next_ids, step = self.context_pass(batch)
