@@ -1,12 +1,14 @@
 """CUDA graphs for uniform steps: every request brings the same number of query tokens (decode: 1,
-verify: k + 1, an EAGLE chain step: 1, a DFlash block: B). One graph per batch-size bucket.
+verify: k + 1, a drafter's context pass: k + 1, the device-resident speculative step: k + 1; the EAGLE chain
+and the DFlash block: one position per request, from which they build their own metadata). One graph per
+batch-size bucket.
 
 A decode step of an 8B model launches ~1000 small kernels; launched one by one from Python, the host
 needs several times longer than the GPU needs to run them. Replaying a captured graph costs one launch.
 Inputs live in static buffers that each replay overwrites, attention metadata included (positions,
-seq_lens, slot_mapping and block table are copied in before every replay, so a drafter's chain steps
-never see the previous step's metadata). A batch is padded up to its bucket with requests that write
-nothing (slot -1) and read only their own query. Attention is captured with `max_seq_len` set to the
+seq_lens, slot_mapping and block table are copied in before every replay; passes that advance their own
+metadata derive it on the device from these inputs). A batch is padded up to its bucket with requests that
+write nothing (slot -1) and read only their own query. Attention is captured with `max_seq_len` set to the
 context length, so one graph serves every sequence length.
 """
 
@@ -56,13 +58,12 @@ class StepGraphs:
         block_size: int,
         device: torch.device,
         inputs: TokenInputs,
-        causal: bool = True,
         request_inputs: RequestInputs | None = None,
     ) -> None:
         """`inputs`: name -> (trailing shape, dtype) of each per-token input besides positions;
         `request_inputs`: likewise per request, with the value a padded request holds (a slot: -1)."""
         self.name, self.forward, self.backend = name, forward, backend
-        self.query_len, self.max_model_len, self.causal = query_len, max_model_len, causal
+        self.query_len, self.max_model_len = query_len, max_model_len
         self.buckets = batch_buckets(max_batch)
         top = self.buckets[-1]
         tokens = top * query_len
@@ -120,8 +121,7 @@ class StepGraphs:
             slot_mapping=self.slot_mapping[:tokens],
             max_query_len=self.query_len,
             max_seq_len=self.max_model_len,
-            causal=self.causal,
-        )
+        )  # causal: a non-causal pass (DFlash's block) builds its own metadata from the inputs
         inputs = {n: t[:tokens] for n, t in self.inputs.items()} | {n: t[:size] for n, t in self.request_inputs.items()}
         return self.forward(step, self.positions[:tokens], inputs)
 
