@@ -14,9 +14,8 @@ from torch import nn
 from executor_service.attention_step import AttentionStep
 from executor_service.config import ModelConfig
 from executor_service.fused_ops import linear_residual, rms_norm, silu_and_mul
-from executor_service.rope import RotaryEmbedding, apply_rotary
+from executor_service.rope import RotaryEmbedding
 from executor_service.rotary_cache import rotate_and_store
-from kernels import write_kv
 
 Rotary = tuple[torch.Tensor, torch.Tensor]  # cos, sin of this step's positions
 
@@ -79,8 +78,8 @@ class Attention(nn.Module):
         v = v.reshape(tokens, self.num_kv_heads, self.head_size)
         if self.qk_norm:
             k = self.k_norm(k)
-        _, k = apply_rotary(k[:, :0], k, *rotary)  # no query heads: a view, so the kernel gets a real pointer
-        write_kv(k, v, kv_cache[0], kv_cache[1], slots)
+        # No query heads: an empty view of k, so the kernel gets a real pointer.
+        rotate_and_store(k[:, :0], k, v, *rotary, kv_cache[0], kv_cache[1], slots)
 
 
 class MLP(nn.Module):

@@ -25,15 +25,16 @@ def rotate_half(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.
     return (x.float() * cos + torch.cat((-x2, x1), dim=-1) * sin).to(x.dtype)
 
 
+@pytest.mark.parametrize("q_heads", [Q_HEADS, 0], ids=["attention", "keys and values only (DFlash's context)"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_rotates_q_and_stores_rotated_k_and_v_at_their_slots(dtype: torch.dtype) -> None:
+def test_rotates_q_and_stores_rotated_k_and_v_at_their_slots(dtype: torch.dtype, q_heads: int) -> None:
     generator = torch.Generator().manual_seed(5)
-    qkv = torch.randn(TOKENS, (Q_HEADS + 2 * KV_HEADS) * DIM, generator=generator).to(dtype)
+    qkv = torch.randn(TOKENS, (q_heads + 2 * KV_HEADS) * DIM, generator=generator).to(dtype)
     angles = torch.rand(TOKENS, 1, DIM // 2, generator=generator) * 6
     cos, sin = angles.cos().to(dtype), angles.sin().to(dtype)
     slots = [3, -1, 12, 0, 15]
-    q_ref, k_ref, v_ref = qkv.split([Q_HEADS * DIM, KV_HEADS * DIM, KV_HEADS * DIM], dim=-1)
-    expected_q = rotate_half(q_ref.reshape(TOKENS, Q_HEADS, DIM), cos, sin)
+    q_ref, k_ref, v_ref = qkv.split([q_heads * DIM, KV_HEADS * DIM, KV_HEADS * DIM], dim=-1)
+    expected_q = rotate_half(q_ref.reshape(TOKENS, q_heads, DIM), cos, sin)
     expected_k = rotate_half(k_ref.reshape(TOKENS, KV_HEADS, DIM), cos, sin)
     expected_caches = [torch.zeros(BLOCKS, BLOCK_SIZE, KV_HEADS, DIM, dtype=dtype) for _ in range(2)]
     for token, slot in enumerate(slots):
@@ -42,8 +43,9 @@ def test_rotates_q_and_stores_rotated_k_and_v_at_their_slots(dtype: torch.dtype)
             expected_caches[1][slot // BLOCK_SIZE, slot % BLOCK_SIZE] = v_ref.reshape(TOKENS, KV_HEADS, DIM)[token]
 
     fused = qkv.to(DEVICE)
-    q, k, v = fused.split([Q_HEADS * DIM, KV_HEADS * DIM, KV_HEADS * DIM], dim=-1)
-    q, k, v = (t.reshape(TOKENS, -1, DIM) for t in (q, k, v))  # strided views of the projection
+    q, k, v = fused.split([q_heads * DIM, KV_HEADS * DIM, KV_HEADS * DIM], dim=-1)
+    # Strided views of the projection, as in the model.
+    q, k, v = (t.reshape(TOKENS, heads, DIM) for t, heads in zip((q, k, v), (q_heads, KV_HEADS, KV_HEADS), strict=True))
     k_cache, v_cache = (torch.zeros(BLOCKS, BLOCK_SIZE, KV_HEADS, DIM, dtype=dtype, device=DEVICE) for _ in range(2))
     slot_mapping = torch.tensor(slots, device=DEVICE)
     rotary_cache._kernel()(q, k, v, cos.to(DEVICE), sin.to(DEVICE), k_cache, v_cache, slot_mapping)
