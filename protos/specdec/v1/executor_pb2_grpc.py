@@ -61,6 +61,16 @@ class ExecutorStub:
                 request_serializer=specdec_dot_v1_dot_executor__pb2.AbortRequest.SerializeToString,
                 response_deserializer=specdec_dot_v1_dot_executor__pb2.AbortResponse.FromString,
                 _registered_method=True)
+        self.GetServerInfo = channel.unary_unary(
+                '/specdec.v1.Executor/GetServerInfo',
+                request_serializer=specdec_dot_v1_dot_executor__pb2.GetServerInfoRequest.SerializeToString,
+                response_deserializer=specdec_dot_v1_dot_executor__pb2.GetServerInfoResponse.FromString,
+                _registered_method=True)
+        self.GetLoads = channel.unary_unary(
+                '/specdec.v1.Executor/GetLoads',
+                request_serializer=specdec_dot_v1_dot_executor__pb2.GetLoadsRequest.SerializeToString,
+                response_deserializer=specdec_dot_v1_dot_executor__pb2.GetLoadsResponse.FromString,
+                _registered_method=True)
 
 
 class ExecutorServicer:
@@ -104,6 +114,21 @@ class ExecutorServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def GetServerInfo(self, request, context):
+        """Versions, device, backends, limits and uptime: what a router or an operator asks once.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def GetLoads(self, request, context):
+        """Running and queued requests, KV-cache use, throughput and prefix-cache hits: what a router or an
+        autoscaler polls.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_ExecutorServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -131,6 +156,16 @@ def add_ExecutorServicer_to_server(servicer, server):
                     servicer.Abort,
                     request_deserializer=specdec_dot_v1_dot_executor__pb2.AbortRequest.FromString,
                     response_serializer=specdec_dot_v1_dot_executor__pb2.AbortResponse.SerializeToString,
+            ),
+            'GetServerInfo': grpc.unary_unary_rpc_method_handler(
+                    servicer.GetServerInfo,
+                    request_deserializer=specdec_dot_v1_dot_executor__pb2.GetServerInfoRequest.FromString,
+                    response_serializer=specdec_dot_v1_dot_executor__pb2.GetServerInfoResponse.SerializeToString,
+            ),
+            'GetLoads': grpc.unary_unary_rpc_method_handler(
+                    servicer.GetLoads,
+                    request_deserializer=specdec_dot_v1_dot_executor__pb2.GetLoadsRequest.FromString,
+                    response_serializer=specdec_dot_v1_dot_executor__pb2.GetLoadsResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -269,6 +304,60 @@ class Executor:
             '/specdec.v1.Executor/Abort',
             specdec_dot_v1_dot_executor__pb2.AbortRequest.SerializeToString,
             specdec_dot_v1_dot_executor__pb2.AbortResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def GetServerInfo(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/specdec.v1.Executor/GetServerInfo',
+            specdec_dot_v1_dot_executor__pb2.GetServerInfoRequest.SerializeToString,
+            specdec_dot_v1_dot_executor__pb2.GetServerInfoResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def GetLoads(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/specdec.v1.Executor/GetLoads',
+            specdec_dot_v1_dot_executor__pb2.GetLoadsRequest.SerializeToString,
+            specdec_dot_v1_dot_executor__pb2.GetLoadsResponse.FromString,
             options,
             channel_credentials,
             insecure,
