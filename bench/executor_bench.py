@@ -66,8 +66,8 @@ from executor_service.session import (  # noqa: E402
     selection_request,
 )
 from executor_service.validation import DEFAULT_BLOCK_SIZE  # noqa: E402
-from selector_service.grpc_runtime import ServerSettings  # noqa: E402
 from specdec.v1 import common_pb2, executor_pb2, executor_pb2_grpc  # noqa: E402
+from specdec_runtime.grpc_runtime import ServerSettings  # noqa: E402
 
 MODEL_FIELDS = ("layers", "hidden", "intermediate", "heads", "kv_heads", "head_size", "vocab")
 PRESETS: dict[str, dict[str, Any]] = {

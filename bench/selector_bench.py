@@ -29,10 +29,10 @@ from typing import Any
 
 import grpc
 
-from selector_service.grpc_runtime import ServerSettings, create_server, start_server
-from selector_service.selection import Selector, select_backends
+from selection.selector import Selector, select_backends
 from selector_service.servicer import SERVICE_NAME, BackendSelectorServicer
 from specdec.v1 import common_pb2, selector_pb2, selector_pb2_grpc
+from specdec_runtime.grpc_runtime import ServerSettings, create_server, start_server
 
 REPO = Path(__file__).resolve().parent.parent
 SELECT_METHOD = f"/{SERVICE_NAME}/SelectBackends"

@@ -11,9 +11,12 @@ WORKDIR /src
 # Only what the wheel is built from (the generated gRPC stubs are committed under protos/specdec).
 COPY pyproject.toml README.md ./
 COPY protos/specdec protos/specdec
+COPY specdec_runtime specdec_runtime
+COPY selection selection
 COPY selector_service selector_service
 COPY executor_service executor_service
 COPY kernels kernels
+COPY specdec_cli specdec_cli
 RUN python -m venv /opt/venv \
  && /opt/venv/bin/pip wheel --no-deps --wheel-dir /dist . \
  && /opt/venv/bin/pip install "$(ls /dist/specdec-*.whl)[selector]"

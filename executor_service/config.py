@@ -10,8 +10,8 @@ from typing import Any
 
 from executor_service.json_fields import FieldReader
 from executor_service.limits import MAX_POSITION_EMBEDDINGS, MAX_VOCAB_SIZE, MODEL_BOUNDS, model_violations, short_repr
-from selector_service.errors import FieldViolation, invalid_fields
 from specdec.v1 import executor_pb2
+from specdec_runtime.errors import FieldViolation, invalid_fields
 
 # Hugging Face `architectures` / `model_type` -> our architecture name.
 ARCHITECTURES = {

@@ -19,8 +19,8 @@ from executor_service.loader import read_config_json
 from executor_service.model import DecoderModel
 from executor_service.validation import resolve_model_path
 from kernels.capabilities import BACKENDS
-from selector_service.errors import FailedPrecondition, FieldViolation
 from specdec.v1 import common_pb2, executor_pb2
+from specdec_runtime.errors import FailedPrecondition, FieldViolation
 
 FIELD = "draft.source"
 

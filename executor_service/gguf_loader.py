@@ -25,7 +25,7 @@ from executor_service.gguf_tokenizer import gguf_tokenizer
 from executor_service.loader import LoadedModel, check_tensors
 from executor_service.validation import resolve_model_path, resolve_quietly
 from executor_service.weights import empty_model, hf_layout, place
-from selector_service.errors import FailedPrecondition, FieldViolation, invalid_fields
+from specdec_runtime.errors import FailedPrecondition, FieldViolation, invalid_fields
 
 SUFFIX = ".gguf"
 PACKAGE_PREFIX = "package:"

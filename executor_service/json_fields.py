@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from executor_service.limits import short_repr, size_violation
-from selector_service.errors import FieldViolation, InvalidArgument, invalid_fields
+from specdec_runtime.errors import FieldViolation, InvalidArgument, invalid_fields
 
 MAX_JSON_BYTES = 16 << 20  # config files are kilobytes; a shard index of a very large model about a megabyte
 

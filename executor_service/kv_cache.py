@@ -11,7 +11,7 @@ from collections import deque
 import torch
 
 from executor_service.config import ModelConfig
-from selector_service.errors import ResourceExhausted
+from specdec_runtime.errors import ResourceExhausted
 
 
 class BlockAllocator:

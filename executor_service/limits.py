@@ -11,7 +11,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
-from selector_service.errors import FieldViolation
+from specdec_runtime.errors import FieldViolation
 
 if TYPE_CHECKING:  # config.py reads its fields with these bounds
     from executor_service.config import ModelConfig

@@ -22,7 +22,7 @@ from executor_service.json_fields import FieldReader, in_file, read_json_object
 from executor_service.limits import short_repr
 from executor_service.model import DecoderModel
 from executor_service.weights import Placement, empty_model, export_hf_state, hf_layout, place, synthetic_model
-from selector_service.errors import FieldViolation, InvalidArgument, invalid_fields
+from specdec_runtime.errors import FieldViolation, InvalidArgument, invalid_fields
 
 SINGLE_FILE = "model.safetensors"
 SHARD_INDEX = "model.safetensors.index.json"

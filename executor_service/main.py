@@ -24,10 +24,11 @@ from executor_service.prompt_intake import MAX_REQUEST_BYTES
 from executor_service.selection import BackendChooser, SelectorClientSettings
 from executor_service.servicer import SERVICE_NAME, ExecutorServicer
 from executor_service.session import EngineSettings
-from selector_service.auth import resolve_token
-from selector_service.client import load_message, server_address
-from selector_service.errors import SpecdecError
-from selector_service.grpc_runtime import (
+from specdec.v1 import executor_pb2, executor_pb2_grpc
+from specdec_runtime.auth import resolve_token
+from specdec_runtime.client import load_message, server_address
+from specdec_runtime.errors import SpecdecError
+from specdec_runtime.grpc_runtime import (
     EXIT_BAD_SETUP,
     EnvDefaultsParser,
     RunningServer,
@@ -37,8 +38,7 @@ from selector_service.grpc_runtime import (
     start_server,
     wait_for_termination_signal,
 )
-from selector_service.logs import configure_logging
-from specdec.v1 import executor_pb2, executor_pb2_grpc
+from specdec_runtime.logs import configure_logging
 
 DEFAULT_PORT = 50052
 log = logging.getLogger("specdec.executor")

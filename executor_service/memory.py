@@ -20,7 +20,7 @@ from executor_service.draft_config import DraftConfig
 from executor_service.draft_weights import draft_layout
 from executor_service.kv_cache import bytes_per_block
 from executor_service.weights import Placement, hf_layout
-from selector_service.errors import FieldViolation, ResourceExhausted
+from specdec_runtime.errors import FieldViolation, ResourceExhausted
 
 CPU_MEMORY_FRACTION = 0.75  # of MemAvailable: the rest stays for the OS, the other processes and our own heap
 CPU_MARGIN_BYTES = 256 << 20  # interpreter, allocator slack, tokenizer

@@ -17,9 +17,9 @@ from typing import Any
 from executor_service.limits import MAX_POSITION_EMBEDDINGS, MAX_VOCAB_SIZE
 from executor_service.sampling import SamplingSettings
 from executor_service.validation import ModelLimits, check_generate
-from selector_service.bounds import largest_message
-from selector_service.errors import FieldViolation, invalid_fields
 from specdec.v1 import executor_pb2
+from specdec_runtime.bounds import largest_message
+from specdec_runtime.errors import FieldViolation, invalid_fields
 
 MAX_REQUEST_ID_BYTES = 256  # echoed in every response chunk: a long one would break clients' 4 MiB limit
 MAX_STOP_TOKEN_IDS = 1024

@@ -12,10 +12,10 @@ import grpc
 from google.rpc import error_details_pb2
 from grpc_status import rpc_status
 
-from selector_service.client import open_aio_channel
-from selector_service.errors import FailedPrecondition, FieldViolation, InvalidArgument, SpecdecError
-from selector_service.selection import Selector
+from selection.selector import Selector
 from specdec.v1 import selector_pb2, selector_pb2_grpc
+from specdec_runtime.client import open_aio_channel
+from specdec_runtime.errors import FailedPrecondition, FieldViolation, InvalidArgument, SpecdecError
 
 SELECT_TIMEOUT_SECONDS = 10.0
 # gRPC's default reconnect backoff grows to 120 s (1 s, 1.6 s, 2.6 s, ...): after a selector outage the channel

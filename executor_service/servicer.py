@@ -42,14 +42,14 @@ from executor_service.session import (
     selection_request,
 )
 from executor_service.validation import check_load_request, has_drafter
-from selector_service.errors import (
+from specdec.v1 import common_pb2, executor_pb2, executor_pb2_grpc
+from specdec_runtime.errors import (
     AlreadyExists,
     FailedPrecondition,
     FieldViolation,
     ResourceExhausted,
     SpecdecError,
 )
-from specdec.v1 import common_pb2, executor_pb2, executor_pb2_grpc
 
 STREAM_FLUSH_SECONDS = 5.0
 LOAD_CANCEL_WAIT_S = 2.0  # how long shutdown waits for a LoadModel under way to notice it is cancelled (then: os._exit)

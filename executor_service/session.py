@@ -47,8 +47,8 @@ from executor_service.scheduler import Scheduler, speculative_headroom
 from executor_service.spec_step import SpecStep
 from executor_service.validation import DEFAULT_BLOCK_SIZE, ModelLimits, check_path_text, resolve_model_path
 from executor_service.weights import hf_layout
-from selector_service.errors import FieldViolation, ResourceExhausted, invalid_fields
 from specdec.v1 import common_pb2, executor_pb2, selector_pb2
+from specdec_runtime.errors import FieldViolation, ResourceExhausted, invalid_fields
 
 log = logging.getLogger("specdec.executor")
 

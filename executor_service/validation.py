@@ -10,8 +10,8 @@ from typing import Any
 from executor_service.draft_config import METHODS
 from executor_service.limits import MAX_BLOCK_SIZE, MAX_NUM_KV_BLOCKS, short_repr
 from executor_service.sampling import MIN_TEMPERATURE, SamplingSettings
-from selector_service.errors import FieldViolation, ResourceExhausted, invalid_fields
 from specdec.v1 import common_pb2, executor_pb2
+from specdec_runtime.errors import FieldViolation, ResourceExhausted, invalid_fields
 
 DEFAULT_BLOCK_SIZE = 16
 MAX_PATH_BYTES = 4096  # PATH_MAX

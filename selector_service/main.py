@@ -7,7 +7,11 @@ import asyncio
 import logging
 import sys
 
-from selector_service.grpc_runtime import (
+from selection.request import MAX_REQUEST_BYTES
+from selection.selector import DEFAULT_CACHE_SIZE, Selector
+from selector_service.servicer import SERVICE_NAME, BackendSelectorServicer
+from specdec.v1 import selector_pb2_grpc
+from specdec_runtime.grpc_runtime import (
     EXIT_BAD_SETUP,
     EnvDefaultsParser,
     RunningServer,
@@ -17,11 +21,7 @@ from selector_service.grpc_runtime import (
     start_server,
     wait_for_termination_signal,
 )
-from selector_service.logs import configure_logging
-from selector_service.request import MAX_REQUEST_BYTES
-from selector_service.selection import DEFAULT_CACHE_SIZE, Selector
-from selector_service.servicer import SERVICE_NAME, BackendSelectorServicer
-from specdec.v1 import selector_pb2_grpc
+from specdec_runtime.logs import configure_logging
 
 DEFAULT_PORT = 50051
 log = logging.getLogger("specdec.selector")

@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import grpc
 
-from selector_service.catalog import PLATFORM_TO_PROTO, list_backends
-from selector_service.errors import FieldViolation, SpecdecError, invalid_fields
-from selector_service.selection import Selector
+from selection.catalog import PLATFORM_TO_PROTO, list_backends
+from selection.selector import Selector
 from specdec.v1 import common_pb2, selector_pb2, selector_pb2_grpc
+from specdec_runtime.errors import FieldViolation, SpecdecError, invalid_fields
 
 SERVICE_NAME = selector_pb2.DESCRIPTOR.services_by_name["BackendSelector"].full_name
 

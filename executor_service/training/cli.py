@@ -39,7 +39,7 @@ from executor_service.training.prompts import (
 from executor_service.training.recipes import RECIPES, Recipe, draft_config, published_bytes, with_overrides
 from executor_service.training.target import chat_renderer, load_target, target_source
 from executor_service.training.trainer import Trainer
-from selector_service.errors import SpecdecError
+from specdec_runtime.errors import SpecdecError
 
 PUBLISHED_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 # Recipe and LossSettings fields settable on the command line, with their types.

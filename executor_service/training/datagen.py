@@ -34,7 +34,7 @@ from executor_service.session import (
 )
 from executor_service.training.features import Sequence
 from executor_service.training.progress import Progress
-from selector_service.selection import Selector
+from selection.selector import Selector
 from specdec.v1 import executor_pb2
 
 

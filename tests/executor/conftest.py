@@ -12,8 +12,8 @@ import torch
 
 from executor_service.main import ExecutorOptions, RunningExecutor, start_executor
 from executor_service.session import EngineSettings
-from selector_service.grpc_runtime import ServerSettings
 from specdec.v1 import executor_pb2_grpc
+from specdec_runtime.grpc_runtime import ServerSettings
 
 
 @pytest.fixture

@@ -17,8 +17,8 @@ from executor_service.config import ModelConfig
 from executor_service.draft_config import METHOD_ENUMS, draft_from_synthetic
 from executor_service.draft_models import TargetHeads
 from executor_service.draft_weights import save_drafter, synthetic_drafter
-from selector_service.demo_model import SMOLLM2
 from specdec.v1 import executor_pb2
+from specdec_cli.demo_model import SMOLLM2
 
 INTERMEDIATE_SIZE = 1536  # SmolLM2-135M's MLP width, which the drafters' layers share
 EAGLE3_DRAFT_VOCAB = 8192

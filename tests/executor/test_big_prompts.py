@@ -18,8 +18,8 @@ from rpc_details import violated_fields
 
 from executor_service.main import ExecutorOptions, RunningExecutor, start_executor
 from executor_service.session import EngineSettings
-from selector_service.grpc_runtime import ServerSettings
 from specdec.v1 import executor_pb2, executor_pb2_grpc
+from specdec_runtime.grpc_runtime import ServerSettings
 
 MiB = 1 << 20
 TIMEOUT_S = 60.0  # only so that a stuck call cannot hang the test

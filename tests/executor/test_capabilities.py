@@ -11,7 +11,7 @@ import torch
 from executor_service.capabilities import probe, runnable_libraries
 from kernels import unavailable_reason
 from kernels.attention import IMPLEMENTATIONS
-from selector_service.selection import select_backends
+from selection.selector import select_backends
 from specdec.v1 import common_pb2, selector_pb2
 
 

@@ -26,10 +26,10 @@ from executor_service.capabilities import probe
 from executor_service.drafting import resolve_draft
 from executor_service.session import resolve_target
 from executor_service.session import selection_request as executor_selection_request
-from selector_service.demo_drafters import repo_drafters_dir
-from selector_service.demo_model import METHODS, SMOLLM2, default_model, selection_request, synthetic_model
-from selector_service.selection import Selector
+from selection.selector import Selector
 from specdec.v1 import common_pb2, executor_pb2, executor_pb2_grpc
+from specdec_cli.demo_drafters import repo_drafters_dir
+from specdec_cli.demo_model import METHODS, SMOLLM2, default_model, selection_request, synthetic_model
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 DEMO_TIMEOUT_S = 600  # a no-hang bound, not a performance bar: a loaded 2-core machine takes 60-70 s
@@ -49,7 +49,7 @@ def stand_ins(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 def run_demo(*args: str) -> subprocess.CompletedProcess[str]:
-    command = [sys.executable, "-m", "selector_service.cli", "demo", *args]
+    command = [sys.executable, "-m", "specdec_cli.cli", "demo", *args]
     return subprocess.run(command, cwd=REPO_ROOT, capture_output=True, text=True, timeout=DEMO_TIMEOUT_S, check=False)
 
 
@@ -236,5 +236,5 @@ def test_demo_asks_the_selector_what_the_executor_itself_would(method: str, synt
 
 def test_the_demo_client_does_not_import_torch() -> None:
     """The client is a plain gRPC caller: torch lives in the executor's process only."""
-    code = "import sys, selector_service.cli; sys.exit('torch' in sys.modules)"
+    code = "import sys, specdec_cli.cli; sys.exit('torch' in sys.modules)"
     assert subprocess.run([sys.executable, "-c", code], cwd=REPO_ROOT, check=False).returncode == 0

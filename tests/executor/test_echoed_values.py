@@ -13,8 +13,8 @@ import torch
 from executor_builders import load_request
 
 from executor_service.main import ExecutorOptions, start_executor
-from selector_service.grpc_runtime import ServerSettings
 from specdec.v1 import executor_pb2, executor_pb2_grpc
+from specdec_runtime.grpc_runtime import ServerSettings
 
 TIMEOUT_S = 60.0
 VALUE = "é" * 2048 + "Q" * 2048  # 6 KB, half of it percent-encoded in grpc-message (9 bytes a character)

@@ -1,6 +1,6 @@
 """The executor behind a shared token, TLS and mTLS, in-process on a free port with a tiny synthetic model:
 refusals (UNAUTHENTICATED for unary calls and the streaming Generate, counted in the RPC metrics), acceptance,
-health open without a token, and the blocking client of selector_service.client over mTLS with a token."""
+health open without a token, and the blocking client of specdec_runtime.client over mTLS with a token."""
 
 from __future__ import annotations
 
@@ -17,10 +17,10 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from executor_service.main import ExecutorOptions, RunningExecutor, start_executor
 from executor_service.session import EngineSettings
-from selector_service.auth import bearer_metadata
-from selector_service.client import open_channel
-from selector_service.grpc_runtime import ServerSettings
 from specdec.v1 import common_pb2, executor_pb2, executor_pb2_grpc
+from specdec_runtime.auth import bearer_metadata
+from specdec_runtime.client import open_channel
+from specdec_runtime.grpc_runtime import ServerSettings
 
 TOKEN = "executor-token-0123456789abcdef"
 GOOD, WRONG = bearer_metadata(TOKEN), bearer_metadata("executor-token-0123456789abcdeX")

@@ -25,10 +25,10 @@ from executor_service.main import (
 )
 from executor_service.selection import BackendChooser, SelectorClientSettings
 from executor_service.session import EngineSettings
-from selector_service.client import open_aio_channel
-from selector_service.grpc_runtime import EnvDefaultsParser, RunningServer, ServerSettings, add_server_arguments
 from selector_service.main import start_selector
 from specdec.v1 import common_pb2, executor_pb2, executor_pb2_grpc
+from specdec_runtime.client import open_aio_channel
+from specdec_runtime.grpc_runtime import EnvDefaultsParser, RunningServer, ServerSettings, add_server_arguments
 
 TOKEN = "deployment-token-0123456789abcdef"
 OTHER = "rotated-token-fedcba9876543210"

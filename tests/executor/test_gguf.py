@@ -21,8 +21,8 @@ from executor_service.request import RequestOutput
 from executor_service.session import EngineSettings, build_session, resolve_target
 from executor_service.validation import check_generate
 from executor_service.weights import export_hf_state
-from selector_service.errors import FailedPrecondition, InvalidArgument
 from specdec.v1 import common_pb2, executor_pb2
+from specdec_runtime.errors import FailedPrecondition, InvalidArgument
 
 gguf = pytest.importorskip("gguf", reason="reading GGUF files needs the `gguf` package (extra `smollm2`)")
 transformers = pytest.importorskip("transformers")

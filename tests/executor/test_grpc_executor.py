@@ -17,8 +17,8 @@ from rpc_details import violations
 
 from executor_service.loader import build_synthetic, save_directory
 from executor_service.main import ExecutorOptions, RunningExecutor, start_executor
-from selector_service.grpc_runtime import ServerSettings
 from specdec.v1 import common_pb2, executor_pb2, executor_pb2_grpc
+from specdec_runtime.grpc_runtime import ServerSettings
 
 CPU = torch.device("cpu")
 

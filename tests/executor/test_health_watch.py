@@ -13,8 +13,8 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from executor_service.main import ExecutorOptions, start_executor
 from executor_service.session import EngineSettings
-from selector_service.grpc_runtime import ServerSettings
 from specdec.v1 import executor_pb2_grpc
+from specdec_runtime.grpc_runtime import ServerSettings
 
 SERVING = health_pb2.HealthCheckResponse.SERVING
 NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING

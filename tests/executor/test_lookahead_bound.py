@@ -12,7 +12,7 @@ from executor_service.draft_config import MAX_SPECULATIVE_TOKENS
 from executor_service.drafting import resolve_draft
 from executor_service.limits import MAX_DFLASH_BLOCK_SIZE
 from executor_service.session import resolve_target
-from selector_service.errors import InvalidArgument
+from specdec_runtime.errors import InvalidArgument
 
 
 def lookahead(method: str, k: int, block: int | None = None) -> int:

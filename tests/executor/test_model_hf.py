@@ -16,7 +16,7 @@ from executor_service.config import ModelConfig
 from executor_service.kv_cache import KVCache
 from executor_service.loader import build_synthetic, load_directory, save_directory
 from executor_service.model import DecoderModel
-from selector_service.errors import InvalidArgument
+from specdec_runtime.errors import InvalidArgument
 
 transformers = pytest.importorskip("transformers")
 CPU = torch.device("cpu")

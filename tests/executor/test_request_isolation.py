@@ -19,8 +19,8 @@ from executor_service.sampling import SamplingError, SamplingSettings, sample
 from executor_service.scheduler import ScheduledStep
 from executor_service.session import ModelSession
 from executor_service.validation import ModelLimits, check_generate
-from selector_service.errors import InvalidArgument
 from specdec.v1 import executor_pb2
+from specdec_runtime.errors import InvalidArgument
 
 VOCAB = TINY["vocab_size"]
 LIMITS = ModelLimits(vocab_size=VOCAB, max_model_len=8192, capacity_tokens=1024, has_tokenizer=False)

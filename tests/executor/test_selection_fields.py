@@ -16,9 +16,9 @@ from spec_builders import draft_model
 
 from executor_service.main import ExecutorOptions, start_executor
 from executor_service.selection import load_request_field
-from selector_service.grpc_runtime import ServerSettings
 from selector_service.main import start_selector
 from specdec.v1 import executor_pb2_grpc
+from specdec_runtime.grpc_runtime import ServerSettings
 
 TIMEOUT_S = 60.0
 

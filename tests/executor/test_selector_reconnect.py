@@ -12,9 +12,9 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from executor_service.main import ExecutorOptions, start_executor
 from executor_service.session import EngineSettings
-from selector_service.grpc_runtime import ServerSettings
 from selector_service.main import start_selector
 from specdec.v1 import executor_pb2_grpc
+from specdec_runtime.grpc_runtime import ServerSettings
 
 TIMEOUT_S = 60.0  # only so that a stuck call cannot hang the test
 

@@ -21,9 +21,9 @@ from spec_builders import draft_model, spec_session
 from executor_service.main import ExecutorOptions, start_executor
 from executor_service.session import EngineSettings, ModelSession
 from executor_service.validation import check_generate
-from selector_service.errors import ResourceExhausted
-from selector_service.grpc_runtime import ServerSettings
 from specdec.v1 import executor_pb2, executor_pb2_grpc
+from specdec_runtime.errors import ResourceExhausted
+from specdec_runtime.grpc_runtime import ServerSettings
 
 BLOCKS, BLOCK_SIZE = 8, 16
 CAPACITY = BLOCKS * BLOCK_SIZE

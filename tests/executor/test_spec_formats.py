@@ -15,8 +15,8 @@ from test_engine import Collector, add_all
 from executor_service.draft_weights import save_drafter
 from executor_service.drafting import check_drafter_backend, resolve_draft
 from executor_service.session import EngineSettings, build_session, resolve_target
-from selector_service.errors import FailedPrecondition, InvalidArgument
 from specdec.v1 import common_pb2
+from specdec_runtime.errors import FailedPrecondition, InvalidArgument
 
 CPU = torch.device("cpu")
 EXPECTED_TENSORS = {

@@ -12,11 +12,11 @@ from builders import request
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
-from selector_service.auth import bearer_metadata, resolve_token
-from selector_service.cli import main as cli_main
-from selector_service.grpc_runtime import EnvDefaultsParser, RunningServer, ServerSettings, add_server_arguments
 from selector_service.main import start_selector
 from specdec.v1 import selector_pb2, selector_pb2_grpc
+from specdec_cli.cli import main as cli_main
+from specdec_runtime.auth import bearer_metadata, resolve_token
+from specdec_runtime.grpc_runtime import EnvDefaultsParser, RunningServer, ServerSettings, add_server_arguments
 
 TOKEN = "s3cret-Token_value.42"
 SERVICE = "specdec.v1.BackendSelector"

@@ -9,9 +9,9 @@ import grpc
 import pytest
 from builders import request
 
-from selector_service.grpc_runtime import RunningServer, ServerSettings
 from selector_service.main import start_selector
 from specdec.v1 import selector_pb2_grpc
+from specdec_runtime.grpc_runtime import RunningServer, ServerSettings
 
 TOKEN = "strict-Token_0123456789"
 

@@ -8,9 +8,9 @@ import grpc
 import pytest
 from builders import cuda, dflash, eagle, layers, request, rocm
 
-from selector_service.errors import InvalidArgument
-from selector_service.selection import select_backends
+from selection.selector import select_backends
 from specdec.v1 import common_pb2, selector_pb2
+from specdec_runtime.errors import InvalidArgument
 
 Mutation = Callable[[selector_pb2.SelectBackendsRequest], None]
 

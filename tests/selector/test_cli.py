@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from selector_service.cli import build_parser, main
+from specdec_cli.cli import build_parser, main
 
 EXAMPLE = str(Path(__file__).resolve().parents[2] / "examples" / "select_dflash_h100.yaml")
 

@@ -8,11 +8,11 @@ from types import SimpleNamespace
 
 import pytest
 
-from selector_service import demo
-from selector_service.cli import build_parser
-from selector_service.demo_drafters import DrafterError, find_drafter
-from selector_service.demo_output import Output
 from specdec.v1 import executor_pb2
+from specdec_cli import demo
+from specdec_cli.cli import build_parser
+from specdec_cli.demo_drafters import DrafterError, find_drafter
+from specdec_cli.demo_output import Output
 
 
 class RecordingExecutor:

@@ -20,10 +20,10 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 from grpc_status import rpc_status
 
-from selector_service.grpc_runtime import RunningServer, ServerSettings, create_server, start_server
+from selection.selector import select_backends
 from selector_service.main import start_selector
-from selector_service.selection import select_backends
 from specdec.v1 import common_pb2, selector_pb2, selector_pb2_grpc
+from specdec_runtime.grpc_runtime import RunningServer, ServerSettings, create_server, start_server
 
 SERVICE = "specdec.v1.BackendSelector"
 
@@ -242,7 +242,7 @@ def test_sigterm_drains_and_exits_cleanly(tmp_path: Path) -> None:
 
 def test_env_vars_configure_the_server(tmp_path: Path) -> None:
     """Flags and SPECDEC_* variables are interchangeable."""
-    from selector_service.grpc_runtime import EnvDefaultsParser, add_server_arguments
+    from specdec_runtime.grpc_runtime import EnvDefaultsParser, add_server_arguments
 
     os.environ["SPECDEC_METRICS_PORT"] = "9555"
     try:
@@ -258,7 +258,7 @@ def test_bad_env_values_are_refused_like_bad_flags(
     monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture
 ) -> None:
     """A SPECDEC_* value its flag's choices or type refuse exits 2 naming the variable, unless the flag overrides it."""
-    from selector_service.grpc_runtime import EnvDefaultsParser, add_server_arguments
+    from specdec_runtime.grpc_runtime import EnvDefaultsParser, add_server_arguments
 
     monkeypatch.setenv("SPECDEC_LOG_LEVEL", "verbose")
     monkeypatch.setenv("SPECDEC_METRICS_PORT", "ninety")

@@ -9,8 +9,8 @@ import sys
 import pytest
 
 COMMANDS = {
-    "specdec demo": ["-m", "selector_service.cli", "demo", "--help"],
-    "specdec select": ["-m", "selector_service.cli", "select", "--help"],
+    "specdec demo": ["-m", "specdec_cli.cli", "demo", "--help"],
+    "specdec select": ["-m", "specdec_cli.cli", "select", "--help"],
     "specdec-selector": ["-m", "selector_service.main", "--help"],
     "specdec-executor": ["-m", "executor_service.main", "--help"],
 }

@@ -16,11 +16,11 @@ from builders import dflash, request
 from grpc_status import rpc_status
 from rpc_details import field_violations
 
-from selector_service.errors import FieldViolation, InvalidArgument, invalid_fields
-from selector_service.grpc_runtime import RunningServer, ServerSettings, create_server, start_server
+from selection.selector import Selector
 from selector_service.main import start_selector
-from selector_service.selection import Selector
 from specdec.v1 import selector_pb2, selector_pb2_grpc
+from specdec_runtime.errors import FieldViolation, InvalidArgument, invalid_fields
+from specdec_runtime.grpc_runtime import RunningServer, ServerSettings, create_server, start_server
 
 SERVICE = "specdec.v1.BackendSelector"
 KiB = 1024

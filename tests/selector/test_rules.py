@@ -11,10 +11,10 @@ from builders import cpu, cuda, dflash, eagle, layers, request, rocm
 
 from kernels import capabilities as caps
 from kernels.capabilities import BACKENDS, AttentionNeeds, DType, Hardware, Platform
-from selector_service.errors import FailedPrecondition, InvalidArgument
-from selector_service.registry import PRIORITIES
-from selector_service.selection import Selector, select_backends
+from selection.registry import PRIORITIES
+from selection.selector import Selector, select_backends
 from specdec.v1 import common_pb2
+from specdec_runtime.errors import FailedPrecondition, InvalidArgument
 
 H100_FA4 = cuda(9, 0, flash_attn="4.0.0b36")
 BF16 = common_pb2.DTYPE_BFLOAT16
@@ -146,7 +146,7 @@ def test_flash_attn_version_narrows_the_table(
 def test_capability_table_is_torch_free() -> None:
     """The selector's whole import graph stays off torch (it runs in a slim image)."""
     code = (
-        "import sys, kernels, kernels.capabilities, selector_service.main, selector_service.cli;"
+        "import sys, kernels, kernels.capabilities, selector_service.main, specdec_cli.cli;"
         "bad = [m for m in sys.modules if m.split('.')[0] in ('torch', 'triton', 'numpy')];"
         "assert not bad, bad"
     )

@@ -10,9 +10,9 @@ import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from selector_service.auth import bearer_metadata
-from selector_service.grpc_runtime import ServerSettings, create_server, start_server
 from selector_service.main import start_selector
+from specdec_runtime.auth import bearer_metadata
+from specdec_runtime.grpc_runtime import ServerSettings, create_server, start_server
 
 SERVING = health_pb2.HealthCheckResponse.SERVING
 NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 from certs import make_tls_files
 
-from selector_service.grpc_runtime import EnvDefaultsParser, add_server_arguments
+from specdec_runtime.grpc_runtime import EnvDefaultsParser, add_server_arguments
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 TIMEOUT_S = 60.0  # only so that a server that starts after all cannot hang the test

@@ -9,10 +9,10 @@ from __future__ import annotations
 import pytest
 from builders import cpu, cuda, layers, request, rocm
 
-from selector_service.errors import FailedPrecondition, InvalidArgument, SpecdecError
-from selector_service.registry import UnknownBackendError, normalize_backend_name
-from selector_service.selection import select_backends
+from selection.registry import UnknownBackendError, normalize_backend_name
+from selection.selector import select_backends
 from specdec.v1 import common_pb2
+from specdec_runtime.errors import FailedPrecondition, InvalidArgument, SpecdecError
 
 FP16 = common_pb2.DTYPE_FLOAT16
 FP32 = common_pb2.DTYPE_FLOAT32

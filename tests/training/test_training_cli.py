@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 from toy_target import save_toy_target
 
-from selector_service.cli import main
+from specdec_cli.cli import main
 
 TINY_RUN = ["--random-prompts", "24", "--max-new-tokens", "8", "--epochs", "1", "--batch-size", "8",
             "--intermediate-size", "64", "--no-progress", "--device", "cpu"]  # fmt: skip

@@ -14,8 +14,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-from selector_service.demo_drafters import AttentionShape, DrafterInfo, find_drafter, read_drafter
 from specdec.v1 import common_pb2, executor_pb2, selector_pb2
+from specdec_cli.demo_drafters import AttentionShape, DrafterInfo, find_drafter, read_drafter
 
 METHODS = {
     "eagle": common_pb2.SPEC_METHOD_EAGLE,

@@ -21,9 +21,9 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
-from selector_service.auth import TokenAuthInterceptor, resolve_token
-from selector_service.health_status import HealthServicer
-from selector_service.observability import ObservingInterceptor, RpcMetrics
+from specdec_runtime.auth import TokenAuthInterceptor, resolve_token
+from specdec_runtime.health_status import HealthServicer
+from specdec_runtime.observability import ObservingInterceptor, RpcMetrics
 
 log = logging.getLogger("specdec.server")
 

@@ -14,7 +14,7 @@ import grpc
 from google.protobuf.message import DecodeError
 from prometheus_client import CollectorRegistry, Counter, Histogram, start_http_server
 
-from selector_service.errors import MAX_MESSAGE, clip
+from specdec_runtime.errors import MAX_MESSAGE, clip
 
 log = logging.getLogger("specdec.rpc")
 LOGGED_DETAILS = 256  # of a failed RPC's status message, in its log line

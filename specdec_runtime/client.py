@@ -15,7 +15,7 @@ import yaml
 from google.protobuf import json_format
 from google.protobuf.message import Message
 
-from selector_service.auth import BearerTokenClientInterceptor, aio_bearer_interceptors
+from specdec_runtime.auth import BearerTokenClientInterceptor, aio_bearer_interceptors
 
 
 def open_channel(

@@ -16,14 +16,14 @@ from google.protobuf import json_format
 from google.protobuf.message import Message
 from grpc_status import rpc_status
 
-from selector_service.catalog import list_backends
-from selector_service.client import add_channel_arguments, load_message, open_channel_from_args, server_address
-from selector_service.demo import add_demo_arguments, run_demo
-from selector_service.errors import SpecdecError
-from selector_service.grpc_runtime import HelpFormatter
-from selector_service.render import render_backends, render_error, render_selection
-from selector_service.selection import Selector
+from selection.catalog import list_backends
+from selection.selector import Selector
 from specdec.v1 import common_pb2, selector_pb2, selector_pb2_grpc
+from specdec_cli.demo import add_demo_arguments, run_demo
+from specdec_cli.render import render_backends, render_error, render_selection
+from specdec_runtime.client import add_channel_arguments, load_message, open_channel_from_args, server_address
+from specdec_runtime.errors import SpecdecError
+from specdec_runtime.grpc_runtime import HelpFormatter
 
 EXIT_RPC_ERROR = 2
 

@@ -5,9 +5,9 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from selector_service.client import add_channel_arguments, server_address
-from selector_service.demo_drafters import repo_drafters_dir
-from selector_service.demo_model import METHODS
+from specdec_cli.demo_drafters import repo_drafters_dir
+from specdec_cli.demo_model import METHODS
+from specdec_runtime.client import add_channel_arguments, server_address
 
 # A typical request: the shipped drafter accepts 1.9 tokens per verify step on it, about its held-out mean
 # (2.1 at k = 7, bench/results/acceptance_*); short factual answers get less, repetitive text more.

@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 from kernels.capabilities import BACKENDS, BackendCapability, SizeRule, reason_vocabulary
-from selector_service.registry import PRIORITIES
-from selector_service.request import DTYPES, PLATFORMS
+from selection.registry import PRIORITIES
+from selection.request import DTYPES, PLATFORMS
 from specdec.v1 import common_pb2, selector_pb2
 
 PLATFORM_TO_PROTO = {platform: value for value, platform in PLATFORMS.items()}

@@ -14,16 +14,16 @@ import functools
 from dataclasses import dataclass
 
 from kernels.capabilities import BACKENDS, AttentionNeeds, Hardware, Platform
-from selector_service.errors import (
+from selection.registry import priority_list
+from selection.request import ParsedRequest, StackRequest, parse_request
+from specdec.v1 import common_pb2, selector_pb2
+from specdec_runtime.errors import (
     FailedPrecondition,
     FieldViolation,
     InvalidArgument,
     PreconditionViolation,
     SpecdecError,
 )
-from selector_service.registry import priority_list
-from selector_service.request import ParsedRequest, StackRequest, parse_request
-from specdec.v1 import common_pb2, selector_pb2
 
 
 @dataclass(frozen=True)

@@ -12,7 +12,7 @@ from collections.abc import Mapping
 from google.protobuf.descriptor import FieldDescriptor
 from google.protobuf.message import Message
 
-from selector_service.errors import FieldViolation
+from specdec_runtime.errors import FieldViolation
 
 MAX_STRING_BYTES = 256  # names, versions, architectures, ids: far more than any real one
 MAX_REPEATED = 64  # entries of a repeated field without a bound of its own

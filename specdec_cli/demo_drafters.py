@@ -13,7 +13,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
-import selector_service
+import specdec_cli
 
 DEFAULT_DFLASH_BLOCK = 16  # the executor's default when a DFlash config.json names no block size
 
@@ -47,7 +47,7 @@ class DrafterInfo:
 
 def repo_drafters_dir() -> Path:
     """`drafters/` of the repository this package runs from (an editable install or a checkout)."""
-    return Path(selector_service.__file__).resolve().parents[1] / "drafters"
+    return Path(specdec_cli.__file__).resolve().parents[1] / "drafters"
 
 
 def find_drafter(root: Path, directories: dict[str, str], method: str) -> Path:

@@ -11,10 +11,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from kernels.capabilities import KV_CACHE_DTYPES, AttentionNeeds, DType, Hardware, Platform
-from selector_service.bounds import largest_message, size_violations
-from selector_service.errors import FieldViolation, echo, invalid_fields
-from selector_service.registry import UnknownBackendError, normalize_backend_name
+from selection.registry import UnknownBackendError, normalize_backend_name
 from specdec.v1 import common_pb2, selector_pb2
+from specdec_runtime.bounds import largest_message, size_violations
+from specdec_runtime.errors import FieldViolation, echo, invalid_fields
 
 PLATFORMS = {
     common_pb2.PLATFORM_CUDA: Platform.CUDA,

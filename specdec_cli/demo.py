@@ -23,8 +23,8 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_status import rpc_status
 
-from selector_service.client import open_channel_from_args
-from selector_service.demo_model import (
+from specdec.v1 import executor_pb2, executor_pb2_grpc, selector_pb2_grpc
+from specdec_cli.demo_model import (
     DemoModel,
     default_model,
     dtype_for,
@@ -32,12 +32,12 @@ from selector_service.demo_model import (
     synthetic_model,
     with_backends,
 )
-from selector_service.demo_options import add_demo_arguments as add_demo_arguments  # the CLI imports it from here
-from selector_service.demo_output import Output
-from selector_service.demo_render import render_capabilities, render_finished, render_loaded
-from selector_service.local_servers import LocalServer, ServerError, start_server, stop_all
-from selector_service.render import render_error, render_selection
-from specdec.v1 import executor_pb2, executor_pb2_grpc, selector_pb2_grpc
+from specdec_cli.demo_options import add_demo_arguments as add_demo_arguments  # the CLI imports it from here
+from specdec_cli.demo_output import Output
+from specdec_cli.demo_render import render_capabilities, render_finished, render_loaded
+from specdec_cli.local_servers import LocalServer, ServerError, start_server, stop_all
+from specdec_cli.render import render_error, render_selection
+from specdec_runtime.client import open_channel_from_args
 
 EXIT_ERROR, EXIT_RPC_ERROR, EXIT_INTERRUPTED = 1, 2, 130
 SHORT_CALL_TIMEOUT_S = 10.0  # health, GetCapabilities, SelectBackends, unless --timeout says otherwise
