@@ -30,6 +30,7 @@ from executor_service.training.features import Sequence
 from executor_service.training.init import trainable_drafter, with_mask_token
 from executor_service.training.prompts import (
     MATERIAL_SOURCES,
+    Prompt,
     build_prompts,
     offline_material,
     prompt_counts,
@@ -37,6 +38,7 @@ from executor_service.training.prompts import (
     write_prompts,
 )
 from executor_service.training.recipes import RECIPES, Recipe, draft_config, published_bytes, with_overrides
+from executor_service.training.rounds import RoundsPlan, generate_rounds
 from executor_service.training.target import chat_renderer, load_target, target_source
 from executor_service.training.trainer import Trainer
 from specdec_runtime.errors import SpecdecError
@@ -74,7 +76,10 @@ def build_parser() -> argparse.ArgumentParser:
     )
     data.add_argument("--held-out-per-kind", type=int, default=100)
     data.add_argument("--max-prompt-tokens", type=int, default=640, help="longer prompts are skipped")
+    data.add_argument("--max-context-tokens", type=int, default=1536, help="longest conversation prompt continued")
+    data.add_argument("--self-instruct", type=int, default=0, help="seed requests the target writes prompts from")
     data.add_argument("--max-new-tokens", type=int, default=256)
+    data.add_argument("--max-num-seqs", type=int, default=256, help="requests generated at once")
     data.add_argument("--temperatures", default="0,0.7", help="comma-separated, taken in turn per prompt")
     data.add_argument("--data", type=Path, help="generated responses (default OUT/data.jsonl; share between runs)")
     recipe = parser.add_argument_group("recipe (defaults: the method's recipe)")
@@ -95,12 +100,8 @@ def recipe_from(args: argparse.Namespace) -> Recipe:
     return with_overrides(RECIPES[args.method], **{name: getattr(args, name) for name in RECIPE_FIELDS})
 
 
-def prompt_ids(args: argparse.Namespace, renderer: Any, vocab_size: int) -> tuple[list[datagen.PromptIds], int]:
-    """The training prompts as token ids, and how many were skipped as too long."""
-    if args.random_prompts:
-        return datagen.random_prompts(vocab_size, args.random_prompts, args.seed), 0
-    if renderer is None:
-        raise ValueError("this target has no tokenizer: train it on --random-prompts N")
+def training_prompts(args: argparse.Namespace) -> list[Prompt]:
+    """The text prompts of the first turns, from --prompts or built from --corpus (writing the held-out split)."""
     if args.prompts:
         prompts = read_prompts(args.prompts)
     elif args.corpus:
@@ -113,12 +114,26 @@ def prompt_ids(args: argparse.Namespace, renderer: Any, vocab_size: int) -> tupl
         print(f"{len(prompts)} training prompts; left out: {split.dropped}", file=sys.stderr)
     else:
         raise ValueError("name the prompts: --corpus DIR, --prompts FILE or --random-prompts N")
-    prompts = prompts[: args.num_prompts] if args.num_prompts else prompts
-    write_prompts(args.out / "prompts_train.jsonl", prompts)
-    (args.out / "prompt_counts.json").write_text(json.dumps(prompt_counts(prompts), indent=2))
-    rendered = [datagen.PromptIds(p.kind, renderer(p.text)) for p in prompts]
-    kept = [p for p in rendered if len(p.ids) <= args.max_prompt_tokens]
-    return kept, len(rendered) - len(kept)
+    return prompts[: args.num_prompts] if args.num_prompts else prompts
+
+
+def generate_data(
+    args: argparse.Namespace, loaded: Any, renderer: Any, settings: datagen.GenerationSettings, device: torch.device
+) -> tuple[list[Sequence], dict[str, Any]]:
+    """The target's responses (every round), and what the log says about them."""
+    data = args.data or args.out / "data.jsonl"
+    if args.random_prompts:
+        prompts = datagen.random_prompts(loaded.config.vocab_size, args.random_prompts, args.seed)
+        sequences = datagen.generate(loaded, prompts, settings, device, data)
+        return sequences, {"prompts": len(prompts), "rounds": {"first_turns": len(sequences)}}
+    if renderer is None:
+        raise ValueError("this target has no tokenizer: train it on --random-prompts N")
+    plan = RoundsPlan(args.self_instruct, args.max_prompt_tokens, args.max_context_tokens)
+    outcome = generate_rounds(loaded, renderer, training_prompts(args), plan, settings, device, data)
+    write_prompts(args.out / "prompts_train.jsonl", outcome.prompts)
+    counts = prompt_counts(outcome.prompts)
+    (args.out / "prompt_counts.json").write_text(json.dumps(counts, indent=2))
+    return outcome.sequences, {"prompts": len(outcome.prompts), "prompt_counts": counts, "rounds": outcome.counts}
 
 
 def split_validation(sequences: list[Sequence], seed: int) -> tuple[list[Sequence], list[Sequence]]:
@@ -145,11 +160,12 @@ def run(args: argparse.Namespace, command: str) -> dict[str, Any]:
     args.out.mkdir(parents=True, exist_ok=True)
     source = target_source(args.target)
     loaded = load_target(source, torch.bfloat16 if device.type == "cuda" else torch.float32, device)
-    prompts, skipped = prompt_ids(args, chat_renderer(source, loaded), loaded.config.vocab_size)
     temperatures = tuple(float(t) for t in args.temperatures.split(","))
-    settings = datagen.GenerationSettings(args.max_new_tokens, temperatures, args.seed, progress=not args.no_progress)
+    settings = datagen.GenerationSettings(
+        args.max_new_tokens, temperatures, args.seed, max_num_seqs=args.max_num_seqs, progress=not args.no_progress
+    )
     generation_started = time.perf_counter()
-    sequences = datagen.generate(loaded, prompts, settings, device, args.data or args.out / "data.jsonl")
+    sequences, data_log = generate_data(args, loaded, chat_renderer(source, loaded), settings, device)
     generation_seconds = time.perf_counter() - generation_started
 
     train, validation = split_validation(sequences, args.seed)
@@ -176,9 +192,7 @@ def run(args: argparse.Namespace, command: str) -> dict[str, Any]:
         "drafter": {"target_layer_ids": list(config.target_layer_ids), "draft_vocab_size": config.draft_vocab_size,
                     "mask_token_id": config.mask_token_id, "block_size": config.block_size,
                     "bytes": published_bytes(config, dtype.itemsize), "dtype": args.dtype},
-        "data": {"prompts": len(prompts), "prompts_skipped_too_long": skipped, "sequences": len(sequences),
-                 "prompt_counts": json.loads(counts.read_text()) if (counts := args.out / "prompt_counts.json").exists()
-                 else None,
+        "data": {**data_log, "sequences": len(sequences),
                  "train_sequences": len(train), "validation_sequences": len(validation),
                  "tokens": sum(len(s.ids) for s in sequences),
                  "response_tokens": sum(len(s.response) for s in sequences),

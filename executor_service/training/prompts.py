@@ -238,14 +238,22 @@ class ChatRenderer:
         self.chatml = tokenizer.token_to_id("<|im_start|>") is not None
 
     def text(self, prompt: str) -> str:
+        return self.conversation([{"role": "user", "content": prompt}])
+
+    def conversation(self, messages: list[dict[str, str]]) -> str:
+        """A conversation ending in a user turn, with the assistant's turn opened."""
         if self.template:
-            return render_chat(self.template, [{"role": "user", "content": prompt}])
+            return render_chat(self.template, messages)
         if self.chatml:
-            return f"<|im_start|>user\n{prompt}<|im_end|>\n<|im_start|>assistant\n"
-        return prompt
+            turns = "".join(f"<|im_start|>{m['role']}\n{m['content']}<|im_end|>\n" for m in messages)
+            return f"{turns}<|im_start|>assistant\n"
+        return "\n\n".join(m["content"] for m in messages)
 
     def __call__(self, prompt: str) -> list[int]:
         return self.tokenizer.encode(self.text(prompt), add_special_tokens=False).ids
+
+    def messages(self, messages: list[dict[str, str]]) -> list[int]:
+        return self.tokenizer.encode(self.conversation(messages), add_special_tokens=False).ids
 
 
 MATERIAL_SOURCES = ("packages", "stdlib-docs", "system-docs")

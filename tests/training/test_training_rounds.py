@@ -1,0 +1,88 @@
+"""The data rounds: self-instruct requests, first turns, follow-up turns that carry the target's own answers."""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+
+import pytest
+import torch
+
+from executor_service.config import ModelConfig
+from executor_service.gguf_loader import open_gguf, packaged_smollm2_path, read_metadata
+from executor_service.gguf_tokenizer import chat_template, gguf_tokenizer
+from executor_service.loader import LoadedModel, build_synthetic
+from executor_service.training import datagen
+from executor_service.training.prompts import ChatRenderer, Prompt
+from executor_service.training.rounds import RoundsPlan, generate_rounds, round_path
+from executor_service.training.self_instruct import STYLES, TOPICS, parse_request, seed_requests, unique_requests
+
+
+def test_parse_request_keeps_requests_and_drops_the_rest() -> None:
+    assert parse_request('Question: "How do volcanoes form?"\n\nThey form when...') == "How do volcanoes form?"
+    assert parse_request("**Request:** Explain recursion to a beginner.") == "Explain recursion to a beginner."
+    assert parse_request("Why?") is None  # too short
+    assert parse_request("Sure! Here is a question about bees: why do bees dance?") is None
+    assert parse_request("x" * 401) is None
+    kept = unique_requests([("instruction", "Why is the sky blue?"), ("code", "why is  the SKY blue?"), ("x", None)])
+    assert kept == [("instruction", "Why is the sky blue?")]
+
+
+def test_seed_requests_cover_topics_and_styles_deterministically() -> None:
+    seeds = seed_requests(len(TOPICS) * len(STYLES) + 5, seed=3)
+    assert seeds == seed_requests(len(TOPICS) * len(STYLES) + 5, seed=3)
+    assert seeds != seed_requests(len(TOPICS) * len(STYLES) + 5, seed=4)
+    first_pass = {text for _, text in seeds[: len(TOPICS) * len(STYLES)]}
+    assert len(first_pass) == len(TOPICS) * len(STYLES)  # every pairing once before any repeats
+
+
+@pytest.fixture(scope="module")
+def tokenized_target() -> tuple[LoadedModel, ChatRenderer]:
+    """A random two-layer model over SmolLM2's real tokenizer and chat template: real rendering, fast steps."""
+    metadata = read_metadata(open_gguf(packaged_smollm2_path(), "test"))
+    tokenizer = gguf_tokenizer(metadata)
+    config = ModelConfig(
+        architecture="llama", vocab_size=tokenizer.get_vocab_size(), hidden_size=32, intermediate_size=64,
+        num_layers=2, num_heads=2, num_kv_heads=1, head_size=16, max_position_embeddings=2048, rope_theta=10000.0,
+    )  # fmt: skip
+    loaded = dataclasses.replace(build_synthetic(config, 0, torch.float32, torch.device("cpu")), tokenizer=tokenizer)
+    return loaded, ChatRenderer(tokenizer, chat_template(metadata))
+
+
+def test_rounds_answer_follow_ups_with_the_earlier_turns_and_resume(
+    tokenized_target: tuple[LoadedModel, ChatRenderer], tmp_path: Path
+) -> None:
+    loaded, renderer = tokenized_target
+    prompts = [
+        Prompt("instruction", "Summarize the story of Jonah.", "a", ("Now explain it to a child.", "Why?")),
+        Prompt("code", "Write a Python function `add(a, b)`.", "b", ("Now write a short test for it.",)),
+        Prompt("prose", "Continue: The sea was calm that night.", "c"),
+        Prompt("prose", "x " * 400, "d"),  # longer than max_prompt_tokens: skipped
+    ]
+    settings = datagen.GenerationSettings(max_new_tokens=6, temperatures=(0.0, 0.7), chunk=8, progress=False)
+    plan = RoundsPlan(self_instruct=6, max_prompt_tokens=128, max_context_tokens=512)
+    data = tmp_path / "data.jsonl"
+    outcome = generate_rounds(loaded, renderer, prompts, plan, settings, torch.device("cpu"), data)
+
+    extra = outcome.counts["self_instruct_prompts"]
+    assert outcome.counts["self_instruct_written"] == 6 and outcome.counts["skipped_too_long"] == 1
+    assert outcome.counts["first_turns"] == 3 + extra == len(outcome.prompts)
+    assert outcome.counts["turn2"] == 2 and outcome.counts["turn3"] == 1
+    assert len(outcome.sequences) == 6 + 3 + extra + 2 + 1
+    by_text = {p.text: s for p, s in zip(outcome.prompts, outcome.sequences[6 : 6 + len(outcome.prompts)], strict=True)}
+    jonah = by_text[prompts[0].text]
+    turn2 = outcome.sequences[6 + len(outcome.prompts)]  # the first conversation's second turn
+    expected = renderer.messages([
+        {"role": "user", "content": prompts[0].text},
+        {"role": "assistant", "content": loaded.tokenizer.decode(jonah.response, skip_special_tokens=True)},
+        {"role": "user", "content": prompts[0].followups[0]},
+    ])  # fmt: skip
+    assert turn2.prompt == expected and len(turn2.response) > 0
+    turn3 = outcome.sequences[-1]
+    assert turn3.prompt[: len(turn2.prompt)] == turn2.prompt  # the conversation grows turn by turn
+    assert "Why?" in loaded.tokenizer.decode(turn3.prompt)
+
+    for name in ("self_instruct", "turn2", "turn3"):
+        assert round_path(data, name).exists()
+    again = generate_rounds(loaded, renderer, prompts, plan, settings, torch.device("cpu"), data)
+    assert [s.ids for s in again.sequences] == [s.ids for s in outcome.sequences]  # read back, not regenerated
