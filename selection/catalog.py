@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 from kernels.capabilities import BACKENDS, BackendCapability, SizeRule, reason_vocabulary
-from selection.registry import PRIORITIES
 from selection.request import DTYPES, PLATFORMS
+from selection.rules import PRIORITIES
 from specdec.v1 import common_pb2, selector_pb2
 
 PLATFORM_TO_PROTO = {platform: value for value, platform in PLATFORMS.items()}

@@ -1,10 +1,9 @@
-"""Backend names and the per-platform auto-selection order (rule R4)."""
+"""Backend names as callers write them: "" or "auto" (any case) for auto-selection, else a known backend.
+The per-platform auto-selection order (R4) is in rules.py."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
-from kernels.capabilities import BACKEND_NAMES, Hardware, Platform
+from kernels.capabilities import BACKEND_NAMES
 
 AUTO = "auto"
 
@@ -24,35 +23,3 @@ def normalize_backend_name(name: str) -> str | None:
     if upper not in BACKEND_NAMES:
         raise UnknownBackendError(name)
     return upper
-
-
-@dataclass(frozen=True)
-class PlatformPriority:
-    platform: Platform
-    condition: str
-    backends: tuple[str, ...]
-
-
-_CUDA_DEFAULT = ("FLASH_ATTN", "FLASHINFER", "TRITON_ATTN", "FLEX_ATTENTION")
-_CUDA_SM10X_CAUSAL = ("FLASHINFER", "FLASH_ATTN", "TRITON_ATTN", "FLEX_ATTENTION")
-_ROCM = ("ROCM_ATTN", "ROCM_AITER_FA", "ROCM_AITER_UNIFIED_ATTN", "TRITON_ATTN")
-_CPU = ("CPU_ATTN",)
-
-PRIORITIES: tuple[PlatformPriority, ...] = (
-    PlatformPriority(Platform.CUDA, "compute capability 10.x, causal", _CUDA_SM10X_CAUSAL),
-    # FlashInfer's non-causal (cutlass) path is known to misbehave for DFlash: FLASH_ATTN goes first.
-    PlatformPriority(Platform.CUDA, "any other compute capability, or 10.x non-causal", _CUDA_DEFAULT),
-    PlatformPriority(Platform.ROCM, "always", _ROCM),
-    PlatformPriority(Platform.CPU, "always", _CPU),
-)
-
-
-def priority_list(hardware: Hardware, use_non_causal: bool) -> tuple[str, ...]:
-    """The backends auto-selection tries, best first (R4)."""
-    if hardware.platform is Platform.CUDA:
-        if hardware.compute_capability[0] == 10 and not use_non_causal:
-            return _CUDA_SM10X_CAUSAL
-        return _CUDA_DEFAULT
-    if hardware.platform is Platform.ROCM:
-        return _ROCM
-    return _CPU

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 
 from kernels.capabilities import KV_CACHE_DTYPES, AttentionNeeds, DType, Hardware, Platform
 from selection.registry import UnknownBackendError, normalize_backend_name
+from selection.rules import drafter_uses_non_causal
 from specdec.v1 import common_pb2, selector_pb2
 from specdec_runtime.bounds import largest_message, size_violations
 from specdec_runtime.errors import FieldViolation, echo, invalid_fields
@@ -177,14 +178,11 @@ def _parse_drafter(
         violations.append(
             FieldViolation("speculative.num_speculative_tokens", "must not be negative (0: the drafter's default)")
         )
-    # R6: DFlash proposes its block in one non-causal pass unless the checkpoint says causal;
-    # EAGLE drafters are causal.
-    is_dflash = spec.method == common_pb2.SPEC_METHOD_DFLASH
-    if is_dflash:
+    if spec.method == common_pb2.SPEC_METHOD_DFLASH:
         _check_dflash(spec, violations)
     elif spec.HasField("dflash_config"):
         violations.append(FieldViolation("speculative.dflash_config", "only valid with SPEC_METHOD_DFLASH"))
-    use_non_causal = is_dflash and not spec.dflash_config.causal
+    use_non_causal = drafter_uses_non_causal(spec.method, spec.dflash_config.causal)  # R6
     backend = _parse_backend_name(spec.attention_backend, "speculative.attention_backend", violations)
     if spec.HasField("draft_layers"):
         needs = _parse_layers(spec.draft_layers, "speculative.draft_layers", use_non_causal, violations)
@@ -192,7 +190,7 @@ def _parse_drafter(
         needs = _parse_layers(request.target_layers, "target_layers", use_non_causal, [])
     if needs is None:
         return None
-    # R5: the drafter's backend is its own choice or autoselected; never the target's.
+    # R5: its own needs and its own name (decided apart from the target's in rules.decide_stacks).
     return StackRequest("drafter", needs, backend, "speculative.attention_backend")
 
 

@@ -11,7 +11,7 @@ from builders import cpu, cuda, dflash, eagle, layers, request, rocm
 
 from kernels import capabilities as caps
 from kernels.capabilities import BACKENDS, AttentionNeeds, DType, Hardware, Platform
-from selection.registry import PRIORITIES
+from selection.rules import PRIORITIES
 from selection.selector import Selector, select_backends
 from specdec.v1 import common_pb2
 from specdec_runtime.errors import FailedPrecondition, InvalidArgument
