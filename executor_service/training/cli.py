@@ -92,6 +92,9 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--checkpoint-every", type=int, default=200)
     run.add_argument("--resume", action="store_true", help="continue from OUT/checkpoint.pt")
     run.add_argument("--stop-after-steps", type=int, help="stop after this many steps (resume later)")
+    run.add_argument("--max-steps", type=int, help="train at most this many steps (the schedule fits them)")
+    run.add_argument("--train-minutes", type=float, help="fit the run to this time: steps set after 20 timed ones")
+    run.add_argument("--generation-minutes", type=float, help="stop starting new generation chunks after this")
     run.add_argument("--no-progress", action="store_true")
     return parser
 
@@ -161,8 +164,14 @@ def run(args: argparse.Namespace, command: str) -> dict[str, Any]:
     source = target_source(args.target)
     loaded = load_target(source, torch.bfloat16 if device.type == "cuda" else torch.float32, device)
     temperatures = tuple(float(t) for t in args.temperatures.split(","))
+    deadline = time.time() + 60 * args.generation_minutes if args.generation_minutes else None
     settings = datagen.GenerationSettings(
-        args.max_new_tokens, temperatures, args.seed, max_num_seqs=args.max_num_seqs, progress=not args.no_progress
+        args.max_new_tokens,
+        temperatures,
+        args.seed,
+        max_num_seqs=args.max_num_seqs,
+        progress=not args.no_progress,
+        deadline=deadline,
     )
     generation_started = time.perf_counter()
     sequences, data_log = generate_data(args, loaded, chat_renderer(source, loaded), settings, device)
@@ -172,6 +181,9 @@ def run(args: argparse.Namespace, command: str) -> dict[str, Any]:
     config = with_mask_token(draft_config(recipe, loaded.config, mask_token_id=0), sequences)
     drafter, t2d = trainable_drafter(config, loaded.model, train, args.seed, device)
     trainer = Trainer(drafter, loaded.model, train, recipe, args.seed, device, t2d, not args.no_progress)
+    if args.max_steps:
+        trainer.total_steps = min(trainer.total_steps, args.max_steps)
+    trainer.time_budget = 60 * args.train_minutes if args.train_minutes else None
     if args.resume and checkpoint.exists():
         trainer.load(checkpoint)
     elif validation:
@@ -186,7 +198,8 @@ def run(args: argparse.Namespace, command: str) -> dict[str, Any]:
     published.load_state_dict({name: value.cpu() for name, value in drafter.state_dict().items()})
     save_drafter(published, loaded.config.num_layers, args.out / "drafter")
     log = {
-        "finished": True, "steps": trainer.step, "command": command, "method": args.method, "target": loaded.source,
+        "finished": True, "steps": trainer.step, "train_minutes": args.train_minutes,
+        "command": command, "method": args.method, "target": loaded.source,
         "seed": args.seed, "recipe": asdict(recipe),
         "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu", "torch": torch.__version__,
         "drafter": {"target_layer_ids": list(config.target_layer_ids), "draft_vocab_size": config.draft_vocab_size,

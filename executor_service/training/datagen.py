@@ -13,6 +13,7 @@ import base64
 import gc
 import json
 import random
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -49,6 +50,7 @@ class GenerationSettings:
     num_kv_blocks: int = 0  # 0: the session's default (GPU: gpu_memory_utilization; CPU: 16k tokens)
     gpu_memory_utilization: float = 0.4  # leaves the rest for training, which follows in the same process
     progress: bool = True
+    deadline: float | None = None  # time.time() after which no new chunk starts (what is done is kept)
 
 
 @dataclass(frozen=True)
@@ -103,7 +105,7 @@ def generate(
     loaded: LoadedModel, prompts: list[PromptIds], settings: GenerationSettings, device: torch.device, path: Path
 ) -> list[Sequence]:
     """One response per prompt, in prompt order; those already in `path` are kept (ValueError if `path`
-    holds responses to other prompts)."""
+    holds responses to other prompts). Past `settings.deadline`, only the prompts answered so far."""
     longest = loaded.config.max_position_embeddings - 1
     too_long = [i for i, p in enumerate(prompts) if not 0 < len(p.ids) <= longest]
     if too_long:
@@ -122,6 +124,8 @@ def generate(
         path.parent.mkdir(parents=True, exist_ok=True)
         with path.open("a") as file:
             for start in range(len(done), len(prompts), settings.chunk):
+                if past(settings.deadline):
+                    break
                 chunk = list(enumerate(prompts[start : start + settings.chunk], start=start))
                 responses = _run(session, chunk, settings)
                 for (index, prompt), response in zip(chunk, responses, strict=True):
@@ -138,6 +142,10 @@ def generate(
         if device.type == "cuda":
             torch.cuda.empty_cache()
     return done
+
+
+def past(deadline: float | None) -> bool:
+    return deadline is not None and time.time() >= deadline
 
 
 def _session(

@@ -42,14 +42,16 @@ class Batch:
 
 
 def collate(sequences: list[Sequence], max_len: int, device: torch.device) -> Batch:
-    """Right-pad to the longest row (each cut to `max_len` tokens)."""
-    rows = [s.ids[:max_len] for s in sequences]
+    """Right-pad to the longest row. A sequence longer than `max_len` loses the start of its prompt first
+    (a long conversation keeps its latest turns and the response), then the end of its response."""
+    cuts = [min(len(s.prompt), max(0, len(s.ids) - max_len)) for s in sequences]
+    rows = [s.ids[cut : cut + max_len] for s, cut in zip(sequences, cuts, strict=True)]
     width = max(len(r) for r in rows)
     ids = torch.zeros(len(rows), width, dtype=torch.int64)
     for index, row in enumerate(rows):
         ids[index, : len(row)] = torch.tensor(row, dtype=torch.int64)
     lengths = torch.tensor([len(r) for r in rows])
-    starts = torch.tensor([min(len(s.prompt), max_len) for s in sequences])
+    starts = torch.tensor([len(s.prompt) - cut for s, cut in zip(sequences, cuts, strict=True)])
     return Batch(ids.to(device), lengths.to(device), starts.to(device))
 
 

@@ -67,6 +67,7 @@ def generate_rounds(
     counts["skipped_too_long"] = len(rendered) - len(kept)
     ids = [datagen.PromptIds(p.kind, i) for p, i in kept]
     first = datagen.generate(loaded, ids, settings, device, data)
+    kept = kept[: len(first)]  # fewer when the deadline came first
     sequences += first
     counts["first_turns"] = len(first)
 
@@ -77,10 +78,11 @@ def generate_rounds(
         asked = [(p, [*m, _user(p.followups[turn - 1])]) for p, m in talks]
         rendered_turns = [(p, m, renderer.messages(m)) for p, m in asked]
         rendered_turns = [t for t in rendered_turns if len(t[2]) <= plan.max_context_tokens]
-        if not rendered_turns:
+        if not rendered_turns or datagen.past(settings.deadline):
             break
         turn_ids = [datagen.PromptIds(p.kind, i) for p, _, i in rendered_turns]
         answered = datagen.generate(loaded, turn_ids, settings, device, round_path(data, f"turn{turn + 1}"))
+        rendered_turns = rendered_turns[: len(answered)]
         sequences += answered
         counts[f"turn{turn + 1}"] = len(answered)
         pairs = zip(rendered_turns, answered, strict=True)
@@ -100,7 +102,8 @@ def _self_instruct(
     ids = [datagen.PromptIds("self-instruct", renderer(text)) for _, text in seeds]
     writer = replace(settings, temperatures=(WRITER_TEMPERATURE,), max_new_tokens=WRITER_MAX_TOKENS)
     written = datagen.generate(loaded, ids, writer, device, round_path(data, "self_instruct"))
-    parsed = [(kind, parse_request(_text(loaded, s.response))) for (kind, _), s in zip(seeds, written, strict=True)]
+    kinds = [kind for kind, _ in seeds[: len(written)]]  # fewer written when the deadline came first
+    parsed = [(kind, parse_request(_text(loaded, s.response))) for kind, s in zip(kinds, written, strict=True)]
     prompts = [Prompt(kind, text, f"self-instruct:{i}") for i, (kind, text) in enumerate(unique_requests(parsed))]
     return written, prompts
 

@@ -26,6 +26,7 @@ from executor_service.training.losses import drafter_loss
 from executor_service.training.progress import Progress
 from executor_service.training.recipes import Recipe
 
+TIMING_STEPS = 20  # steps timed before a time budget fixes the run's length
 EVAL_SEED_OFFSET = 7_777  # DFlash anchors of evaluations: a fixed draw, the same before and after training
 
 
@@ -66,6 +67,7 @@ class Trainer:
         self.history: list[dict[str, float]] = []
         self.window: dict[str, list[float]] = defaultdict(list)  # metrics since the last history entry
         self.seconds = 0.0
+        self.time_budget: float | None = None  # seconds: the run is shortened to fit (see fit_to_budget)
         self._orders: dict[int, torch.Tensor] = {}
 
     def _lr_factor(self, step: int) -> float:
@@ -109,6 +111,8 @@ class Trainer:
         bar = Progress(self.total_steps, f"training {self.drafter.config.method}", "step", self.step, self.progress)
         started = time.perf_counter()
         while self.step < last:
+            if self.time_budget is not None and self.step == TIMING_STEPS:
+                last = min(last, self.fit_to_budget(self.seconds + time.perf_counter() - started))
             metrics = self.train_step()
             for name, value in metrics.items():
                 self.window[name].append(value)
@@ -124,6 +128,15 @@ class Trainer:
         self.seconds += time.perf_counter() - started
         final = {k: v for k, v in self.history[-1].items() if k != "step"} if self.history else {}
         return TrainOutcome(self.step, self.seconds, final, self.history)
+
+    def fit_to_budget(self, elapsed: float) -> int:
+        """After TIMING_STEPS steps: as many steps as the time budget holds at the speed so far (never more
+        than the recipe's), with the learning-rate schedule stretched over that many. Returns the new total."""
+        assert self.time_budget is not None
+        per_step = elapsed / max(1, self.step)
+        fits = self.step + int(max(0.0, self.time_budget - elapsed) / per_step)
+        self.total_steps = max(self.step + 1, min(self.total_steps, fits))
+        return self.total_steps
 
     @torch.no_grad()
     def evaluate(self, sequences: list[Sequence]) -> dict[str, float]:
@@ -152,6 +165,7 @@ class Trainer:
             "history": self.history,
             "window": dict(self.window),
             "seconds": self.seconds,
+            "total_steps": self.total_steps,
         }
 
     def save(self, path: Path) -> None:
@@ -170,4 +184,5 @@ class Trainer:
         self.scheduler.load_state_dict(state["scheduler"])
         self.generator.set_state(state["generator"].cpu())
         self.step, self.history, self.seconds = state["step"], state["history"], state["seconds"]
+        self.total_steps = state.get("total_steps", self.total_steps)
         self.window = defaultdict(list, state["window"])

@@ -86,3 +86,41 @@ def test_rounds_answer_follow_ups_with_the_earlier_turns_and_resume(
         assert round_path(data, name).exists()
     again = generate_rounds(loaded, renderer, prompts, plan, settings, torch.device("cpu"), data)
     assert [s.ids for s in again.sequences] == [s.ids for s in outcome.sequences]  # read back, not regenerated
+
+
+def test_long_sequences_lose_their_prompt_start_first() -> None:
+    from executor_service.training.features import Sequence, collate
+
+    short = Sequence([1, 2, 3], [4, 5])
+    long_prompt = Sequence(list(range(10, 20)), [7, 8, 9])  # 13 tokens, max 6: keep the prompt's last 3
+    long_response = Sequence([1, 2], list(range(30, 40)))  # the response alone is longer than 6
+    batch = collate([short, long_prompt, long_response], max_len=6, device=torch.device("cpu"))
+    assert batch.ids[0, :5].tolist() == [1, 2, 3, 4, 5] and batch.response_start[0] == 3
+    assert batch.ids[1].tolist() == [17, 18, 19, 7, 8, 9] and batch.response_start[1] == 3
+    assert batch.ids[2].tolist() == [30, 31, 32, 33, 34, 35] and batch.response_start[2] == 0
+    assert batch.lengths.tolist() == [5, 6, 6]
+
+
+def test_a_passed_generation_deadline_keeps_what_is_done(
+    tokenized_target: tuple[LoadedModel, ChatRenderer], tmp_path: Path
+) -> None:
+    loaded, _ = tokenized_target
+    prompts = [datagen.PromptIds("random", [5 + i, 6, 7]) for i in range(5)]
+    settings = datagen.GenerationSettings(max_new_tokens=3, temperatures=(0.0,), chunk=2, progress=False)
+    path = tmp_path / "data.jsonl"
+    assert len(datagen.generate(loaded, prompts[:2], settings, torch.device("cpu"), path)) == 2
+    late = dataclasses.replace(settings, deadline=0.0)  # long past: no new chunk starts
+    assert len(datagen.generate(loaded, prompts, late, torch.device("cpu"), path)) == 2
+    assert len(datagen.generate(loaded, prompts, settings, torch.device("cpu"), path)) == 5
+
+
+def test_a_time_budget_shortens_the_run_to_what_fits() -> None:
+    from executor_service.training.trainer import Trainer
+
+    trainer = Trainer.__new__(Trainer)  # only the step arithmetic: no model needed
+    trainer.step, trainer.total_steps, trainer.time_budget = 20, 1000, 60.0
+    assert trainer.fit_to_budget(elapsed=10.0) == 20 + 100  # 0.5 s a step, 50 s left
+    trainer.total_steps, trainer.time_budget = 50, 600.0
+    assert trainer.fit_to_budget(elapsed=10.0) == 50  # never more than the recipe's
+    trainer.total_steps, trainer.time_budget = 1000, 5.0
+    assert trainer.fit_to_budget(elapsed=10.0) == 21  # over budget already: one more step, then stop
