@@ -214,7 +214,7 @@ class Engine:
             if request.status is not Status.RUNNING:  # finished while a following step was in flight
                 continue
             num_drafts = len(request.draft_ids)
-            request.num_computed_tokens += result.accepted[index] + 1  # rejected drafts' K/V are rolled back
+            request.num_computed_tokens += result.kept_rows(index)  # roll back: rejected drafts' K/V not kept
             request.record_verification(num_drafts, result.accepted[index])
             request.draft_ids = []
             drafted.append(num_drafts)

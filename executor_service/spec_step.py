@@ -3,16 +3,31 @@
 When every request of a step is greedy and verifies all k of its drafts (the steady state of speculative
 decoding), nothing between the target's verify pass and the drafter's next proposal needs the host:
 
-- verify: the target's greedy token after each of the k + 1 rows (one argmax);
-- accept: the drafts that match, a cumulative product of matches (the first mismatch stops acceptance);
-- propose: the drafter's next inputs are the target's own tokens, its newest verified row is row
-  `accepted`, and each chain step's (or the DFlash block's) metadata is advanced on the device from
-  that position and the slots ahead of it, which the host lays out before the step.
+- verify (`verify_greedy`): the target's greedy token after each of the k + 1 rows (one argmax);
+- accept (`accept_greedy`): the drafts that match, a cumulative product of matches (the first mismatch stops
+  acceptance);
+- roll back (`VerifiedStep.kept_rows`): the rejected drafts' K/V stays in the cache but is not booked, and the
+  next step overwrites it; `launch_following` derives the same on the device;
+- propose (`Proposer.propose_verified`): the drafter's next inputs are the target's own tokens, its newest
+  verified row is row `accepted`, and each chain step's (or the DFlash block's) metadata is advanced on the
+  device from that position and the slots ahead of it, which the host lays out before the step.
 
 So the three run as one function, captured as one CUDA graph per batch bucket: one replay per step and one
 read-back of [target tokens, accepted count, next drafts] per request. The same function runs eagerly on
 the CPU and for batches larger than the graphs; the engine falls back to its host path (verify_batch,
 Proposer.propose) for sampled requests and uneven batches.
+
+The same four parts on either path:
+
+| part      | device-resident step (here)                    | host path (Engine.step)                            |
+|-----------|------------------------------------------------|----------------------------------------------------|
+| verify    | verify_greedy                                  | rejection_sampler.verify_batch (greedy or sampled) |
+| accept    | accept_greedy                                  | verify_batch's tokens, booked by Engine._accept    |
+| roll back | VerifiedStep.kept_rows, Engine._book_on_device | Engine._accept (rows kept up to the last accepted) |
+| propose   | Proposer.propose_verified                      | Proposer.propose, from Engine._propose             |
+
+CUDA-graph plumbing (static buffers, buckets, capture and replay) is cuda_graphs.StepGraphs'; here only which
+function is captured and when a replay replaces the eager call.
 """
 
 from __future__ import annotations
@@ -40,7 +55,12 @@ class VerifiedStep:
 
     def emitted(self, index: int) -> list[int]:
         """The accepted drafts (equal to the target's tokens) and the target's token after them."""
-        return self.target_ids[index][: self.accepted[index] + 1]
+        return self.target_ids[index][: self.kept_rows(index)]
+
+    def kept_rows(self, index: int) -> int:
+        """Roll back: of the k + 1 rows verified, the request keeps its last token's and its accepted drafts';
+        the rejected drafts' K/V is not counted, and the next step writes over it."""
+        return self.accepted[index] + 1
 
 
 class PendingStep:
@@ -144,11 +164,10 @@ class SpecStep:
         """[B, (k + 1) + 1 + k]: the target's tokens, the accepted count and the next drafts of each request."""
         input_ids, ahead = x["input_ids"], x["slots_ahead"]
         count, rows = ahead.shape[0], self.k + 1
-        logits, features = self.runner.forward(input_ids, positions, step, None)
+        logits, features = self.runner.forward(input_ids, positions, step, None)  # the target's pass
         assert features is not None, "a drafter reads the target's features"
-        target_ids = argmax(logits).view(count, rows)
-        drafts = input_ids.view(count, rows)[:, 1:]
-        accepted = (drafts == target_ids[:, :-1]).cumprod(dim=1).sum(dim=1)
+        target_ids = verify_greedy(logits, count, rows)
+        accepted = accept_greedy(input_ids.view(count, rows)[:, 1:], target_ids)
         next_drafts = self.proposer.propose_verified(step, positions, target_ids, features, accepted, ahead)
         return (torch.cat([target_ids, accepted[:, None], next_drafts], dim=1),)
 
@@ -160,3 +179,14 @@ class SpecStep:
             request_inputs={"slots_ahead": ((self.proposer.ahead_width,), torch.int64, -1)},
         )  # fmt: skip
         self.graphs.capture()
+
+
+def verify_greedy(logits: torch.Tensor, count: int, rows: int) -> torch.Tensor:
+    """Verify: the target's greedy token after each of a request's `rows` verify rows, [count, rows]."""
+    return argmax(logits).view(count, rows)
+
+
+def accept_greedy(drafts: torch.Tensor, target_ids: torch.Tensor) -> torch.Tensor:
+    """Accept: per request, how many drafts [count, k] equal the target's token at their row, up to the first
+    that does not (a cumulative product of matches)."""
+    return (drafts == target_ids[:, :-1]).cumprod(dim=1).sum(dim=1)
