@@ -5,6 +5,8 @@
       query_start_loc [B+1] int32; seq_lens [B] int32 = context + query length.
       causal: query i of a request sees keys <= context_len + i (bottom-right aligned);
       non-causal: every query sees all seq_lens[b] keys of its request.        -> out [T, Hq, D]
+      tree_mask (optional, causal only): [T] int64, each token's bits over its request's 64 newest keys,
+      for tree drafting (kernels/tree_mask.py); -1 is plain causal.
 
 Causality is an argument of every call (R9), so one backend serves causal target steps and non-causal
 DFlash steps; a backend asked for what its capability entry does not claim fails with the reasons.
@@ -58,6 +60,7 @@ class AttentionBatch:
     scale: float
     max_query_len: int
     max_seq_len: int
+    tree_mask: torch.Tensor | None = None  # [T] int64 (kernels/tree_mask.py); None: no tree
 
     @property
     def num_requests(self) -> int:
@@ -98,16 +101,18 @@ def paged_attention(
     out: torch.Tensor | None = None,
     max_query_len: int | None = None,
     max_seq_len: int | None = None,
+    tree_mask: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Attention of q over the paged cache; see the module docstring for the conventions.
 
     `out` (optional) receives the result; `max_query_len` / `max_seq_len` are host-side bounds that
-    spare a device sync when the caller knows them (the executor does).
+    spare a device sync when the caller knows them (the executor does). `tree_mask`: tree attention.
     """
     name = backend.strip().upper()
     _check_shapes(q, k_cache, v_cache, block_table, query_start_loc, seq_lens, out)
+    check_tree_mask(tree_mask, q, causal)
     module = implementation(name)
-    check_claimed(name, q, k_cache, causal)
+    check_claimed(name, q, k_cache, causal, tree=tree_mask is not None)
     reason = module.unavailable_reason(q.device)
     if reason is not None:
         raise BackendUnavailableError(f"{name} cannot run on {q.device}: {reason}")
@@ -123,8 +128,22 @@ def paged_attention(
         scale=scale if scale is not None else 1.0 / math.sqrt(q.shape[-1]),
         max_query_len=max_query_len,
         max_seq_len=max_seq_len,
+        tree_mask=tree_mask,
     )
     return module.forward(q, k_cache, v_cache, batch, out)
+
+
+def check_tree_mask(tree_mask: torch.Tensor | None, q: torch.Tensor, causal: bool) -> None:
+    """A tree mask narrows causal attention: one int64 per query token, on q's device."""
+    if tree_mask is None:
+        return
+    if not causal:
+        raise ValueError("a tree mask narrows causal attention; it cannot go with causal=False")
+    if tree_mask.dtype != torch.int64 or tree_mask.shape != (q.shape[0],) or tree_mask.device != q.device:
+        raise ValueError(
+            f"tree_mask must be int64 [{q.shape[0]}] on {q.device}; got {tree_mask.dtype} "
+            f"{tuple(tree_mask.shape)} on {tree_mask.device}"
+        )
 
 
 def _check_shapes(
@@ -160,14 +179,16 @@ def _check_shapes(
         raise ValueError(f"out must match q {tuple(q.shape)} {q.dtype}; got {tuple(out.shape)} {out.dtype}")
 
 
-def check_claimed(backend: str, q: torch.Tensor, k_cache: torch.Tensor, causal: bool) -> None:
-    """ValueError with the table's reasons unless the capability entry claims this call (R9)."""
-    reasons = refusal_reasons(backend, q, k_cache, causal)
+def check_claimed(backend: str, q: torch.Tensor, k_cache: torch.Tensor, causal: bool, tree: bool = False) -> None:
+    """ValueError with the table's reasons unless the capability entry claims this call (R9, R11)."""
+    reasons = refusal_reasons(backend, q, k_cache, causal, tree)
     if reasons:
         raise ValueError(f"{backend.strip().upper()} cannot run this call: {reasons}")
 
 
-def refusal_reasons(backend: str, q: torch.Tensor, k_cache: torch.Tensor, causal: bool) -> list[str]:
+def refusal_reasons(
+    backend: str, q: torch.Tensor, k_cache: torch.Tensor, causal: bool, tree: bool = False
+) -> list[str]:
     """Why the capability table refuses this call on this device (R9); empty when it claims it.
 
     The platform is not checked: kernels run wherever they can (ROCM_ATTN is tested on CUDA, CPU_ATTN is
@@ -176,7 +197,7 @@ def refusal_reasons(backend: str, q: torch.Tensor, k_cache: torch.Tensor, causal
     name = backend.strip().upper()
     module = implementation(name)
     version = getattr(module, "library_version", lambda: None)()
-    reasons = _refusal_reasons(BACKENDS[name], version, q.dtype, q.shape[-1], k_cache.shape[1], causal, q.device)
+    reasons = _refusal_reasons(BACKENDS[name], version, q.dtype, q.shape[-1], k_cache.shape[1], causal, q.device, tree)
     return list(reasons)
 
 
@@ -189,6 +210,7 @@ def _refusal_reasons(
     block_size: int,
     causal: bool,
     device: torch.device,
+    tree: bool = False,
 ) -> tuple[str, ...]:
     """Cached: a model's layers ask the same question every step, and the answer never changes."""
     table_dtype = TORCH_DTYPES.get(dtype)
@@ -197,6 +219,7 @@ def _refusal_reasons(
         dtype=table_dtype or DType.FLOAT32,
         block_size=block_size,
         use_non_causal=not causal,
+        use_tree_attention=tree,
     )
     hardware = Hardware(
         platform=_platform(device),

@@ -8,7 +8,8 @@ CPU_ATTN, ROCM_ATTN) the entries say what our implementations compute, and tests
 they do: no sinks, no sliding window, KV cache in the activation's precision (no fp8). FLASHINFER and
 the AITER backends have no implementation here; their entries keep vLLM 0.33's figures, and the
 executor reports them unavailable. The fields and the selection rules (R1-R10): docs/selection.md.
-CPU_ATTN is SDPA over gathered KV, so it takes any head and block size.
+CPU_ATTN is SDPA over gathered KV, so it takes any head and block size. Tree attention (tree drafting's verify
+and draft passes) is ours alone: TRITON_ATTN, FLEX_ATTENTION and CPU_ATTN compute it; the others are refused.
 """
 
 from __future__ import annotations
@@ -45,6 +46,7 @@ SINK_NOT_SUPPORTED = "attention sinks not supported"
 COMPUTE_CAPABILITY_NOT_SUPPORTED = "compute capability not supported"
 SLIDING_WINDOW_NOT_SUPPORTED = "sliding window not supported"
 NON_CAUSAL_NOT_SUPPORTED = "non-causal attention not supported"
+TREE_ATTENTION_NOT_SUPPORTED = "tree attention not supported"
 NOT_INSTALLED_SUFFIX = " not installed"  # preceded by the library name: "flash_attn not installed"
 
 REASON_ORDER = (
@@ -58,6 +60,7 @@ REASON_ORDER = (
     COMPUTE_CAPABILITY_NOT_SUPPORTED,
     SLIDING_WINDOW_NOT_SUPPORTED,
     NON_CAUSAL_NOT_SUPPORTED,
+    TREE_ATTENTION_NOT_SUPPORTED,
 )
 
 
@@ -105,6 +108,8 @@ class AttentionNeeds:
     has_sink: bool = False
     has_sliding_window: bool = False
     use_non_causal: bool = False
+    # Tree drafting: each draft attends to the context and its ancestors only (a mask per token, R11).
+    use_tree_attention: bool = False
 
 
 VersionCheck = Callable[[AttentionNeeds, Hardware, str], list[str]]
@@ -126,6 +131,7 @@ class BackendCapability:
     supports_sink: bool = False
     supports_sliding_window: bool = True
     supports_non_causal: bool = False
+    supports_tree_attention: bool = False  # a per-token ancestor mask over the newest keys (R11)
     # Narrowing by the installed library's version (FA2 vs FA4, ...); gets the reported version.
     version_check: VersionCheck | None = None
     notes: tuple[str, ...] = field(default=())
@@ -153,6 +159,8 @@ class BackendCapability:
             reasons.add(SLIDING_WINDOW_NOT_SUPPORTED)
         if needs.use_non_causal and not self.supports_non_causal:
             reasons.add(NON_CAUSAL_NOT_SUPPORTED)
+        if needs.use_tree_attention and not self.supports_tree_attention:
+            reasons.add(TREE_ATTENTION_NOT_SUPPORTED)
         version = hardware.library_version(self.required_library)
         if version is not None and self.version_check is not None:
             reasons.update(self.version_check(needs, hardware, version))
@@ -232,6 +240,7 @@ BACKENDS: dict[str, BackendCapability] = {
                 "flash_attn 2.x: head_size <= 256; pages (block_size) a multiple of 256",
                 "flash_attn 3.x: compute capability 9.x only",
                 "flash_attn 4.x: compute capability 9.x or 10.x; head_size 32, 64, 128, 256 (10.x: also 512)",
+                "no tree attention: its varlen kernels take causal or full masks, not a mask per token",
             ),
         ),
         BackendCapability(
@@ -260,11 +269,12 @@ BACKENDS: dict[str, BackendCapability] = {
             required_library="triton",
             supports_sliding_window=False,
             supports_non_causal=True,
+            supports_tree_attention=True,
             notes=("on CPU it runs through the Triton interpreter (tests only)",),
         ),
         BackendCapability(
             name="FLEX_ATTENTION",
-            description="torch flex_attention over the paged cache with causal or bidirectional mask_mods",
+            description="torch flex_attention over the paged cache with causal, bidirectional or tree mask_mods",
             platforms=(Platform.CUDA, Platform.ROCM, Platform.CPU),
             dtypes=_ALL_DTYPES,
             kv_cache_dtypes=_NATIVE_KV,
@@ -273,6 +283,7 @@ BACKENDS: dict[str, BackendCapability] = {
             required_library="torch",
             supports_sliding_window=False,
             supports_non_causal=True,
+            supports_tree_attention=True,
         ),
         BackendCapability(
             name="ROCM_ATTN",
@@ -322,6 +333,7 @@ BACKENDS: dict[str, BackendCapability] = {
             required_library="torch",
             supports_sliding_window=False,
             supports_non_causal=True,
+            supports_tree_attention=True,
         ),
     )
 }

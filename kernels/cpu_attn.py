@@ -1,5 +1,6 @@
 """CPU_ATTN: torch SDPA over each request's gathered keys and values. The CPU default and the
-reference the other backends are checked against; it also runs on GPUs (slowly) for that purpose."""
+reference the other backends are checked against; it also runs on GPUs (slowly) for that purpose.
+Tree masks (kernels/tree_mask.py) narrow the causal mask it builds per request."""
 
 from __future__ import annotations
 
@@ -7,6 +8,7 @@ import torch
 import torch.nn.functional as F
 
 from kernels.attention import AttentionBatch
+from kernels.tree_mask import window_visible
 
 
 def unavailable_reason(device: torch.device) -> str | None:
@@ -33,6 +35,8 @@ def forward(
             context_len = seq_len - query_len
             positions = torch.arange(seq_len, device=q.device)
             mask = positions[None, :] <= context_len + torch.arange(query_len, device=q.device)[:, None]
+            if batch.tree_mask is not None:  # tree drafting: only the ancestors among the newest keys
+                mask &= window_visible(batch.tree_mask[q_start:q_end, None], positions[None, :], seq_len)
         result = F.scaled_dot_product_attention(
             q[q_start:q_end].transpose(0, 1),
             keys.repeat_interleave(group, dim=1).transpose(0, 1),

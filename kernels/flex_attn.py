@@ -5,7 +5,9 @@ one query sequence [1, Hq, T, D]. The BlockMask's KV block size is the cache blo
 physical cache block: per Q tile (Q_BLOCK tokens, possibly of several requests) the kernel visits only the blocks
 those requests can see, and the padding block of block-table rows (which may hold NaN) is never loaded. mask_mod
 maps (query token, physical slot) to (request, logical position) and applies the length and causal limits, so one
-mask_mod serves causal target steps and bidirectional DFlash steps.
+mask_mod serves causal target steps and bidirectional DFlash steps. Tree drafting adds per-token ancestor bitmasks
+(kernels/tree_mask.py): mask_mod checks each key of the 64-key window against its token's bit, and no block that
+holds window keys of a tree token counts as full.
 
 The metadata depends only on the block table and lengths, not on the layer: an executor can build it once per step
 (`build_flex_metadata`) and reuse it for every layer (`forward_with_metadata`). Building it never syncs the host.
@@ -21,6 +23,7 @@ import torch
 import torch.nn.functional as F
 
 from kernels.attention import AttentionBatch
+from kernels.tree_mask import TREE_WINDOW, window_visible
 
 try:
     from torch.nn.attention.flex_attention import BlockMask, flex_attention
@@ -72,8 +75,10 @@ def build_flex_metadata(
     num_blocks: int,
     block_size: int,
     num_tokens: int,
+    tree_mask: torch.Tensor | None = None,
 ) -> FlexMetadata:
-    """The BlockMask (partial and full block lists, mask_mod) for one step, built on the device without a sync."""
+    """The BlockMask (partial and full block lists, mask_mod) for one step, built on the device without a sync.
+    `tree_mask` [num_tokens] int64: tree attention (causal only)."""
     device = block_table.device
     num_reqs = seq_lens.shape[0]
     padded = max(1, -(-num_tokens // Q_BLOCK)) * Q_BLOCK
@@ -89,6 +94,12 @@ def build_flex_metadata(
     else:
         last_visible = seq[req] - 1
     last_visible = torch.where(real, last_visible, -1)  # [P]: the last logical key position each token sees
+    full_limit = last_visible  # [P]: the last position up to which a token sees every key
+    tree = None
+    if tree_mask is not None:
+        tree = F.pad(tree_mask, (0, padded - num_tokens), value=-1)
+        window_start = seq[req] - TREE_WINDOW
+        full_limit = torch.where(tree == -1, last_visible, torch.minimum(last_visible, window_start - 1))
 
     # int32 throughout: the [tokens, max_blocks] candidates below are the largest tensors built here.
     table = F.pad(block_table[:num_reqs], (0, 0, 0, 1))  # [B + 1, MB], sentinel row for padding tokens
@@ -100,7 +111,8 @@ def build_flex_metadata(
     # the least, sees the whole block.
     first, last = tokens[::Q_BLOCK], tokens[Q_BLOCK - 1 :: Q_BLOCK]
     one_request = (req[first] == req[last]) & real[last]
-    full = one_request[:, None] & (block_start + block_size - 1 <= last_visible[first][:, None])  # [nQ, MB]
+    tile_limit = full_limit.view(-1, Q_BLOCK).min(dim=1).values  # causal: the first token's; trees: maybe lower
+    full = one_request[:, None] & (block_start + block_size - 1 <= tile_limit[:, None])  # [nQ, MB]
     partial = visible & ~full.repeat_interleave(Q_BLOCK, dim=0)
     candidates = torch.where(partial, table[req], num_blocks).view(-1, Q_BLOCK * max_blocks)
     kv_num, kv_indices = _unique_rows(candidates, num_blocks)
@@ -133,7 +145,7 @@ def build_flex_metadata(
         full_num,
         full_indices,
         BLOCK_SIZE=(Q_BLOCK, block_size),
-        mask_mod=_paged_mask_mod(req, last_visible, p2l, block_size),
+        mask_mod=_paged_mask_mod(req, last_visible, p2l, block_size, tree, seq),
         seq_lengths=(padded, num_blocks * block_size),
         compute_q_blocks=False,  # the transposed lists serve only the backward pass
     )
@@ -155,14 +167,29 @@ def _unique_rows(rows: torch.Tensor, sentinel: int) -> tuple[torch.Tensor, torch
 
 
 def _paged_mask_mod(
-    req: torch.Tensor, last_visible: torch.Tensor, p2l: torch.Tensor, block_size: int
+    req: torch.Tensor,
+    last_visible: torch.Tensor,
+    p2l: torch.Tensor,
+    block_size: int,
+    tree: torch.Tensor | None = None,
+    seq: torch.Tensor | None = None,
 ) -> Callable[..., torch.Tensor]:
     def mask_mod(b: torch.Tensor, h: torch.Tensor, q_idx: torch.Tensor, kv_idx: torch.Tensor) -> torch.Tensor:
         logical_block = p2l[req[q_idx], kv_idx // block_size]
         position = logical_block * block_size + kv_idx % block_size
         return (logical_block >= 0) & (position <= last_visible[q_idx])
 
-    return mask_mod
+    if tree is None:
+        return mask_mod
+    assert seq is not None
+
+    def tree_mask_mod(b: torch.Tensor, h: torch.Tensor, q_idx: torch.Tensor, kv_idx: torch.Tensor) -> torch.Tensor:
+        logical_block = p2l[req[q_idx], kv_idx // block_size]
+        position = logical_block * block_size + kv_idx % block_size
+        visible = (logical_block >= 0) & (position <= last_visible[q_idx])
+        return visible & window_visible(tree[q_idx], position, seq[req[q_idx]])
+
+    return tree_mask_mod
 
 
 def forward(
@@ -176,6 +203,7 @@ def forward(
         num_blocks=k_cache.shape[0],
         block_size=k_cache.shape[1],
         num_tokens=q.shape[0],
+        tree_mask=batch.tree_mask,
     )
     return forward_with_metadata(q, k_cache, v_cache, metadata, batch.scale, out)
 

@@ -8,6 +8,9 @@ Few queries per request over long contexts (decode, DFlash blocks, verification)
 idle, so each request's keys are split into NUM_SPLITS equal ranges whose partial results (normalised output and
 log-sum-exp) a second kernel combines: flash-decoding. Keys every query of a tile sees run through an
 unmasked loop; only the tail (the causal diagonal, the last partial tile) pays for masks.
+
+Tree attention (TREE): each row also carries its token's tree mask, bits over its request's 64 newest keys
+(kernels/tree_mask.py); those keys go through the masked loop, which drops the ones whose bit is clear.
 """
 
 from __future__ import annotations
@@ -50,10 +53,10 @@ def find_request(query_start_loc_ptr, tile, num_requests, BLOCK_Q: tl.constexpr)
 
 @triton.jit
 def _attend_range(
-    acc, m_i, l_i, q, k_base, v_base, block_table_row, stride_kb, stride_ks, offs_d, q_pos,
+    acc, m_i, l_i, q, k_base, v_base, block_table_row, stride_kb, stride_ks, offs_d, q_pos, tree_bits,
     start, end, kv_len, scale_log2, block_size,
     MASKED: tl.constexpr, CAUSAL: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_SIZE: tl.constexpr,
-    HEAD_PAD: tl.constexpr, PAGE_ALIGNED: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    HEAD_PAD: tl.constexpr, PAGE_ALIGNED: tl.constexpr, DOT_PRECISION: tl.constexpr, TREE: tl.constexpr,
 ):  # fmt: skip
     """Online softmax over keys [start, end). Unless MASKED, every row of the tile sees every key of the
     range, which lies below kv_len: the loads and scores then need no masks at all."""
@@ -82,6 +85,11 @@ def _attend_range(
             visible = (pos < kv_len)[None, :]
             if CAUSAL:
                 visible = visible & (pos[None, :] <= q_pos[:, None])
+            if TREE:  # keys in the 64-key window: the row's bit for that key
+                offset = pos[None, :] - (kv_len - 64)
+                shift = tl.minimum(tl.maximum(offset, 0), 63).to(tl.int64)
+                bit = (tree_bits[:, None] >> shift) & 1
+                visible = visible & ((offset < 0) | (bit != 0))
             s = tl.where(visible, s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 1))
         if MASKED:
@@ -97,7 +105,7 @@ def _attend_range(
 @triton.jit
 def _paged_attention_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, lse_ptr,
-    block_table_ptr, query_start_loc_ptr, seq_lens_ptr,
+    block_table_ptr, query_start_loc_ptr, seq_lens_ptr, tree_mask_ptr,
     stride_qt, stride_qh, stride_ot, stride_oh,
     stride_kb, stride_ks, stride_kh,
     stride_bt, stride_split_o, stride_split_lse,
@@ -105,6 +113,7 @@ def _paged_attention_kernel(
     GROUP: tl.constexpr, ROW_GROUP: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr, HEAD_SIZE: tl.constexpr, HEAD_PAD: tl.constexpr, CAUSAL: tl.constexpr, SPLIT: tl.constexpr,
     PAGE_ALIGNED: tl.constexpr, DOT_PRECISION: tl.constexpr, MAX_SPLITS: tl.constexpr, MIN_SPLIT_LEN: tl.constexpr,
+    TREE: tl.constexpr,
 ):  # fmt: skip
     tile = tl.program_id(0)
     if CAUSAL:  # the last tiles see the most keys: start them first so they do not trail the grid
@@ -134,11 +143,16 @@ def _paged_attention_kernel(
         other=0.0,
     )
     q_pos = context + q_idx
+    tree_bits = tl.full([BLOCK_M], -1, tl.int64)
+    if TREE:
+        tree_bits = tl.load(tree_mask_ptr + token, mask=row_mask, other=-1)
 
     # Keys this tile needs: all of the request (non-causal) or up to its last query's position.
     last_q = tl.minimum(local + BLOCK_Q, q_len) - 1
     kv_end = context + last_q + 1 if CAUSAL else kv_len
     all_visible = context + local + 1 if CAUSAL else kv_len  # keys every row of the tile sees
+    if TREE:  # the window's keys depend on each row's mask
+        all_visible = tl.maximum(tl.minimum(all_visible, kv_len - 64), 0)
     start = 0
     end = kv_end
     if SPLIT:  # MAX_SPLITS parts of this request's keys, at least MIN_SPLIT_LEN each: a function of the
@@ -157,14 +171,14 @@ def _paged_attention_kernel(
     v_base = v_cache_ptr + kv_head * stride_kh
     table = block_table_ptr + req.to(tl.int64) * stride_bt
     acc, m_i, l_i = _attend_range(
-        acc, m_i, l_i, q, k_base, v_base, table, stride_kb, stride_ks, offs_d, q_pos,
+        acc, m_i, l_i, q, k_base, v_base, table, stride_kb, stride_ks, offs_d, q_pos, tree_bits,
         start, unmasked_end, kv_len, scale_log2, block_size,
-        False, CAUSAL, BLOCK_N, HEAD_SIZE, HEAD_PAD, PAGE_ALIGNED, DOT_PRECISION,
+        False, CAUSAL, BLOCK_N, HEAD_SIZE, HEAD_PAD, PAGE_ALIGNED, DOT_PRECISION, TREE,
     )  # fmt: skip
     acc, m_i, l_i = _attend_range(
-        acc, m_i, l_i, q, k_base, v_base, table, stride_kb, stride_ks, offs_d, q_pos,
+        acc, m_i, l_i, q, k_base, v_base, table, stride_kb, stride_ks, offs_d, q_pos, tree_bits,
         unmasked_end, end, kv_len, scale_log2, block_size,
-        True, CAUSAL, BLOCK_N, HEAD_SIZE, HEAD_PAD, PAGE_ALIGNED, DOT_PRECISION,
+        True, CAUSAL, BLOCK_N, HEAD_SIZE, HEAD_PAD, PAGE_ALIGNED, DOT_PRECISION, TREE,
     )  # fmt: skip
 
     safe_l = tl.where(l_i > 0.0, l_i, 1.0)
@@ -296,9 +310,12 @@ def forward(
         target, lse_arg = out, out
         stride_split_o = stride_split_lse = 0
         stride_ot, stride_oh = out.stride(0), out.stride(1)
+    tree = batch.tree_mask is not None
+    if tree and not batch.causal:
+        raise ValueError("TRITON_ATTN: a tree mask narrows causal attention")
     _paged_attention_kernel[(num_tiles, num_heads // row_group, cfg.num_splits)](
         q, k_cache, v_cache, target, lse_arg,
-        batch.block_table, batch.query_start_loc, batch.seq_lens,
+        batch.block_table, batch.query_start_loc, batch.seq_lens, batch.tree_mask if tree else batch.seq_lens,
         q.stride(0), q.stride(1), stride_ot, stride_oh,
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         batch.block_table.stride(0), stride_split_o, stride_split_lse,
@@ -307,7 +324,7 @@ def forward(
         HEAD_SIZE=head_size, HEAD_PAD=head_pad,
         CAUSAL=batch.causal, SPLIT=split, PAGE_ALIGNED=block_size % cfg.block_n == 0,
         DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
-        MAX_SPLITS=MAX_SPLITS, MIN_SPLIT_LEN=cfg.min_split_len,
+        MAX_SPLITS=MAX_SPLITS, MIN_SPLIT_LEN=cfg.min_split_len, TREE=tree,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )  # fmt: skip
     if split:
