@@ -54,7 +54,15 @@ class DraftConfig:
     @property
     def positions_ahead(self) -> int:
         """How far past the verified tokens a proposal writes the drafter's cache (the scheduler's lookahead)."""
-        return self.block_size if self.method == "dflash" else self.num_speculative_tokens + 1
+        return self.lookahead(self.num_speculative_tokens)
+
+    def lookahead(self, num_speculative_tokens: int) -> int:
+        """positions_ahead of a request drafting `num_speculative_tokens` (<= this drafter's): EAGLE's chain
+        writes only the request's own drafts' positions; DFlash's block pass always writes the whole block,
+        whose tokens attend to one another; a request that does not draft writes nothing."""
+        if num_speculative_tokens == 0:
+            return 0
+        return self.block_size if self.method == "dflash" else num_speculative_tokens + 1
 
 
 def default_eagle3_layers(num_target_layers: int) -> tuple[int, ...]:

@@ -264,12 +264,13 @@ class Engine:
         kept: dict[int, int],
         features: torch.Tensor | None,
     ) -> None:
-        """Draft for the next step from this step's target features (requests that finished are skipped)."""
+        """Draft for the next step from this step's target features. Requests that finished are skipped, and so
+        are those that never draft (num_speculative_tokens 0): the drafter does not run for them at all."""
         assert self.proposer is not None and features is not None
         entries = [
             ProposeEntry(r, start, rows, kept[id(r)], propose=r.num_computed_tokens == r.num_tokens - 1)
             for r, start, rows in zip(requests, row_starts, num_new, strict=True)
-            if r.status is Status.RUNNING
+            if r.status is Status.RUNNING and self.proposer.num_drafts(r) > 0
         ]
         running = [e.request for e in entries]
         try:

@@ -100,10 +100,23 @@ class Proposer:
             return -1
         return cache_slot(request.block_ids, position, self.block_size)
 
-    def slots_ahead(self, requests: list[Request], starts: list[int], width: int) -> torch.Tensor:
-        """[B, width] slots of positions start, start + 1, ... of each request: what its next passes write."""
-        rows = [[self.slot(r, s + j) for j in range(width)] for r, s in zip(requests, starts, strict=True)]
+    def slots_ahead(
+        self, requests: list[Request], starts: list[int], width: int, own: list[int] | None = None
+    ) -> torch.Tensor:
+        """[B, width] slots of positions start, start + 1, ... of each request: what its next passes write.
+        `own`: each request's own width (its drafts, per-request speculation); -1 past it."""
+        own = own or [width] * len(requests)
+        rows = [
+            [self.slot(r, s + j) if j < w else -1 for j in range(width)]
+            for r, s, w in zip(requests, starts, own, strict=True)
+        ]
         return self.tensor(rows, torch.int64)
+
+    def num_drafts(self, request: Request) -> int:
+        """Drafts per step for this request: its own number (GenerateRequest.num_speculative_tokens, at most
+        k; 0: it never drafts), else the loaded drafter's k."""
+        own = request.num_speculative_tokens
+        return self.k if own is None else min(own, self.k)
 
     def attention(
         self, requests: list[Request], query_lens: list[int], seq_lens: list[int], slots: list[int], causal: bool
@@ -182,6 +195,7 @@ class Proposer:
         """The request's drafts for its next step, never past the context. Drafts past max_tokens are kept
         (verified, their tokens dropped): the last steps keep k + 1 tokens per request, so they replay the
         verify graph instead of running eagerly."""
+        drafts = drafts[: self.num_drafts(request)]  # a request drafting fewer than k keeps its own
         drafts = self.replay(request, drafts) if self.replay is not None else drafts
         request.draft_ids = drafts[: max(self.max_model_len - request.num_tokens, 0)]
 
@@ -200,7 +214,9 @@ class Proposer:
         picked = self.tensor(sample_rows, torch.int64)
         tokens, hidden = self.drafter.draft_tokens(head[picked]), feedback[picked]
         last = [r.num_computed_tokens - 1 for r in proposing]  # position of each request's newest verified row
-        chain_inputs = {"input_ids": tokens, "hidden": hidden, "ahead_slots": self.slots_ahead(proposing, last, self.k)}
+        own = [self.num_drafts(r) for r in proposing]  # the chain runs k - 1 steps; each keeps its own drafts
+        ahead = self.slots_ahead(proposing, last, self.k, own)
+        chain_inputs = {"input_ids": tokens, "hidden": hidden, "ahead_slots": ahead}
         block_table, positions = self.block_table(proposing), self.tensor(last, torch.int64)
         (rest,) = self._run_device_metadata("eagle_chain", block_table, positions, chain_inputs)
         return torch.cat([tokens[:, None], rest], dim=1)
@@ -317,6 +333,10 @@ class Proposer:
         tokens, hidden, drafted = x["input_ids"], x["hidden"], []
         # Every chain step's metadata at once, one row per step (a few kernels instead of a few per step).
         steps = torch.arange(1, self.k, device=positions.device)[:, None]
+        # A request whose slots end early (fewer drafts of its own, the context's end) repeats its last
+        # writable position, written nowhere (slot -1): no step reads past its blocks. -1 only at the tail.
+        writable = (x["ahead_slots"] >= 0).sum(dim=1)
+        steps = torch.minimum(steps, (writable - 1).clamp(min=0)[None, :])
         chain_positions = (positions[None, :] + steps).clamp(max=self.max_model_len - 1)  # [k - 1, B]
         chain_seq_lens = (chain_positions + 1).to(torch.int32)
         chain_slots = x["ahead_slots"][:, 1:].t().contiguous()

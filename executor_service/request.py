@@ -60,6 +60,11 @@ class Request:
     arrival_time: float = field(default_factory=time.monotonic)
     num_preemptions: int = 0
     draft_ids: list[int] = field(default_factory=list)  # proposed for the next step to verify
+    # The request's own speculation (GenerateRequest.num_speculative_tokens), resolved by the session: drafts
+    # per step (0: none) and the drafter cache slots its proposals write past its tokens. None: the loaded
+    # drafter's own numbers.
+    num_speculative_tokens: int | None = None
+    num_lookahead_tokens: int | None = None
     drafted_tokens: int = 0
     accepted_tokens: int = 0
     verify_steps: int = 0  # target steps that verified drafts

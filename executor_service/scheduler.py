@@ -109,10 +109,16 @@ class Scheduler:
         """Give `request` the blocks for its computed tokens, `num_new` more and the lookahead slots."""
         total = request.num_computed_tokens + num_new
         if total == request.num_tokens + len(request.draft_ids):  # it will sample: the drafter writes ahead
-            total += self.num_lookahead_tokens
+            total += self.lookahead(request)
             if self.max_model_len is not None:
                 total = min(total, self.max_model_len)
         return self.reserve(request, total)
+
+    def lookahead(self, request: Request) -> int:
+        """Slots the request's proposals write past its tokens: its own (per-request speculation), else the
+        loaded drafter's."""
+        own = request.num_lookahead_tokens
+        return self.num_lookahead_tokens if own is None else own
 
     def reserve(self, request: Request, positions: int) -> bool:
         """Blocks for the request's first `positions` positions, if free ones are there (no preemption): the
@@ -128,10 +134,10 @@ class Scheduler:
     def _fail(self, request: Request, step: ScheduledStep) -> None:
         """Hand a request that no amount of preemption lets grow to the engine, which fails it."""
         self.release(request)
-        needed = request.num_tokens + len(request.draft_ids) + self.num_lookahead_tokens
+        lookahead = self.lookahead(request)
+        needed = request.num_tokens + len(request.draft_ids) + lookahead
         needed = min(needed, self.max_model_len) if self.max_model_len is not None else needed
         capacity = self.allocator.num_blocks * self.block_size
-        lookahead = self.num_lookahead_tokens
         ahead = f" ({lookahead} of them the speculative step's lookahead)" if lookahead else ""
         error = ResourceExhausted(
             f"request {request.request_id[:64]!r} needs KV slots for {needed} tokens{ahead}; the whole cache holds "

@@ -261,7 +261,8 @@ class ExecutorServicer(executor_pb2_grpc.ExecutorServicer):
         def sink(output: RequestOutput) -> None:  # called on the engine thread
             mailbox.post(outputs, output)
 
-        engine_request = session.new_request(request.request_id, prompt, settings, max_tokens, sink)
+        own_k = request.num_speculative_tokens if request.HasField("num_speculative_tokens") else None
+        engine_request = session.new_request(request.request_id, prompt, settings, max_tokens, sink, own_k)
         try:
             session.engine.add(engine_request)
         except KeyError:  # the same id was added between the check above and here

@@ -15,7 +15,7 @@ import torch
 from executor_service.cancellation import check_cancelled
 from executor_service.config import ModelConfig
 from executor_service.cuda_graphs import GRAPH_BACKENDS
-from executor_service.draft_config import METHOD_ENUMS
+from executor_service.draft_config import METHOD_ENUMS, DraftConfig
 from executor_service.draft_weights import check_drafter_checkpoint
 from executor_service.drafting import DraftSource, build_drafter, feature_layers, speculative_config
 from executor_service.engine import Engine, StepObserver, VerifyObserver
@@ -146,8 +146,18 @@ class ModelSession:
     memory: MemoryEstimate | None = None  # what LoadModel estimated it takes (None: built without an estimate)
 
     def new_request(
-        self, request_id: str, prompt: list[int], settings: SamplingSettings, max_tokens: int, sink: Sink
+        self,
+        request_id: str,
+        prompt: list[int],
+        settings: SamplingSettings,
+        max_tokens: int,
+        sink: Sink,
+        num_speculative_tokens: int | None = None,
     ) -> Request:
+        """`num_speculative_tokens`: the request's own drafts per step, checked by check_generate (None: the
+        drafter's k; 0: no drafting). Its drafter lookahead follows from it (DraftConfig.lookahead)."""
+        proposer, k = self.proposer, num_speculative_tokens
+        k = 0 if proposer is None else proposer.k if k is None else min(k, proposer.k)
         return Request(
             request_id=request_id,
             prompt_ids=prompt,
@@ -156,6 +166,8 @@ class ModelSession:
             eos_token_ids=frozenset(self.loaded.config.eos_token_ids),
             sink=sink,
             generator=make_generator(settings, self.kv_cache.storage.device),
+            num_speculative_tokens=k,
+            num_lookahead_tokens=proposer.config.lookahead(k) if proposer is not None else 0,
         )
 
     def shutdown(self) -> None:
@@ -295,8 +307,10 @@ def build_session(
     engine = Engine(runner, scheduler, max_model_len, on_step, proposer, on_verify, spec_step)
     headroom = speculative_headroom(draft.config.num_speculative_tokens, lookahead) if draft is not None else 0
     limits = ModelLimits(
-        config.vocab_size, max_model_len, kv_cache.capacity_tokens, loaded.tokenizer is not None, headroom
-    )
+        config.vocab_size, max_model_len, kv_cache.capacity_tokens, loaded.tokenizer is not None, headroom,
+        num_speculative_tokens=draft.config.num_speculative_tokens if draft is not None else 0,
+        headroom_by_k=headroom_by_k(draft.config) if draft is not None else (),
+    )  # fmt: skip
     info = executor_pb2.ModelInfo(
         architecture=config.architecture,
         vocab_size=config.vocab_size,
@@ -325,6 +339,11 @@ def build_session(
         engine.start()
     session.load_seconds = time.perf_counter() - started
     return session
+
+
+def headroom_by_k(draft: DraftConfig) -> tuple[int, ...]:
+    """speculative_headroom of a request drafting 0, 1, ..., k tokens per step (per-request speculation)."""
+    return tuple(speculative_headroom(k, draft.lookahead(k)) for k in range(draft.num_speculative_tokens + 1))
 
 
 def capture_graphs(session: ModelSession, settings: EngineSettings, max_model_len: int) -> None:

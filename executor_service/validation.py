@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -134,6 +134,14 @@ class ModelLimits:
     capacity_tokens: int  # the whole KV cache
     has_tokenizer: bool
     headroom_tokens: int = 0  # KV slots a speculative step holds past prompt + max_tokens (speculative_headroom)
+    num_speculative_tokens: int = 0  # the loaded drafter's k: the most a request may ask for (0: no drafter)
+    headroom_by_k: tuple[int, ...] = ()  # headroom_tokens of a request drafting 0, 1, ..., k per step
+
+    def for_request(self, num_speculative_tokens: int) -> ModelLimits:
+        """These limits with the headroom of a request drafting `num_speculative_tokens` per step."""
+        if not self.headroom_by_k:
+            return self
+        return replace(self, headroom_tokens=self.headroom_by_k[num_speculative_tokens])
 
 
 def check_generate(
@@ -190,8 +198,11 @@ def check_generate(
     bad_stops = [i for i in params.stop_token_ids if not 0 <= i < limits.vocab_size]
     if bad_stops:
         violations.append(FieldViolation("sampling.stop_token_ids", f"ids outside the vocabulary: {bad_stops[:8]}"))
+    violations += _speculation_violations(request, limits)
     if violations:
         raise invalid_fields(violations)
+    if request.HasField("num_speculative_tokens"):  # admission counts the request's own drafts and lookahead
+        limits = limits.for_request(request.num_speculative_tokens)
     settings = SamplingSettings.from_proto(params)
     max_tokens = settings.max_tokens if settings.max_tokens is not None else _room(len(prompt), limits)
     if max_tokens <= 0 or _kv_tokens(len(prompt), max_tokens, limits) > limits.capacity_tokens:
@@ -208,6 +219,21 @@ def check_generate(
             ),
         )
     return prompt, settings, max_tokens
+
+
+def _speculation_violations(request: executor_pb2.GenerateRequest, limits: ModelLimits) -> list[FieldViolation]:
+    """num_speculative_tokens: unset (the drafter's k), or 0 up to the loaded drafter's k (DFlash's is at most
+    its block size - 1)."""
+    if not request.HasField("num_speculative_tokens"):
+        return []
+    value, most = request.num_speculative_tokens, limits.num_speculative_tokens
+    if 0 <= value <= most:
+        return []
+    if most == 0:
+        why = f"the loaded model has no drafter: only 0 or unset, got {value}"
+    else:
+        why = f"must be in [0, {most}] (the loaded drafter's num_speculative_tokens; 0: no drafting), got {value}"
+    return [FieldViolation("num_speculative_tokens", why)]
 
 
 def _kv_tokens(prompt_len: int, max_tokens: int, limits: ModelLimits) -> int:
