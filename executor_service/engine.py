@@ -15,6 +15,7 @@ from collections.abc import Callable, Iterable
 
 import torch
 
+from executor_service.logprobs import TokenLogprob, batch_logprobs
 from executor_service.model_runner import ModelRunner, StepInputs
 from executor_service.proposer import ProposeBatch, ProposeEntry, Proposer
 from executor_service.rejection_sampler import check_drafts, verify_batch
@@ -163,7 +164,10 @@ class Engine:
             self._flush_outbox()  # the previous step's outputs go out while this one runs on the device
             sampled = [scheduled.requests[i] for i in inputs.sampled]
             drafts = [r.draft_ids for r in sampled]
-            emitted = verify_batch(output.logits, [r.settings for r in sampled], [r.generator for r in sampled], drafts)
+            settings = [r.settings for r in sampled]
+            emitted = verify_batch(output.logits, settings, [r.generator for r in sampled], drafts, histories=sampled)
+            found = batch_logprobs(output.logits, settings, drafts, emitted)  # the target's, for who asks
+            logprobs = {id(r): request_logprobs for r, request_logprobs in zip(sampled, found, strict=True)}
         except Exception as err:  # a kernel or device failure fails this step's requests, not the server
             self._fail(scheduled.requests, err)
             return
@@ -171,7 +175,7 @@ class Engine:
         kept = self._accept(scheduled, sampled, drafts, emitted)
         generated = 0
         for request, request_drafts, tokens in zip(sampled, drafts, emitted, strict=True):
-            generated += self._emit(request, tokens, len(request_drafts))
+            generated += self._emit(request, tokens, len(request_drafts), logprobs[id(request)])
         if self.proposer is not None:
             self._propose(scheduled.requests, inputs.row_starts, scheduled.num_new_tokens, kept, output.features)
         if self.on_step is not None:
@@ -242,7 +246,9 @@ class Engine:
             return None
         return self.spec_step.launch_following(pending, requests)
 
-    def _emit(self, request: Request, tokens: list[int], num_drafted: int) -> int:
+    def _emit(
+        self, request: Request, tokens: list[int], num_drafted: int, logprobs: list[TokenLogprob] | None = None
+    ) -> int:
         """Append the verified tokens up to a stop; hand them out. Returns how many were kept. The chunk's
         counts are the verification's (as in the request's totals), also when a stop cuts the tokens short."""
         accepted = len(tokens) - 1
@@ -250,9 +256,12 @@ class Engine:
             request.output_ids.append(token)
             reason = request.stop_reason(self.max_model_len)
             if reason is not None:
-                self._finish(request, reason, tokens[:count], num_drafted=num_drafted, num_accepted=accepted)
+                kept = logprobs[:count] if logprobs is not None else None
+                self._finish(
+                    request, reason, tokens[:count], num_drafted=num_drafted, num_accepted=accepted, logprobs=kept
+                )
                 return count
-        output = RequestOutput(request.request_id, tokens, num_drafted=num_drafted, num_accepted=accepted)
+        output = RequestOutput(request.request_id, tokens, num_drafted, accepted, logprobs=logprobs)
         self._outbox.append((request.sink, output))
         return len(tokens)
 
@@ -323,14 +332,13 @@ class Engine:
         error: BaseException | None = None,
         num_drafted: int = 0,
         num_accepted: int = 0,
+        logprobs: list[TokenLogprob] | None = None,
     ) -> None:
         self.scheduler.remove(request)
         with self._lock:
             self._live.pop(request.request_id, None)
         finish: Finish | None = request.finish(reason) if reason is not None else None
-        output = RequestOutput(
-            request.request_id, new_tokens or [], num_drafted, num_accepted, finish=finish, error=error
-        )
+        output = RequestOutput(request.request_id, new_tokens or [], num_drafted, num_accepted, finish, error, logprobs)
         self._outbox.append((request.sink, output))
 
     def _flush_outbox(self) -> None:

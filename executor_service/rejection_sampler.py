@@ -1,11 +1,13 @@
 """Lossless verification of drafted tokens (speculative sampling, Leviathan et al. / Chen et al.).
 
 For drafts d_1..d_k drawn from the drafter's q_i and the target's p_1..p_{k+1} (the distributions the
-request samples from, after temperature / top-k / top-p): accept d_i with probability min(1, p_i(d_i) /
+request samples from, after penalties / temperature / min-p / top-k / top-p; p_{i+1} penalised as if d_1..d_i
+had been emitted: penalties.py): accept d_i with probability min(1, p_i(d_i) /
 q_i(d_i)); at the first rejection emit a token from norm(max(0, p_i - q_i)) and stop; if every draft is
 accepted, emit a bonus token from p_{k+1}. The emitted tokens are distributed exactly as if the target had
-sampled them one by one. A greedy drafter is a point mass (q_i(d_i) = 1), which the same rule covers.
-Greedy requests (temperature 0) accept while the draft equals the target's argmax.
+sampled them one by one. Our drafters are greedy (the argmax of their own logits), so q_i is the point mass
+on d_i (q_i(d_i) = 1): exactly the distribution the drafts were drawn from, which the same rule covers.
+Greedy requests (temperature 0) accept while the draft equals the target's argmax (of the penalised logits).
 
 A faulty drafter's id outside the vocabulary, or logits that give no distribution, fail that request
 alone: `verify_batch` returns a `VerifyError` in its place and verifies the others.
@@ -15,6 +17,7 @@ from __future__ import annotations
 
 import torch
 
+from executor_service.penalties import History, penalised_logits
 from executor_service.sampling import SamplingSettings, draw, target_probs, to_host
 
 
@@ -90,17 +93,21 @@ def verify_batch(
     settings: list[SamplingSettings],
     generators: list[torch.Generator | None],
     drafts: list[list[int]],
+    histories: list[History | None] | None = None,
 ) -> list[list[int] | VerifyError]:
     """Emitted tokens of each request from its k + 1 rows of target logits (k = its drafts, 0 or more), or
-    the VerifyError that fails that request alone (the others are verified as usual).
+    the VerifyError that fails that request alone (the others are verified as usual). `histories` (the
+    requests) give the tokens that penalties count; without them no penalty applies.
 
     Greedy requests need only the argmax: one device-to-host copy for the whole batch, which also brings
     whether each row's logits are finite (argmax lands on a NaN or +inf if there is one). Sampled requests
     go through `rejection_sample` against the distribution they sample from (point-mass drafts).
     """
     vocab, num_rows = logits.shape[-1], logits.shape[0]
-    argmax = logits.argmax(dim=-1)
-    finite = torch.isfinite(logits.gather(-1, argmax[:, None])[:, 0])
+    raw_argmax = logits.argmax(dim=-1)
+    finite = torch.isfinite(logits.gather(-1, raw_argmax[:, None])[:, 0])
+    processed = penalised_logits(logits, settings, histories or [None] * len(settings), drafts)
+    argmax = raw_argmax if processed is logits else processed.argmax(dim=-1)
     host = to_host(torch.cat([argmax, finite.long()]))
     emitted: list[list[int] | VerifyError] = []
     row = 0
@@ -114,7 +121,7 @@ def verify_batch(
         elif setting.greedy:
             emitted.append(verify_greedy(request_drafts, host[row : row + rows]))
         else:
-            emitted.append(_sample_one(logits[row : row + rows], setting, generator, request_drafts))
+            emitted.append(_sample_one(processed[row : row + rows], setting, generator, request_drafts))
         row += rows
     return emitted
 

@@ -9,6 +9,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from executor_service.logprobs import TokenLogprob
+from executor_service.penalties import TokenCounts
 from executor_service.sampling import SamplingSettings
 
 
@@ -39,6 +41,7 @@ class RequestOutput:
     num_accepted: int = 0
     finish: Finish | None = None
     error: BaseException | None = None
+    logprobs: list[TokenLogprob] | None = None  # one per token id, when the request asks for them
 
 
 Sink = Callable[[RequestOutput], None]
@@ -70,6 +73,7 @@ class Request:
     verify_steps: int = 0  # target steps that verified drafts
     drafted_per_position: list[int] = field(default_factory=list)  # verify steps that had a draft i
     accepted_per_position: list[int] = field(default_factory=list)  # ... and accepted it
+    token_counts: TokenCounts | None = None  # for penalties, made at its first penalised step (penalties.py)
 
     @property
     def num_tokens(self) -> int:

@@ -1,7 +1,8 @@
-"""Per-request sampling: greedy, or temperature / top-k / top-p with the request's own seeded generator.
+"""Per-request sampling: greedy, or temperature / min-p / top-k / top-p with the request's own seeded generator.
 
 `target_probs` is the distribution a sampled request draws from, exposed for the rejection sampler of
-speculative decoding, which must accept and resample against exactly this distribution.
+speculative decoding, which must accept and resample against exactly this distribution. The order is vLLM's:
+penalties (penalties.py, on the logits before this), temperature, min-p, top-k, top-p.
 """
 
 from __future__ import annotations
@@ -31,10 +32,24 @@ class SamplingSettings:
     seed: int | None = None
     stop_token_ids: frozenset[int] = field(default_factory=frozenset)
     ignore_eos: bool = False
+    min_p: float = 0.0  # tokens below min_p x the top probability (after temperature) are dropped
+    repetition_penalty: float = 1.0  # 1: none
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    logprobs: int | None = None  # None: none; n: the emitted token's and the top n (logprobs.py)
 
     @property
     def greedy(self) -> bool:
         return self.temperature < MIN_TEMPERATURE
+
+    @property
+    def has_penalties(self) -> bool:
+        return self.repetition_penalty != 1.0 or self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
+
+    @property
+    def plain_greedy(self) -> bool:
+        """Greedy with nothing else read from the logits: the argmax alone decides (the device-resident step)."""
+        return self.greedy and not self.has_penalties and self.logprobs is None
 
     @classmethod
     def from_proto(cls, params: executor_pb2.SamplingParams) -> SamplingSettings:
@@ -46,6 +61,11 @@ class SamplingSettings:
             seed=params.seed if params.HasField("seed") else None,
             stop_token_ids=frozenset(params.stop_token_ids),
             ignore_eos=params.ignore_eos,
+            min_p=params.min_p,
+            repetition_penalty=params.repetition_penalty if params.HasField("repetition_penalty") else 1.0,
+            presence_penalty=params.presence_penalty,
+            frequency_penalty=params.frequency_penalty,
+            logprobs=params.logprobs if params.HasField("logprobs") else None,
         )
 
 
@@ -58,9 +78,15 @@ def make_generator(settings: SamplingSettings, device: torch.device) -> torch.Ge
 
 
 def target_probs(logits: torch.Tensor, settings: SamplingSettings) -> torch.Tensor:
-    """Softmax of logits [..., V] / temperature, restricted to the top-k and then the top-p nucleus."""
-    scaled = logits.float() / settings.temperature
+    """Softmax of logits [..., V] / temperature, restricted to min-p, the top-k and then the top-p nucleus.
+    The row's maximum is subtracted first (softmax does not change): penalised logits may be as large as
+    float32 allows, and dividing those by a small temperature would overflow to inf."""
+    logits = logits.float()
+    scaled = (logits - logits.amax(dim=-1, keepdim=True)) / settings.temperature
     vocab = scaled.shape[-1]
+    if settings.min_p > 0.0:  # vLLM's MinPLogitsProcessor: relative to the top probability
+        probs = torch.softmax(scaled, dim=-1)
+        scaled = scaled.masked_fill(probs < settings.min_p * probs.amax(dim=-1, keepdim=True), float("-inf"))
     if 0 < settings.top_k < vocab:
         kth = torch.topk(scaled, settings.top_k, dim=-1).values[..., -1:]
         scaled = scaled.masked_fill(scaled < kth, float("-inf"))

@@ -24,6 +24,7 @@ from executor_service.capabilities import probe
 from executor_service.daemon_thread import in_daemon_thread
 from executor_service.detokenizer import IncrementalDetokenizer
 from executor_service.drafting import check_drafter_backend, resolve_draft
+from executor_service.logprobs import logprobs_message
 from executor_service.mailbox import Mailbox
 from executor_service.metrics import EngineMetrics
 from executor_service.prompt_intake import check_prompt
@@ -349,6 +350,7 @@ def _response(
         token_ids=token_ids,
         num_drafted=sum(o.num_drafted for o in chunk),
         num_accepted=sum(o.num_accepted for o in chunk),
+        logprobs=[logprobs_message(t) for output in chunk for t in output.logprobs or ()],  # one per token id
     )
     finish = chunk[-1].finish
     if detokenizer is not None:

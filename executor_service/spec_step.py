@@ -15,7 +15,7 @@ decoding), nothing between the target's verify pass and the drafter's next propo
 So the three run as one function, captured as one CUDA graph per batch bucket: one replay per step and one
 read-back of [target tokens, accepted count, next drafts] per request. The same function runs eagerly on
 the CPU and for batches larger than the graphs; the engine falls back to its host path (verify_batch,
-Proposer.propose) for sampled requests and uneven batches.
+Proposer.propose) for sampled requests, requests with penalties or logprobs, and uneven batches.
 
 The same four parts on either path:
 
@@ -99,8 +99,9 @@ class SpecStep:
         self.counts: Counter[str] = Counter()  # "graph" / "eager" (benchmarks read it)
 
     def accepts(self, inputs: StepInputs, requests: list[Request]) -> bool:
-        """Every request verifies k drafts (all rows sampled) and decodes greedily."""
-        return inputs.uniform_query_len == self.k + 1 and all(r.settings.greedy for r in requests)
+        """Every request verifies k drafts (all rows sampled) and decodes greedily from the argmax alone: a
+        request with penalties or logprobs takes the host path, and the whole step with it."""
+        return inputs.uniform_query_len == self.k + 1 and all(r.settings.plain_greedy for r in requests)
 
     @torch.inference_mode()
     def launch(self, inputs: StepInputs, requests: list[Request]) -> PendingStep:

@@ -10,6 +10,7 @@ from typing import Any
 from executor_service.draft_config import METHODS
 from executor_service.limits import MAX_BLOCK_SIZE, MAX_NUM_KV_BLOCKS, short_repr
 from executor_service.sampling import MIN_TEMPERATURE, SamplingSettings
+from executor_service.sampling_checks import sampling_violations
 from specdec.v1 import common_pb2, executor_pb2
 from specdec_runtime.errors import FieldViolation, ResourceExhausted, invalid_fields
 
@@ -198,6 +199,7 @@ def check_generate(
     bad_stops = [i for i in params.stop_token_ids if not 0 <= i < limits.vocab_size]
     if bad_stops:
         violations.append(FieldViolation("sampling.stop_token_ids", f"ids outside the vocabulary: {bad_stops[:8]}"))
+    violations += sampling_violations(params)  # min_p, the penalties, logprobs
     violations += _speculation_violations(request, limits)
     if violations:
         raise invalid_fields(violations)

@@ -1,0 +1,107 @@
+"""Greedy decoding with penalties, and logprobs, through the engine: target-only, EAGLE-3 and DFlash give the
+penalised reference token for token (drafts accepted in full and in part), in batches mixed with plain greedy
+requests, which keep their own reference; the logprobs of every emitted token, accepted drafts included, are
+the target's log-softmax recomputed densely; a batch the device-resident step would take goes to the host
+path when one request asks for logprobs or penalties."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+from executor_builders import greedy, tiny_session
+from greedy_reference import dense_logits, greedy_reference
+from penalty_reference import greedy_penalised
+from spec_builders import ReplayDrafts, spec_session
+from test_engine import Collector
+
+from executor_service.sampling import SamplingSettings
+from executor_service.session import ModelSession
+
+VOCAB, MAX_TOKENS = 512, 10
+PENALISED = greedy(MAX_TOKENS, repetition_penalty=1.8, presence_penalty=1.5, frequency_penalty=1.0)
+WITH_LOGPROBS = greedy(MAX_TOKENS, logprobs=4)
+PENALISED_WITH_LOGPROBS = greedy(MAX_TOKENS, repetition_penalty=0.6, frequency_penalty=-0.8, logprobs=0)
+
+
+def prompts(count: int, seed: int) -> dict[str, list[int]]:
+    """Short prompts over a few ids, so that the penalties meet repeated tokens."""
+    rng = random.Random(seed)
+    return {f"r{i}": [rng.randrange(12) for _ in range(rng.randint(3, 12))] for i in range(count)}
+
+
+def run(session: ModelSession, batch: dict[str, tuple[list[int], SamplingSettings]]) -> Collector:
+    sink = Collector()
+    for rid, (prompt, settings) in batch.items():
+        session.engine.add(session.new_request(rid, prompt, settings, MAX_TOKENS, sink))
+    session.engine.run_until_idle()
+    assert session.kv_cache.allocator.num_used == 0
+    return sink
+
+
+def expected_tokens(session: ModelSession, prompt: list[int], settings: SamplingSettings) -> list[int]:
+    model = session.loaded.model
+    if settings.has_penalties:
+        return greedy_penalised(model, prompt, MAX_TOKENS, settings)
+    return greedy_reference(model, prompt, MAX_TOKENS)
+
+
+def check_logprobs(session: ModelSession, sink: Collector, rid: str, prompt: list[int], n: int) -> None:
+    """One TokenLogprob per token of every output, equal to the dense log-softmax of the target's logits."""
+    tokens = sink.tokens(rid)
+    for output in sink.outputs[rid]:
+        assert output.logprobs is not None and len(output.logprobs) == len(output.token_ids)
+    found = [t for o in sink.outputs[rid] for t in o.logprobs or []]
+    dense = torch.log_softmax(dense_logits(session.loaded.model, prompt + tokens)[len(prompt) - 1 : -1], dim=-1)
+    for i, token in enumerate(found):
+        assert token.token_id == tokens[i]
+        assert token.logprob == pytest.approx(float(dense[i, tokens[i]]), abs=1e-4)
+        top = dense[i].topk(n)
+        assert [t for t, _ in token.top] == top.indices.tolist()
+        assert [v for _, v in token.top] == pytest.approx(top.values.tolist(), abs=1e-4)
+
+
+@pytest.mark.parametrize(
+    ("method", "wrong_at"), [(None, None), ("eagle3", None), ("eagle3", 1), ("dflash", None), ("dflash", 2)]
+)
+def test_penalised_greedy_is_the_same_with_every_drafter(method: str | None, wrong_at: int | None) -> None:
+    """The drafts replay each request's reference (wrong at `wrong_at`): a verify row that did not count the
+    accepted drafts before it would pick another token than the reference."""
+    session = tiny_session() if method is None else spec_session(method, 3, max_num_batched_tokens=64)
+    settings = [PENALISED, greedy(MAX_TOKENS), WITH_LOGPROBS, PENALISED_WITH_LOGPROBS]
+    batch = {rid: (prompt, settings[i % 4]) for i, (rid, prompt) in enumerate(prompts(8, seed=3).items())}
+    expected = {rid: expected_tokens(session, prompt, s) for rid, (prompt, s) in batch.items()}
+    plain = {rid: greedy_reference(session.loaded.model, p, MAX_TOKENS) for rid, (p, s) in batch.items()}
+    assert any(expected[rid] != plain[rid] for rid, (_, s) in batch.items() if s.has_penalties)  # penalties bite
+    if method is not None:
+        session.proposer.replay = ReplayDrafts(expected, VOCAB, wrong_at)
+    sink = run(session, batch)
+    for rid, (prompt, request_settings) in batch.items():
+        assert sink.tokens(rid) == expected[rid], rid
+        if request_settings.logprobs is not None:
+            check_logprobs(session, sink, rid, prompt, request_settings.logprobs)
+        else:
+            assert all(o.logprobs is None for o in sink.outputs[rid])
+        finish = sink.outputs[rid][-1].finish
+        assert finish is not None and (method is None or finish.accepted_tokens > 0)
+
+
+@pytest.mark.parametrize("settings", [WITH_LOGPROBS, PENALISED])
+def test_one_such_request_sends_the_batch_to_the_host_path(settings: SamplingSettings) -> None:
+    """Plain greedy requests alone take the device-resident step; with one asking for logprobs (or setting a
+    penalty) every step goes through the host path, and each request still gets its own answer."""
+    session = spec_session("eagle3", 3, max_num_batched_tokens=64)
+    assert session.engine.spec_step is not None
+    counts = session.engine.spec_step.counts
+    plain = {rid: (prompt, greedy(MAX_TOKENS)) for rid, prompt in prompts(3, seed=5).items()}
+    run(session, plain)
+    on_device = sum(counts.values())
+    assert on_device > 0
+    mixed = {**plain, "special": ([1, 1, 2, 1, 3], settings)}
+    sink = run(session, mixed)
+    assert sum(counts.values()) == on_device
+    for rid, (prompt, request_settings) in mixed.items():
+        assert sink.tokens(rid) == expected_tokens(session, prompt, request_settings), rid
+    if settings.logprobs is not None:
+        check_logprobs(session, sink, "special", [1, 1, 2, 1, 3], settings.logprobs)
