@@ -19,6 +19,7 @@ from executor_service.limits import (
     MAX_VOCAB_SIZE,
     short_repr,
 )
+from selection.draft_tree import TreeShape, parse_draft_tree
 from specdec.v1 import common_pb2, executor_pb2
 from specdec_runtime.errors import FieldViolation, InvalidArgument, invalid_fields
 
@@ -46,6 +47,9 @@ class DraftConfig:
     block_size: int = 0  # DFlash: the block [last token, MASK x (block_size - 1)]
     mask_token_id: int = -1  # DFlash
     causal: bool = False  # DFlash: attend causally inside the block (R6)
+    # Tree drafting (EAGLE, EAGLE-3): the tree's shape; num_speculative_tokens is then the drafts it verifies
+    # per step (tree.num_drafts) and tree.depth its drafter steps. None: a chain.
+    tree: TreeShape | None = None
 
     @property
     def needs_non_causal(self) -> bool:
@@ -62,6 +66,8 @@ class DraftConfig:
         whose tokens attend to one another; a request that does not draft writes nothing."""
         if num_speculative_tokens == 0:
             return 0
+        if self.tree is not None:  # the whole tree: one key per node its passes expand
+            return self.tree.positions_ahead
         return self.block_size if self.method == "dflash" else num_speculative_tokens + 1
 
 
@@ -193,8 +199,14 @@ def finish_draft_config(
         layers = layers or default_eagle3_layers(target.num_layers)
     k = request.num_speculative_tokens or (block_size - 1 if method == "dflash" else DEFAULT_EAGLE_TOKENS)
     limit = block_size - 1 if method == "dflash" else MAX_SPECULATIVE_TOKENS
+    if request.tree.branching and not request.num_speculative_tokens:
+        k = len(request.tree.branching)  # a static tree's depth
     if not 0 < k <= limit:
         violations.append(FieldViolation("draft.num_speculative_tokens", f"must be in [1, {limit}] for {method}"))
+    tree, tree_violations = parse_draft_tree(
+        request.tree, method == "dflash", k, "draft.tree", "draft.num_speculative_tokens"
+    )
+    violations += tree_violations
     bad_layers = [i for i in layers if not 0 <= i < target.num_layers]
     if bad_layers:
         violations.append(
@@ -220,7 +232,8 @@ def finish_draft_config(
         raise invalid_fields(violations)
     return replace(
         config,
-        num_speculative_tokens=k,
+        num_speculative_tokens=tree.num_drafts if tree is not None else k,
+        tree=tree,
         target_layer_ids=layers,
         draft_vocab_size=config.draft_vocab_size or (target.vocab_size if method == "eagle3" else 0),
         block_size=block_size if method == "dflash" else 0,

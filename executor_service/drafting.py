@@ -53,7 +53,7 @@ def speculative_config(
     model = config.model
     return common_pb2.SpeculativeConfig(
         method=draft.method,
-        num_speculative_tokens=config.num_speculative_tokens,
+        num_speculative_tokens=config.tree.depth if config.tree is not None else config.num_speculative_tokens,
         attention_backend=draft.attention_backend,
         draft_layers=common_pb2.LayerSpec(
             head_size=model.head_size,
@@ -71,6 +71,7 @@ def speculative_config(
         )
         if config.method == "dflash"
         else None,
+        tree=draft.tree if config.tree is not None else None,  # R11: both stacks then need tree attention
     )
 
 
@@ -82,6 +83,11 @@ def check_drafter_backend(config: DraftConfig, backend: str) -> None:
             f"the DFlash drafter needs non-causal attention, which {backend} does not support; "
             "choose another drafter backend (e.g. FLASH_ATTN, TRITON_ATTN) or a causal DFlash checkpoint",
             field_violations=(FieldViolation("draft.attention_backend", f"{backend} has no non-causal attention"),),
+        )
+    if config.tree is not None and not BACKENDS[backend].supports_tree_attention:  # R11, as the selector checks
+        raise FailedPrecondition(
+            f"tree drafting needs tree attention, which {backend} does not support",
+            field_violations=(FieldViolation("draft.attention_backend", f"{backend} has no tree attention"),),
         )
 
 

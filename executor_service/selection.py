@@ -135,6 +135,7 @@ class BackendChooser:
 # the path carries over (the same message on both sides) or not (a layer spec read from a model's config).
 LOAD_REQUEST_FIELDS = (
     ("speculative.dflash_config", "draft.dflash_config", True),
+    ("speculative.tree", "draft.tree", True),
     ("speculative.draft_layers", "draft.source", False),
     ("speculative.attention_backend", "draft.attention_backend", False),
     ("speculative.num_speculative_tokens", "draft.num_speculative_tokens", False),

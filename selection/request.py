@@ -8,11 +8,12 @@ values are read, so they are never echoed, logged or cached.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from kernels.capabilities import KV_CACHE_DTYPES, AttentionNeeds, DType, Hardware, Platform
+from selection.draft_tree import parse_draft_tree
 from selection.registry import UnknownBackendError, normalize_backend_name
-from selection.rules import drafter_uses_non_causal
+from selection.rules import drafter_uses_non_causal, stacks_use_tree_attention
 from specdec.v1 import common_pb2, selector_pb2
 from specdec_runtime.bounds import largest_message, size_violations
 from specdec_runtime.errors import FieldViolation, echo, invalid_fields
@@ -72,6 +73,8 @@ def parse_request(request: selector_pb2.SelectBackendsRequest) -> ParsedRequest:
     if violations:
         raise invalid_fields(violations)
     assert hardware is not None and target_needs is not None
+    if drafter is not None and stacks_use_tree_attention(request.speculative):  # R11: the target verifies the tree
+        target_needs = replace(target_needs, use_tree_attention=True)
     target = StackRequest("target", target_needs, target_backend, "attention.backend")
     return ParsedRequest(hardware, target, drafter)
 
@@ -183,6 +186,9 @@ def _parse_drafter(
     elif spec.HasField("dflash_config"):
         violations.append(FieldViolation("speculative.dflash_config", "only valid with SPEC_METHOD_DFLASH"))
     use_non_causal = drafter_uses_non_causal(spec.method, spec.dflash_config.causal)  # R6
+    is_dflash = spec.method == common_pb2.SPEC_METHOD_DFLASH
+    k_field = "speculative.num_speculative_tokens"
+    violations += parse_draft_tree(spec.tree, is_dflash, spec.num_speculative_tokens, "speculative.tree", k_field)[1]
     backend = _parse_backend_name(spec.attention_backend, "speculative.attention_backend", violations)
     if spec.HasField("draft_layers"):
         needs = _parse_layers(spec.draft_layers, "speculative.draft_layers", use_non_causal, violations)
@@ -190,6 +196,7 @@ def _parse_drafter(
         needs = _parse_layers(request.target_layers, "target_layers", use_non_causal, [])
     if needs is None:
         return None
+    needs = replace(needs, use_tree_attention=stacks_use_tree_attention(spec))  # R11: it drafts the tree
     # R5: its own needs and its own name (decided apart from the target's in rules.decide_stacks).
     return StackRequest("drafter", needs, backend, "speculative.attention_backend")
 

@@ -13,6 +13,8 @@ written in this module; the others are named with where they live.
 - R9 causality is chosen per call and checked at run time: kernels/attention.py `check_claimed`, and
   executor_service/drafting.py `check_drafter_backend` at load time.
 - R10 every draft pass gets fresh attention metadata: executor_service/proposer.py.
+- R11 tree drafting needs tree attention, for the target and the drafter: `stacks_use_tree_attention`;
+  declared per backend (kernels/capabilities.py `supports_tree_attention`), checked by `validate`.
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from kernels.capabilities import BACKENDS, AttentionNeeds, Hardware, Platform
+from selection.draft_tree import has_tree
 from specdec.v1 import common_pb2, selector_pb2
 from specdec_runtime.errors import FailedPrecondition, FieldViolation, InvalidArgument, PreconditionViolation
 
@@ -68,6 +71,13 @@ def drafter_uses_non_causal(method: int, dflash_causal: bool) -> bool:
     return method == common_pb2.SPEC_METHOD_DFLASH and not dflash_causal
 
 
+# ---- R11: tree drafting ------------------------------------------------------------------------------------
+def stacks_use_tree_attention(spec: common_pb2.SpeculativeConfig) -> bool:
+    """R11: a tree of drafts is verified by the target, and drafted by the drafter, with a mask per token
+    (each draft sees the context and its ancestors): both stacks need a backend with tree attention."""
+    return spec.method in (common_pb2.SPEC_METHOD_EAGLE, common_pb2.SPEC_METHOD_EAGLE3) and has_tree(spec.tree)
+
+
 # ---- R1-R3, R5: one decision per attention stack --------------------------------------------------------------
 @dataclass(frozen=True)
 class Decision:
@@ -75,12 +85,14 @@ class Decision:
     explicit: bool
     use_non_causal: bool
     candidates: tuple[tuple[str, tuple[str, ...]], ...]  # (backend, reasons), in priority order
+    use_tree_attention: bool = False
 
     def to_proto(self) -> common_pb2.BackendDecision:
         return common_pb2.BackendDecision(
             backend=self.backend,
             explicit=self.explicit,
             use_non_causal=self.use_non_causal,
+            use_tree_attention=self.use_tree_attention,
             candidates=[
                 common_pb2.CandidateVerdict(backend=name, reasons=reasons) for name, reasons in self.candidates
             ],
@@ -98,7 +110,7 @@ def decide(hardware: Hardware, stack: StackRequest) -> Decision:
                 stack.backend_field, f"{stack.backend} cannot serve the {stack.role}: {list(reasons)}"
             )
             raise InvalidArgument(message, field_violations=(violation,))
-        return Decision(stack.backend, True, needs.use_non_causal, ((stack.backend, ()),))
+        return Decision(stack.backend, True, needs.use_non_causal, ((stack.backend, ()),), needs.use_tree_attention)
     # R3: every candidate of the priority list (R4) is validated and reported; the first valid one wins.
     candidates = tuple(
         (name, tuple(BACKENDS[name].validate(needs, hardware)))
@@ -106,7 +118,7 @@ def decide(hardware: Hardware, stack: StackRequest) -> Decision:
     )
     for name, reasons in candidates:
         if not reasons:
-            return Decision(name, False, needs.use_non_causal, candidates)
+            return Decision(name, False, needs.use_non_causal, candidates, needs.use_tree_attention)
     rendered = ", ".join(f"{name}: [{', '.join(reasons)}]" for name, reasons in candidates)
     raise FailedPrecondition(
         f"No valid attention backend found for {describe_device(hardware)} with {describe_needs(stack.role, needs)}. "
@@ -141,5 +153,5 @@ def describe_needs(role: str, needs: AttentionNeeds) -> str:
         f"AttentionSelectorConfig(role={role}, head_size={needs.head_size}, dtype={needs.dtype.value}, "
         f"kv_cache_dtype={needs.kv_cache_dtype}, block_size={block}, use_mla={needs.use_mla}, "
         f"has_sink={needs.has_sink}, has_sliding_window={needs.has_sliding_window}, "
-        f"use_non_causal={needs.use_non_causal})"
+        f"use_non_causal={needs.use_non_causal}, use_tree_attention={needs.use_tree_attention})"
     )

@@ -112,19 +112,31 @@ class DFlashConfig(_message.Message):
     block_size: int
     def __init__(self, causal: _Optional[bool] = ..., target_layer_ids: _Optional[_Iterable[int]] = ..., mask_token_id: _Optional[int] = ..., block_size: _Optional[int] = ...) -> None: ...
 
+class DraftTree(_message.Message):
+    __slots__ = ("branching", "top_k", "verify_budget")
+    BRANCHING_FIELD_NUMBER: _ClassVar[int]
+    TOP_K_FIELD_NUMBER: _ClassVar[int]
+    VERIFY_BUDGET_FIELD_NUMBER: _ClassVar[int]
+    branching: _containers.RepeatedScalarFieldContainer[int]
+    top_k: int
+    verify_budget: int
+    def __init__(self, branching: _Optional[_Iterable[int]] = ..., top_k: _Optional[int] = ..., verify_budget: _Optional[int] = ...) -> None: ...
+
 class SpeculativeConfig(_message.Message):
-    __slots__ = ("method", "num_speculative_tokens", "attention_backend", "draft_layers", "dflash_config")
+    __slots__ = ("method", "num_speculative_tokens", "attention_backend", "draft_layers", "dflash_config", "tree")
     METHOD_FIELD_NUMBER: _ClassVar[int]
     NUM_SPECULATIVE_TOKENS_FIELD_NUMBER: _ClassVar[int]
     ATTENTION_BACKEND_FIELD_NUMBER: _ClassVar[int]
     DRAFT_LAYERS_FIELD_NUMBER: _ClassVar[int]
     DFLASH_CONFIG_FIELD_NUMBER: _ClassVar[int]
+    TREE_FIELD_NUMBER: _ClassVar[int]
     method: SpecMethod
     num_speculative_tokens: int
     attention_backend: str
     draft_layers: LayerSpec
     dflash_config: DFlashConfig
-    def __init__(self, method: _Optional[_Union[SpecMethod, str]] = ..., num_speculative_tokens: _Optional[int] = ..., attention_backend: _Optional[str] = ..., draft_layers: _Optional[_Union[LayerSpec, _Mapping]] = ..., dflash_config: _Optional[_Union[DFlashConfig, _Mapping]] = ...) -> None: ...
+    tree: DraftTree
+    def __init__(self, method: _Optional[_Union[SpecMethod, str]] = ..., num_speculative_tokens: _Optional[int] = ..., attention_backend: _Optional[str] = ..., draft_layers: _Optional[_Union[LayerSpec, _Mapping]] = ..., dflash_config: _Optional[_Union[DFlashConfig, _Mapping]] = ..., tree: _Optional[_Union[DraftTree, _Mapping]] = ...) -> None: ...
 
 class CandidateVerdict(_message.Message):
     __slots__ = ("backend", "reasons")
@@ -135,13 +147,15 @@ class CandidateVerdict(_message.Message):
     def __init__(self, backend: _Optional[str] = ..., reasons: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class BackendDecision(_message.Message):
-    __slots__ = ("backend", "explicit", "use_non_causal", "candidates")
+    __slots__ = ("backend", "explicit", "use_non_causal", "candidates", "use_tree_attention")
     BACKEND_FIELD_NUMBER: _ClassVar[int]
     EXPLICIT_FIELD_NUMBER: _ClassVar[int]
     USE_NON_CAUSAL_FIELD_NUMBER: _ClassVar[int]
     CANDIDATES_FIELD_NUMBER: _ClassVar[int]
+    USE_TREE_ATTENTION_FIELD_NUMBER: _ClassVar[int]
     backend: str
     explicit: bool
     use_non_causal: bool
     candidates: _containers.RepeatedCompositeFieldContainer[CandidateVerdict]
-    def __init__(self, backend: _Optional[str] = ..., explicit: _Optional[bool] = ..., use_non_causal: _Optional[bool] = ..., candidates: _Optional[_Iterable[_Union[CandidateVerdict, _Mapping]]] = ...) -> None: ...
+    use_tree_attention: bool
+    def __init__(self, backend: _Optional[str] = ..., explicit: _Optional[bool] = ..., use_non_causal: _Optional[bool] = ..., candidates: _Optional[_Iterable[_Union[CandidateVerdict, _Mapping]]] = ..., use_tree_attention: _Optional[bool] = ...) -> None: ...

@@ -44,18 +44,20 @@ class ModelSource(_message.Message):
     def __init__(self, path: _Optional[str] = ..., synthetic: _Optional[_Union[SyntheticModel, _Mapping]] = ...) -> None: ...
 
 class DraftModel(_message.Message):
-    __slots__ = ("method", "source", "num_speculative_tokens", "attention_backend", "dflash_config")
+    __slots__ = ("method", "source", "num_speculative_tokens", "attention_backend", "dflash_config", "tree")
     METHOD_FIELD_NUMBER: _ClassVar[int]
     SOURCE_FIELD_NUMBER: _ClassVar[int]
     NUM_SPECULATIVE_TOKENS_FIELD_NUMBER: _ClassVar[int]
     ATTENTION_BACKEND_FIELD_NUMBER: _ClassVar[int]
     DFLASH_CONFIG_FIELD_NUMBER: _ClassVar[int]
+    TREE_FIELD_NUMBER: _ClassVar[int]
     method: _common_pb2.SpecMethod
     source: ModelSource
     num_speculative_tokens: int
     attention_backend: str
     dflash_config: _common_pb2.DFlashConfig
-    def __init__(self, method: _Optional[_Union[_common_pb2.SpecMethod, str]] = ..., source: _Optional[_Union[ModelSource, _Mapping]] = ..., num_speculative_tokens: _Optional[int] = ..., attention_backend: _Optional[str] = ..., dflash_config: _Optional[_Union[_common_pb2.DFlashConfig, _Mapping]] = ...) -> None: ...
+    tree: _common_pb2.DraftTree
+    def __init__(self, method: _Optional[_Union[_common_pb2.SpecMethod, str]] = ..., source: _Optional[_Union[ModelSource, _Mapping]] = ..., num_speculative_tokens: _Optional[int] = ..., attention_backend: _Optional[str] = ..., dflash_config: _Optional[_Union[_common_pb2.DFlashConfig, _Mapping]] = ..., tree: _Optional[_Union[_common_pb2.DraftTree, _Mapping]] = ...) -> None: ...
 
 class LoadModelRequest(_message.Message):
     __slots__ = ("target", "draft", "dtype", "attention", "block_size", "num_kv_blocks", "gpu_memory_utilization", "enable_prefix_caching")
