@@ -14,8 +14,11 @@ import asyncio
 import concurrent.futures
 from typing import Any
 
+from executor_service.chat import MAX_CHAT_BYTES, MAX_CHAT_MESSAGES
+from executor_service.chat import size_violations as chat_size_violations
 from executor_service.limits import MAX_POSITION_EMBEDDINGS, MAX_VOCAB_SIZE
 from executor_service.sampling import SamplingSettings
+from executor_service.stop_strings import MAX_STOP_STRING_CHARS, MAX_STOP_STRINGS
 from executor_service.validation import ModelLimits, check_generate
 from specdec.v1 import executor_pb2
 from specdec_runtime.bounds import largest_message
@@ -30,10 +33,17 @@ TOKEN_ID_BYTES = -(-(MAX_VOCAB_SIZE - 1).bit_length() // 7)  # 7 bits a byte: 3 
 MAX_PROMPT_TEXT_BYTES = 8 << 20  # 4 bytes a token for a 2M-token context, with room to spare
 # The executor's message limit: the largest valid GenerateRequest (LoadModel's are far smaller).
 _SMALL_FIELDS = {"request_id": MAX_REQUEST_ID_BYTES, "sampling.stop_token_ids": MAX_STOP_TOKEN_IDS}
+_PROMPTS = {"token_ids.ids": 0, "text": 0, "messages.messages": 0, "sampling.stop": 0}  # added below
+CHAT_MESSAGE_BYTES = 32  # a ChatMessage's tags, lengths and role ("assistant") around its content
 MAX_REQUEST_BYTES = (
-    largest_message(executor_pb2.GenerateRequest, {**_SMALL_FIELDS, "token_ids.ids": 0, "text": 0}).ByteSize()
-    + max(TOKEN_ID_BYTES * MAX_PROMPT_TOKENS, MAX_PROMPT_TEXT_BYTES)
+    largest_message(executor_pb2.GenerateRequest, {**_SMALL_FIELDS, **_PROMPTS}).ByteSize()
+    + max(
+        TOKEN_ID_BYTES * MAX_PROMPT_TOKENS,
+        MAX_PROMPT_TEXT_BYTES,
+        MAX_CHAT_BYTES + CHAT_MESSAGE_BYTES * MAX_CHAT_MESSAGES,
+    )
     + 16  # the prompt's tag and length
+    + MAX_STOP_STRINGS * (4 * MAX_STOP_STRING_CHARS + 3)  # UTF-8: 4 bytes a character at most
 )
 # Prompts up to these sizes are checked inline: a thread hop would cost more than the work.
 INLINE_TOKENS = 4096
@@ -46,7 +56,7 @@ _pool: concurrent.futures.ThreadPoolExecutor | None = None
 def oversized(request: executor_pb2.GenerateRequest, limits: ModelLimits) -> list[FieldViolation]:
     """Sizes over their bound, found without reading the prompt: the request_id, the stop ids, a prompt of
     more ids than the context holds, a text over MAX_PROMPT_TEXT_BYTES (possible under a raised
-    --max-message-bytes only)."""
+    --max-message-bytes only), chat messages over their count or size (chat.py)."""
     found = []
     request_id_bytes = len(request.request_id.encode("utf-8"))
     if request_id_bytes > MAX_REQUEST_ID_BYTES:
@@ -65,6 +75,8 @@ def oversized(request: executor_pb2.GenerateRequest, limits: ModelLimits) -> lis
         )
     if kind == "text" and len(request.text) > MAX_PROMPT_TEXT_BYTES:  # characters: at least as many bytes
         found.append(FieldViolation("text", f"{len(request.text)} characters; at most {MAX_PROMPT_TEXT_BYTES} bytes"))
+    if kind == "messages":
+        found += chat_size_violations(request.messages)
     return found
 
 
@@ -76,7 +88,8 @@ async def check_prompt(
     too_big = oversized(request, limits)
     if too_big:
         raise invalid_fields(too_big)
-    if len(request.token_ids.ids) <= INLINE_TOKENS and len(request.text) <= INLINE_TEXT_CHARS:
+    chat_chars = sum(len(m.content) for m in request.messages.messages)  # bounded by `oversized`
+    if len(request.token_ids.ids) <= INLINE_TOKENS and max(len(request.text), chat_chars) <= INLINE_TEXT_CHARS:
         return check_generate(request, limits, tokenizer)
     unlocked = GilFreeTokenizer(tokenizer) if tokenizer is not None else None
     return await asyncio.get_running_loop().run_in_executor(_prompt_pool(), check_generate, request, limits, unlocked)
@@ -90,10 +103,10 @@ class GilFreeTokenizer:
     def __init__(self, tokenizer: Any) -> None:
         self._tokenizer = tokenizer
 
-    def encode(self, text: str) -> Any:
+    def encode(self, text: str, add_special_tokens: bool = True) -> Any:
         if not hasattr(self._tokenizer, "encode_batch"):
-            return self._tokenizer.encode(text)
-        return self._tokenizer.encode_batch([text])[0]
+            return self._tokenizer.encode(text, add_special_tokens=add_special_tokens)
+        return self._tokenizer.encode_batch([text], add_special_tokens=add_special_tokens)[0]
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._tokenizer, name)

@@ -22,13 +22,12 @@ from executor_service import memory
 from executor_service.cancellation import LoadCancelled, cancellable
 from executor_service.capabilities import probe
 from executor_service.daemon_thread import in_daemon_thread
-from executor_service.detokenizer import IncrementalDetokenizer
 from executor_service.drafting import check_drafter_backend, resolve_draft
-from executor_service.logprobs import logprobs_message
+from executor_service.generate_stream import GenerateStream
 from executor_service.mailbox import Mailbox
 from executor_service.metrics import EngineMetrics
 from executor_service.prompt_intake import check_prompt
-from executor_service.request import Finish, RequestOutput
+from executor_service.request import RequestOutput
 from executor_service.sampling import SamplingSettings
 from executor_service.selection import BackendChooser
 from executor_service.session import (
@@ -228,8 +227,8 @@ class ExecutorServicer(executor_pb2_grpc.ExecutorServicer):
         except SpecdecError as err:
             await context.abort_with_status(err.to_status())
             return
-        detokenizer = IncrementalDetokenizer(session.loaded.tokenizer) if session.loaded.tokenizer else None
-        finished = False
+        stream = GenerateStream(request.request_id, session.loaded.tokenizer, request.sampling.stop)
+        finished = stopping = False
         self.open_streams += 1
         try:
             while not finished:
@@ -239,8 +238,13 @@ class ExecutorServicer(executor_pb2_grpc.ExecutorServicer):
                 error = next((o.error for o in chunk if o.error is not None), None)
                 if error is not None:
                     await context.abort(grpc.StatusCode.INTERNAL, f"generation failed: {error}")
-                response, finished = _response(request.request_id, chunk, detokenizer)
-                yield response
+                response = stream.response(chunk)
+                finished = stream.finished
+                if stream.stopped and not finished and not stopping:  # a stop string: the engine stops it
+                    stopping = True
+                    session.engine.abort([request.request_id])
+                if response is not None:
+                    yield response
         finally:
             self.open_streams -= 1
             if not finished:  # client cancelled or the stream broke: stop the work, free the blocks
@@ -339,40 +343,3 @@ def _already_running(request_id: str) -> AlreadyExists:
 
 def _not_loaded() -> FailedPrecondition:
     return FailedPrecondition("no model is loaded: call LoadModel first")
-
-
-def _response(
-    request_id: str, chunk: list[RequestOutput], detokenizer: IncrementalDetokenizer | None
-) -> tuple[executor_pb2.GenerateResponse, bool]:
-    token_ids = [t for output in chunk for t in output.token_ids]
-    response = executor_pb2.GenerateResponse(
-        request_id=request_id,
-        token_ids=token_ids,
-        num_drafted=sum(o.num_drafted for o in chunk),
-        num_accepted=sum(o.num_accepted for o in chunk),
-        logprobs=[logprobs_message(t) for output in chunk for t in output.logprobs or ()],  # one per token id
-    )
-    finish = chunk[-1].finish
-    if detokenizer is not None:
-        response.text = detokenizer.add(token_ids, final=finish is not None)
-    if finish is not None:
-        response.finished.CopyFrom(
-            executor_pb2.Finished(
-                finish_reason=finish.reason,
-                prompt_tokens=finish.prompt_tokens,
-                completion_tokens=finish.completion_tokens,
-                drafted_tokens=finish.drafted_tokens,
-                accepted_tokens=finish.accepted_tokens,
-                mean_acceptance_length=_tokens_per_step(finish),
-                acceptance_rate_per_position=finish.acceptance_per_position,
-            )
-        )
-    return response, finish is not None
-
-
-def _tokens_per_step(finish: Finish) -> float:
-    """Mean acceptance length: tokens emitted per verify step (accepted drafts + the target's own token);
-    1.0 without drafts."""
-    if finish.verify_steps:
-        return 1.0 + finish.accepted_tokens / finish.verify_steps
-    return 1.0 if finish.completion_tokens else 0.0

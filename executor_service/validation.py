@@ -7,12 +7,14 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
+from executor_service.chat import ChatTemplate, chat_prompt
 from executor_service.draft_config import METHODS
 from executor_service.limits import MAX_BLOCK_SIZE, MAX_NUM_KV_BLOCKS, short_repr
 from executor_service.sampling import MIN_TEMPERATURE, SamplingSettings
 from executor_service.sampling_checks import sampling_violations
+from executor_service.stop_strings import stop_violations
 from specdec.v1 import common_pb2, executor_pb2
-from specdec_runtime.errors import FieldViolation, ResourceExhausted, invalid_fields
+from specdec_runtime.errors import FailedPrecondition, FieldViolation, ResourceExhausted, invalid_fields
 
 DEFAULT_BLOCK_SIZE = 16
 MAX_PATH_BYTES = 4096  # PATH_MAX
@@ -137,6 +139,7 @@ class ModelLimits:
     headroom_tokens: int = 0  # KV slots a speculative step holds past prompt + max_tokens (speculative_headroom)
     num_speculative_tokens: int = 0  # the loaded drafter's k: the most a request may ask for (0: no drafter)
     headroom_by_k: tuple[int, ...] = ()  # headroom_tokens of a request drafting 0, 1, ..., k per step
+    chat_template: ChatTemplate | None = None  # what GenerateRequest.messages are rendered with (chat.py)
 
     def for_request(self, num_speculative_tokens: int) -> ModelLimits:
         """These limits with the headroom of a request drafting `num_speculative_tokens` per step."""
@@ -166,7 +169,9 @@ def check_generate(
             violations.append(FieldViolation("text", "the loaded model has no tokenizer; send token_ids"))
         else:
             prompt = tokenizer.encode(request.text).ids
-    if kind is None or (not prompt and not any(v.field == "text" for v in violations)):
+    elif kind == "messages":
+        prompt = chat_prompt(request.messages, limits.chat_template, tokenizer, violations)
+    if kind is None or (not prompt and not any(v.field.startswith(kind) for v in violations)):
         violations.append(FieldViolation(kind or "input", "the prompt is empty"))
     elif len(prompt) >= limits.max_model_len:
         violations.append(
@@ -201,8 +206,16 @@ def check_generate(
         violations.append(FieldViolation("sampling.stop_token_ids", f"ids outside the vocabulary: {bad_stops[:8]}"))
     violations += sampling_violations(params)  # min_p, the penalties, logprobs
     violations += _speculation_violations(request, limits)
+    violations += stop_violations(params.stop)
     if violations:
         raise invalid_fields(violations)
+    if params.stop and tokenizer is None:
+        raise FailedPrecondition(
+            "stop strings need the model's tokenizer",
+            field_violations=(
+                FieldViolation("sampling.stop", "the loaded model has no tokenizer: use stop_token_ids"),
+            ),
+        )
     if request.HasField("num_speculative_tokens"):  # admission counts the request's own drafts and lookahead
         limits = limits.for_request(request.num_speculative_tokens)
     settings = SamplingSettings.from_proto(params)
