@@ -173,11 +173,14 @@ class Engine:
             return
         sampled, drafts, emitted = self._drop_failed(sampled, drafts, emitted)
         kept = self._accept(scheduled, sampled, drafts, emitted)
+        if self.proposer is None:  # the K/V is all written: register before a finish frees the blocks
+            self._cache_prefixes(scheduled.requests)
         generated = 0
         for request, request_drafts, tokens in zip(sampled, drafts, emitted, strict=True):
             generated += self._emit(request, tokens, len(request_drafts), logprobs[id(request)])
         if self.proposer is not None:
             self._propose(scheduled.requests, inputs.row_starts, scheduled.num_new_tokens, kept, output.features)
+            self._cache_prefixes(scheduled.requests)  # once the drafter wrote its K/V too
         if self.on_step is not None:
             self.on_step(scheduled.num_tokens, generated, time.perf_counter() - started)
         if self.on_verify is not None and drafts:
@@ -226,6 +229,7 @@ class Engine:
             generated += self._emit(request, result.emitted(index), num_drafts)
             if request.status is Status.RUNNING:
                 self.proposer.set_drafts(request, result.next_drafts[index])
+        self._cache_prefixes(requests)
         if following is not None:
             self._in_flight = (requests, following)
         if self.on_step is not None:
@@ -286,6 +290,16 @@ class Engine:
             self.proposer.propose(ProposeBatch(entries, features))
         except Exception as err:
             self._fail(running, err)
+
+    def _cache_prefixes(self, requests: list[Request]) -> None:
+        """Register the prompt blocks whose K/V this step finished writing (prefix_cache.py). One key stands
+        for the target's and the drafter's K/V of a block, so only requests the drafter ran for register."""
+        prefix_cache = self.scheduler.prefix_cache
+        if prefix_cache is None:
+            return
+        for request in requests:
+            if request.status is Status.RUNNING and (self.proposer is None or self.proposer.num_drafts(request)):
+                prefix_cache.cache_blocks(request)
 
     def _bad_drafts(self) -> list[tuple[Request, BaseException]]:
         """Running requests with draft ids outside the vocabulary (a faulty drafter), caught before the

@@ -1,44 +1,16 @@
-"""The paged KV cache: one tensor pair per layer, a block allocator, and how many blocks fit.
+"""The paged KV cache: one tensor pair per layer, its block ids, and how many blocks fit.
 
-Blocks are owned by requests (their block tables) and come back on finish, abort, cancel, error and
-preemption; `BlockAllocator.num_free` is what the no-leak tests and the metrics read.
+Blocks are held by requests (their block tables) and come back on finish, abort, cancel, error and
+preemption; `BlockPool.num_used` (block_pool.py) is what the no-leak tests and the metrics read.
 """
 
 from __future__ import annotations
 
-from collections import deque
-
 import torch
 
+from executor_service.block_pool import BlockPool
 from executor_service.config import ModelConfig
 from specdec_runtime.errors import ResourceExhausted
-
-
-class BlockAllocator:
-    """A free list of block ids; allocation is all-or-nothing."""
-
-    def __init__(self, num_blocks: int) -> None:
-        self.num_blocks = num_blocks
-        self._free = deque(range(num_blocks))
-
-    @property
-    def num_free(self) -> int:
-        return len(self._free)
-
-    @property
-    def num_used(self) -> int:
-        return self.num_blocks - len(self._free)
-
-    def can_allocate(self, count: int) -> bool:
-        return count <= len(self._free)
-
-    def allocate(self, count: int) -> list[int]:
-        if count > len(self._free):
-            raise ResourceExhausted(f"KV cache full: {count} blocks asked, {len(self._free)} free")
-        return [self._free.popleft() for _ in range(count)]
-
-    def free(self, blocks: list[int]) -> None:
-        self._free.extend(blocks)
 
 
 def blocks_needed(num_tokens: int, block_size: int) -> int:
@@ -79,14 +51,14 @@ class KVCache:
         block_size: int,
         dtype: torch.dtype,
         device: torch.device,
-        allocator: BlockAllocator | None = None,
+        allocator: BlockPool | None = None,
     ) -> None:
         """`allocator`: share another cache's block ids (the drafter's cache uses the target's)."""
         self.num_blocks, self.block_size = num_blocks, block_size
         shape = (config.num_layers, 2, num_blocks, block_size, config.num_kv_heads, config.head_size)
         self.storage = torch.zeros(shape, dtype=dtype, device=device)
         self.layers = [(self.storage[i, 0], self.storage[i, 1]) for i in range(config.num_layers)]
-        self.allocator = allocator or BlockAllocator(num_blocks)
+        self.allocator = allocator or BlockPool(num_blocks)
 
     @property
     def capacity_tokens(self) -> int:

@@ -29,6 +29,7 @@ class Finish:
     accepted_tokens: int = 0
     acceptance_per_position: tuple[float, ...] = ()
     verify_steps: int = 0
+    cached_prompt_tokens: int = 0  # prompt tokens whose K/V came from the prefix cache
 
 
 @dataclass(frozen=True)
@@ -73,6 +74,11 @@ class Request:
     verify_steps: int = 0  # target steps that verified drafts
     drafted_per_position: list[int] = field(default_factory=list)  # verify steps that had a draft i
     accepted_per_position: list[int] = field(default_factory=list)  # ... and accepted it
+    # Prefix caching (prefix_cache.py): the keys of its leading blocks, how many of its blocks are in the
+    # cache (taken from it or registered), and the prompt tokens it found cached at its first admission.
+    block_hashes: list[bytes] = field(default_factory=list)
+    num_cached_blocks: int = 0
+    cached_prompt_tokens: int | None = None
     token_counts: TokenCounts | None = None  # for penalties, made at its first penalised step (penalties.py)
 
     @property
@@ -119,4 +125,5 @@ class Request:
                 a / d for a, d in zip(self.accepted_per_position, self.drafted_per_position, strict=True)
             ),
             verify_steps=self.verify_steps,
+            cached_prompt_tokens=self.cached_prompt_tokens or 0,
         )

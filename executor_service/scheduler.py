@@ -4,6 +4,8 @@ vLLM v1's shape: no prefill or decode phases, just "tokens to compute" per reque
 first (a decode is one token, an unfinished prefill its next chunk), then waiting requests are admitted
 while the step's token budget and the KV cache allow. When a running request cannot grow, the most
 recently admitted one is preempted: its blocks are freed and it will be recomputed from its tokens.
+With prefix caching, a request leaving the queue first takes the cached blocks of its prompt's prefix
+(prefix_cache.py) and computes only the rest.
 A request that cannot fit even with the whole cache to itself is failed, never preempted or retried
 forever (admission should have refused it: `speculative_headroom`).
 """
@@ -13,7 +15,9 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass, field
 
-from executor_service.kv_cache import BlockAllocator, blocks_needed
+from executor_service.block_pool import BlockPool
+from executor_service.kv_cache import blocks_needed
+from executor_service.prefix_cache import PrefixCache
 from executor_service.request import Request, Status
 from specdec_runtime.errors import FieldViolation, ResourceExhausted
 
@@ -43,14 +47,16 @@ class ScheduledStep:
 class Scheduler:
     def __init__(
         self,
-        allocator: BlockAllocator,
+        allocator: BlockPool,
         block_size: int,
         max_num_batched_tokens: int,
         max_num_seqs: int,
         num_lookahead_tokens: int = 0,
         max_model_len: int | None = None,
+        prefix_cache: PrefixCache | None = None,
     ) -> None:
         self.allocator = allocator
+        self.prefix_cache = prefix_cache  # None: prefix caching off
         self.block_size = block_size
         self.max_num_batched_tokens = max_num_batched_tokens
         self.max_num_seqs = max_num_seqs
@@ -90,14 +96,17 @@ class Scheduler:
             return step  # the cache is tight: admit nobody this step
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             request = self.waiting[0]
-            num_new = min(request.num_tokens - request.num_computed_tokens, budget)
-            if not self._grow(request, num_new):
+            cached = self.prefix_cache.computed_blocks(request) if self.prefix_cache is not None else []
+            num_new = min(request.num_tokens - len(cached) * self.block_size, budget)
+            if not self._grow(request, num_new, cached):
                 if not self.running:  # nothing holds blocks: it will never fit
                     self.waiting.popleft()
                     self._fail(request, step)
                     continue
                 break  # first come, first served: no overtaking of a request that does not fit yet
             self.waiting.popleft()
+            if self.prefix_cache is not None:
+                self.prefix_cache.admitted(request, cached)
             request.status = Status.RUNNING
             self.running.append(request)
             step.requests.append(request)
@@ -105,14 +114,16 @@ class Scheduler:
             budget -= num_new
         return step
 
-    def _grow(self, request: Request, num_new: int) -> bool:
-        """Give `request` the blocks for its computed tokens, `num_new` more and the lookahead slots."""
-        total = request.num_computed_tokens + num_new
+    def _grow(self, request: Request, num_new: int, cached: list[int] | None = None) -> bool:
+        """Give `request` the blocks for its computed tokens, `num_new` more and the lookahead slots. `cached`:
+        a request leaving the queue takes these prefix blocks first (its computed tokens, once taken)."""
+        cached = cached or []
+        total = request.num_computed_tokens + len(cached) * self.block_size + num_new
         if total == request.num_tokens + len(request.draft_ids):  # it will sample: the drafter writes ahead
             total += self.lookahead(request)
             if self.max_model_len is not None:
                 total = min(total, self.max_model_len)
-        return self.reserve(request, total)
+        return self.reserve(request, total, cached)
 
     def lookahead(self, request: Request) -> int:
         """Slots the request's proposals write past its tokens: its own (per-request speculation), else the
@@ -120,15 +131,20 @@ class Scheduler:
         own = request.num_lookahead_tokens
         return self.num_lookahead_tokens if own is None else own
 
-    def reserve(self, request: Request, positions: int) -> bool:
+    def reserve(self, request: Request, positions: int, cached: list[int] | None = None) -> bool:
         """Blocks for the request's first `positions` positions, if free ones are there (no preemption): the
-        engine reserves ahead before it launches a step whose inputs are still on the device."""
-        missing = blocks_needed(positions, self.block_size) - len(request.block_ids)
-        if missing <= 0:
-            return True
-        if not self.allocator.can_allocate(missing):
+        engine reserves ahead before it launches a step whose inputs are still on the device. `cached`: take
+        these prefix blocks first, only if the rest fits too (a free cached block taken is no longer free)."""
+        cached = cached or []
+        missing = blocks_needed(positions, self.block_size) - len(request.block_ids) - len(cached)
+        if missing > self.allocator.num_free - self.allocator.num_free_among(cached):
             return False
-        request.block_ids.extend(self.allocator.allocate(missing))
+        if cached:
+            assert not request.block_ids, "only a request leaving the queue takes cached blocks"
+            self.allocator.touch(cached)
+            request.block_ids.extend(cached)
+        if missing > 0:
+            request.block_ids.extend(self.allocator.allocate(missing))
         return True
 
     def _fail(self, request: Request, step: ScheduledStep) -> None:
@@ -157,9 +173,11 @@ class Scheduler:
         step.preempted.append(request)
 
     def release(self, request: Request) -> None:
-        """Return the request's blocks to the allocator (finish, abort, error, preemption)."""
-        self.allocator.free(request.block_ids)
+        """Return the request's blocks to the pool (finish, abort, error, preemption), exactly once. Cached
+        prefix blocks keep their content for the next request with that prefix."""
+        self.allocator.free(reversed(request.block_ids))
         request.block_ids = []
+        request.num_cached_blocks = 0
 
     def remove(self, request: Request) -> None:
         """Take a finished, aborted or failed request out of the queues and free its blocks."""

@@ -13,7 +13,6 @@ from pathlib import Path
 import torch
 
 from executor_service.cancellation import check_cancelled
-from executor_service.chat import load_chat_template
 from executor_service.config import ModelConfig
 from executor_service.cuda_graphs import GRAPH_BACKENDS
 from executor_service.draft_config import METHOD_ENUMS, DraftConfig
@@ -41,6 +40,7 @@ from executor_service.loader import (
 )
 from executor_service.memory import MemoryEstimate, estimate_memory
 from executor_service.model_runner import ModelRunner
+from executor_service.prefix_cache import PrefixCache, PrefixCacheStats, tokens_after_block
 from executor_service.proposer import Proposer
 from executor_service.request import Request, RequestOutput, Sink
 from executor_service.sampling import SamplingSettings, make_generator
@@ -79,6 +79,7 @@ class EngineSettings:
     max_num_seqs: int = 256
     cuda_graphs: bool = True  # decode steps replayed from CUDA graphs where the backend allows
     device_spec_step: bool = True  # greedy verify + accept + propose as one device pass (spec_step.py)
+    prefix_caching: bool = True  # for a LoadModel that leaves enable_prefix_caching unset (prefix_cache.py)
 
 
 def resolve_target(source: executor_pb2.ModelSource, model_root: Path | None, field: str) -> TargetSource:
@@ -170,6 +171,11 @@ class ModelSession:
             num_speculative_tokens=k,
             num_lookahead_tokens=proposer.config.lookahead(k) if proposer is not None else 0,
         )
+
+    def prefix_cache_stats(self) -> PrefixCacheStats:
+        """Prefix-cache lookups since the load (GetLoads, metrics); all zero with prefix caching off."""
+        prefix_cache = self.engine.scheduler.prefix_cache
+        return prefix_cache.stats() if prefix_cache is not None else PrefixCacheStats()
 
     def shutdown(self) -> None:
         self.engine.shutdown()
@@ -301,16 +307,17 @@ def build_session(
     layers = feature_layers(draft.config) if draft is not None else None
     runner = ModelRunner(loaded.model, kv_cache, decision.backend, device, layers)
     lookahead = draft.config.positions_ahead if draft is not None else 0
-    scheduler = Scheduler(
-        kv_cache.allocator, block_size, settings.max_num_batched_tokens, settings.max_num_seqs, lookahead, max_model_len
-    )
+    prefix_cache = None
+    if request.enable_prefix_caching if request.HasField("enable_prefix_caching") else settings.prefix_caching:
+        after = tokens_after_block(draft.config.method if draft is not None else None)
+        prefix_cache = PrefixCache(kv_cache.allocator, block_size, after)
+    batch = settings.max_num_batched_tokens, settings.max_num_seqs
+    scheduler = Scheduler(kv_cache.allocator, block_size, *batch, lookahead, max_model_len, prefix_cache)
     spec_step = SpecStep(runner, proposer) if proposer is not None and settings.device_spec_step else None
     engine = Engine(runner, scheduler, max_model_len, on_step, proposer, on_verify, spec_step)
     headroom = speculative_headroom(draft.config.num_speculative_tokens, lookahead) if draft is not None else 0
-    chat = load_chat_template(source.path, config, loaded.tokenizer)
     limits = ModelLimits(
         config.vocab_size, max_model_len, kv_cache.capacity_tokens, loaded.tokenizer is not None, headroom,
-        chat_template=chat,
         num_speculative_tokens=draft.config.num_speculative_tokens if draft is not None else 0,
         headroom_by_k=headroom_by_k(draft.config) if draft is not None else (),
     )  # fmt: skip
@@ -330,7 +337,7 @@ def build_session(
         num_speculative_tokens=draft.config.num_speculative_tokens if draft is not None else 0,
         has_tokenizer=loaded.tokenizer is not None,
         eos_token_id=config.eos_token_ids[0] if config.eos_token_ids else -1,
-        has_chat_template=chat is not None and chat.compiled is not None,
+        prefix_caching=prefix_cache is not None,
     )
     session = ModelSession(
         loaded, decision, dtype, kv_cache, engine, limits, info, 0.0, draft_decision, proposer, memory
@@ -396,3 +403,5 @@ def warm_up(session: ModelSession) -> None:
         raise errors[0]
     if session.kv_cache.allocator.num_used:
         raise RuntimeError("warm-up leaked KV blocks")  # an engine bug: refuse to serve with it
+    if engine.scheduler.prefix_cache is not None:  # its prompts are no caller's: start with an empty cache
+        engine.scheduler.prefix_cache.reset()
