@@ -26,7 +26,7 @@ from typing import Any
 sys.path.append(str(Path(__file__).resolve().parent))
 
 import torch
-from executor_bench import commit_id, log, write_result
+from common import commit_id, default_dtype, log, write_result
 from hf_reference import hf_greedy_tokens_per_s
 
 from executor_service.draft_config import METHOD_ENUMS
@@ -48,7 +48,7 @@ def open_session(
     drafter_dir: Path | None, blocks: int,
 ) -> ModelSession:  # fmt: skip
     backend = BACKENDS[device.type]
-    dtype = common_pb2.DTYPE_BFLOAT16 if device.type == "cuda" else common_pb2.DTYPE_FLOAT32
+    dtype = default_dtype(device)
     request = executor_pb2.LoadModelRequest(dtype=dtype, block_size=DEFAULT_BLOCK_SIZE, num_kv_blocks=blocks)
     draft = None
     if method is not None and drafter_dir is not None:

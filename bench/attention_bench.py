@@ -12,8 +12,6 @@ from __future__ import annotations
 import argparse
 import datetime as dt
 import json
-import os
-import subprocess
 import sys
 from collections.abc import Callable
 from pathlib import Path
@@ -21,6 +19,7 @@ from pathlib import Path
 import torch
 import triton
 import triton.testing
+from common import commit_id, device_tag
 
 from kernels import paged_attention, unavailable_reason
 from kernels.attention import AttentionBatch
@@ -237,13 +236,7 @@ def main() -> int:
         del batch, expected
         torch.cuda.empty_cache()
 
-    # The GPU host gets a copy of the tree without .git: the sender passes the commit in SPECDEC_COMMIT.
-    commit = (
-        os.environ.get("SPECDEC_COMMIT")
-        or subprocess.run(
-            ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, cwd=REPO
-        ).stdout.strip()
-    )
+    commit, _ = commit_id()  # SPECDEC_COMMIT on the GPU host, whose copy of the tree has no .git
     from kernels import flash_attn
 
     fa = flash_attn.load()
@@ -274,8 +267,8 @@ def main() -> int:
     }
     out_dir = Path(args.out)
     out_dir.mkdir(parents=True, exist_ok=True)
-    device_tag = torch.cuda.get_device_name().split()[1].lower()  # "NVIDIA H100 80GB HBM3" -> "h100"
-    path = out_dir / f"attention_{now:%Y-%m-%d}_{device_tag}_{commit}_bs{args.block_size}.json"
+    tag = device_tag(torch.device("cuda"))  # "NVIDIA H100 80GB HBM3" -> "h100"
+    path = out_dir / f"attention_{now:%Y-%m-%d}_{tag}_{commit}_bs{args.block_size}.json"
     path.write_text(json.dumps(report, indent=1))
     print(f"wrote {path}")
     return 0

@@ -25,15 +25,11 @@ from __future__ import annotations
 import argparse
 import asyncio
 import datetime as dt
-import gc
 import itertools
 import json
-import os
 import platform
-import random
 import re
 import statistics
-import subprocess
 import sys
 import threading
 import time
@@ -50,6 +46,22 @@ for _path in (REPO, REPO / "protos"):  # the GPU host runs from a plain copy of 
 
 import grpc  # noqa: E402
 import torch  # noqa: E402
+from common import (  # noqa: E402
+    DTYPES,
+    MODEL_FIELDS,
+    PRESETS,
+    commit_id,
+    copy_bandwidth,
+    default_dtype,
+    device_tag,
+    free_device_memory,
+    log,
+    make_prompts,
+    median,
+    sync,
+    synthetic_target,
+    versions,
+)
 
 from executor_service.attention_step import AttentionStep  # noqa: E402
 from executor_service.capabilities import probe  # noqa: E402
@@ -62,6 +74,7 @@ from executor_service.session import (  # noqa: E402
     EngineSettings,
     ModelSession,
     build_session,
+    resolve_dtype,
     resolve_target,
     selection_request,
 )
@@ -69,30 +82,7 @@ from executor_service.validation import DEFAULT_BLOCK_SIZE  # noqa: E402
 from specdec.v1 import common_pb2, executor_pb2, executor_pb2_grpc  # noqa: E402
 from specdec_runtime.grpc_runtime import ServerSettings  # noqa: E402
 
-MODEL_FIELDS = ("layers", "hidden", "intermediate", "heads", "kv_heads", "head_size", "vocab")
-PRESETS: dict[str, dict[str, Any]] = {
-    "llama3-8b": {
-        "layers": 32, "hidden": 4096, "intermediate": 14336, "heads": 32, "kv_heads": 8, "head_size": 128,
-        "vocab": 128256, "prompt_len": 128, "decode_tokens": 256, "batches": "32,128", "prefill_len": 4096,
-        "prefill_batches": "1,4", "repeats": 3, "copy_mib": 2048,
-    },
-    "smollm2": {  # SmolLM2-135M's shape (tied embeddings), the target the shipped drafters serve
-        "layers": 30, "hidden": 576, "intermediate": 1536, "heads": 9, "kv_heads": 3, "head_size": 64,
-        "vocab": 49152, "prompt_len": 128, "decode_tokens": 256, "batches": "32,128", "prefill_len": 2048,
-        "prefill_batches": "1,4", "repeats": 3, "copy_mib": 2048,
-    },
-    "tiny": {
-        "layers": 2, "hidden": 128, "intermediate": 256, "heads": 4, "kv_heads": 2, "head_size": 32,
-        "vocab": 1024, "prompt_len": 32, "decode_tokens": 32, "batches": "4,16", "prefill_len": 512,
-        "prefill_batches": "1,2", "repeats": 2, "copy_mib": 64,
-    },
-}  # fmt: skip
 SECTIONS = ("copy", "decode1", "batch", "prefill", "grpc")
-DTYPES = {
-    "bfloat16": common_pb2.DTYPE_BFLOAT16,
-    "float16": common_pb2.DTYPE_FLOAT16,
-    "float32": common_pb2.DTYPE_FLOAT32,
-}
 BARS = {"decode1_floor_over_measured_min": 0.70, "grpc_over_inprocess_min": 0.95}
 # Kernel names counted as attention in the profile: our Triton kernels (_paged_attention_kernel,
 # _combine_splits_kernel), FlashAttention (flash...), flex_attention's Inductor template (triton_tem_fused...),
@@ -103,75 +93,8 @@ CPU_ATTENTION_OP = re.compile(r"scaled_dot_product|attention|flex|Torch-Compiled
 RUN_TIMEOUT_S = 300.0
 
 
-def log(message: str) -> None:
-    print(message, flush=True)
-
-
-def median(values: list[float]) -> float:
-    return statistics.median(values) if values else float("nan")
-
-
-def sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
-def free_device_memory(device: torch.device) -> dict[str, float]:
-    gc.collect()
-    if device.type != "cuda":
-        return {}
-    torch.cuda.synchronize(device)
-    torch.cuda.empty_cache()
-    free, total = torch.cuda.mem_get_info(device)
-    return {
-        "allocated_GiB": round(torch.cuda.memory_allocated(device) / 2**30, 3),
-        "device_used_GiB": round((total - free) / 2**30, 3),
-    }
-
-
 # ---- (a) copy bandwidth ------------------------------------------------------------------------------------------
-def copy_bandwidth(device: torch.device, mib: int, iters: int) -> dict[str, Any]:
-    """dst.copy_(src) of `mib` MiB: bandwidth = bytes read + bytes written per second (2 * size / time)."""
-    size = mib * 2**20
-    src = torch.empty(size, dtype=torch.uint8, device=device).random_(0, 255)
-    dst = torch.empty_like(src)
-    for _ in range(3):
-        dst.copy_(src)
-    sync(device)
-    times = []
-    for _ in range(iters):
-        if device.type == "cuda":
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            dst.copy_(src)
-            end.record()
-            end.synchronize()
-            times.append(start.elapsed_time(end) / 1e3)
-        else:
-            started = time.perf_counter()
-            dst.copy_(src)
-            times.append(time.perf_counter() - started)
-    del src, dst
-    seconds = median(times)
-    return {
-        "bytes_per_copy": size,
-        "bytes_moved_per_copy": 2 * size,
-        "iterations": iters,
-        "median_ms": round(seconds * 1e3, 4),
-        "best_ms": round(min(times) * 1e3, 4),
-        "GBps": round(2 * size / seconds / 1e9, 1),  # median; the floor uses this figure
-        "GBps_best": round(2 * size / min(times) / 1e9, 1),
-        "timer": "cuda events" if device.type == "cuda" else "perf_counter",
-    }
-
-
 # ---- requests, sinks and statistics ------------------------------------------------------------------------------
-def make_prompts(count: int, length: int, vocab: int, seed: int) -> list[list[int]]:
-    """The same prompts in every process that asks (the gRPC client process included)."""
-    rng = random.Random(seed)
-    return [[rng.randrange(vocab) for _ in range(length)] for _ in range(count)]
-
-
 class Collector:
     """Thread-safe sinks: each output's arrival time and token count per request, and an event when all finished."""
 
@@ -757,62 +680,6 @@ async def grpc_phase(
 
 
 # ---- report ------------------------------------------------------------------------------------------------------
-def commit_id() -> tuple[str, bool | None]:
-    """SPECDEC_COMMIT (the GPU host's copy has no .git), else git; and whether tracked files differ from it."""
-    commit = os.environ.get("SPECDEC_COMMIT")
-    if commit:
-        return commit, None
-    try:
-        commit = subprocess.run(
-            ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, cwd=REPO, check=True
-        ).stdout.strip()
-        dirty = subprocess.run(
-            ["git", "status", "--porcelain", "--untracked-files=no"], capture_output=True, text=True, cwd=REPO
-        ).stdout.strip()
-        return commit, bool(dirty)
-    except (OSError, subprocess.CalledProcessError):
-        return "unknown", None
-
-
-def device_tag(device: torch.device) -> str:
-    if device.type != "cuda":
-        return "cpu"
-    words = torch.cuda.get_device_name(device).split()  # "NVIDIA H100 80GB HBM3" -> "h100"
-    return next((w.lower() for w in words if re.fullmatch(r"[A-Za-z]+\d+[A-Za-z]*", w)), words[-1].lower())
-
-
-def write_result(out: Path, name: str, device: torch.device, commit: str, report: dict[str, Any]) -> Path:
-    """OUT/NAME_DATE_DEVICE_COMMIT.json: the naming every bench/results file of these scripts follows."""
-    out.mkdir(parents=True, exist_ok=True)
-    path = out / f"{name}_{dt.date.today().isoformat()}_{device_tag(device)}_{commit}.json"
-    path.write_text(json.dumps(report, indent=1))
-    log(f"wrote {path}")
-    return path
-
-
-def versions() -> dict[str, Any]:
-    found: dict[str, Any] = {
-        "python": platform.python_version(),
-        "torch": torch.__version__,
-        "grpcio": grpc.__version__,
-    }
-    found["cuda"] = torch.version.cuda
-    try:
-        import triton
-
-        found["triton"] = triton.__version__
-    except ImportError:
-        found["triton"] = None
-    try:
-        from kernels import flash_attn
-
-        fa = flash_attn.load()
-        found["flash_attn"] = getattr(fa, "version", None) if fa else None
-    except Exception:
-        found["flash_attn"] = None
-    return found
-
-
 def ratios(report: dict[str, Any]) -> dict[str, Any]:
     """The bars: batch-1 floor / measured; gRPC / in-process engine for every workload measured both ways (the bar
     is judged on the client process, the deployment's shape; the inline client is reported next to it)."""
@@ -1000,16 +867,9 @@ def main() -> int:
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     if device.type == "cuda" and device.index is not None:
         torch.cuda.set_device(device)
-    dtype_enum = (
-        DTYPES[args.dtype] if args.dtype != "auto"
-        else common_pb2.DTYPE_BFLOAT16 if device.type == "cuda" else common_pb2.DTYPE_FLOAT32
-    )  # fmt: skip
+    dtype_enum = DTYPES[args.dtype] if args.dtype != "auto" else default_dtype(device)
     block_size = args.block_size or DEFAULT_BLOCK_SIZE
-    synthetic = executor_pb2.SyntheticModel(
-        architecture="llama", vocab_size=args.vocab, hidden_size=args.hidden, intermediate_size=args.intermediate,
-        num_layers=args.layers, num_heads=args.heads, num_kv_heads=args.kv_heads, head_size=args.head_size,
-        seed=args.seed,
-    )  # fmt: skip
+    synthetic = synthetic_target({k: getattr(args, k) for k in MODEL_FIELDS}, args.seed)
     request = executor_pb2.LoadModelRequest(
         target=executor_pb2.ModelSource(synthetic=synthetic),
         dtype=dtype_enum,
@@ -1039,9 +899,7 @@ def main() -> int:
 
     # The backend as LoadModel decides it: this machine's capability report + the layer spec, in-process selector.
     source = resolve_target(request.target, None, "target")
-    dtype = {common_pb2.DTYPE_BFLOAT16: torch.bfloat16, common_pb2.DTYPE_FLOAT16: torch.float16}.get(
-        dtype_enum, torch.float32
-    )
+    dtype = resolve_dtype(dtype_enum, device)
     chooser = BackendChooser()
     selection = asyncio.run(chooser.choose(selection_request(request, source.config, probe(device), dtype)))
     decision = selection.target

@@ -45,16 +45,17 @@ for _path in (REPO, REPO / "bench", REPO / "protos", REPO / "tests", REPO / "tes
 
 import grpc  # noqa: E402
 import torch  # noqa: E402
-from executor_bench import commit_id, log, versions, write_result  # noqa: E402
+from common import commit_id, log, versions, write_result  # noqa: E402
 from executor_builders import TINY as TINY_TARGET  # noqa: E402  (the CPU tests' tiny target: serving, not the model)
 from server_processes import ServerProcess, spawn_server  # noqa: E402
 from spec_builders import draft_model  # noqa: E402
 
+from executor_service.draft_config import METHOD_ENUMS  # noqa: E402
 from executor_service.kv_cache import blocks_needed  # noqa: E402
 from specdec.v1 import common_pb2, executor_pb2, executor_pb2_grpc  # noqa: E402
 
 BLOCK_SIZE = 16
-METHODS = ("none", "eagle", "eagle3", "dflash")
+METHODS = ("none", *METHOD_ENUMS)  # no drafter, or a synthetic one of each method
 GAUGES = ("specdec_running_requests", "specdec_queue_depth", "specdec_kv_blocks_used")
 COUNTERS = tuple(
     f"{name}_total"

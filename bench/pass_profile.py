@@ -19,8 +19,8 @@ from typing import Any
 sys.path.append(str(Path(__file__).resolve().parent))
 
 import torch
-from executor_bench import write_result
-from specdec_bench import PRESETS, commit_id, log, open_sessions, parse_args, pass_calls, time_graph
+from common import PRESETS, commit_id, log, write_result
+from specdec_bench import open_sessions, parse_args, pass_calls, time_graph
 from torch.profiler import ProfilerActivity, profile
 
 REPLAYS = 20

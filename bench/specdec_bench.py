@@ -36,42 +36,43 @@ for _path in (REPO, REPO / "bench", REPO / "protos", REPO / "tests" / "executor"
         sys.path.append(str(_path))
 
 import torch  # noqa: E402
-from executor_bench import (  # noqa: E402
+from common import (  # noqa: E402
     PRESETS,
     commit_id,
     copy_bandwidth,
+    default_dtype,
     log,
     make_prompts,
     median,
+    synthetic_target,
     versions,
     write_result,
 )
 from spec_builders import ReplayDrafts  # noqa: E402
 
+from executor_service.draft_config import METHOD_ENUMS  # noqa: E402
 from executor_service.drafting import resolve_draft  # noqa: E402
 from executor_service.loader import LoadedModel, build_synthetic  # noqa: E402
 from executor_service.request import RequestOutput  # noqa: E402
 from executor_service.sampling import SamplingSettings  # noqa: E402
-from executor_service.session import EngineSettings, ModelSession, build_session, resolve_target  # noqa: E402
+from executor_service.session import (  # noqa: E402
+    EngineSettings,
+    ModelSession,
+    build_session,
+    resolve_dtype,
+    resolve_target,
+)
 from executor_service.validation import DEFAULT_BLOCK_SIZE  # noqa: E402
 from specdec.v1 import common_pb2, executor_pb2  # noqa: E402
 
-# method -> (SpecMethod, k, drafter layers); EAGLE-3's head covers 32000 ids as the published ones do.
-DRAFTERS = {
-    "eagle": (common_pb2.SPEC_METHOD_EAGLE, 7, 1),
-    "eagle3": (common_pb2.SPEC_METHOD_EAGLE3, 7, 1),
-    "dflash": (common_pb2.SPEC_METHOD_DFLASH, 15, 5),
-}
+# method -> (k, drafter layers); EAGLE-3's head covers 32000 ids as the published ones do.
+DRAFTERS = {"eagle": (7, 1), "eagle3": (7, 1), "dflash": (15, 5)}
 ACCEPTANCE = {"1": 0, "3": 2, "6": 5, "full": None}  # acceptance length -> corrupted draft (None: none)
 FLOOR_BAR = 1.4
 
 
 def target_request(preset: dict[str, Any], dtype: int, backend: str, blocks: int) -> executor_pb2.LoadModelRequest:
-    synthetic = executor_pb2.SyntheticModel(
-        architecture="llama", vocab_size=preset["vocab"], hidden_size=preset["hidden"],
-        intermediate_size=preset["intermediate"], num_layers=preset["layers"], num_heads=preset["heads"],
-        num_kv_heads=preset["kv_heads"], head_size=preset["head_size"], seed=0,
-    )  # fmt: skip
+    synthetic = synthetic_target(preset, 0)
     request = executor_pb2.LoadModelRequest(dtype=dtype, block_size=DEFAULT_BLOCK_SIZE, num_kv_blocks=blocks)
     request.target.synthetic.CopyFrom(synthetic)
     request.attention.backend = backend
@@ -79,8 +80,8 @@ def target_request(preset: dict[str, Any], dtype: int, backend: str, blocks: int
 
 
 def draft_request(method: str, preset: dict[str, Any]) -> executor_pb2.DraftModel:
-    enum, k, layers = DRAFTERS[method]
-    draft = executor_pb2.DraftModel(method=enum, num_speculative_tokens=k)
+    k, layers = DRAFTERS[method]
+    draft = executor_pb2.DraftModel(method=METHOD_ENUMS[method], num_speculative_tokens=k)
     spec = draft.source.synthetic
     spec.architecture, spec.seed, spec.num_layers = "llama", 1, layers
     spec.hidden_size, spec.intermediate_size = preset["hidden"], preset["intermediate"]
@@ -96,8 +97,7 @@ def draft_request(method: str, preset: dict[str, Any]) -> executor_pb2.DraftMode
 def open_session(
     args: argparse.Namespace, loaded: LoadedModel, method: str | None, preset: dict[str, Any]
 ) -> ModelSession:
-    request = target_request(preset, common_pb2.DTYPE_BFLOAT16 if args.device == "cuda" else 0, args.backend,
-                             args.kv_blocks)  # fmt: skip
+    request = target_request(preset, default_dtype(torch.device(args.device)), args.backend, args.kv_blocks)
     source = resolve_target(request.target, None, "target")
     draft = None
     if method is not None:
@@ -117,7 +117,7 @@ def open_session(
 def open_sessions(args: argparse.Namespace, preset: dict[str, Any]) -> dict[str, ModelSession]:
     """Target-only and one session per drafter method, all over the same target weights."""
     device = torch.device(args.device)
-    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    dtype = resolve_dtype(common_pb2.DTYPE_UNSPECIFIED, device)
     request = target_request(preset, 0, args.backend, args.kv_blocks)
     config = resolve_target(request.target, None, "target").config
     loaded = build_synthetic(config, 0, dtype, device)
@@ -495,7 +495,7 @@ def main() -> int:
         "versions": versions(),
         "preset": args.preset,
         "backend": args.backend,
-        "drafters": {m: {"k": DRAFTERS[m][1], "layers": DRAFTERS[m][2]} for m in args.methods},
+        "drafters": {m: {"k": DRAFTERS[m][0], "layers": DRAFTERS[m][1]} for m in args.methods},
     }
     report["copy_bandwidth"] = copy_bandwidth(device, preset["copy_mib"], 20)
     bandwidth = report["copy_bandwidth"]["GBps"]
