@@ -65,6 +65,7 @@ class GenerateStream:
             accepted_tokens=finish.accepted_tokens,
             mean_acceptance_length=tokens_per_step(finish),
             acceptance_rate_per_position=finish.acceptance_per_position,
+            cached_prompt_tokens=finish.cached_prompt_tokens,
         )
 
 

@@ -30,6 +30,7 @@ from executor_service.prompt_intake import check_prompt
 from executor_service.request import RequestOutput
 from executor_service.sampling import SamplingSettings
 from executor_service.selection import BackendChooser
+from executor_service.server_info import LoadCounters, loads, server_info
 from executor_service.session import (
     DEFAULT_GPU_MEMORY_UTILIZATION,
     EngineSettings,
@@ -80,6 +81,7 @@ class ExecutorServicer(executor_pb2_grpc.ExecutorServicer):
         self.open_streams = 0  # Generate streams not yet closed
         self._mailbox: Mailbox | None = None
         self._capabilities: common_pb2.HardwareCapabilities | None = None
+        self.counters = LoadCounters()  # GetServerInfo's uptime, GetLoads' totals and tokens/s
         self._load_lock = asyncio.Lock()
         self._cancel_load: threading.Event | None = None  # set: the LoadModel under way stops (shutdown)
         metrics.watch(
@@ -163,7 +165,7 @@ class ExecutorServicer(executor_pb2_grpc.ExecutorServicer):
                 decision.target,
                 self.device,
                 self.engine_settings,
-                self.metrics.on_step,
+                self._on_step,
                 draft=draft,
                 draft_decision=decision.drafter if draft is not None else None,
                 on_verify=self.metrics.on_verify,
@@ -272,6 +274,7 @@ class ExecutorServicer(executor_pb2_grpc.ExecutorServicer):
             session.engine.add(engine_request)
         except KeyError:  # the same id was added between the check above and here
             raise _already_running(request.request_id) from None
+        self.counters.on_admit(len(prompt))
         return session, outputs
 
     async def _checked(
@@ -295,6 +298,24 @@ class ExecutorServicer(executor_pb2_grpc.ExecutorServicer):
         session = self.session
         aborted = session.engine.abort(request.request_ids) if session is not None else []
         return executor_pb2.AbortResponse(aborted_request_ids=aborted)
+
+    async def GetServerInfo(
+        self, request: executor_pb2.GetServerInfoRequest, context: grpc.aio.ServicerContext
+    ) -> executor_pb2.GetServerInfoResponse:
+        capabilities = await self.capabilities()
+        max_batch = self.engine_settings.max_num_seqs
+        return server_info(self.counters, capabilities, self.session, max_batch, self.max_live_requests)
+
+    async def GetLoads(
+        self, request: executor_pb2.GetLoadsRequest, context: grpc.aio.ServicerContext
+    ) -> executor_pb2.GetLoadsResponse:
+        session = self.session
+        return loads(self.counters, session, session.prefix_cache_stats() if session is not None else None)
+
+    def _on_step(self, computed: int, generated: int, seconds: float) -> None:
+        """The engine thread's step observer: the Prometheus metrics and GetLoads' counters."""
+        self.metrics.on_step(computed, generated, seconds)
+        self.counters.on_step(computed, generated, seconds)
 
     async def drain(self, grace_seconds: float) -> None:
         """Refuse new generations, let running ones finish for `grace_seconds`, then abort the rest (their

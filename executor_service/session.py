@@ -13,6 +13,7 @@ from pathlib import Path
 import torch
 
 from executor_service.cancellation import check_cancelled
+from executor_service.chat import load_chat_template
 from executor_service.config import ModelConfig
 from executor_service.cuda_graphs import GRAPH_BACKENDS
 from executor_service.draft_config import METHOD_ENUMS, DraftConfig
@@ -316,8 +317,10 @@ def build_session(
     spec_step = SpecStep(runner, proposer) if proposer is not None and settings.device_spec_step else None
     engine = Engine(runner, scheduler, max_model_len, on_step, proposer, on_verify, spec_step)
     headroom = speculative_headroom(draft.config.num_speculative_tokens, lookahead) if draft is not None else 0
+    chat = load_chat_template(source.path, config, loaded.tokenizer)
     limits = ModelLimits(
         config.vocab_size, max_model_len, kv_cache.capacity_tokens, loaded.tokenizer is not None, headroom,
+        chat_template=chat,
         num_speculative_tokens=draft.config.num_speculative_tokens if draft is not None else 0,
         headroom_by_k=headroom_by_k(draft.config) if draft is not None else (),
     )  # fmt: skip
@@ -337,6 +340,7 @@ def build_session(
         num_speculative_tokens=draft.config.num_speculative_tokens if draft is not None else 0,
         has_tokenizer=loaded.tokenizer is not None,
         eos_token_id=config.eos_token_ids[0] if config.eos_token_ids else -1,
+        has_chat_template=chat is not None and chat.compiled is not None,
         prefix_caching=prefix_cache is not None,
     )
     session = ModelSession(
