@@ -188,6 +188,11 @@ def main(argv: list[str] | None = None) -> int:
         help="verify and propose with host bookkeeping between passes, not as one device pass (for comparison)",
     )
     parser.add_argument(
+        "--no-prefix-caching",
+        action="store_true",
+        help="no prefix caching for a LoadModel that leaves enable_prefix_caching unset (it may still ask for it)",
+    )
+    parser.add_argument(
         "--max-live-requests", type=int, default=4096, help="running + queued; more: RESOURCE_EXHAUSTED"
     )
     args = parser.parse_args(argv)
@@ -203,6 +208,7 @@ def main(argv: list[str] | None = None) -> int:
                 int(args.max_num_seqs),
                 not args.enforce_eager,
                 device_spec_step=not args.host_spec_step,
+                prefix_caching=not args.no_prefix_caching,
             ),
             max_live_requests=int(args.max_live_requests),
         )

@@ -1,6 +1,7 @@
 """The executor's Prometheus metrics, next to the RPC metrics in the same registry: tokens (and tokens/s
 over a sliding window), queue depth, running requests, KV blocks used, step latency, and speculative
-decoding's drafted / accepted tokens, per draft position and as a mean acceptance length."""
+decoding's drafted / accepted tokens, per draft position and as a mean acceptance length, and the prefix
+cache's lookups, hits and hit rate."""
 
 from __future__ import annotations
 
@@ -10,6 +11,8 @@ import time
 from collections.abc import Callable
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+from executor_service.prefix_cache import PrefixCacheStats
 
 STEP_BUCKETS = (0.001, 0.0025, 0.005, 0.0075, 0.01, 0.015, 0.02, 0.03, 0.05, 0.075, 0.1, 0.25, 0.5, 1, 2.5, 10)
 WINDOW_SECONDS = 10.0
@@ -56,6 +59,23 @@ class EngineMetrics:
             registry=registry,
         )
         self.mean_acceptance_length.set_function(self._acceptance_length)
+        since_load = "since the model was loaded"
+        self.prefix_cache_queries = Gauge(
+            "specdec_prefix_cache_queries",
+            f"Prompt tokens looked up in the prefix cache {since_load}",
+            registry=registry,
+        )
+        self.prefix_cache_hits = Gauge(
+            "specdec_prefix_cache_hits",
+            f"Prompt tokens whose K/V came from the prefix cache {since_load}",
+            registry=registry,
+        )
+        self.prefix_cache_hit_rate = Gauge(
+            "specdec_prefix_cache_hit_rate", f"Prefix cache hits / queries {since_load}", registry=registry
+        )
+        self.cached_free_blocks = Gauge(
+            "specdec_kv_blocks_cached_free", "Free KV blocks still holding reusable prefixes", registry=registry
+        )
         self._verify_totals = [0, 0]  # verify steps, accepted drafts: what the gauge divides
         self._window: collections.deque[tuple[float, int]] = collections.deque()
         self._lock = threading.Lock()
@@ -105,6 +125,13 @@ class EngineMetrics:
         self.running.set_function(running)
         self.kv_used.set_function(kv_used)
         self.kv_total.set_function(kv_total)
+
+    def watch_prefix_cache(self, stats: Callable[[], PrefixCacheStats]) -> None:
+        """Read the prefix cache's counts from the current session at scrape time."""
+        self.prefix_cache_queries.set_function(lambda: stats().queries)
+        self.prefix_cache_hits.set_function(lambda: stats().hits)
+        self.prefix_cache_hit_rate.set_function(lambda: stats().hit_rate)
+        self.cached_free_blocks.set_function(lambda: stats().cached_free_blocks)
 
     def _rate(self) -> float:
         now = time.monotonic()

@@ -26,6 +26,7 @@ from executor_service.drafting import check_drafter_backend, resolve_draft
 from executor_service.generate_stream import GenerateStream
 from executor_service.mailbox import Mailbox
 from executor_service.metrics import EngineMetrics
+from executor_service.prefix_cache import PrefixCacheStats
 from executor_service.prompt_intake import check_prompt
 from executor_service.request import RequestOutput
 from executor_service.sampling import SamplingSettings
@@ -90,6 +91,7 @@ class ExecutorServicer(executor_pb2_grpc.ExecutorServicer):
             kv_used=lambda: self.session.kv_cache.allocator.num_used if self.session else 0,
             kv_total=lambda: self.session.kv_cache.num_blocks if self.session else 0,
         )
+        metrics.watch_prefix_cache(lambda: self.session.prefix_cache_stats() if self.session else PrefixCacheStats())
 
     async def capabilities(self) -> common_pb2.HardwareCapabilities:
         if self._capabilities is None:
