@@ -13,6 +13,7 @@ from dataclasses import dataclass
 
 import torch
 
+from executor_service.attention_step import to_device
 from executor_service.sampling import SamplingSettings, to_host
 from specdec.v1 import executor_pb2
 
@@ -49,8 +50,8 @@ def batch_logprobs(
     if not rows:
         return found
     device = logits.device
-    logprobs = torch.log_softmax(logits[torch.tensor(rows, device=device)].float(), dim=-1)
-    chosen = logprobs.gather(1, torch.tensor(tokens, dtype=torch.int64, device=device)[:, None])[:, 0]
+    logprobs = torch.log_softmax(logits[to_device(rows, torch.int64, device)].float(), dim=-1)
+    chosen = logprobs.gather(1, to_device(tokens, torch.int64, device)[:, None])[:, 0]
     width = min(max(n for _, _, n in asking), logprobs.shape[-1])
     top_values, top_ids = logprobs.topk(width, dim=-1) if width else (logprobs[:, :0], logprobs[:, :0])
     host = to_host(torch.cat([chosen.double(), top_values.double().reshape(-1), top_ids.double().reshape(-1)]))

@@ -12,16 +12,19 @@ sample from one token at a time, and rejection sampling stays lossless under the
 take the argmax of the penalised rows.
 
 Each request keeps its counts on the device (`TokenCounts`), brought up to date with the tokens emitted since
-its last step: a step copies the few new ids, never the prompt again.
+its last step: a step copies the few new ids, never the prompt again. Host lists reach the device through
+`to_device` (pinned, asynchronous on CUDA), so none of this waits for the step in flight.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Protocol
 
 import torch
 
+from executor_service.attention_step import to_device
 from executor_service.sampling import SamplingSettings
 
 
@@ -30,7 +33,7 @@ class TokenCounts:
 
     def __init__(self, prompt_ids: list[int], vocab_size: int, device: torch.device) -> None:
         self.in_prompt = torch.zeros(vocab_size, dtype=torch.bool, device=device)
-        self.in_prompt[torch.tensor(prompt_ids, dtype=torch.int64, device=device)] = True
+        self.in_prompt[to_device(prompt_ids, torch.int64, device)] = True
         self.output = torch.zeros(vocab_size, dtype=torch.int32, device=device)
         self.num_counted = 0  # output tokens counted in `output`
 
@@ -38,7 +41,7 @@ class TokenCounts:
         """Count the output tokens emitted since the last update (outputs only ever grow)."""
         new = output_ids[self.num_counted :]
         if new:
-            ids = torch.tensor(new, dtype=torch.int64, device=self.output.device)
+            ids = to_device(new, torch.int64, self.output.device)
             self.output.index_add_(0, ids, torch.ones_like(ids, dtype=torch.int32))
             self.num_counted = len(output_ids)
 
@@ -56,7 +59,7 @@ def counts_per_row(output: torch.Tensor, drafts: list[int]) -> torch.Tensor:
     rows = output.unsqueeze(0).repeat(len(drafts) + 1, 1)
     if drafts:
         pairs = [(row, draft) for i, draft in enumerate(drafts) for row in range(i + 1, len(drafts) + 1)]
-        index = torch.tensor(pairs, dtype=torch.int64, device=output.device).t()
+        index = to_device(pairs, torch.int64, output.device).t()
         rows.index_put_((index[0], index[1]), torch.ones_like(index[0], dtype=rows.dtype), accumulate=True)
     return rows
 
@@ -91,7 +94,7 @@ def penalised_logits(
     a penalty penalised: a float32 copy, or `logits` itself when no request does. Requests whose drafts lie
     outside the vocabulary are left alone (verification fails them)."""
     vocab, device = logits.shape[-1], logits.device
-    rows, prompts, counts, params = [], [], [], []
+    found: list[Penalised] = []
     start = 0
     for setting, history, request_drafts in zip(settings, histories, drafts, strict=True):
         num_rows = len(request_drafts) + 1
@@ -100,16 +103,44 @@ def penalised_logits(
             if history.token_counts is None:
                 history.token_counts = TokenCounts(history.prompt_ids, vocab, device)
             history.token_counts.update(history.output_ids)
-            rows += range(start, start + num_rows)
-            prompts.append(history.token_counts.in_prompt.expand(num_rows, vocab))
-            counts.append(counts_per_row(history.token_counts.output, request_drafts))
-            penalties = (setting.repetition_penalty, setting.presence_penalty, setting.frequency_penalty)
-            params += [penalties] * num_rows
+            found.append(Penalised(start, setting, history.token_counts, request_drafts))
         start += num_rows
-    if not rows:
+    if not found:
         return logits
-    index = torch.tensor(rows, dtype=torch.int64, device=device)
-    repetition, presence, frequency = torch.tensor(params, dtype=torch.float32, device=device).t()
     out = logits.to(torch.float32, copy=True)
-    out[index] = penalise(out[index], torch.cat(prompts), torch.cat(counts), repetition, presence, frequency)
+    group: list[Penalised] = []
+    for entry in found:  # in groups of about ROWS_PER_PASS rows: the [rows, V] counts stay small
+        group.append(entry)
+        if sum(len(e.drafts) + 1 for e in group) >= ROWS_PER_PASS or entry is found[-1]:
+            _penalise_group(out, group)
+            group = []
     return out
+
+
+ROWS_PER_PASS = 128  # rows penalised at once: [128, V] counts, masks and temporaries (64 MiB each at V = 128k)
+
+
+@dataclass(frozen=True)
+class Penalised:
+    """One request's rows to penalise: the first row, its settings, counts and drafts (k + 1 rows)."""
+
+    start: int
+    settings: SamplingSettings
+    counts: TokenCounts
+    drafts: list[int]
+
+
+def _penalise_group(out: torch.Tensor, group: list[Penalised]) -> None:
+    """Penalise the rows of these requests in `out` (float32) in place."""
+    vocab, device = out.shape[-1], out.device
+    rows = [row for e in group for row in range(e.start, e.start + len(e.drafts) + 1)]
+    params = [
+        (e.settings.repetition_penalty, e.settings.presence_penalty, e.settings.frequency_penalty)
+        for e in group
+        for _ in range(len(e.drafts) + 1)
+    ]
+    in_prompt = torch.cat([e.counts.in_prompt.expand(len(e.drafts) + 1, vocab) for e in group])
+    counts = torch.cat([counts_per_row(e.counts.output, e.drafts) for e in group])
+    index = to_device(rows, torch.int64, device)
+    repetition, presence, frequency = to_device(params, torch.float32, device).t()
+    out[index] = penalise(out[index], in_prompt, counts, repetition, presence, frequency)

@@ -10,6 +10,7 @@ import pytest
 import torch
 from penalty_reference import reference_logits
 
+import executor_service.penalties as penalties
 from executor_service.logprobs import batch_logprobs
 from executor_service.penalties import TokenCounts, penalised_logits
 from executor_service.rejection_sampler import verify_batch
@@ -26,19 +27,23 @@ class History:
     token_counts: TokenCounts | None = None
 
 
-def test_every_verify_row_counts_the_drafts_before_it() -> None:
+@pytest.mark.parametrize("rows_per_pass", [128, 2])
+def test_every_verify_row_counts_the_drafts_before_it(rows_per_pass: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(penalties, "ROWS_PER_PASS", rows_per_pass)  # 2: each request penalised in its own pass
     torch.manual_seed(0)
-    plain, penalised = History([1, 2, 3]), History([5, 5, 7], [9, 9, 30, 5])
-    drafts = [[], [30, 9, 9, 12]]
-    logits = torch.randn(1 + 5, VOCAB) * 3  # both signs, so both branches of the repetition penalty
-    out = penalised_logits(logits, [SamplingSettings(), PENALTIES], [plain, penalised], drafts)
+    histories = [History([1, 2, 3]), History([5, 5, 7], [9, 9, 30, 5]), History([8], [8, 3])]
+    settings = [SamplingSettings(), PENALTIES, SamplingSettings(repetition_penalty=0.5, frequency_penalty=-1.0)]
+    drafts = [[], [30, 9, 9, 12], [3]]
+    logits = torch.randn(1 + 5 + 2, VOCAB) * 3  # both signs, so both branches of the repetition penalty
+    out = penalised_logits(logits, settings, histories, drafts)
     assert torch.equal(out[0], logits[0])  # no penalty: untouched
-    for j in range(5):
-        expected = reference_logits(
-            logits[1 + j], penalised.prompt_ids, penalised.output_ids + drafts[1][:j], PENALTIES
-        )
-        torch.testing.assert_close(out[1 + j].double(), expected, rtol=1e-5, atol=1e-5)
-    assert penalised_logits(logits, [SamplingSettings()] * 2, [plain, penalised], drafts) is logits
+    for request, start in ((1, 1), (2, 6)):
+        history = histories[request]
+        for j in range(len(drafts[request]) + 1):
+            output = history.output_ids + drafts[request][:j]
+            expected = reference_logits(logits[start + j], history.prompt_ids, output, settings[request])
+            torch.testing.assert_close(out[start + j].double(), expected, rtol=1e-5, atol=1e-5)
+    assert penalised_logits(logits, [SamplingSettings()] * 3, histories, drafts) is logits
 
 
 def test_counts_follow_the_output_across_steps() -> None:
