@@ -198,3 +198,24 @@ def test_eagle_keys_without_the_next_token_would_be_caught() -> None:
     assert wrong.cached("y") == BLOCK
     assert wrong.outputs.tokens("y") == off.outputs.tokens("y")  # greedy outputs cannot tell ...
     assert not same_drafts(wrong.drafts["y"], off.drafts["y"])  # ... the drafts do
+
+
+def test_requests_the_drafter_skips_register_nothing() -> None:
+    """A request that never drafts (num_speculative_tokens 0) skips the drafter, so its blocks hold the target's
+    K/V only: it takes cached blocks but registers none, and a drafting request computes them itself."""
+    prompt = tokens(random.Random(8), 2 * BLOCK + 5)
+    run = Run(session("eagle3", True))
+
+    def plain(rid: str) -> None:
+        made = run.session.new_request(
+            rid, prompt, greedy(MAX_TOKENS), MAX_TOKENS, run.outputs, num_speculative_tokens=0
+        )
+        run.requests[rid] = made
+        run.session.engine.add(made)
+        run_bounded(run.session.engine)
+
+    plain("plain")
+    run.phases([{"drafting": prompt}])
+    plain("plain-again")
+    assert (run.cached("plain"), run.cached("drafting"), run.cached("plain-again")) == (0, 0, 2 * BLOCK)
+    assert run.outputs.tokens("plain") == run.outputs.tokens("drafting") == run.outputs.tokens("plain-again")
