@@ -25,7 +25,9 @@ from specdec_runtime.errors import FieldViolation, ResourceExhausted
 CPU_MEMORY_FRACTION = 0.75  # of MemAvailable: the rest stays for the OS, the other processes and our own heap
 CPU_MARGIN_BYTES = 256 << 20  # interpreter, allocator slack, tokenizer
 CUDA_MARGIN_BYTES = 2 << 30  # CUDA graphs' pools, the caching allocator's slack, kernels' workspaces
-LOGITS_COPIES = 2  # logits in fp32 and their probabilities
+# Logits in fp32, their probabilities (or log-probabilities), and a penalised copy (penalties.py, which works
+# in passes of ROWS_PER_PASS rows, so its own temporaries stay small).
+LOGITS_COPIES = 3
 ACTIVATION_WIDTHS = 8  # hidden-sized tensors alive at once in a layer (residual, norms, attention out, ...)
 
 
