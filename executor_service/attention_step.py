@@ -29,6 +29,7 @@ class AttentionStep:
     max_query_len: int
     max_seq_len: int
     causal: bool = True
+    tree_mask: torch.Tensor | None = None  # [T] int64: tree attention (kernels/tree_mask.py); None: none
     _flex: FlexMetadata | None = field(default=None, repr=False)  # built by the first layer that needs it
 
     def attend(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, scale: float) -> torch.Tensor:
@@ -47,13 +48,14 @@ class AttentionStep:
             scale,
             max_query_len=self.max_query_len,
             max_seq_len=self.max_seq_len,
+            tree_mask=self.tree_mask,
         )
 
     def _attend_flex(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, scale: float) -> torch.Tensor:
         from kernels import flex_attn
 
         if self._flex is None:  # first layer of the step: check the call once, build the BlockMask once
-            check_claimed(self.backend, q, k_cache, self.causal)
+            check_claimed(self.backend, q, k_cache, self.causal, tree=self.tree_mask is not None)
             self._flex = flex_attn.build_flex_metadata(
                 self.block_table,
                 self.query_start_loc,
@@ -62,6 +64,7 @@ class AttentionStep:
                 num_blocks=k_cache.shape[0],
                 block_size=k_cache.shape[1],
                 num_tokens=q.shape[0],
+                tree_mask=self.tree_mask,
             )
         return flex_attn.forward_with_metadata(q, k_cache, v_cache, self._flex, scale)
 

@@ -47,6 +47,8 @@ from executor_service.request import Request, RequestOutput, Sink
 from executor_service.sampling import SamplingSettings, make_generator
 from executor_service.scheduler import Scheduler, speculative_headroom
 from executor_service.spec_step import SpecStep
+from executor_service.tree_engine import TreeEngine
+from executor_service.tree_proposer import TreeProposer
 from executor_service.validation import DEFAULT_BLOCK_SIZE, ModelLimits, check_path_text, resolve_model_path
 from executor_service.weights import hf_layout
 from specdec.v1 import common_pb2, executor_pb2, selector_pb2
@@ -304,7 +306,10 @@ def build_session(
     if drafter is not None:
         assert draft is not None and draft_decision is not None, "a drafter is loaded with its backend decision"
         draft_cache = KVCache(draft.config.model, num_blocks, block_size, dtype, device, kv_cache.allocator)
-        proposer = Proposer(drafter, draft_cache, draft_decision.backend, max_model_len, device)
+        drafts_trees = draft.config.tree is not None  # tree drafting: its own proposer and engine step
+        proposer = (TreeProposer if drafts_trees else Proposer)(
+            drafter, draft_cache, draft_decision.backend, max_model_len, device
+        )
     layers = feature_layers(draft.config) if draft is not None else None
     runner = ModelRunner(loaded.model, kv_cache, decision.backend, device, layers)
     lookahead = draft.config.positions_ahead if draft is not None else 0
@@ -314,8 +319,11 @@ def build_session(
         prefix_cache = PrefixCache(kv_cache.allocator, block_size, after)
     batch = settings.max_num_batched_tokens, settings.max_num_seqs
     scheduler = Scheduler(kv_cache.allocator, block_size, *batch, lookahead, max_model_len, prefix_cache)
-    spec_step = SpecStep(runner, proposer) if proposer is not None and settings.device_spec_step else None
-    engine = Engine(runner, scheduler, max_model_len, on_step, proposer, on_verify, spec_step)
+    chain = proposer is not None and not isinstance(proposer, TreeProposer)
+    spec_step = SpecStep(runner, proposer) if chain and settings.device_spec_step else None
+    engine = (Engine if proposer is None or chain else TreeEngine)(
+        runner, scheduler, max_model_len, on_step, proposer, on_verify, spec_step
+    )
     headroom = speculative_headroom(draft.config.num_speculative_tokens, lookahead) if draft is not None else 0
     chat = load_chat_template(source.path, config, loaded.tokenizer)
     limits = ModelLimits(
@@ -365,6 +373,8 @@ def capture_graphs(session: ModelSession, settings: EngineSettings, max_model_le
     """Target decode (and verify) graphs, and the drafter's, where each one's backend can be captured."""
     runner, proposer = session.engine.runner, session.proposer
     spec_batch = min(settings.max_num_seqs, MAX_SPEC_GRAPH_BATCH)
+    if isinstance(proposer, TreeProposer):  # tree steps run eagerly (host path): decode graphs only
+        proposer = None
     if session.decision.backend in GRAPH_BACKENDS:
         runner.capture_graphs([1], settings.max_num_seqs, max_model_len)
         if proposer is not None:

@@ -1,0 +1,208 @@
+"""The engine step for tree drafting: verify each request's tree of drafts in one target pass, keep the accepted
+path, draft the next trees. The host path (Engine.step's order: schedule, target, verify, accept, emit, propose).
+
+- Target pass: the root (the newest token) and its drafts are the request's last query tokens; their K/V go to
+  consecutive slots after the root, but each draft's position (RoPE) is the root's plus its depth, and a tree mask
+  lets it see the context, its ancestors and itself (kernels/tree_mask.py). Other requests of the batch (prefill
+  chunks, requests without drafts) attend causally in the same pass.
+- Verify: tree_verification.py (the longest matching path for greedy requests, multi-candidate rejection sampling
+  along the tree for sampled ones).
+- Accept: the accepted drafts' K/V move to the slots of their positions (depth d: root + d), in every target
+  layer; the rest past them is rolled back by not counting it. The drafter's cache needs no such move: its
+  context pass writes the accepted path at its final positions.
+- Stats: drafts verified and accepted per step, and per depth (Finished.acceptance_rate_per_position[d - 1]: the
+  share of verify steps whose accepted path reached depth d).
+"""
+
+from __future__ import annotations
+
+import time
+
+import torch
+
+from executor_service.attention_step import cache_slot, to_device
+from executor_service.engine import Engine
+from executor_service.logprobs import batch_logprobs
+from executor_service.model_runner import StepInputs
+from executor_service.rejection_sampler import VerifyError, verify_batch
+from executor_service.request import Request, Status
+from executor_service.scheduler import ScheduledStep
+from executor_service.tree_proposer import TreeProposer
+from executor_service.tree_verification import DraftTree, TreeVerdict, verify_tree_batch
+from kernels.tree_mask import CAUSAL, tree_masks
+
+
+class TreeEngine(Engine):
+    """Engine whose proposer drafts trees; everything but the step is the Engine's."""
+
+    proposer: TreeProposer
+
+    def step(self) -> None:
+        started = time.perf_counter()
+        self._fail_alone(self._bad_drafts())
+        scheduled = self.scheduler.schedule()
+        self._fail_alone(scheduled.failed)
+        if not scheduled:
+            return
+        try:
+            inputs = self.runner.prepare(scheduled)
+            trees = self._tree_inputs(scheduled, inputs)
+            output = self.runner.execute(inputs)
+            self._flush_outbox()  # the previous step's outputs go out while this one runs on the device
+            sampled = [scheduled.requests[i] for i in inputs.sampled]
+            verdicts, logprobs = self._verify(output.logits, sampled, trees)
+        except Exception as err:  # a kernel or device failure fails this step's requests, not the server
+            self._fail(scheduled.requests, err)
+            return
+        self._fail_alone([(r, v) for r, v in zip(sampled, verdicts, strict=True) if isinstance(v, Exception)])
+        passed = {id(r): v for r, v in zip(sampled, verdicts, strict=True) if isinstance(v, TreeVerdict)}
+        rows = self._accept(scheduled, inputs, trees, passed)
+        generated, drafted, accepted = 0, [], []
+        for request in sampled:
+            verdict = passed.get(id(request))
+            if verdict is None:
+                continue
+            num_drafts = len(trees[id(request)].tokens) if id(request) in trees else 0
+            generated += self._emit(request, verdict.emitted, num_drafts, logprobs.get(id(request)))
+            if num_drafts:
+                drafted.append(num_drafts)
+                accepted.append(len(verdict.path))
+        self._propose_trees(scheduled, rows, output.features)
+        self._cache_prefixes(scheduled.requests)  # once the drafter wrote its K/V too
+        if self.on_step is not None:
+            self.on_step(scheduled.num_tokens, generated, time.perf_counter() - started)
+        if self.on_verify is not None and drafted:
+            self.on_verify(drafted, accepted)
+
+    def _tree_inputs(self, scheduled: ScheduledStep, inputs: StepInputs) -> dict[int, DraftTree]:
+        """Give the drafts of this step their tree positions and masks; the trees by id(request)."""
+        positions: list[int] = []
+        masks: list[int] = []
+        trees: dict[int, DraftTree] = {}
+        for request, num_new in zip(scheduled.requests, scheduled.num_new_tokens, strict=True):
+            start = request.num_computed_tokens
+            known = min(start + num_new, request.num_tokens)
+            num_drafts = start + num_new - known  # what runner.prepare took of draft_ids
+            positions += range(start, known)
+            if not num_drafts:
+                masks += [CAUSAL] * (known - start)
+                continue
+            tree = DraftTree(request.draft_ids[:num_drafts], self.proposer.tree_of(request)[:num_drafts])
+            root = known - 1
+            positions += [root + depth for depth in tree.depths()]
+            masks += [CAUSAL] * (known - 1 - start) + tree_masks([-1] + [p + 1 for p in tree.parents])
+            trees[id(request)] = tree
+        if trees:
+            device = inputs.positions.device
+            inputs.positions = to_device(positions, torch.int64, device)
+            inputs.attention.tree_mask = to_device(masks, torch.int64, device)
+            inputs.uniform_query_len = None  # the verify graphs are causal: this step runs eagerly
+        return trees
+
+    def _verify(
+        self, logits: torch.Tensor, sampled: list[Request], trees: dict[int, DraftTree]
+    ) -> tuple[list[TreeVerdict | VerifyError], dict[int, list]]:
+        """Trees through tree verification; requests without drafts through verify_batch (their penalties and
+        logprobs too). Each request's rows of logits: its drafts + 1, in order."""
+        starts, row = [], 0
+        for request in sampled:
+            starts.append(row)
+            row += len(trees[id(request)].tokens) + 1 if id(request) in trees else 1
+        plain = [i for i, r in enumerate(sampled) if id(r) not in trees]
+        with_tree = [i for i, r in enumerate(sampled) if id(r) in trees]
+        verdicts: list[TreeVerdict | VerifyError] = [VerifyError("not verified")] * len(sampled)
+        logprobs: dict[int, list] = {}
+        if plain:
+            requests = [sampled[i] for i in plain]
+            rows = logits[to_device([starts[i] for i in plain], torch.int64, logits.device)]
+            settings, drafts = [r.settings for r in requests], [[] for _ in requests]
+            emitted = verify_batch(rows, settings, [r.generator for r in requests], drafts, histories=requests)
+            found = batch_logprobs(rows, settings, drafts, emitted)
+            for i, request, tokens, request_logprobs in zip(plain, requests, emitted, found, strict=True):
+                verdicts[i] = tokens if isinstance(tokens, Exception) else TreeVerdict([], tokens)
+                logprobs[id(request)] = request_logprobs
+        if with_tree:
+            requests = [sampled[i] for i in with_tree]
+            index = [starts[i] + j for i in with_tree for j in range(len(trees[id(sampled[i])].tokens) + 1)]
+            rows = logits[to_device(index, torch.int64, logits.device)]
+            found = verify_tree_batch(
+                rows, [r.settings for r in requests], [r.generator for r in requests], [trees[id(r)] for r in requests]
+            )
+            for i, verdict in zip(with_tree, found, strict=True):
+                verdicts[i] = verdict
+        return verdicts, logprobs
+
+    def _accept(
+        self, scheduled: ScheduledStep, inputs: StepInputs, trees: dict[int, DraftTree], passed: dict[int, TreeVerdict]
+    ) -> dict[int, list[int]]:
+        """Move the accepted drafts' K/V into place and book the computed tokens; returns each running request's
+        verified rows of this step (for the drafter's context pass), by id(request)."""
+        block_size = self.runner.kv_cache.block_size
+        sources, targets, rows = [], [], {}
+        for request, row_start, num_new in zip(
+            scheduled.requests, inputs.row_starts, scheduled.num_new_tokens, strict=True
+        ):
+            tree = trees.get(id(request))
+            request.draft_ids = []
+            if request.status is not Status.RUNNING:  # its verification failed: finished above
+                continue
+            if tree is None:
+                rows[id(request)] = list(range(row_start, row_start + num_new))
+                request.num_computed_tokens += num_new
+                continue
+            path = passed[id(request)].path
+            root_row = row_start + num_new - 1 - len(tree.tokens)
+            root = request.num_computed_tokens + root_row - row_start  # the root's position (and slot index)
+            for depth, node in enumerate(path, start=1):
+                if node + 1 != depth:  # draft `node` sat at root + 1 + node; its position is root + depth
+                    sources.append(cache_slot(request.block_ids, root + 1 + node, block_size))
+                    targets.append(cache_slot(request.block_ids, root + depth, block_size))
+            rows[id(request)] = [*range(row_start, root_row + 1), *(root_row + 1 + node for node in path)]
+            request.num_computed_tokens = root + 1 + len(path)
+            record_tree_verification(request, len(tree.tokens), max(tree.depths()), len(path))
+        if sources:
+            self._move_kv(sources, targets)
+        return rows
+
+    def _move_kv(self, sources: list[int], targets: list[int]) -> None:
+        """Copy the K/V of cache slots `sources` to `targets` in every target layer (gathered first, so a slot
+        both read and written is read before it is overwritten)."""
+        device = self.runner.kv_cache.layers[0][0].device
+        src, dst = to_device(sources, torch.int64, device), to_device(targets, torch.int64, device)
+        for layer in self.runner.kv_cache.layers:
+            for cache in layer:
+                flat = cache.view(-1, *cache.shape[2:])
+                flat[dst] = flat[src]
+
+    def _propose_trees(
+        self, scheduled: ScheduledStep, rows: dict[int, list[int]], features: torch.Tensor | None
+    ) -> None:
+        """Draft the next trees from this step's target features; requests that never draft are skipped."""
+        assert features is not None
+        entries = [
+            (r, rows[id(r)], r.num_computed_tokens == r.num_tokens - 1)
+            for r in scheduled.requests
+            if r.status is Status.RUNNING and id(r) in rows and self.proposer.drafts_tree(r)
+        ]
+        try:
+            self.proposer.propose_tree(entries, features, self.scheduler.reserve)
+        except Exception as err:
+            self._fail([e[0] for e in entries], err)
+
+    def _finish(self, request: Request, *args: object, **kwargs: object) -> None:
+        self.proposer.forget(request)
+        super()._finish(request, *args, **kwargs)  # type: ignore[arg-type]
+
+
+def record_tree_verification(request: Request, num_drafts: int, depth: int, accepted: int) -> None:
+    """A verify step's stats: drafts verified and accepted, and per depth whether the accepted path reached it."""
+    request.verify_steps += 1
+    request.drafted_tokens += num_drafts
+    request.accepted_tokens += accepted
+    missing = depth - len(request.drafted_per_position)
+    if missing > 0:
+        request.drafted_per_position += [0] * missing
+        request.accepted_per_position += [0] * missing
+    for d in range(depth):
+        request.drafted_per_position[d] += 1
+        request.accepted_per_position[d] += d < accepted

@@ -1,0 +1,213 @@
+"""Tree drafting with EAGLE / EAGLE-3: the drafter's top-k candidates per depth, expanded as a tree.
+
+After each target step the drafter first runs over the rows the target verified (the context pass, as for
+chains: the accepted path's rows, gathered, at their final positions, so its cache needs no compaction). Then,
+from the newest verified row:
+
+- depth 1: the drafter's top candidates after the newest token (b1 of them, or top_k);
+- each further depth: one drafter pass over the nodes being expanded, all requests and nodes at once. A node at
+  depth d is the input at position `last + d` (as a chain's d-th draft), with the hidden state of the pass that
+  drafted it; its key goes to the next free slot past the newest verified token (one per expanded node, the
+  scheduler's lookahead), and a tree mask lets it see the context, its ancestors and itself.
+  Static trees expand every node (b_d children each); dynamic trees (EAGLE-2) expand the top_k nodes of the depth
+  by cumulative confidence (the sum of the drafter's log-probabilities along the path).
+- the tree verified: static, every node; dynamic, the verify_budget best candidates of all depths (a child never
+  scores above its parent, so the set keeps every ancestor), in topological order.
+
+Host path: the tree is read back once per proposal and handed to the engine as draft_ids and parents.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+
+from executor_service.attention_step import AttentionStep
+from executor_service.draft_models import Eagle3Drafter
+from executor_service.proposer import Proposer
+from executor_service.request import Request
+from executor_service.sampling import to_host
+from kernels.tree_mask import TREE_WINDOW, to_int64
+
+# Ties broken toward shallower nodes, so that a parent always ranks above a child that scores the same.
+DEPTH_TIE_BREAK = 1e-6
+
+
+class TreeProposer(Proposer):
+    """A Proposer whose drafts form a tree; `parents[request_id]` holds the parents of each draft."""
+
+    def __init__(self, *args: object, **kwargs: object) -> None:
+        super().__init__(*args, **kwargs)  # type: ignore[arg-type]
+        if self.dflash or self.config.tree is None:
+            raise ValueError("tree drafting needs an EAGLE or EAGLE-3 drafter with a tree shape")
+        self.tree = self.config.tree
+        self.parents: dict[str, list[int]] = {}
+
+    def drafts_tree(self, request: Request) -> bool:
+        """Whether the request drafts at all: its own k (0: never) and nothing that reads one chain of rows."""
+        settings = request.settings
+        return self.num_drafts(request) > 0 and not settings.has_penalties and settings.logprobs is None
+
+    def forget(self, request: Request) -> None:
+        self.parents.pop(request.request_id, None)
+
+    def tree_of(self, request: Request) -> list[int]:
+        """The parents of the request's drafts (the scheduler may have cut the drafts short: a prefix)."""
+        return self.parents.get(request.request_id, [])[: len(request.draft_ids)]
+
+    @torch.inference_mode()
+    def propose_tree(
+        self,
+        entries: list[tuple[Request, list[int], bool]],
+        features: torch.Tensor,
+        reserve: Callable[[Request, int], bool],
+    ) -> None:
+        """Per entry (request, the verified rows of the target step in order, whether it drafts now): run the
+        context pass, then draft the trees. `reserve(request, positions)` secures the slots the drafter writes."""
+        if not entries:
+            return
+        rows, positions, next_ids, slots, seq_lens, query_lens = [], [], [], [], [], []
+        for request, request_rows, _ in entries:
+            first = request.num_computed_tokens - len(request_rows)
+            rows += request_rows
+            positions += range(first, first + len(request_rows))
+            next_ids += request.token_ids(first + 1, first + len(request_rows) + 1)  # row p pairs with token p + 1
+            slots += [self.slot(request, p) for p in range(first, first + len(request_rows))]
+            seq_lens.append(first + len(request_rows))
+            query_lens.append(len(request_rows))
+        requests = [e[0] for e in entries]
+        step = self.attention(requests, query_lens, seq_lens, slots, causal=True)
+        context = {
+            "input_ids": self.tensor(next_ids, torch.int64),
+            "features": features[self.tensor(rows, torch.int64)],
+        }
+        self.pass_counts["tree_context eager"] += 1
+        feedback, head = self._eagle_context(step, self.tensor(positions, torch.int64), context)
+        picked, proposing, offset = [], [], 0
+        for (request, _, propose), count in zip(entries, query_lens, strict=True):
+            offset += count
+            if not propose:
+                continue
+            last = request.num_computed_tokens - 1
+            ahead = last + 1 + self.tree.num_inputs
+            if ahead > self.max_model_len or not reserve(request, ahead):  # no room: decode without drafts
+                self.set_tree(request, [], [])
+                continue
+            picked.append(offset - 1)  # the newest verified row
+            proposing.append(request)
+        if proposing:
+            index = self.tensor(picked, torch.int64)
+            trees = self.draft(proposing, head[index], feedback[index])
+            for request, (tokens, parents) in zip(proposing, trees, strict=True):
+                self.set_tree(request, tokens, parents)
+
+    def set_tree(self, request: Request, tokens: list[int], parents: list[int]) -> None:
+        """As set_drafts: the request's own number of drafts, never past the context (a topological prefix of
+        the tree is a tree)."""
+        count = min(self.num_drafts(request), max(self.max_model_len - request.num_tokens, 0))
+        request.draft_ids = tokens[:count]
+        self.parents[request.request_id] = parents[:count]
+
+    def draft(
+        self, requests: list[Request], head: torch.Tensor, hidden: torch.Tensor
+    ) -> list[tuple[list[int], list[int]]]:
+        """The trees (tokens, parents) of `requests` from the newest verified row's head and feedback [B, H]."""
+        tree, count, device = self.tree, len(requests), head.device
+        last = self.tensor([r.num_computed_tokens - 1 for r in requests], torch.int64)
+        block_table = self.block_table(requests)
+        width = max(tree.num_inputs, 1)
+        scratch = self.slots_ahead(requests, [r.num_computed_tokens for r in requests], width)  # [B, inputs]
+        first_width = tree.branching[0] if tree.branching else tree.top_k
+        log_probs, tokens = self.top_candidates(head, first_width)  # [B, w]
+        pool_tokens, pool_scores, pool_parents = [tokens], [log_probs], [torch.full_like(tokens, -1)]
+        frontier = torch.arange(first_width, device=device).expand(count, -1)  # pool indices being expanded
+        frontier_tokens, frontier_scores = tokens, log_probs
+        frontier_hidden = hidden[:, None].expand(-1, first_width, -1)
+        ancestors = torch.zeros(count, first_width, dtype=torch.int64, device=device)  # bits over scratch indices
+        used, pool_size = 0, first_width
+        for depth in range(1, tree.depth):
+            size = frontier.shape[1]
+            index = torch.arange(used, used + size, device=device)
+            ancestors = ancestors | (torch.ones_like(index) << index)[None, :]
+            step = self._tree_step(block_table, last, scratch[:, used : used + size], ancestors, used + size)
+            positions = (last + depth)[:, None].expand(-1, size).clamp(max=self.max_model_len - 1)
+            out_hidden, out_head = self.drafter(
+                frontier_tokens.reshape(-1), positions.reshape(-1), frontier_hidden.reshape(count * size, -1),
+                self.kv_cache.layers, step,
+            )  # fmt: skip
+            used += size
+            branch = tree.branching[depth] if tree.branching else tree.top_k
+            log_probs, tokens = self.top_candidates(out_head, branch)
+            scores = frontier_scores[:, :, None] + log_probs.view(count, size, branch)
+            children_parent = frontier[:, :, None].expand(-1, -1, branch)
+            pool_tokens.append(tokens.view(count, -1))
+            pool_scores.append(scores.reshape(count, -1))
+            pool_parents.append(children_parent.reshape(count, -1))
+            candidates = torch.arange(size * branch, device=device).expand(count, -1)
+            if not tree.branching:  # dynamic: the top_k children by cumulative confidence go on
+                candidates = scores.reshape(count, -1).topk(tree.top_k, dim=-1).indices
+            slot_of_parent = candidates // branch
+            frontier = pool_size + candidates
+            frontier_tokens = tokens.view(count, -1).gather(1, candidates)
+            frontier_scores = scores.reshape(count, -1).gather(1, candidates)
+            frontier_hidden = out_hidden.view(count, size, -1).gather(
+                1, slot_of_parent[:, :, None].expand(-1, -1, out_hidden.shape[-1])
+            )
+            ancestors = ancestors.gather(1, slot_of_parent)
+            pool_size += size * branch
+        return self._select(torch.cat(pool_tokens, 1), torch.cat(pool_scores, 1), torch.cat(pool_parents, 1))
+
+    def _tree_step(
+        self, block_table: torch.Tensor, last: torch.Tensor, slots: torch.Tensor, ancestors: torch.Tensor, used: int
+    ) -> AttentionStep:
+        """The metadata of one drafter pass: per request `slots.shape[1]` queries, the newest of `used` scratch
+        keys (slots past the newest verified token); each sees the context and its ancestors (bits over scratch)."""
+        count, size = slots.shape
+        shift = TREE_WINDOW - used  # window bit of scratch index 0: the window ends at the last query
+        context_bits = to_int64((1 << shift) - 1)
+        masks = (ancestors << shift) | context_bits
+        return AttentionStep(
+            backend=self.backend,
+            block_table=block_table,
+            query_start_loc=torch.arange(count + 1, dtype=torch.int32, device=last.device) * size,
+            seq_lens=(last + 1 + used).to(torch.int32),
+            slot_mapping=slots.reshape(-1),
+            max_query_len=size,
+            max_seq_len=self.max_model_len,
+            causal=True,
+            tree_mask=masks.reshape(-1),
+        )
+
+    def top_candidates(self, head: torch.Tensor, width: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The drafter's `width` most likely next tokens [N, width] (target ids) and their log-probabilities."""
+        if isinstance(self.drafter, Eagle3Drafter):
+            logits = self.drafter.lm_head(head).float()
+            log_probs, ids = logits.log_softmax(-1).topk(width, dim=-1)
+            return log_probs, ids + self.drafter.d2t[ids]
+        assert self.drafter.target is not None
+        logits = self.drafter.target.lm_head(head).float()
+        return logits.log_softmax(-1).topk(width, dim=-1)
+
+    def _select(
+        self, tokens: torch.Tensor, scores: torch.Tensor, parents: torch.Tensor
+    ) -> list[tuple[list[int], list[int]]]:
+        """The verified tree of each request: every node (static) or the verify_budget best (dynamic), in pool
+        order (topological: parents are drafted first), parents renumbered into it."""
+        count, pool = tokens.shape
+        if self.tree.branching:
+            chosen = torch.arange(pool, device=tokens.device).expand(count, -1)
+        else:
+            depth = torch.cat(
+                [torch.full((size,), d, device=tokens.device) for d, size in enumerate(self.tree.level_sizes)]
+            )
+            ranked = scores - DEPTH_TIE_BREAK * depth
+            chosen = ranked.topk(min(self.tree.verify_budget, pool), dim=-1).indices.sort(dim=-1).values
+        picked = torch.stack([tokens.gather(1, chosen), parents.gather(1, chosen), chosen], dim=1)  # [B, 3, W]
+        flat, width = to_host(picked.reshape(-1)), chosen.shape[1]
+        trees = []
+        for start in range(0, len(flat), 3 * width):
+            node_tokens, node_parents, node_ids = (flat[start + i * width : start + (i + 1) * width] for i in range(3))
+            where = {node: j for j, node in enumerate(node_ids)}
+            trees.append((node_tokens, [where[p] if p >= 0 else -1 for p in node_parents]))
+        return trees

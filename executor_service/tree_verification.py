@@ -1,0 +1,129 @@
+"""Lossless verification of a tree of drafts: which path the target accepts, and the token that follows it.
+
+A request's tree is its drafts in topological order with their parents (-1: the root, the newest token). The
+target's verify pass gives one row of logits per tree token (row 0: the root, row j + 1: draft j); a token's
+children are candidates for the token after it.
+
+- Greedy: from the root, follow the child equal to the target's argmax while there is one; then emit the argmax
+  (the longest matching path; top-k children are distinct, so at most one matches).
+- Sampled (SpecInfer / EAGLE's multi-candidate speculative sampling): at a node with target distribution p, try
+  its children in order. Each draft is a point mass, so child c is accepted with probability r(c) / sum(r) where
+  r is p with the children already rejected at this node set to 0 (the residual norm(max(0, r - q)) for q a
+  point mass at the rejected child). An accepted child continues the walk from its own row; when every child is
+  rejected, the token is drawn from r; a leaf's bonus token from its p. Each emitted token is then distributed
+  exactly as the target's: P(child i) = p(c_i), P(other token t) = p(t).
+
+Penalties and logprobs read the target's rows along one chain; tree verification fails such requests alone
+(`VerifyError`) rather than verify them against the wrong rows.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from executor_service.rejection_sampler import VerifyError, check_drafts
+from executor_service.sampling import SamplingSettings, draw, target_probs, to_host
+
+
+@dataclass(frozen=True)
+class DraftTree:
+    """One request's drafts in topological order and each one's parent (-1: the root)."""
+
+    tokens: list[int]
+    parents: list[int]
+
+    def children(self) -> list[list[int]]:
+        """Children of the root (index 0) and of each draft j (index j + 1), in draft order."""
+        found: list[list[int]] = [[] for _ in range(len(self.tokens) + 1)]
+        for j, parent in enumerate(self.parents):
+            found[parent + 1].append(j)
+        return found
+
+    def depths(self) -> list[int]:
+        """Each draft's depth below the root (1: a child of the root)."""
+        depth: list[int] = []
+        for parent in self.parents:
+            depth.append(depth[parent] + 1 if parent >= 0 else 1)
+        return depth
+
+
+@dataclass(frozen=True)
+class TreeVerdict:
+    path: list[int]  # the accepted drafts, root's child first
+    emitted: list[int]  # their tokens, then the target's next token
+
+
+def verify_greedy_tree(tree: DraftTree, target_argmax: list[int]) -> TreeVerdict:
+    """The longest path whose every draft is the target's argmax after its parent; `target_argmax` per row."""
+    children, path, row = tree.children(), [], 0
+    while True:
+        target = target_argmax[row]
+        match = next((j for j in children[row] if tree.tokens[j] == target), None)
+        if match is None:
+            return TreeVerdict(path, [tree.tokens[j] for j in path] + [target])
+        path.append(match)
+        row = match + 1
+
+
+def sample_tree(tree: DraftTree, probs: torch.Tensor, generator: torch.Generator | None) -> TreeVerdict:
+    """Multi-candidate speculative sampling along the tree; probs [N + 1, V], the rows the request samples from."""
+    children, path, row = tree.children(), [], 0
+    while True:
+        residual = probs[row].clone()
+        accepted = None
+        for j in children[row]:
+            token = tree.tokens[j]
+            chance, mass = to_host_floats(residual[token], residual.sum())
+            if mass > 0.0 and float(torch.rand((), generator=generator, device=probs.device)) * mass < chance:
+                accepted = j
+                break
+            residual[token] = 0.0  # rejected: the next candidate is tried against the rest
+        if accepted is None:
+            weights = residual if float(residual.sum()) > 0.0 else probs[row]
+            final, valid = draw(weights, generator)
+            final_token, is_valid = to_host(torch.stack([final, valid.long()]))
+            if not is_valid:
+                raise VerifyError("the target's probabilities are not a distribution (inf or NaN)")
+            return TreeVerdict(path, [tree.tokens[j] for j in path] + [final_token])
+        path.append(accepted)
+        row = accepted + 1
+
+
+def to_host_floats(*values: torch.Tensor) -> list[float]:
+    return torch.stack(values).double().cpu().tolist()
+
+
+def verify_tree_batch(
+    logits: torch.Tensor,
+    settings: list[SamplingSettings],
+    generators: list[torch.Generator | None],
+    trees: list[DraftTree],
+) -> list[TreeVerdict | VerifyError]:
+    """Each request's verdict from its N + 1 rows of logits (rows in request order), or the VerifyError that
+    fails it alone. One host copy of the argmax (and finiteness) for the batch."""
+    vocab, num_rows = logits.shape[-1], logits.shape[0]
+    argmax = logits.argmax(dim=-1)
+    finite = torch.isfinite(logits.gather(-1, argmax[:, None])[:, 0])
+    host = to_host(torch.cat([argmax, finite.long()]))
+    verdicts: list[TreeVerdict | VerifyError] = []
+    row = 0
+    for setting, generator, tree in zip(settings, generators, trees, strict=True):
+        rows = len(tree.tokens) + 1
+        error = check_drafts(tree.tokens, vocab)
+        if error is None and not all(host[num_rows + row : num_rows + row + rows]):
+            error = VerifyError("the target's logits are not finite (inf or NaN)")
+        if error is None and (setting.has_penalties or setting.logprobs is not None) and tree.tokens:
+            error = VerifyError("penalties and logprobs are not supported with tree drafting")
+        if error is not None:
+            verdicts.append(error)
+        elif setting.greedy:
+            verdicts.append(verify_greedy_tree(tree, host[row : row + rows]))
+        else:
+            try:
+                verdicts.append(sample_tree(tree, target_probs(logits[row : row + rows], setting), generator))
+            except Exception as err:  # its own numbers fail this request only
+                verdicts.append(err if isinstance(err, VerifyError) else VerifyError(f"sampling failed: {err}"))
+        row += rows
+    return verdicts

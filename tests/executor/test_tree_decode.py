@@ -1,0 +1,197 @@
+"""Tree drafting on the CPU: greedy output equals target-only output token for token for static and dynamic
+trees, EAGLE and EAGLE-3 (random drafters, and a replaying one whose right tokens sit on the last branch, so the
+accepted drafts' K/V must move into place); stats per depth; nothing leaks; the tree mask reaches the kernels."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+from executor_builders import greedy, load_request
+from greedy_reference import greedy_reference
+from spec_builders import draft_model
+from test_engine import Collector, add_all
+
+from executor_service.drafting import resolve_draft
+from executor_service.session import EngineSettings, ModelSession, build_session, resolve_target
+from executor_service.tree_engine import TreeEngine
+from executor_service.tree_proposer import TreeProposer
+from executor_service.tree_verification import DraftTree
+from specdec.v1 import common_pb2
+from specdec_runtime.errors import InvalidArgument
+
+VOCAB = 512
+TREES = {
+    "static_2_2_1": (common_pb2.DraftTree(branching=[2, 2, 1]), 0),
+    "static_3_2": (common_pb2.DraftTree(branching=[3, 2]), 0),
+    "static_1_1_1_1": (common_pb2.DraftTree(branching=[1, 1, 1, 1]), 0),  # a chain as a tree
+    "dynamic_3_budget_8_depth_4": (common_pb2.DraftTree(top_k=3, verify_budget=8), 4),
+    "dynamic_2_budget_5_depth_3": (common_pb2.DraftTree(top_k=2, verify_budget=5), 3),
+}
+
+
+def tree_session(
+    method: str,
+    tree: common_pb2.DraftTree,
+    k: int = 0,
+    backend: str = "CPU_ATTN",
+    vocab_size: int = VOCAB,
+    draft_seed: int = 7,
+    num_kv_blocks: int = 96,
+    max_num_batched_tokens: int = 64,
+    max_num_seqs: int = 16,
+) -> ModelSession:
+    request = load_request(backend=backend, num_kv_blocks=num_kv_blocks)
+    request.target.synthetic.vocab_size = vocab_size
+    request.draft.CopyFrom(draft_model(method, k or 3, draft_seed, vocab_size))
+    request.draft.num_speculative_tokens = k
+    request.draft.tree.CopyFrom(tree)
+    source = resolve_target(request.target, None, "target")
+    draft = resolve_draft(request.draft, source.config, None)
+    decision = common_pb2.BackendDecision(backend=backend)
+    settings = EngineSettings(max_num_batched_tokens, max_num_seqs)
+    return build_session(
+        source, request, decision, torch.device("cpu"), settings, start=False, draft=draft, draft_decision=decision
+    )
+
+
+def prompts(count: int, seed: int, longest: int = 30) -> dict[str, list[int]]:
+    rng = random.Random(seed)
+    return {f"r{i}": [rng.randrange(VOCAB) for _ in range(rng.randint(1, longest))] for i in range(count)}
+
+
+class ReplayOnLastBranch:
+    """Rewrites each drafted tree: the target's own continuation along the last child at every depth, a wrong
+    token everywhere else, so the accepted path is never the tree's first nodes."""
+
+    def __init__(self, proposer: TreeProposer, references: dict[str, list[int]]) -> None:
+        self.original, self.references = proposer.set_tree, references
+        self.accepted_path_moved = 0
+
+    def __call__(self, request, tokens: list[int], parents: list[int]) -> None:
+        done = len(request.output_ids)
+        upcoming = self.references[request.request_id][done:]
+        children = DraftTree(tokens, parents).children()
+        rewritten = [(upcoming[0] + 1) % VOCAB if upcoming else 0] * len(tokens)
+        node, depth = -1, 0
+        while children[node + 1] and depth < len(upcoming):
+            for child in children[node + 1]:
+                rewritten[child] = (upcoming[depth] + 1) % VOCAB
+            node = children[node + 1][-1]
+            rewritten[node] = upcoming[depth]
+            self.accepted_path_moved += node != depth
+            depth += 1
+        self.original(request, rewritten, parents)
+
+
+def check_equals_target_only(session: ModelSession, max_tokens: int, batch: dict[str, list[int]]) -> Collector:
+    sink = Collector()
+    add_all(session, batch, greedy(max_tokens), sink)
+    session.engine.run_until_idle()
+    for rid, prompt in batch.items():
+        assert sink.tokens(rid) == greedy_reference(session.loaded.model, prompt, max_tokens), rid
+        finish = sink.outputs[rid][-1].finish
+        assert finish is not None and finish.reason == "length" and finish.verify_steps > 0
+        assert finish.drafted_tokens == sum(o.num_drafted for o in sink.outputs[rid])
+        assert finish.accepted_tokens == sum(o.num_accepted for o in sink.outputs[rid])
+    assert session.kv_cache.allocator.num_used == 0 and not session.engine.scheduler.has_work()
+    assert not session.proposer.parents
+    return sink
+
+
+@pytest.mark.parametrize("shape", list(TREES))
+@pytest.mark.parametrize("method", ["eagle", "eagle3"])
+def test_greedy_tree_equals_target_only(method: str, shape: str) -> None:
+    tree, k = TREES[shape]
+    session = tree_session(method, tree, k)
+    assert isinstance(session.engine, TreeEngine) and session.engine.spec_step is None
+    check_equals_target_only(session, 10, prompts(4, seed=len(shape)))
+
+
+@pytest.mark.parametrize("shape", ["static_2_2_1", "dynamic_3_budget_8_depth_4"])
+@pytest.mark.parametrize("method", ["eagle", "eagle3"])
+def test_accepted_paths_off_the_first_branch(method: str, shape: str) -> None:
+    """Every verify step accepts the whole depth along the last branch: the output is still the target's, the
+    accepted K/V was moved into place (a wrong cache entry would change the next tokens), stats per depth are 1."""
+    tree, k = TREES[shape]
+    session = tree_session(method, tree, k)
+    batch = prompts(3, seed=5)
+    references = {rid: greedy_reference(session.loaded.model, p, 16) for rid, p in batch.items()}
+    replay = ReplayOnLastBranch(session.proposer, references)
+    session.proposer.set_tree = replay
+    sink = check_equals_target_only(session, 16, batch)
+    assert replay.accepted_path_moved > 0
+    shape = session.proposer.tree
+    for rid in batch:
+        finish = sink.outputs[rid][-1].finish
+        # A static tree holds the whole depth along its last branch; a dynamic one only where it expanded it.
+        # The last steps run short of wanted tokens.
+        reach = shape.depth - 1 if not shape.dynamic else 1
+        assert finish.accepted_tokens >= (finish.verify_steps - 1) * reach
+        assert finish.acceptance_per_position[0] == 1.0 and len(finish.acceptance_per_position) == shape.depth
+
+
+@pytest.mark.parametrize("backend", ["FLEX_ATTENTION", "TRITON_ATTN"])
+def test_tree_steps_on_the_other_tree_backends(backend: str) -> None:
+    from kernels import unavailable_reason
+
+    if unavailable_reason(backend, torch.device("cpu")) is not None:
+        pytest.skip(unavailable_reason(backend, torch.device("cpu")))
+    tree, k = TREES["dynamic_2_budget_5_depth_3"]
+    session = tree_session("eagle3", tree, k, backend=backend)
+    batch = prompts(2, seed=3, longest=12)
+    references = {rid: greedy_reference(session.loaded.model, p, 6) for rid, p in batch.items()}
+    session.proposer.set_tree = ReplayOnLastBranch(session.proposer, references)
+    check_equals_target_only(session, 6, batch)
+
+
+def test_a_causal_verify_pass_fails() -> None:
+    """The tree mask matters: verifying the tree with a causal mask (siblings and cousins visible) changes the
+    accepted drafts' K/V and the target's rows, and the output leaves the target's."""
+    tree, _ = TREES["static_3_2"]
+    session = tree_session("eagle3", tree)
+    batch = prompts(3, seed=9)
+    references = {rid: greedy_reference(session.loaded.model, p, 12) for rid, p in batch.items()}
+    session.proposer.set_tree = ReplayOnLastBranch(session.proposer, references)
+    original = session.engine._tree_inputs
+
+    def causal_inputs(scheduled, inputs):
+        trees = original(scheduled, inputs)
+        inputs.attention.tree_mask = None
+        return trees
+
+    session.engine._tree_inputs = causal_inputs
+    sink = Collector()
+    add_all(session, batch, greedy(12), sink)
+    session.engine.run_until_idle()
+    assert any(sink.tokens(rid) != references[rid] for rid in batch)
+
+
+@pytest.mark.parametrize(
+    ("method", "tree", "k", "field"),
+    [
+        ("dflash", common_pb2.DraftTree(branching=[2, 2]), 0, "draft.tree"),
+        ("eagle3", common_pb2.DraftTree(branching=[2, 2]), 3, "draft.num_speculative_tokens"),
+        ("eagle3", common_pb2.DraftTree(top_k=4, verify_budget=64), 4, "draft.tree.verify_budget"),
+        ("eagle", common_pb2.DraftTree(branching=[8, 8]), 0, "draft.tree.branching"),
+    ],
+)
+def test_bad_trees_are_refused_at_load(method: str, tree: common_pb2.DraftTree, k: int, field: str) -> None:
+    request = load_request()
+    request.draft.CopyFrom(draft_model(method, 3))
+    request.draft.num_speculative_tokens = k
+    request.draft.tree.CopyFrom(tree)
+    source = resolve_target(request.target, None, "target")
+    with pytest.raises(InvalidArgument) as err:
+        resolve_draft(request.draft, source.config, None)
+    assert field in [v.field for v in err.value.field_violations]
+
+
+def test_tree_config() -> None:
+    tree, k = TREES["dynamic_3_budget_8_depth_4"]
+    session = tree_session("eagle3", tree, k)
+    config = session.proposer.config
+    assert config.num_speculative_tokens == 8 and config.tree.depth == 4  # drafts per step; drafter steps
+    assert config.positions_ahead == 9  # top_k x (depth - 1) keys of expanded nodes
+    assert session.info.num_speculative_tokens == 8
