@@ -1,10 +1,12 @@
 // The whole specdec flow from Go, with grpc-go and stubs that protoc generates from protos/specdec/v1/*.proto:
 //
-//	GetCapabilities  ask the executor what its machine really runs;
+//	GetCapabilities  ask the executor what its machine really runs, GetServerInfo its versions and limits;
 //	SelectBackends   ask the selector which attention backend the target and the drafter use, and why;
-//	LoadModel        load a tiny synthetic Llama target and a synthetic drafter on the chosen backends;
-//	Generate         stream a greedy speculative generation, printing tokens as they arrive,
-//	                 then the acceptance statistics of the final message.
+//	LoadModel        load a tiny synthetic Llama target (or -target-path) and a synthetic drafter on them;
+//	Generate         stream a greedy speculative generation, printing tokens as they arrive: token ids, or
+//	                 with -chat a user message the server renders with the model's chat template; -stop ends
+//	                 it at a stop string; then the acceptance statistics of the final message;
+//	GetLoads         the executor's load.
 //
 // Build and run:
 //
@@ -16,6 +18,7 @@ package main
 
 import (
 	"context"
+	"encoding/json"
 	"errors"
 	"flag"
 	"fmt"
@@ -57,8 +60,19 @@ const callTimeout = 30 * time.Second
 var methods = map[string]pb.SpecMethod{"dflash": pb.SpecMethod_SPEC_METHOD_DFLASH, "eagle3": pb.SpecMethod_SPEC_METHOD_EAGLE3}
 
 type options struct {
-	selector, executor, method, targetBackend, drafterBackend, prompt string
-	numSpeculativeTokens, maxTokens                                   int
+	selector, executor, method, targetBackend, drafterBackend, prompt, targetPath, chat string
+	numSpeculativeTokens, maxTokens                                                     int
+	stop                                                                                stringList
+}
+
+// stringList is a flag that may be given several times (-stop).
+type stringList []string
+
+func (l *stringList) String() string { return strings.Join(*l, ", ") }
+
+func (l *stringList) Set(value string) error {
+	*l = append(*l, value)
+	return nil
 }
 
 func envOr(name, fallback string) string {
@@ -174,6 +188,12 @@ func run(ctx context.Context, opts options) error {
 	}
 	fmt.Printf("executor %s: %s %s (%s)\n", opts.executor, hardware.Platform, hardware.DeviceName,
 		strings.Join(libraries, ", "))
+	server, err := executor.GetServerInfo(callCtx, &pb.GetServerInfoRequest{})
+	if err != nil {
+		return err
+	}
+	fmt.Printf("server: specdec %s, torch %s, grpc %s, max batch %d, max queued %d\n", server.ServerVersion,
+		server.TorchVersion, server.GrpcVersion, server.MaxBatchSize, server.MaxQueuedRequests)
 
 	draft := draftModel(opts.method, int32(opts.numSpeculativeTokens))
 	selection, err := selector.SelectBackends(callCtx, &pb.SelectBackendsRequest{
@@ -197,15 +217,19 @@ func run(ctx context.Context, opts options) error {
 
 	// Load with the selector's choices named explicitly: the executor validates them and never falls back.
 	draft.AttentionBackend = selection.Drafter.Backend
+	target, what := &pb.ModelSource{Source: &pb.ModelSource_Synthetic{Synthetic: tinyLlama}}, "a synthetic llama target"
+	if opts.targetPath != "" {
+		target, what = &pb.ModelSource{Source: &pb.ModelSource_Path{Path: opts.targetPath}}, opts.targetPath
+	}
 	load := &pb.LoadModelRequest{
-		Target:      &pb.ModelSource{Source: &pb.ModelSource_Synthetic{Synthetic: tinyLlama}},
+		Target:      target,
 		Draft:       draft,
 		Dtype:       pb.DType_DTYPE_FLOAT32,
 		Attention:   &pb.AttentionConfig{Backend: selection.Target.Backend},
 		BlockSize:   blockSize,
 		NumKvBlocks: 64,
 	}
-	fmt.Printf("loading a synthetic llama target and a %s drafter ...\n", opts.method)
+	fmt.Printf("loading %s and a %s drafter ...\n", what, opts.method)
 	started := time.Now()
 	loadCtx, cancelLoad := context.WithTimeout(ctx, loadTimeout)
 	defer cancelLoad()
@@ -217,25 +241,32 @@ func run(ctx context.Context, opts options) error {
 		time.Since(started).Seconds(), loaded.TargetBackend.Backend, loaded.DraftBackend.Backend,
 		loaded.Info.NumKvBlocks, loaded.Info.BlockSize)
 
-	var prompt []int32
-	for _, word := range strings.Fields(opts.prompt) {
-		id, err := strconv.Atoi(word)
-		if err != nil {
-			return fmt.Errorf("--prompt takes token ids: %w", err)
-		}
-		prompt = append(prompt, int32(id))
-	}
 	request := &pb.GenerateRequest{
 		RequestId: fmt.Sprintf("go-client-%d", os.Getpid()),
-		Input:     &pb.GenerateRequest_TokenIds{TokenIds: &pb.TokenIds{Ids: prompt}},
-		Sampling:  &pb.SamplingParams{Temperature: 0, MaxTokens: proto.Int32(int32(opts.maxTokens))},
+		Sampling:  &pb.SamplingParams{Temperature: 0, MaxTokens: proto.Int32(int32(opts.maxTokens)), Stop: opts.stop},
 	}
-	fmt.Printf("generating up to %d tokens after the prompt %s:\n", opts.maxTokens, joinTokens(prompt))
+	if opts.chat != "" { // the server renders it with the model's chat template
+		messages := &pb.ChatMessages{Messages: []*pb.ChatMessage{{Role: "user", Content: opts.chat}}}
+		request.Input = &pb.GenerateRequest_Messages{Messages: messages}
+		fmt.Printf("generating up to %d tokens after the chat message %s:\n", opts.maxTokens, quote(opts.chat))
+	} else {
+		var prompt []int32
+		for _, word := range strings.Fields(opts.prompt) {
+			id, err := strconv.Atoi(word)
+			if err != nil {
+				return fmt.Errorf("--prompt takes token ids: %w", err)
+			}
+			prompt = append(prompt, int32(id))
+		}
+		request.Input = &pb.GenerateRequest_TokenIds{TokenIds: &pb.TokenIds{Ids: prompt}}
+		fmt.Printf("generating up to %d tokens after the prompt %s:\n", opts.maxTokens, joinTokens(prompt))
+	}
 	stream, err := executor.Generate(ctx, request) // server streaming
 	if err != nil {
 		return err
 	}
 	var finished *pb.Finished
+	var text strings.Builder // empty without a tokenizer
 	for {
 		response, err := stream.Recv()
 		if errors.Is(err, io.EOF) {
@@ -248,6 +279,7 @@ func run(ctx context.Context, opts options) error {
 			fmt.Printf("  + %s (drafted %d, accepted %d)\n", joinTokens(response.TokenIds), response.NumDrafted,
 				response.NumAccepted)
 		}
+		text.WriteString(response.Text)
 		if response.Finished != nil {
 			finished = response.Finished
 		}
@@ -255,8 +287,26 @@ func run(ctx context.Context, opts options) error {
 	if finished == nil {
 		return errors.New("the stream ended without a final message")
 	}
+	if text.Len() > 0 {
+		fmt.Printf("text: %s\n", quote(text.String()))
+	}
 	printStatistics(finished)
+	loadsCtx, cancelLoads := context.WithTimeout(ctx, callTimeout)
+	defer cancelLoads()
+	loads, err := executor.GetLoads(loadsCtx, &pb.GetLoadsRequest{})
+	if err != nil {
+		return err
+	}
+	fmt.Printf("loads: %d running, %d queued, %d/%d KV blocks used, %d prompt and %d generated tokens in all, "+
+		"%.1f tokens/s\n", loads.RunningRequests, loads.QueuedRequests, loads.UsedKvBlocks, loads.NumKvBlocks,
+		loads.PromptTokensTotal, loads.GenerationTokensTotal, loads.GenerationTokensPerSecond)
 	return nil
+}
+
+// quote writes a text as a JSON string, as the Python and Node.js clients do.
+func quote(text string) string {
+	quoted, _ := json.Marshal(text) // a Go string always encodes
+	return string(quoted)
 }
 
 // upperSnake spells a status code as the gRPC spec does: InvalidArgument -> INVALID_ARGUMENT.
@@ -281,6 +331,10 @@ func main() {
 	flag.StringVar(&opts.drafterBackend, "drafter-backend", "auto", "the drafter's own; never inherited")
 	flag.IntVar(&opts.maxTokens, "max-tokens", 24, "tokens to generate at most")
 	flag.StringVar(&opts.prompt, "prompt", "1 2 3 4 5", "token ids, separated by spaces")
+	flag.StringVar(&opts.targetPath, "target-path", "", "a checkpoint under the executor's --model-root to load "+
+		"instead of the synthetic target (a Llama of the same shape, e.g. one with a tokenizer and a chat template)")
+	flag.StringVar(&opts.chat, "chat", "", "send this user message, in the model's chat template, instead of -prompt")
+	flag.Var(&opts.stop, "stop", "a stop string (repeatable); needs a tokenizer")
 	flag.Parse()
 	if flag.NArg() > 0 {
 		fmt.Fprintf(os.Stderr, "unexpected argument %q: this command takes flags only\n", flag.Arg(0))

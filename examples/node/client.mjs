@@ -1,10 +1,12 @@
 // The whole specdec flow from Node.js, with @grpc/grpc-js and @grpc/proto-loader reading protos/specdec/v1/*.proto:
 //
-//   1. GetCapabilities  ask the executor what its machine really runs;
+//   1. GetCapabilities  ask the executor what its machine really runs, GetServerInfo its versions and limits;
 //   2. SelectBackends   ask the selector which attention backend the target and the drafter use, and why;
-//   3. LoadModel        load a tiny synthetic Llama target and a synthetic drafter on the chosen backends;
-//   4. Generate         stream a greedy speculative generation, printing tokens as they arrive;
-//   5. print the acceptance statistics of the final message.
+//   3. LoadModel        load a tiny synthetic Llama target (or --target-path) and a synthetic drafter on them;
+//   4. Generate         stream a greedy speculative generation, printing tokens as they arrive: token ids, or with
+//                       --chat a user message the server renders with the model's chat template; --stop ends it
+//                       at a stop string;
+//   5. print the acceptance statistics of the final message, and GetLoads: the executor's load.
 //
 //   npm ci && node client.mjs --selector HOST:PORT --executor HOST:PORT [--method dflash|eagle3]
 //
@@ -22,7 +24,8 @@ const HERE = path.dirname(fileURLToPath(import.meta.url));
 
 const USAGE = `usage: node client.mjs [--selector HOST:PORT] [--executor HOST:PORT] [--method dflash|eagle3]
                       [--num-speculative-tokens N] [--target-backend NAME] [--drafter-backend NAME]
-                      [--max-tokens N] [--prompt "IDS"] [--protos DIR] [--help]
+                      [--max-tokens N] [--prompt "IDS"] [--target-path PATH] [--chat TEXT]
+                      [--stop STRING ...] [--protos DIR] [--help]
 
 The whole specdec flow from Node.js: GetCapabilities, SelectBackends, LoadModel, Generate (streamed).
   --selector HOST:PORT         selector address (default $SPECDEC_SELECTOR or 127.0.0.1:50051)
@@ -33,6 +36,10 @@ The whole specdec flow from Node.js: GetCapabilities, SelectBackends, LoadModel,
   --drafter-backend NAME       the drafter's own; never inherited (default auto)
   --max-tokens N               tokens to generate at most (default 24)
   --prompt "IDS"               token ids, separated by spaces (default "1 2 3 4 5")
+  --target-path PATH           a checkpoint under the executor's --model-root to load instead of the synthetic
+                               target (a Llama of the same shape, e.g. one with a tokenizer and a chat template)
+  --chat TEXT                  send this user message, in the model's chat template, instead of --prompt
+  --stop STRING                a stop string (repeatable); needs a tokenizer
   --protos DIR                 another copy of the protos (default ../../protos)
   -h, --help                   print this and exit
 $SPECDEC_AUTH_TOKEN, when set, is sent as \`authorization: Bearer <token>\` on every call.`;
@@ -56,6 +63,9 @@ try {
       'drafter-backend': { type: 'string', default: 'auto' },
       'max-tokens': { type: 'string', default: '24' },
       prompt: { type: 'string', default: '1 2 3 4 5' },
+      'target-path': { type: 'string' },
+      chat: { type: 'string' },
+      stop: { type: 'string', multiple: true, default: [] },
       protos: { type: 'string', default: path.resolve(HERE, '..', '..', 'protos') },
     },
   });
@@ -156,6 +166,15 @@ function printStatistics(finished) {
   console.log(`acceptance rate per position: ${perPosition}`);
 }
 
+function printLoads(loads) {
+  console.log(
+    `loads: ${loads.running_requests} running, ${loads.queued_requests} queued, ` +
+      `${loads.used_kv_blocks}/${loads.num_kv_blocks} KV blocks used, ${loads.prompt_tokens_total} prompt and ` +
+      `${loads.generation_tokens_total} generated tokens in all, ` +
+      `${loads.generation_tokens_per_second.toFixed(1)} tokens/s`,
+  );
+}
+
 // A unary call as a promise. waitForReady: servers that are still starting (docker compose up) are waited for.
 function unary(client, method, request, metadata, timeoutMs = CALL_TIMEOUT_MS) {
   return new Promise((resolve, reject) => {
@@ -172,6 +191,11 @@ async function run(metadata) {
     const hardware = await unary(executor, 'GetCapabilities', {}, metadata);
     const libraries = hardware.libraries.map((lib) => `${lib.name} ${lib.version}`).join(', ');
     console.log(`executor ${args.executor}: ${hardware.platform} ${hardware.device_name} (${libraries})`);
+    const server = await unary(executor, 'GetServerInfo', {}, metadata);
+    console.log(
+      `server: specdec ${server.server_version}, torch ${server.torch_version}, grpc ${server.grpc_version}, ` +
+        `max batch ${server.max_batch_size}, max queued ${server.max_queued_requests}`,
+    );
 
     const draft = draftModel(args.method, Number(args['num-speculative-tokens']));
     const selection = await unary(
@@ -197,14 +221,14 @@ async function run(metadata) {
 
     // Load with the selector's choices named explicitly: the executor validates them and never falls back.
     const load = {
-      target: { synthetic: TINY_LLAMA },
+      target: args['target-path'] ? { path: args['target-path'] } : { synthetic: TINY_LLAMA },
       draft: { ...draft, attention_backend: selection.drafter.backend },
       dtype: 'DTYPE_FLOAT32',
       attention: { backend: selection.target.backend },
       block_size: BLOCK_SIZE,
       num_kv_blocks: 64,
     };
-    console.log(`loading a synthetic llama target and a ${args.method} drafter ...`);
+    console.log(`loading ${args['target-path'] ?? 'a synthetic llama target'} and a ${args.method} drafter ...`);
     const started = performance.now();
     const loaded = await unary(executor, 'LoadModel', load, metadata, LOAD_TIMEOUT_MS);
     console.log(
@@ -213,24 +237,34 @@ async function run(metadata) {
         `${loaded.info.block_size} tokens`,
     );
 
-    const prompt = args.prompt.trim().split(/\s+/).map(Number);
     const request = {
       request_id: `node-client-${process.pid}`,
-      token_ids: { ids: prompt },
-      sampling: { temperature: 0, max_tokens: Number(args['max-tokens']) },
+      sampling: { temperature: 0, max_tokens: Number(args['max-tokens']), stop: args.stop },
     };
-    console.log(`generating up to ${args['max-tokens']} tokens after the prompt ${prompt.join(' ')}:`);
+    if (args.chat !== undefined) {
+      // The server renders it with the model's chat template.
+      request.messages = { messages: [{ role: 'user', content: args.chat }] };
+      console.log(`generating up to ${args['max-tokens']} tokens after the chat message ${JSON.stringify(args.chat)}:`);
+    } else {
+      const prompt = args.prompt.trim().split(/\s+/).map(Number);
+      request.token_ids = { ids: prompt };
+      console.log(`generating up to ${args['max-tokens']} tokens after the prompt ${prompt.join(' ')}:`);
+    }
     let finished = null;
+    let text = '';
     // Server streaming: a readable stream of GenerateResponse; a failed call throws out of the loop.
     for await (const response of executor.Generate(request, metadata)) {
       if (response.token_ids.length) {
         const tokens = response.token_ids.join(' ');
         console.log(`  + ${tokens} (drafted ${response.num_drafted}, accepted ${response.num_accepted})`);
       }
+      text += response.text; // empty without a tokenizer
       if (response.finished) finished = response.finished;
     }
     if (!finished) throw new Error('the stream ended without a final message');
+    if (text) console.log(`text: ${JSON.stringify(text)}`);
     printStatistics(finished);
+    printLoads(await unary(executor, 'GetLoads', {}, metadata));
   } finally {
     executor.close();
     selector.close();

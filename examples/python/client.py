@@ -1,10 +1,12 @@
 """The whole specdec flow from Python, with nothing but grpcio and the generated stubs (specdec.v1.*_pb2*):
 
-  1. GetCapabilities  ask the executor what its machine really runs;
+  1. GetCapabilities  ask the executor what its machine really runs, GetServerInfo its versions and limits;
   2. SelectBackends   ask the selector which attention backend the target and the drafter use, and why;
-  3. LoadModel        load a tiny synthetic Llama target and a synthetic drafter on the chosen backends;
-  4. Generate         stream a greedy speculative generation, printing tokens as they arrive;
-  5. print the acceptance statistics of the final message.
+  3. LoadModel        load a tiny synthetic Llama target (or --target-path) and a synthetic drafter on them;
+  4. Generate         stream a greedy speculative generation, printing tokens as they arrive: token ids, or
+                      with --chat a user message the server renders with the model's chat template; --stop
+                      ends it at a stop string;
+  5. print the acceptance statistics of the final message, and GetLoads: the executor's load.
 
     python examples/python/client.py --selector HOST:PORT --executor HOST:PORT [--method dflash|eagle3]
 
@@ -16,6 +18,7 @@ address and the cause when a server does not accept a connection within 10 s.
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import sys
 import time
@@ -77,6 +80,13 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--drafter-backend", default="auto", help="the drafter's own; never inherited")
     parser.add_argument("--max-tokens", type=int, default=24)
     parser.add_argument("--prompt", default="1 2 3 4 5", help="token ids, separated by spaces")
+    parser.add_argument(
+        "--target-path",
+        help="a checkpoint under the executor's --model-root to load instead of the synthetic target (a Llama of "
+        "the same shape, e.g. one with a tokenizer and a chat template)",
+    )
+    parser.add_argument("--chat", help="send this user message, in the model's chat template, instead of --prompt")
+    parser.add_argument("--stop", action="append", default=[], help="a stop string (repeatable); needs a tokenizer")
     return parser.parse_args()
 
 
@@ -133,6 +143,11 @@ def run(args: argparse.Namespace, metadata: tuple[tuple[str, str], ...]) -> None
         libraries = ", ".join(f"{lib.name} {lib.version}" for lib in hardware.libraries)
         platform = common_pb2.Platform.Name(hardware.platform)
         print(f"executor {args.executor}: {platform} {hardware.device_name} ({libraries})")
+        server = executor.GetServerInfo(executor_pb2.GetServerInfoRequest(), **options)
+        print(
+            f"server: specdec {server.server_version}, torch {server.torch_version}, grpc {server.grpc_version}, "
+            f"max batch {server.max_batch_size}, max queued {server.max_queued_requests}"
+        )
 
         draft = draft_model(args.method, args.num_speculative_tokens)
         speculative = common_pb2.SpeculativeConfig(
@@ -157,15 +172,17 @@ def run(args: argparse.Namespace, metadata: tuple[tuple[str, str], ...]) -> None
 
         # Load with the selector's choices named explicitly: the executor validates them and never falls back.
         draft.attention_backend = selection.drafter.backend
+        target = executor_pb2.ModelSource(path=args.target_path) if args.target_path else None
         load = executor_pb2.LoadModelRequest(
-            target=executor_pb2.ModelSource(synthetic=TINY_LLAMA),
+            target=target or executor_pb2.ModelSource(synthetic=TINY_LLAMA),
             draft=draft,
             dtype=common_pb2.DTYPE_FLOAT32,
             attention=common_pb2.AttentionConfig(backend=selection.target.backend),
             block_size=BLOCK_SIZE,
             num_kv_blocks=64,
         )
-        print(f"loading a synthetic llama target and a {args.method} drafter ...", flush=True)
+        what = args.target_path or "a synthetic llama target"
+        print(f"loading {what} and a {args.method} drafter ...", flush=True)
         started = time.monotonic()
         loaded = executor.LoadModel(load, metadata=metadata, timeout=LOAD_TIMEOUT_S)
         print(
@@ -174,23 +191,31 @@ def run(args: argparse.Namespace, metadata: tuple[tuple[str, str], ...]) -> None
             f"{loaded.info.block_size} tokens"
         )
 
-        prompt = [int(token) for token in args.prompt.split()]
         request = executor_pb2.GenerateRequest(
             request_id=f"python-client-{os.getpid()}",
-            token_ids=executor_pb2.TokenIds(ids=prompt),
-            sampling=executor_pb2.SamplingParams(temperature=0.0, max_tokens=args.max_tokens),
+            sampling=executor_pb2.SamplingParams(temperature=0.0, max_tokens=args.max_tokens, stop=args.stop),
         )
-        print(f"generating up to {args.max_tokens} tokens after the prompt {' '.join(map(str, prompt))}:")
-        finished = None
+        if args.chat is not None:  # the server renders it with the model's chat template
+            request.messages.messages.add(role="user", content=args.chat)
+            print(f"generating up to {args.max_tokens} tokens after the chat message {json.dumps(args.chat)}:")
+        else:
+            prompt = [int(token) for token in args.prompt.split()]
+            request.token_ids.ids.extend(prompt)
+            print(f"generating up to {args.max_tokens} tokens after the prompt {' '.join(map(str, prompt))}:")
+        finished, text = None, ""
         for response in executor.Generate(request, metadata=metadata):  # server streaming
             if response.token_ids:
                 tokens = " ".join(str(token) for token in response.token_ids)
                 print(f"  + {tokens} (drafted {response.num_drafted}, accepted {response.num_accepted})", flush=True)
+            text += response.text  # empty without a tokenizer
             if response.HasField("finished"):
                 finished = response.finished
         if finished is None:
             raise RuntimeError("the stream ended without a final message")
+        if text:
+            print(f"text: {json.dumps(text)}")
         print_statistics(finished)
+        print_loads(executor.GetLoads(executor_pb2.GetLoadsRequest(), **options))
 
 
 def print_statistics(finished: executor_pb2.Finished) -> None:
@@ -205,6 +230,14 @@ def print_statistics(finished: executor_pb2.Finished) -> None:
     )
     per_position = " ".join(f"{r:.3f}" for r in finished.acceptance_rate_per_position)
     print(f"acceptance rate per position: {per_position}")
+
+
+def print_loads(loads: executor_pb2.GetLoadsResponse) -> None:
+    print(
+        f"loads: {loads.running_requests} running, {loads.queued_requests} queued, "
+        f"{loads.used_kv_blocks}/{loads.num_kv_blocks} KV blocks used, {loads.prompt_tokens_total} prompt and "
+        f"{loads.generation_tokens_total} generated tokens in all, {loads.generation_tokens_per_second:.1f} tokens/s"
+    )
 
 
 def main() -> int:

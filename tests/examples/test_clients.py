@@ -1,17 +1,20 @@
 """The example clients (examples/python, examples/node, examples/go) against a real selector and executor on the CPU.
 
 Both servers require a bearer token, so every successful run also shows the client sends $SPECDEC_AUTH_TOKEN. Each
-client runs four times: the DFlash flow with addresses from $SPECDEC_SELECTOR / $SPECDEC_EXECUTOR, the EAGLE-3 flow
-with addresses from flags, an explicit drafter backend the CPU cannot run (INVALID_ARGUMENT, exit 1) and no token
-(UNAUTHENTICATED, exit 1); before them, --help exits 0 and a misspelled flag or a stray argument exits 2,
+client runs five times: the DFlash flow with addresses from $SPECDEC_SELECTOR / $SPECDEC_EXECUTOR, the EAGLE-3 flow
+with addresses from flags, a chat message with a stop string to a checkpoint with a tokenizer and a chat template
+(--target-path, --chat, --stop), an explicit drafter backend the CPU cannot run (INVALID_ARGUMENT, exit 1) and no
+token (UNAUTHENTICATED, exit 1); before them, --help exits 0 and a misspelled flag or a stray argument exits 2,
 both with the usage and no traceback. What a client prints must equal what the servers report to this test's own calls:
-the capabilities, the selector's decisions with every candidate's verdict, the loaded backends, and the streamed
-tokens and final statistics of the same greedy request on the model the examples document, loaded by this test.
+the capabilities and server info, the selector's decisions with every candidate's verdict, the loaded backends, the
+streamed tokens (and text) and final statistics of the same greedy request on the model the examples document,
+loaded by this test, and the loads.
 """
 
 from __future__ import annotations
 
 import ast
+import json
 import os
 import re
 import shutil
@@ -24,6 +27,7 @@ from pathlib import Path
 
 import grpc
 import pytest
+from toy_model import write_toy_model
 
 from specdec.v1 import common_pb2, executor_pb2, executor_pb2_grpc, selector_pb2, selector_pb2_grpc
 
@@ -49,12 +53,15 @@ class Printed:
     """What a client printed, parsed: the lines every example prints in the same format."""
 
     executor: tuple[str, ...] = ()  # platform, device name, libraries
+    server: tuple[str, ...] = ()  # specdec, torch and grpc versions, max batch, max queued
     decisions: dict[str, tuple] = field(default_factory=dict)  # role -> (backend, how, causality, candidates)
     loaded: tuple[str, ...] = ()  # target backend, drafter backend, KV blocks, block size
     chunks: list[tuple[list[int], int, int]] = field(default_factory=list)  # token ids, drafted, accepted
     finished: tuple[str, ...] = ()  # finish reason, prompt tokens, completion tokens
     acceptance: tuple[str, ...] = ()  # drafted, accepted, percent, mean acceptance length
     per_position: list[float] = field(default_factory=list)
+    text: str | None = None  # the streamed text, when the model has a tokenizer
+    loads: tuple[int, ...] = ()  # running, queued, used / total KV blocks, prompt / generated tokens in all
 
 
 def parse(stdout: str) -> Printed:
@@ -79,6 +86,18 @@ def parse(stdout: str) -> Printed:
             printed.acceptance = m.groups()
         elif m := re.fullmatch(r"acceptance rate per position: ([\d. ]*)", line):
             printed.per_position = [float(r) for r in m[1].split()]
+        elif m := re.fullmatch(
+            r"server: specdec (\S+), torch (\S+), grpc (\S+), max batch (\d+), max queued (\d+)", line
+        ):
+            printed.server = m.groups()
+        elif m := re.fullmatch(r"text: (.*)", line):
+            printed.text = json.loads(m[1])
+        elif m := re.fullmatch(
+            r"loads: (\d+) running, (\d+) queued, (\d+)/(\d+) KV blocks used, (\d+) prompt and (\d+) generated "
+            r"tokens in all, [\d.]+ tokens/s",
+            line,
+        ):
+            printed.loads = tuple(int(n) for n in m.groups())
     return printed
 
 
@@ -106,8 +125,9 @@ def as_printed(decision: common_pb2.BackendDecision) -> tuple:
     return (decision.backend, how, "non-causal" if decision.use_non_causal else "causal", candidates)
 
 
-def reference_load(method: str) -> executor_pb2.LoadModelRequest:
-    """The tiny llama and the synthetic drafter (seed 38) that the examples load."""
+def reference_load(method: str, target_path: str | None = None) -> executor_pb2.LoadModelRequest:
+    """The tiny llama (or the checkpoint at `target_path`) and the synthetic drafter (seed 38) that the examples
+    load."""
     target = executor_pb2.SyntheticModel(
         architecture="llama", vocab_size=VOCAB_SIZE, hidden_size=64, intermediate_size=128, num_layers=2,
         num_heads=4, num_kv_heads=2, head_size=32, seed=0,
@@ -120,8 +140,9 @@ def reference_load(method: str) -> executor_pb2.LoadModelRequest:
         draft.dflash_config.mask_token_id, draft.dflash_config.block_size = VOCAB_SIZE - 1, K + 1
     else:
         draft.source.synthetic.num_layers, draft.source.synthetic.draft_vocab_size = 1, VOCAB_SIZE // 2
+    source = executor_pb2.ModelSource(path=target_path) if target_path else executor_pb2.ModelSource(synthetic=target)
     return executor_pb2.LoadModelRequest(
-        target=executor_pb2.ModelSource(synthetic=target),
+        target=source,
         draft=draft,
         dtype=common_pb2.DTYPE_FLOAT32,
         attention=common_pb2.AttentionConfig(backend="CPU_ATTN"),
@@ -137,6 +158,9 @@ def check_flow(printed: Printed, selector_address: str, executor_address: str, m
         hardware = executor.GetCapabilities(executor_pb2.GetCapabilitiesRequest(), metadata=AUTH, timeout=10)
         libraries = ", ".join(f"{lib.name} {lib.version}" for lib in hardware.libraries)
         assert printed.executor == (common_pb2.Platform.Name(hardware.platform), hardware.device_name, libraries)
+        server = executor.GetServerInfo(executor_pb2.GetServerInfoRequest(), metadata=AUTH, timeout=10)
+        versions = (server.server_version, server.torch_version, server.grpc_version)
+        assert printed.server == (*versions, str(server.max_batch_size), str(server.max_queued_requests))
 
         decisions = expected_decisions(selector_pb2_grpc.BackendSelectorStub(sel_channel), hardware, method)
         assert printed.decisions == decisions
@@ -181,6 +205,34 @@ def check_flow(printed: Printed, selector_address: str, executor_address: str, m
     assert float(mean_length) == pytest.approx(finished.mean_acceptance_length, abs=5e-4)
     assert printed.per_position == pytest.approx(list(finished.acceptance_rate_per_position), abs=5e-4)
     assert len(printed.per_position) == K
+    running, queued, used, total, prompt_total, generated_total = printed.loads
+    assert (running, queued, used, total) == (0, 0, 0, 64)  # asked after its own request finished
+    assert prompt_total >= len(PROMPT) and generated_total >= MAX_TOKENS
+    assert printed.text is None  # the synthetic target has no tokenizer
+
+
+def check_chat(
+    client: list[str], cwd: Path, flags: list[str], executor_address: str, outcome: Callable[..., str]
+) -> None:
+    """A user message to the checkpoint at "toy" (a tokenizer, a chat template), with a stop string inside what it
+    would write: the client prints what this test's own request streams, text cut before the stop string."""
+    chat = executor_pb2.GenerateRequest(request_id="chat", sampling=executor_pb2.SamplingParams(max_tokens=MAX_TOKENS))
+    chat.messages.messages.add(role="user", content="Hi there")
+    with grpc.insecure_channel(executor_address) as channel:
+        executor = executor_pb2_grpc.ExecutorStub(channel)
+        executor.LoadModel(reference_load("eagle3", "toy"), metadata=AUTH, timeout=60)
+        whole = "".join(r.text for r in executor.Generate(chat, metadata=AUTH, timeout=60))
+        stop = whole[9:12]
+        chat.sampling.stop.append(stop)
+        expected = list(executor.Generate(chat, metadata=AUTH, timeout=60))
+    args = [*flags, "--method=eagle3", "--target-path=toy", "--chat=Hi there", f"--stop={stop}"]
+    result = run_client([*client, *args], cwd, {"SPECDEC_AUTH_TOKEN": TOKEN})
+    assert result.returncode == 0, outcome(result)
+    printed = parse(result.stdout)
+    assert printed.text == "".join(r.text for r in expected) == whole[: whole.find(stop)]
+    assert [t for ids, _, _ in printed.chunks for t in ids] == [t for r in expected for t in r.token_ids]
+    assert printed.finished[0] == expected[-1].finished.finish_reason == "stop"
+    assert printed.loads[:3] == (0, 0, 0)
 
 
 def run_client(command: list[str], cwd: Path, env: dict[str, str]) -> subprocess.CompletedProcess[str]:
@@ -206,11 +258,14 @@ def check_command_line(client: list[str], cwd: Path) -> None:
         assert "Traceback" not in refused.stderr and "    at " not in refused.stderr, refused.stderr
 
 
-def exercise(client: list[str], cwd: Path, launch_server: Callable, launch_executor: Callable) -> None:
+def exercise(
+    client: list[str], cwd: Path, launch_server: Callable, launch_executor: Callable, model_root: Path
+) -> None:
     """The runs of one client (see the module docstring), against servers that require TOKEN."""
     check_command_line(client, cwd)
+    write_toy_model(model_root / "toy", "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}")
     selector = launch_server("selector", "--auth-token", TOKEN)
-    executor = launch_executor(None, "--auth-token", TOKEN)
+    executor = launch_executor(None, "--auth-token", TOKEN, "--model-root", str(model_root))
     addresses = {"SPECDEC_SELECTOR": selector.address, "SPECDEC_EXECUTOR": executor.address}
     flags = [f"--selector={selector.address}", f"--executor={executor.address}"]
 
@@ -225,6 +280,7 @@ def exercise(client: list[str], cwd: Path, launch_server: Callable, launch_execu
         result = run_client([*client, *args], cwd, env)
         assert result.returncode == 0, outcome(result)
         check_flow(parse(result.stdout), selector.address, executor.address, method)
+    check_chat(client, cwd, flags, executor.address, outcome)
 
     bad = run_client([*client, *flags, "--drafter-backend=flash_attn"], cwd, {"SPECDEC_AUTH_TOKEN": TOKEN})
     assert bad.returncode == 1, outcome(bad)
@@ -248,18 +304,19 @@ def test_python_client_imports_only_grpcio_and_the_stubs() -> None:
     assert {m for m in modules if m.split(".")[0] not in sys.stdlib_module_names} == {"grpc", "specdec.v1"}
 
 
-def test_python_client(launch_server, launch_executor) -> None:
-    exercise([sys.executable, str(EXAMPLES / "python" / "client.py")], REPO_ROOT, launch_server, launch_executor)
+def test_python_client(launch_server, launch_executor, tmp_path: Path) -> None:
+    client = [sys.executable, str(EXAMPLES / "python" / "client.py")]
+    exercise(client, REPO_ROOT, launch_server, launch_executor, tmp_path)
 
 
 @pytest.mark.node
-def test_node_client(launch_server, launch_executor) -> None:
+def test_node_client(launch_server, launch_executor, tmp_path: Path) -> None:
     node = shutil.which("node")
     if node is None:
         pytest.skip("node is not on PATH: install Node.js 20+ to run the Node.js example")
     if not (EXAMPLES / "node" / "node_modules").is_dir():
         pytest.skip("examples/node/node_modules is missing: run `npm ci` in examples/node")
-    exercise([node, "client.mjs"], EXAMPLES / "node", launch_server, launch_executor)
+    exercise([node, "client.mjs"], EXAMPLES / "node", launch_server, launch_executor, tmp_path)
 
 
 @pytest.fixture
@@ -283,8 +340,8 @@ def go_client(tmp_path: Path) -> Path:
     return tmp_path / "go" / "specdec-client"
 
 
-def test_go_client(go_client: Path, launch_server, launch_executor) -> None:
-    exercise([str(go_client)], REPO_ROOT, launch_server, launch_executor)
+def test_go_client(go_client: Path, launch_server, launch_executor, tmp_path: Path) -> None:
+    exercise([str(go_client)], REPO_ROOT, launch_server, launch_executor, tmp_path)
 
 
 def test_python_client_names_an_address_it_cannot_reach() -> None:

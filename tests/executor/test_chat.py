@@ -12,7 +12,7 @@ import pytest
 from executor_builders import load_request, tiny_config
 from greedy_reference import greedy_reference
 from rpc_details import violations
-from toy_tokenizer import toy_tokenizer, write_toy_model
+from toy_model import toy_tokenizer, write_toy_model
 
 from executor_service.chat import MAX_CHAT_BYTES, MAX_CHAT_MESSAGES, load_chat_template
 from executor_service.main import RunningExecutor

@@ -10,7 +10,7 @@ from executor_builders import load_request
 from greedy_reference import greedy_reference
 from rpc_details import violations
 from spec_builders import ReplayDrafts, draft_model
-from toy_tokenizer import VOCAB_SIZE, token_text, write_toy_model
+from toy_model import VOCAB_SIZE, token_text, write_toy_model
 
 from executor_service.main import RunningExecutor
 from executor_service.stop_strings import MAX_STOP_STRING_CHARS, MAX_STOP_STRINGS

@@ -7,7 +7,7 @@ from __future__ import annotations
 import random
 
 import pytest
-from toy_tokenizer import ALPHABET, token_text, toy_tokenizer
+from toy_model import ALPHABET, token_text, toy_tokenizer
 
 from executor_service.detokenizer import IncrementalDetokenizer
 from executor_service.stop_strings import MAX_STOP_STRING_CHARS, MAX_STOP_STRINGS, StreamedOutput, stop_violations

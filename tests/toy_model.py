@@ -11,6 +11,16 @@ from typing import Any
 
 ALPHABET = string.ascii_letters + string.digits + " \n"  # 64 characters
 VOCAB_SIZE = 512
+# The tiny synthetic Llama's shape (tests/executor/executor_builders.TINY, examples/*: TINY_LLAMA).
+TINY_SHAPE = {
+    "vocab_size": VOCAB_SIZE,
+    "hidden_size": 64,
+    "intermediate_size": 128,
+    "num_layers": 2,
+    "num_heads": 4,
+    "num_kv_heads": 2,
+    "head_size": 32,
+}
 
 
 def toy_tokenizer() -> Any:
@@ -34,11 +44,12 @@ def token_text(token_id: int) -> str:
 def write_toy_model(directory: Path, chat_template: str | None = None, seed: int = 4) -> Path:
     """A tiny synthetic checkpoint with the toy tokenizer (and a chat template in tokenizer_config.json)."""
     import torch
-    from executor_builders import tiny_config
 
+    from executor_service.config import ModelConfig
     from executor_service.loader import build_synthetic, save_directory
 
-    save_directory(build_synthetic(tiny_config(), seed, torch.float32, torch.device("cpu")).model, directory)
+    config = ModelConfig(architecture="llama", max_position_embeddings=512, rope_theta=10000.0, **TINY_SHAPE)
+    save_directory(build_synthetic(config, seed, torch.float32, torch.device("cpu")).model, directory)
     toy_tokenizer().save(str(directory / "tokenizer.json"))
     if chat_template is not None:
         config = {"chat_template": chat_template, "bos_token": "B", "eos_token": "E"}
