@@ -46,10 +46,15 @@ CAPACITY = NUM_KV_BLOCKS * BLOCK_SIZE
 VOCAB = TINY["vocab_size"]
 METHODS = (None, "eagle", "eagle3", "dflash", "dflash_causal")
 KS = (1, 3, 4, 7)
+OWN_KS = (None, None, None, 0, 0, 1, 3, 8, -1, 2**31 - 1)  # GenerateRequest.num_speculative_tokens
 TINY_TEMPERATURES = (1e-45, 1e-38, 1e-30, 1e-6)  # issue 13 item 1: 1e-38 and 1e-45 failed the whole batch
 TEMPERATURES = (0.0, -0.0, *TINY_TEMPERATURES, 0.01, 0.7, 1.0, 2.0, 100.0, 1e30, 3.4e38, math.inf, -1.0, math.nan)
 TOP_PS = (1e-45, 1e-8, 0.1, 0.5, 0.95, 1.0, 0.0, 1.5, math.nan)
 TOP_KS = (0, 1, 2, 40, VOCAB - 1, VOCAB, VOCAB + 1, 2**31 - 1, -1)
+MIN_PS = (0.0, 1e-45, 0.05, 0.5, 1.0, -0.1, 1.5, math.nan)
+REPETITION_PENALTIES = (1e-45, 1e-30, 0.5, 1.0, 1.3, 1e30, 3.4e38, 0.0, -1.0, math.inf, math.nan)
+PENALTIES = (-2.0, -0.5, 0.0, 1.0, 2.0, 2.5, -math.inf, math.nan)  # presence and frequency
+LOGPROBS = (0, 1, 20, 21, -1, 2**31 - 1)
 
 
 @dataclass(frozen=True)
@@ -115,6 +120,16 @@ def sampling(max_tokens: int | None) -> st.SearchStrategy[executor_pb2.SamplingP
             params.top_p = top_p
         if (seed := draw(st.none() | int64s())) is not None:
             params.seed = seed
+        optional = {
+            "min_p": MIN_PS,
+            "repetition_penalty": REPETITION_PENALTIES,
+            "presence_penalty": PENALTIES,
+            "frequency_penalty": PENALTIES,
+            "logprobs": LOGPROBS,
+        }
+        for name, values in optional.items():
+            if (value := draw(st.none() | st.sampled_from(values))) is not None:
+                setattr(params, name, value)
         return params
 
     return build()
@@ -141,6 +156,8 @@ def stream_plans(draw: st.DrawFn, request_id: str) -> StreamPlan:
     request = executor_pb2.GenerateRequest(
         request_id=request_id, token_ids=executor_pb2.TokenIds(ids=ids), sampling=draw(sampling(max_tokens))
     )
+    if (own_k := draw(st.sampled_from(OWN_KS))) is not None:  # per-request speculation, in range or not
+        request.num_speculative_tokens = own_k
     return StreamPlan(request, draw(st.sampled_from(("finish", "finish", "finish", "cancel", "abort"))))
 
 
