@@ -120,6 +120,10 @@ def check_stream(outcome: StreamOutcome, info: executor_pb2.ModelInfo) -> None:
     assert not any(r.HasField("finished") for r in responses[:-1]), f"`finished` before the end: {where}"
     assert all(r.request_id == request.request_id for r in responses), where
     tokens = [t for r in responses for t in r.token_ids]
+    for response in responses:  # logprobs: one per token of each message, when asked for
+        asked = request.sampling.HasField("logprobs")
+        assert [lp.token_id for lp in response.logprobs] == (list(response.token_ids) if asked else []), where
+        assert all(len(lp.top_logprobs) == request.sampling.logprobs for lp in response.logprobs), where
     finished = responses[-1].finished
     where = f"{where}, {len(tokens)} tokens, finished {finished}"
     assert all(0 <= t < info.vocab_size for t in tokens), f"a token outside the vocabulary: {where}"
