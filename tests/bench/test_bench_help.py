@@ -9,7 +9,8 @@ from pathlib import Path
 import pytest
 
 BENCH = Path(__file__).resolve().parents[2] / "bench"
-SCRIPTS = ("specdec_bench", "pass_profile", "load_bench")  # pass_profile.py reuses specdec_bench.parse_args
+# pass_profile.py reuses specdec_bench.parse_args; prefix_cache_bench.py imports specdec_bench
+SCRIPTS = ("specdec_bench", "pass_profile", "load_bench", "prefix_cache_bench")
 
 
 @pytest.mark.parametrize("script", SCRIPTS)
