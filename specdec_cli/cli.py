@@ -3,6 +3,7 @@
 specdec select --config request.yaml [--selector HOST:PORT | --local] [--json]
 specdec backends [--platform cuda] [--selector HOST:PORT | --local] [--json]
 specdec demo [--prompt TEXT] [--method eagle3] [--selector HOST:PORT] [--executor HOST:PORT] [--json]
+specdec server-info | loads [--executor HOST:PORT] [--json]
 specdec train-drafter --method {eagle,eagle3,dflash} --target PATH --out DIR ...   (needs the executor extra)
 """
 
@@ -20,6 +21,7 @@ from selection.catalog import list_backends
 from selection.selector import Selector
 from specdec.v1 import common_pb2, selector_pb2, selector_pb2_grpc
 from specdec_cli.demo import add_demo_arguments, run_demo
+from specdec_cli.executor_commands import COMMANDS, add_executor_commands, call_executor
 from specdec_cli.render import render_backends, render_error, render_selection
 from specdec_runtime.client import add_channel_arguments, load_message, open_channel_from_args, server_address
 from specdec_runtime.errors import SpecdecError
@@ -59,6 +61,7 @@ def build_parser() -> argparse.ArgumentParser:
         formatter_class=HelpFormatter,
     )
     add_demo_arguments(demo)
+    add_executor_commands(commands)
     # Parsed by executor_service.training.cli (main hands it the arguments): listed here for --help.
     commands.add_parser("train-drafter", help="train an EAGLE / EAGLE-3 / DFlash drafter for a target", add_help=False)
     return parser
@@ -91,7 +94,9 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "demo":
         return run_demo(args)
     try:
-        if args.command == "select":
+        if args.command in COMMANDS:
+            _print(args, *call_executor(args))
+        elif args.command == "select":
             request = load_message(args.config, selector_pb2.SelectBackendsRequest())
             response = _call(args, "SelectBackends", request)
             _print(args, response, render_selection(response))

@@ -193,10 +193,13 @@ def _generate(
     request = executor_pb2.GenerateRequest(request_id=f"demo-{uuid.uuid4().hex[:8]}")
     request.sampling.temperature = args.temperature
     request.sampling.max_tokens = args.max_tokens
-    if info.has_tokenizer:
-        chat = None if args.no_chat else model.chat
-        request.text = chat(args.prompt) if chat else args.prompt
-        out.line(f"prompt: {args.prompt!r}" + (", in the model's chat template" if chat else ""))
+    request.sampling.stop.extend(args.stop)
+    if info.has_chat_template and not args.no_chat:  # the executor renders the model's chat template
+        request.messages.messages.add(role="user", content=args.prompt)
+        out.line(f"prompt: {args.prompt!r}, in the model's chat template")
+    elif info.has_tokenizer:
+        request.text = args.prompt
+        out.line(f"prompt: {args.prompt!r}")
     else:
         ids = list(args.prompt.encode())
         if info.vocab_size < 256:
@@ -224,6 +227,7 @@ def _generate(
     out.section("acceptance statistics (the stream's final message)")
     out.line(render_finished(finished, seconds))
     out.record("prompt_text", request.text)
+    out.record("prompt_messages", [{"role": m.role, "content": m.content} for m in request.messages.messages])
     out.record("prompt_token_ids", list(request.token_ids.ids))
     out.record("output_token_ids", token_ids)
     out.record("text", "".join(text))

@@ -10,7 +10,6 @@ the executor (no files, loads in about a second; the drafts are almost never acc
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -37,14 +36,6 @@ class PackagedTarget:
     hidden_size: int
     vocab_size: int
     drafters: dict[str, str]  # method -> directory under the drafters root (the executor's --model-root)
-    system_prompt: str
-
-    def chat(self, user: str) -> str:
-        """`user` in ChatML, the model's chat template (the executor encodes GenerateRequest.text as is)."""
-        return (
-            f"<|im_start|>system\n{self.system_prompt}<|im_end|>\n"
-            f"<|im_start|>user\n{user}<|im_end|>\n<|im_start|>assistant\n"
-        )
 
 
 SMOLLM2 = PackagedTarget(
@@ -54,7 +45,6 @@ SMOLLM2 = PackagedTarget(
     hidden_size=576,
     vocab_size=49152,
     drafters={"eagle": "smollm2-eagle", "eagle3": "smollm2-eagle3", "dflash": "smollm2-dflash"},
-    system_prompt="You are a helpful AI assistant named SmolLM, trained by Hugging Face",  # its template's default
 )
 
 SYNTHETIC_TARGET = executor_pb2.SyntheticModel(
@@ -86,7 +76,6 @@ class DemoModel:
     dflash: common_pb2.DFlashConfig | None  # the DFlash fields the selector checks
     description: list[str]
     note: str = ""
-    chat: Callable[[str], str] | None = None  # how a prompt is put in the model's chat format
     model_root: Path | None = None  # where the drafter lives: the --model-root of an executor started here
 
 
@@ -120,7 +109,7 @@ def default_model(method: str, k: int | None, drafters_root: Path) -> DemoModel:
     )
     description = [target_line, f"drafter  {method}, k={k}: {_describe_drafter(drafter, method)}"]
     description.append(f"         trained: {drafter.training}" if drafter.training else "         no training_log.json")
-    return DemoModel(load, SMOLLM2.shape, drafter.shape, dflash, description, "", SMOLLM2.chat, drafters_root)
+    return DemoModel(load, SMOLLM2.shape, drafter.shape, dflash, description, model_root=drafters_root)
 
 
 def _describe_drafter(drafter: DrafterInfo, method: str) -> str:

@@ -20,8 +20,13 @@ def add_demo_arguments(parser: argparse.ArgumentParser) -> None:
         default=DEFAULT_PROMPT,
         help="the user's message, sent in the model's chat template (--synthetic: as its UTF-8 bytes)",
     )
-    parser.add_argument("--no-chat", action="store_true", help="send --prompt as is, as text to continue")
+    parser.add_argument(
+        "--no-chat", action="store_true", help="send --prompt as text to continue, not as a chat message"
+    )
     parser.add_argument("--max-tokens", type=_positive, default=128, help="tokens to generate (at most)")
+    parser.add_argument(
+        "--stop", action="append", default=[], metavar="STRING", help="end at this text (repeatable; not shown)"
+    )
     parser.add_argument("--temperature", type=float, default=0.0, help="0: greedy")
     parser.add_argument("--method", choices=list(METHODS), default="eagle3", help="the drafter's method")
     parser.add_argument(

@@ -30,6 +30,7 @@ from selection.selector import Selector
 from specdec.v1 import common_pb2, executor_pb2, executor_pb2_grpc
 from specdec_cli.demo_drafters import repo_drafters_dir
 from specdec_cli.demo_model import METHODS, SMOLLM2, default_model, selection_request, synthetic_model
+from specdec_cli.demo_options import DEFAULT_PROMPT
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 DEMO_TIMEOUT_S = 600  # a no-hang bound, not a performance bar: a loaded 2-core machine takes 60-70 s
@@ -130,7 +131,8 @@ def test_demo_against_running_servers_leaves_them_running(
     assert (drafter["backend"], drafter["useNonCausal"]) == ("CPU_ATTN", True)  # R6: DFlash is non-causal
     assert [c["backend"] for c in drafter["candidates"]] == ["CPU_ATTN"]
     assert report["loaded"]["draftBackend"]["explicit"] is True
-    assert report["prompt_text"].startswith("<|im_start|>system\n") and report["prompt_text"].endswith("assistant\n")
+    # The prompt goes as a chat message; the executor renders SmolLM2's template (ChatML, its default system prompt).
+    assert report["prompt_messages"] == [{"role": "user", "content": DEFAULT_PROMPT}] and report["prompt_text"] == ""
     assert report["text"].startswith("```python\ndef is_prime(n):")  # greedy SmolLM2 on the default prompt
     finished = report["finished"]
     assert len(report["output_token_ids"]) == finished["completionTokens"] == MAX_TOKENS
