@@ -50,6 +50,7 @@ def open_session(
     backend = BACKENDS[device.type]
     dtype = default_dtype(device)
     request = executor_pb2.LoadModelRequest(dtype=dtype, block_size=DEFAULT_BLOCK_SIZE, num_kv_blocks=blocks)
+    request.enable_prefix_caching = False  # timed rounds rerun the same prompts: each computes its prefill
     draft = None
     if method is not None and drafter_dir is not None:
         request.draft.method, request.draft.num_speculative_tokens = METHOD_ENUMS[method], k

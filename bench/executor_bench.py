@@ -876,6 +876,7 @@ def main() -> int:
         attention=common_pb2.AttentionConfig(backend=args.backend),
         block_size=block_size,
         num_kv_blocks=args.num_kv_blocks or kv_blocks_for(args, block_size),
+        enable_prefix_caching=False,  # the timed runs repeat their prompts: each must compute its prefill
     )
     engine_settings = EngineSettings(args.max_num_batched_tokens, args.max_num_seqs)
     commit, dirty = commit_id()

@@ -74,6 +74,7 @@ FLOOR_BAR = 1.4
 def target_request(preset: dict[str, Any], dtype: int, backend: str, blocks: int) -> executor_pb2.LoadModelRequest:
     synthetic = synthetic_target(preset, 0)
     request = executor_pb2.LoadModelRequest(dtype=dtype, block_size=DEFAULT_BLOCK_SIZE, num_kv_blocks=blocks)
+    request.enable_prefix_caching = False  # configurations rerun the same prompts: each computes its prefill
     request.target.synthetic.CopyFrom(synthetic)
     request.attention.backend = backend
     return request
