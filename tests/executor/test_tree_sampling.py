@@ -1,0 +1,65 @@
+"""Sampling along a tree keeps the target's distribution: the seeded requests and exact marginals of
+test_spec_sampling (6-token vocabulary, every continuation enumerated), verified as trees (EAGLE-3, static and
+dynamic), with a total-variation bound that a wrong multi-candidate sampler (shown alongside) fails."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from test_spec_sampling import BATCH, BOUND, SETTINGS, VOCAB, exact_marginals, run_requests, total_variations
+from test_tree_decode import tree_session
+
+import executor_service.tree_verification as tree_verification
+from executor_service.session import ModelSession
+from executor_service.tree_verification import DraftTree, TreeVerdict
+from specdec.v1 import common_pb2
+
+SHAPES = {
+    "static_2_2": (common_pb2.DraftTree(branching=[2, 2]), 0),
+    "dynamic_2_budget_4_depth_3": (common_pb2.DraftTree(top_k=2, verify_budget=4), 3),
+}
+
+
+def session(shape: str) -> ModelSession:
+    tree, k = SHAPES[shape]
+    return tree_session(
+        "eagle3", tree, k, vocab_size=VOCAB, draft_seed=4, max_num_seqs=BATCH,
+        max_num_batched_tokens=8 * BATCH, num_kv_blocks=2 * BATCH,
+    )  # fmt: skip
+
+
+def no_residual(tree: DraftTree, probs: torch.Tensor, generator: torch.Generator | None) -> TreeVerdict:
+    """Right walk, wrong correction: every child is tested against p itself (rejected siblings keep their mass)
+    and a node whose children all fail draws from p, so drafted tokens come out too often."""
+    children, path, row = tree.children(), [], 0
+    while True:
+        accepted = None
+        for j in children[row]:
+            if float(torch.rand((), generator=generator)) < float(probs[row, tree.tokens[j]]):
+                accepted = j
+                break
+        if accepted is None:
+            final = int(torch.multinomial(probs[row], 1, generator=generator))
+            return TreeVerdict(path, [tree.tokens[j] for j in path] + [final])
+        path.append(accepted)
+        row = accepted + 1
+
+
+@pytest.mark.parametrize("shape", list(SHAPES))
+def test_tree_sampling_keeps_the_target_distribution(shape: str) -> None:
+    spec = session(shape)
+    settings = SETTINGS["temperature"]
+    empirical, drafted, accepted = run_requests(spec, settings)
+    assert 0 < accepted < drafted
+    distances = total_variations(empirical, exact_marginals(spec.loaded.model, settings))
+    assert max(distances) < BOUND, distances
+
+
+def test_the_bound_catches_a_wrong_tree_sampler(monkeypatch: pytest.MonkeyPatch) -> None:
+    spec = session("static_2_2")
+    settings = SETTINGS["temperature"]
+    monkeypatch.setattr(tree_verification, "sample_tree", no_residual)
+    empirical, _, _ = run_requests(spec, settings)
+    distances = total_variations(empirical, exact_marginals(spec.loaded.model, settings))
+    assert distances[0] < BOUND  # the prefill verifies no drafts
+    assert max(distances[1:]) > BOUND, distances
