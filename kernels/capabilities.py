@@ -7,7 +7,7 @@ For the backends this project implements (TRITON_ATTN, FLEX_ATTENTION, FLASH_ATT
 CPU_ATTN, ROCM_ATTN) the entries say what our implementations compute, and tests/attention checks that
 they do: no sinks, no sliding window, KV cache in the activation's precision (no fp8). FLASHINFER and
 the AITER backends have no implementation here; their entries keep vLLM 0.33's figures, and the
-executor reports them unavailable. The fields and the selection rules (R1-R10): docs/selection.md.
+executor reports them unavailable. The fields and the selection rules (R1-R11): docs/selection.md.
 CPU_ATTN is SDPA over gathered KV, so it takes any head and block size. Tree attention (tree drafting's verify
 and draft passes) is ours alone: TRITON_ATTN, FLEX_ATTENTION and CPU_ATTN compute it; the others are refused.
 """

@@ -1,4 +1,4 @@
-"""The selection rules R1-R10 (defined in docs/selection.md), gathered here: the ones selection applies are
+"""The selection rules R1-R11 (defined in docs/selection.md), gathered here: the ones selection applies are
 written in this module; the others are named with where they live.
 
 - R1 backends declare what they serve; one `validate` gives every refusal, in one vocabulary:
