@@ -25,14 +25,16 @@ MAX_TOKENS = 8
 Phases = list[dict[str, list[int]]]  # requests added together; each phase runs to the end before the next
 
 
-def session(method: str | None, caching: bool, num_kv_blocks: int = 64, k: int = 3) -> ModelSession:
+def session(
+    method: str | None, caching: bool, num_kv_blocks: int = 64, k: int = 3, backend: str = "CPU_ATTN"
+) -> ModelSession:
     request = load_request(num_kv_blocks=num_kv_blocks, block_size=BLOCK)
     request.enable_prefix_caching = caching
     if method is not None:
         request.draft.CopyFrom(draft_model(method, k))
     source = resolve_target(request.target, None, "target")
     draft = resolve_draft(request.draft, source.config, None) if method is not None else None
-    decision = common_pb2.BackendDecision(backend="CPU_ATTN")
+    decision = common_pb2.BackendDecision(backend=backend)
     return build_session(
         source, request, decision, torch.device("cpu"), EngineSettings(64, 8), start=False, draft=draft,
         draft_decision=decision if method is not None else None,
@@ -133,6 +135,15 @@ def test_shared_prefixes_give_the_same_tokens_and_drafts(method: str | None) -> 
     assert stats.hits == sum(on.cached(rid) for rid in on.requests)
     assert stats.queries == sum(len(r.prompt_ids) for r in on.requests.values())
     assert stats.cached_free_blocks > 0 and off.session.prefix_cache_stats().queries == 0
+
+
+def test_flex_attention_reads_shared_blocks() -> None:
+    """FLEX_ATTENTION (a GPU backend, eager here) maps each request's physical blocks to logical ones in its
+    BlockMask: requests of one step holding the same physical blocks must each read them as their own."""
+    phases = shared_prefix_phases()
+    on = Run(session("eagle3", True, backend="FLEX_ATTENTION")).phases(phases)
+    assert_same(on, Run(session("eagle3", False)).phases(phases))
+    assert on.cached("twin-b") == BLOCK and on.cached("same-again") == 3 * BLOCK
 
 
 @pytest.mark.parametrize("method", ["eagle3", "dflash"])
