@@ -1,0 +1,104 @@
+"""Tree drafting in the benchmarks: tree specs on the command line, and the target's verify pass over a tree
+against the chain's at the same number of drafts.
+
+    dynamic:TOP_K:BUDGET:DEPTH   e.g. dynamic:8:16:7 (EAGLE-2: top-8 per step, 16 drafts verified, 7 deep)
+    static:B1-B2-...             e.g. static:4-2-2-1 (branching per depth)
+
+The verify passes run eagerly (tree steps do not replay graphs; the chain is run the same way for a fair
+comparison): one target forward over `batch` requests of `context` cached tokens, each with a root and `budget`
+drafts; the chain with consecutive positions and a causal mask, the tree with positions root + depth and a tree
+mask (a top-4 tree filled breadth first: the mask's cost does not depend much on the shape).
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from typing import Any
+
+import torch
+
+from executor_service.attention_step import build_attention_step, cache_slot, to_device
+from executor_service.session import ModelSession
+from executor_service.tree_verification import DraftTree
+from kernels.tree_mask import tree_masks
+from specdec.v1 import common_pb2
+
+
+def parse_tree_spec(text: str) -> tuple[str, common_pb2.DraftTree, int]:
+    """(label, DraftTree, num_speculative_tokens) of a spec; ValueError naming the forms otherwise."""
+    kind, _, rest = text.partition(":")
+    try:
+        if kind == "dynamic":
+            top_k, budget, depth = (int(x) for x in rest.split(":"))
+            return (
+                f"tree_top{top_k}_budget{budget}_depth{depth}",
+                common_pb2.DraftTree(top_k=top_k, verify_budget=budget),
+                depth,
+            )
+        if kind == "static":
+            branching = [int(x) for x in rest.split("-")]
+            label = "tree_static_" + "-".join(map(str, branching))
+            return label, common_pb2.DraftTree(branching=branching), len(branching)
+    except ValueError:
+        pass
+    raise ValueError(f"tree spec {text!r}: dynamic:TOP_K:BUDGET:DEPTH or static:B1-B2-...")
+
+
+def breadth_first_tree(size: int, branching: int = 4) -> list[int]:
+    """Parents of `size` drafts: every node gets `branching` children, filled breadth first."""
+    return [-1 if j < branching else j // branching - 1 for j in range(size)]
+
+
+def measure_tree_verify(session: ModelSession, batch: int, context: int, budget: int, iters: int) -> dict[str, Any]:
+    """Milliseconds of one target verify pass over `budget` drafts per request: chain and tree."""
+    runner = session.engine.runner
+    device, block_size = runner.device, runner.block_size
+    allocator = session.kv_cache.allocator
+    rows = budget + 1
+    blocks = [allocator.allocate(-(-(context + rows) // block_size)) for _ in range(batch)]
+    tree = DraftTree([0] * budget, breadth_first_tree(budget))
+    depths = tree.depths()
+    slots = [cache_slot(b, context + j, block_size) for b in blocks for j in range(rows)]
+    chain_positions = [context + j for _ in blocks for j in range(rows)]
+    tree_positions = [context + d for _ in blocks for d in [0, *depths]]
+    masks = tree_masks([-1] + [p + 1 for p in tree.parents]) * batch
+    ids = torch.zeros(batch * rows, dtype=torch.int64, device=device)
+    report: dict[str, Any] = {"batch": batch, "context": context, "drafts": budget, "depth": max(depths)}
+    try:
+        for name, positions, tree_mask in (("chain", chain_positions, None), ("tree", tree_positions, masks)):
+
+            def run(positions: list[int] = positions, tree_mask: list[int] | None = tree_mask) -> None:
+                step = build_attention_step(
+                    runner.backend, blocks, [rows] * batch, [context + rows] * batch, slots, True, device
+                )
+                if tree_mask is not None:
+                    step.tree_mask = to_device(tree_mask, torch.int64, device)
+                runner.forward(ids, to_device(positions, torch.int64, device), step, None)
+
+            report[f"{name}_ms"] = round(_median_ms(run, device, iters), 4)
+    finally:
+        for b in blocks:
+            allocator.free(b)
+    report["tree_over_chain"] = round(report["tree_ms"] / report["chain_ms"], 3)
+    return report
+
+
+@torch.inference_mode()
+def _median_ms(run: Any, device: torch.device, iters: int) -> float:
+    for _ in range(2):  # compile, warm up
+        run()
+    times = []
+    for _ in range(iters):
+        if device.type == "cuda":
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            run()
+            end.record()
+            end.synchronize()
+            times.append(start.elapsed_time(end))
+        else:
+            started = time.perf_counter()
+            run()
+            times.append(1000 * (time.perf_counter() - started))
+    return statistics.median(times)
