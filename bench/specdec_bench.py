@@ -10,6 +10,8 @@
 (b) End to end: tokens/s of greedy generation with a replaying test drafter (it proposes the target's own
     continuation with draft L corrupted, so each verify step emits exactly L tokens) at acceptance lengths
     1, 3, 6 and full, against target-only decoding of the same prompts in the same run; batch 1 and 16.
+(c) With --tree-budget N: the target's verify pass over a tree of N drafts against the chain's over N drafts,
+    eagerly, at each batch size (bench/tree_passes.py).
 
     python bench/specdec_bench.py --out bench/results            # H100: synthetic Llama-3-8B, bf16
     python bench/specdec_bench.py --preset tiny --device cpu --backend CPU_ATTN   # a smoke run of the script
@@ -49,6 +51,7 @@ from common import (  # noqa: E402
     write_result,
 )
 from spec_builders import ReplayDrafts  # noqa: E402
+from tree_passes import measure_tree_verify  # noqa: E402
 
 from executor_service.draft_config import METHOD_ENUMS  # noqa: E402
 from executor_service.drafting import resolve_draft  # noqa: E402
@@ -458,6 +461,14 @@ def agreement(tokens: dict[str, list[int]], reference: dict[str, list[int]]) -> 
     return {"identical_requests": f"{same}/{len(reference)}", "mean_common_prefix": sum(prefixes) / len(prefixes)}
 
 
+def tree_verify(session: ModelSession, args: argparse.Namespace) -> list[dict[str, Any]]:
+    """(c): tree vs chain verify pass at each batch size; a backend without tree attention says why."""
+    try:
+        return [measure_tree_verify(session, b, args.context, args.tree_budget, args.iters) for b in args.batches]
+    except ValueError as err:  # e.g. FLASH_ATTN: "tree attention not supported"
+        return [{"refused": str(err)}]
+
+
 def parse_args(description: str | None = __doc__) -> argparse.Namespace:
     """This benchmark's flags; other scripts that replay its passes (pass_profile.py) pass their own description."""
     parser = argparse.ArgumentParser(description=description, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -474,6 +485,7 @@ def parse_args(description: str | None = __doc__) -> argparse.Namespace:
     parser.add_argument("--profile-host", type=int, default=0, help="cProfile the host at batch 1: top N functions")
     parser.add_argument("--host-step-too", action="store_true", help="also time each script on the host path")
     parser.add_argument("--kv-blocks", type=int, default=1024)
+    parser.add_argument("--tree-budget", type=int, default=0, help="time a tree verify pass of N drafts vs the chain")
     parser.add_argument("--out", type=Path, default=REPO / "bench" / "results")
     args = parser.parse_args()
     args.methods = [m for m in args.methods.split(",") if m]
@@ -506,6 +518,9 @@ def main() -> int:
         log(json.dumps(report["passes"], indent=1))
     if args.profile_host:
         report["host_profile"] = profile_host(sessions, args, preset)
+    if args.tree_budget:
+        report["tree_verify"] = tree_verify(sessions["target-only"], args)
+        log(json.dumps(report["tree_verify"], indent=1))
     ideal = report["passes"]["ideal_speedup"] if "passes" in report else {}
     report["end_to_end"] = measure_end_to_end(sessions, args, preset, ideal)
     for session in sessions.values():
