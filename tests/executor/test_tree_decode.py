@@ -195,3 +195,28 @@ def test_tree_config() -> None:
     assert config.num_speculative_tokens == 8 and config.tree.depth == 4  # drafts per step; drafter steps
     assert config.positions_ahead == 9  # top_k x (depth - 1) keys of expanded nodes
     assert session.info.num_speculative_tokens == 8
+
+
+async def test_load_and_generate_over_grpc(stub) -> None:
+    """LoadModel with a tree: the executor asks the selector for tree attention (CPU_ATTN here, both stacks) and
+    streams the target's greedy tokens; a forced backend without tree attention is refused by name."""
+    import grpc
+
+    from specdec.v1 import executor_pb2
+
+    request = load_request()
+    request.draft.CopyFrom(draft_model("eagle3", 3))
+    request.draft.num_speculative_tokens = 0
+    request.draft.tree.CopyFrom(common_pb2.DraftTree(branching=[2, 2, 1]))
+    response = await stub.LoadModel(request)
+    assert response.target_backend.use_tree_attention and response.draft_backend.use_tree_attention
+    assert response.info.num_speculative_tokens == 10
+    generate = executor_pb2.GenerateRequest(request_id="t", token_ids=executor_pb2.TokenIds(ids=[5, 9, 2]))
+    generate.sampling.max_tokens = 6
+    tokens = [t async for message in stub.Generate(generate) for t in message.token_ids]
+    assert len(tokens) == 6
+    request.draft.attention_backend = "FLASH_ATTN"
+    with pytest.raises(grpc.aio.AioRpcError) as err:
+        await stub.LoadModel(request)
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "tree attention not supported" in err.value.details()
