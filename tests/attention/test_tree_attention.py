@@ -8,6 +8,7 @@ treated the mask as causal would fail: `test_a_causal_kernel_fails_the_reference
 
 from __future__ import annotations
 
+import os
 import random
 
 import pytest
@@ -179,3 +180,15 @@ def test_tree_masks_are_checked() -> None:
         tree_masks([-1, 2, 0])
     with pytest.raises(ValueError, match="window"):
         tree_masks([-1] * (TREE_WINDOW + 1))
+
+
+@pytest.mark.skipif(not os.environ.get("SPECDEC_COMPILE_TESTS"), reason="set SPECDEC_COMPILE_TESTS=1 (compiles, ~10 s)")
+def test_compiled_flex_tree_mask_on_cpu(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The GPU code path (compiled flex, listed blocks only, the tree mask_mod compiled) through inductor's CPU
+    kernel."""
+    from kernels import flex_attn
+
+    monkeypatch.setattr(flex_attn, "_runs_compiled", lambda device: True)
+    batch, trees, masks = _batch(0)
+    out = _run("FLEX_ATTENTION", batch, masks)
+    torch.testing.assert_close(out.double().cpu(), dense_reference(batch, trees, 32**-0.5), atol=2e-4, rtol=2e-4)
