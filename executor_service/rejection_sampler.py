@@ -18,7 +18,7 @@ from __future__ import annotations
 import torch
 
 from executor_service.penalties import History, penalised_logits
-from executor_service.sampling import SamplingSettings, draw, target_probs, to_host
+from executor_service.sampling import SamplingSettings, draw, sample, target_probs, to_host
 
 
 class VerifyError(RuntimeError):
@@ -110,6 +110,7 @@ def verify_batch(
     argmax = raw_argmax if processed is logits else processed.argmax(dim=-1)
     host = to_host(torch.cat([argmax, finite.long()]))
     emitted: list[list[int] | VerifyError] = []
+    undrafted: list[tuple[int, int]] = []  # (request, row) sampled without drafts: drawn together below
     row = 0
     for setting, generator, request_drafts in zip(settings, generators, drafts, strict=True):
         rows = len(request_drafts) + 1
@@ -120,9 +121,17 @@ def verify_batch(
             emitted.append(error)
         elif setting.greedy:
             emitted.append(verify_greedy(request_drafts, host[row : row + rows]))
+        elif not request_drafts:
+            undrafted.append((len(emitted), row))
+            emitted.append([])
         else:
             emitted.append(_sample_one(processed[row : row + rows], setting, generator, request_drafts))
         row += rows
+    if undrafted:  # one batched draw and one host copy for them all, not a draw and a copy per request
+        requests, rows_of = [i for i, _ in undrafted], [r for _, r in undrafted]
+        drawn = sample(processed[rows_of], [settings[i] for i in requests], [generators[i] for i in requests])
+        for i, token in zip(requests, drawn, strict=True):
+            emitted[i] = [token] if isinstance(token, int) else VerifyError(str(token))
     return emitted
 
 

@@ -114,21 +114,46 @@ def draw(weights: torch.Tensor, generator: torch.Generator | None) -> tuple[torc
 def sample(
     logits: torch.Tensor, settings: list[SamplingSettings], generators: list[torch.Generator | None]
 ) -> list[int | SamplingError]:
-    """One token per row of logits [N, V]; greedy rows in one argmax, sampled rows each with its generator.
-    A row whose logits are not finite (or give no distribution) gets a SamplingError in its place, so only
-    its request fails; one host copy for the whole batch."""
+    """One token per row of logits [N, V]; greedy rows in one argmax, sampled rows drawn together (each row's
+    noise from its own generator). A row whose logits are not finite (or give no distribution) gets a
+    SamplingError in its place, so only its request fails; one host copy for the whole batch."""
     tokens = logits.argmax(dim=-1)
     valid = torch.isfinite(logits.gather(-1, tokens[:, None])[:, 0])  # argmax finds a NaN or +inf if any
-    for row, (setting, generator) in enumerate(zip(settings, generators, strict=True)):
-        if not setting.greedy:
-            tokens[row], drawn = draw(target_probs(logits[row], setting), generator)
-            valid[row] &= drawn
+    rows = [row for row, setting in enumerate(settings) if not setting.greedy]
+    if rows:
+        index = torch.tensor(rows, device=logits.device)
+        drawn, ok = draw_rows(sampled_probs(logits[index], [settings[r] for r in rows]), [generators[r] for r in rows])
+        tokens[index] = drawn
+        valid[index] &= ok
     count = tokens.shape[0]
     host = to_host(torch.cat([tokens, valid.long()]))
     return [
         token if ok else SamplingError(f"row {row}: the logits give no distribution (inf or NaN)")
         for row, (token, ok) in enumerate(zip(host[:count], host[count:], strict=True))
     ]
+
+
+def sampled_probs(logits: torch.Tensor, settings: list[SamplingSettings]) -> torch.Tensor:
+    """target_probs of each row [N, V] under its own settings: one pass when only temperatures differ."""
+    if any(s.min_p > 0.0 or s.top_k or s.top_p < 1.0 for s in settings):
+        return torch.stack([target_probs(row, s) for row, s in zip(logits, settings, strict=True)])
+    logits = logits.float()
+    scale = torch.tensor([s.temperature for s in settings], device=logits.device, dtype=torch.float32)[:, None]
+    return torch.softmax((logits - logits.amax(dim=-1, keepdim=True)) / scale, dim=-1)
+
+
+def draw_rows(probs: torch.Tensor, generators: list[torch.Generator | None]) -> tuple[torch.Tensor, torch.Tensor]:
+    """One token per row of probabilities [N, V] by an exponential race: the argmax of p / E with E ~ Exp(1)
+    is token i with probability p_i. Each row's noise comes from its own generator, so a seeded request does
+    not depend on its batch. Also whether each row was a distribution (finite, >= 0, sum > 0); rows that are
+    not draw from uniform weights, as `draw` does."""
+    noise = torch.stack(
+        [torch.empty(probs.shape[-1], device=probs.device).exponential_(generator=g) for g in generators]
+    )
+    total = probs.sum(dim=-1)
+    valid = torch.isfinite(probs).all(dim=-1) & (probs >= 0).all(dim=-1) & (total > 0) & torch.isfinite(total)
+    safe = torch.where(valid[:, None], probs, torch.ones_like(probs))
+    return (safe / noise).argmax(dim=-1), valid
 
 
 def to_host(tokens: torch.Tensor) -> list[int]:
