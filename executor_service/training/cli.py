@@ -93,8 +93,12 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--resume", action="store_true", help="continue from OUT/checkpoint.pt")
     run.add_argument("--stop-after-steps", type=int, help="stop after this many steps (resume later)")
     run.add_argument("--max-steps", type=int, help="train at most this many steps (the schedule fits them)")
-    run.add_argument("--train-minutes", type=float, help="fit the run to this time: steps set after 20 timed ones")
-    run.add_argument("--generation-minutes", type=float, help="stop starting new generation chunks after this")
+    run.add_argument("--train-minutes", type=float, help="fit the run to this time (steps 10-30 set the pace)")
+    run.add_argument(
+        "--generation-minutes",
+        type=float,
+        help="start no generation chunk after this (0: use only the responses already in --data)",
+    )
     run.add_argument("--no-progress", action="store_true")
     return parser
 
@@ -164,7 +168,7 @@ def run(args: argparse.Namespace, command: str) -> dict[str, Any]:
     source = target_source(args.target)
     loaded = load_target(source, torch.bfloat16 if device.type == "cuda" else torch.float32, device)
     temperatures = tuple(float(t) for t in args.temperatures.split(","))
-    deadline = time.time() + 60 * args.generation_minutes if args.generation_minutes else None
+    deadline = None if args.generation_minutes is None else time.time() + 60 * args.generation_minutes
     settings = datagen.GenerationSettings(
         args.max_new_tokens,
         temperatures,

@@ -10,6 +10,7 @@ little-endian uint16 when the vocabulary fits (int32 otherwise), a third of the 
 from __future__ import annotations
 
 import base64
+import dataclasses
 import gc
 import json
 import random
@@ -114,7 +115,7 @@ def generate(
     for index, sequence in enumerate(done[: len(prompts)]):
         if sequence.prompt != prompts[index].ids:
             raise ValueError(f"{path} holds responses to other prompts (row {index}); remove it or pick another --out")
-    if len(done) >= len(prompts):
+    if len(done) >= len(prompts) or past(settings.deadline):
         return done[: len(prompts)]
     total = sum(min(settings.max_new_tokens, loaded.config.max_position_embeddings - len(p.ids)) for p in prompts)
     bar = Progress(total, "generating", "tok", enabled=settings.progress)
@@ -160,7 +161,8 @@ def _session(
     selection = Selector().select(selection_request(request, loaded.config, probe(device), dtype))
     engine = EngineSettings(settings.max_num_batched_tokens, settings.max_num_seqs, cuda_graphs=True)
     source = TargetSource(loaded.config, None)
-    return build_session(source, request, selection.target, device, engine, on_step, start=False, preloaded=loaded)
+    ids_only = dataclasses.replace(loaded, tokenizer=None)  # no detokenizing of every generated token
+    return build_session(source, request, selection.target, device, engine, on_step, start=False, preloaded=ids_only)
 
 
 def _run(session: ModelSession, chunk: list[tuple[int, PromptIds]], settings: GenerationSettings) -> list[list[int]]:

@@ -78,7 +78,7 @@ def generate_rounds(
         asked = [(p, [*m, _user(p.followups[turn - 1])]) for p, m in talks]
         rendered_turns = [(p, m, renderer.messages(m)) for p, m in asked]
         rendered_turns = [t for t in rendered_turns if len(t[2]) <= plan.max_context_tokens]
-        if not rendered_turns or datagen.past(settings.deadline):
+        if not rendered_turns:
             break
         turn_ids = [datagen.PromptIds(p.kind, i) for p, _, i in rendered_turns]
         answered = datagen.generate(loaded, turn_ids, settings, device, round_path(data, f"turn{turn + 1}"))

@@ -26,7 +26,7 @@ from executor_service.training.losses import drafter_loss
 from executor_service.training.progress import Progress
 from executor_service.training.recipes import Recipe
 
-TIMING_STEPS = 20  # steps timed before a time budget fixes the run's length
+WARMUP_STEPS, TIMING_STEPS = 10, 20  # a time budget fixes the run's length from steps 10-30's pace
 EVAL_SEED_OFFSET = 7_777  # DFlash anchors of evaluations: a fixed draw, the same before and after training
 
 
@@ -109,10 +109,13 @@ class Trainer:
         steps and at the end."""
         last = self.total_steps if stop_after is None else min(self.total_steps, self.step + stop_after)
         bar = Progress(self.total_steps, f"training {self.drafter.config.method}", "step", self.step, self.progress)
-        started = time.perf_counter()
+        started = warm = time.perf_counter()
         while self.step < last:
-            if self.time_budget is not None and self.step == TIMING_STEPS:
-                last = min(last, self.fit_to_budget(self.seconds + time.perf_counter() - started))
+            if self.step == WARMUP_STEPS:
+                warm = time.perf_counter()
+            if self.time_budget is not None and self.step == WARMUP_STEPS + TIMING_STEPS:
+                elapsed = self.seconds + time.perf_counter() - started
+                last = min(last, self.fit_to_budget(elapsed, (time.perf_counter() - warm) / TIMING_STEPS))
             metrics = self.train_step()
             for name, value in metrics.items():
                 self.window[name].append(value)
@@ -129,11 +132,11 @@ class Trainer:
         final = {k: v for k, v in self.history[-1].items() if k != "step"} if self.history else {}
         return TrainOutcome(self.step, self.seconds, final, self.history)
 
-    def fit_to_budget(self, elapsed: float) -> int:
-        """After TIMING_STEPS steps: as many steps as the time budget holds at the speed so far (never more
-        than the recipe's), with the learning-rate schedule stretched over that many. Returns the new total."""
+    def fit_to_budget(self, elapsed: float, per_step: float) -> int:
+        """As many steps as the time budget holds at `per_step` seconds (timed after the warm-up steps, whose
+        compiling would make the run far too short), never more than the recipe's; the learning-rate schedule
+        stretches over them. Returns the new total."""
         assert self.time_budget is not None
-        per_step = elapsed / max(1, self.step)
         fits = self.step + int(max(0.0, self.time_budget - elapsed) / per_step)
         self.total_steps = max(self.step + 1, min(self.total_steps, fits))
         return self.total_steps

@@ -118,9 +118,9 @@ def test_a_time_budget_shortens_the_run_to_what_fits() -> None:
     from executor_service.training.trainer import Trainer
 
     trainer = Trainer.__new__(Trainer)  # only the step arithmetic: no model needed
-    trainer.step, trainer.total_steps, trainer.time_budget = 20, 1000, 60.0
-    assert trainer.fit_to_budget(elapsed=10.0) == 20 + 100  # 0.5 s a step, 50 s left
+    trainer.step, trainer.total_steps, trainer.time_budget = 30, 1000, 60.0
+    assert trainer.fit_to_budget(elapsed=10.0, per_step=0.5) == 30 + 100  # 50 s left at 0.5 s a step
     trainer.total_steps, trainer.time_budget = 50, 600.0
-    assert trainer.fit_to_budget(elapsed=10.0) == 50  # never more than the recipe's
+    assert trainer.fit_to_budget(elapsed=10.0, per_step=0.5) == 50  # never more than the recipe's
     trainer.total_steps, trainer.time_budget = 1000, 5.0
-    assert trainer.fit_to_budget(elapsed=10.0) == 21  # over budget already: one more step, then stop
+    assert trainer.fit_to_budget(elapsed=10.0, per_step=0.5) == 31  # over budget already: one more step, then stop
