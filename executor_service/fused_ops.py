@@ -41,7 +41,11 @@ def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
 
 def linear_residual(x: torch.Tensor, layer: nn.Linear, residual: torch.Tensor | None) -> torch.Tensor:
     """residual + layer(x) as one GEMM (beta = 1: cuBLAS adds the residual in its epilogue) instead of a GEMM
-    and an add kernel, twice per layer."""
+    and an add kernel, twice per layer. A tensor-parallel row-parallel layer adds the residual itself,
+    on one rank only, before its all-reduce (parallel/layers.py)."""
+    reduces = getattr(layer, "residual_forward", None)
+    if reduces is not None:
+        return reduces(x, residual)
     if residual is None:
         return layer(x)
     if layer.bias is not None:

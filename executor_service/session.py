@@ -41,6 +41,9 @@ from executor_service.loader import (
 )
 from executor_service.memory import MemoryEstimate, estimate_memory
 from executor_service.model_runner import ModelRunner
+from executor_service.parallel.driver import TensorParallelModel, allocate_on_all_ranks, load_on_all_ranks
+from executor_service.parallel.layers import rank_config
+from executor_service.parallel.state import get_tp_group, shard_violations, tensor_parallel_size
 from executor_service.prefix_cache import PrefixCache, PrefixCacheStats, tokens_after_block
 from executor_service.proposer import Proposer
 from executor_service.request import Request, RequestOutput, Sink
@@ -182,6 +185,8 @@ class ModelSession:
 
     def shutdown(self) -> None:
         self.engine.shutdown()
+        if isinstance(self.engine.runner.model, TensorParallelModel):  # the other ranks drop their shards
+            self.engine.runner.model.release()
 
 
 def requested_kv_blocks(request: executor_pb2.LoadModelRequest, device: torch.device) -> int | None:
@@ -231,6 +236,9 @@ def prepare_load(
     """Every check that allocates nothing, done before the loaded model is put at risk: the checkpoints'
     tensors (names and shapes, from their headers), the KV cache against the warm-up; then the estimate of
     the memory the build takes."""
+    violations = shard_violations(source.config, tensor_parallel_size(), "target")
+    if violations:
+        raise invalid_fields(violations)
     if source.path is not None and is_gguf(source.path):
         shapes = tensor_shapes(open_gguf(source.path, "target.path"))
         check_tensors(hf_layout(source.config), {hf_name(n): s for n, s in shapes.items()}, "target.path")
@@ -281,26 +289,32 @@ def build_session(
     num_blocks = requested_kv_blocks(request, device)
     if num_blocks is not None:  # before anything is allocated
         check_warm_up_fits(num_blocks, block_size, source.config, draft, request.num_kv_blocks > 0)
+    tp_group, heads = get_tp_group(), None
     if preloaded is not None:
         loaded = preloaded
-    elif source.path is None:
-        loaded = build_synthetic(source.config, source.seed, dtype, device)
-    elif is_gguf(source.path):
-        loaded = load_gguf(source.path, dtype, device, "target.path")
+    elif tp_group is not None:  # every rank loads it and keeps its shard; rank 0 keeps the drafter's heads
+        request_bytes = request.SerializeToString()
+        load = lambda: load_target(source, dtype, device)  # noqa: E731
+        loaded, heads = load_on_all_ranks(tp_group, request_bytes, decision.backend, load, draft is not None)
     else:
-        loaded = load_directory(source.path, dtype, device, "target.path")
+        loaded = load_target(source, dtype, device)
     config = loaded.config
     check_cancelled()
-    drafter = build_drafter(draft, loaded.model, dtype, device) if draft is not None else None
+    drafter = build_drafter(draft, heads or loaded.model, dtype, device) if draft is not None else None  # type: ignore[arg-type]
     draft_model = [draft.config.model] if draft is not None else []
     check_cancelled()
     if num_blocks is None:
         fraction = request.gpu_memory_utilization or DEFAULT_GPU_MEMORY_UTILIZATION
-        num_blocks = blocks_for_memory_fraction([config, *draft_model], block_size, dtype, device, fraction)
+        shapes = rank_config(config, tp_group.world_size) if tp_group is not None else config
+        num_blocks = blocks_for_memory_fraction([shapes, *draft_model], block_size, dtype, device, fraction)
         most = blocks_needed(settings.max_num_seqs * config.max_position_embeddings, block_size)
         num_blocks = min(num_blocks, most, MAX_NUM_KV_BLOCKS)
         check_warm_up_fits(num_blocks, block_size, config, draft, requested=False)
-    kv_cache = KVCache(config, num_blocks, block_size, dtype, device)
+    if isinstance(loaded.model, TensorParallelModel):  # each rank's cache holds its own KV heads
+        kv_cache = KVCache(rank_config(config, loaded.model.group.world_size), num_blocks, block_size, dtype, device)
+        allocate_on_all_ranks(loaded.model, num_blocks, block_size)
+    else:
+        kv_cache = KVCache(config, num_blocks, block_size, dtype, device)
     max_model_len = config.max_position_embeddings
     proposer = None
     if drafter is not None:
@@ -355,13 +369,22 @@ def build_session(
         loaded, decision, dtype, kv_cache, engine, limits, info, 0.0, draft_decision, proposer, memory
     )
     warm_up(session)
-    if settings.cuda_graphs and device.type == "cuda":
+    if settings.cuda_graphs and device.type == "cuda" and tp_group is None:  # no graphs with TP yet
         capture_graphs(session, settings, max_model_len)
     check_cancelled()
     if start:
         engine.start()
     session.load_seconds = time.perf_counter() - started
     return session
+
+
+def load_target(source: TargetSource, dtype: torch.dtype, device: torch.device) -> LoadedModel:
+    """The target's full weights on `device` (every tensor-parallel rank runs this, then keeps its shard)."""
+    if source.path is None:
+        return build_synthetic(source.config, source.seed, dtype, device)
+    if is_gguf(source.path):
+        return load_gguf(source.path, dtype, device, "target.path")
+    return load_directory(source.path, dtype, device, "target.path")
 
 
 def headroom_by_k(draft: DraftConfig) -> tuple[int, ...]:

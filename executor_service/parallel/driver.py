@@ -1,0 +1,122 @@
+"""Rank 0's side: load the target on every rank, and run each target call on all of them.
+
+The engine, the scheduler, sampling and the drafter stay on rank 0 and never see the other ranks: the
+runner's target is a `TensorParallelModel`, which sends each call (protocol.py) before running it on its
+own shard. One op is on the wire at a time (the group's lock), and a failed collective marks the group
+broken, so later calls fail at once with UNAVAILABLE instead of waiting on a dead rank.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import replace
+
+import torch
+from torch import nn
+
+from executor_service.attention_step import AttentionStep
+from executor_service.loader import LoadedModel
+from executor_service.model import DecoderModel
+from executor_service.parallel import protocol
+from executor_service.parallel.layers import shard_model
+from executor_service.parallel.protocol import ForwardCall, Op
+from executor_service.parallel.state import RankUnavailable, TensorParallelGroup
+
+log = logging.getLogger("specdec.executor")
+_model_ids = itertools.count(1)
+
+
+@contextmanager
+def on_all_ranks(group: TensorParallelGroup) -> Iterator[None]:
+    """One op: its messages and its collectives, with no other op in between."""
+    group.check_alive()
+    with group.lock:
+        group.check_alive()
+        try:
+            yield
+        except RankUnavailable:
+            raise
+        except (RuntimeError, OSError) as err:  # gloo / NCCL: a peer closed the connection or timed out
+            group.fail(f"a collective failed: {str(err)[:200]}")
+            raise RankUnavailable(f"tensor parallelism is broken: {group.failure}") from err
+
+
+class TensorParallelModel(nn.Module):
+    """Rank 0's target: the same calls as DecoderModel's, each run on every rank's shard."""
+
+    def __init__(self, model: DecoderModel, group: TensorParallelGroup, model_id: int) -> None:
+        super().__init__()
+        self.model, self.group, self.model_id = model, group, model_id
+        self.config = model.config
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
+        step: AttentionStep,
+        aux_layer_ids: tuple[int, ...] = (),
+    ) -> tuple[torch.Tensor, list[torch.Tensor]]:
+        with on_all_ranks(self.group):
+            protocol.send_forward(self.group, self.model_id, ForwardCall(input_ids, positions, step, aux_layer_ids))
+            return self.model(input_ids, positions, kv_caches, step, aux_layer_ids)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        with on_all_ranks(self.group):
+            protocol.send_logits(self.group, self.model_id, hidden)
+            return self.model.compute_logits(hidden)
+
+    def release(self) -> None:
+        """The other ranks drop this model's shard and KV cache (a broken group has nothing to drop)."""
+        if self.group.failure is None:
+            with on_all_ranks(self.group):
+                protocol.send_header(self.group, Op.UNLOAD, self.model_id)
+
+
+class FullHeads(nn.Module):
+    """The target's whole embedding and LM head, kept on rank 0 for its drafter (drafting.build_drafter)."""
+
+    def __init__(self, model: DecoderModel) -> None:
+        super().__init__()
+        self.embed_tokens, self.lm_head = model.embed_tokens, model.lm_head
+
+
+def load_on_all_ranks(
+    group: TensorParallelGroup,
+    request_bytes: bytes,
+    backend: str,
+    load: Callable[[], LoadedModel],
+    keep_heads: bool,
+) -> tuple[LoadedModel, FullHeads | None]:
+    """Every rank loads the target and keeps its shard; rank 0's LoadedModel holds a TensorParallelModel.
+    `keep_heads`: keep the whole embedding and LM head for a drafter. Raises if any rank fails."""
+    model_id = next(_model_ids)
+    with on_all_ranks(group):
+        protocol.send_load(group, model_id, {"request": request_bytes.hex(), "backend": backend})
+        try:
+            loaded = load()
+            heads = FullHeads(loaded.model) if keep_heads else None
+            shard_model(loaded.model, group.rank, group.world_size)
+        except BaseException:
+            protocol.all_loaded(group, ok=False)
+            raise
+        failed = protocol.all_loaded(group, ok=True)
+    model = TensorParallelModel(loaded.model, group, model_id)
+    if failed:
+        model.release()
+        raise RuntimeError(f"{failed} tensor-parallel ranks could not load the target (see their logs)")
+    return replace(loaded, model=model), heads  # type: ignore[arg-type]
+
+
+def allocate_on_all_ranks(model: TensorParallelModel, num_blocks: int, block_size: int) -> None:
+    """The other ranks allocate their KV caches: the same blocks, their own heads."""
+    group = model.group
+    with on_all_ranks(group):
+        protocol.send_header(group, Op.CACHE, model.model_id, num_blocks, block_size)
+        failed = protocol.all_loaded(group, ok=True)
+    if failed:
+        model.release()
+        raise RuntimeError(f"{failed} tensor-parallel ranks could not allocate the KV cache (see their logs)")

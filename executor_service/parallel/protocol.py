@@ -1,0 +1,133 @@
+"""What rank 0 sends the other ranks, so that they run the same target calls on their shards.
+
+Each message is a fixed header of host integers on the gloo control group (the op and the sizes), then,
+where the op has one, a payload on the default group (NCCL on CUDA: device tensors, no host copy):
+
+- LOAD (model id, byte count): a JSON body on the control group (the LoadModelRequest and the target's
+  backend); every rank then reports on the control group whether it built its shard.
+- CACHE (model id, blocks, block size): each rank allocates its KV cache (its own heads) and reports.
+- FORWARD (model id, tokens, requests, block-table width, max query / sequence length, causal, tree mask,
+  captured layers): one int64 tensor holding input ids, positions, slots, block table, query starts,
+  sequence lengths, the tree mask and the captured layer ids, in that order.
+- LOGITS (model id, rows): the hidden rows [rows, hidden] whose logits rank 0 wants.
+- UNLOAD (model id), STOP.
+
+Sampling, scheduling and drafting happen on rank 0 only, so sampling settings never travel.
+"""
+
+from __future__ import annotations
+
+import enum
+import json
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from executor_service.attention_step import AttentionStep
+from executor_service.parallel.state import TensorParallelGroup
+
+HEADER = 12
+MAX_LOAD_BYTES = 64 << 20
+
+
+class Op(enum.IntEnum):
+    STOP = 0
+    LOAD = 1
+    UNLOAD = 2
+    FORWARD = 3
+    LOGITS = 4
+    CACHE = 5
+
+
+def send_header(group: TensorParallelGroup, op: Op, *values: int) -> None:
+    header = torch.zeros(HEADER, dtype=torch.int64)
+    header[0] = int(op)
+    header[1 : 1 + len(values)] = torch.tensor(values, dtype=torch.int64)
+    dist.broadcast(header, src=0, group=group.control)
+
+
+def receive_header(group: TensorParallelGroup) -> tuple[Op, list[int]]:
+    header = torch.empty(HEADER, dtype=torch.int64)
+    dist.broadcast(header, src=0, group=group.control)
+    values = header.tolist()
+    return Op(values[0]), values[1:]
+
+
+def send_load(group: TensorParallelGroup, model_id: int, body: dict) -> None:
+    data = json.dumps(body).encode()
+    if len(data) > MAX_LOAD_BYTES:
+        raise ValueError(f"a load message of {len(data)} bytes is over {MAX_LOAD_BYTES}")
+    send_header(group, Op.LOAD, model_id, len(data))
+    dist.broadcast(torch.frombuffer(bytearray(data), dtype=torch.uint8), src=0, group=group.control)
+
+
+def receive_load(group: TensorParallelGroup, num_bytes: int) -> dict:
+    if not 0 < num_bytes <= MAX_LOAD_BYTES:
+        raise ValueError(f"a load message of {num_bytes} bytes")
+    data = torch.empty(num_bytes, dtype=torch.uint8)
+    dist.broadcast(data, src=0, group=group.control)
+    return json.loads(bytes(data.tolist()))
+
+
+def all_loaded(group: TensorParallelGroup, ok: bool) -> int:
+    """Every rank says whether its shard is built; the number of ranks that failed."""
+    failed = torch.tensor([0 if ok else 1], dtype=torch.int64)
+    dist.all_reduce(failed, group=group.control)
+    return int(failed.item())
+
+
+@dataclass
+class ForwardCall:
+    input_ids: torch.Tensor
+    positions: torch.Tensor
+    step: AttentionStep
+    aux_layer_ids: tuple[int, ...]
+
+
+def send_forward(group: TensorParallelGroup, model_id: int, call: ForwardCall) -> None:
+    step = call.step
+    tokens, (batch, width) = call.input_ids.shape[0], step.block_table.shape
+    tree = step.tree_mask is not None
+    send_header(
+        group, Op.FORWARD, model_id, tokens, batch, width, step.max_query_len, step.max_seq_len, int(step.causal),
+        int(tree), len(call.aux_layer_ids),
+    )  # fmt: skip
+    device = call.input_ids.device
+    parts = [call.input_ids, call.positions, step.slot_mapping, step.block_table.flatten(), step.query_start_loc]
+    parts += [step.seq_lens] + ([step.tree_mask] if tree else [])
+    parts.append(torch.tensor(call.aux_layer_ids, dtype=torch.int64).to(device))
+    payload = torch.cat([p.to(torch.int64) for p in parts])
+    dist.broadcast(payload, src=0)
+
+
+def receive_forward(values: list[int], backend: str, device: torch.device) -> ForwardCall:
+    tokens, batch, width, max_query_len, max_seq_len, causal, tree, num_aux = values[1:9]
+    sizes = [tokens, tokens, tokens, batch * width, batch + 1, batch] + ([tokens] if tree else []) + [num_aux]
+    payload = torch.empty(sum(sizes), dtype=torch.int64, device=device)
+    dist.broadcast(payload, src=0)
+    parts = list(payload.split(sizes))
+    input_ids, positions, slots, table, starts, seq_lens = parts[:6]
+    step = AttentionStep(
+        backend=backend,
+        block_table=table.view(batch, width).to(torch.int32),
+        query_start_loc=starts.to(torch.int32),
+        seq_lens=seq_lens.to(torch.int32),
+        slot_mapping=slots,
+        max_query_len=max_query_len,
+        max_seq_len=max_seq_len,
+        causal=bool(causal),
+        tree_mask=parts[6] if tree else None,
+    )
+    return ForwardCall(input_ids, positions, step, tuple(parts[-1].tolist()))
+
+
+def send_logits(group: TensorParallelGroup, model_id: int, hidden: torch.Tensor) -> None:
+    send_header(group, Op.LOGITS, model_id, hidden.shape[0])
+    dist.broadcast(hidden.contiguous(), src=0)
+
+
+def receive_logits(values: list[int], hidden_size: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    hidden = torch.empty(values[1], hidden_size, dtype=dtype, device=device)
+    dist.broadcast(hidden, src=0)
+    return hidden

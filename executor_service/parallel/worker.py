@@ -1,0 +1,100 @@
+"""Ranks 1..N-1: follow rank 0's ops (protocol.py) on this rank's shard until STOP or rank 0 is gone.
+
+A follower has no server, scheduler, sampler or drafter: it loads the target as rank 0 does, keeps its
+shard, and runs each forward and logits call rank 0 sends, taking part in the collectives. Anything that
+goes wrong here would leave it out of step with rank 0, so it exits non-zero and rank 0's watchdog
+(launcher.py) marks the group broken.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from executor_service.kv_cache import KVCache
+from executor_service.model import DecoderModel
+from executor_service.parallel import protocol
+from executor_service.parallel.layers import rank_config, shard_model
+from executor_service.parallel.protocol import Op
+from executor_service.parallel.state import TensorParallelGroup, init_tensor_parallel
+from specdec.v1 import executor_pb2
+
+log = logging.getLogger("specdec.executor.follower")
+
+
+@dataclass
+class Shard:
+    model: DecoderModel
+    backend: str
+    dtype: torch.dtype
+    kv_cache: KVCache | None = None
+
+
+def load_shard(group: TensorParallelGroup, body: dict, model_root: Path | None) -> Shard:
+    from executor_service.session import load_target, resolve_dtype, resolve_target
+
+    request = executor_pb2.LoadModelRequest.FromString(bytes.fromhex(body["request"]))
+    source = resolve_target(request.target, model_root, "target")
+    dtype = resolve_dtype(request.dtype, group.device)
+    loaded = load_target(source, dtype, group.device)
+    return Shard(shard_model(loaded.model, group.rank, group.world_size), body["backend"], dtype)
+
+
+@torch.inference_mode()
+def follow(group: TensorParallelGroup, model_root: Path | None) -> None:
+    shards: dict[int, Shard] = {}
+    while True:
+        op, values = protocol.receive_header(group)
+        if op == Op.STOP:
+            return
+        model_id = values[0]
+        if op == Op.LOAD:
+            body = protocol.receive_load(group, values[1])
+            try:
+                shards[model_id] = load_shard(group, body, model_root)
+            except Exception:
+                log.exception("rank %d could not load the target", group.rank)
+            protocol.all_loaded(group, model_id in shards)
+        elif op == Op.CACHE:
+            shard = shards[model_id]
+            config = rank_config(shard.model.config, group.world_size)
+            shard.kv_cache = KVCache(config, values[1], values[2], shard.dtype, group.device)
+            protocol.all_loaded(group, ok=True)
+        elif op == Op.UNLOAD:
+            shards.pop(model_id, None)
+        elif op == Op.FORWARD:
+            shard = shards[model_id]
+            assert shard.kv_cache is not None, "a forward call before the KV cache"
+            call = protocol.receive_forward(values, shard.backend, group.device)
+            shard.model(call.input_ids, call.positions, shard.kv_cache.layers, call.step, call.aux_layer_ids)
+        elif op == Op.LOGITS:
+            shard = shards[model_id]
+            hidden = protocol.receive_logits(values, shard.model.config.hidden_size, shard.dtype, group.device)
+            shard.model.compute_logits(hidden)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="specdec-executor-follower", description=__doc__)
+    parser.add_argument("--rank", type=int, required=True)
+    parser.add_argument("--world-size", type=int, required=True)
+    parser.add_argument("--init-method", required=True, help="tcp://host:port of rank 0's store")
+    parser.add_argument("--device", required=True)
+    parser.add_argument("--model-root")
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format=f"%(asctime)s rank {args.rank} %(levelname)s %(message)s")
+    group = init_tensor_parallel(args.rank, args.world_size, args.init_method, torch.device(args.device))
+    try:
+        follow(group, Path(args.model_root) if args.model_root else None)
+    except Exception as err:  # rank 0 gone (a closed connection) or out of step: nothing left to follow
+        log.error("rank %d stops following: %s", args.rank, str(err)[:300])
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

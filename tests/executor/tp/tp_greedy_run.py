@@ -1,0 +1,98 @@
+"""Greedy outputs of a tiny synthetic target, alone or with each synthetic drafter, on this process or at
+tensor-parallel size N (`python tests/executor/tp/tp_greedy_run.py --tp N`: rank 0 here, N - 1 follower
+processes, gloo on the CPU). Prints {method: {request id: tokens}} as JSON."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/executor: engine_driving
+
+from engine_driving import Outputs, run_bounded  # noqa: E402
+
+from executor_service.drafting import resolve_draft  # noqa: E402
+from executor_service.sampling import SamplingSettings  # noqa: E402
+from executor_service.session import EngineSettings, build_session, resolve_target  # noqa: E402
+from specdec.v1 import common_pb2, executor_pb2  # noqa: E402
+
+# 8 query / 4 KV heads split 2 and 4 ways; a vocabulary of 510 leaves the last rank's slice padded at 4.
+SIZES = {
+    "vocab_size": 510,
+    "hidden_size": 64,
+    "intermediate_size": 128,
+    "num_layers": 2,
+    "num_heads": 8,
+    "num_kv_heads": 4,
+    "head_size": 16,
+}
+METHODS = {"none": None, "eagle3": common_pb2.SPEC_METHOD_EAGLE3, "dflash": common_pb2.SPEC_METHOD_DFLASH}
+PROMPTS = [[(7 * i + 3 * n) % SIZES["vocab_size"] for i in range(n)] for n in (5, 23, 40)]
+MAX_TOKENS = 12
+K = 3
+
+
+def load_request(method: str) -> executor_pb2.LoadModelRequest:
+    request = executor_pb2.LoadModelRequest(
+        target=executor_pb2.ModelSource(synthetic=executor_pb2.SyntheticModel(architecture="llama", seed=3, **SIZES)),
+        dtype=common_pb2.DTYPE_FLOAT32,
+        block_size=16,
+        num_kv_blocks=48,
+    )
+    if METHODS[method] is None:
+        return request
+    dflash = method == "dflash"
+    spec = executor_pb2.SyntheticModel(
+        architecture="llama", seed=5, **{**SIZES, "vocab_size": 0, "num_layers": 2 if dflash else 1}
+    )
+    if method == "eagle3":
+        spec.draft_vocab_size = SIZES["vocab_size"] // 2
+    request.draft.method = METHODS[method]
+    request.draft.num_speculative_tokens = K
+    request.draft.source.synthetic.CopyFrom(spec)
+    if dflash:
+        request.draft.dflash_config.mask_token_id = SIZES["vocab_size"] - 1
+        request.draft.dflash_config.block_size = K + 1
+    return request
+
+
+def greedy_outputs(method: str) -> dict[str, list[int]]:
+    """Each prompt's greedy tokens, all prompts in one engine (batched, prefill chunked at 32 tokens)."""
+    request = load_request(method)
+    source = resolve_target(request.target, None, "target")
+    draft = resolve_draft(request.draft, source.config, None) if request.HasField("draft") else None
+    decision = common_pb2.BackendDecision(backend="CPU_ATTN")
+    session = build_session(
+        source, request, decision, torch.device("cpu"), EngineSettings(32, 8), start=False, draft=draft,
+        draft_decision=decision if draft is not None else None,
+    )  # fmt: skip
+    outputs = Outputs()
+    try:
+        for index, prompt in enumerate(PROMPTS):
+            session.engine.add(session.new_request(f"r{index}", prompt, SamplingSettings(), MAX_TOKENS, outputs))
+        run_bounded(session.engine)
+    finally:
+        session.shutdown()
+    return {f"r{i}": outputs.tokens(f"r{i}") for i in range(len(PROMPTS))}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--tp", type=int, required=True)
+    parser.add_argument("--methods", default=",".join(METHODS))
+    args = parser.parse_args()
+    from executor_service.parallel.launcher import Followers
+
+    followers = Followers(args.tp, torch.device("cpu"), None)
+    try:
+        print(json.dumps({method: greedy_outputs(method) for method in args.methods.split(",")}))
+    finally:
+        followers.stop()
+
+
+if __name__ == "__main__":
+    main()
