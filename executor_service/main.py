@@ -14,12 +14,14 @@ import os
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 
 from executor_service import daemon_thread
 from executor_service.capabilities import default_device
 from executor_service.metrics import EngineMetrics
+from executor_service.parallel.state import check_tensor_parallel_size
 from executor_service.prompt_intake import MAX_REQUEST_BYTES
 from executor_service.selection import BackendChooser, SelectorClientSettings
 from executor_service.servicer import SERVICE_NAME, ExecutorServicer
@@ -40,6 +42,9 @@ from specdec_runtime.grpc_runtime import (
 )
 from specdec_runtime.logs import configure_logging
 
+if TYPE_CHECKING:
+    from executor_service.parallel.launcher import Followers
+
 DEFAULT_PORT = 50052
 log = logging.getLogger("specdec.executor")
 
@@ -52,6 +57,7 @@ class ExecutorOptions:
     selector_client: SelectorClientSettings = field(default_factory=SelectorClientSettings)
     engine: EngineSettings = field(default_factory=EngineSettings)
     max_live_requests: int = 4096
+    tensor_parallel_size: int = 1  # > 1: this process is rank 0 and starts the other ranks (parallel/)
 
 
 @dataclass
@@ -96,7 +102,30 @@ async def start_executor(settings: ServerSettings, options: ExecutorOptions) -> 
 
 
 async def serve(settings: ServerSettings, options: ExecutorOptions, load_file: str | None) -> int:
+    followers = None
+    if options.tensor_parallel_size > 1:
+        from executor_service.parallel.launcher import Followers
+
+        log.info("starting tensor-parallel ranks", extra={"tensor_parallel_size": options.tensor_parallel_size})
+        followers = await asyncio.to_thread(Followers, options.tensor_parallel_size, options.device, options.model_root)
+    try:
+        return await _serve(settings, options, load_file, followers)
+    finally:
+        if followers is not None:
+            await asyncio.to_thread(followers.stop)
+
+
+async def _serve(
+    settings: ServerSettings, options: ExecutorOptions, load_file: str | None, followers: Followers | None
+) -> int:
     executor = await start_executor(settings, options)
+    if followers is not None:  # a rank that dies: health NOT_SERVING (requests fail with UNAVAILABLE)
+        loop = asyncio.get_running_loop()
+
+        def not_serving(reason: str) -> None:
+            loop.call_soon_threadsafe(lambda: asyncio.ensure_future(executor.server.set_serving(False)))
+
+        followers.on_failure = not_serving
     signalled = asyncio.ensure_future(wait_for_termination_signal())  # SIGTERM during --load stops cleanly too
     status = await load_at_start(executor.servicer, load_file, signalled) if load_file else 0
     if status:
@@ -195,6 +224,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--max-live-requests", type=int, default=4096, help="running + queued; more: RESOURCE_EXHAUSTED"
     )
+    parser.add_argument(
+        "--tensor-parallel-size",
+        type=int,
+        default=1,
+        help="split the target over this many GPUs (cuda:0..N-1; processes on the CPU, gloo), one process per rank",
+    )
     args = parser.parse_args(argv)
     configure_logging(args.log_level, args.log_format)
     try:
@@ -211,7 +246,9 @@ def main(argv: list[str] | None = None) -> int:
                 prefix_caching=not args.no_prefix_caching,
             ),
             max_live_requests=int(args.max_live_requests),
+            tensor_parallel_size=int(args.tensor_parallel_size),
         )
+        check_tensor_parallel_size(options.tensor_parallel_size)
         status = asyncio.run(serve(ServerSettings.from_args(args), options, args.load))
     except (OSError, ValueError) as err:  # address in use, a TLS key that is not the certificate's, ...
         log.error("cannot serve: %s", err)

@@ -26,6 +26,7 @@ from executor_service.drafting import check_drafter_backend, resolve_draft
 from executor_service.generate_stream import GenerateStream
 from executor_service.mailbox import Mailbox
 from executor_service.metrics import EngineMetrics
+from executor_service.parallel.state import RankUnavailable, check_ranks_alive
 from executor_service.prefix_cache import PrefixCacheStats
 from executor_service.prompt_intake import check_prompt
 from executor_service.request import RequestOutput
@@ -123,6 +124,7 @@ class ExecutorServicer(executor_pb2_grpc.ExecutorServicer):
         check that allocates nothing has passed. At the swap, the old model's streams still running end with
         finish_reason "abort" (as they always have when a model is replaced)."""
         check_load_request(request)
+        check_ranks_alive()
         if self.draining:
             raise Unavailable("the executor is shutting down")
         if self._load_lock.locked():
@@ -240,6 +242,8 @@ class ExecutorServicer(executor_pb2_grpc.ExecutorServicer):
                 while not outputs.empty():  # coalesce what piled up while we were sending
                     chunk.append(outputs.get_nowait())
                 error = next((o.error for o in chunk if o.error is not None), None)
+                if isinstance(error, RankUnavailable):  # a tensor-parallel rank is gone: UNAVAILABLE, as health says
+                    await context.abort_with_status(error.to_status())
                 if error is not None:
                     await context.abort(grpc.StatusCode.INTERNAL, f"generation failed: {error}")
                 response = stream.response(chunk)
@@ -290,6 +294,7 @@ class ExecutorServicer(executor_pb2_grpc.ExecutorServicer):
                 raise Unavailable("the executor is shutting down")
             if session is None:
                 raise _not_loaded()
+            check_ranks_alive()
             checked = await check_prompt(request, session.limits, session.loaded.tokenizer)
             if self.session is session and not self.draining:
                 return session, checked

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import itertools
 import logging
+import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import replace
@@ -27,6 +28,7 @@ from executor_service.parallel.state import RankUnavailable, TensorParallelGroup
 
 log = logging.getLogger("specdec.executor")
 _model_ids = itertools.count(1)
+NAME_THE_RANK_S = 2.0
 
 
 @contextmanager
@@ -40,6 +42,9 @@ def on_all_ranks(group: TensorParallelGroup) -> Iterator[None]:
         except RankUnavailable:
             raise
         except (RuntimeError, OSError) as err:  # gloo / NCCL: a peer closed the connection or timed out
+            deadline = time.monotonic() + NAME_THE_RANK_S  # the watchdog names the rank that died, if one did
+            while group.failure is None and time.monotonic() < deadline:
+                time.sleep(0.05)
             group.fail(f"a collective failed: {str(err)[:200]}")
             raise RankUnavailable(f"tensor parallelism is broken: {group.failure}") from err
 

@@ -79,6 +79,12 @@ def tensor_parallel_size() -> int:
     return _group.world_size if _group is not None else 1
 
 
+def check_ranks_alive() -> None:
+    """RankUnavailable once a rank has failed (a no-op without tensor parallelism)."""
+    if _group is not None:
+        _group.check_alive()
+
+
 def destroy_tensor_parallel() -> None:
     global _group
     if _group is not None and dist.is_initialized():

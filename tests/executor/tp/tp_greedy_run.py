@@ -13,12 +13,12 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/executor: engine_driving
 
-from engine_driving import Outputs, run_bounded  # noqa: E402
+from engine_driving import Outputs, run_bounded
 
-from executor_service.drafting import resolve_draft  # noqa: E402
-from executor_service.sampling import SamplingSettings  # noqa: E402
-from executor_service.session import EngineSettings, build_session, resolve_target  # noqa: E402
-from specdec.v1 import common_pb2, executor_pb2  # noqa: E402
+from executor_service.drafting import resolve_draft
+from executor_service.sampling import SamplingSettings
+from executor_service.session import EngineSettings, build_session, resolve_target
+from specdec.v1 import common_pb2, executor_pb2
 
 # 8 query / 4 KV heads split 2 and 4 ways; a vocabulary of 510 leaves the last rank's slice padded at 4.
 SIZES = {
