@@ -1,5 +1,9 @@
 """Client-side helpers: channels (plain, TLS, mTLS, with or without a bearer token) and loading a request from a
-YAML/JSON file."""
+YAML/JSON file.
+
+Every blocking channel (the CLI's, the demo's) balances with gRPC's own round_robin over the addresses its target
+resolves to (`dns:///name:port` behind a Kubernetes headless service, `ipv4:host1:p1,host2:p2`), and retries a call
+that ends UNAVAILABLE before any response arrived (a replica down or shutting down) on the next one: SERVICE_CONFIG."""
 
 from __future__ import annotations
 
@@ -17,6 +21,38 @@ from google.protobuf.message import Message
 
 from specdec_runtime.auth import BearerTokenClientInterceptor, aio_bearer_interceptors
 
+# Calls that are safe to send again when they failed UNAVAILABLE before any response: the read-only ones, the
+# selector's pure function, and Generate. gRPC commits a call at its first response message (the executor sends
+# its headers with the first tokens), so a Generate is retried only while it has produced no tokens: a replica
+# killed mid-stream ends that stream UNAVAILABLE, never repeats tokens. LoadModel and Abort act on one replica and
+# are never retried here.
+RETRIED_METHODS = (
+    {"service": "specdec.v1.BackendSelector"},
+    *(
+        {"service": "specdec.v1.Executor", "method": method}
+        for method in ("Generate", "GetCapabilities", "GetModelInfo", "GetServerInfo", "GetLoads")
+    ),
+)
+RETRY_POLICY = {
+    "maxAttempts": 5,  # gRPC's ceiling; round_robin picks the next replica for each attempt
+    "initialBackoff": "0.1s",
+    "maxBackoff": "1s",
+    "backoffMultiplier": 2,
+    "retryableStatusCodes": ["UNAVAILABLE"],
+}
+SERVICE_CONFIG = json.dumps(
+    {
+        "loadBalancingConfig": [{"round_robin": {}}],
+        "methodConfig": [{"name": list(RETRIED_METHODS), "retryPolicy": RETRY_POLICY}],
+    }
+)
+# round_robin and the retries above, whatever service config a DNS TXT record might carry.
+BALANCING_OPTIONS: tuple[tuple[str, Any], ...] = (
+    ("grpc.service_config", SERVICE_CONFIG),
+    ("grpc.service_config_disable_resolution", 1),
+    ("grpc.enable_retries", 1),
+)
+
 
 def open_channel(
     address: str,
@@ -29,9 +65,12 @@ def open_channel(
     """A blocking channel; TLS when a CA is given, mTLS when a client certificate and key are too; every call
     carries `authorization: Bearer <auth_token>` when a token is given."""
     token = BearerTokenClientInterceptor(auth_token) if auth_token else None  # a bad token fails before connecting
-    credentials, options = channel_security(tls_ca, tls_cert, tls_key, server_name)
+    credentials, security = channel_security(tls_ca, tls_cert, tls_key, server_name)
+    options = [*BALANCING_OPTIONS, *security]
     channel = (
-        grpc.secure_channel(address, credentials, options=options) if credentials else grpc.insecure_channel(address)
+        grpc.secure_channel(address, credentials, options=options)
+        if credentials
+        else grpc.insecure_channel(address, options=options)
     )
     return grpc.intercept_channel(channel, token) if token else channel
 
