@@ -11,6 +11,7 @@ from importlib import metadata
 
 import torch
 
+from executor_service.parallel.state import tensor_parallel_size
 from kernels import unavailable_reason
 from kernels.attention import IMPLEMENTATIONS
 from kernels.capabilities import BACKENDS
@@ -39,6 +40,7 @@ def probe(device: torch.device | str | None = None) -> common_pb2.HardwareCapabi
         report.total_memory_bytes = _cpu_memory_bytes()
     for name, version in runnable_libraries(device).items():
         report.libraries.add(name=name, version=version)
+    report.tensor_parallel_size = tensor_parallel_size()  # 1 unless started with --tensor-parallel-size
     return report
 
 

@@ -133,10 +133,23 @@ def selection_request(
             dtype=DTYPE_ENUMS[dtype],
             kv_cache_dtype="auto",
             block_size=block_size,
+            **tensor_parallel_shapes(config),
         ),
         attention=request.attention,
         speculative=speculative,
     )
+
+
+def tensor_parallel_shapes(config: ModelConfig) -> dict[str, int]:
+    """The target's LayerSpec fields for tensor parallelism: the ranks and the heads each rank's kernel runs
+    (none at size 1; sizes that do not divide are left for the selector to refuse with its reason)."""
+    size = tensor_parallel_size()
+    if size == 1:
+        return {}
+    shapes = {"tensor_parallel_size": size}
+    if config.num_heads % size == 0 and config.num_kv_heads % size == 0:
+        shapes.update(num_heads_per_rank=config.num_heads // size, num_kv_heads_per_rank=config.num_kv_heads // size)
+    return shapes
 
 
 @dataclass

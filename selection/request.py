@@ -99,6 +99,15 @@ def _parse_hardware(request: selector_pb2.SelectBackendsRequest, violations: lis
         violations.append(FieldViolation("hardware.gcn_arch", "required on ROCm (e.g. gfx942)"))
     if hw.device_count < 0:
         violations.append(FieldViolation("hardware.device_count", "must not be negative"))
+    if hw.tensor_parallel_size < 0:
+        violations.append(FieldViolation("hardware.tensor_parallel_size", "must not be negative (0 or 1: one device)"))
+    elif platform in (Platform.CUDA, Platform.ROCM) and 0 < hw.device_count < hw.tensor_parallel_size:
+        violations.append(
+            FieldViolation(
+                "hardware.tensor_parallel_size",
+                f"{hw.tensor_parallel_size} ranks need as many devices; the machine reports {hw.device_count}",
+            )
+        )
     for i, lib in enumerate(hw.libraries):
         if not lib.name.strip():
             violations.append(FieldViolation(f"hardware.libraries[{i}].name", "must not be empty"))
@@ -125,6 +134,7 @@ def _parse_layers(
                 f"{prefix}.num_kv_heads", f"must divide num_heads ({spec.num_heads}) for grouped-query attention"
             )
         )
+    _check_tensor_parallel(spec, prefix, violations)
     dtype = DTYPES.get(spec.dtype)
     if spec.dtype == common_pb2.DTYPE_UNSPECIFIED:
         violations.append(FieldViolation(f"{prefix}.dtype", "required: DTYPE_FLOAT16, DTYPE_BFLOAT16 or DTYPE_FLOAT32"))
@@ -153,6 +163,31 @@ def _parse_layers(
         has_sliding_window=spec.sliding_window > 0,
         use_non_causal=use_non_causal,
     )
+
+
+def _check_tensor_parallel(spec: common_pb2.LayerSpec, prefix: str, violations: list[FieldViolation]) -> None:
+    """Each rank's kernel runs its share of the heads: whole heads, and per-rank counts (where given) that
+    are the model's divided by the ranks."""
+    size = spec.tensor_parallel_size
+    if size < 0:
+        violations.append(FieldViolation(f"{prefix}.tensor_parallel_size", "must not be negative (0 or 1: not split)"))
+    for name in ("num_heads", "num_kv_heads"):
+        count, per_rank = getattr(spec, name), getattr(spec, f"{name}_per_rank")
+        if size <= 1 and per_rank:
+            violations.append(FieldViolation(f"{prefix}.{name}_per_rank", "set only with tensor_parallel_size > 1"))
+        elif size > 1 and count > 0 and count % size:
+            violations.append(
+                FieldViolation(
+                    f"{prefix}.tensor_parallel_size",
+                    f"{size} does not divide {name} ({count}): each rank needs whole heads",
+                )
+            )
+        elif size > 1 and per_rank and per_rank * size != count:
+            violations.append(
+                FieldViolation(
+                    f"{prefix}.{name}_per_rank", f"{per_rank} x tensor_parallel_size {size} is not {name} ({count})"
+                )
+            )
 
 
 def _parse_backend_name(name: str, field: str, violations: list[FieldViolation]) -> str | None:

@@ -60,6 +60,15 @@ def _dflash_layers(*ids: int) -> Mutation:
     return mutate
 
 
+def _tp_layers(size: int, heads_per_rank: int, kv_heads_per_rank: int) -> Mutation:
+    def mutate(req: selector_pb2.SelectBackendsRequest) -> None:
+        req.target_layers.tensor_parallel_size = size
+        req.target_layers.num_heads_per_rank = heads_per_rank
+        req.target_layers.num_kv_heads_per_rank = kv_heads_per_rank
+
+    return mutate
+
+
 CASES: list[tuple[str, Mutation, str]] = [
     ("missing hardware", _clear("hardware"), "hardware"),
     ("unspecified platform", _set("hardware.platform", 0), "hardware.platform"),
@@ -79,6 +88,11 @@ CASES: list[tuple[str, Mutation, str]] = [
     ("zero heads", _set("target_layers.num_heads", 0), "target_layers.num_heads"),
     ("zero kv heads", _set("target_layers.num_kv_heads", 0), "target_layers.num_kv_heads"),
     ("kv heads not dividing heads", _set("target_layers.num_kv_heads", 5), "target_layers.num_kv_heads"),
+    ("negative tensor parallel size", _set("hardware.tensor_parallel_size", -1), "hardware.tensor_parallel_size"),
+    ("more ranks than devices", _set("hardware.tensor_parallel_size", 2), "hardware.tensor_parallel_size"),
+    ("tp not dividing kv heads", _set("target_layers.tensor_parallel_size", 16), "target_layers.tensor_parallel_size"),
+    ("per-rank heads without tp", _set("target_layers.num_heads_per_rank", 16), "target_layers.num_heads_per_rank"),
+    ("per-rank kv heads wrong", _tp_layers(2, 16, 8), "target_layers.num_kv_heads_per_rank"),
     ("unspecified dtype", _set("target_layers.dtype", 0), "target_layers.dtype"),
     ("unknown dtype", _set("target_layers.dtype", 9), "target_layers.dtype"),
     ("unknown kv cache dtype", _set("target_layers.kv_cache_dtype", "int3"), "target_layers.kv_cache_dtype"),
@@ -160,3 +174,15 @@ def test_status_carries_bad_request_details() -> None:
     bad_request = error_details_pb2.BadRequest()
     assert status_pb2.Status.FromString(raw).details[0].Unpack(bad_request)
     assert bad_request.field_violations[0].field == "target_layers.head_size"
+
+
+def test_tensor_parallel_shapes_that_split_into_whole_heads_are_selected() -> None:
+    req = _base()
+    req.hardware.device_count = 8
+    req.hardware.tensor_parallel_size = 8
+    req.target_layers.tensor_parallel_size = 8  # 32 / 8 heads over 8 / 8 KV heads per rank
+    req.target_layers.num_heads_per_rank, req.target_layers.num_kv_heads_per_rank = 4, 1
+    assert select_backends(req).target.backend
+    req.target_layers.tensor_parallel_size = 16
+    with pytest.raises(InvalidArgument, match=r"16 does not divide num_kv_heads \(8\): each rank needs whole heads"):
+        select_backends(req)

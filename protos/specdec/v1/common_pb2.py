@@ -24,35 +24,35 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x17specdec/v1/common.proto\x12\nspecdec.v1\".\n\rKernelLibrary\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x0f\n\x07version\x18\x02 \x01(\t\"\x89\x02\n\x14HardwareCapabilities\x12&\n\x08platform\x18\x01 \x01(\x0e\x32\x14.specdec.v1.Platform\x12\x13\n\x0b\x64\x65vice_name\x18\x02 \x01(\t\x12 \n\x18\x63ompute_capability_major\x18\x03 \x01(\x05\x12 \n\x18\x63ompute_capability_minor\x18\x04 \x01(\x05\x12\x10\n\x08gcn_arch\x18\x05 \x01(\t\x12\x1a\n\x12total_memory_bytes\x18\x06 \x01(\x04\x12\x14\n\x0c\x64\x65vice_count\x18\x07 \x01(\x05\x12,\n\tlibraries\x18\x08 \x03(\x0b\x32\x19.specdec.v1.KernelLibrary\"\xd0\x01\n\tLayerSpec\x12\x11\n\thead_size\x18\x01 \x01(\x05\x12\x11\n\tnum_heads\x18\x02 \x01(\x05\x12\x14\n\x0cnum_kv_heads\x18\x03 \x01(\x05\x12 \n\x05\x64type\x18\x04 \x01(\x0e\x32\x11.specdec.v1.DType\x12\x16\n\x0ekv_cache_dtype\x18\x05 \x01(\t\x12\x12\n\nblock_size\x18\x06 \x01(\x05\x12\x0f\n\x07use_mla\x18\x07 \x01(\x08\x12\x16\n\x0esliding_window\x18\x08 \x01(\x05\x12\x10\n\x08has_sink\x18\t \x01(\x08\":\n\x0f\x41ttentionConfig\x12\x0f\n\x07\x62\x61\x63kend\x18\x01 \x01(\t\x12\x16\n\x0euse_non_causal\x18\x02 \x01(\x08\"z\n\x0c\x44\x46lashConfig\x12\x0e\n\x06\x63\x61usal\x18\x01 \x01(\x08\x12\x18\n\x10target_layer_ids\x18\x02 \x03(\x05\x12\x1a\n\rmask_token_id\x18\x03 \x01(\x05H\x00\x88\x01\x01\x12\x12\n\nblock_size\x18\x04 \x01(\x05\x42\x10\n\x0e_mask_token_id\"D\n\tDraftTree\x12\x11\n\tbranching\x18\x01 \x03(\x05\x12\r\n\x05top_k\x18\x02 \x01(\x05\x12\x15\n\rverify_budget\x18\x03 \x01(\x05\"\xf9\x01\n\x11SpeculativeConfig\x12&\n\x06method\x18\x01 \x01(\x0e\x32\x16.specdec.v1.SpecMethod\x12\x1e\n\x16num_speculative_tokens\x18\x02 \x01(\x05\x12\x19\n\x11\x61ttention_backend\x18\x03 \x01(\t\x12+\n\x0c\x64raft_layers\x18\x04 \x01(\x0b\x32\x15.specdec.v1.LayerSpec\x12/\n\rdflash_config\x18\x05 \x01(\x0b\x32\x18.specdec.v1.DFlashConfig\x12#\n\x04tree\x18\x06 \x01(\x0b\x32\x15.specdec.v1.DraftTree\"4\n\x10\x43\x61ndidateVerdict\x12\x0f\n\x07\x62\x61\x63kend\x18\x01 \x01(\t\x12\x0f\n\x07reasons\x18\x02 \x03(\t\"\x9a\x01\n\x0f\x42\x61\x63kendDecision\x12\x0f\n\x07\x62\x61\x63kend\x18\x01 \x01(\t\x12\x10\n\x08\x65xplicit\x18\x02 \x01(\x08\x12\x16\n\x0euse_non_causal\x18\x03 \x01(\x08\x12\x30\n\ncandidates\x18\x04 \x03(\x0b\x32\x1c.specdec.v1.CandidateVerdict\x12\x1a\n\x12use_tree_attention\x18\x05 \x01(\x08*\\\n\x08Platform\x12\x18\n\x14PLATFORM_UNSPECIFIED\x10\x00\x12\x11\n\rPLATFORM_CUDA\x10\x01\x12\x11\n\rPLATFORM_ROCM\x10\x02\x12\x10\n\x0cPLATFORM_CPU\x10\x03*X\n\x05\x44Type\x12\x15\n\x11\x44TYPE_UNSPECIFIED\x10\x00\x12\x11\n\rDTYPE_FLOAT16\x10\x01\x12\x12\n\x0e\x44TYPE_BFLOAT16\x10\x02\x12\x11\n\rDTYPE_FLOAT32\x10\x03*\x86\x01\n\nSpecMethod\x12\x1b\n\x17SPEC_METHOD_UNSPECIFIED\x10\x00\x12\x14\n\x10SPEC_METHOD_NONE\x10\x01\x12\x15\n\x11SPEC_METHOD_EAGLE\x10\x02\x12\x16\n\x12SPEC_METHOD_EAGLE3\x10\x03\x12\x16\n\x12SPEC_METHOD_DFLASH\x10\x04\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x17specdec/v1/common.proto\x12\nspecdec.v1\".\n\rKernelLibrary\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x0f\n\x07version\x18\x02 \x01(\t\"\xa7\x02\n\x14HardwareCapabilities\x12&\n\x08platform\x18\x01 \x01(\x0e\x32\x14.specdec.v1.Platform\x12\x13\n\x0b\x64\x65vice_name\x18\x02 \x01(\t\x12 \n\x18\x63ompute_capability_major\x18\x03 \x01(\x05\x12 \n\x18\x63ompute_capability_minor\x18\x04 \x01(\x05\x12\x10\n\x08gcn_arch\x18\x05 \x01(\t\x12\x1a\n\x12total_memory_bytes\x18\x06 \x01(\x04\x12\x14\n\x0c\x64\x65vice_count\x18\x07 \x01(\x05\x12,\n\tlibraries\x18\x08 \x03(\x0b\x32\x19.specdec.v1.KernelLibrary\x12\x1c\n\x14tensor_parallel_size\x18\t \x01(\x05\"\xa9\x02\n\tLayerSpec\x12\x11\n\thead_size\x18\x01 \x01(\x05\x12\x11\n\tnum_heads\x18\x02 \x01(\x05\x12\x14\n\x0cnum_kv_heads\x18\x03 \x01(\x05\x12 \n\x05\x64type\x18\x04 \x01(\x0e\x32\x11.specdec.v1.DType\x12\x16\n\x0ekv_cache_dtype\x18\x05 \x01(\t\x12\x12\n\nblock_size\x18\x06 \x01(\x05\x12\x0f\n\x07use_mla\x18\x07 \x01(\x08\x12\x16\n\x0esliding_window\x18\x08 \x01(\x05\x12\x10\n\x08has_sink\x18\t \x01(\x08\x12\x1c\n\x14tensor_parallel_size\x18\n \x01(\x05\x12\x1a\n\x12num_heads_per_rank\x18\x0b \x01(\x05\x12\x1d\n\x15num_kv_heads_per_rank\x18\x0c \x01(\x05\":\n\x0f\x41ttentionConfig\x12\x0f\n\x07\x62\x61\x63kend\x18\x01 \x01(\t\x12\x16\n\x0euse_non_causal\x18\x02 \x01(\x08\"z\n\x0c\x44\x46lashConfig\x12\x0e\n\x06\x63\x61usal\x18\x01 \x01(\x08\x12\x18\n\x10target_layer_ids\x18\x02 \x03(\x05\x12\x1a\n\rmask_token_id\x18\x03 \x01(\x05H\x00\x88\x01\x01\x12\x12\n\nblock_size\x18\x04 \x01(\x05\x42\x10\n\x0e_mask_token_id\"D\n\tDraftTree\x12\x11\n\tbranching\x18\x01 \x03(\x05\x12\r\n\x05top_k\x18\x02 \x01(\x05\x12\x15\n\rverify_budget\x18\x03 \x01(\x05\"\xf9\x01\n\x11SpeculativeConfig\x12&\n\x06method\x18\x01 \x01(\x0e\x32\x16.specdec.v1.SpecMethod\x12\x1e\n\x16num_speculative_tokens\x18\x02 \x01(\x05\x12\x19\n\x11\x61ttention_backend\x18\x03 \x01(\t\x12+\n\x0c\x64raft_layers\x18\x04 \x01(\x0b\x32\x15.specdec.v1.LayerSpec\x12/\n\rdflash_config\x18\x05 \x01(\x0b\x32\x18.specdec.v1.DFlashConfig\x12#\n\x04tree\x18\x06 \x01(\x0b\x32\x15.specdec.v1.DraftTree\"4\n\x10\x43\x61ndidateVerdict\x12\x0f\n\x07\x62\x61\x63kend\x18\x01 \x01(\t\x12\x0f\n\x07reasons\x18\x02 \x03(\t\"\x9a\x01\n\x0f\x42\x61\x63kendDecision\x12\x0f\n\x07\x62\x61\x63kend\x18\x01 \x01(\t\x12\x10\n\x08\x65xplicit\x18\x02 \x01(\x08\x12\x16\n\x0euse_non_causal\x18\x03 \x01(\x08\x12\x30\n\ncandidates\x18\x04 \x03(\x0b\x32\x1c.specdec.v1.CandidateVerdict\x12\x1a\n\x12use_tree_attention\x18\x05 \x01(\x08*\\\n\x08Platform\x12\x18\n\x14PLATFORM_UNSPECIFIED\x10\x00\x12\x11\n\rPLATFORM_CUDA\x10\x01\x12\x11\n\rPLATFORM_ROCM\x10\x02\x12\x10\n\x0cPLATFORM_CPU\x10\x03*X\n\x05\x44Type\x12\x15\n\x11\x44TYPE_UNSPECIFIED\x10\x00\x12\x11\n\rDTYPE_FLOAT16\x10\x01\x12\x12\n\x0e\x44TYPE_BFLOAT16\x10\x02\x12\x11\n\rDTYPE_FLOAT32\x10\x03*\x86\x01\n\nSpecMethod\x12\x1b\n\x17SPEC_METHOD_UNSPECIFIED\x10\x00\x12\x14\n\x10SPEC_METHOD_NONE\x10\x01\x12\x15\n\x11SPEC_METHOD_EAGLE\x10\x02\x12\x16\n\x12SPEC_METHOD_EAGLE3\x10\x03\x12\x16\n\x12SPEC_METHOD_DFLASH\x10\x04\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'specdec.v1.common_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_PLATFORM']._serialized_start=1283
-  _globals['_PLATFORM']._serialized_end=1375
-  _globals['_DTYPE']._serialized_start=1377
-  _globals['_DTYPE']._serialized_end=1465
-  _globals['_SPECMETHOD']._serialized_start=1468
-  _globals['_SPECMETHOD']._serialized_end=1602
+  _globals['_PLATFORM']._serialized_start=1402
+  _globals['_PLATFORM']._serialized_end=1494
+  _globals['_DTYPE']._serialized_start=1496
+  _globals['_DTYPE']._serialized_end=1584
+  _globals['_SPECMETHOD']._serialized_start=1587
+  _globals['_SPECMETHOD']._serialized_end=1721
   _globals['_KERNELLIBRARY']._serialized_start=39
   _globals['_KERNELLIBRARY']._serialized_end=85
   _globals['_HARDWARECAPABILITIES']._serialized_start=88
-  _globals['_HARDWARECAPABILITIES']._serialized_end=353
-  _globals['_LAYERSPEC']._serialized_start=356
-  _globals['_LAYERSPEC']._serialized_end=564
-  _globals['_ATTENTIONCONFIG']._serialized_start=566
-  _globals['_ATTENTIONCONFIG']._serialized_end=624
-  _globals['_DFLASHCONFIG']._serialized_start=626
-  _globals['_DFLASHCONFIG']._serialized_end=748
-  _globals['_DRAFTTREE']._serialized_start=750
-  _globals['_DRAFTTREE']._serialized_end=818
-  _globals['_SPECULATIVECONFIG']._serialized_start=821
-  _globals['_SPECULATIVECONFIG']._serialized_end=1070
-  _globals['_CANDIDATEVERDICT']._serialized_start=1072
-  _globals['_CANDIDATEVERDICT']._serialized_end=1124
-  _globals['_BACKENDDECISION']._serialized_start=1127
-  _globals['_BACKENDDECISION']._serialized_end=1281
+  _globals['_HARDWARECAPABILITIES']._serialized_end=383
+  _globals['_LAYERSPEC']._serialized_start=386
+  _globals['_LAYERSPEC']._serialized_end=683
+  _globals['_ATTENTIONCONFIG']._serialized_start=685
+  _globals['_ATTENTIONCONFIG']._serialized_end=743
+  _globals['_DFLASHCONFIG']._serialized_start=745
+  _globals['_DFLASHCONFIG']._serialized_end=867
+  _globals['_DRAFTTREE']._serialized_start=869
+  _globals['_DRAFTTREE']._serialized_end=937
+  _globals['_SPECULATIVECONFIG']._serialized_start=940
+  _globals['_SPECULATIVECONFIG']._serialized_end=1189
+  _globals['_CANDIDATEVERDICT']._serialized_start=1191
+  _globals['_CANDIDATEVERDICT']._serialized_end=1243
+  _globals['_BACKENDDECISION']._serialized_start=1246
+  _globals['_BACKENDDECISION']._serialized_end=1400
 # @@protoc_insertion_point(module_scope)

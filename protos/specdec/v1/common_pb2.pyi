@@ -51,7 +51,7 @@ class KernelLibrary(_message.Message):
     def __init__(self, name: _Optional[str] = ..., version: _Optional[str] = ...) -> None: ...
 
 class HardwareCapabilities(_message.Message):
-    __slots__ = ("platform", "device_name", "compute_capability_major", "compute_capability_minor", "gcn_arch", "total_memory_bytes", "device_count", "libraries")
+    __slots__ = ("platform", "device_name", "compute_capability_major", "compute_capability_minor", "gcn_arch", "total_memory_bytes", "device_count", "libraries", "tensor_parallel_size")
     PLATFORM_FIELD_NUMBER: _ClassVar[int]
     DEVICE_NAME_FIELD_NUMBER: _ClassVar[int]
     COMPUTE_CAPABILITY_MAJOR_FIELD_NUMBER: _ClassVar[int]
@@ -60,6 +60,7 @@ class HardwareCapabilities(_message.Message):
     TOTAL_MEMORY_BYTES_FIELD_NUMBER: _ClassVar[int]
     DEVICE_COUNT_FIELD_NUMBER: _ClassVar[int]
     LIBRARIES_FIELD_NUMBER: _ClassVar[int]
+    TENSOR_PARALLEL_SIZE_FIELD_NUMBER: _ClassVar[int]
     platform: Platform
     device_name: str
     compute_capability_major: int
@@ -68,10 +69,11 @@ class HardwareCapabilities(_message.Message):
     total_memory_bytes: int
     device_count: int
     libraries: _containers.RepeatedCompositeFieldContainer[KernelLibrary]
-    def __init__(self, platform: _Optional[_Union[Platform, str]] = ..., device_name: _Optional[str] = ..., compute_capability_major: _Optional[int] = ..., compute_capability_minor: _Optional[int] = ..., gcn_arch: _Optional[str] = ..., total_memory_bytes: _Optional[int] = ..., device_count: _Optional[int] = ..., libraries: _Optional[_Iterable[_Union[KernelLibrary, _Mapping]]] = ...) -> None: ...
+    tensor_parallel_size: int
+    def __init__(self, platform: _Optional[_Union[Platform, str]] = ..., device_name: _Optional[str] = ..., compute_capability_major: _Optional[int] = ..., compute_capability_minor: _Optional[int] = ..., gcn_arch: _Optional[str] = ..., total_memory_bytes: _Optional[int] = ..., device_count: _Optional[int] = ..., libraries: _Optional[_Iterable[_Union[KernelLibrary, _Mapping]]] = ..., tensor_parallel_size: _Optional[int] = ...) -> None: ...
 
 class LayerSpec(_message.Message):
-    __slots__ = ("head_size", "num_heads", "num_kv_heads", "dtype", "kv_cache_dtype", "block_size", "use_mla", "sliding_window", "has_sink")
+    __slots__ = ("head_size", "num_heads", "num_kv_heads", "dtype", "kv_cache_dtype", "block_size", "use_mla", "sliding_window", "has_sink", "tensor_parallel_size", "num_heads_per_rank", "num_kv_heads_per_rank")
     HEAD_SIZE_FIELD_NUMBER: _ClassVar[int]
     NUM_HEADS_FIELD_NUMBER: _ClassVar[int]
     NUM_KV_HEADS_FIELD_NUMBER: _ClassVar[int]
@@ -81,6 +83,9 @@ class LayerSpec(_message.Message):
     USE_MLA_FIELD_NUMBER: _ClassVar[int]
     SLIDING_WINDOW_FIELD_NUMBER: _ClassVar[int]
     HAS_SINK_FIELD_NUMBER: _ClassVar[int]
+    TENSOR_PARALLEL_SIZE_FIELD_NUMBER: _ClassVar[int]
+    NUM_HEADS_PER_RANK_FIELD_NUMBER: _ClassVar[int]
+    NUM_KV_HEADS_PER_RANK_FIELD_NUMBER: _ClassVar[int]
     head_size: int
     num_heads: int
     num_kv_heads: int
@@ -90,7 +95,10 @@ class LayerSpec(_message.Message):
     use_mla: bool
     sliding_window: int
     has_sink: bool
-    def __init__(self, head_size: _Optional[int] = ..., num_heads: _Optional[int] = ..., num_kv_heads: _Optional[int] = ..., dtype: _Optional[_Union[DType, str]] = ..., kv_cache_dtype: _Optional[str] = ..., block_size: _Optional[int] = ..., use_mla: _Optional[bool] = ..., sliding_window: _Optional[int] = ..., has_sink: _Optional[bool] = ...) -> None: ...
+    tensor_parallel_size: int
+    num_heads_per_rank: int
+    num_kv_heads_per_rank: int
+    def __init__(self, head_size: _Optional[int] = ..., num_heads: _Optional[int] = ..., num_kv_heads: _Optional[int] = ..., dtype: _Optional[_Union[DType, str]] = ..., kv_cache_dtype: _Optional[str] = ..., block_size: _Optional[int] = ..., use_mla: _Optional[bool] = ..., sliding_window: _Optional[int] = ..., has_sink: _Optional[bool] = ..., tensor_parallel_size: _Optional[int] = ..., num_heads_per_rank: _Optional[int] = ..., num_kv_heads_per_rank: _Optional[int] = ...) -> None: ...
 
 class AttentionConfig(_message.Message):
     __slots__ = ("backend", "use_non_causal")

@@ -1,0 +1,66 @@
+"""At tensor-parallel size N the capability report and the selector's request carry N and the heads each
+rank's kernel runs; a target whose heads do not split is refused before anything is loaded."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import pytest
+import torch
+from tp_greedy_run import load_request
+
+from executor_service.capabilities import probe
+from executor_service.parallel import state
+from executor_service.session import EngineSettings, prepare_load, resolve_target, selection_request
+from selection.selector import select_backends
+from specdec_runtime.errors import InvalidArgument
+
+CPU = torch.device("cpu")
+
+
+@pytest.fixture
+def tensor_parallel(monkeypatch: pytest.MonkeyPatch) -> Callable[[int], None]:
+    """This process as rank 0 of a group of `size` (no collectives run in these tests)."""
+
+    def set_size(size: int) -> None:
+        monkeypatch.setattr(state, "_group", state.TensorParallelGroup(0, size, CPU))
+
+    return set_size
+
+
+def test_report_and_request_carry_the_ranks_and_per_rank_heads(tensor_parallel: Callable[[int], None]) -> None:
+    tensor_parallel(4)
+    hardware = probe(CPU)
+    assert hardware.tensor_parallel_size == 4
+    request = load_request("none")
+    source = resolve_target(request.target, None, "target")
+    selection = selection_request(request, source.config, hardware, torch.float32)
+    layers = selection.target_layers
+    assert (layers.num_heads, layers.num_kv_heads) == (8, 4)  # the model's
+    assert (layers.tensor_parallel_size, layers.num_heads_per_rank, layers.num_kv_heads_per_rank) == (4, 2, 1)
+    assert select_backends(selection).target.backend == "CPU_ATTN"
+
+
+def test_heads_that_do_not_split_are_refused_naming_the_flag(tensor_parallel: Callable[[int], None]) -> None:
+    tensor_parallel(8)
+    request = load_request("none")
+    source = resolve_target(request.target, None, "target")
+    with pytest.raises(InvalidArgument) as refused:
+        prepare_load(source, request, None, CPU, EngineSettings())
+    descriptions = [v.description for v in refused.value.field_violations]
+    assert [v.field for v in refused.value.field_violations] == ["target"]
+    assert descriptions == [
+        "the target's 4 KV heads do not divide by --tensor-parallel-size 8: each rank needs whole ones"
+    ]
+    selection = selection_request(request, source.config, probe(CPU), torch.float32)
+    assert not selection.target_layers.num_kv_heads_per_rank
+    with pytest.raises(InvalidArgument, match="8 does not divide num_kv_heads"):
+        select_backends(selection)
+
+
+def test_one_rank_sends_no_tensor_parallel_fields() -> None:
+    request = load_request("none")
+    source = resolve_target(request.target, None, "target")
+    selection = selection_request(request, source.config, probe(CPU), torch.float32)
+    assert selection.hardware.tensor_parallel_size == 1
+    assert selection.target_layers.tensor_parallel_size == 0
