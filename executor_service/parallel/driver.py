@@ -8,9 +8,11 @@ broken, so later calls fail at once with UNAVAILABLE instead of waiting on a dea
 
 from __future__ import annotations
 
+import gc
 import itertools
 import logging
 import time
+import weakref
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import replace
@@ -29,6 +31,9 @@ from executor_service.parallel.state import RankUnavailable, TensorParallelGroup
 log = logging.getLogger("specdec.executor")
 _model_ids = itertools.count(1)
 NAME_THE_RANK_S = 2.0
+# Rank 0's models that may still run: a LOAD tells the followers to drop every other shard (a build that
+# failed after its load, whose model was never served and so never released).
+_live_models: weakref.WeakValueDictionary[int, TensorParallelModel] = weakref.WeakValueDictionary()
 
 
 @contextmanager
@@ -99,8 +104,10 @@ def load_on_all_ranks(
     """Every rank loads the target and keeps its shard; rank 0's LoadedModel holds a TensorParallelModel.
     `keep_heads`: keep the whole embedding and LM head for a drafter. Raises if any rank fails."""
     model_id = next(_model_ids)
+    gc.collect()  # a failed build's model, still referenced from its traceback until now
+    body = {"request": request_bytes.hex(), "backend": backend, "keep": sorted(_live_models)}
     with on_all_ranks(group):
-        protocol.send_load(group, model_id, {"request": request_bytes.hex(), "backend": backend})
+        protocol.send_load(group, model_id, body)
         try:
             loaded = load()
             heads = FullHeads(loaded.model) if keep_heads else None
@@ -109,10 +116,9 @@ def load_on_all_ranks(
             protocol.all_loaded(group, ok=False)
             raise
         failed = protocol.all_loaded(group, ok=True)
-    model = TensorParallelModel(loaded.model, group, model_id)
-    if failed:
-        model.release()
+    if failed:  # the other ranks have dropped their shards
         raise RuntimeError(f"{failed} tensor-parallel ranks could not load the target (see their logs)")
+    model = _live_models[model_id] = TensorParallelModel(loaded.model, group, model_id)
     return replace(loaded, model=model), heads  # type: ignore[arg-type]
 
 
@@ -123,5 +129,4 @@ def allocate_on_all_ranks(model: TensorParallelModel, num_blocks: int, block_siz
         protocol.send_header(group, Op.CACHE, model.model_id, num_blocks, block_size)
         failed = protocol.all_loaded(group, ok=True)
     if failed:
-        model.release()
         raise RuntimeError(f"{failed} tensor-parallel ranks could not allocate the KV cache (see their logs)")

@@ -55,16 +55,23 @@ def follow(group: TensorParallelGroup, model_root: Path | None) -> None:
         model_id = values[0]
         if op == Op.LOAD:
             body = protocol.receive_load(group, values[1])
+            for dropped in set(shards) - set(body["keep"]):  # rank 0 no longer has them
+                del shards[dropped]
             try:
                 shards[model_id] = load_shard(group, body, model_root)
             except Exception:
                 log.exception("rank %d could not load the target", group.rank)
-            protocol.all_loaded(group, model_id in shards)
+            if protocol.all_loaded(group, model_id in shards):  # some rank failed: nobody keeps it
+                shards.pop(model_id, None)
         elif op == Op.CACHE:
             shard = shards[model_id]
-            config = rank_config(shard.model.config, group.world_size)
-            shard.kv_cache = KVCache(config, values[1], values[2], shard.dtype, group.device)
-            protocol.all_loaded(group, ok=True)
+            try:
+                config = rank_config(shard.model.config, group.world_size)
+                shard.kv_cache = KVCache(config, values[1], values[2], shard.dtype, group.device)
+            except (RuntimeError, MemoryError):  # torch.OutOfMemoryError is a RuntimeError
+                log.exception("rank %d could not allocate the KV cache", group.rank)
+            if protocol.all_loaded(group, shard.kv_cache is not None):
+                shards.pop(model_id, None)
         elif op == Op.UNLOAD:
             shards.pop(model_id, None)
         elif op == Op.FORWARD:

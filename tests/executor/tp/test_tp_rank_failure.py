@@ -1,5 +1,6 @@
-"""A tensor-parallel rank that dies (kill -9) while a stream runs: the stream fails with UNAVAILABLE, health
-goes NOT_SERVING, a new Generate is refused with UNAVAILABLE, and the server still stops cleanly."""
+"""A model replaced by LoadModel at tensor-parallel size 2 serves, and a rank that dies (kill -9) while a stream
+runs fails it with UNAVAILABLE: health goes NOT_SERVING, a new Generate is refused with UNAVAILABLE, and the
+server still stops cleanly."""
 
 from __future__ import annotations
 
@@ -46,6 +47,8 @@ def test_a_rank_that_dies_fails_requests_with_unavailable(tmp_path: Path, monkey
             followers = child_pids(server.process.pid)
             assert len(followers) == 1, followers
             stub = executor_pb2_grpc.ExecutorStub(channel)
+            request.num_kv_blocks = 256  # a second load beside the first: the followers build it, then drop the old
+            assert stub.LoadModel(request, timeout=END_AFTER_KILL_S).info.num_kv_blocks == 256
             stream = Stream(stub, "long")
             stream.start()
             assert stream.first.wait(END_AFTER_KILL_S) and stream.error is None, stream.error
