@@ -1,0 +1,53 @@
+#!/usr/bin/env bash
+# Train the SmolLM2 drafters on the GPU host and measure them beside the shipped ones, in the background: the
+# whole run (drafters/retrain.sh, then bench/acceptance_bench.py) outlasts one call of at most 10 minutes. It runs
+# from a copy of the project in /root/work: each call replaces the working tree it starts in, which would pull
+# the files from under a run started there.
+#   bash bench/drafters_gpu.sh start PROMPTS.jsonl.gz     after `bench/gpu_run.sh smol-install`: starts the run
+#   bash bench/drafters_gpu.sh follow SECONDS [NAME...]  waits up to SECONDS (less if the run ends), prints
+#       progress, and copies to $OUT the logs and results (logs.tgz) and the published drafters NAMEd
+#       (eagle3, dflash, eagle) as parts under 16 MB (drafters.tar.partNN).
+set -uo pipefail
+cd "$(dirname "$0")/.."
+work=/root/work
+run=${RUN_DIR:-/root/drafter-run}
+gguf=/root/models/smollm2/SmolLM2-135M-Instruct.Q4_1.gguf
+out=${OUT:-/tmp/out}
+export PYTHONPATH=$work:$work/protos:/tmp/site PYTHONUNBUFFERED=1
+
+bench() {
+  local drafters=(--drafter eagle3:shipped=drafters/smollm2-eagle3 --drafter dflash:shipped=drafters/smollm2-dflash
+                  --drafter "eagle3=$run/eagle3/drafter" --drafter "dflash=$run/dflash/drafter"
+                  --drafter "eagle=$run/eagle/drafter")
+  python3 bench/acceptance_bench.py --target "$gguf" "${drafters[@]}" --prompts drafters/prompts_heldout.jsonl \
+    --per-kind 10 --ks 7 --temperatures 0,0.7 --max-tokens 256 --speedup-ks 7 --speedup-prompts 5 --repeats 3 \
+    --speedup-batches 1,16 --speedup-devices cuda --out "$run/bench"
+}
+
+case ${1:?start|follow} in
+  start)
+    mkdir -p "$run/bench" && rm -f "$run/done"
+    gunzip -c "${2:?PROMPTS.jsonl.gz}" > "$run/prompts_train.jsonl"
+    rm -rf "$work" && mkdir -p "$work" && cp -r . "$work" && cd "$work"
+    setsid nohup bash -c "$(declare -f bench); run=$run gguf=$gguf
+      bash drafters/retrain.sh $gguf $run $run/prompts_train.jsonl > $run/pipeline.log 2>&1
+      bench > $run/bench.log 2>&1; touch $run/done" > /dev/null 2>&1 < /dev/null &
+    echo "started in $run"
+    ;;
+  follow)
+    deadline=$(( $(date +%s) + ${2:?SECONDS} ))
+    while [[ ! -e $run/done ]] && (( $(date +%s) < deadline )); do
+      sleep 30
+      echo "== $(date +%T)"; tail -n 2 "$run"/*.log 2>/dev/null | grep -v '^$' | cut -c1-220
+      wc -l "$run"/data*.jsonl 2>/dev/null | tail -n 5
+      nvidia-smi --query-gpu=utilization.gpu,memory.used --format=csv,noheader
+    done
+    shift 2
+    (cd "$run" && tar czf "$out/logs.tgz" --exclude='*.pt' --exclude='*.safetensors' --exclude='data*.jsonl' \
+      --exclude='prompts_train.jsonl' . 2>/dev/null)
+    if (( $# )); then
+      (cd "$run" && tar cf - $(for n in "$@"; do echo "$n/drafter"; done) | split -d -b 15M - "$out/drafters.tar.part")
+    fi
+    ls -la "$out"
+    ;;
+esac
