@@ -24,7 +24,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from executor_service.attention_step import AttentionStep
+from executor_service.attention_step import AttentionStep, to_device
 from executor_service.parallel.state import TensorParallelGroup
 
 HEADER = 12
@@ -96,7 +96,7 @@ def send_forward(group: TensorParallelGroup, model_id: int, call: ForwardCall) -
     device = call.input_ids.device
     parts = [call.input_ids, call.positions, step.slot_mapping, step.block_table.flatten(), step.query_start_loc]
     parts += [step.seq_lens] + ([step.tree_mask] if tree else [])
-    parts.append(torch.tensor(call.aux_layer_ids, dtype=torch.int64).to(device))
+    parts.append(to_device(list(call.aux_layer_ids), torch.int64, device))  # no wait for the step in flight
     payload = torch.cat([p.to(torch.int64) for p in parts])
     dist.broadcast(payload, src=0)
 

@@ -60,14 +60,16 @@ def load_request(method: str) -> executor_pb2.LoadModelRequest:
     return request
 
 
-def greedy_outputs(method: str) -> dict[str, list[int]]:
-    """Each prompt's greedy tokens, all prompts in one engine (batched, prefill chunked at 32 tokens)."""
+def greedy_outputs(method: str, device: str = "cpu", backend: str = "CPU_ATTN") -> dict[str, list[int]]:
+    """Each prompt's greedy tokens, all prompts in one engine (batched, prefill chunked at 32 tokens); fp32,
+    eager."""
     request = load_request(method)
     source = resolve_target(request.target, None, "target")
     draft = resolve_draft(request.draft, source.config, None) if request.HasField("draft") else None
-    decision = common_pb2.BackendDecision(backend="CPU_ATTN")
+    decision = common_pb2.BackendDecision(backend=backend)
     session = build_session(
-        source, request, decision, torch.device("cpu"), EngineSettings(32, 8), start=False, draft=draft,
+        source, request, decision, torch.device(device), EngineSettings(32, 8, cuda_graphs=False), start=False,
+        draft=draft,
         draft_decision=decision if draft is not None else None,
     )  # fmt: skip
     outputs = Outputs()
@@ -84,12 +86,15 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--tp", type=int, required=True)
     parser.add_argument("--methods", default=",".join(METHODS))
+    parser.add_argument("--device", default="cpu", help="cpu (gloo) or cuda (NCCL, rank r on cuda:r)")
+    parser.add_argument("--backend", default="CPU_ATTN")
     args = parser.parse_args()
     from executor_service.parallel.launcher import Followers
 
-    followers = Followers(args.tp, torch.device("cpu"), None)
+    followers = Followers(args.tp, torch.device(args.device), None)
     try:
-        print(json.dumps({method: greedy_outputs(method) for method in args.methods.split(",")}))
+        methods = args.methods.split(",")
+        print(json.dumps({method: greedy_outputs(method, args.device, args.backend) for method in methods}))
     finally:
         followers.stop()
 
