@@ -42,6 +42,7 @@ def on_all_ranks(group: TensorParallelGroup) -> Iterator[None]:
     group.check_alive()
     with group.lock:
         group.check_alive()
+        group.last_op = time.monotonic()
         try:
             yield
         except RankUnavailable:

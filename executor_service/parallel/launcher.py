@@ -16,13 +16,19 @@ import socket
 import subprocess
 import sys
 import threading
+import time
 from collections.abc import Callable
 from pathlib import Path
 
 import torch
 
 from executor_service.parallel import protocol
-from executor_service.parallel.state import TensorParallelGroup, destroy_tensor_parallel, init_tensor_parallel
+from executor_service.parallel.state import (
+    KEEPALIVE_S,
+    TensorParallelGroup,
+    destroy_tensor_parallel,
+    init_tensor_parallel,
+)
 
 log = logging.getLogger("specdec.executor")
 POLL_SECONDS = 0.2
@@ -76,6 +82,22 @@ class Followers:
                     self.group.fail(reason)
                 self.on_failure(reason)
                 return
+            self._keep_alive()
+
+    def _keep_alive(self) -> None:
+        """A no-op to the followers when no op has gone out for KEEPALIVE_S (their wait has a timeout)."""
+        group = self.group
+        if group is None or group.failure is not None or time.monotonic() - group.last_op < KEEPALIVE_S:
+            return
+        if not group.lock.acquire(blocking=False):  # an op is on the wire: that is alive enough
+            return
+        try:
+            protocol.send_header(group, protocol.Op.NOOP)
+            group.last_op = time.monotonic()
+        except RuntimeError as err:  # a follower is gone: the next poll sees its exit
+            log.warning("tensor-parallel keep-alive failed: %s", str(err)[:200])
+        finally:
+            group.lock.release()
 
     def stop(self) -> None:
         """STOP to a healthy group, then wait for the children (SIGKILL to any that do not exit)."""

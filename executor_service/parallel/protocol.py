@@ -10,7 +10,7 @@ where the op has one, a payload on the default group (NCCL on CUDA: device tenso
   captured layers): one int64 tensor holding input ids, positions, slots, block table, query starts,
   sequence lengths, the tree mask and the captured layer ids, in that order.
 - LOGITS (model id, rows): the hidden rows [rows, hidden] whose logits rank 0 wants.
-- UNLOAD (model id), STOP.
+- UNLOAD (model id), STOP, NOOP (an idle rank 0's keep-alive, so the followers' wait never times out).
 
 Sampling, scheduling and drafting happen on rank 0 only, so sampling settings never travel.
 """
@@ -38,6 +38,7 @@ class Op(enum.IntEnum):
     FORWARD = 3
     LOGITS = 4
     CACHE = 5
+    NOOP = 6  # keep-alive from an idle rank 0
 
 
 def send_header(group: TensorParallelGroup, op: Op, *values: int) -> None:

@@ -8,7 +8,9 @@ state is per process (`get_tp_group`), set once at start.
 
 from __future__ import annotations
 
+import os
 import threading
+import time
 from dataclasses import dataclass, field
 from datetime import timedelta
 
@@ -23,8 +25,9 @@ FLAG = "--tensor-parallel-size"
 MAX_TENSOR_PARALLEL_SIZE = 64
 # A step's collectives finish in seconds; a dead peer on NCCL is noticed at this timeout at the latest.
 STEP_TIMEOUT = timedelta(minutes=5)
-# Followers wait for rank 0's next step on the control group for as long as the server is idle.
-CONTROL_TIMEOUT = timedelta(days=20)
+# Followers wait for rank 0's next op on the control group; an idle rank 0 sends a no-op every KEEPALIVE_S.
+CONTROL_TIMEOUT = timedelta(days=1)
+KEEPALIVE_S = float(os.environ.get("SPECDEC_TP_KEEPALIVE_S", "600"))
 
 
 class RankUnavailable(SpecdecError):
@@ -41,6 +44,7 @@ class TensorParallelGroup:
     control: dist.ProcessGroup | None = None  # gloo: the control messages (protocol.py)
     lock: threading.Lock = field(default_factory=threading.Lock)  # rank 0: one op on the wire at a time
     failure: str | None = None  # why the group can no longer run steps
+    last_op: float = field(default_factory=time.monotonic)  # rank 0: when the last op began (keep-alive)
 
     @property
     def is_driver(self) -> bool:
@@ -64,6 +68,8 @@ def init_tensor_parallel(rank: int, world_size: int, init_method: str, device: t
     backend = "nccl" if device.type == "cuda" else "gloo"
     if device.type == "cuda":
         torch.cuda.set_device(device)
+    elif "OMP_NUM_THREADS" not in os.environ:  # N ranks on one CPU: share its cores instead of each taking all
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // world_size))
     dist.init_process_group(backend, init_method=init_method, rank=rank, world_size=world_size, timeout=STEP_TIMEOUT)
     control = dist.new_group(backend="gloo", timeout=CONTROL_TIMEOUT)
     _group = TensorParallelGroup(rank, world_size, device, control)

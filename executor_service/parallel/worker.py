@@ -52,6 +52,8 @@ def follow(group: TensorParallelGroup, model_root: Path | None) -> None:
         op, values = protocol.receive_header(group)
         if op == Op.STOP:
             return
+        if op == Op.NOOP:
+            continue
         model_id = values[0]
         if op == Op.LOAD:
             body = protocol.receive_load(group, values[1])
