@@ -3,13 +3,14 @@
 specdec select --config request.yaml [--selector HOST:PORT | --local] [--json]
 specdec backends [--platform cuda] [--selector HOST:PORT | --local] [--json]
 specdec demo [--prompt TEXT] [--method eagle3] [--selector HOST:PORT] [--executor HOST:PORT] [--json]
-specdec server-info | loads [--executor HOST:PORT] [--json]
+specdec server-info | loads [--executor HOST:PORT | dns:///NAME:PORT [--each]] [--json]
 specdec train-drafter --method {eagle,eagle3,dflash} --target PATH --out DIR ...   (needs the executor extra)
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 
 import grpc
@@ -77,8 +78,13 @@ def _call(args: argparse.Namespace, method: str, request: Message) -> Message:
         return getattr(stub, method)(request, timeout=args.timeout)
 
 
-def _print(args: argparse.Namespace, response: Message, text: str) -> None:
-    if args.json:
+def _print(args: argparse.Namespace, response: Message | dict[str, Message], text: str) -> None:
+    if args.json and isinstance(response, dict):  # --each: the responses by address
+        as_dicts = {
+            k: json_format.MessageToDict(v, always_print_fields_with_no_presence=True) for k, v in response.items()
+        }
+        print(json.dumps(as_dicts, indent=2))
+    elif args.json:
         print(json_format.MessageToJson(response, always_print_fields_with_no_presence=True))
     else:
         print(text)

@@ -1,5 +1,6 @@
 """`specdec server-info` and `specdec loads`: an executor's GetServerInfo and GetLoads, for an operator's terminal
-(versions, device, backends, limits, uptime; running and queued requests, KV-cache use, tokens/s)."""
+(versions, device, backends, limits, uptime; running and queued requests, KV-cache use, tokens/s). `--each` asks
+every replica behind a replicated address in turn."""
 
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ import argparse
 from google.protobuf.message import Message
 
 from specdec.v1 import common_pb2, executor_pb2, executor_pb2_grpc
-from specdec_runtime.client import add_channel_arguments, open_channel_from_args, server_address
+from specdec_runtime.client import add_channel_arguments, open_channel_from_args, resolved_addresses, server_address
 from specdec_runtime.grpc_runtime import HelpFormatter
 
 COMMANDS = {"server-info": "GetServerInfo", "loads": "GetLoads"}
@@ -24,14 +25,30 @@ def add_executor_commands(commands: argparse._SubParsersAction) -> None:
         parser.add_argument(
             "--executor", type=server_address, default="127.0.0.1:50052", help="address of a running specdec-executor"
         )
+        parser.add_argument(
+            "--each",
+            action="store_true",
+            help="ask every address --executor resolves to, one by one (the replicas behind dns:///name:port); "
+            "without it the call goes to one of them",
+        )
         parser.add_argument("--json", action="store_true", help="print the response as JSON")
         parser.add_argument("--timeout", type=float, default=10.0, help="RPC deadline in seconds")
         add_channel_arguments(parser, "the executor")
 
 
-def call_executor(args: argparse.Namespace) -> tuple[Message, str]:
-    """The response of the command's RPC and its text rendering."""
-    with open_channel_from_args(args.executor, args) as channel:
+def call_executor(args: argparse.Namespace) -> tuple[Message | dict[str, Message], str]:
+    """The response of the command's RPC and its text rendering; with --each, the responses by address."""
+    if not args.each:
+        return _call_one(args, args.executor)
+    responses, texts = {}, []
+    for address in resolved_addresses(args.executor):
+        responses[address], text = _call_one(args, address)
+        texts.append(f"== {address}\n{text}")
+    return responses, "\n\n".join(texts)
+
+
+def _call_one(args: argparse.Namespace, address: str) -> tuple[Message, str]:
+    with open_channel_from_args(address, args) as channel:
         stub = executor_pb2_grpc.ExecutorStub(channel)
         if args.command == "server-info":
             info = stub.GetServerInfo(executor_pb2.GetServerInfoRequest(), timeout=args.timeout)

@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import socket
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -35,8 +36,8 @@ RETRIED_METHODS = (
 )
 RETRY_POLICY = {
     "maxAttempts": 5,  # gRPC's ceiling; round_robin picks the next replica for each attempt
-    "initialBackoff": "0.1s",
-    "maxBackoff": "1s",
+    "initialBackoff": "0.02s",  # short: the next attempt goes to another replica, not back to a busy one
+    "maxBackoff": "0.2s",  # five attempts fail within about half a second when nothing answers at all
     "backoffMultiplier": 2,
     "retryableStatusCodes": ["UNAVAILABLE"],
 }
@@ -73,6 +74,30 @@ def open_channel(
         else grpc.insecure_channel(address, options=options)
     )
     return grpc.intercept_channel(channel, token) if token else channel
+
+
+def resolved_addresses(target: str) -> list[str]:
+    """The HOST:PORT addresses a gRPC target stands for now: every replica behind `dns:///name:port` (a headless
+    service, a scaled compose service) or `ipv4:a:p,b:p`; a unix: target as is. For asking each replica on its
+    own (`specdec loads --each`); calls themselves go through the balanced channel. No port: gRPC's 443."""
+    scheme, _, rest = target.partition(":")
+    if scheme in ("ipv4", "ipv6"):
+        return [address for address in rest.split(",") if address]
+    if scheme in ("unix", "unix-abstract", "vsock"):
+        return [target]
+    if scheme == "dns":  # dns:host:port, dns:///host:port or dns://authority/host:port
+        rest = rest.removeprefix("//")
+        name = rest.split("/", 1)[1] if "/" in rest else rest
+    else:
+        name = target
+    if name.startswith("["):  # [v6]:port
+        host, _, port = name[1:].partition("]")
+        port = port.removeprefix(":")
+    else:
+        host, _, port = name.rpartition(":") if name.count(":") == 1 else (name, "", "")
+    found = socket.getaddrinfo(host, int(port or 443), type=socket.SOCK_STREAM)
+    addresses = [f"[{ip}]:{number}" if ":" in ip else f"{ip}:{number}" for *_, (ip, number, *_) in found]
+    return list(dict.fromkeys(addresses))
 
 
 def server_address(text: str) -> str:

@@ -10,6 +10,7 @@ import shutil
 import signal
 import socket
 import subprocess
+import sys
 import time
 import urllib.request
 from collections.abc import Iterator
@@ -27,6 +28,7 @@ from compose_local import (
     process_env,
     variable_defaults,
 )
+from google.protobuf import json_format
 from prometheus_client.parser import text_string_to_metric_families
 
 from specdec.v1 import common_pb2, executor_pb2, executor_pb2_grpc, selector_pb2, selector_pb2_grpc
@@ -66,11 +68,12 @@ def test_docker_compose_reads_the_file_as_we_do(tmp_path: Path) -> None:
     assert result.returncode == 0, result.stderr
     theirs = yaml.safe_load(result.stdout)["services"]
     ours = load_compose({})["services"]
-    assert sorted(theirs) == sorted(ours) == ["executor-0", "executor-1", "executor-cpu", "selector"]
+    assert sorted(theirs) == sorted(ours) == ["client", "executor-0", "executor-1", "executor-cpu", "selector"]
     for name, service in ours.items():
-        for key in ("environment", "command", "profiles", "deploy", "depends_on", "read_only"):
+        for key in ("environment", "entrypoint", "command", "profiles", "deploy", "depends_on", "read_only"):
             assert theirs[name].get(key) == service.get(key), (name, key)
-        assert theirs[name]["healthcheck"]["test"] == service["healthcheck"]["test"], name
+        if name != "client":  # a one-off command, not a server
+            assert theirs[name]["healthcheck"]["test"] == service["healthcheck"]["test"], name
 
 
 def test_env_example_lists_every_variable_with_its_default() -> None:
@@ -104,7 +107,11 @@ def test_one_gpu_per_executor_and_a_cpu_profile() -> None:
         assert service["volumes"] == ["./models:/models:ro"], name
         assert service["command"] == ["--selector-address", "selector:50051", "--model-root", "/models"], name
     assert "profiles" not in services["selector"]
-    published = [port for service in services.values() for port in service["ports"]]
+    # --scale executor-cpu=N: a range of host ports, one per replica, never one fixed port that the second would want.
+    (cpu_port,) = cpu["ports"]
+    first, last = map(int, cpu_port.rsplit(":", 2)[1].split("-"))
+    assert last - first >= 2, cpu_port
+    published = [port for service in services.values() for port in service.get("ports", [])]
     assert len({port.rsplit(":", 2)[1] for port in published}) == len(published), f"a host port twice: {published}"
 
 
@@ -279,3 +286,64 @@ def test_selector_and_cpu_executor_serve_the_full_flow(tmp_path: Path, started: 
     for process in (executor, selector):  # compose stops dependents first
         assert process.stop() == 0, process.log()
         assert json.loads(process.log().splitlines()[-1])["msg"] == "stopped", process.log()
+
+
+def test_the_scaled_cpu_executor_serves_through_one_name(tmp_path: Path, started: list[Started]) -> None:
+    """`--scale executor-cpu=3` as local processes: three replicas of the service's command and environment, each
+    loading the model at start (SPECDEC_LOAD, healthy only once loaded); the compose network's name
+    dns:///executor-cpu:50052 becomes the gRPC target listing the three. Generate calls through one balanced
+    channel reach all three, and the client service's command (`specdec loads --each`) sees each replica's share."""
+    from specdec_runtime.client import open_channel
+
+    models = tmp_path / "models"
+    write_tiny_checkpoint(models / "tiny-llama")
+    (models / "load.json").write_text(json_format.MessageToJson(load_request(with_drafter=True)))
+    variables = {
+        "SPECDEC_MODEL_DIR": str(models),
+        "SPECDEC_LOAD": "/models/load.json",
+        "SPECDEC_EXECUTOR_HEALTHY_WITHOUT_MODEL": "0",
+    }
+    compose = load_compose(variables)
+    selector_port = local_service(compose, "selector", {}, {}).container_port
+    selector_local = free_port()
+    addresses = {f"selector:{selector_port}": f"127.0.0.1:{selector_local}"}
+    started.append(Started(local_service(compose, "selector", {"SPECDEC_PORT": str(selector_local)}, {}), tmp_path))
+    started[-1].wait_healthy()
+    replicas = []
+    for index in range(3):
+        directory = tmp_path / f"executor-cpu-{index}"
+        directory.mkdir()
+        overrides = {"SPECDEC_PORT": str(free_port()), "SPECDEC_METRICS_PORT": "-1"}
+        replicas.append(Started(local_service(compose, "executor-cpu", overrides, addresses), directory))
+    started.extend(replicas)
+    for replica in replicas:
+        replica.wait_healthy()  # the model is loaded and warm
+    target = "ipv4:" + ",".join(f"127.0.0.1:{replica.service.env['SPECDEC_PORT']}" for replica in replicas)
+
+    client = compose["services"]["client"]
+    assert client["depends_on"] == {"executor-cpu": {"condition": "service_healthy"}}
+    assert client["image"] == compose["services"]["executor-cpu"]["image"]  # the image that has the CLI and torch
+    command = [*client["entrypoint"], *client["command"]]
+    service_name = next(word for word in command if word.startswith("dns:///executor-cpu:"))
+    assert service_name == "dns:///executor-cpu:50052"
+    client_argv = [
+        str(Path(sys.executable).with_name(command[0])),
+        *(target if w == service_name else w for w in command[1:]),
+    ]
+
+    requests = 6
+    with open_channel(target) as channel:
+        grpc.channel_ready_future(channel).result(timeout=60)
+        stub = executor_pb2_grpc.ExecutorStub(channel)
+        outputs = [[t for r in generate(stub, f"scaled-{i}") for t in r.token_ids] for i in range(requests)]
+    assert all(output == outputs[0] and len(output) == MAX_TOKENS for output in outputs)  # same model everywhere
+
+    shown = subprocess.run([*client_argv, "--json"], capture_output=True, text=True, timeout=60, check=False)
+    assert shown.returncode == 0, shown.stderr
+    loads = json.loads(shown.stdout)
+    assert sorted(loads) == sorted(target.removeprefix("ipv4:").split(","))
+    served = [int(replica_loads["promptTokensTotal"]) // len(PROMPT) for replica_loads in loads.values()]
+    assert sum(served) == requests and all(count > 0 for count in served), served
+
+    for process in [*replicas, started[0]]:
+        assert process.stop() == 0, process.log()
