@@ -64,3 +64,12 @@ def test_one_rank_sends_no_tensor_parallel_fields() -> None:
     selection = selection_request(request, source.config, probe(CPU), torch.float32)
     assert selection.hardware.tensor_parallel_size == 1
     assert selection.target_layers.tensor_parallel_size == 0
+
+
+@pytest.mark.parametrize("size", ["0", "65"])
+def test_a_bad_flag_stops_the_executor_naming_it(size: str, capsys: pytest.CaptureFixture[str]) -> None:
+    from executor_service.main import main
+    from specdec_runtime.grpc_runtime import EXIT_BAD_SETUP
+
+    assert main(["--device", "cpu", "--port", "0", "--tensor-parallel-size", size]) == EXIT_BAD_SETUP
+    assert f"cannot serve: --tensor-parallel-size must be between 1 and 64, not {size}" in capsys.readouterr().err
