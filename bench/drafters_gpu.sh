@@ -6,7 +6,10 @@
 #   bash bench/drafters_gpu.sh start PROMPTS.jsonl.gz     after `bench/gpu_run.sh smol-install`: starts the run
 #   bash bench/drafters_gpu.sh follow SECONDS [NAME...]  waits up to SECONDS (less if the run ends), prints
 #       progress, and copies to $OUT the logs and results (logs.tgz) and the published drafters NAMEd
-#       (eagle3, dflash, eagle) as parts under 16 MB (drafters.tar.partNN).
+#       (eagle3, dflash, eagle) as parts under 16 MB (drafters.tar.partNN); the name `data` brings the generated
+#       responses (data.tgz.partNN), to carry to the next machine.
+# PHASES=generate or PHASES=train (retrain.sh) splits the work over two machines of 30 minutes each: the first
+# generates and brings `data` back, the second is started with DATA_PARTS=DIR (the carried parts) and trains.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 work=/root/work
@@ -28,10 +31,11 @@ case ${1:?start|follow} in
   start)
     mkdir -p "$run/bench" && rm -f "$run/done"
     gunzip -c "${2:?PROMPTS.jsonl.gz}" > "$run/prompts_train.jsonl"
+    if [[ -n ${DATA_PARTS:-} ]]; then cat "$DATA_PARTS"/data.tgz.part* | tar xzf - -C "$run"; fi
     rm -rf "$work" && mkdir -p "$work" && cp -r . "$work" && cd "$work"
     setsid nohup bash -c "$(declare -f bench); run=$run gguf=$gguf
-      bash drafters/retrain.sh $gguf $run $run/prompts_train.jsonl > $run/pipeline.log 2>&1
-      bench > $run/bench.log 2>&1; touch $run/done" > /dev/null 2>&1 < /dev/null &
+      PHASES=${PHASES:-generate,train} bash drafters/retrain.sh $gguf $run $run/prompts_train.jsonl > $run/pipeline.log 2>&1
+      [[ ${PHASES:-train} == *train* ]] && bench > $run/bench.log 2>&1; touch $run/done" > /dev/null 2>&1 < /dev/null &
     echo "started in $run"
     ;;
   follow)
@@ -45,9 +49,12 @@ case ${1:?start|follow} in
     shift 2
     (cd "$run" && tar czf "$out/logs.tgz" --exclude='*.pt' --exclude='*.safetensors' --exclude='data*.jsonl' \
       --exclude='prompts_train.jsonl' . 2>/dev/null)
-    if (( $# )); then
-      (cd "$run" && tar cf - $(for n in "$@"; do echo "$n/drafter"; done) | split -d -b 15M - "$out/drafters.tar.part")
-    fi
+    names=()
+    for n in "$@"; do
+      if [[ $n == data ]]; then (cd "$run" && tar czf - data*.jsonl | split -d -b 15M - "$out/data.tgz.part")
+      else names+=("$n/drafter"); fi
+    done
+    if (( ${#names[@]} )); then (cd "$run" && tar cf - "${names[@]}" | split -d -b 15M - "$out/drafters.tar.part"); fi
     ls -la "$out"
     ;;
 esac

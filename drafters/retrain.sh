@@ -8,10 +8,10 @@
 # drafters/README.md ("Retraining"). GEN_MINUTES bounds generation (default 20: it starts no new chunk after
 # that; on an H100 about 26,000 responses took 6.3 minutes). Training runs a fixed number of steps per drafter
 # (E3_STEPS, DFLASH_STEPS, EAGLE_STEPS), three at once at batch 16: five at once at batch 32 ran out of the
-# H100's 80 GB. EAGLE-3 takes about 0.31 s a step alone on an H100.
+# H100's 80 GB. EAGLE-3 takes about 0.31 s a step alone on an H100: the defaults aim at about 25 minutes.
 set -euo pipefail
 target=${1:?TARGET} run=${2:?RUN_DIR} prompts=${3:?PROMPTS}
-gen_minutes=${GEN_MINUTES:-20}
+gen_minutes=${GEN_MINUTES:-20} phases=${PHASES:-generate,train}  # PHASES: generate, train or both
 mkdir -p "$run"
 common=(--target "$target" --prompts "$prompts" --num-prompts 44000 --self-instruct 6000 --max-new-tokens 512
         --temperatures 0,0.7 --max-num-seqs 512 --data "$run/data.jsonl" --seed 0 --no-progress --max-len 1024)
@@ -20,15 +20,18 @@ train() { python3 -m executor_service.training.cli "${common[@]}" "$@"; }
 # 1. The target writes every round once (self-instruct requests, first turns, follow-up turns; greedy and
 #    T = 0.7 in turn, up to 512 tokens), in a throwaway run that stops after one training step.
 started=$(date +%s)
-train --method eagle3 --out "$run/generate" --stop-after-steps 1 --generation-minutes "$gen_minutes" \
-  > "$run/generate.log" 2>&1
+if [[ $phases == *generate* ]]; then
+  train --method eagle3 --out "$run/generate" --stop-after-steps 1 --generation-minutes "$gen_minutes" \
+    > "$run/generate.log" 2>&1
+fi
 echo "generation: $(( $(date +%s) - started )) s"
 
 # 2. Three drafters train from scratch at once on the one GPU, from the same responses.
+[[ $phases == *train* ]] || exit 0
 started=$(date +%s)
 fit=(--generation-minutes 0 --batch-size 16 --epochs 8)
-train --method eagle3 --out "$run/eagle3" "${fit[@]}" --max-steps "${E3_STEPS:-6000}" --lr 1e-3 > "$run/eagle3.log" 2>&1 &
-train --method dflash --out "$run/dflash" "${fit[@]}" --max-steps "${DFLASH_STEPS:-8000}" > "$run/dflash.log" 2>&1 &
-train --method eagle --out "$run/eagle" "${fit[@]}" --max-steps "${EAGLE_STEPS:-4000}" > "$run/eagle.log" 2>&1 &
+train --method eagle3 --out "$run/eagle3" "${fit[@]}" --max-steps "${E3_STEPS:-3000}" --lr 1e-3 > "$run/eagle3.log" 2>&1 &
+train --method dflash --out "$run/dflash" "${fit[@]}" --max-steps "${DFLASH_STEPS:-4000}" > "$run/dflash.log" 2>&1 &
+train --method eagle --out "$run/eagle" "${fit[@]}" --max-steps "${EAGLE_STEPS:-2000}" > "$run/eagle.log" 2>&1 &
 wait
 echo "training: $(( $(date +%s) - started )) s"
