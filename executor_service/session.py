@@ -8,6 +8,7 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 
 import torch
@@ -43,6 +44,7 @@ from executor_service.memory import MemoryEstimate, estimate_memory
 from executor_service.model_runner import ModelRunner
 from executor_service.parallel.driver import TensorParallelModel, allocate_on_all_ranks, load_on_all_ranks
 from executor_service.parallel.layers import rank_config
+from executor_service.parallel.loading import load_target_shard
 from executor_service.parallel.state import get_tp_group, shard_violations, tensor_parallel_size
 from executor_service.prefix_cache import PrefixCache, PrefixCacheStats, tokens_after_block
 from executor_service.proposer import Proposer
@@ -306,9 +308,9 @@ def build_session(
     if preloaded is not None:
         loaded = preloaded
     elif tp_group is not None:  # every rank loads it and keeps its shard; rank 0 keeps the drafter's heads
-        request_bytes = request.SerializeToString()
-        load = lambda: load_target(source, dtype, device)  # noqa: E731
-        loaded, heads = load_on_all_ranks(tp_group, request_bytes, decision.backend, load, draft is not None)
+        whole = partial(load_target, source, dtype, device)
+        shard = partial(load_target_shard, source.path, whole, dtype, device, 0, tp_group.world_size, draft is not None)
+        loaded, heads = load_on_all_ranks(tp_group, request.SerializeToString(), decision.backend, shard)
     else:
         loaded = load_target(source, dtype, device)
     config = loaded.config

@@ -24,7 +24,6 @@ from executor_service.attention_step import AttentionStep
 from executor_service.loader import LoadedModel
 from executor_service.model import DecoderModel
 from executor_service.parallel import protocol
-from executor_service.parallel.layers import shard_model
 from executor_service.parallel.protocol import ForwardCall, Op
 from executor_service.parallel.state import RankUnavailable, TensorParallelGroup
 
@@ -99,20 +98,17 @@ def load_on_all_ranks(
     group: TensorParallelGroup,
     request_bytes: bytes,
     backend: str,
-    load: Callable[[], LoadedModel],
-    keep_heads: bool,
+    load_shard: Callable[[], tuple[LoadedModel, FullHeads | None]],
 ) -> tuple[LoadedModel, FullHeads | None]:
-    """Every rank loads the target and keeps its shard; rank 0's LoadedModel holds a TensorParallelModel.
-    `keep_heads`: keep the whole embedding and LM head for a drafter. Raises if any rank fails."""
+    """Every rank loads its shard of the target (`load_shard` on this rank: loading.load_target_shard); rank 0's
+    LoadedModel holds a TensorParallelModel. Raises if any rank fails."""
     model_id = next(_model_ids)
     gc.collect()  # a failed build's model, still referenced from its traceback until now
     body = {"request": request_bytes.hex(), "backend": backend, "keep": sorted(_live_models)}
     with on_all_ranks(group):
         protocol.send_load(group, model_id, body)
         try:
-            loaded = load()
-            heads = FullHeads(loaded.model) if keep_heads else None
-            shard_model(loaded.model, group.rank, group.world_size)
+            loaded, heads = load_shard()
         except BaseException:
             protocol.all_loaded(group, ok=False)
             raise

@@ -19,7 +19,7 @@ import torch
 from executor_service.kv_cache import KVCache
 from executor_service.model import DecoderModel
 from executor_service.parallel import protocol
-from executor_service.parallel.layers import rank_config, shard_model
+from executor_service.parallel.layers import rank_config
 from executor_service.parallel.protocol import Op
 from executor_service.parallel.state import TensorParallelGroup, init_tensor_parallel
 from specdec.v1 import executor_pb2
@@ -36,13 +36,15 @@ class Shard:
 
 
 def load_shard(group: TensorParallelGroup, body: dict, model_root: Path | None) -> Shard:
+    from executor_service.parallel.loading import load_target_shard
     from executor_service.session import load_target, resolve_dtype, resolve_target
 
     request = executor_pb2.LoadModelRequest.FromString(bytes.fromhex(body["request"]))
     source = resolve_target(request.target, model_root, "target")
     dtype = resolve_dtype(request.dtype, group.device)
-    loaded = load_target(source, dtype, group.device)
-    return Shard(shard_model(loaded.model, group.rank, group.world_size), body["backend"], dtype)
+    whole = lambda: load_target(source, dtype, group.device)  # noqa: E731
+    loaded, _ = load_target_shard(source.path, whole, dtype, group.device, group.rank, group.world_size, False)
+    return Shard(loaded.model, body["backend"], dtype)
 
 
 @torch.inference_mode()

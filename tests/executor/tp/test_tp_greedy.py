@@ -12,14 +12,17 @@ from pathlib import Path
 
 import pytest
 import torch
-from tp_greedy_run import METHODS, PROMPTS, SIZES, greedy_outputs
+from tp_greedy_run import METHODS, PROMPTS, SIZES, greedy_outputs, write_checkpoint
 
 from executor_service.config import ModelConfig
-from executor_service.parallel.layers import vocab_shard
+from executor_service.loader import LoadedModel, load_directory
+from executor_service.parallel.layers import shard_model, vocab_shard
+from executor_service.parallel.loading import load_target_shard
 from executor_service.parallel.state import check_tensor_parallel_size, shard_violations
 
 RUN = Path(__file__).with_name("tp_greedy_run.py")
 REPO = Path(__file__).resolve().parents[3]
+CPU = torch.device("cpu")
 
 
 @pytest.fixture(scope="module")
@@ -27,10 +30,9 @@ def single_process() -> dict[str, dict[str, list[int]]]:
     return {method: greedy_outputs(method) for method in METHODS}
 
 
-@pytest.mark.parametrize("tp", [2, 4])
-def test_greedy_equals_single_process(tp: int, single_process: dict[str, dict[str, list[int]]]) -> None:
+def run_tp(tp: int, *args: str) -> dict[str, dict[str, list[int]]]:
     run = subprocess.run(
-        [sys.executable, str(RUN), "--tp", str(tp)],
+        [sys.executable, str(RUN), "--tp", str(tp), *args],
         cwd=REPO,
         env={**os.environ, "OMP_NUM_THREADS": "1"},  # N processes' thread pools on a 2-core machine
         capture_output=True,
@@ -39,10 +41,56 @@ def test_greedy_equals_single_process(tp: int, single_process: dict[str, dict[st
         check=False,
     )
     assert run.returncode == 0, run.stderr[-3000:]
-    outputs = json.loads(run.stdout.strip().splitlines()[-1])
+    return json.loads(run.stdout.strip().splitlines()[-1])
+
+
+@pytest.mark.parametrize("tp", [2, 4])
+def test_greedy_equals_single_process(tp: int, single_process: dict[str, dict[str, list[int]]]) -> None:
+    outputs = run_tp(tp)
     for method in METHODS:
         assert outputs[method] == single_process[method], f"TP {tp}, drafter {method}"
     assert all(len(tokens) == 12 for tokens in single_process["none"].values()) and len(PROMPTS) == 3
+
+
+@pytest.mark.parametrize(("architecture", "tied", "bias"), [("llama", False, True), ("qwen3", False, False)])
+def test_sharded_loading_from_a_checkpoint(architecture: str, tied: bool, bias: bool, tmp_path: Path) -> None:
+    """Each rank reads only its slices of a Hugging Face checkpoint (rank 0 the whole heads for EAGLE-3): the
+    same tokens as one process loading it whole. Llama with attention biases; Qwen3 (q/k norms). (Tied random
+    embeddings make the target echo its last token whatever the other weights: covered below instead.)"""
+    checkpoint = tmp_path / "target"
+    write_checkpoint(checkpoint, architecture, tied, bias)
+    single = {method: greedy_outputs(method, checkpoint=checkpoint) for method in ("none", "eagle3")}
+    outputs = run_tp(2, "--checkpoint", str(checkpoint), "--methods", "none,eagle3")
+    assert outputs == single
+    assert single["none"] != greedy_outputs("none")  # the checkpoint's weights, not the synthetic target's
+
+
+@pytest.mark.parametrize(("architecture", "tied", "bias"), [("llama", False, True), ("qwen3", True, False)])
+@pytest.mark.parametrize("world_size", [2, 4])
+def test_each_rank_reads_exactly_its_shard(
+    architecture: str, tied: bool, bias: bool, world_size: int, tmp_path: Path
+) -> None:
+    """Every parameter a rank reads from the checkpoint equals the same shard cut from the whole model; the
+    whole model is never built for it; rank 0's whole heads are the checkpoint's."""
+    checkpoint = tmp_path / "target"
+    write_checkpoint(checkpoint, architecture, tied, bias)
+    whole = load_directory(checkpoint, torch.float32, CPU, "target.path").model
+
+    def never() -> LoadedModel:
+        raise AssertionError("a checkpoint is read in slices, never whole")
+
+    for rank in range(world_size):
+        loaded, heads = load_target_shard(checkpoint, never, torch.float32, CPU, rank, world_size, rank == 0)
+        expected = shard_model(load_directory(checkpoint, torch.float32, CPU, "target.path").model, rank, world_size)
+        got = dict(loaded.model.named_parameters(remove_duplicate=False))
+        for name, parameter in expected.named_parameters(remove_duplicate=False):
+            assert torch.equal(got[name], parameter), (rank, name)
+        assert (loaded.model.lm_head.weight is loaded.model.embed_tokens.weight) == tied
+        if rank == 0:
+            assert heads is not None and torch.equal(heads.embed_tokens.weight, whole.embed_tokens.weight)
+            assert torch.equal(heads.lm_head.weight, whole.lm_head.weight)
+        else:
+            assert heads is None
 
 
 def test_vocab_shards_cover_the_vocabulary_once() -> None:

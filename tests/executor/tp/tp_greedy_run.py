@@ -15,7 +15,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/executor: 
 
 from engine_driving import Outputs, run_bounded
 
+from executor_service.config import ModelConfig
 from executor_service.drafting import resolve_draft
+from executor_service.loader import build_synthetic, save_directory
 from executor_service.sampling import SamplingSettings
 from executor_service.session import EngineSettings, build_session, resolve_target
 from specdec.v1 import common_pb2, executor_pb2
@@ -36,9 +38,22 @@ MAX_TOKENS = 12
 K = 3
 
 
-def load_request(method: str) -> executor_pb2.LoadModelRequest:
+def write_checkpoint(directory: Path, architecture: str, tied: bool, bias: bool) -> None:
+    """A synthetic target of SIZES saved as a Hugging Face directory (what sharded loading reads)."""
+    config = ModelConfig(
+        architecture=architecture, **SIZES, max_position_embeddings=512, tie_word_embeddings=tied, attention_bias=bias
+    )
+    save_directory(build_synthetic(config, 11, torch.float32, torch.device("cpu")).model, directory)
+
+
+def load_request(method: str, checkpoint: Path | None = None) -> executor_pb2.LoadModelRequest:
+    """`checkpoint`: a Hugging Face directory (its parent is the model root), else the synthetic target."""
+    synthetic = executor_pb2.SyntheticModel(architecture="llama", seed=3, **SIZES)
+    target = (
+        executor_pb2.ModelSource(path=checkpoint.name) if checkpoint else executor_pb2.ModelSource(synthetic=synthetic)
+    )
     request = executor_pb2.LoadModelRequest(
-        target=executor_pb2.ModelSource(synthetic=executor_pb2.SyntheticModel(architecture="llama", seed=3, **SIZES)),
+        target=target,
         dtype=common_pb2.DTYPE_FLOAT32,
         block_size=16,
         num_kv_blocks=48,
@@ -60,11 +75,13 @@ def load_request(method: str) -> executor_pb2.LoadModelRequest:
     return request
 
 
-def greedy_outputs(method: str, device: str = "cpu", backend: str = "CPU_ATTN") -> dict[str, list[int]]:
+def greedy_outputs(
+    method: str, device: str = "cpu", backend: str = "CPU_ATTN", checkpoint: Path | None = None
+) -> dict[str, list[int]]:
     """Each prompt's greedy tokens, all prompts in one engine (batched, prefill chunked at 32 tokens); fp32,
     eager."""
-    request = load_request(method)
-    source = resolve_target(request.target, None, "target")
+    request = load_request(method, checkpoint)
+    source = resolve_target(request.target, checkpoint.parent if checkpoint else None, "target")
     draft = resolve_draft(request.draft, source.config, None) if request.HasField("draft") else None
     decision = common_pb2.BackendDecision(backend=backend)
     session = build_session(
@@ -88,13 +105,16 @@ def main() -> None:
     parser.add_argument("--methods", default=",".join(METHODS))
     parser.add_argument("--device", default="cpu", help="cpu (gloo) or cuda (NCCL, rank r on cuda:r)")
     parser.add_argument("--backend", default="CPU_ATTN")
+    parser.add_argument("--checkpoint", type=Path, help="a Hugging Face directory as the target")
     args = parser.parse_args()
     from executor_service.parallel.launcher import Followers
 
-    followers = Followers(args.tp, torch.device(args.device), None)
+    root = args.checkpoint.parent if args.checkpoint else None
+    followers = Followers(args.tp, torch.device(args.device), root)
     try:
         methods = args.methods.split(",")
-        print(json.dumps({method: greedy_outputs(method, args.device, args.backend) for method in methods}))
+        outputs = {method: greedy_outputs(method, args.device, args.backend, args.checkpoint) for method in methods}
+        print(json.dumps(outputs))
     finally:
         followers.stop()
 
