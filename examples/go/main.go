@@ -12,6 +12,12 @@
 //
 //	bash examples/go/build.sh OUT_DIR && OUT_DIR/specdec-client -selector HOST:PORT -executor HOST:PORT
 //
+// Addresses are gRPC targets: HOST:PORT, or dns:///NAME:PORT for replicas behind one name (a Kubernetes headless
+// service), balanced with round_robin; UNAVAILABLE before any response is retried on the next replica
+// (serviceConfig; grpc-go before 1.40 retries only with GRPC_GO_RETRY=on in the environment). -requests N sends
+// the generation N times, spread over them. With replicas, LoadModel reaches one of them: the others must have
+// loaded the same model at start (--load).
+//
 // Addresses default to $SPECDEC_SELECTOR and $SPECDEC_EXECUTOR; when $SPECDEC_AUTH_TOKEN is set every call
 // carries `authorization: Bearer <token>`. Exits 1, printing the gRPC status, when a call fails.
 package main
@@ -31,6 +37,8 @@ import (
 
 	"google.golang.org/grpc"
 	"google.golang.org/grpc/metadata"
+	"google.golang.org/grpc/resolver"
+	"google.golang.org/grpc/resolver/manual"
 	"google.golang.org/grpc/status"
 	"google.golang.org/protobuf/proto"
 
@@ -57,11 +65,33 @@ const blockSize = 16                  // tokens per KV-cache block
 const loadTimeout = 600 * time.Second // a real checkpoint on a GPU takes a while to load and warm up
 const callTimeout = 30 * time.Second
 
+// serviceConfig: client-side load balancing over every address the target resolves to, and gRPC retries of
+// UNAVAILABLE for the calls that are safe to repeat. gRPC commits a call at its first response, so a Generate is
+// retried only while it has produced no tokens (a replica shutting down or gone). The Python and Node.js examples
+// set the same config.
+const serviceConfig = `{
+  "loadBalancingConfig": [{"round_robin": {}}],
+  "methodConfig": [{
+    "name": [
+      {"service": "specdec.v1.BackendSelector"},
+      {"service": "specdec.v1.Executor", "method": "Generate"},
+      {"service": "specdec.v1.Executor", "method": "GetCapabilities"},
+      {"service": "specdec.v1.Executor", "method": "GetModelInfo"},
+      {"service": "specdec.v1.Executor", "method": "GetServerInfo"},
+      {"service": "specdec.v1.Executor", "method": "GetLoads"}
+    ],
+    "retryPolicy": {
+      "maxAttempts": 5, "initialBackoff": "0.02s", "maxBackoff": "0.2s", "backoffMultiplier": 2,
+      "retryableStatusCodes": ["UNAVAILABLE"]
+    }
+  }]
+}`
+
 var methods = map[string]pb.SpecMethod{"dflash": pb.SpecMethod_SPEC_METHOD_DFLASH, "eagle3": pb.SpecMethod_SPEC_METHOD_EAGLE3}
 
 type options struct {
 	selector, executor, method, targetBackend, drafterBackend, prompt, targetPath, chat string
-	numSpeculativeTokens, maxTokens                                                     int
+	numSpeculativeTokens, maxTokens, requests                                           int
 	stop                                                                                stringList
 }
 
@@ -163,13 +193,18 @@ func joinTokens(ids []int32) string {
 func run(ctx context.Context, opts options) error {
 	// WithInsecure: plaintext, as the servers serve without --tls-cert. WaitForReady: servers that are still
 	// starting (docker compose up) are waited for, not failed.
-	dial := []grpc.DialOption{grpc.WithInsecure(), grpc.WithDefaultCallOptions(grpc.WaitForReady(true))}
-	executorConn, err := grpc.Dial(opts.executor, dial...)
+	dial := []grpc.DialOption{
+		grpc.WithInsecure(), grpc.WithDefaultCallOptions(grpc.WaitForReady(true)),
+		grpc.WithDefaultServiceConfig(serviceConfig),
+	}
+	executorTarget, executorResolver := dialTarget(opts.executor)
+	executorConn, err := grpc.Dial(executorTarget, append(dial, executorResolver...)...)
 	if err != nil {
 		return err
 	}
 	defer executorConn.Close()
-	selectorConn, err := grpc.Dial(opts.selector, dial...)
+	selectorTarget, selectorResolver := dialTarget(opts.selector)
+	selectorConn, err := grpc.Dial(selectorTarget, append(dial, selectorResolver...)...)
 	if err != nil {
 		return err
 	}
@@ -291,6 +326,14 @@ func run(ctx context.Context, opts options) error {
 		fmt.Printf("text: %s\n", quote(text.String()))
 	}
 	printStatistics(finished)
+	for number := 2; number <= opts.requests; number++ { // the same request again: round_robin picks the next replica
+		request.RequestId = fmt.Sprintf("go-client-%d-%d", os.Getpid(), number)
+		tokens, reason, err := generateQuietly(ctx, executor, request)
+		if err != nil {
+			return err
+		}
+		fmt.Printf("request %d of %d: %d tokens, %s\n", number, opts.requests, tokens, reason)
+	}
 	loadsCtx, cancelLoads := context.WithTimeout(ctx, callTimeout)
 	defer cancelLoads()
 	loads, err := executor.GetLoads(loadsCtx, &pb.GetLoadsRequest{})
@@ -301,6 +344,46 @@ func run(ctx context.Context, opts options) error {
 		"%.1f tokens/s\n", loads.RunningRequests, loads.QueuedRequests, loads.UsedKvBlocks, loads.NumKvBlocks,
 		loads.PromptTokensTotal, loads.GenerationTokensTotal, loads.GenerationTokensPerSecond)
 	return nil
+}
+
+// dialTarget: grpc-go resolves dns:///NAME:PORT itself (every address of the name, which round_robin spreads
+// over). The ipv4:/ipv6: address lists that gRPC C-core and grpc-js accept get a static resolver of those addresses.
+func dialTarget(target string) (string, []grpc.DialOption) {
+	scheme, list, found := strings.Cut(target, ":")
+	if !found || (scheme != "ipv4" && scheme != "ipv6") {
+		return target, nil
+	}
+	var addresses []resolver.Address
+	for _, address := range strings.Split(list, ",") {
+		if address != "" {
+			addresses = append(addresses, resolver.Address{Addr: address})
+		}
+	}
+	static := manual.NewBuilderWithScheme("static")
+	static.InitialState(resolver.State{Addresses: addresses})
+	return "static:///" + list, []grpc.DialOption{grpc.WithResolvers(static)}
+}
+
+// generateQuietly streams one generation and returns its token count and finish reason.
+func generateQuietly(ctx context.Context, executor pb.ExecutorClient, request *pb.GenerateRequest) (int, string, error) {
+	stream, err := executor.Generate(ctx, request)
+	if err != nil {
+		return 0, "", err
+	}
+	tokens, reason := 0, ""
+	for {
+		response, err := stream.Recv()
+		if errors.Is(err, io.EOF) {
+			return tokens, reason, nil
+		}
+		if err != nil {
+			return 0, "", err
+		}
+		tokens += len(response.TokenIds)
+		if response.Finished != nil {
+			reason = response.Finished.FinishReason
+		}
+	}
 }
 
 // quote writes a text as a JSON string, as the Python and Node.js clients do.
@@ -335,10 +418,15 @@ func main() {
 		"instead of the synthetic target (a Llama of the same shape, e.g. one with a tokenizer and a chat template)")
 	flag.StringVar(&opts.chat, "chat", "", "send this user message, in the model's chat template, instead of -prompt")
 	flag.Var(&opts.stop, "stop", "a stop string (repeatable); needs a tokenizer")
+	flag.IntVar(&opts.requests, "requests", 1, "send the generation this many times (replicas: spread over them)")
 	flag.Parse()
 	if flag.NArg() > 0 {
 		fmt.Fprintf(os.Stderr, "unexpected argument %q: this command takes flags only\n", flag.Arg(0))
 		flag.Usage()
+		os.Exit(2)
+	}
+	if opts.requests < 1 {
+		fmt.Fprintln(os.Stderr, "-requests must be at least 1")
 		os.Exit(2)
 	}
 	if _, ok := methods[opts.method]; !ok {

@@ -10,6 +10,10 @@
 //
 //   npm ci && node client.mjs --selector HOST:PORT --executor HOST:PORT [--method dflash|eagle3]
 //
+// Addresses are gRPC targets: HOST:PORT, or dns:///NAME:PORT for replicas behind one name (a Kubernetes headless
+// service), balanced with round_robin; UNAVAILABLE before any response is retried on the next replica
+// (SERVICE_CONFIG). --requests N sends the generation N times, spread over them. With replicas, LoadModel reaches
+// one of them: the others must have loaded the same model at start (--load).
 // Addresses default to $SPECDEC_SELECTOR and $SPECDEC_EXECUTOR; when $SPECDEC_AUTH_TOKEN is set every call carries
 // `authorization: Bearer <token>`. --protos DIR points at another copy of the protos. Exits 1, printing the gRPC
 // status, when a call fails.
@@ -25,7 +29,7 @@ const HERE = path.dirname(fileURLToPath(import.meta.url));
 const USAGE = `usage: node client.mjs [--selector HOST:PORT] [--executor HOST:PORT] [--method dflash|eagle3]
                       [--num-speculative-tokens N] [--target-backend NAME] [--drafter-backend NAME]
                       [--max-tokens N] [--prompt "IDS"] [--target-path PATH] [--chat TEXT]
-                      [--stop STRING ...] [--protos DIR] [--help]
+                      [--stop STRING ...] [--requests N] [--protos DIR] [--help]
 
 The whole specdec flow from Node.js: GetCapabilities, SelectBackends, LoadModel, Generate (streamed).
   --selector HOST:PORT         selector address (default $SPECDEC_SELECTOR or 127.0.0.1:50051)
@@ -40,6 +44,7 @@ The whole specdec flow from Node.js: GetCapabilities, SelectBackends, LoadModel,
                                target (a Llama of the same shape, e.g. one with a tokenizer and a chat template)
   --chat TEXT                  send this user message, in the model's chat template, instead of --prompt
   --stop STRING                a stop string (repeatable); needs a tokenizer
+  --requests N                 send the generation N times (replicas: spread over them; default 1)
   --protos DIR                 another copy of the protos (default ../../protos)
   -h, --help                   print this and exit
 $SPECDEC_AUTH_TOKEN, when set, is sent as \`authorization: Bearer <token>\` on every call.`;
@@ -66,6 +71,7 @@ try {
       'target-path': { type: 'string' },
       chat: { type: 'string' },
       stop: { type: 'string', multiple: true, default: [] },
+      requests: { type: 'string', default: '1' },
       protos: { type: 'string', default: path.resolve(HERE, '..', '..', 'protos') },
     },
   });
@@ -80,9 +86,10 @@ if (args.help) {
 }
 const METHODS = { dflash: 'SPEC_METHOD_DFLASH', eagle3: 'SPEC_METHOD_EAGLE3' };
 if (!(args.method in METHODS)) usageError(`--method must be one of ${Object.keys(METHODS).join(', ')}`);
-for (const name of ['num-speculative-tokens', 'max-tokens']) {
+for (const name of ['num-speculative-tokens', 'max-tokens', 'requests']) {
   if (!/^\d+$/.test(args[name])) usageError(`--${name} must be a whole number, not '${args[name]}'`);
 }
+if (Number(args.requests) < 1) usageError(`--requests must be at least 1, not ${args.requests}`);
 
 // Field names as in the .proto files, enums as their names, 64-bit integers as decimal strings.
 const definition = protoLoader.loadSync(['specdec/v1/selector.proto', 'specdec/v1/executor.proto'], {
@@ -183,10 +190,36 @@ function unary(client, method, request, metadata, timeoutMs = CALL_TIMEOUT_MS) {
   });
 }
 
+// Client-side load balancing over every address the target resolves to, and gRPC retries of UNAVAILABLE for the
+// calls that are safe to repeat. gRPC commits a call at its first response, so a Generate is retried only while it
+// has produced no tokens (a replica shutting down or gone). The Python and Go examples set the same config.
+const SERVICE_CONFIG = JSON.stringify({
+  loadBalancingConfig: [{ round_robin: {} }],
+  methodConfig: [
+    {
+      name: [
+        { service: 'specdec.v1.BackendSelector' },
+        ...['Generate', 'GetCapabilities', 'GetModelInfo', 'GetServerInfo', 'GetLoads'].map((method) => ({
+          service: 'specdec.v1.Executor',
+          method,
+        })),
+      ],
+      retryPolicy: {
+        maxAttempts: 5,
+        initialBackoff: '0.02s',
+        maxBackoff: '0.2s',
+        backoffMultiplier: 2,
+        retryableStatusCodes: ['UNAVAILABLE'],
+      },
+    },
+  ],
+});
+const CHANNEL_OPTIONS = { 'grpc.service_config': SERVICE_CONFIG, 'grpc.enable_retries': 1 };
+
 async function run(metadata) {
   const credentials = grpc.credentials.createInsecure();
-  const executor = new specdec.v1.Executor(args.executor, credentials);
-  const selector = new specdec.v1.BackendSelector(args.selector, credentials);
+  const executor = new specdec.v1.Executor(args.executor, credentials, CHANNEL_OPTIONS);
+  const selector = new specdec.v1.BackendSelector(args.selector, credentials, CHANNEL_OPTIONS);
   try {
     const hardware = await unary(executor, 'GetCapabilities', {}, metadata);
     const libraries = hardware.libraries.map((lib) => `${lib.name} ${lib.version}`).join(', ');
@@ -264,6 +297,18 @@ async function run(metadata) {
     if (!finished) throw new Error('the stream ended without a final message');
     if (text) console.log(`text: ${JSON.stringify(text)}`);
     printStatistics(finished);
+    const requests = Number(args.requests);
+    for (let number = 2; number <= requests; number++) {
+      // The same request again: round_robin sends it to the next replica.
+      request.request_id = `node-client-${process.pid}-${number}`;
+      let tokens = 0;
+      let reason = '';
+      for await (const response of executor.Generate(request, metadata)) {
+        tokens += response.token_ids.length;
+        if (response.finished) reason = response.finished.finish_reason;
+      }
+      console.log(`request ${number} of ${requests}: ${tokens} tokens, ${reason}`);
+    }
     printLoads(await unary(executor, 'GetLoads', {}, metadata));
   } finally {
     executor.close();

@@ -10,6 +10,10 @@
 
     python examples/python/client.py --selector HOST:PORT --executor HOST:PORT [--method dflash|eagle3]
 
+Addresses are gRPC targets: HOST:PORT, or dns:///NAME:PORT for replicas behind one name (a Kubernetes headless
+service), which the channel balances with round_robin, retrying UNAVAILABLE before any response on the next
+replica (SERVICE_CONFIG); --requests N sends the generation N times, spread over them. With replicas, LoadModel
+reaches one of them: the others must have loaded the same model at start (--load).
 Addresses default to $SPECDEC_SELECTOR and $SPECDEC_EXECUTOR; when $SPECDEC_AUTH_TOKEN is set every call
 carries `authorization: Bearer <token>`. Exits 1, printing the gRPC status, when a call fails, or naming the
 address and the cause when a server does not accept a connection within 10 s.
@@ -47,6 +51,33 @@ METHODS = {"dflash": common_pb2.SPEC_METHOD_DFLASH, "eagle3": common_pb2.SPEC_ME
 LOAD_TIMEOUT_S = 600.0  # a real checkpoint on a GPU takes a while to load and warm up
 CALL_TIMEOUT_S = 30.0
 CONNECT_TIMEOUT_S = 10.0  # a server still starting (docker compose up) is waited for this long
+# Client-side load balancing over every address the target resolves to, and gRPC retries of UNAVAILABLE for the
+# calls that are safe to repeat. gRPC commits a call at its first response, so a Generate is retried only while it
+# has produced no tokens (a replica shutting down or gone). The Node.js and Go examples set the same config.
+SERVICE_CONFIG = json.dumps(
+    {
+        "loadBalancingConfig": [{"round_robin": {}}],
+        "methodConfig": [
+            {
+                "name": [
+                    {"service": "specdec.v1.BackendSelector"},
+                    *(
+                        {"service": "specdec.v1.Executor", "method": method}
+                        for method in ("Generate", "GetCapabilities", "GetModelInfo", "GetServerInfo", "GetLoads")
+                    ),
+                ],
+                "retryPolicy": {
+                    "maxAttempts": 5,
+                    "initialBackoff": "0.02s",
+                    "maxBackoff": "0.2s",
+                    "backoffMultiplier": 2,
+                    "retryableStatusCodes": ["UNAVAILABLE"],
+                },
+            }
+        ],
+    }
+)
+CHANNEL_OPTIONS = [("grpc.service_config", SERVICE_CONFIG), ("grpc.enable_retries", 1)]
 
 
 class Unreachable(Exception):
@@ -87,7 +118,13 @@ def parse_args() -> argparse.Namespace:
     )
     parser.add_argument("--chat", help="send this user message, in the model's chat template, instead of --prompt")
     parser.add_argument("--stop", action="append", default=[], help="a stop string (repeatable); needs a tokenizer")
-    return parser.parse_args()
+    parser.add_argument(
+        "--requests", type=int, default=1, help="send the generation this many times (replicas: spread over them)"
+    )
+    args = parser.parse_args()
+    if args.requests < 1:
+        parser.error(f"--requests must be at least 1, not {args.requests}")
+    return args
 
 
 def draft_model(method: str, k: int) -> executor_pb2.DraftModel:
@@ -131,7 +168,10 @@ def print_decision(role: str, decision: common_pb2.BackendDecision) -> None:
 
 
 def run(args: argparse.Namespace, metadata: tuple[tuple[str, str], ...]) -> None:
-    with grpc.insecure_channel(args.executor) as executor_channel, grpc.insecure_channel(args.selector) as sel_channel:
+    with (
+        grpc.insecure_channel(args.executor, options=CHANNEL_OPTIONS) as executor_channel,
+        grpc.insecure_channel(args.selector, options=CHANNEL_OPTIONS) as sel_channel,
+    ):
         executor = executor_pb2_grpc.ExecutorStub(executor_channel)
         selector = selector_pb2_grpc.BackendSelectorStub(sel_channel)
         connect(executor_channel, "executor", args.executor)
@@ -215,6 +255,11 @@ def run(args: argparse.Namespace, metadata: tuple[tuple[str, str], ...]) -> None
         if text:
             print(f"text: {json.dumps(text)}")
         print_statistics(finished)
+        for number in range(2, args.requests + 1):  # the same request again: round_robin sends it to the next replica
+            request.request_id = f"python-client-{os.getpid()}-{number}"
+            responses = list(executor.Generate(request, metadata=metadata))
+            tokens = sum(len(response.token_ids) for response in responses)
+            print(f"request {number} of {args.requests}: {tokens} tokens, {responses[-1].finished.finish_reason}")
         print_loads(executor.GetLoads(executor_pb2.GetLoadsRequest(), **options))
 
 

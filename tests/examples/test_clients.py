@@ -21,12 +21,14 @@ import shutil
 import socket
 import subprocess
 import sys
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import grpc
 import pytest
+from google.protobuf import json_format
 from toy_model import write_toy_model
 
 from specdec.v1 import common_pb2, executor_pb2, executor_pb2_grpc, selector_pb2, selector_pb2_grpc
@@ -322,6 +324,14 @@ def test_node_client(launch_server, launch_executor, tmp_path: Path) -> None:
 @pytest.fixture
 def go_client(tmp_path: Path) -> Path:
     """examples/go built with Debian's Go packages (skipped, saying which, when they are not installed)."""
+    built = build_go_client(tmp_path / "go")
+    if isinstance(built, str):
+        pytest.skip(built)
+    return built
+
+
+def build_go_client(out: Path) -> Path | str:
+    """examples/go built into `out`, or why it cannot be (the missing tools and packages)."""
     sources = Path(os.environ.get("GOPATH_DEPS", "/usr/share/gocode")) / "src"
     missing = [
         tool for tool in ("go", "gofmt", "protoc", "protoc-gen-go", "protoc-gen-go-grpc") if not shutil.which(tool)
@@ -330,14 +340,14 @@ def go_client(tmp_path: Path) -> Path:
         str(sources / p) for p in ("google.golang.org/grpc", "google.golang.org/protobuf") if not (sources / p).is_dir()
     ]
     if missing:
-        pytest.skip(f"the Go toolchain is missing {', '.join(missing)}: apt-get install {GO_PACKAGES}")
+        return f"the Go toolchain is missing {', '.join(missing)}: apt-get install {GO_PACKAGES}"
     built = subprocess.run(
-        ["bash", str(EXAMPLES / "go" / "build.sh"), str(tmp_path / "go")], capture_output=True, text=True, timeout=300
+        ["bash", str(EXAMPLES / "go" / "build.sh"), str(out)], capture_output=True, text=True, timeout=300
     )
     assert built.returncode == 0, f"examples/go/build.sh failed:\n{built.stdout}\n{built.stderr}"
     unformatted = subprocess.run(["gofmt", "-l", str(EXAMPLES / "go")], capture_output=True, text=True, check=True)
     assert unformatted.stdout == "", f"gofmt would change: {unformatted.stdout}"
-    return tmp_path / "go" / "specdec-client"
+    return out / "specdec-client"
 
 
 def test_go_client(go_client: Path, launch_server, launch_executor, tmp_path: Path) -> None:
@@ -354,3 +364,61 @@ def test_python_client_names_an_address_it_cannot_reach() -> None:
     assert result.returncode == 1, result.stderr
     assert result.stderr.startswith(f"error: cannot reach the executor at {address} (--executor / $SPECDEC_EXECUTOR)")
     assert "UNAVAILABLE" in result.stderr and "Traceback" not in result.stderr and result.stdout == ""
+
+
+def wait_serving(address: str, timeout: float = 300.0) -> None:
+    """Until the executor at `address` has its model (loaded at start) and says SERVING."""
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+    deadline = time.monotonic() + timeout
+    with grpc.insecure_channel(address) as channel:
+        health = health_pb2_grpc.HealthStub(channel)
+        while (
+            health.Check(health_pb2.HealthCheckRequest(), timeout=10).status != health_pb2.HealthCheckResponse.SERVING
+        ):
+            assert time.monotonic() < deadline, f"{address} not SERVING after {timeout} s"
+            time.sleep(0.2)
+
+
+def served(addresses: list[str]) -> list[int]:
+    """Requests each replica admitted (its own GetLoads: prompt tokens / the prompt's length)."""
+    counts = []
+    for address in addresses:
+        with grpc.insecure_channel(address) as channel:
+            loads = executor_pb2_grpc.ExecutorStub(channel).GetLoads(executor_pb2.GetLoadsRequest(), timeout=10)
+        counts.append(loads.prompt_tokens_total // len(PROMPT))
+    return counts
+
+
+def test_clients_spread_generate_over_replicas(launch_server, launch_executor, tmp_path: Path) -> None:
+    """Each example client given one target for two replicas (`ipv4:a,b`, what dns:///name:port of a headless
+    service resolves to) and --requests 4: its round_robin channel sends the generations to both, counted by each
+    replica's own GetLoads. Both replicas loaded the examples' model at start; the client's LoadModel reloads the
+    same model on one of them, so every generation gives the same tokens."""
+    load = tmp_path / "load.json"
+    load.write_text(json_format.MessageToJson(reference_load("dflash")))
+    selector = launch_server("selector")
+    replicas = [launch_executor(load).address for _ in range(2)]
+    for address in replicas:
+        wait_serving(address)
+    target = "ipv4:" + ",".join(replicas)
+    clients = {"python": ([sys.executable, str(EXAMPLES / "python" / "client.py")], REPO_ROOT)}
+    node = shutil.which("node")
+    if node and (EXAMPLES / "node" / "node_modules").is_dir():
+        clients["node"] = ([node, "client.mjs"], EXAMPLES / "node")
+    go = build_go_client(tmp_path / "go")
+    if not isinstance(go, str):
+        clients["go"] = ([str(go)], REPO_ROOT)
+    requests = 4
+    for name, (client, cwd) in clients.items():
+        before = served(replicas)
+        flags = [f"--selector={selector.address}", f"--executor={target}", f"--requests={requests}"]
+        result = run_client([*client, *flags], cwd, {})
+        assert result.returncode == 0, f"{name}: {result.stderr}\n{result.stdout}"
+        printed = parse(result.stdout)
+        assert sum(len(tokens) for tokens, _, _ in printed.chunks) == MAX_TOKENS, name
+        repeats = re.findall(r"^request (\d+) of (\d+): (\d+) tokens, (\w+)$", result.stdout, re.MULTILINE)
+        assert repeats == [(str(n), str(requests), str(MAX_TOKENS), "length") for n in range(2, requests + 1)], name
+        spread = [after - first for after, first in zip(served(replicas), before, strict=True)]
+        assert sum(spread) == requests and all(count > 0 for count in spread), (name, spread)
+    assert "python" in clients
