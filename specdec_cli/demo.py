@@ -5,6 +5,8 @@ it can run (GetCapabilities), let the selector decide the target's and the draft
 (SelectBackends), load both with exactly those backends (LoadModel), generate speculatively (Generate,
 streamed), print the decisions, the output and the acceptance statistics, and stop what was started.
 The model is SmolLM2-135M-Instruct with a drafter trained for it (demo_model.py); --synthetic: random weights.
+--executor takes any gRPC target (dns:///name:port: replicas, balanced by round_robin); --no-load uses the model
+they loaded at start, and --requests N sends the generation N times, spread over them.
 Torch-free: the executor is its own process.
 """
 
@@ -35,6 +37,7 @@ from specdec_cli.demo_model import (
 from specdec_cli.demo_options import add_demo_arguments as add_demo_arguments  # the CLI imports it from here
 from specdec_cli.demo_output import Output
 from specdec_cli.demo_render import render_capabilities, render_finished, render_loaded
+from specdec_cli.demo_replicas import generate_again, served_model
 from specdec_cli.local_servers import LocalServer, ServerError, start_server, stop_all
 from specdec_cli.render import render_error, render_selection
 from specdec_runtime.client import open_channel_from_args
@@ -80,6 +83,8 @@ def run_demo(args: argparse.Namespace) -> int:
 
 
 def _flow(args: argparse.Namespace, out: Output, servers: list[LocalServer], log_dir: Path) -> None:
+    if args.no_load and not args.executor:
+        raise DemoError("--no-load uses the model a running executor serves: give its address with --executor")
     if args.synthetic:
         model = synthetic_model(args.method, args.k)
     else:  # before any server starts: a missing drafter fails at once
@@ -89,9 +94,14 @@ def _flow(args: argparse.Namespace, out: Output, servers: list[LocalServer], log
         executor = executor_pb2_grpc.ExecutorStub(opened["executor"])
         selector = selector_pb2_grpc.BackendSelectorStub(opened["selector"])
         health = functools.partial(_health, opened["executor"], short_deadline(args))
-        info = _select_and_load(args, out, model, executor, selector, health)
+        if args.no_load:
+            info = served_model(out, executor, short_deadline(args))
+        else:
+            info = _select_and_load(args, out, model, executor, selector, health)
         out.section("speculative generation (Executor.Generate, streamed)")
-        _generate(args, out, model, executor, info)
+        request = _generate(args, out, model, executor, info)
+        if args.requests > 1:
+            generate_again(out, executor, request, args.requests, args.timeout)
 
 
 def _connect(
@@ -189,7 +199,7 @@ def _generate(
     model: DemoModel,
     executor: executor_pb2_grpc.ExecutorStub,
     info: executor_pb2.ModelInfo,
-) -> None:
+) -> executor_pb2.GenerateRequest:
     request = executor_pb2.GenerateRequest(request_id=f"demo-{uuid.uuid4().hex[:8]}")
     request.sampling.temperature = args.temperature
     request.sampling.max_tokens = args.max_tokens
@@ -233,6 +243,7 @@ def _generate(
     out.record("text", "".join(text))
     out.record("finished", finished)
     out.record("generate_seconds", round(seconds, 3))
+    return request
 
 
 def short_deadline(args: argparse.Namespace) -> float:

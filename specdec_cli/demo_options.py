@@ -52,6 +52,19 @@ def add_demo_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--executor", type=server_address, help="a running specdec-executor, HOST:PORT (default: start one here)"
     )
+    parser.add_argument(
+        "--no-load",
+        action="store_true",
+        help="use the model the --executor already serves (loaded at start, --load) instead of selecting and "
+        "loading one: for replicas behind one address (dns:///name:port), which a LoadModel would reach only one of",
+    )
+    parser.add_argument(
+        "--requests",
+        type=_positive,
+        default=1,
+        help="send the generation this many times (replicas: round_robin spreads them); the first streams, "
+        "the others print one line each",
+    )
     parser.add_argument("--device", default="cpu", help="device of the executor started here: cpu, cuda, cuda:N")
     parser.add_argument("--json", action="store_true", help="print one JSON document instead of the text report")
     parser.add_argument(

@@ -27,12 +27,15 @@ def render_capabilities(hardware: common_pb2.HardwareCapabilities) -> str:
     return f"{line}\nkernel libraries: {libraries}"
 
 
-def render_loaded(response: executor_pb2.LoadModelResponse, seconds: float) -> str:
+def render_loaded(
+    response: executor_pb2.LoadModelResponse | executor_pb2.GetModelInfoResponse, seconds: float | None
+) -> str:
+    """A LoadModel's outcome, or (seconds None) the model an executor already serves."""
     info = response.info
     dtype = enum_name(common_pb2.DType, info.dtype, "DTYPE_").lower()
     lines = [
-        f"loaded in {seconds:.1f} s: target on {_backend(response.target_backend)}, "
-        f"drafter on {_backend(response.draft_backend)}",
+        f"{f'loaded in {seconds:.1f} s' if seconds is not None else 'serving'}: target on "
+        f"{_backend(response.target_backend)}, drafter on {_backend(response.draft_backend)}",
         f"{dtype}, context {info.max_model_len} tokens, KV cache {info.num_kv_blocks} blocks of {info.block_size}, "
         f"{enum_name(common_pb2.SpecMethod, info.spec_method, 'SPEC_METHOD_')} proposing "
         f"{info.num_speculative_tokens} tokens per step, tokenizer: {'yes' if info.has_tokenizer else 'none'}",
