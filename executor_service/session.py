@@ -43,6 +43,7 @@ from executor_service.loader import (
 from executor_service.memory import MemoryEstimate, estimate_memory
 from executor_service.model_runner import ModelRunner
 from executor_service.parallel.driver import TensorParallelModel, allocate_on_all_ranks, load_on_all_ranks
+from executor_service.parallel.estimate import rank_zero_estimate
 from executor_service.parallel.layers import rank_config
 from executor_service.parallel.loading import load_target_shard
 from executor_service.parallel.state import get_tp_group, shard_violations, tensor_parallel_size
@@ -267,16 +268,19 @@ def prepare_load(
         check_warm_up_fits(num_blocks, block_size, source.config, draft, request.num_kv_blocks > 0)
     else:  # sized after the weights: at least what the warm-up needs
         num_blocks = blocks_needed(warm_up_tokens(source.config, draft)[1], block_size)
-    return estimate_memory(
+    dtype = resolve_dtype(request.dtype, device)
+    whole = estimate_memory(
         source.config,
         draft.config if draft is not None else None,
-        resolve_dtype(request.dtype, device),
+        dtype,
         num_blocks,
         block_size,
         settings.max_num_batched_tokens,
         settings.max_num_seqs,
         device,
     )
+    size = tensor_parallel_size()  # rank 0's share: its device decides
+    return rank_zero_estimate(whole, source.config, draft is not None, dtype, num_blocks, block_size, size)
 
 
 def build_session(

@@ -3,6 +3,7 @@ rank's kernel runs; a target whose heads do not split is refused before anything
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 
 import pytest
@@ -10,8 +11,11 @@ import torch
 from tp_greedy_run import load_request
 
 from executor_service.capabilities import probe
+from executor_service.drafting import resolve_draft
+from executor_service.kv_cache import bytes_per_block
 from executor_service.parallel import state
 from executor_service.session import EngineSettings, prepare_load, resolve_target, selection_request
+from executor_service.weights import hf_layout
 from selection.selector import select_backends
 from specdec_runtime.errors import InvalidArgument
 
@@ -73,3 +77,22 @@ def test_a_bad_flag_stops_the_executor_naming_it(size: str, capsys: pytest.Captu
 
     assert main(["--device", "cpu", "--port", "0", "--tensor-parallel-size", size]) == EXIT_BAD_SETUP
     assert f"cannot serve: --tensor-parallel-size must be between 1 and 64, not {size}" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("method", ["none", "eagle3"])
+def test_load_is_checked_against_rank_zeros_share(method: str, tensor_parallel: Callable[[int], None]) -> None:
+    """Half the target's weights and KV cache at TP 2, plus the drafter's whole heads: a target twice a
+    device's size is not refused for being whole."""
+    request = load_request(method)
+    source = resolve_target(request.target, None, "target")
+    draft = resolve_draft(request.draft, source.config, None) if method != "none" else None
+    whole = prepare_load(source, request, draft, CPU, EngineSettings())
+    tensor_parallel(2)
+    share = prepare_load(source, request, draft, CPU, EngineSettings())
+    config = source.config
+    target = sum(math.prod(p.shape) for p in hf_layout(config).values()) * 4
+    heads = 2 * config.vocab_size * config.hidden_size * 4 if draft is not None else 0
+    assert share.weights == whole.weights - target // 2 + heads
+    target_cache = request.num_kv_blocks * bytes_per_block(config, request.block_size, torch.float32)
+    assert share.kv_cache == whole.kv_cache - target_cache // 2
+    assert share.activations == whole.activations
