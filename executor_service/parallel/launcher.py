@@ -3,7 +3,8 @@
 `specdec-executor --tensor-parallel-size N` starts N - 1 followers (worker.py) on this host, rank r on
 device index r (cuda:r; the CPU for every rank on a CPU run), then joins the group as rank 0. A watchdog
 thread polls the children: one that exits marks the group broken (later steps fail with UNAVAILABLE) and
-calls `on_failure` (the server goes NOT_SERVING). The children get SIGTERM if rank 0 dies (Linux).
+calls `on_failure` (the server goes NOT_SERVING); one that exits before the group is formed ends rank 0 with
+the bad-setup status. The children get SIGTERM if rank 0 dies (Linux).
 """
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import logging
+import os
 import signal
 import socket
 import subprocess
@@ -29,6 +31,7 @@ from executor_service.parallel.state import (
     destroy_tensor_parallel,
     init_tensor_parallel,
 )
+from specdec_runtime.grpc_runtime import EXIT_BAD_SETUP
 
 log = logging.getLogger("specdec.executor")
 POLL_SECONDS = 0.2
@@ -77,9 +80,12 @@ class Followers:
                 if status is None:
                     continue
                 reason = f"rank {rank} (pid {process.pid}) exited with status {status}"
+                if self.group is None:  # rank 0 waits for it to join, for minutes: stop now instead
+                    log.error("tensor-parallel %s while starting; exiting", reason)
+                    logging.shutdown()
+                    os._exit(EXIT_BAD_SETUP)
                 log.error("tensor-parallel %s; the executor can no longer run steps", reason)
-                if self.group is not None:
-                    self.group.fail(reason)
+                self.group.fail(reason)
                 self.on_failure(reason)
                 return
             self._keep_alive()

@@ -1,0 +1,73 @@
+"""The follower processes' life: a follower that dies while the group forms ends rank 0 at once with the
+bad-setup status (instead of a wait of minutes), and followers do not outlive a rank 0 killed with SIGKILL."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from google.protobuf import json_format
+from server_processes import REPO_ROOT, spawn_server
+from test_tp_rank_failure import child_pids
+from tp_greedy_run import load_request
+
+EXIT_WAIT_S = 60.0  # no-hang bound, not a performance bar
+
+START_WITH_DEAD_FOLLOWER = """
+import types, torch
+from executor_service.parallel import launcher
+launcher.sys = types.SimpleNamespace(executable="/bin/false")  # every follower exits 1 at once
+launcher.Followers(2, torch.device("cpu"), None)
+print("the group formed without its follower")
+"""
+
+
+def test_a_follower_that_dies_at_start_ends_rank_0_with_bad_setup() -> None:
+    run = subprocess.run(
+        [sys.executable, "-c", START_WITH_DEAD_FOLLOWER],
+        cwd=REPO_ROOT,
+        capture_output=True,
+        text=True,
+        timeout=EXIT_WAIT_S,
+        check=False,
+    )
+    assert run.returncode == 2, (run.stdout, run.stderr[-2000:])
+    assert "tensor-parallel rank 1" in run.stderr and "exited with status 1 while starting" in run.stderr
+
+
+def alive(pid: int) -> bool:
+    try:
+        status = Path(f"/proc/{pid}/stat").read_text().split()[2]
+    except FileNotFoundError:
+        return False
+    return status != "Z"  # a zombie has exited
+
+
+@pytest.mark.skipif(not Path("/proc/self/task").exists(), reason="reads /proc for the follower's pid")
+def test_followers_exit_when_rank_0_is_killed(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")
+    load = tmp_path / "load.json"
+    load.write_text(json.dumps(json_format.MessageToDict(load_request("none"))))
+    server = spawn_server(
+        "executor", "tp", tmp_path, "--device", "cpu", "--tensor-parallel-size", "3", "--load", str(load)
+    )
+    try:
+        followers = []
+        deadline = time.monotonic() + EXIT_WAIT_S
+        while len(followers) < 2 and time.monotonic() < deadline:
+            followers = child_pids(server.process.pid)
+            time.sleep(0.05)
+        assert len(followers) == 2, server.log()
+    finally:
+        os.kill(server.process.pid, signal.SIGKILL)
+        server.process.wait()
+    deadline = time.monotonic() + EXIT_WAIT_S
+    while any(alive(pid) for pid in followers):
+        assert time.monotonic() < deadline, f"followers {followers} outlived rank 0"
+        time.sleep(0.05)
