@@ -41,6 +41,15 @@ def blocks_for_memory_fraction(
     return int(count)
 
 
+def copy_kv_slots(layers: list[tuple[torch.Tensor, torch.Tensor]], src: torch.Tensor, dst: torch.Tensor) -> None:
+    """Copy the K/V of cache slots `src` to `dst` in every layer (gathered first, so a slot both read and
+    written is read before it is overwritten): tree drafting moves the accepted drafts' K/V into place."""
+    for layer in layers:
+        for cache in layer:
+            flat = cache.view(-1, *cache.shape[2:])
+            flat[dst] = flat[src]
+
+
 class KVCache:
     """k and v [num_blocks, block_size, num_kv_heads, head_size] per layer, in one allocation."""
 

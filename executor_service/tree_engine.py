@@ -22,8 +22,10 @@ import torch
 
 from executor_service.attention_step import cache_slot, to_device
 from executor_service.engine import Engine
+from executor_service.kv_cache import copy_kv_slots
 from executor_service.logprobs import batch_logprobs
 from executor_service.model_runner import StepInputs
+from executor_service.parallel.driver import TensorParallelModel
 from executor_service.rejection_sampler import VerifyError, verify_batch
 from executor_service.request import Request, Status
 from executor_service.scheduler import ScheduledStep
@@ -169,10 +171,10 @@ class TreeEngine(Engine):
         both read and written is read before it is overwritten)."""
         device = self.runner.kv_cache.layers[0][0].device
         src, dst = to_device(sources, torch.int64, device), to_device(targets, torch.int64, device)
-        for layer in self.runner.kv_cache.layers:
-            for cache in layer:
-                flat = cache.view(-1, *cache.shape[2:])
-                flat[dst] = flat[src]
+        if isinstance(self.runner.model, TensorParallelModel):  # every rank moves its own heads' K/V
+            self.runner.model.move_kv(src, dst, self.runner.kv_cache.layers)
+        else:
+            copy_kv_slots(self.runner.kv_cache.layers, src, dst)
 
     def _propose_trees(
         self, scheduled: ScheduledStep, rows: dict[int, list[int]], features: torch.Tensor | None

@@ -21,6 +21,7 @@ import torch
 from torch import nn
 
 from executor_service.attention_step import AttentionStep
+from executor_service.kv_cache import copy_kv_slots
 from executor_service.loader import LoadedModel
 from executor_service.model import DecoderModel
 from executor_service.parallel import protocol
@@ -78,6 +79,12 @@ class TensorParallelModel(nn.Module):
         with on_all_ranks(self.group):
             protocol.send_logits(self.group, self.model_id, hidden)
             return self.model.compute_logits(hidden)
+
+    def move_kv(self, src: torch.Tensor, dst: torch.Tensor, layers: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+        """Every rank copies the K/V of cache slots `src` to `dst` in its own cache (tree_engine.py)."""
+        with on_all_ranks(self.group):
+            protocol.send_move(self.group, self.model_id, src, dst)
+            copy_kv_slots(layers, src, dst)
 
     def release(self) -> None:
         """The other ranks drop this model's shard and KV cache (a broken group has nothing to drop)."""

@@ -10,6 +10,7 @@ where the op has one, a payload on the default group (NCCL on CUDA: device tenso
   captured layers): one int64 tensor holding input ids, positions, slots, block table, query starts,
   sequence lengths, the tree mask and the captured layer ids, in that order.
 - LOGITS (model id, rows): the hidden rows [rows, hidden] whose logits rank 0 wants.
+- MOVE_KV (model id, slots): source and destination cache slots (tree drafting's accepted K/V), int64.
 - UNLOAD (model id), STOP, NOOP (an idle rank 0's keep-alive, so the followers' wait never times out).
 
 Sampling, scheduling and drafting happen on rank 0 only, so sampling settings never travel.
@@ -39,6 +40,7 @@ class Op(enum.IntEnum):
     LOGITS = 4
     CACHE = 5
     NOOP = 6  # keep-alive from an idle rank 0
+    MOVE_KV = 7
 
 
 def send_header(group: TensorParallelGroup, op: Op, *values: int) -> None:
@@ -121,6 +123,18 @@ def receive_forward(values: list[int], backend: str, device: torch.device) -> Fo
         tree_mask=parts[6] if tree else None,
     )
     return ForwardCall(input_ids, positions, step, tuple(parts[-1].tolist()))
+
+
+def send_move(group: TensorParallelGroup, model_id: int, src: torch.Tensor, dst: torch.Tensor) -> None:
+    send_header(group, Op.MOVE_KV, model_id, src.shape[0])
+    dist.broadcast(torch.cat([src, dst]), src=0)
+
+
+def receive_move(values: list[int], device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    slots = torch.empty(2 * values[1], dtype=torch.int64, device=device)
+    dist.broadcast(slots, src=0)
+    src, dst = slots.chunk(2)
+    return src, dst
 
 
 def send_logits(group: TensorParallelGroup, model_id: int, hidden: torch.Tensor) -> None:

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import torch
 
-from executor_service.kv_cache import KVCache
+from executor_service.kv_cache import KVCache, copy_kv_slots
 from executor_service.model import DecoderModel
 from executor_service.parallel import protocol
 from executor_service.parallel.layers import rank_config
@@ -83,6 +83,10 @@ def follow(group: TensorParallelGroup, model_root: Path | None) -> None:
             assert shard.kv_cache is not None, "a forward call before the KV cache"
             call = protocol.receive_forward(values, shard.backend, group.device)
             shard.model(call.input_ids, call.positions, shard.kv_cache.layers, call.step, call.aux_layer_ids)
+        elif op == Op.MOVE_KV:
+            shard = shards[model_id]
+            assert shard.kv_cache is not None, "a K/V move before the KV cache"
+            copy_kv_slots(shard.kv_cache.layers, *protocol.receive_move(values, group.device))
         elif op == Op.LOGITS:
             shard = shards[model_id]
             hidden = protocol.receive_logits(values, shard.model.config.hidden_size, shard.dtype, group.device)

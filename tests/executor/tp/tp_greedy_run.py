@@ -7,6 +7,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -18,8 +19,10 @@ from engine_driving import Outputs, run_bounded
 from executor_service.config import ModelConfig
 from executor_service.drafting import resolve_draft
 from executor_service.loader import build_synthetic, save_directory
+from executor_service.request import Request
 from executor_service.sampling import SamplingSettings
 from executor_service.session import EngineSettings, build_session, resolve_target
+from executor_service.tree_verification import DraftTree
 from specdec.v1 import common_pb2, executor_pb2
 
 # 8 query / 4 KV heads split 2 and 4 ways; a vocabulary of 510 leaves the last rank's slice padded at 4.
@@ -32,7 +35,12 @@ SIZES = {
     "num_kv_heads": 4,
     "head_size": 16,
 }
-METHODS = {"none": None, "eagle3": common_pb2.SPEC_METHOD_EAGLE3, "dflash": common_pb2.SPEC_METHOD_DFLASH}
+METHODS = {
+    "none": None,
+    "eagle3": common_pb2.SPEC_METHOD_EAGLE3,
+    "eagle3_tree": common_pb2.SPEC_METHOD_EAGLE3,  # a static tree, drafts replayed on its last branch
+    "dflash": common_pb2.SPEC_METHOD_DFLASH,
+}
 PROMPTS = [[(7 * i + 3 * n) % SIZES["vocab_size"] for i in range(n)] for n in (5, 23, 40)]
 MAX_TOKENS = 12
 K = 3
@@ -64,15 +72,40 @@ def load_request(method: str, checkpoint: Path | None = None) -> executor_pb2.Lo
     spec = executor_pb2.SyntheticModel(
         architecture="llama", seed=5, **{**SIZES, "vocab_size": 0, "num_layers": 2 if dflash else 1}
     )
-    if method == "eagle3":
+    if method.startswith("eagle3"):
         spec.draft_vocab_size = SIZES["vocab_size"] // 2
     request.draft.method = METHODS[method]
     request.draft.num_speculative_tokens = K
     request.draft.source.synthetic.CopyFrom(spec)
+    if method == "eagle3_tree":
+        request.draft.num_speculative_tokens = 0  # the tree's depth
+        request.draft.tree.CopyFrom(common_pb2.DraftTree(branching=[2, 2, 1]))
     if dflash:
         request.draft.dflash_config.mask_token_id = SIZES["vocab_size"] - 1
         request.draft.dflash_config.block_size = K + 1
     return request
+
+
+class ReplayOnLastBranch:
+    """Rewrites each drafted tree: the target's own continuation along the last child at every depth, a wrong
+    token elsewhere, so drafts are accepted off the tree's first nodes (as tests/executor/test_tree_decode.py)."""
+
+    def __init__(self, set_tree: Callable[..., None], references: dict[str, list[int]]) -> None:
+        self.set_tree, self.references = set_tree, references
+
+    def __call__(self, request: Request, tokens: list[int], parents: list[int]) -> None:
+        upcoming = self.references[request.request_id][len(request.output_ids) :]
+        children = DraftTree(tokens, parents).children()
+        wrong = [(token + 1) % SIZES["vocab_size"] for token in upcoming]
+        rewritten = [wrong[0] if wrong else 0] * len(tokens)
+        node, depth = -1, 0
+        while children[node + 1] and depth < len(upcoming):
+            for child in children[node + 1]:
+                rewritten[child] = wrong[depth]
+            node = children[node + 1][-1]
+            rewritten[node] = upcoming[depth]
+            depth += 1
+        self.set_tree(request, rewritten, parents)
 
 
 def greedy_outputs(
@@ -90,6 +123,9 @@ def greedy_outputs(
         draft_decision=decision if draft is not None else None,
     )  # fmt: skip
     outputs = Outputs()
+    if method == "eagle3_tree":  # accepted drafts: the tree mask and the K/V move decide the next tokens
+        references = greedy_outputs("none", device, backend, checkpoint)
+        session.proposer.set_tree = ReplayOnLastBranch(session.proposer.set_tree, references)  # type: ignore[union-attr]
     try:
         for index, prompt in enumerate(PROMPTS):
             session.engine.add(session.new_request(f"r{index}", prompt, SamplingSettings(), MAX_TOKENS, outputs))
