@@ -1,5 +1,6 @@
 """The follower processes' life: a follower that dies while the group forms ends rank 0 at once with the
-bad-setup status (instead of a wait of minutes), and followers do not outlive a rank 0 killed with SIGKILL."""
+bad-setup status (instead of a wait of minutes), followers do not outlive a rank 0 killed with SIGKILL, and
+SIGTERM stops rank 0 and its followers cleanly."""
 
 from __future__ import annotations
 
@@ -11,11 +12,15 @@ import sys
 import time
 from pathlib import Path
 
+import grpc
 import pytest
 from google.protobuf import json_format
 from server_processes import REPO_ROOT, spawn_server
+from test_fault_kill import generate, wait_serving
 from test_tp_rank_failure import child_pids
 from tp_greedy_run import load_request
+
+from specdec.v1 import executor_pb2_grpc
 
 EXIT_WAIT_S = 60.0  # no-hang bound, not a performance bar
 
@@ -71,3 +76,28 @@ def test_followers_exit_when_rank_0_is_killed(tmp_path: Path, monkeypatch: pytes
     while any(alive(pid) for pid in followers):
         assert time.monotonic() < deadline, f"followers {followers} outlived rank 0"
         time.sleep(0.05)
+
+
+@pytest.mark.skipif(not Path("/proc/self/task").exists(), reason="reads /proc for the followers' pids")
+def test_sigterm_stops_rank_0_and_its_followers_cleanly(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Served tokens at TP 2 through gRPC, then SIGTERM: the model is unloaded on every rank, the followers get
+    STOP and exit, and rank 0 exits 0."""
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")
+    load = tmp_path / "load.json"
+    load.write_text(json.dumps(json_format.MessageToDict(load_request("eagle3"))))
+    server = spawn_server(
+        "executor", "tp", tmp_path, "--device", "cpu", "--tensor-parallel-size", "2", "--load", str(load)
+    )
+    try:
+        with grpc.insecure_channel(server.address) as channel:
+            wait_serving(channel, server)
+            followers = child_pids(server.process.pid)
+            stub = executor_pb2_grpc.ExecutorStub(channel)
+            responses = list(stub.Generate(generate("short", 5), timeout=EXIT_WAIT_S))
+            assert sum(len(r.token_ids) for r in responses) == 5
+            assert responses[-1].finished.finish_reason == "length"
+    finally:
+        status = server.stop()
+    assert status == 0, server.log()[-3000:]
+    assert len(followers) == 1 and not alive(followers[0])
+    assert "could not stop the followers" not in server.log()
