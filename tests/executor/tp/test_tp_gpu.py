@@ -1,5 +1,6 @@
 """The NCCL path (gpu marker; skipped without two CUDA GPUs): greedy tokens at TP 2 and 4 on cuda:0..N-1 equal
-the single-GPU ones, fp32 on TRITON_ATTN, with no drafter, EAGLE-3 and DFlash. Not run yet: no machine with
+the single-GPU ones, fp32 on TRITON_ATTN, with no drafter, EAGLE-3, an EAGLE-3 tree and DFlash; eagerly, and
+with rank 0's drafter graphs (the target's steps are not captured under TP). Not run yet: no machine with
 several GPUs was lent while it was written."""
 
 from __future__ import annotations
@@ -22,13 +23,15 @@ RUN = Path(__file__).with_name("tp_greedy_run.py")
 BACKEND = "TRITON_ATTN"
 
 
+@pytest.mark.parametrize("graphs", [False, True], ids=["eager", "drafter-graphs"])
 @pytest.mark.parametrize("tp", [2, 4])
-def test_nccl_greedy_equals_single_gpu(tp: int) -> None:
+def test_nccl_greedy_equals_single_gpu(tp: int, graphs: bool) -> None:
     if torch.cuda.device_count() < tp:
         pytest.skip(f"needs {tp} CUDA GPUs")
     single = {method: greedy_outputs(method, "cuda", BACKEND) for method in METHODS}
     run = subprocess.run(
-        [sys.executable, str(RUN), "--tp", str(tp), "--device", "cuda", "--backend", BACKEND],
+        [sys.executable, str(RUN), "--tp", str(tp), "--device", "cuda", "--backend", BACKEND]
+        + (["--graphs"] if graphs else []),
         cwd=Path(__file__).resolve().parents[3],
         env=os.environ,
         capture_output=True,

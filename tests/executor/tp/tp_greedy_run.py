@@ -109,16 +109,16 @@ class ReplayOnLastBranch:
 
 
 def greedy_outputs(
-    method: str, device: str = "cpu", backend: str = "CPU_ATTN", checkpoint: Path | None = None
+    method: str, device: str = "cpu", backend: str = "CPU_ATTN", checkpoint: Path | None = None, graphs: bool = False
 ) -> dict[str, list[int]]:
     """Each prompt's greedy tokens, all prompts in one engine (batched, prefill chunked at 32 tokens); fp32,
-    eager."""
+    eager unless `graphs` (CUDA)."""
     request = load_request(method, checkpoint)
     source = resolve_target(request.target, checkpoint.parent if checkpoint else None, "target")
     draft = resolve_draft(request.draft, source.config, None) if request.HasField("draft") else None
     decision = common_pb2.BackendDecision(backend=backend)
     session = build_session(
-        source, request, decision, torch.device(device), EngineSettings(32, 8, cuda_graphs=False), start=False,
+        source, request, decision, torch.device(device), EngineSettings(32, 8, cuda_graphs=graphs), start=False,
         draft=draft,
         draft_decision=decision if draft is not None else None,
     )  # fmt: skip
@@ -142,6 +142,7 @@ def main() -> None:
     parser.add_argument("--device", default="cpu", help="cpu (gloo) or cuda (NCCL, rank r on cuda:r)")
     parser.add_argument("--backend", default="CPU_ATTN")
     parser.add_argument("--checkpoint", type=Path, help="a Hugging Face directory as the target")
+    parser.add_argument("--graphs", action="store_true", help="CUDA graphs where they are captured")
     args = parser.parse_args()
     from executor_service.parallel.launcher import Followers
 
@@ -149,7 +150,7 @@ def main() -> None:
     followers = Followers(args.tp, torch.device(args.device), root)
     try:
         methods = args.methods.split(",")
-        outputs = {method: greedy_outputs(method, args.device, args.backend, args.checkpoint) for method in methods}
+        outputs = {m: greedy_outputs(m, args.device, args.backend, args.checkpoint, args.graphs) for m in methods}
         print(json.dumps(outputs))
     finally:
         followers.stop()
