@@ -47,11 +47,11 @@ def on_all_ranks(group: TensorParallelGroup) -> Iterator[None]:
             yield
         except RankUnavailable:
             raise
-        except (RuntimeError, OSError) as err:  # gloo / NCCL: a peer closed the connection or timed out
+        except (RuntimeError, OSError) as err:  # a peer gone or timed out, or rank 0 failed mid-op: out of step
             deadline = time.monotonic() + NAME_THE_RANK_S  # the watchdog names the rank that died, if one did
             while group.failure is None and time.monotonic() < deadline:
                 time.sleep(0.05)
-            group.fail(f"a collective failed: {str(err)[:200]}")
+            group.fail(f"an op on the ranks failed: {str(err)[:200]}")
             raise RankUnavailable(f"tensor parallelism is broken: {group.failure}") from err
 
 
@@ -112,14 +112,16 @@ def load_on_all_ranks(
     model_id = next(_model_ids)
     gc.collect()  # a failed build's model, still referenced from its traceback until now
     body = {"request": request_bytes.hex(), "backend": backend, "keep": sorted(_live_models)}
+    error: BaseException | None = None
     with on_all_ranks(group):
         protocol.send_load(group, model_id, body)
         try:
             loaded, heads = load_shard()
-        except BaseException:
-            protocol.all_loaded(group, ok=False)
-            raise
-        failed = protocol.all_loaded(group, ok=True)
+        except BaseException as err:  # the ranks stay in step: raised once every rank has reported
+            error = err
+        failed = protocol.all_loaded(group, ok=error is None)
+    if error is not None:
+        raise error
     if failed:  # the other ranks have dropped their shards
         raise RuntimeError(f"{failed} tensor-parallel ranks could not load the target (see their logs)")
     model = _live_models[model_id] = TensorParallelModel(loaded.model, group, model_id)

@@ -18,7 +18,7 @@ from google.protobuf import json_format
 from server_processes import REPO_ROOT, spawn_server
 from test_fault_kill import generate, wait_serving
 from test_tp_rank_failure import child_pids
-from tp_greedy_run import load_request
+from tp_greedy_run import greedy_outputs, load_request
 
 from specdec.v1 import executor_pb2_grpc
 
@@ -101,3 +101,45 @@ def test_sigterm_stops_rank_0_and_its_followers_cleanly(tmp_path: Path, monkeypa
     assert status == 0, server.log()[-3000:]
     assert len(followers) == 1 and not alive(followers[0])
     assert "could not stop the followers" not in server.log()
+
+
+LOAD_FAILING_ON_RANK_0 = """
+import json, sys, torch
+sys.path[:0] = ["tests/executor/tp", "tests/executor"]
+import tp_greedy_run
+from executor_service import session
+from executor_service.parallel import state
+from executor_service.parallel.launcher import Followers
+
+followers = Followers(2, torch.device("cpu"), None)
+real = session.load_target_shard
+def failing(*args, **kwargs):
+    raise RuntimeError("injected: rank 0 cannot load")
+session.load_target_shard = failing
+try:
+    tp_greedy_run.greedy_outputs("none")
+except RuntimeError as err:
+    print("load failed:", err, file=sys.stderr)
+session.load_target_shard = real
+print(json.dumps({"failure": state.get_tp_group().failure, "tokens": tp_greedy_run.greedy_outputs("none")}))
+followers.stop()
+"""
+
+
+def test_a_load_that_fails_on_rank_0_leaves_the_ranks_in_step() -> None:
+    """Rank 0's own load fails after the followers built theirs: they drop it, the group is not broken, and the
+    next load serves the same tokens as one process."""
+    run = subprocess.run(
+        [sys.executable, "-c", LOAD_FAILING_ON_RANK_0],
+        cwd=REPO_ROOT,
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
+        capture_output=True,
+        text=True,
+        timeout=EXIT_WAIT_S * 5,
+        check=False,
+    )
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert "load failed: injected: rank 0 cannot load" in run.stderr
+    report = json.loads(run.stdout.strip().splitlines()[-1])
+    assert report["failure"] is None
+    assert report["tokens"] == greedy_outputs("none")
