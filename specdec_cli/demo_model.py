@@ -23,7 +23,16 @@ METHODS = {
 }
 BLOCK_SIZE = 16
 NUM_KV_BLOCKS = 512  # 8192 tokens: the context of either model, small enough for any device
-DEFAULT_EAGLE_K = 7  # EAGLE-1 / EAGLE-3 on the default model; DFlash proposes its block size - 1
+# EAGLE-1 / EAGLE-3 drafts per step on the default model, by device: the fastest end to end where measured
+# (DFlash proposes its block size - 1, and is slower on both). H100, bench/results/acceptance_2026-11-24_h100_84eff1b:
+# EAGLE-3 k = 3 1.90x, k = 7 1.67x, DFlash 1.68-1.70x. A 2-core CPU, acceptance_2026-11-24_cpu_78714f9: no
+# drafter beats target-only there; EAGLE-3 k = 7 comes closest (0.98x; k = 3 0.95x, DFlash 0.71-0.77x).
+DEFAULT_EAGLE_K = {"cuda": 3, "cpu": 7}
+
+
+def default_eagle_k(device: str) -> int:
+    """EAGLE's default drafts per step on `device` (cpu, cuda, cuda:N; another kind gets the CPU's)."""
+    return DEFAULT_EAGLE_K.get(device.split(":", 1)[0], DEFAULT_EAGLE_K["cpu"])
 
 
 @dataclass(frozen=True)
@@ -79,13 +88,13 @@ class DemoModel:
     model_root: Path | None = None  # where the drafter lives: the --model-root of an executor started here
 
 
-def default_model(method: str, k: int | None, drafters_root: Path) -> DemoModel:
-    """SmolLM2 and its trained `method` drafter from `drafters_root`, proposing `k` tokens (default 7; DFlash:
-    its block size - 1)."""
+def default_model(method: str, k: int | None, drafters_root: Path, device: str = "cpu") -> DemoModel:
+    """SmolLM2 and its trained `method` drafter from `drafters_root`, proposing `k` tokens (default: the fastest
+    measured on `device`'s kind, DEFAULT_EAGLE_K; DFlash: its block size - 1)."""
     drafters_root = drafters_root.resolve()
     directory = find_drafter(drafters_root, SMOLLM2.drafters, method)
     drafter = read_drafter(directory, method)
-    k = k or (drafter.block_size - 1 if method == "dflash" else DEFAULT_EAGLE_K)
+    k = k or (drafter.block_size - 1 if method == "dflash" else default_eagle_k(device))
     draft = executor_pb2.DraftModel(method=METHODS[method], num_speculative_tokens=k)
     draft.source.path = directory.name  # relative to the executor's --model-root
     load = executor_pb2.LoadModelRequest(

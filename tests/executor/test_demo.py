@@ -240,3 +240,14 @@ def test_the_demo_client_does_not_import_torch() -> None:
     """The client is a plain gRPC caller: torch lives in the executor's process only."""
     code = "import sys, specdec_cli.cli; sys.exit('torch' in sys.modules)"
     assert subprocess.run([sys.executable, "-c", code], cwd=REPO_ROOT, check=False).returncode == 0
+
+
+def test_the_default_k_is_the_fastest_measured_on_the_device(stand_ins: Path) -> None:
+    """EAGLE's default drafts per step follow the device (k = 3 on CUDA, 7 on the CPU); an explicit --k and
+    DFlash's block are kept whatever the device."""
+    ks = {device: default_model("eagle3", None, stand_ins, device).load.draft.num_speculative_tokens
+          for device in ("cpu", "cuda", "cuda:1", "mps")}  # fmt: skip
+    assert ks == {"cpu": 7, "cuda": 3, "cuda:1": 3, "mps": 7}
+    assert default_model("eagle3", 5, stand_ins, "cuda").load.draft.num_speculative_tokens == 5
+    dflash = default_model("dflash", None, stand_ins, "cuda").load.draft.num_speculative_tokens
+    assert dflash == default_model("dflash", None, stand_ins, "cpu").load.draft.num_speculative_tokens > 3
