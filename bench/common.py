@@ -114,6 +114,28 @@ def median(values: list[float]) -> float:
     return statistics.median(values) if values else float("nan")
 
 
+def time_graph(run: Any, device: torch.device, iters: int, warmup: int = 5) -> float:
+    """Median ms of one `run()` (e.g. what the engine calls: buffer copies + replay) alone on an idle GPU, after
+    `warmup` untimed runs (compiling, warming up): includes the host's launch latency, which a pipelined engine
+    hides behind the previous pass. CUDA events on GPUs, the wall clock on the CPU."""
+    for _ in range(warmup):
+        run()
+    times = []
+    for _ in range(iters):
+        if device.type == "cuda":
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            run()
+            end.record()
+            end.synchronize()
+            times.append(start.elapsed_time(end))
+        else:
+            began = time.perf_counter()
+            run()
+            times.append((time.perf_counter() - began) * 1e3)
+    return median(times)
+
+
 def sync(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)

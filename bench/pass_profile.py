@@ -19,8 +19,8 @@ from typing import Any
 sys.path.append(str(Path(__file__).resolve().parent))
 
 import torch
-from common import PRESETS, commit_id, log, write_result
-from specdec_bench import open_sessions, parse_args, pass_calls, time_graph
+from common import PRESETS, commit_id, log, time_graph, write_result
+from specdec_bench import open_sessions, parse_args, pass_calls
 from torch.profiler import ProfilerActivity, profile
 
 REPLAYS = 20

@@ -47,6 +47,7 @@ from common import (  # noqa: E402
     make_prompts,
     median,
     synthetic_target,
+    time_graph,
     versions,
     write_result,
 )
@@ -132,27 +133,6 @@ def open_sessions(args: argparse.Namespace, preset: dict[str, Any]) -> dict[str,
 
 
 # ---- (a) passes --------------------------------------------------------------------------------------------------
-def time_graph(run: Any, device: torch.device, iters: int) -> float:
-    """Median ms of one `run()` (what the engine calls: buffer copies + replay) alone on an idle GPU: includes
-    the host's launch latency, which a pipelined engine hides behind the previous pass."""
-    for _ in range(5):
-        run()
-    times = []
-    for _ in range(iters):
-        if device.type == "cuda":
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            run()
-            end.record()
-            end.synchronize()
-            times.append(start.elapsed_time(end))
-        else:
-            began = time.perf_counter()
-            run()
-            times.append((time.perf_counter() - began) * 1e3)
-    return median(times)
-
-
 def time_back_to_back(run: Any, iters: int, repeats: int = 5) -> float:
     """Median over `repeats` of the mean ms per `run()` when `iters` of them are issued back to back, as the
     drafter's chain steps and the engine's steps are: the device time of one pass."""

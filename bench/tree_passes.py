@@ -12,11 +12,10 @@ mask (a top-4 tree filled breadth first: the mask's cost does not depend much on
 
 from __future__ import annotations
 
-import statistics
-import time
 from typing import Any
 
 import torch
+from common import time_graph
 
 from executor_service.attention_step import build_attention_step, cache_slot, to_device
 from executor_service.session import ModelSession
@@ -68,6 +67,7 @@ def measure_tree_verify(session: ModelSession, batch: int, context: int, budget:
     try:
         for name, positions, tree_mask in (("chain", chain_positions, None), ("tree", tree_positions, masks)):
 
+            @torch.inference_mode()
             def run(positions: list[int] = positions, tree_mask: list[int] | None = tree_mask) -> None:
                 step = build_attention_step(
                     runner.backend, blocks, [rows] * batch, [context + rows] * batch, slots, True, device
@@ -76,29 +76,9 @@ def measure_tree_verify(session: ModelSession, batch: int, context: int, budget:
                     step.tree_mask = to_device(tree_mask, torch.int64, device)
                 runner.forward(ids, to_device(positions, torch.int64, device), step, None)
 
-            report[f"{name}_ms"] = round(_median_ms(run, device, iters), 4)
+            report[f"{name}_ms"] = round(time_graph(run, device, iters, warmup=2), 4)
     finally:
         for b in blocks:
             allocator.free(b)
     report["tree_over_chain"] = round(report["tree_ms"] / report["chain_ms"], 3)
     return report
-
-
-@torch.inference_mode()
-def _median_ms(run: Any, device: torch.device, iters: int) -> float:
-    for _ in range(2):  # compile, warm up
-        run()
-    times = []
-    for _ in range(iters):
-        if device.type == "cuda":
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            run()
-            end.record()
-            end.synchronize()
-            times.append(start.elapsed_time(end))
-        else:
-            started = time.perf_counter()
-            run()
-            times.append(1000 * (time.perf_counter() - started))
-    return statistics.median(times)
