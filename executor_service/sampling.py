@@ -100,13 +100,18 @@ def target_probs(logits: torch.Tensor, settings: SamplingSettings) -> torch.Tens
     return probs
 
 
+def is_distribution(weights: torch.Tensor) -> torch.Tensor:
+    """Per row of weights [..., V]: finite, >= 0 and a finite, positive sum (what a draw needs)."""
+    total = weights.sum(dim=-1)
+    return torch.isfinite(weights).all(dim=-1) & (weights >= 0).all(dim=-1) & (total > 0) & torch.isfinite(total)
+
+
 def draw(weights: torch.Tensor, generator: torch.Generator | None) -> tuple[torch.Tensor, torch.Tensor]:
     """One token from unnormalized weights [V] and whether they were a distribution (finite, >= 0, sum > 0),
     both still on the device. Weights that are not are swapped for uniform ones before the draw, because
     multinomial's own check raises on the CPU and is a device-side assert on CUDA (which poisons every
     request); the caller reads the flag with the token in the copy it makes anyway."""
-    total = weights.sum()
-    valid = torch.isfinite(weights).all() & (weights >= 0).all() & (total > 0) & torch.isfinite(total)
+    valid = is_distribution(weights)
     safe = torch.where(valid, weights, torch.ones_like(weights))
     return torch.multinomial(safe, 1, generator=generator)[0], valid
 
@@ -150,8 +155,7 @@ def draw_rows(probs: torch.Tensor, generators: list[torch.Generator | None]) -> 
     noise = torch.stack(
         [torch.empty(probs.shape[-1], device=probs.device).exponential_(generator=g) for g in generators]
     )
-    total = probs.sum(dim=-1)
-    valid = torch.isfinite(probs).all(dim=-1) & (probs >= 0).all(dim=-1) & (total > 0) & torch.isfinite(total)
+    valid = is_distribution(probs)
     safe = torch.where(valid[:, None], probs, torch.ones_like(probs))
     return (safe / noise).argmax(dim=-1), valid
 
