@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from executor_service.attention_step import to_device
 from specdec.v1 import executor_pb2
 
 # Below this a temperature is greedy: logits / 1e-38 overflow float32 to inf and softmax turns them into
@@ -126,7 +127,7 @@ def sample(
     valid = torch.isfinite(logits.gather(-1, tokens[:, None])[:, 0])  # argmax finds a NaN or +inf if any
     rows = [row for row, setting in enumerate(settings) if not setting.greedy]
     if rows:
-        index = torch.tensor(rows, device=logits.device)
+        index = to_device(rows, torch.int64, logits.device)
         drawn, ok = draw_rows(sampled_probs(logits[index], [settings[r] for r in rows]), [generators[r] for r in rows])
         tokens[index] = drawn
         valid[index] &= ok
@@ -143,7 +144,7 @@ def sampled_probs(logits: torch.Tensor, settings: list[SamplingSettings]) -> tor
     if any(s.min_p > 0.0 or s.top_k or s.top_p < 1.0 for s in settings):
         return torch.stack([target_probs(row, s) for row, s in zip(logits, settings, strict=True)])
     logits = logits.float()
-    scale = torch.tensor([s.temperature for s in settings], device=logits.device, dtype=torch.float32)[:, None]
+    scale = to_device([s.temperature for s in settings], torch.float32, logits.device)[:, None]
     return torch.softmax((logits - logits.amax(dim=-1, keepdim=True)) / scale, dim=-1)
 
 
