@@ -102,15 +102,18 @@ class Request:
             return "length"
         return None
 
-    def record_verification(self, num_drafts: int, num_accepted: int) -> None:
+    def record_verification(self, num_drafts: int, num_accepted: int, positions: int | None = None) -> None:
+        """A verify step's stats: drafts verified and accepted, and for each of `positions` (a chain's drafts; a
+        tree's depth) whether the accepted drafts reached it."""
+        positions = num_drafts if positions is None else positions
         self.verify_steps += 1
         self.drafted_tokens += num_drafts
         self.accepted_tokens += num_accepted
-        missing = num_drafts - len(self.drafted_per_position)
+        missing = positions - len(self.drafted_per_position)
         if missing > 0:
             self.drafted_per_position += [0] * missing
             self.accepted_per_position += [0] * missing
-        for i in range(num_drafts):
+        for i in range(positions):
             self.drafted_per_position[i] += 1
             self.accepted_per_position[i] += i < num_accepted
 

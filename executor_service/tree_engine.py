@@ -161,7 +161,7 @@ class TreeEngine(Engine):
                     targets.append(cache_slot(request.block_ids, root + depth, block_size))
             rows[id(request)] = [*range(row_start, root_row + 1), *(root_row + 1 + node for node in path)]
             request.num_computed_tokens = root + 1 + len(path)
-            record_tree_verification(request, len(tree.tokens), max(tree.depths()), len(path))
+            request.record_verification(len(tree.tokens), len(path), positions=max(tree.depths()))
         if sources:
             self._move_kv(sources, targets)
         return rows
@@ -194,17 +194,3 @@ class TreeEngine(Engine):
     def _finish(self, request: Request, *args: object, **kwargs: object) -> None:
         self.proposer.forget(request)
         super()._finish(request, *args, **kwargs)  # type: ignore[arg-type]
-
-
-def record_tree_verification(request: Request, num_drafts: int, depth: int, accepted: int) -> None:
-    """A verify step's stats: drafts verified and accepted, and per depth whether the accepted path reached it."""
-    request.verify_steps += 1
-    request.drafted_tokens += num_drafts
-    request.accepted_tokens += accepted
-    missing = depth - len(request.drafted_per_position)
-    if missing > 0:
-        request.drafted_per_position += [0] * missing
-        request.accepted_per_position += [0] * missing
-    for d in range(depth):
-        request.drafted_per_position[d] += 1
-        request.accepted_per_position[d] += d < accepted
