@@ -8,7 +8,8 @@
 # drafters/README.md ("Retraining"). GEN_MINUTES bounds generation (default 20: it starts no new chunk after
 # that; on an H100 about 26,000 responses took 6.3 minutes). Training runs a fixed number of steps per drafter
 # (E3_STEPS, DFLASH_STEPS, EAGLE_STEPS), three at once at batch 16: five at once at batch 32 ran out of the
-# H100's 80 GB. EAGLE-3 takes about 0.31 s a step alone on an H100: the defaults aim at about 25 minutes.
+# H100's 80 GB. EAGLE-3 takes about 0.31 s a step alone on an H100: the defaults aim at about 25 minutes;
+# TRAIN_MINUTES fits every run to that many minutes instead (the pace of steps 10-30 sets the step count).
 set -euo pipefail
 target=${1:?TARGET} run=${2:?RUN_DIR} prompts=${3:?PROMPTS}
 gen_minutes=${GEN_MINUTES:-20} phases=${PHASES:-generate,train}  # PHASES: generate, train or both
@@ -30,8 +31,16 @@ echo "generation: $(( $(date +%s) - started )) s"
 [[ $phases == *train* ]] || exit 0
 started=$(date +%s)
 fit=(--generation-minutes 0 --batch-size 16 --epochs 8)
-train --method eagle3 --out "$run/eagle3" "${fit[@]}" --max-steps "${E3_STEPS:-3000}" --lr 1e-3 > "$run/eagle3.log" 2>&1 &
-train --method dflash --out "$run/dflash" "${fit[@]}" --max-steps "${DFLASH_STEPS:-4000}" > "$run/dflash.log" 2>&1 &
+if [[ -n ${TRAIN_MINUTES:-} ]]; then fit+=(--train-minutes "$TRAIN_MINUTES"); fi
+# FROM_SHIPPED=1 (default) fine-tunes the shipped EAGLE-3 and DFlash drafters at half their learning rate;
+# FROM_SHIPPED=0 trains them from scratch. EAGLE-1 has no shipped drafter and always starts from scratch.
+if [[ ${FROM_SHIPPED:-1} == 1 ]]; then
+  e3=(--init-from drafters/smollm2-eagle3 --lr 5e-4) df=(--init-from drafters/smollm2-dflash --lr 3e-4)
+else
+  e3=(--lr 1e-3) df=()
+fi
+train --method eagle3 --out "$run/eagle3" "${fit[@]}" --max-steps "${E3_STEPS:-3000}" "${e3[@]}" > "$run/eagle3.log" 2>&1 &
+train --method dflash --out "$run/dflash" "${fit[@]}" --max-steps "${DFLASH_STEPS:-4000}" "${df[@]}" > "$run/dflash.log" 2>&1 &
 train --method eagle --out "$run/eagle" "${fit[@]}" --max-steps "${EAGLE_STEPS:-2000}" > "$run/eagle.log" 2>&1 &
 wait
 echo "training: $(( $(date +%s) - started )) s"

@@ -27,7 +27,7 @@ import torch
 from executor_service.draft_weights import empty_drafter, save_drafter
 from executor_service.training import datagen
 from executor_service.training.features import Sequence
-from executor_service.training.init import trainable_drafter, with_mask_token
+from executor_service.training.init import pretrained_config, pretrained_drafter, trainable_drafter, with_mask_token
 from executor_service.training.prompts import (
     MATERIAL_SOURCES,
     Prompt,
@@ -93,6 +93,9 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--resume", action="store_true", help="continue from OUT/checkpoint.pt")
     run.add_argument("--stop-after-steps", type=int, help="stop after this many steps (resume later)")
     run.add_argument("--max-steps", type=int, help="train at most this many steps (the schedule fits them)")
+    run.add_argument(
+        "--init-from", type=Path, help="a published drafter of the recipe's shape to go on training (fine-tuning)"
+    )
     run.add_argument("--train-minutes", type=float, help="fit the run to this time (steps 10-30 set the pace)")
     run.add_argument(
         "--generation-minutes",
@@ -182,8 +185,13 @@ def run(args: argparse.Namespace, command: str) -> dict[str, Any]:
     generation_seconds = time.perf_counter() - generation_started
 
     train, validation = split_validation(sequences, args.seed)
-    config = with_mask_token(draft_config(recipe, loaded.config, mask_token_id=0), sequences)
-    drafter, t2d = trainable_drafter(config, loaded.model, train, args.seed, device)
+    config = draft_config(recipe, loaded.config, mask_token_id=0)
+    if args.init_from:
+        config = pretrained_config(args.init_from, config, loaded.config)
+        drafter, t2d = pretrained_drafter(args.init_from, config, loaded.model, device)
+    else:
+        config = with_mask_token(config, sequences)
+        drafter, t2d = trainable_drafter(config, loaded.model, train, args.seed, device)
     trainer = Trainer(drafter, loaded.model, train, recipe, args.seed, device, t2d, not args.no_progress)
     if args.max_steps:
         trainer.total_steps = min(trainer.total_steps, args.max_steps)
@@ -205,6 +213,7 @@ def run(args: argparse.Namespace, command: str) -> dict[str, Any]:
         "finished": True, "steps": trainer.step, "train_minutes": args.train_minutes,
         "command": command, "method": args.method, "target": loaded.source,
         "seed": args.seed, "recipe": asdict(recipe),
+        "init_from": str(args.init_from) if args.init_from else None,
         "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu", "torch": torch.__version__,
         "drafter": {"target_layer_ids": list(config.target_layer_ids), "draft_vocab_size": config.draft_vocab_size,
                     "mask_token_id": config.mask_token_id, "block_size": config.block_size,

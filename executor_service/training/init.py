@@ -7,20 +7,27 @@ the target where the shapes allow it.
   those tokens, and its final norm as the target's.
 - DFlash's mask token: the token the data uses least (ties: the highest id), so that MASK is something
   the target's embedding never had to mean; its final norm starts as the target's, whose LM head it uses.
+
+Or a published drafter to go on training (`--init-from`, `pretrained_drafter`): its weights, EAGLE-3's
+reduced vocabulary and DFlash's mask token are kept, so the fine-tuned drafter stays a drop-in replacement.
 """
 
 from __future__ import annotations
 
 from collections import Counter
 from dataclasses import replace
+from pathlib import Path
 
 import torch
 
-from executor_service.draft_config import DraftConfig
+from executor_service.config import ModelConfig
+from executor_service.draft_config import DraftConfig, draft_from_hf
 from executor_service.draft_models import Drafter, Eagle3Drafter, TargetHeads
-from executor_service.draft_weights import synthetic_drafter
+from executor_service.draft_weights import load_drafter, synthetic_drafter
+from executor_service.loader import read_config_json
 from executor_service.model import DecoderModel
 from executor_service.training.features import Sequence
+from specdec.v1 import executor_pb2
 
 
 def token_counts(sequences: list[Sequence], vocab_size: int) -> torch.Tensor:
@@ -40,6 +47,11 @@ def draft_vocabulary(counts: torch.Tensor, size: int) -> torch.Tensor:
     """The `size` most frequent target ids (ties: lower id), ascending."""
     order = sorted(range(counts.shape[0]), key=lambda token: (-int(counts[token]), token))
     return torch.tensor(sorted(order[:size]), dtype=torch.int64)
+
+
+INIT_FIELD = "--init-from"
+SHAPE_FIELDS = ("num_layers", "hidden_size", "intermediate_size", "num_heads", "num_kv_heads", "head_size")
+DRAFT_FIELDS = ("target_layer_ids", "draft_vocab_size", "block_size")
 
 
 def vocab_maps(selected: torch.Tensor, vocab_size: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -72,4 +84,31 @@ def trainable_drafter(
         t2d = t2d.to(device)
     if hasattr(drafter, "norm"):
         drafter.norm.weight.copy_(target.norm.weight)
+    return drafter.train().requires_grad_(True), t2d
+
+
+def pretrained_config(directory: Path, recipe_config: DraftConfig, target: ModelConfig) -> DraftConfig:
+    """The published drafter's config, which must have the recipe's shape (the recipe's flags change the
+    optimization only); ValueError naming what differs."""
+    raw = read_config_json(directory, INIT_FIELD)
+    config = draft_from_hf(raw, recipe_config.method, target, executor_pb2.DraftModel(), INIT_FIELD)
+    pairs = [(name, getattr(config.model, name), getattr(recipe_config.model, name)) for name in SHAPE_FIELDS]
+    pairs += [(name, getattr(config, name), getattr(recipe_config, name)) for name in DRAFT_FIELDS]
+    differ = [f"{name} {mine} (recipe {wanted})" for name, mine, wanted in pairs if mine != wanted]
+    if differ:
+        raise ValueError(f"{INIT_FIELD} {directory}: not the recipe's drafter: " + "; ".join(differ))
+    return config
+
+
+@torch.no_grad()
+def pretrained_drafter(
+    directory: Path, config: DraftConfig, target: DecoderModel, device: torch.device
+) -> tuple[Drafter, torch.Tensor | None]:
+    """The published drafter in fp32 with gradients on, and EAGLE-3's t2d from its own d2t."""
+    heads = TargetHeads(target.embed_tokens, target.lm_head)
+    drafter = load_drafter(directory, config, heads, torch.float32, device, INIT_FIELD)
+    t2d = None
+    if isinstance(drafter, Eagle3Drafter):
+        selected = drafter.d2t.cpu() + torch.arange(config.draft_vocab_size)
+        t2d = vocab_maps(selected, config.model.vocab_size)[1].to(device)
     return drafter.train().requires_grad_(True), t2d

@@ -6,6 +6,7 @@ import json
 from pathlib import Path
 
 import pytest
+import torch
 from toy_target import save_toy_target
 
 from specdec_cli.cli import main
@@ -42,3 +43,37 @@ def test_bad_runs_are_refused_with_the_reason(
 ) -> None:
     assert main(["train-drafter", "--method", "dflash", "--out", str(tmp_path / "run"), *extra]) == 1
     assert message in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("method", ["eagle3", "dflash"])
+def test_init_from_goes_on_training_the_published_drafter(method: str, tmp_path: Path) -> None:
+    """At lr 0 a run started from a published drafter writes that drafter back unchanged (its weights, EAGLE-3's
+    reduced vocabulary and DFlash's mask token kept); a run from scratch at lr 0 does not."""
+    from safetensors.torch import load_file
+
+    target = save_toy_target(tmp_path / "target")
+    base = ["train-drafter", "--method", method, "--target", str(target), *TINY_RUN]
+    assert main([*base, "--out", str(tmp_path / "first")]) == 0
+    first = tmp_path / "first" / "drafter"
+    frozen = [*base, "--lr", "0", "--seed", "5"]
+    assert main([*frozen, "--out", str(tmp_path / "again"), "--init-from", str(first)]) == 0
+    assert main([*frozen, "--out", str(tmp_path / "scratch")]) == 0
+    published = load_file(str(first / "model.safetensors"))
+    again = load_file(str(tmp_path / "again" / "drafter" / "model.safetensors"))
+    scratch = load_file(str(tmp_path / "scratch" / "drafter" / "model.safetensors"))
+    assert again.keys() == published.keys()
+    assert all(torch.equal(again[name], published[name]) for name in published)
+    assert not all(torch.equal(scratch[name], published[name]) for name in published)
+    config = json.loads((tmp_path / "again" / "drafter" / "config.json").read_text())
+    assert config == json.loads((first / "config.json").read_text())
+    log = json.loads((tmp_path / "again" / "training_log.json").read_text())
+    assert log["init_from"] == str(first)
+
+
+def test_init_from_refuses_a_drafter_of_another_shape(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    target = save_toy_target(tmp_path / "target")
+    base = ["train-drafter", "--method", "eagle3", "--target", str(target), *TINY_RUN]
+    assert main([*base, "--out", str(tmp_path / "first")]) == 0
+    wider = [*base, "--intermediate-size", "96", "--init-from", str(tmp_path / "first" / "drafter")]
+    assert main([*wider, "--out", str(tmp_path / "wider")]) == 1
+    assert "not the recipe's drafter: intermediate_size 64 (recipe 96)" in capsys.readouterr().err
