@@ -113,11 +113,21 @@ class TreeProposer(Proposer):
         self, requests: list[Request], head: torch.Tensor, hidden: torch.Tensor
     ) -> list[tuple[list[int], list[int]]]:
         """The trees (tokens, parents) of `requests` from the newest verified row's head and feedback [B, H]."""
-        tree, count, device = self.tree, len(requests), head.device
         last = self.tensor([r.num_computed_tokens - 1 for r in requests], torch.int64)
-        block_table = self.block_table(requests)
-        width = max(tree.num_inputs, 1)
+        width = max(self.tree.num_inputs, 1)
         scratch = self.slots_ahead(requests, [r.num_computed_tokens for r in requests], width)  # [B, inputs]
+        tokens, parents = self.draft_tree(self.block_table(requests), last, scratch, head, hidden)
+        flat, size = to_host(torch.cat([tokens, parents], dim=1).reshape(-1)), tokens.shape[1]
+        return [(flat[i : i + size], flat[i + size : i + 2 * size]) for i in range(0, len(flat), 2 * size)]
+
+    def draft_tree(
+        self, block_table: torch.Tensor, last: torch.Tensor, scratch: torch.Tensor, head: torch.Tensor,
+        hidden: torch.Tensor,
+    ) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+        """The trees on the device, no host sync (the device-resident tree step captures it): tokens and parents
+        [B, drafts] (-1: the root) from the newest verified row's head and feedback [B, H] at positions `last`;
+        `scratch` [B, num_inputs] the slots of positions last + 1, ... that the drafter's passes write."""
+        tree, count, device = self.tree, head.shape[0], head.device
         first_width = tree.branching[0] if tree.branching else tree.top_k
         log_probs, tokens = self.top_candidates(head, first_width)  # [B, w]
         pool_tokens, pool_scores, pool_parents = [tokens], [log_probs], [torch.full_like(tokens, -1)]
@@ -191,9 +201,9 @@ class TreeProposer(Proposer):
 
     def _select(
         self, tokens: torch.Tensor, scores: torch.Tensor, parents: torch.Tensor
-    ) -> list[tuple[list[int], list[int]]]:
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """The verified tree of each request: every node (static) or the verify_budget best (dynamic), in pool
-        order (topological: parents are drafted first), parents renumbered into it."""
+        order (topological: parents are drafted first), parents renumbered into it; tokens and parents [B, W]."""
         count, pool = tokens.shape
         if self.tree.branching:
             chosen = torch.arange(pool, device=tokens.device).expand(count, -1)
@@ -203,11 +213,10 @@ class TreeProposer(Proposer):
             )
             ranked = scores - DEPTH_TIE_BREAK * depth
             chosen = ranked.topk(min(self.tree.verify_budget, pool), dim=-1).indices.sort(dim=-1).values
-        picked = torch.stack([tokens.gather(1, chosen), parents.gather(1, chosen), chosen], dim=1)  # [B, 3, W]
-        flat, width = to_host(picked.reshape(-1)), chosen.shape[1]
-        trees = []
-        for start in range(0, len(flat), 3 * width):
-            node_tokens, node_parents, node_ids = (flat[start + i * width : start + (i + 1) * width] for i in range(3))
-            where = {node: j for j, node in enumerate(node_ids)}
-            trees.append((node_tokens, [where[p] if p >= 0 else -1 for p in node_parents]))
-        return trees
+        width = chosen.shape[1]
+        where = torch.full_like(tokens, -1).scatter_(
+            1, chosen, torch.arange(width, device=tokens.device).expand(count, -1)
+        )
+        chosen_parents = parents.gather(1, chosen)
+        renumbered = where.gather(1, chosen_parents.clamp(min=0))
+        return tokens.gather(1, chosen), torch.where(chosen_parents >= 0, renumbered, -1)
