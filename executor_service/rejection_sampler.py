@@ -9,16 +9,26 @@ sampled them one by one. Our drafters are greedy (the argmax of their own logits
 on d_i (q_i(d_i) = 1): exactly the distribution the drafts were drawn from, which the same rule covers.
 Greedy requests (temperature 0) accept while the draft equals the target's argmax (of the penalised logits).
 
+All sampled requests of a step are verified together on the device (`rejection_sample_batch`): their target
+rows in one pass, the first rejection of each from a cumulative product, the residual or bonus row drawn by an
+exponential race, and one host copy for the whole batch. Only the random draws stay per request, because
+each request has its own generator (a seeded request must not depend on its batch): k uniforms, then V
+exponentials, the order the per-request sampler used, so seeded outputs did not change.
+
 A faulty drafter's id outside the vocabulary, or logits that give no distribution, fail that request
 alone: `verify_batch` returns a `VerifyError` in its place and verifies the others.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+from typing import NamedTuple
+
 import torch
 
-from executor_service.penalties import History, penalised_logits
-from executor_service.sampling import SamplingSettings, draw, sample, target_probs, to_host
+from executor_service.attention_step import to_device
+from executor_service.penalties import ROWS_PER_PASS, History, penalised_logits
+from executor_service.sampling import SamplingSettings, is_distribution, sampled_probs, to_host
 
 
 class VerifyError(RuntimeError):
@@ -46,46 +56,98 @@ def verify_greedy(draft_tokens: list[int], target_argmax: list[int]) -> list[int
     return emitted
 
 
+class Verdict(NamedTuple):
+    """Per request of a batched rejection pass, on the device: drafts accepted, the token after them, and
+    whether that token's weights were a distribution (finite, >= 0, positive sum)."""
+
+    num_accepted: torch.Tensor
+    tokens: torch.Tensor
+    valid: torch.Tensor
+
+
+def rejection_sample_batch(
+    probs: torch.Tensor,
+    drafts: Sequence[list[int]],
+    draft_probs: torch.Tensor | None,
+    generators: Sequence[torch.Generator | None],
+) -> Verdict:
+    """Verify every request's drafts at once: probs [R, V] holds each request's k + 1 target rows in turn,
+    drafts its k ids (in the vocabulary: check_drafts), draft_probs [sum k, V] the drafter's rows (None: point
+    masses). No host copy: the caller copies the Verdict with whatever else it reads.
+
+    Each request draws from its own generator in today's order: k uniforms, then V exponentials for the
+    final token (an exponential race, argmax of weights / noise: exactly what torch.multinomial draws).
+    """
+    device, vocab, count = probs.device, probs.shape[-1], len(drafts)
+    lengths = [len(d) for d in drafts]
+    width = max(lengths, default=0)
+    starts, draft_rows, slots, padded = [], [], [], []
+    for i, request_drafts in enumerate(drafts):
+        starts.append(len(draft_rows) + i)  # each request's first row: its drafts and bonus rows before it
+        draft_rows += range(starts[-1], starts[-1] + len(request_drafts))
+        slots += range(i * width, i * width + len(request_drafts))
+        padded += [*request_drafts, *[0] * (width + 1 - len(request_drafts))]
+    flat = [t for d in drafts for t in d]
+    host = [*starts, *lengths, *padded, *draft_rows, *slots, *flat]
+    sizes = [count, count, count * (width + 1), len(flat), len(flat), len(flat)]
+    start, length, padded_ids, rows, slot, flat_ids = to_device(host, torch.int64, device).split(sizes)
+    uniforms, noise = [], []
+    for num_drafts, generator in zip(lengths, generators, strict=True):
+        if num_drafts:
+            uniforms.append(torch.rand(num_drafts, generator=generator, device=device))
+        noise.append(torch.empty(vocab, device=device).exponential_(generator=generator))
+    grid = torch.zeros(count * width, dtype=torch.int64, device=device)  # 0 past a request's drafts: a stop
+    if flat:
+        p_draft = probs[rows, flat_ids]
+        q_draft = draft_probs[torch.arange(len(flat), device=device), flat_ids] if draft_probs is not None else 1.0
+        grid[slot] = (torch.cat(uniforms) * q_draft <= p_draft).long()  # u < p/q without dividing by a zero q
+    num_accepted = grid.view(count, width).cumprod(dim=1).sum(dim=1)  # drafts before the first rejection
+    final = probs[start + num_accepted]
+    weights = residual_weights(final, padded_ids.view(count, width + 1), num_accepted, length, draft_probs)
+    valid = is_distribution(weights)
+    safe = torch.where(valid[:, None], weights, torch.ones_like(weights))
+    return Verdict(num_accepted, (safe / torch.stack(noise)).argmax(dim=-1), valid)
+
+
+def residual_weights(
+    final: torch.Tensor,
+    padded: torch.Tensor,
+    num_accepted: torch.Tensor,
+    length: torch.Tensor,
+    draft_probs: torch.Tensor | None,
+) -> torch.Tensor:
+    """Each request's weights for its last token [S, V]: its bonus row when every draft was accepted, else
+    max(0, p - q) at the rejected draft (unnormalised; p where p == q up to rounding, probability ~0)."""
+    if draft_probs is None or draft_probs.shape[0] == 0:
+        residual = final.scatter(1, padded.gather(1, num_accepted[:, None]), 0.0)
+    else:
+        first_draft = length.cumsum(0) - length
+        rejected = (first_draft + num_accepted).clamp(max=draft_probs.shape[0] - 1)
+        residual = (final - draft_probs[rejected]).clamp_min(0.0)
+    residual = torch.where(residual.sum(dim=-1, keepdim=True) > 0.0, residual, final)
+    return torch.where((num_accepted == length)[:, None], final, residual)
+
+
 def rejection_sample(
     draft_tokens: torch.Tensor,
     draft_probs: torch.Tensor | None,
     target_probs: torch.Tensor,
     generator: torch.Generator | None = None,
 ) -> list[int]:
-    """Emitted tokens (accepted drafts, then one corrected or bonus token) for one request.
-
-    draft_tokens [k]; draft_probs [k, V] (None: point-mass drafts); target_probs [k + 1, V].
+    """Emitted tokens (accepted drafts, then one corrected or bonus token) for one request: the batched pass
+    with a batch of one. draft_tokens [k]; draft_probs [k, V] (None: point-mass drafts); target_probs [k + 1, V].
     """
-    num_drafts, vocab = draft_tokens.shape[0], target_probs.shape[-1]
-    if target_probs.shape[0] != num_drafts + 1:
-        raise ValueError(f"{num_drafts} drafts need {num_drafts + 1} rows of target probabilities")
-    draft_tokens = draft_tokens.long()
-    outside = (draft_tokens < 0) | (draft_tokens >= vocab)  # a faulty drafter: never index with these
-    safe_tokens = draft_tokens.clamp(0, vocab - 1)
-    positions = torch.arange(num_drafts, device=target_probs.device)
-    p_draft = target_probs[positions, safe_tokens]
-    q_draft = draft_probs[positions, safe_tokens] if draft_probs is not None else torch.ones_like(p_draft)
-    uniform = torch.rand(num_drafts, generator=generator, device=target_probs.device)
-    accepted = uniform * q_draft <= p_draft  # u < p/q without dividing by a zero q
-    first = accepted.long().cumprod(0).sum()  # drafts before the first rejection
-    first_rejected, num_outside, *drafted = to_host(torch.cat([first[None], outside.sum()[None], draft_tokens]))
-    if num_outside:
-        raise VerifyError(f"the drafter proposed ids outside the vocabulary [0, {vocab}): {drafted[:4]}")
-    if first_rejected == num_drafts:
-        weights = target_probs[num_drafts]
-    else:
-        target = target_probs[first_rejected]
-        if draft_probs is None:
-            residual = target.clone()
-            residual[drafted[first_rejected]] = 0.0
-        else:
-            residual = (target - draft_probs[first_rejected]).clamp_min(0.0)
-        weights = torch.where(residual.sum() > 0.0, residual, target)  # p == q up to rounding: probability ~0
-    final, valid = draw(weights, generator)
-    final_token, is_valid = to_host(torch.stack([final, valid.long()]))
-    if not is_valid:
+    drafted = draft_tokens.long().tolist()
+    if target_probs.shape[0] != len(drafted) + 1:
+        raise ValueError(f"{len(drafted)} drafts need {len(drafted) + 1} rows of target probabilities")
+    error = check_drafts(drafted, target_probs.shape[-1])
+    if error is not None:
+        raise error
+    verdict = rejection_sample_batch(target_probs, [drafted], draft_probs, [generator])
+    num_accepted, token, valid = to_host(torch.cat([verdict.num_accepted, verdict.tokens, verdict.valid.long()]))
+    if not valid:
         raise VerifyError("the target's probabilities are not a distribution (inf or NaN)")
-    return [*drafted[:first_rejected], final_token]
+    return [*drafted[:num_accepted], token]
 
 
 def verify_batch(
@@ -99,49 +161,69 @@ def verify_batch(
     the VerifyError that fails that request alone (the others are verified as usual). `histories` (the
     requests) give the tokens that penalties count; without them no penalty applies.
 
-    Greedy requests need only the argmax: one device-to-host copy for the whole batch, which also brings
-    whether each row's logits are finite (argmax lands on a NaN or +inf if there is one). Sampled requests
-    go through `rejection_sample` against the distribution they sample from (point-mass drafts).
+    Greedy requests take the argmax; sampled ones (with drafts or not) go through one batched rejection pass
+    against the distributions they sample from (`sample_verdicts`). One device-to-host copy for the whole
+    batch brings the argmax, whether each row's logits are finite (argmax lands on a NaN or +inf if there is
+    one) and the sampled verdicts.
     """
     vocab, num_rows = logits.shape[-1], logits.shape[0]
     raw_argmax = logits.argmax(dim=-1)
     finite = torch.isfinite(logits.gather(-1, raw_argmax[:, None])[:, 0])
     processed = penalised_logits(logits, settings, histories or [None] * len(settings), drafts)
     argmax = raw_argmax if processed is logits else processed.argmax(dim=-1)
-    host = to_host(torch.cat([argmax, finite.long()]))
+    errors = [check_drafts(request_drafts, vocab) for request_drafts in drafts]
+    starts = [0]
+    for request_drafts in drafts:
+        starts.append(starts[-1] + len(request_drafts) + 1)
+    sampled = [i for i, (s, error) in enumerate(zip(settings, errors, strict=True)) if not s.greedy and error is None]
+    parts = [argmax, finite.long()]
+    if sampled:
+        parts += sample_verdicts(
+            processed, [SampledRequest(starts[i], settings[i], generators[i], drafts[i]) for i in sampled]
+        )
+    host = to_host(torch.cat(parts))
+    tokens, finite_rows, found = host[:num_rows], host[num_rows : 2 * num_rows], host[2 * num_rows :]
+    verdicts = {i: found[3 * j : 3 * j + 3] for j, i in enumerate(sampled)}
     emitted: list[list[int] | VerifyError] = []
-    undrafted: list[tuple[int, int]] = []  # (request, row) sampled without drafts: drawn together below
-    row = 0
-    for setting, generator, request_drafts in zip(settings, generators, drafts, strict=True):
-        rows = len(request_drafts) + 1
-        error = check_drafts(request_drafts, vocab)
-        if error is None and not all(host[num_rows + row : num_rows + row + rows]):
+    for i, (setting, request_drafts, error) in enumerate(zip(settings, drafts, errors, strict=True)):
+        rows = slice(starts[i], starts[i + 1])
+        if error is None and not all(finite_rows[rows]):
             error = VerifyError("the target's logits are not finite (inf or NaN)")
         if error is not None:
             emitted.append(error)
         elif setting.greedy:
-            emitted.append(verify_greedy(request_drafts, host[row : row + rows]))
-        elif not request_drafts:
-            undrafted.append((len(emitted), row))
-            emitted.append([])
+            emitted.append(verify_greedy(request_drafts, tokens[rows]))
         else:
-            emitted.append(_sample_one(processed[row : row + rows], setting, generator, request_drafts))
-        row += rows
-    if undrafted:  # one batched draw and one host copy for them all, not a draw and a copy per request
-        requests, rows_of = [i for i, _ in undrafted], [r for _, r in undrafted]
-        drawn = sample(processed[rows_of], [settings[i] for i in requests], [generators[i] for i in requests])
-        for i, token in zip(requests, drawn, strict=True):
-            emitted[i] = [token] if isinstance(token, int) else VerifyError(str(token))
+            num_accepted, token, valid = verdicts[i]
+            if not valid:
+                emitted.append(VerifyError("the target's probabilities are not a distribution (inf or NaN)"))
+            else:
+                emitted.append([*request_drafts[:num_accepted], token])
     return emitted
 
 
-def _sample_one(
-    logits: torch.Tensor, setting: SamplingSettings, generator: torch.Generator | None, drafts: list[int]
-) -> list[int] | VerifyError:
-    """One sampled request's verification; a failure of its own numbers is its error, not the batch's."""
-    try:
-        probs = target_probs(logits, setting)
-        draft_tokens = torch.tensor(drafts, dtype=torch.int64, device=logits.device)
-        return rejection_sample(draft_tokens, None, probs, generator)
-    except Exception as err:  # whatever its numbers raise fails this request only
-        return err if isinstance(err, VerifyError) else VerifyError(f"sampling failed: {err}")
+class SampledRequest(NamedTuple):
+    """A sampled request of verify_batch: its first verify row, settings, generator and drafts (k + 1 rows)."""
+
+    start: int
+    settings: SamplingSettings
+    generator: torch.Generator | None
+    drafts: list[int]
+
+
+def sample_verdicts(processed: torch.Tensor, requests: list[SampledRequest]) -> list[torch.Tensor]:
+    """The sampled requests' verdicts, flattened per request as (accepted, token, valid), still on the device.
+    They go in passes of about ROWS_PER_PASS rows, so the probabilities and their temporaries stay small."""
+    out: list[torch.Tensor] = []
+    group: list[SampledRequest] = []
+    for index, request in enumerate(requests):
+        group.append(request)
+        if sum(len(r.drafts) + 1 for r in group) < ROWS_PER_PASS and index + 1 < len(requests):
+            continue
+        rows = [row for r in group for row in range(r.start, r.start + len(r.drafts) + 1)]
+        row_settings = [r.settings for r in group for _ in range(len(r.drafts) + 1)]
+        probs = sampled_probs(processed[to_device(rows, torch.int64, processed.device)], row_settings)
+        verdict = rejection_sample_batch(probs, [r.drafts for r in group], None, [r.generator for r in group])
+        out.append(torch.stack([verdict.num_accepted, verdict.tokens, verdict.valid.long()], dim=1).reshape(-1))
+        group = []
+    return out

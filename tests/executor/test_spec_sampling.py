@@ -11,7 +11,7 @@ So every path of verification feeds the marginals of tokens 2 to 4.
 from __future__ import annotations
 
 import itertools
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 import pytest
 import torch
@@ -21,6 +21,7 @@ from test_engine import Collector
 
 import executor_service.rejection_sampler as rejection_sampler
 from executor_service.model import DecoderModel
+from executor_service.rejection_sampler import Verdict
 from executor_service.sampling import SamplingSettings, target_probs
 from executor_service.session import ModelSession
 
@@ -37,8 +38,6 @@ SETTINGS = {
     "temperature": SamplingSettings(temperature=0.8, max_tokens=MAX_TOKENS, ignore_eos=True),
     "top_k_top_p": SamplingSettings(temperature=1.2, top_k=4, top_p=0.9, max_tokens=MAX_TOKENS, ignore_eos=True),
 }
-
-Sampler = Callable[[torch.Tensor, torch.Tensor | None, torch.Tensor, torch.Generator | None], list[int]]
 
 
 @pytest.fixture(scope="module")
@@ -88,20 +87,22 @@ def total_variations(empirical: torch.Tensor, exact: torch.Tensor) -> list[float
 
 
 def always_accept(
-    drafts: torch.Tensor, draft_probs: torch.Tensor | None, probs: torch.Tensor, generator: torch.Generator | None
-) -> list[int]:
-    """Accepts every draft: the greedy drafter's choices leak through."""
-    return [*drafts.tolist(), int(torch.multinomial(probs[len(drafts)], 1, generator=generator))]
+    probs: torch.Tensor,
+    drafts: Sequence[list[int]],
+    draft_probs: torch.Tensor | None,
+    generators: Sequence[torch.Generator | None],
+) -> Verdict:
+    """In place of rejection_sample_batch, accepts every draft: the greedy drafter's choices leak through."""
+    lengths = torch.tensor([len(d) for d in drafts])
+    bonus_rows = (lengths.cumsum(0) + torch.arange(len(drafts))).tolist()  # each request's row k
+    tokens = [torch.multinomial(probs[row], 1, generator=g) for row, g in zip(bonus_rows, generators, strict=True)]
+    return Verdict(lengths, torch.cat(tokens), torch.ones(len(drafts), dtype=torch.bool))
 
 
-def resample_from_target(
-    drafts: torch.Tensor, draft_probs: torch.Tensor | None, probs: torch.Tensor, generator: torch.Generator | None
-) -> list[int]:
-    """Right acceptance test, wrong correction: p instead of norm(max(0, p - q)), so drafts are favoured."""
-    for i, draft in enumerate(drafts.tolist()):
-        if float(torch.rand((), generator=generator)) > float(probs[i, draft]):
-            return [*drafts[:i].tolist(), int(torch.multinomial(probs[i], 1, generator=generator))]
-    return [*drafts.tolist(), int(torch.multinomial(probs[len(drafts)], 1, generator=generator))]
+def resample_from_target(final: torch.Tensor, *_: torch.Tensor | None) -> torch.Tensor:
+    """In place of residual_weights: right acceptance test, wrong correction (p instead of
+    norm(max(0, p - q))), so drafts are favoured."""
+    return final
 
 
 @pytest.mark.parametrize("name", list(SETTINGS))
@@ -115,13 +116,15 @@ def test_speculative_sampling_keeps_the_target_distribution(session: ModelSessio
     assert max(distances) < BOUND, distances
 
 
-@pytest.mark.parametrize("broken", [always_accept, resample_from_target])
+@pytest.mark.parametrize(
+    ("part", "broken"), [("rejection_sample_batch", always_accept), ("residual_weights", resample_from_target)]
+)
 def test_the_bound_catches_a_wrong_verification(
-    session: ModelSession, broken: Sampler, monkeypatch: pytest.MonkeyPatch
+    session: ModelSession, part: str, broken: Callable[..., object], monkeypatch: pytest.MonkeyPatch
 ) -> None:
     settings = SETTINGS["temperature"]
     exact = exact_marginals(session.loaded.model, settings)
-    monkeypatch.setattr(rejection_sampler, "rejection_sample", broken)
+    monkeypatch.setattr(rejection_sampler, part, broken)
     empirical, _, _ = run_requests(session, settings)
     distances = total_variations(empirical, exact)
     assert distances[0] < BOUND  # the prefill verifies no drafts: the broken samplers get token 1 right
