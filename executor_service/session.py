@@ -55,6 +55,7 @@ from executor_service.scheduler import Scheduler, speculative_headroom
 from executor_service.spec_step import SpecStep
 from executor_service.tree_engine import TreeEngine
 from executor_service.tree_proposer import TreeProposer
+from executor_service.tree_step import TreeStep
 from executor_service.validation import DEFAULT_BLOCK_SIZE, ModelLimits, check_path_text, resolve_model_path
 from executor_service.weights import hf_layout
 from specdec.v1 import common_pb2, executor_pb2, selector_pb2
@@ -354,9 +355,12 @@ def build_session(
     scheduler = Scheduler(kv_cache.allocator, block_size, *batch, lookahead, max_model_len, prefix_cache)
     chain = proposer is not None and not isinstance(proposer, TreeProposer)
     spec_step = SpecStep(runner, proposer) if chain and settings.device_spec_step else None
-    engine = (Engine if proposer is None or chain else TreeEngine)(
-        runner, scheduler, max_model_len, on_step, proposer, on_verify, spec_step
-    )
+    if isinstance(proposer, TreeProposer):
+        # Tensor parallelism keeps the host path (the K/V move is an op of every rank there).
+        tree_step = TreeStep(runner, proposer) if settings.device_spec_step and tp_group is None else None
+        engine: Engine = TreeEngine(runner, scheduler, max_model_len, on_step, proposer, on_verify, tree_step=tree_step)
+    else:
+        engine = Engine(runner, scheduler, max_model_len, on_step, proposer, on_verify, spec_step)
     headroom = speculative_headroom(draft.config.num_speculative_tokens, lookahead) if draft is not None else 0
     chat = load_chat_template(source.path, config, loaded.tokenizer)
     limits = ModelLimits(
@@ -416,7 +420,8 @@ def capture_graphs(session: ModelSession, settings: EngineSettings, max_model_le
     `target` False (tensor parallelism, whose target steps are not captured yet): the drafter's alone."""
     runner, proposer = session.engine.runner, session.proposer
     spec_batch = min(settings.max_num_seqs, MAX_SPEC_GRAPH_BATCH)
-    if isinstance(proposer, TreeProposer):  # tree steps run eagerly (host path): decode graphs only
+    tree_step = session.engine.tree_step if isinstance(session.engine, TreeEngine) else None
+    if isinstance(proposer, TreeProposer):  # the host path's tree steps run eagerly: decode graphs, the tree step's
         proposer = None
     if target and session.decision.backend in GRAPH_BACKENDS:
         runner.capture_graphs([1], settings.max_num_seqs, max_model_len)
@@ -427,6 +432,8 @@ def capture_graphs(session: ModelSession, settings: EngineSettings, max_model_le
     spec_step = session.engine.spec_step
     if target and spec_step is not None and {session.decision.backend, spec_step.proposer.backend} <= GRAPH_BACKENDS:
         spec_step.capture_graphs(spec_batch, max_model_len)
+    if target and tree_step is not None and {session.decision.backend, tree_step.proposer.backend} <= GRAPH_BACKENDS:
+        tree_step.capture_graphs(spec_batch, max_model_len)
 
 
 def warm_up(session: ModelSession) -> None:

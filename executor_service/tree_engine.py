@@ -29,7 +29,9 @@ from executor_service.parallel.driver import TensorParallelModel
 from executor_service.rejection_sampler import VerifyError, verify_batch
 from executor_service.request import Request, Status
 from executor_service.scheduler import ScheduledStep
+from executor_service.spec_step import VerifiedStep
 from executor_service.tree_proposer import TreeProposer
+from executor_service.tree_step import TreeStep
 from executor_service.tree_verification import DraftTree, TreeVerdict, verify_tree_batch
 from kernels.tree_mask import CAUSAL, tree_masks
 
@@ -38,6 +40,10 @@ class TreeEngine(Engine):
     """Engine whose proposer drafts trees; everything but the step is the Engine's."""
 
     proposer: TreeProposer
+
+    def __init__(self, *args: object, tree_step: TreeStep | None = None, **kwargs: object) -> None:
+        super().__init__(*args, **kwargs)  # type: ignore[arg-type]
+        self.tree_step = tree_step  # verify, accept and propose on the device for greedy steps of whole trees
 
     def step(self) -> None:
         started = time.perf_counter()
@@ -48,6 +54,14 @@ class TreeEngine(Engine):
             return
         try:
             inputs = self.runner.prepare(scheduled)
+            result = self._run_tree_step(inputs, scheduled.requests)
+        except Exception as err:  # a kernel or device failure fails this step's requests, not the server
+            self._fail(scheduled.requests, err)
+            return
+        if result is not None:
+            self._book_tree_step(scheduled.requests, result, started)
+            return
+        try:
             trees = self._tree_inputs(scheduled, inputs)
             output = self.runner.execute(inputs)
             self._flush_outbox()  # the previous step's outputs go out while this one runs on the device
@@ -74,6 +88,43 @@ class TreeEngine(Engine):
         if self.on_step is not None:
             self.on_step(scheduled.num_tokens, generated, time.perf_counter() - started)
         if self.on_verify is not None and drafted:
+            self.on_verify(drafted, accepted)
+
+    def _run_tree_step(self, inputs: StepInputs, requests: list[Request]) -> VerifiedStep | None:
+        """The step on the device (tree_step.py) when every request verifies a whole tree greedily and has room
+        for what the step may write; None: the host path runs it."""
+        tree_step = self.tree_step
+        if tree_step is None or not tree_step.accepts(inputs, requests):
+            return None
+        if any(tree_step.reach(r) > self.max_model_len for r in requests):
+            return None
+        if not all(self.scheduler.reserve(r, tree_step.reach(r)) for r in requests):
+            return None
+        pending = tree_step.launch(inputs, requests)
+        self._flush_outbox()  # the previous step's outputs go out while this one runs on the device
+        return pending.result()
+
+    def _book_tree_step(self, requests: list[Request], result: VerifiedStep, started: float) -> None:
+        """Book a device-resident tree step: its path's K/V is in place; count the kept rows, emit the
+        tokens and hand each running request its next tree."""
+        assert self.tree_step is not None
+        generated, drafted, accepted, size = 0, [], [], self.tree_step.num_drafts
+        for index, request in enumerate(requests):
+            tree = DraftTree(request.draft_ids, self.proposer.tree_of(request))
+            count = result.accepted[index]
+            request.num_computed_tokens += result.kept_rows(index)  # the root and the path
+            request.record_verification(len(tree.tokens), count, positions=max(tree.depths()))
+            request.draft_ids = []
+            drafted.append(len(tree.tokens))
+            accepted.append(count)
+            generated += self._emit(request, result.emitted(index), len(tree.tokens))
+            if request.status is Status.RUNNING:
+                following = result.next_drafts[index]
+                self.proposer.set_tree(request, following[:size], following[size:])
+        self._cache_prefixes(requests)  # once the drafter wrote its K/V too
+        if self.on_step is not None:
+            self.on_step(len(requests) * self.tree_step.rows, generated, time.perf_counter() - started)
+        if self.on_verify is not None:
             self.on_verify(drafted, accepted)
 
     def _tree_inputs(self, scheduled: ScheduledStep, inputs: StepInputs) -> dict[int, DraftTree]:

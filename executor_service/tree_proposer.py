@@ -102,6 +102,13 @@ class TreeProposer(Proposer):
             for request, (tokens, parents) in zip(proposing, trees, strict=True):
                 self.set_tree(request, tokens, parents)
 
+    def context_pass_rows(
+        self, step: AttentionStep, positions: torch.Tensor, next_ids: torch.Tensor, features: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The drafter over verified target rows (`features`, each paired with the token after it): its
+        feedback and head per row. The device-resident tree step's context pass (tree_step.py)."""
+        return self._eagle_context(step, positions, {"input_ids": next_ids, "features": features})
+
     def set_tree(self, request: Request, tokens: list[int], parents: list[int]) -> None:
         """As set_drafts: the request's own number of drafts, never past the context (a topological prefix of
         the tree is a tree)."""

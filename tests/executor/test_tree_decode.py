@@ -100,28 +100,46 @@ def check_equals_target_only(session: ModelSession, max_tokens: int, batch: dict
     return sink
 
 
+def use_device_step(session: ModelSession, on_device: bool) -> None:
+    """The device-resident tree step (tree_step.py), or the host path alone."""
+    assert isinstance(session.engine, TreeEngine) and session.engine.tree_step is not None
+    if not on_device:
+        session.engine.tree_step = None
+
+
+def check_path_taken(session: ModelSession, on_device: bool) -> None:
+    if on_device:
+        assert session.engine.tree_step.counts["eager"] > 0
+
+
+@pytest.mark.parametrize("on_device", [True, False], ids=["device", "host"])
 @pytest.mark.parametrize("shape", list(TREES))
 @pytest.mark.parametrize("method", ["eagle", "eagle3"])
-def test_greedy_tree_equals_target_only(method: str, shape: str) -> None:
+def test_greedy_tree_equals_target_only(method: str, shape: str, on_device: bool) -> None:
     tree, k = TREES[shape]
     session = tree_session(method, tree, k)
     assert isinstance(session.engine, TreeEngine) and session.engine.spec_step is None
+    use_device_step(session, on_device)
     check_equals_target_only(session, 10, prompts(4, seed=len(shape)))
+    check_path_taken(session, on_device)
 
 
+@pytest.mark.parametrize("on_device", [True, False], ids=["device", "host"])
 @pytest.mark.parametrize("shape", ["static_2_2_1", "dynamic_3_budget_8_depth_4"])
 @pytest.mark.parametrize("method", ["eagle", "eagle3"])
-def test_accepted_paths_off_the_first_branch(method: str, shape: str) -> None:
+def test_accepted_paths_off_the_first_branch(method: str, shape: str, on_device: bool) -> None:
     """Every verify step accepts the whole depth along the last branch: the output is still the target's, the
     accepted K/V was moved into place (a wrong cache entry would change the next tokens), stats per depth are 1."""
     tree, k = TREES[shape]
     session = tree_session(method, tree, k)
+    use_device_step(session, on_device)
     batch = prompts(3, seed=5)
     references = {rid: greedy_reference(session.loaded.model, p, 16) for rid, p in batch.items()}
     replay = ReplayOnLastBranch(session.proposer, references)
     session.proposer.set_tree = replay
     sink = check_equals_target_only(session, 16, batch)
     assert replay.accepted_path_moved > 0
+    check_path_taken(session, on_device)
     shape = session.proposer.tree
     for rid in batch:
         finish = sink.outputs[rid][-1].finish
@@ -151,6 +169,7 @@ def test_a_causal_verify_pass_fails() -> None:
     accepted drafts' K/V and the target's rows, and the output leaves the target's."""
     tree, _ = TREES["static_3_2"]
     session = tree_session("eagle3", tree)
+    use_device_step(session, False)  # the host path's inputs are patched here (test_tree_step.py: the device's)
     batch = prompts(3, seed=9)
     references = {rid: greedy_reference(session.loaded.model, p, 12) for rid, p in batch.items()}
     session.proposer.set_tree = ReplayOnLastBranch(session.proposer, references)

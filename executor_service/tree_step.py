@@ -1,0 +1,187 @@
+"""The tree step on the device: verify a tree of drafts, accept its longest matching path, move that path's K/V
+into place and draft the next trees in one function, read back once (the chain's is spec_step.py).
+
+When every request of a step decodes greedily from the argmax alone and verifies a whole tree of the loaded
+shape (N drafts, depth D), nothing between the target's verify pass and the next trees needs the host. Every
+tensor has a fixed shape per tree shape, so the function is captured as one CUDA graph per batch bucket
+(cuda_graphs.StepGraphs) and runs eagerly elsewhere (the CPU, larger batches). The parts, as TreeEngine's host
+path does them:
+
+- layout (`tree_layout`): each row's depth and ancestor bits from the drafts' parents [B, N] (D rounds of
+  gathers); the verify pass's positions (root + depth) and tree masks (kernels/tree_mask.py) follow from them.
+- verify (`accept_tree`): a draft matches when its token is the target's argmax at its parent's row (of equal
+  siblings, the first only: the host's walk takes the first matching child); it is accepted when it and all
+  its ancestors match. The accepted drafts form one path, read out by depth.
+- accept: the path's K/V moves from its rows' slots to the slots of root + depth (copy_kv_slots with device
+  indices; the entries past the path copy one untouched slot onto itself, so the shapes stay fixed).
+- propose: the drafter's context pass over the root and the path rows (D + 1 rows: those past the path land
+  past the verified tokens, where the drafter's passes write over them), then TreeProposer.draft_tree from the
+  newest verified row.
+
+Read back per request, one packed tensor: [emitted (D + 1; the first accepted + 1 count) | accepted |
+next tokens (N) | next parents (N)]. Sampled requests, penalties, logprobs and cut-short trees take the host path.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+
+import torch
+
+from executor_service.attention_step import AttentionStep
+from executor_service.cuda_graphs import StepGraphs
+from executor_service.fused_ops import argmax
+from executor_service.kv_cache import copy_kv_slots
+from executor_service.model_runner import ModelRunner, StepInputs
+from executor_service.parallel.driver import TensorParallelModel
+from executor_service.request import Request
+from executor_service.spec_step import PendingStep
+from executor_service.tree_proposer import TreeProposer
+from kernels.tree_mask import TREE_WINDOW, to_int64
+
+
+class TreeStep:
+    def __init__(self, runner: ModelRunner, proposer: TreeProposer) -> None:
+        self.runner, self.proposer, self.tree = runner, proposer, proposer.tree
+        self.num_drafts, self.depth = self.tree.num_drafts, self.tree.depth
+        self.rows = self.num_drafts + 1  # the root and the drafts
+        self.scratch_width = max(self.tree.num_inputs, 1)  # keys the drafter's tree passes write
+        self.ahead_width = self.depth + self.scratch_width  # slots of positions root + 1, ..., wherever the path ends
+        self.graphs: StepGraphs | None = None
+        self.counts: Counter[str] = Counter()  # "graph" / "eager" (benchmarks read it)
+
+    def accepts(self, inputs: StepInputs, requests: list[Request]) -> bool:
+        """Every request verifies a whole tree (N drafts, all rows sampled) and decodes greedily from the argmax
+        alone; tensor parallelism keeps the host path (its K/V move is an op on every rank)."""
+        if inputs.uniform_query_len != self.rows or isinstance(self.runner.model, TensorParallelModel):
+            return False
+        return all(r.settings.plain_greedy and len(self.proposer.tree_of(r)) == self.num_drafts for r in requests)
+
+    def reach(self, request: Request) -> int:
+        """Positions a request needs room for: the verify rows up to root + N and the drafter's keys up to
+        root + D + num_inputs (the path's length is known only on the device)."""
+        return request.num_computed_tokens + 1 + max(self.num_drafts, self.ahead_width)
+
+    @torch.inference_mode()
+    def launch(self, inputs: StepInputs, requests: list[Request]) -> PendingStep:
+        """Queue the step and its read-back; returns without waiting for either. `inputs`: runner.prepare's
+        (consecutive positions and slots from the root; the tree positions and masks are built on the device)."""
+        roots = [r.num_computed_tokens for r in requests]
+        ahead = self.proposer.slots_ahead(requests, [s + 1 for s in roots], self.ahead_width)
+        parents = self.proposer.tensor([self.proposer.tree_of(r) for r in requests], torch.int64)
+        x = {"input_ids": inputs.input_ids, "parents": parents, "slots_ahead": ahead}
+        step = inputs.attention
+        if self.graphs is not None and len(requests) <= self.graphs.max_batch:
+            self.counts["graph"] += 1
+            (packed,) = self.graphs.run(step.block_table, step.seq_lens, step.slot_mapping, inputs.positions, **x)
+        else:
+            self.counts["eager"] += 1
+            (packed,) = self.forward(step, inputs.positions, x)
+        return PendingStep(packed, inputs.positions, self.depth + 1)
+
+    def forward(self, step: AttentionStep, positions: torch.Tensor, x: dict[str, torch.Tensor]) -> tuple:
+        """[B, (D + 1) + 1 + 2N]: see the module's docstring. `positions`: root, root + 1, ... per request."""
+        input_ids, parents = x["input_ids"], x["parents"]
+        count, rows = parents.shape[0], self.rows
+        root = positions.view(count, rows)[:, 0]
+        node_depth, ancestors = tree_layout(parents, self.depth)
+        first = TREE_WINDOW - rows  # window bit of row 0 (kernels/tree_mask.py)
+        masks = (ancestors << first) | to_int64((1 << first) - 1)
+        verify = AttentionStep(
+            backend=step.backend, block_table=step.block_table, query_start_loc=step.query_start_loc,
+            seq_lens=step.seq_lens, slot_mapping=step.slot_mapping, max_query_len=rows,
+            max_seq_len=step.max_seq_len, causal=True, tree_mask=masks.reshape(-1),
+        )  # fmt: skip
+        tree_positions = (root[:, None] + node_depth).reshape(-1)
+        logits, features = self.runner.forward(input_ids, tree_positions, verify, None)
+        assert features is not None, "a drafter reads the target's features"
+        target_ids = argmax(logits).view(count, rows)
+        drafts = input_ids.view(count, rows)[:, 1:]
+        path_rows, accepted = accept_tree(drafts, parents, target_ids, node_depth, ancestors, self.depth)
+        emitted = target_ids.gather(1, path_rows)  # the accepted drafts' tokens, then the target's next one
+        slots = step.slot_mapping.view(count, rows)
+        self._move_path(slots, path_rows, accepted)
+        next_tokens, next_parents = self._propose(step, slots, features, root, path_rows, accepted, emitted, x)
+        return (torch.cat([emitted, accepted[:, None], next_tokens, next_parents], dim=1),)
+
+    def _move_path(self, slots: torch.Tensor, path_rows: torch.Tensor, accepted: torch.Tensor) -> None:
+        """The accepted draft at depth d: its K/V from its row's slot to the slot of root + d, every layer."""
+        levels = torch.arange(1, self.depth + 1, device=slots.device)[None, :]
+        source, target = slots.gather(1, path_rows[:, 1:]), slots[:, 1 : self.depth + 1]
+        moves = (levels <= accepted[:, None]) & (source >= 0) & (target >= 0)
+        anchor = slots[:1, :1]  # the first request's root: no move reads or writes it
+        src, dst = torch.where(moves, source, anchor), torch.where(moves, target, anchor)
+        copy_kv_slots(self.runner.kv_cache.layers, src.reshape(-1), dst.reshape(-1))
+
+    def _propose(
+        self, step: AttentionStep, slots: torch.Tensor, features: torch.Tensor, root: torch.Tensor,
+        path_rows: torch.Tensor, accepted: torch.Tensor, emitted: torch.Tensor, x: dict[str, torch.Tensor],
+    ) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+        """The next trees: the drafter's context pass over the root and path rows at root, root + 1, ...
+        (row i pairs with emitted token i), then the tree drafted from the newest verified row."""
+        proposer, count, width = self.proposer, root.shape[0], self.depth + 1
+        offsets = torch.arange(width, device=root.device)
+        context = AttentionStep(
+            backend=proposer.backend, block_table=step.block_table,
+            query_start_loc=torch.arange(count + 1, dtype=torch.int32, device=root.device) * width,
+            seq_lens=(root + width).to(torch.int32), slot_mapping=slots[:, :width].reshape(-1),
+            max_query_len=width, max_seq_len=proposer.max_model_len,
+        )  # fmt: skip
+        rows = (torch.arange(count, device=root.device)[:, None] * self.rows + path_rows).reshape(-1)
+        positions = (root[:, None] + offsets).reshape(-1)
+        feedback, head = proposer.context_pass_rows(context, positions, emitted.reshape(-1), features[rows])
+        picked = torch.arange(count, device=root.device) * width + accepted  # the newest verified row
+        scratch_offsets = torch.arange(self.scratch_width, device=root.device)
+        scratch = x["slots_ahead"].gather(1, accepted[:, None] + scratch_offsets[None, :])
+        return proposer.draft_tree(step.block_table, root + accepted, scratch, head[picked], feedback[picked])
+
+    def capture_graphs(self, max_batch: int, max_model_len: int) -> None:
+        """One graph per batch bucket (target and drafter backends both capture-safe: the session checks)."""
+        self.graphs = StepGraphs(
+            f"tree step ({self.tree.describe()})", self.forward, self.runner.backend, self.rows, max_batch,
+            max_model_len, self.runner.block_size, self.runner.device, {"input_ids": ((), torch.int64)},
+            request_inputs={
+                "parents": ((self.num_drafts,), torch.int64, -1),
+                "slots_ahead": ((self.ahead_width,), torch.int64, -1),
+            },
+        )  # fmt: skip
+        self.graphs.capture()
+
+
+def tree_layout(parents: torch.Tensor, depth: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each row's depth (the root's 0) and ancestor bits (itself included; bit r: row r), both [B, N + 1], from
+    the drafts' parents [B, N] (-1: the root) in topological order: `depth` rounds of gathers, a level each."""
+    count, rows = parents.shape[0], parents.shape[1] + 1
+    up = torch.cat([torch.zeros_like(parents[:, :1]), parents + 1], dim=1)  # each row's parent row; root: itself
+    index = torch.arange(rows, device=parents.device)
+    own = (torch.ones_like(index) << index)[None, :].expand(count, -1)
+    ancestors, node_depth = own, torch.zeros_like(up)
+    for _ in range(depth):
+        ancestors = own | ancestors.gather(1, up)
+        node_depth = torch.where(index > 0, node_depth.gather(1, up) + 1, 0)
+    return node_depth, ancestors
+
+
+def accept_tree(
+    drafts: torch.Tensor, parents: torch.Tensor, target_ids: torch.Tensor, node_depth: torch.Tensor,
+    ancestors: torch.Tensor, depth: int,
+) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+    """The longest matching path, on the device. Returns the rows [B, D + 1] of the accepted node at depth
+    0 (the root), 1, ...; past the path, the deepest accepted node's row, so that the target's argmax there
+    reads as the next token. And the accepted drafts [B]."""
+    num = drafts.shape[1]
+    matches = drafts == target_ids.gather(1, parents + 1)
+    index = torch.arange(num, device=drafts.device)
+    earlier = index[:, None] > index[None, :]  # [j, i]: i precedes j
+    twins = (parents[:, :, None] == parents[:, None, :]) & (drafts[:, :, None] == drafts[:, None, :]) & earlier
+    matches = matches & ~twins.any(dim=2)  # of equal siblings the first only, so the accepted nodes form a path
+    rows = torch.arange(num + 1, device=drafts.device)
+    ok = torch.cat([torch.ones_like(matches[:, :1]), matches], dim=1)
+    ok_bits = (ok.long() << rows).sum(dim=1)  # distinct bits: the sum is their union
+    accepted_rows = (ancestors & ~ok_bits[:, None]) == 0  # the row and all its ancestors match
+    accepted = accepted_rows.sum(dim=1) - 1
+    levels = torch.arange(depth + 1, device=drafts.device)
+    at_level = accepted_rows[:, None, :] & (node_depth[:, None, :] == levels[None, :, None])  # [B, D + 1, N + 1]
+    path_rows = at_level.to(torch.int32).argmax(dim=2)
+    deepest = path_rows.gather(1, accepted[:, None])
+    return torch.where(levels[None, :] <= accepted[:, None], path_rows, deepest), accepted
