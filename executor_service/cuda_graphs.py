@@ -10,12 +10,19 @@ seq_lens, slot_mapping and block table are copied in before every replay; passes
 metadata derive it on the device from these inputs). A batch is padded up to its bucket with requests that
 write nothing (slot -1) and read only their own query. Attention is captured with `max_seq_len` set to the
 context length, so one graph serves every sequence length.
+
+Under tensor parallelism a `GraphLockstep` (parallel/graphs.py) makes the other ranks capture the same buckets
+and replay each with the same static inputs, so the collectives captured in the graphs meet. The CPU has no
+graphs: there a "graph" reruns the forward from the static buffers on replay (`EagerReplay`), which lets the
+buffers and the ranks' lockstep be tested on the CPU.
 """
 
 from __future__ import annotations
 
 import logging
 from collections.abc import Callable
+from contextlib import AbstractContextManager, nullcontext
+from typing import Protocol
 
 import torch
 
@@ -41,6 +48,18 @@ TokenInputs = dict[str, tuple[tuple[int, ...], torch.dtype]]
 RequestInputs = dict[str, tuple[tuple[int, ...], torch.dtype, int]]
 
 
+class GraphLockstep(Protocol):
+    """Other processes whose graphs capture and replay with these ones (tensor parallelism)."""
+
+    def capturing(self, graphs: StepGraphs) -> AbstractContextManager[None]:
+        """Around the capture of every bucket."""
+        ...
+
+    def replaying(self, graphs: StepGraphs, size: int, width: int) -> AbstractContextManager[None]:
+        """Around one replay of bucket `size`, its static inputs filled (block table: `width` columns)."""
+        ...
+
+
 def batch_buckets(max_batch: int) -> list[int]:
     sizes = [1, 2, 4, 8, *range(16, max_batch + 1, 16)]
     return sorted({min(s, max_batch) for s in sizes})
@@ -59,10 +78,12 @@ class StepGraphs:
         device: torch.device,
         inputs: TokenInputs,
         request_inputs: RequestInputs | None = None,
+        lockstep: GraphLockstep | None = None,
     ) -> None:
         """`inputs`: name -> (trailing shape, dtype) of each per-token input besides positions;
         `request_inputs`: likewise per request, with the value a padded request holds (a slot: -1)."""
-        self.name, self.forward, self.backend = name, forward, backend
+        self.name, self.forward, self.backend, self.device = name, forward, backend, device
+        self.lockstep = lockstep
         self.query_len, self.max_model_len = query_len, max_model_len
         self.buckets = batch_buckets(max_batch)
         top = self.buckets[-1]
@@ -81,7 +102,7 @@ class StepGraphs:
         self.block_table = torch.zeros(top, max_blocks, dtype=torch.int32, device=device)
         self.seq_lens = torch.full((top,), query_len, dtype=torch.int32, device=device)
         self.query_start_loc = torch.arange(top + 1, dtype=torch.int32, device=device) * query_len
-        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        self.graphs: dict[int, torch.cuda.CUDAGraph | EagerReplay] = {}
         self.outputs: dict[int, tuple[torch.Tensor, ...]] = {}
 
     @property
@@ -90,6 +111,16 @@ class StepGraphs:
 
     @torch.inference_mode()
     def capture(self, pool: object | None = None) -> None:
+        with self.lockstep.capturing(self) if self.lockstep is not None else nullcontext():
+            if self.device.type == "cuda":
+                self._capture_all(pool)
+            else:
+                for size in reversed(self.buckets):  # the same passes as on CUDA: warm-up, then capture
+                    self._run_eager(size)
+                    self.outputs[size] = self._run_eager(size)
+                    self.graphs[size] = EagerReplay(self, size)
+
+    def _capture_all(self, pool: object | None) -> None:
         pool = pool if pool is not None else torch.cuda.graph_pool_handle()
         for size in reversed(self.buckets):  # largest first: smaller graphs reuse its memory
             self._run_eager(size)  # warm up: compile kernels, settle allocations
@@ -160,11 +191,32 @@ class StepGraphs:
         self.positions[:tokens].copy_(positions)
         self.positions[tokens:padded].zero_()  # padded requests: short, so device-built seq_lens read little
         self.block_table[:count, : block_table.shape[1]].copy_(block_table)
-        self.graphs[size].replay()
+        lockstep = self.lockstep.replaying(self, size, block_table.shape[1]) if self.lockstep else nullcontext()
+        with lockstep:
+            self.graphs[size].replay()
         return tuple(_first_rows(out, size, count) for out in self.outputs[size])
 
     def _bucket(self, count: int) -> int:
         return next(s for s in self.buckets if s >= count)
+
+    def target_inputs(self, size: int, width: int) -> list[torch.Tensor]:
+        """The static inputs a target pass of bucket `size` reads, as views: positions, slots, sequence lengths,
+        the block table's first `width` columns, input ids (what the other ranks copy from rank 0's)."""
+        padded = size * self.query_len
+        views = [self.positions[:padded], self.slot_mapping[:padded], self.seq_lens[:size]]
+        return [*views, self.block_table[:size, :width], self.inputs["input_ids"][:padded]]
+
+
+class EagerReplay:
+    """A CPU "graph": replay runs the forward again from the static buffers. Its outputs are new tensors, as
+    eager calls' are (the CPU path keeps a step's result while the next one runs: PendingStep)."""
+
+    def __init__(self, graphs: StepGraphs, size: int) -> None:
+        self.graphs, self.size = graphs, size
+
+    @torch.inference_mode()
+    def replay(self) -> None:
+        self.graphs.outputs[self.size] = self.graphs._run_eager(self.size)
 
 
 def _first_rows(output: torch.Tensor, size: int, count: int) -> torch.Tensor:

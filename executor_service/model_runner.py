@@ -16,6 +16,7 @@ from executor_service.attention_step import AttentionStep, build_attention_step,
 from executor_service.cuda_graphs import StepGraphs
 from executor_service.kv_cache import KVCache
 from executor_service.model import DecoderModel
+from executor_service.parallel.graphs import lockstep_for
 from executor_service.scheduler import ScheduledStep
 
 
@@ -113,6 +114,7 @@ class ModelRunner:
             graphs = StepGraphs(
                 f"target (query length {query_len})", forward, self.backend, query_len, max_batch, max_model_len,
                 self.block_size, self.device, {"input_ids": ((), torch.int64)},
+                lockstep=lockstep_for(self.model, self.feature_layers or ()),
             )  # fmt: skip
             graphs.capture()
             self.graphs[query_len] = graphs

@@ -392,8 +392,8 @@ def build_session(
         loaded, decision, dtype, kv_cache, engine, limits, info, 0.0, draft_decision, proposer, memory
     )
     warm_up(session)
-    if settings.cuda_graphs and device.type == "cuda":  # with TP: the drafter's only (it runs on rank 0 alone)
-        capture_graphs(session, settings, max_model_len, target=tp_group is None)
+    if settings.cuda_graphs and device.type == "cuda":  # with TP: every rank captures (parallel/graphs.py)
+        capture_graphs(session, settings, max_model_len)
     check_cancelled()
     if start:
         engine.start()
@@ -415,24 +415,25 @@ def headroom_by_k(draft: DraftConfig) -> tuple[int, ...]:
     return tuple(speculative_headroom(k, draft.lookahead(k)) for k in range(draft.num_speculative_tokens + 1))
 
 
-def capture_graphs(session: ModelSession, settings: EngineSettings, max_model_len: int, target: bool = True) -> None:
-    """Target decode (and verify) graphs, and the drafter's, where each one's backend can be captured.
-    `target` False (tensor parallelism, whose target steps are not captured yet): the drafter's alone."""
+def capture_graphs(session: ModelSession, settings: EngineSettings, max_model_len: int) -> None:
+    """Target decode (and verify) graphs, and the drafter's, where each one's backend can be captured. Under
+    tensor parallelism the target's are captured on every rank, and replayed in lockstep (parallel/graphs.py);
+    the drafter's on rank 0 alone (it involves no other rank)."""
     runner, proposer = session.engine.runner, session.proposer
     spec_batch = min(settings.max_num_seqs, MAX_SPEC_GRAPH_BATCH)
     tree_step = session.engine.tree_step if isinstance(session.engine, TreeEngine) else None
     if isinstance(proposer, TreeProposer):  # the host path's tree steps run eagerly: decode graphs, the tree step's
         proposer = None
-    if target and session.decision.backend in GRAPH_BACKENDS:
+    if session.decision.backend in GRAPH_BACKENDS:
         runner.capture_graphs([1], settings.max_num_seqs, max_model_len)
         if proposer is not None:
             runner.capture_graphs([proposer.k + 1], spec_batch, max_model_len)
     if proposer is not None and proposer.backend in GRAPH_BACKENDS:
         proposer.capture_graphs(spec_batch)
     spec_step = session.engine.spec_step
-    if target and spec_step is not None and {session.decision.backend, spec_step.proposer.backend} <= GRAPH_BACKENDS:
+    if spec_step is not None and {session.decision.backend, spec_step.proposer.backend} <= GRAPH_BACKENDS:
         spec_step.capture_graphs(spec_batch, max_model_len)
-    if target and tree_step is not None and {session.decision.backend, tree_step.proposer.backend} <= GRAPH_BACKENDS:
+    if tree_step is not None and {session.decision.backend, tree_step.proposer.backend} <= GRAPH_BACKENDS:
         tree_step.capture_graphs(spec_batch, max_model_len)
 
 

@@ -41,6 +41,7 @@ from executor_service.attention_step import AttentionStep
 from executor_service.cuda_graphs import StepGraphs
 from executor_service.fused_ops import argmax
 from executor_service.model_runner import ModelRunner, StepInputs
+from executor_service.parallel.graphs import lockstep_for
 from executor_service.proposer import Proposer
 from executor_service.request import Request
 
@@ -178,6 +179,7 @@ class SpecStep:
             f"speculative step (k = {self.k})", self.forward, self.runner.backend, self.k + 1, max_batch,
             max_model_len, self.runner.block_size, self.runner.device, {"input_ids": ((), torch.int64)},
             request_inputs={"slots_ahead": ((self.proposer.ahead_width,), torch.int64, -1)},
+            lockstep=lockstep_for(self.runner.model, self.runner.feature_layers or ()),
         )  # fmt: skip
         self.graphs.capture()
 

@@ -62,6 +62,17 @@ class TensorParallelModel(nn.Module):
         super().__init__()
         self.model, self.group, self.model_id = model, group, model_id
         self.config = model.config
+        self._local = False  # a graph capture under way: the other ranks run the same passes already
+
+    @contextmanager
+    def locally(self) -> Iterator[None]:
+        """Calls run on this rank's shard alone, sending nothing (parallel/graphs.py: inside a capture, whose
+        op the other ranks follow by capturing the same passes)."""
+        self._local = True
+        try:
+            yield
+        finally:
+            self._local = False
 
     def forward(
         self,
@@ -71,11 +82,15 @@ class TensorParallelModel(nn.Module):
         step: AttentionStep,
         aux_layer_ids: tuple[int, ...] = (),
     ) -> tuple[torch.Tensor, list[torch.Tensor]]:
+        if self._local:
+            return self.model(input_ids, positions, kv_caches, step, aux_layer_ids)
         with on_all_ranks(self.group):
             protocol.send_forward(self.group, self.model_id, ForwardCall(input_ids, positions, step, aux_layer_ids))
             return self.model(input_ids, positions, kv_caches, step, aux_layer_ids)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        if self._local:
+            return self.model.compute_logits(hidden)
         with on_all_ranks(self.group):
             protocol.send_logits(self.group, self.model_id, hidden)
             return self.model.compute_logits(hidden)

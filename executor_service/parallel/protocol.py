@@ -11,6 +11,11 @@ where the op has one, a payload on the default group (NCCL on CUDA: device tenso
   sequence lengths, the tree mask and the captured layer ids, in that order.
 - LOGITS (model id, rows): the hidden rows [rows, hidden] whose logits rank 0 wants.
 - MOVE_KV (model id, slots): source and destination cache slots (tree drafting's accepted K/V), int64.
+- CAPTURE (model id, graph id, query length, largest batch, context length, captured layers): every rank
+  captures the target's CUDA graphs of one kind, bucket by bucket in the same order (parallel/graphs.py); the
+  captured layer ids follow on the control group.
+- REPLAY (model id, graph id, bucket, block-table width): the static inputs the target reads, int64 (positions,
+  slots, sequence lengths, block table, input ids); then every rank replays that bucket's graph.
 - UNLOAD (model id), STOP, NOOP (an idle rank 0's keep-alive, so the followers' wait never times out).
 
 Sampling, scheduling and drafting happen on rank 0 only, so sampling settings never travel.
@@ -30,6 +35,7 @@ from executor_service.parallel.state import TensorParallelGroup
 
 HEADER = 12
 MAX_LOAD_BYTES = 64 << 20
+MAX_FEATURE_LAYERS = 256  # a CAPTURE's captured layer ids, at most
 
 
 class Op(enum.IntEnum):
@@ -41,6 +47,8 @@ class Op(enum.IntEnum):
     CACHE = 5
     NOOP = 6  # keep-alive from an idle rank 0
     MOVE_KV = 7
+    CAPTURE = 8
+    REPLAY = 9
 
 
 def send_header(group: TensorParallelGroup, op: Op, *values: int) -> None:
@@ -146,3 +154,37 @@ def receive_logits(values: list[int], hidden_size: int, dtype: torch.dtype, devi
     hidden = torch.empty(values[1], hidden_size, dtype=dtype, device=device)
     dist.broadcast(hidden, src=0)
     return hidden
+
+
+def send_capture(group: TensorParallelGroup, model_id: int, graph_id: int, shape: tuple[int, int, int],
+                 aux_layer_ids: tuple[int, ...]) -> None:  # fmt: skip
+    """`shape`: the graphs' query length, largest batch and context length."""
+    send_header(group, Op.CAPTURE, model_id, graph_id, *shape, len(aux_layer_ids))
+    if aux_layer_ids:
+        dist.broadcast(torch.tensor(aux_layer_ids, dtype=torch.int64), src=0, group=group.control)
+
+
+def receive_capture(group: TensorParallelGroup, values: list[int]) -> tuple[int, tuple[int, int, int], tuple[int, ...]]:
+    """(graph id, (query length, largest batch, context length), captured layer ids) of a CAPTURE."""
+    graph_id, query_len, max_batch, max_model_len, num_aux = values[1:6]
+    if not 0 <= num_aux <= MAX_FEATURE_LAYERS:
+        raise ValueError(f"a capture of {num_aux} feature layers")
+    aux = torch.empty(num_aux, dtype=torch.int64)
+    if num_aux:
+        dist.broadcast(aux, src=0, group=group.control)
+    return graph_id, (query_len, max_batch, max_model_len), tuple(aux.tolist())
+
+
+def send_replay(group: TensorParallelGroup, model_id: int, graph_id: int, size: int, width: int,
+                inputs: list[torch.Tensor]) -> None:  # fmt: skip
+    """`inputs`: the bucket's static input views (StepGraphs.target_inputs), already filled for this step."""
+    send_header(group, Op.REPLAY, model_id, graph_id, size, width)
+    dist.broadcast(torch.cat([t.flatten().to(torch.int64) for t in inputs]), src=0)
+
+
+def receive_replay(inputs: list[torch.Tensor]) -> None:
+    """Fill this rank's static input views (the same as rank 0's, in the same order) from rank 0's."""
+    payload = torch.empty(sum(t.numel() for t in inputs), dtype=torch.int64, device=inputs[0].device)
+    dist.broadcast(payload, src=0)
+    for view, part in zip(inputs, payload.split([t.numel() for t in inputs]), strict=True):
+        view.copy_(part.view(view.shape))

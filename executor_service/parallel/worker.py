@@ -11,14 +11,16 @@ from __future__ import annotations
 import argparse
 import logging
 import sys
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 
+from executor_service.cuda_graphs import StepGraphs
 from executor_service.kv_cache import KVCache, copy_kv_slots
 from executor_service.model import DecoderModel
 from executor_service.parallel import protocol
+from executor_service.parallel.graphs import capture_follower, replay_follower
 from executor_service.parallel.layers import rank_config
 from executor_service.parallel.protocol import Op
 from executor_service.parallel.state import TensorParallelGroup, init_tensor_parallel
@@ -33,6 +35,7 @@ class Shard:
     backend: str
     dtype: torch.dtype
     kv_cache: KVCache | None = None
+    graphs: dict[int, StepGraphs] = field(default_factory=dict)  # by rank 0's graph id (parallel/graphs.py)
 
 
 def load_shard(group: TensorParallelGroup, body: dict, model_root: Path | None) -> Shard:
@@ -87,6 +90,14 @@ def follow(group: TensorParallelGroup, model_root: Path | None) -> None:
             shard = shards[model_id]
             assert shard.kv_cache is not None, "a K/V move before the KV cache"
             copy_kv_slots(shard.kv_cache.layers, *protocol.receive_move(values, group.device))
+        elif op == Op.CAPTURE:
+            shard = shards[model_id]
+            assert shard.kv_cache is not None, "a capture before the KV cache"
+            kv = shard.kv_cache
+            graph_id, graphs = capture_follower(group, shard.model, kv.layers, shard.backend, kv.block_size, values)
+            shard.graphs[graph_id] = graphs
+        elif op == Op.REPLAY:
+            replay_follower(shards[model_id].graphs[values[1]], values)
         elif op == Op.LOGITS:
             shard = shards[model_id]
             hidden = protocol.receive_logits(values, shard.model.config.hidden_size, shard.dtype, group.device)

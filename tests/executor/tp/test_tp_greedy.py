@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from tp_greedy_run import METHODS, PROMPTS, SIZES, greedy_outputs, write_checkpoint
+from tp_greedy_run import METHODS, PROMPTS, REPLAYS, SIZES, greedy_outputs, write_checkpoint
 
 from executor_service.config import ModelConfig
 from executor_service.loader import LoadedModel, load_directory
@@ -31,6 +31,11 @@ def single_process() -> dict[str, dict[str, list[int]]]:
 
 
 def run_tp(tp: int, *args: str) -> dict[str, dict[str, list[int]]]:
+    return run_tp_with_replays(tp, *args)[0]
+
+
+def run_tp_with_replays(tp: int, *args: str) -> tuple[dict[str, dict[str, list[int]]], dict[str, dict[str, int]]]:
+    """Each method's tokens and graph replays (tp_greedy_run.graph_replays) at TP `tp`."""
     run = subprocess.run(
         [sys.executable, str(RUN), "--tp", str(tp), *args],
         cwd=REPO,
@@ -41,7 +46,9 @@ def run_tp(tp: int, *args: str) -> dict[str, dict[str, list[int]]]:
         check=False,
     )
     assert run.returncode == 0, run.stderr[-3000:]
-    return json.loads(run.stdout.strip().splitlines()[-1])
+    *_, replays, tokens = run.stdout.strip().splitlines()
+    assert replays.startswith(REPLAYS), run.stdout[-3000:]
+    return json.loads(tokens), json.loads(replays.removeprefix(REPLAYS))
 
 
 @pytest.mark.parametrize("tp", [2, 4])
@@ -50,6 +57,18 @@ def test_greedy_equals_single_process(tp: int, single_process: dict[str, dict[st
     for method in METHODS:
         assert outputs[method] == single_process[method], f"TP {tp}, drafter {method}"
     assert all(len(tokens) == 12 for tokens in single_process["none"].values()) and len(PROMPTS) == 3
+
+
+def test_graphs_replay_in_lockstep(single_process: dict[str, dict[str, list[int]]]) -> None:
+    """The target's graphs under TP 2 (the CPU's stand-ins, cuda_graphs.EagerReplay, which rerun the passes and
+    their collectives): rank 0 sends each replay's bucket and static inputs, the follower replays the same
+    graph from them. Decode steps and the speculative step replay graphs, and the tokens are the eager ones."""
+    methods = ("none", "eagle3", "dflash")
+    outputs, replays = run_tp_with_replays(2, "--graphs", "--methods", ",".join(methods))
+    for method in methods:
+        assert outputs[method] == single_process[method], f"drafter {method}"
+    assert replays["none"]["graph"] > 0
+    assert all(replays[m]["spec step graph"] + replays[m]["spec step graph following"] > 0 for m in methods[1:])
 
 
 def test_sharded_loading_from_a_checkpoint(tmp_path: Path) -> None:

@@ -1,14 +1,19 @@
 """Greedy outputs of a tiny synthetic target, alone or with each synthetic drafter, on this process or at
 tensor-parallel size N (`python tests/executor/tp/tp_greedy_run.py --tp N`: rank 0 here, N - 1 follower
-processes, gloo on the CPU). Prints {method: {request id: tokens}} as JSON."""
+processes, gloo on the CPU, NCCL with --device cuda). N = 1 also runs through the parallel package (a group
+of one rank): the way to run its NCCL path on one GPU. Prints the graph replays of each method on one line,
+then {method: {request id: tokens}} as JSON."""
 
 from __future__ import annotations
 
 import argparse
 import json
 import sys
+from collections import Counter
 from collections.abc import Callable
+from dataclasses import replace
 from pathlib import Path
+from unittest import mock
 
 import torch
 
@@ -16,12 +21,14 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/executor: 
 
 from engine_driving import Outputs, run_bounded
 
+from executor_service import session as session_module
 from executor_service.config import ModelConfig
+from executor_service.cuda_graphs import GRAPH_BACKENDS
 from executor_service.drafting import resolve_draft
 from executor_service.loader import build_synthetic, save_directory
 from executor_service.request import Request
 from executor_service.sampling import SamplingSettings
-from executor_service.session import EngineSettings, build_session, resolve_target
+from executor_service.session import EngineSettings, ModelSession, build_session, capture_graphs, resolve_target
 from executor_service.tree_verification import DraftTree
 from specdec.v1 import common_pb2, executor_pb2
 
@@ -44,6 +51,8 @@ METHODS = {
 PROMPTS = [[(7 * i + 3 * n) % SIZES["vocab_size"] for i in range(n)] for n in (5, 23, 40)]
 MAX_TOKENS = 12
 K = 3
+SETTINGS = EngineSettings(32, 8)
+REPLAYS = "graph replays:"  # the line before the tokens: {method: graph_replays}
 
 
 def write_checkpoint(directory: Path, architecture: str, tied: bool, bias: bool) -> None:
@@ -108,20 +117,44 @@ class ReplayOnLastBranch:
         self.set_tree(request, rewritten, parents)
 
 
+def capture_cpu_graphs(session: ModelSession) -> None:
+    """The CPU's graphs (cuda_graphs.EagerReplay: replay reruns the passes from the static buffers), captured
+    as the session captures CUDA graphs (CPU_ATTN allowed): under tensor parallelism in lockstep on every rank."""
+    with mock.patch.object(session_module, "GRAPH_BACKENDS", GRAPH_BACKENDS | {"CPU_ATTN"}):
+        capture_graphs(session, SETTINGS, session.limits.max_model_len)
+
+
+def graph_replays(session: ModelSession) -> dict[str, int]:
+    """How the target's steps ran: graph replays and eager calls, of the decode / verify graphs and the
+    device-resident speculative step."""
+    counts = Counter(session.engine.runner.step_counts)
+    spec_step = session.engine.spec_step
+    if spec_step is not None:
+        counts.update({f"spec step {kind}": n for kind, n in spec_step.counts.items()})
+    return dict(counts)
+
+
 def greedy_outputs(
-    method: str, device: str = "cpu", backend: str = "CPU_ATTN", checkpoint: Path | None = None, graphs: bool = False
+    method: str,
+    device: str = "cpu",
+    backend: str = "CPU_ATTN",
+    checkpoint: Path | None = None,
+    graphs: bool = False,
+    replays: dict[str, dict[str, int]] | None = None,
 ) -> dict[str, list[int]]:
     """Each prompt's greedy tokens, all prompts in one engine (batched, prefill chunked at 32 tokens); fp32,
-    eager unless `graphs` (CUDA)."""
+    eager unless `graphs` (CUDA graphs; on the CPU, capture_cpu_graphs). `replays`: gets graph_replays."""
     request = load_request(method, checkpoint)
     source = resolve_target(request.target, checkpoint.parent if checkpoint else None, "target")
     draft = resolve_draft(request.draft, source.config, None) if request.HasField("draft") else None
     decision = common_pb2.BackendDecision(backend=backend)
     session = build_session(
-        source, request, decision, torch.device(device), EngineSettings(32, 8, cuda_graphs=graphs), start=False,
+        source, request, decision, torch.device(device), replace(SETTINGS, cuda_graphs=graphs), start=False,
         draft=draft,
         draft_decision=decision if draft is not None else None,
     )  # fmt: skip
+    if graphs and device == "cpu":
+        capture_cpu_graphs(session)
     outputs = Outputs()
     if method == "eagle3_tree":  # accepted drafts: the tree mask and the K/V move decide the next tokens
         references = greedy_outputs("none", device, backend, checkpoint)
@@ -130,6 +163,8 @@ def greedy_outputs(
         for index, prompt in enumerate(PROMPTS):
             session.engine.add(session.new_request(f"r{index}", prompt, SamplingSettings(), MAX_TOKENS, outputs))
         run_bounded(session.engine)
+        if replays is not None:
+            replays[method] = graph_replays(session)
     finally:
         session.shutdown()
     return {f"r{i}": outputs.tokens(f"r{i}") for i in range(len(PROMPTS))}
@@ -142,7 +177,7 @@ def main() -> None:
     parser.add_argument("--device", default="cpu", help="cpu (gloo) or cuda (NCCL, rank r on cuda:r)")
     parser.add_argument("--backend", default="CPU_ATTN")
     parser.add_argument("--checkpoint", type=Path, help="a Hugging Face directory as the target")
-    parser.add_argument("--graphs", action="store_true", help="CUDA graphs where they are captured")
+    parser.add_argument("--graphs", action="store_true", help="CUDA graphs (the CPU: capture_cpu_graphs)")
     args = parser.parse_args()
     from executor_service.parallel.launcher import Followers
 
@@ -150,7 +185,11 @@ def main() -> None:
     followers = Followers(args.tp, torch.device(args.device), root)
     try:
         methods = args.methods.split(",")
-        outputs = {m: greedy_outputs(m, args.device, args.backend, args.checkpoint, args.graphs) for m in methods}
+        replays: dict[str, dict[str, int]] = {}
+        outputs = {
+            m: greedy_outputs(m, args.device, args.backend, args.checkpoint, args.graphs, replays) for m in methods
+        }
+        print(REPLAYS, json.dumps(replays))
         print(json.dumps(outputs))
     finally:
         followers.stop()
