@@ -103,6 +103,7 @@ def check_equals_target_only(session: ModelSession, max_tokens: int, batch: dict
 def use_device_step(session: ModelSession, on_device: bool) -> None:
     """The device-resident tree step (tree_step.py), or the host path alone."""
     assert isinstance(session.engine, TreeEngine) and session.engine.tree_step is not None
+    session.engine.tree_step.counts.clear()  # the session's warm-up ran greedy trees
     if not on_device:
         session.engine.tree_step = None
 

@@ -1,0 +1,159 @@
+"""The device-resident tree step (tree_step.py) on the CPU: its verify takes the host walk's path on random trees
+(never a node whose parent was rejected), its layout gives the host's depths and masks, and a whole run drafts
+the same trees and emits the same tokens and stats as the host path, for static and dynamic trees, EAGLE and
+EAGLE-3, with accepted paths on random branches (their K/V moved into place on the device)."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+from executor_builders import greedy
+from greedy_reference import greedy_reference
+from test_engine import Collector, add_all
+from test_tree_decode import TREES, VOCAB, check_equals_target_only, prompts, tree_session
+
+from executor_service.session import ModelSession
+from executor_service.tree_step import accept_tree, tree_layout
+from executor_service.tree_verification import DraftTree, verify_greedy_tree
+from kernels.tree_mask import tree_masks
+
+
+def random_tree(rng: random.Random, size: int, depth: int) -> list[int]:
+    """Parents of `size` drafts in topological order, no deeper than `depth`."""
+    parents: list[int] = []
+    depths: list[int] = []
+    for _ in range(size):
+        choices = [-1] + [j for j, d in enumerate(depths) if d < depth]
+        parent = rng.choice(choices)
+        parents.append(parent)
+        depths.append(depths[parent] + 1 if parent >= 0 else 1)
+    return parents
+
+
+def device_verdict(trees: list[DraftTree], argmax: list[list[int]], depth: int) -> list[tuple[list[int], list[int]]]:
+    """accept_tree's path (drafts, root's child first) and emitted tokens, per tree."""
+    parents = torch.tensor([t.parents for t in trees])
+    drafts = torch.tensor([t.tokens for t in trees])
+    target = torch.tensor(argmax)
+    node_depth, ancestors = tree_layout(parents, depth)
+    path_rows, accepted = accept_tree(drafts, parents, target, node_depth, ancestors, depth)
+    emitted = target.gather(1, path_rows)
+    found = []
+    for rows, count, tokens in zip(path_rows.tolist(), accepted.tolist(), emitted.tolist(), strict=True):
+        found.append(([r - 1 for r in rows[1 : count + 1]], tokens[: count + 1]))
+    return found
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_device_verify_takes_the_host_walks_path(seed: int) -> None:
+    """Random trees over 3 tokens (many matches, equal siblings too) and random target argmaxes: the device's
+    path and tokens are the host walk's (verify_greedy_tree), batch by batch."""
+    rng = random.Random(seed)
+    for size, depth in [(1, 1), (5, 3), (10, 4), (20, 6), (63, 16)]:
+        trees = []
+        for _ in range(16):
+            parents = random_tree(rng, size, depth)
+            trees.append(DraftTree([rng.randrange(3) for _ in parents], parents))
+        argmax = [[rng.randrange(3) for _ in range(size + 1)] for _ in trees]
+        found = device_verdict(trees, argmax, depth)
+        for tree, row_argmax, (path, emitted) in zip(trees, argmax, found, strict=True):
+            verdict = verify_greedy_tree(tree, row_argmax)
+            assert (path, emitted) == (verdict.path, verdict.emitted), (tree, row_argmax)
+
+
+def test_a_child_of_a_rejected_node_is_not_accepted() -> None:
+    """Root -> a (rejected), root -> b (accepted); a's child matches the target's argmax at a's row, b's child
+    does not: the path is [b] alone, the emitted tokens b and the argmax at b's row."""
+    tree = DraftTree(tokens=[10, 20, 30, 40], parents=[-1, -1, 0, 1])
+    argmax = [20, 30, 7, 99, 5]  # rows: root, a, b, a's child, b's child
+    assert device_verdict([tree], [argmax], 2) == [([1], [20, 7])]
+    assert verify_greedy_tree(tree, argmax).path == [1]
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_layout_matches_the_host_masks(seed: int) -> None:
+    rng = random.Random(seed)
+    for size, depth in [(1, 1), (8, 3), (40, 16), (63, 5)]:
+        trees = [random_tree(rng, size, depth) for _ in range(4)]
+        node_depth, ancestors = tree_layout(torch.tensor(trees), depth)
+        first = 64 - (size + 1)
+        for parents, depths, bits in zip(trees, node_depth.tolist(), ancestors.tolist(), strict=True):
+            assert depths == [0, *DraftTree([0] * size, parents).depths()]
+            host = tree_masks([-1] + [p + 1 for p in parents])
+            device = ((torch.tensor(bits) << first) | ((1 << first) - 1)).tolist()
+            assert device == host
+
+
+class ReplayOnRandomBranch:
+    """Rewrites each drafted tree (seeded by request and step, so both paths see the same trees): the target's
+    own continuation down a random child at each depth, to a random depth; a wrong token everywhere else."""
+
+    def __init__(self, session: ModelSession, references: dict[str, list[int]], seed: int) -> None:
+        self.original, self.references, self.seed = session.proposer.set_tree, references, seed
+        self.trees: list[tuple[str, int, list[int], list[int]]] = []  # as drafted, before the rewrite
+
+    def __call__(self, request, tokens: list[int], parents: list[int]) -> None:
+        done = len(request.output_ids)
+        self.trees.append((request.request_id, done, list(tokens), list(parents)))
+        rng = random.Random(f"{self.seed}/{request.request_id}/{done}")
+        upcoming = self.references[request.request_id][done:]
+        children = DraftTree(tokens, parents).children()
+        rewritten = [(upcoming[0] + 1) % VOCAB if upcoming else 0] * len(tokens)
+        node, reach = -1, rng.randint(0, len(upcoming))
+        for depth in range(reach):
+            if not children[node + 1]:
+                break
+            for child in children[node + 1]:
+                rewritten[child] = (upcoming[depth] + 1) % VOCAB
+            node = rng.choice(children[node + 1])
+            rewritten[node] = upcoming[depth]
+        self.original(request, rewritten, parents)
+
+
+def replayed_run(method: str, shape: str, on_device: bool) -> tuple[ReplayOnRandomBranch, Collector, ModelSession]:
+    tree, k = TREES[shape]
+    session = tree_session(method, tree, k)
+    session.engine.tree_step.counts.clear()  # the session's warm-up ran greedy trees
+    if not on_device:
+        session.engine.tree_step = None
+    batch = prompts(3, seed=11)
+    references = {rid: greedy_reference(session.loaded.model, p, 14) for rid, p in batch.items()}
+    replay = ReplayOnRandomBranch(session, references, seed=len(shape))
+    session.proposer.set_tree = replay
+    sink = check_equals_target_only(session, 14, batch)
+    return replay, sink, session
+
+
+@pytest.mark.parametrize("shape", ["static_2_2_1", "static_3_2", "dynamic_3_budget_8_depth_4"])
+@pytest.mark.parametrize("method", ["eagle", "eagle3"])
+def test_device_step_equals_the_host_path(method: str, shape: str) -> None:
+    """Both paths emit the target's tokens; the device step drafts the trees the host path drafts (tokens and
+    parents, before the rewrite) and books the same stats per request and per depth."""
+    device, device_sink, session = replayed_run(method, shape, on_device=True)
+    host, host_sink, _ = replayed_run(method, shape, on_device=False)
+    assert session.engine.tree_step.counts["eager"] > 0
+    assert device.trees == host.trees
+    for rid, outputs in device_sink.outputs.items():
+        assert [(o.token_ids, o.num_drafted, o.num_accepted) for o in outputs] == [
+            (o.token_ids, o.num_drafted, o.num_accepted) for o in host_sink.outputs[rid]
+        ]
+        assert outputs[-1].finish == host_sink.outputs[rid][-1].finish
+
+
+def test_device_step_leaves_sampled_requests_to_the_host_path() -> None:
+    """A sampled request in the batch sends the whole step to the host path (it outlives the greedy one)."""
+    from executor_service.sampling import SamplingSettings
+
+    tree, k = TREES["static_2_2_1"]
+    session = tree_session("eagle3", tree, k)
+    warm_up = session.engine.tree_step.counts["eager"]  # the session's warm-up steps ran greedy trees
+    sink = Collector()
+    add_all(session, {"g": [3, 4, 5]}, greedy(8), sink)
+    request = session.new_request("s", [7, 8], SamplingSettings(temperature=0.8, seed=1), 12, sink)
+    session.engine.add(request)
+    session.engine.run_until_idle()
+    assert len(sink.tokens("g")) == 8 and len(sink.tokens("s")) == 12
+    assert sink.outputs["g"][-1].finish.verify_steps > 0 and sink.outputs["s"][-1].finish.verify_steps > 0
+    assert session.engine.tree_step.counts["eager"] == warm_up  # every step had the sampled request in it
