@@ -28,7 +28,7 @@ import torch
 
 from executor_service.attention_step import to_device
 from executor_service.penalties import ROWS_PER_PASS, History, penalised_logits
-from executor_service.sampling import SamplingSettings, is_distribution, sampled_probs, to_host
+from executor_service.sampling import SamplingSettings, race, sampled_probs, to_host
 
 
 class VerifyError(RuntimeError):
@@ -104,9 +104,7 @@ def rejection_sample_batch(
     num_accepted = grid.view(count, width).cumprod(dim=1).sum(dim=1)  # drafts before the first rejection
     final = probs[start + num_accepted]
     weights = residual_weights(final, padded_ids.view(count, width + 1), num_accepted, length, draft_probs)
-    valid = is_distribution(weights)
-    safe = torch.where(valid[:, None], weights, torch.ones_like(weights))
-    return Verdict(num_accepted, (safe / torch.stack(noise)).argmax(dim=-1), valid)
+    return Verdict(num_accepted, *race(weights, torch.stack(noise)))
 
 
 def residual_weights(

@@ -2,7 +2,8 @@
 
 `target_probs` is the distribution a sampled request draws from, exposed for the rejection sampler of
 speculative decoding, which must accept and resample against exactly this distribution. The order is vLLM's:
-penalties (penalties.py, on the logits before this), temperature, min-p, top-k, top-p.
+penalties (penalties.py, on the logits before this), temperature, min-p, top-k, top-p. `sampled_probs` gives
+the same for many rows with different settings in one pass, and `race` draws a token per row from them.
 """
 
 from __future__ import annotations
@@ -140,12 +141,30 @@ def sample(
 
 
 def sampled_probs(logits: torch.Tensor, settings: list[SamplingSettings]) -> torch.Tensor:
-    """target_probs of each row [N, V] under its own settings: one pass when only temperatures differ."""
-    if any(s.min_p > 0.0 or s.top_k or s.top_p < 1.0 for s in settings):
-        return torch.stack([target_probs(row, s) for row, s in zip(logits, settings, strict=True)])
+    """target_probs of each row [N, V] under its own settings, in one pass over the rows instead of a pass per
+    row: target_probs' steps with each row's temperature, min-p, top-k and top-p read from tensors, and rows
+    without a filter left as they are. The same numbers as target_probs row by row, whatever the batch."""
     logits = logits.float()
-    scale = to_device([s.temperature for s in settings], torch.float32, logits.device)[:, None]
-    return torch.softmax((logits - logits.amax(dim=-1, keepdim=True)) / scale, dim=-1)
+    device, vocab = logits.device, logits.shape[-1]
+    top_k = [s.top_k if 0 < s.top_k < vocab else 0 for s in settings]
+    params = to_device([[s.temperature, s.min_p, s.top_p] for s in settings], torch.float32, device)
+    temperature, min_p, top_p = params.t()[:, :, None]
+    scaled = (logits - logits.amax(dim=-1, keepdim=True)) / temperature
+    if any(s.min_p > 0.0 for s in settings):  # a min_p of 0 drops nothing: no probability is below 0
+        probs = torch.softmax(scaled, dim=-1)
+        scaled = scaled.masked_fill(probs < min_p * probs.amax(dim=-1, keepdim=True), float("-inf"))
+    if any(top_k):  # each row's k-th largest value; -inf (nothing dropped) in rows without a top-k
+        k = to_device(top_k, torch.int64, device)[:, None]
+        kth = torch.topk(scaled, max(top_k), dim=-1).values.gather(-1, (k - 1).clamp_min(0))
+        scaled = scaled.masked_fill((k > 0) & (scaled < kth), float("-inf"))
+    probs = torch.softmax(scaled, dim=-1)
+    if any(s.top_p < 1.0 for s in settings):
+        sorted_probs, order = probs.sort(dim=-1, descending=True)
+        before = sorted_probs.cumsum(dim=-1) - sorted_probs  # mass of strictly more likely tokens
+        sorted_probs = sorted_probs.masked_fill(before >= top_p, 0.0)
+        nucleus = torch.zeros_like(probs).scatter_(-1, order, sorted_probs)
+        probs = torch.where(top_p < 1.0, nucleus / nucleus.sum(dim=-1, keepdim=True), probs)
+    return probs
 
 
 def draw_rows(probs: torch.Tensor, generators: list[torch.Generator | None]) -> tuple[torch.Tensor, torch.Tensor]:
@@ -156,8 +175,15 @@ def draw_rows(probs: torch.Tensor, generators: list[torch.Generator | None]) -> 
     noise = torch.stack(
         [torch.empty(probs.shape[-1], device=probs.device).exponential_(generator=g) for g in generators]
     )
-    valid = is_distribution(probs)
-    safe = torch.where(valid[:, None], probs, torch.ones_like(probs))
+    return race(probs, noise)
+
+
+def race(weights: torch.Tensor, noise: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The exponential race of unnormalised weights [N, V] against noise [N, V] ~ Exp(1): argmax of
+    weights / noise, which is what torch.multinomial draws (without its host checks). Also whether each row
+    was a distribution; rows that are not race uniform weights instead."""
+    valid = is_distribution(weights)
+    safe = torch.where(valid[:, None], weights, torch.ones_like(weights))
     return (safe / noise).argmax(dim=-1), valid
 
 

@@ -6,7 +6,14 @@ from __future__ import annotations
 import torch
 
 from executor_service.rejection_sampler import verify_batch
-from executor_service.sampling import SamplingError, SamplingSettings, make_generator, sample, target_probs
+from executor_service.sampling import (
+    SamplingError,
+    SamplingSettings,
+    make_generator,
+    sample,
+    sampled_probs,
+    target_probs,
+)
 
 CPU = torch.device("cpu")
 
@@ -60,3 +67,25 @@ def test_a_row_without_a_distribution_fails_alone() -> None:
     assert isinstance(out[0], SamplingError) and isinstance(out[1], int)
     emitted = verify_batch(logits, settings, [make_generator(s, CPU) for s in settings], [[], []])
     assert not isinstance(emitted[0], list) and isinstance(emitted[1], list) and len(emitted[1]) == 1
+
+
+def test_mixed_filters_in_one_pass_equal_each_rows_own() -> None:
+    """sampled_probs filters every row at once with its own temperature, min-p, top-k and top-p (none, some or
+    all of them; ties and a NaN row too): the same numbers as target_probs row by row."""
+    vocab, generator = 64, torch.Generator().manual_seed(3)
+    settings = [
+        SamplingSettings(0.7),
+        SamplingSettings(1.0, top_k=5),
+        SamplingSettings(1.3, top_p=0.6),
+        SamplingSettings(0.9, min_p=0.2),
+        SamplingSettings(1.1, top_k=20, top_p=0.8, min_p=0.05),
+        SamplingSettings(0.5, top_k=1),
+        SamplingSettings(1.0, top_k=vocab, top_p=1.0),
+        SamplingSettings(1.0, top_k=3, top_p=0.5),
+    ]
+    logits = (torch.randn(len(settings), vocab, generator=generator) * 3).round()  # rounded: many ties
+    logits[7, 5] = float("nan")
+    batched = sampled_probs(logits, settings)
+    for row, setting in enumerate(settings):
+        torch.testing.assert_close(batched[row], target_probs(logits[row], setting), equal_nan=True, rtol=0, atol=0)
+    assert all((batched[row] == 0).any() for row in range(1, 6)) and batched[7].isnan().all()  # filters ran
