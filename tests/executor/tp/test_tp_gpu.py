@@ -1,7 +1,10 @@
-"""The NCCL path (gpu marker; skipped without two CUDA GPUs): greedy tokens at TP 2 and 4 on cuda:0..N-1 equal
-the single-GPU ones, fp32 on TRITON_ATTN, with no drafter, EAGLE-3, an EAGLE-3 tree and DFlash; eagerly, and
-with rank 0's drafter graphs (the target's steps are not captured under TP). Not run yet: no machine with
-several GPUs was lent while it was written."""
+"""The NCCL path (gpu marker): greedy tokens through the parallel package on cuda:0..N-1 equal the single-GPU
+ones, fp32 on TRITON_ATTN, with no drafter, EAGLE-3, an EAGLE-3 tree and DFlash; eagerly, and with CUDA graphs
+(the target's captured on every rank with their collectives, replayed in lockstep; rank 0's drafter's).
+
+TP 1 runs on one GPU: a group of one rank over NCCL (tp_greedy_run.py starts the parallel package itself,
+which `specdec-executor --tensor-parallel-size 1` does not), so every op goes through the protocol and the
+graphs hold NCCL collectives; its graph replays equal the single process's. TP 2 and 4 need as many GPUs."""
 
 from __future__ import annotations
 
@@ -13,22 +16,19 @@ from pathlib import Path
 
 import pytest
 import torch
-from tp_greedy_run import METHODS, greedy_outputs
+from tp_greedy_run import METHODS, REPLAYS, greedy_outputs
 
 pytestmark = pytest.mark.gpu
-if torch.cuda.device_count() < 2:
-    pytest.skip("needs two CUDA GPUs", allow_module_level=True)
+if not torch.cuda.is_available():
+    pytest.skip("needs a CUDA GPU", allow_module_level=True)
 
 RUN = Path(__file__).with_name("tp_greedy_run.py")
 BACKEND = "TRITON_ATTN"
+CHAINS = ("none", "eagle3", "dflash")  # target graphs: decode, and the device-resident speculative step
 
 
-@pytest.mark.parametrize("graphs", [False, True], ids=["eager", "drafter-graphs"])
-@pytest.mark.parametrize("tp", [2, 4])
-def test_nccl_greedy_equals_single_gpu(tp: int, graphs: bool) -> None:
-    if torch.cuda.device_count() < tp:
-        pytest.skip(f"needs {tp} CUDA GPUs")
-    single = {method: greedy_outputs(method, "cuda", BACKEND) for method in METHODS}
+def run_tp(tp: int, graphs: bool) -> tuple[dict[str, dict[str, list[int]]], dict[str, dict[str, int]]]:
+    """tp_greedy_run at TP `tp` over NCCL: each method's tokens and graph replays."""
     run = subprocess.run(
         [sys.executable, str(RUN), "--tp", str(tp), "--device", "cuda", "--backend", BACKEND]
         + (["--graphs"] if graphs else []),
@@ -40,6 +40,26 @@ def test_nccl_greedy_equals_single_gpu(tp: int, graphs: bool) -> None:
         check=False,
     )
     assert run.returncode == 0, run.stderr[-3000:]
-    outputs = json.loads(run.stdout.strip().splitlines()[-1])
+    *_, replays, tokens = run.stdout.strip().splitlines()
+    return json.loads(tokens), json.loads(replays.removeprefix(REPLAYS))
+
+
+@pytest.mark.parametrize("graphs", [False, True], ids=["eager", "graphs"])
+@pytest.mark.parametrize("tp", [1, 2, 4])
+def test_nccl_greedy_equals_single_gpu(tp: int, graphs: bool) -> None:
+    if torch.cuda.device_count() < tp:
+        pytest.skip(f"needs {tp} CUDA GPUs")
+    single_replays: dict[str, dict[str, int]] = {}
+    single = {
+        method: greedy_outputs(method, "cuda", BACKEND, graphs=graphs, replays=single_replays) for method in METHODS
+    }
+    outputs, replays = run_tp(tp, graphs)
+    print(f"TP {tp} graph replays: {replays}; one process: {single_replays}")
     for method in METHODS:
         assert outputs[method] == single[method], f"TP {tp}, drafter {method}"
+    if graphs:
+        assert replays["none"].get("graph", 0) > 0, replays
+        for method in CHAINS[1:]:
+            assert replays[method].get("spec step graph", 0) + replays[method].get("spec step graph following", 0) > 0
+        for method in CHAINS:  # the same steps replayed the same graphs
+            assert replays[method] == single_replays[method], f"TP {tp}, drafter {method}"
