@@ -59,8 +59,10 @@ def counts_per_row(output: torch.Tensor, drafts: list[int]) -> torch.Tensor:
     rows = output.unsqueeze(0).repeat(len(drafts) + 1, 1)
     if drafts:
         pairs = [(row, draft) for i, draft in enumerate(drafts) for row in range(i + 1, len(drafts) + 1)]
-        index = to_device(pairs, torch.int64, output.device).t()
-        rows.index_put_((index[0], index[1]), torch.ones_like(index[0], dtype=rows.dtype), accumulate=True)
+        flat = to_device([row * output.shape[0] + draft for row, draft in pairs], torch.int64, output.device)
+        # index_add_ rather than index_put_(accumulate=True): torch versions that check its indices on the
+        # host (a device sync) exist, and verification must not wait for the device (one host copy a step)
+        rows.view(-1).index_add_(0, flat, torch.ones_like(flat, dtype=rows.dtype))
     return rows
 
 
