@@ -41,18 +41,22 @@ def tree_session(
     num_kv_blocks: int = 96,
     max_num_batched_tokens: int = 64,
     max_num_seqs: int = 16,
+    device: str = "cpu",
+    dtype: int = common_pb2.DTYPE_FLOAT32,
+    cuda_graphs: bool = True,
 ) -> ModelSession:
     request = load_request(backend=backend, num_kv_blocks=num_kv_blocks)
     request.target.synthetic.vocab_size = vocab_size
+    request.dtype = dtype
     request.draft.CopyFrom(draft_model(method, k or 3, draft_seed, vocab_size))
     request.draft.num_speculative_tokens = k
     request.draft.tree.CopyFrom(tree)
     source = resolve_target(request.target, None, "target")
     draft = resolve_draft(request.draft, source.config, None)
     decision = common_pb2.BackendDecision(backend=backend)
-    settings = EngineSettings(max_num_batched_tokens, max_num_seqs)
+    settings = EngineSettings(max_num_batched_tokens, max_num_seqs, cuda_graphs)
     return build_session(
-        source, request, decision, torch.device("cpu"), settings, start=False, draft=draft, draft_decision=decision
+        source, request, decision, torch.device(device), settings, start=False, draft=draft, draft_decision=decision
     )
 
 

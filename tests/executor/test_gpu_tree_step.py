@@ -1,0 +1,89 @@
+"""Tree drafting on CUDA (bf16, TRITON_ATTN): the device-resident tree step replays its CUDA graphs (counted), and
+its greedy output equals the target-only output of the same backend for static and dynamic trees, EAGLE and
+EAGLE-3; with the right tokens on the trees' last branches (the accepted path's K/V moved inside the graph) too,
+and graph replays give what eager steps give."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from executor_builders import greedy, tiny_session
+from test_engine import Collector, add_all
+from test_tree_decode import TREES, ReplayOnLastBranch, prompts, tree_session
+
+from executor_service.session import ModelSession
+from kernels import unavailable_reason
+from specdec.v1 import common_pb2
+
+pytestmark = pytest.mark.gpu
+if not torch.cuda.is_available():
+    pytest.skip("needs a CUDA GPU", allow_module_level=True)
+
+BF16 = common_pb2.DTYPE_BFLOAT16
+BACKEND = "TRITON_ATTN"
+MAX_TOKENS = 20
+
+
+def cuda_tree_session(method: str, shape: str, cuda_graphs: bool = True) -> ModelSession:
+    tree, k = TREES[shape]
+    session = tree_session(
+        method, tree, k, backend=BACKEND, num_kv_blocks=256, max_num_batched_tokens=512, device="cuda", dtype=BF16,
+        cuda_graphs=cuda_graphs,
+    )  # fmt: skip
+    tree_step = session.engine.tree_step
+    assert tree_step is not None and (tree_step.graphs is not None) == cuda_graphs
+    tree_step.counts.clear()  # the warm-up's steps
+    return session
+
+
+def run(session: ModelSession, batch: dict[str, list[int]]) -> dict[str, list[int]]:
+    sink = Collector()
+    add_all(session, batch, greedy(MAX_TOKENS), sink)
+    session.engine.run_until_idle()
+    for rid in batch:
+        assert all(o.error is None for o in sink.outputs[rid]), [o.error for o in sink.outputs[rid]]
+        assert sink.outputs[rid][-1].finish.verify_steps > 0
+    assert session.kv_cache.allocator.num_used == 0
+    return {rid: sink.tokens(rid) for rid in batch}
+
+
+@pytest.fixture(scope="module")
+def expected() -> dict[str, list[int]]:
+    reason = unavailable_reason(BACKEND, torch.device("cuda"))
+    if reason is not None:
+        pytest.skip(f"{BACKEND}: {reason}")
+    target = tiny_session(backend=BACKEND, device="cuda", num_kv_blocks=256, max_num_seqs=16, dtype=BF16)
+    return run(target, prompts(8, seed=21))
+
+
+@pytest.mark.parametrize("replayed", [False, True], ids=["drafted", "last_branch"])
+@pytest.mark.parametrize("shape", ["static_2_2_1", "static_3_2", "dynamic_3_budget_8_depth_4"])
+@pytest.mark.parametrize("method", ["eagle", "eagle3"])
+def test_graph_tree_step_equals_target_only(expected: dict, method: str, shape: str, replayed: bool) -> None:
+    session = cuda_tree_session(method, shape)
+    if replayed:
+        replay = ReplayOnLastBranch(session.proposer, expected)
+        session.proposer.set_tree = replay
+    assert run(session, prompts(8, seed=21)) == expected
+    assert session.engine.tree_step.counts["graph"] > 0 and session.engine.tree_step.counts["eager"] == 0
+    if replayed:
+        assert replay.accepted_path_moved > 0
+
+
+@pytest.mark.parametrize("shape", ["static_2_2_1", "dynamic_3_budget_8_depth_4"])
+def test_graph_replays_give_what_eager_steps_give(expected: dict, shape: str) -> None:
+    """Batch sizes 1, 2, 4 (graph buckets): the same trees drafted and the same tokens with graphs and without."""
+    found = {}
+    for graphs in (True, False):
+        session = cuda_tree_session("eagle3", shape, cuda_graphs=graphs)
+        drafted: list[tuple[str, int, list[int], list[int]]] = []
+        original = session.proposer.set_tree
+
+        def record(request, tokens, parents, original=original, drafted=drafted) -> None:
+            drafted.append((request.request_id, len(request.output_ids), list(tokens), list(parents)))
+            original(request, tokens, parents)
+
+        session.proposer.set_tree = record
+        found[graphs] = ({size: run(session, prompts(size, seed=size)) for size in (1, 2, 4)}, drafted)
+        assert session.engine.tree_step.counts["graph" if graphs else "eager"] > 0
+    assert found[True] == found[False]
