@@ -126,22 +126,29 @@ def test_the_bound_catches_a_wrong_residual(monkeypatch: pytest.MonkeyPatch) -> 
     assert max(distances) > 2 * BOUND, distances
 
 
+def alone_and_together(device: torch.device) -> list[tuple[list[list[int]], list[list[int]]]]:
+    """The seeded sampled requests' tokens over 20 verify_batch calls, each alone and inside the mixed batch."""
+    batch = mixed_batch(device, seed=1)
+    together = run_batch(batch, [make_generator(s, device) for s in batch.settings], 20)
+    starts, found = batch.starts(), []
+    for request in (1, 3, 4, 5):
+        rows = slice(starts[request], starts[request] + len(batch.drafts[request]) + 1)
+        alone_batch = Batch(batch.logits[rows], [batch.settings[request]], [batch.drafts[request]],
+                            [History([1, 2], [2, 5])])  # fmt: skip
+        found.append(
+            (run_batch(alone_batch, [make_generator(batch.settings[request], device)], 20)[0], together[request])
+        )
+    return found
+
+
 @pytest.mark.parametrize("rows_per_pass", [128, 3])
 def test_a_seeded_request_gives_the_same_tokens_alone_and_in_the_batch(
     rows_per_pass: int, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """Also when the batch is verified in several passes (3 rows: about one request each)."""
     monkeypatch.setattr(rejection_sampler, "ROWS_PER_PASS", rows_per_pass)
-    device = torch.device("cpu")
-    batch = mixed_batch(device, seed=1)
-    together = run_batch(batch, [make_generator(s, device) for s in batch.settings], 20)
-    starts = batch.starts()
-    for request in (1, 3, 4, 5):
-        rows = slice(starts[request], starts[request] + len(batch.drafts[request]) + 1)
-        alone_batch = Batch(batch.logits[rows], [batch.settings[request]], [batch.drafts[request]],
-                            [History([1, 2], [2, 5])])  # fmt: skip
-        alone = run_batch(alone_batch, [make_generator(batch.settings[request], device)], 20)
-        assert alone[0] == together[request], request
+    for alone, together in alone_and_together(torch.device("cpu")):
+        assert alone == together
 
 
 def counting(calls: list[int], function: Callable[[torch.Tensor], list[int]]) -> Callable[[torch.Tensor], list[int]]:
