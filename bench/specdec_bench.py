@@ -11,7 +11,9 @@
     continuation with draft L corrupted, so each verify step emits exactly L tokens) at acceptance lengths
     1, 3, 6 and full, against target-only decoding of the same prompts in the same run; batch 1 and 16.
 (c) With --tree-budget N: the target's verify pass over a tree of N drafts against the chain's over N drafts,
-    eagerly, at each batch size (bench/tree_passes.py).
+    eagerly, at each batch size (bench/tree_passes.py); on CUDA also one replay of the device-resident tree step
+    (EAGLE-3, a dynamic top-min(8, N) tree 7 deep verifying N drafts: verify, accept, move K/V, draft the next
+    tree) beside the chain's device-resident step at k = 7, batch 1, with its graph / eager counts.
 
     python bench/specdec_bench.py --out bench/results            # H100: synthetic Llama-3-8B, bf16
     python bench/specdec_bench.py --preset tiny --device cpu --backend CPU_ATTN   # a smoke run of the script
@@ -52,7 +54,7 @@ from common import (  # noqa: E402
     write_result,
 )
 from spec_builders import ReplayDrafts  # noqa: E402
-from tree_passes import measure_tree_verify  # noqa: E402
+from tree_passes import breadth_first_tree, measure_tree_verify  # noqa: E402
 
 from executor_service.draft_config import METHOD_ENUMS  # noqa: E402
 from executor_service.drafting import resolve_draft  # noqa: E402
@@ -100,13 +102,16 @@ def draft_request(method: str, preset: dict[str, Any]) -> executor_pb2.DraftMode
 
 
 def open_session(
-    args: argparse.Namespace, loaded: LoadedModel, method: str | None, preset: dict[str, Any]
-) -> ModelSession:
+    args: argparse.Namespace, loaded: LoadedModel, method: str | None, preset: dict[str, Any],
+    tree: common_pb2.DraftTree | None = None,
+) -> ModelSession:  # fmt: skip
     request = target_request(preset, default_dtype(torch.device(args.device)), args.backend, args.kv_blocks)
     source = resolve_target(request.target, None, "target")
     draft = None
     if method is not None:
         request.draft.CopyFrom(draft_request(method, preset))
+        if tree is not None:  # the drafter's k is then the dynamic tree's depth
+            request.draft.tree.CopyFrom(tree)
         draft = resolve_draft(request.draft, source.config, None)
     decision = common_pb2.BackendDecision(backend=args.backend)
     settings = EngineSettings(max_num_batched_tokens=8192, max_num_seqs=max(args.batches), cuda_graphs=True)
@@ -340,6 +345,9 @@ def pass_counts(session: ModelSession) -> Counter[str]:
     counts = Counter({f"target {how}": n for how, n in session.engine.runner.step_counts.items()})
     if session.engine.spec_step is not None:
         counts.update({f"spec_step {how}": n for how, n in session.engine.spec_step.counts.items()})
+    tree_step = getattr(session.engine, "tree_step", None)
+    if tree_step is not None:
+        counts.update({f"tree_step {how}": n for how, n in tree_step.counts.items()})
     if session.proposer is not None:
         counts.update(session.proposer.pass_counts)
     return counts
@@ -449,6 +457,45 @@ def tree_verify(session: ModelSession, args: argparse.Namespace) -> list[dict[st
         return [{"refused": str(err)}]
 
 
+def tree_step_times(sessions: dict[str, ModelSession], args: argparse.Namespace, preset: dict[str, Any]) -> dict:
+    """(c) on CUDA: one replay of the device-resident tree step against the chain's (EAGLE-3 k = 7), batch 1
+    after --context tokens, back to back; the tree's session opens here and closes after."""
+    budget = args.tree_budget
+    tree = common_pb2.DraftTree(top_k=min(8, budget), verify_budget=budget)
+    session = open_session(args, sessions["target-only"].loaded, "eagle3", preset, tree)
+    try:
+        tree_step = session.engine.tree_step  # type: ignore[attr-defined]
+        if tree_step is None or tree_step.graphs is None:
+            return {"refused": f"no tree step graphs with {args.backend}"}
+        device, context = torch.device(args.device), args.context
+        blocks = session.kv_cache.allocator.allocate(
+            -(-(context + 1 + tree_step.ahead_width + 64) // DEFAULT_BLOCK_SIZE)
+        )
+        rows = tree_step.rows
+        parents = torch.tensor([breadth_first_tree(budget, min(8, budget))], device=device)
+        inputs = {
+            "input_ids": torch.zeros(rows, dtype=torch.int64, device=device), "parents": parents,
+            "slots_ahead": slots_ahead(blocks, context + 1, tree_step.ahead_width, device),
+        }  # fmt: skip
+        tree_ms = time_back_to_back(graph_call(tree_step.graphs, blocks, context, inputs), args.iters)
+        report = {"shape": tree_step.tree.describe(), "tree_step_ms": round(tree_ms, 4)}
+        chain = sessions["eagle3"]
+        if chain.engine.spec_step is not None and chain.engine.spec_step.graphs is not None:
+            q = chain.engine.spec_step.k + 1
+            chain_blocks = chain.kv_cache.allocator.allocate(-(-(context + 64) // DEFAULT_BLOCK_SIZE))
+            chain_inputs = {
+                "input_ids": torch.zeros(q, dtype=torch.int64, device=device),
+                "slots_ahead": slots_ahead(chain_blocks, context, chain.proposer.ahead_width, device),  # type: ignore[union-attr]
+            }  # fmt: skip
+            chain_ms = time_back_to_back(
+                graph_call(chain.engine.spec_step.graphs, chain_blocks, context, chain_inputs), args.iters
+            )
+            report |= {"chain_step_ms": round(chain_ms, 4), "tree_over_chain": round(tree_ms / chain_ms, 3)}
+        return report
+    finally:
+        session.shutdown()
+
+
 def parse_args(description: str | None = __doc__) -> argparse.Namespace:
     """This benchmark's flags; other scripts that replay its passes (pass_profile.py) pass their own description."""
     parser = argparse.ArgumentParser(description=description, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -501,6 +548,9 @@ def main() -> int:
     if args.tree_budget:
         report["tree_verify"] = tree_verify(sessions["target-only"], args)
         log(json.dumps(report["tree_verify"], indent=1))
+        if device.type == "cuda" and "eagle3" in sessions:
+            report["tree_step"] = tree_step_times(sessions, args, preset)
+            log(json.dumps(report["tree_step"], indent=1))
     ideal = report["passes"]["ideal_speedup"] if "passes" in report else {}
     report["end_to_end"] = measure_end_to_end(sessions, args, preset, ideal)
     for session in sessions.values():
