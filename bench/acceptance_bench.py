@@ -154,13 +154,13 @@ def measure_speedup(
             sessions[f"{name}_k{k}"] = open_session(
                 args.source, loaded, device, method_of(name), k, drafter_dir, args.kv_blocks
             )
-        for shape, tree, k in args.trees:  # tree drafting: the host path, beside the chains
+        for shape, tree, k in args.trees:  # tree drafting (greedy whole trees: the device-resident tree step)
             sessions[f"{name}_{shape}"] = open_session(
                 args.source, loaded, device, method_of(name), k, drafter_dir, args.kv_blocks, tree
             )
     configs = [(name, True) for name in sessions]
     if args.host_step_too:
-        configs += [(name, False) for name, session in sessions.items() if session.engine.spec_step is not None]
+        configs += [(name, False) for name, session in sessions.items() if device_step_of(session) is not None]
     report: dict[str, Any] = {"prompts": len(chosen), "max_tokens": max_tokens, "repeats": args.repeats}
     for batch in args.speedup_batches:
         groups = batch_groups(chosen, batch)
@@ -169,11 +169,19 @@ def measure_speedup(
             for name, device_step in configs:
                 session = sessions[name]
                 spec_step, session.engine.spec_step = session.engine.spec_step, spec_step_if(session, device_step)
+                tree_step = getattr(session.engine, "tree_step", None)
+                if tree_step is not None and not device_step:
+                    session.engine.tree_step = None  # type: ignore[attr-defined]
                 finishes, seconds, tokens = generate_groups(session, groups, max_tokens)
                 session.engine.spec_step = spec_step
+                if tree_step is not None:
+                    session.engine.tree_step = tree_step  # type: ignore[attr-defined]
                 if round_index:
                     rounds[label(name, device_step)].append((tokens / seconds, finishes))
         report[f"batch_{batch}"] = speedup_report(rounds, args.repeats)
+        report[f"batch_{batch}"]["device_step_counts"] = {  # so far: graph / eager replays of each session's step
+            name: dict(step.counts) for name, session in sessions.items() if (step := device_step_of(session))
+        }
         log(f"{device.type} batch {batch}: {report[f'batch_{batch}']}")
         save(report)
     for session in sessions.values():
@@ -197,6 +205,11 @@ def method_of(name: str) -> str:
 
 def spec_step_if(session: ModelSession, device_step: bool) -> Any:
     return session.engine.spec_step if device_step else None
+
+
+def device_step_of(session: ModelSession) -> Any:
+    """The session's device-resident step: the chain's (spec_step.py) or the tree's (tree_step.py); None."""
+    return session.engine.spec_step or getattr(session.engine, "tree_step", None)
 
 
 def label(name: str, device_step: bool) -> str:
