@@ -59,16 +59,14 @@ class ParallelLMHead(nn.Module):
         self.weight = nn.Parameter(_rows(weight, start, count, padded), requires_grad=False)
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
-        """Full logits [N, V] on every rank (each computes its columns; an all-gather joins them). On CUDA into
-        one tensor (NCCL's own all-gather, captured in the CUDA graphs as is); gloo gathers into a list."""
+        """Full logits [N, V] on every rank (each computes its columns; an all-gather joins them). One output
+        tensor, the ranks' blocks stacked by rows, then laid side by side: NCCL's own all-gather, which a CUDA
+        graph captures as it is (a list of outputs would add copies after it)."""
         local = F.linear(hidden, self.weight).contiguous()
-        if local.is_cuda:
-            gathered = local.new_empty(self.world_size, *local.shape)
-            dist.all_gather_into_tensor(gathered, local)
-            return gathered.permute(1, 0, 2).reshape(local.shape[0], -1)[:, : self.vocab_size]
-        parts = [torch.empty_like(local) for _ in range(self.world_size)]
-        dist.all_gather(parts, local)
-        return torch.cat(parts, dim=-1)[:, : self.vocab_size]
+        rows, columns = local.shape
+        gathered = local.new_empty(self.world_size * rows, columns)
+        dist.all_gather_into_tensor(gathered, local)
+        return gathered.view(self.world_size, rows, columns).transpose(0, 1).reshape(rows, -1)[:, : self.vocab_size]
 
 
 class RowParallelLinear(nn.Linear):
