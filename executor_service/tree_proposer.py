@@ -33,6 +33,8 @@ from kernels.tree_mask import TREE_WINDOW, to_int64
 # Ties broken toward shallower nodes, so that a parent always ranks above a child that scores the same.
 DEPTH_TIE_BREAK = 1e-6
 
+TreeReplay = Callable[[Request, list[int], list[int]], tuple[list[int], list[int]]]  # test drafters: rewrite a tree
+
 
 class TreeProposer(Proposer):
     """A Proposer whose drafts form a tree; `parents[request_id]` holds the parents of each draft."""
@@ -43,6 +45,7 @@ class TreeProposer(Proposer):
             raise ValueError("tree drafting needs an EAGLE or EAGLE-3 drafter with a tree shape")
         self.tree = self.config.tree
         self.parents: dict[str, list[int]] = {}
+        self.replay_tree: TreeReplay | None = None  # scripted trees need the host: no step launched ahead
 
     def drafts_tree(self, request: Request) -> bool:
         """Whether the request drafts at all: its own k (0: never) and nothing that reads one chain of rows."""
@@ -112,6 +115,8 @@ class TreeProposer(Proposer):
     def set_tree(self, request: Request, tokens: list[int], parents: list[int]) -> None:
         """As set_drafts: the request's own number of drafts, never past the context (a topological prefix of
         the tree is a tree)."""
+        if self.replay_tree is not None:
+            tokens, parents = self.replay_tree(request, tokens, parents)
         count = min(self.num_drafts(request), max(self.max_model_len - request.num_tokens, 0))
         request.draft_ids = tokens[:count]
         self.parents[request.request_id] = parents[:count]

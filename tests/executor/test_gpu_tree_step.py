@@ -62,8 +62,8 @@ def expected() -> dict[str, list[int]]:
 def test_graph_tree_step_equals_target_only(expected: dict, method: str, shape: str, replayed: bool) -> None:
     session = cuda_tree_session(method, shape)
     if replayed:
-        replay = ReplayOnLastBranch(session.proposer, expected)
-        session.proposer.set_tree = replay
+        replay = ReplayOnLastBranch(expected)
+        session.proposer.replay_tree = replay
     assert run(session, prompts(8, seed=21)) == expected
     assert session.engine.tree_step.counts["graph"] > 0 and session.engine.tree_step.counts["eager"] == 0
     if replayed:

@@ -16,7 +16,6 @@ from test_engine import Collector, add_all
 from executor_service.drafting import resolve_draft
 from executor_service.session import EngineSettings, ModelSession, build_session, resolve_target
 from executor_service.tree_engine import TreeEngine
-from executor_service.tree_proposer import TreeProposer
 from executor_service.tree_verification import DraftTree
 from specdec.v1 import common_pb2
 from specdec_runtime.errors import InvalidArgument
@@ -69,11 +68,11 @@ class ReplayOnLastBranch:
     """Rewrites each drafted tree: the target's own continuation along the last child at every depth, a wrong
     token everywhere else, so the accepted path is never the tree's first nodes."""
 
-    def __init__(self, proposer: TreeProposer, references: dict[str, list[int]]) -> None:
-        self.original, self.references = proposer.set_tree, references
+    def __init__(self, references: dict[str, list[int]]) -> None:
+        self.references = references
         self.accepted_path_moved = 0
 
-    def __call__(self, request, tokens: list[int], parents: list[int]) -> None:
+    def __call__(self, request, tokens: list[int], parents: list[int]) -> tuple[list[int], list[int]]:
         done = len(request.output_ids)
         upcoming = self.references[request.request_id][done:]
         children = DraftTree(tokens, parents).children()
@@ -86,7 +85,7 @@ class ReplayOnLastBranch:
             rewritten[node] = upcoming[depth]
             self.accepted_path_moved += node != depth
             depth += 1
-        self.original(request, rewritten, parents)
+        return rewritten, parents
 
 
 def check_equals_target_only(session: ModelSession, max_tokens: int, batch: dict[str, list[int]]) -> Collector:
@@ -140,8 +139,8 @@ def test_accepted_paths_off_the_first_branch(method: str, shape: str, on_device:
     use_device_step(session, on_device)
     batch = prompts(3, seed=5)
     references = {rid: greedy_reference(session.loaded.model, p, 16) for rid, p in batch.items()}
-    replay = ReplayOnLastBranch(session.proposer, references)
-    session.proposer.set_tree = replay
+    replay = ReplayOnLastBranch(references)
+    session.proposer.replay_tree = replay
     sink = check_equals_target_only(session, 16, batch)
     assert replay.accepted_path_moved > 0
     check_path_taken(session, on_device)
@@ -165,7 +164,7 @@ def test_tree_steps_on_the_other_tree_backends(backend: str) -> None:
     session = tree_session("eagle3", tree, k, backend=backend)
     batch = prompts(2, seed=3, longest=12)
     references = {rid: greedy_reference(session.loaded.model, p, 6) for rid, p in batch.items()}
-    session.proposer.set_tree = ReplayOnLastBranch(session.proposer, references)
+    session.proposer.replay_tree = ReplayOnLastBranch(references)
     check_equals_target_only(session, 6, batch)
 
 
@@ -177,7 +176,7 @@ def test_a_causal_verify_pass_fails() -> None:
     use_device_step(session, False)  # the host path's inputs are patched here (test_tree_step.py: the device's)
     batch = prompts(3, seed=9)
     references = {rid: greedy_reference(session.loaded.model, p, 12) for rid, p in batch.items()}
-    session.proposer.set_tree = ReplayOnLastBranch(session.proposer, references)
+    session.proposer.replay_tree = ReplayOnLastBranch(references)
     original = session.engine._tree_inputs
 
     def causal_inputs(scheduled, inputs):

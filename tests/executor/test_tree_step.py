@@ -90,11 +90,11 @@ class ReplayOnRandomBranch:
     """Rewrites each drafted tree (seeded by request and step, so both paths see the same trees): the target's
     own continuation down a random child at each depth, to a random depth; a wrong token everywhere else."""
 
-    def __init__(self, session: ModelSession, references: dict[str, list[int]], seed: int) -> None:
-        self.original, self.references, self.seed = session.proposer.set_tree, references, seed
+    def __init__(self, references: dict[str, list[int]], seed: int) -> None:
+        self.references, self.seed = references, seed
         self.trees: list[tuple[str, int, list[int], list[int]]] = []  # as drafted, before the rewrite
 
-    def __call__(self, request, tokens: list[int], parents: list[int]) -> None:
+    def __call__(self, request, tokens: list[int], parents: list[int]) -> tuple[list[int], list[int]]:
         done = len(request.output_ids)
         self.trees.append((request.request_id, done, list(tokens), list(parents)))
         rng = random.Random(f"{self.seed}/{request.request_id}/{done}")
@@ -109,7 +109,7 @@ class ReplayOnRandomBranch:
                 rewritten[child] = (upcoming[depth] + 1) % VOCAB
             node = rng.choice(children[node + 1])
             rewritten[node] = upcoming[depth]
-        self.original(request, rewritten, parents)
+        return rewritten, parents
 
 
 def replayed_run(method: str, shape: str, on_device: bool) -> tuple[ReplayOnRandomBranch, Collector, ModelSession]:
@@ -120,8 +120,8 @@ def replayed_run(method: str, shape: str, on_device: bool) -> tuple[ReplayOnRand
         session.engine.tree_step = None
     batch = prompts(3, seed=11)
     references = {rid: greedy_reference(session.loaded.model, p, 14) for rid, p in batch.items()}
-    replay = ReplayOnRandomBranch(session, references, seed=len(shape))
-    session.proposer.set_tree = replay
+    replay = ReplayOnRandomBranch(references, seed=len(shape))
+    session.proposer.replay_tree = replay
     sink = check_equals_target_only(session, 14, batch)
     return replay, sink, session
 
