@@ -9,6 +9,7 @@ the same for many rows with different settings in one pass, and `race` draws a t
 from __future__ import annotations
 
 import random
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -142,29 +143,54 @@ def sample(
 
 def sampled_probs(logits: torch.Tensor, settings: list[SamplingSettings]) -> torch.Tensor:
     """target_probs of each row [N, V] under its own settings, in one pass over the rows instead of a pass per
-    row: target_probs' steps with each row's temperature, min-p, top-k and top-p read from tensors, and rows
-    without a filter left as they are. The same numbers as target_probs row by row, whatever the batch."""
+    row: target_probs' steps, each on the rows that set that filter, with their values read from tensors. The
+    same numbers as target_probs row by row, whatever the batch."""
     logits = logits.float()
-    device, vocab = logits.device, logits.shape[-1]
-    top_k = [s.top_k if 0 < s.top_k < vocab else 0 for s in settings]
-    params = to_device([[s.temperature, s.min_p, s.top_p] for s in settings], torch.float32, device)
-    temperature, min_p, top_p = params.t()[:, :, None]
+    vocab = logits.shape[-1]
+    temperature = to_device([s.temperature for s in settings], torch.float32, logits.device)[:, None]
     scaled = (logits - logits.amax(dim=-1, keepdim=True)) / temperature
-    if any(s.min_p > 0.0 for s in settings):  # a min_p of 0 drops nothing: no probability is below 0
-        probs = torch.softmax(scaled, dim=-1)
-        scaled = scaled.masked_fill(probs < min_p * probs.amax(dim=-1, keepdim=True), float("-inf"))
-    if any(top_k):  # each row's k-th largest value; -inf (nothing dropped) in rows without a top-k
-        k = to_device(top_k, torch.int64, device)[:, None]
-        kth = torch.topk(scaled, max(top_k), dim=-1).values.gather(-1, (k - 1).clamp_min(0))
-        scaled = scaled.masked_fill((k > 0) & (scaled < kth), float("-inf"))
+    scaled = _on_rows(scaled, settings, lambda s: s.min_p > 0.0, _min_p)
+    scaled = _on_rows(scaled, settings, lambda s: 0 < s.top_k < vocab, _top_k)
+    return _on_rows(torch.softmax(scaled, dim=-1), settings, lambda s: s.top_p < 1.0, _top_p)
+
+
+def _on_rows(
+    values: torch.Tensor,
+    settings: list[SamplingSettings],
+    wanted: Callable[[SamplingSettings], bool],
+    apply: Callable[[torch.Tensor, list[SamplingSettings]], torch.Tensor],
+) -> torch.Tensor:
+    """`apply` on the rows whose settings want it (in place in `values`, a tensor of sampled_probs' own)."""
+    rows = [row for row, s in enumerate(settings) if wanted(s)]
+    if len(rows) == len(settings):
+        return apply(values, settings)
+    if rows:
+        index = to_device(rows, torch.int64, values.device)
+        values[index] = apply(values[index], [settings[row] for row in rows])
+    return values
+
+
+def _min_p(scaled: torch.Tensor, settings: list[SamplingSettings]) -> torch.Tensor:
+    min_p = to_device([s.min_p for s in settings], torch.float32, scaled.device)[:, None]
     probs = torch.softmax(scaled, dim=-1)
-    if any(s.top_p < 1.0 for s in settings):
-        sorted_probs, order = probs.sort(dim=-1, descending=True)
-        before = sorted_probs.cumsum(dim=-1) - sorted_probs  # mass of strictly more likely tokens
-        sorted_probs = sorted_probs.masked_fill(before >= top_p, 0.0)
-        nucleus = torch.zeros_like(probs).scatter_(-1, order, sorted_probs)
-        probs = torch.where(top_p < 1.0, nucleus / nucleus.sum(dim=-1, keepdim=True), probs)
-    return probs
+    return scaled.masked_fill(probs < min_p * probs.amax(dim=-1, keepdim=True), float("-inf"))
+
+
+def _top_k(scaled: torch.Tensor, settings: list[SamplingSettings]) -> torch.Tensor:
+    """Each row keeps the values at least its k-th largest (ties kept, as target_probs)."""
+    top_k = [s.top_k for s in settings]
+    k = to_device(top_k, torch.int64, scaled.device)[:, None]
+    kth = torch.topk(scaled, max(top_k), dim=-1).values.gather(-1, k - 1)
+    return scaled.masked_fill(scaled < kth, float("-inf"))
+
+
+def _top_p(probs: torch.Tensor, settings: list[SamplingSettings]) -> torch.Tensor:
+    top_p = to_device([s.top_p for s in settings], torch.float32, probs.device)[:, None]
+    sorted_probs, order = probs.sort(dim=-1, descending=True)
+    before = sorted_probs.cumsum(dim=-1) - sorted_probs  # mass of strictly more likely tokens
+    sorted_probs = sorted_probs.masked_fill(before >= top_p, 0.0)
+    probs = torch.zeros_like(probs).scatter_(-1, order, sorted_probs)
+    return probs / probs.sum(dim=-1, keepdim=True)
 
 
 def draw_rows(probs: torch.Tensor, generators: list[torch.Generator | None]) -> tuple[torch.Tensor, torch.Tensor]:
