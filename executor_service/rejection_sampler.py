@@ -11,9 +11,9 @@ Greedy requests (temperature 0) accept while the draft equals the target's argma
 
 All sampled requests of a step are verified together on the device (`rejection_sample_batch`): their target
 rows in one pass, the first rejection of each from a cumulative product, the residual or bonus row drawn by an
-exponential race, and one host copy for the whole batch. Only the random draws stay per request, because
-each request has its own generator (a seeded request must not depend on its batch): k uniforms, then V
-exponentials, the order the per-request sampler used, so seeded outputs did not change.
+exponential race, and one host copy for the whole batch. Only a seeded request's random draws stay per
+request, because it has its own generator (it must not depend on its batch): k uniforms, then V exponentials,
+the order the per-request sampler used, so seeded outputs did not change. Unseeded requests draw together.
 
 A faulty drafter's id outside the vocabulary, or logits that give no distribution, fail that request
 alone: `verify_batch` returns a `VerifyError` in its place and verifies the others.
@@ -75,8 +75,9 @@ def rejection_sample_batch(
     drafts its k ids (in the vocabulary: check_drafts), draft_probs [sum k, V] the drafter's rows (None: point
     masses). No host copy: the caller copies the Verdict with whatever else it reads.
 
-    Each request draws from its own generator in today's order: k uniforms, then V exponentials for the
-    final token (an exponential race, argmax of weights / noise: exactly what torch.multinomial draws).
+    A request with a generator draws from it in the per-request sampler's order (random_draws): k uniforms,
+    then V exponentials for the final token (an exponential race, argmax of weights / noise: exactly what
+    torch.multinomial draws). Requests without one share the device's default generator.
     """
     device, vocab, count = probs.device, probs.shape[-1], len(drafts)
     lengths = [len(d) for d in drafts]
@@ -91,20 +92,41 @@ def rejection_sample_batch(
     host = [*starts, *lengths, *padded, *draft_rows, *slots, *flat]
     sizes = [count, count, count * (width + 1), len(flat), len(flat), len(flat)]
     start, length, padded_ids, rows, slot, flat_ids = to_device(host, torch.int64, device).split(sizes)
-    uniforms, noise = [], []
-    for num_drafts, generator in zip(lengths, generators, strict=True):
-        if num_drafts:
-            uniforms.append(torch.rand(num_drafts, generator=generator, device=device))
-        noise.append(torch.empty(vocab, device=device).exponential_(generator=generator))
+    uniforms, noise = random_draws(lengths, generators, vocab, device)
     grid = torch.zeros(count * width, dtype=torch.int64, device=device)  # 0 past a request's drafts: a stop
     if flat:
         p_draft = probs[rows, flat_ids]
         q_draft = draft_probs[torch.arange(len(flat), device=device), flat_ids] if draft_probs is not None else 1.0
-        grid[slot] = (torch.cat(uniforms) * q_draft <= p_draft).long()  # u < p/q without dividing by a zero q
+        grid[slot] = (uniforms * q_draft <= p_draft).long()  # u < p/q without dividing by a zero q
     num_accepted = grid.view(count, width).cumprod(dim=1).sum(dim=1)  # drafts before the first rejection
     final = probs[start + num_accepted]
     weights = residual_weights(final, padded_ids.view(count, width + 1), num_accepted, length, draft_probs)
-    return Verdict(num_accepted, *race(weights, torch.stack(noise)))
+    return Verdict(num_accepted, *race(weights, noise))
+
+
+def random_draws(
+    lengths: list[int], generators: Sequence[torch.Generator | None], vocab: int, device: torch.device
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Uniforms for every draft [sum k] and exponential noise [S, V], in request order. A request with its own
+    generator draws k uniforms, then V exponentials, from it: the only launches per request, because torch
+    has no batched draw over many generators. Requests without one (None) draw from the device's default
+    generator together: two launches for all of them."""
+    shared = [i for i, generator in enumerate(generators) if generator is None]
+    if len(shared) == len(lengths):
+        return torch.rand(sum(lengths), device=device), torch.empty(len(lengths), vocab, device=device).exponential_()
+    shared_uniforms = torch.rand(sum(lengths[i] for i in shared), device=device).split([lengths[i] for i in shared])
+    shared_noise = torch.empty(len(shared), vocab, device=device).exponential_()
+    place = {request: j for j, request in enumerate(shared)}
+    uniforms, noise = [], []
+    for request, (num_drafts, generator) in enumerate(zip(lengths, generators, strict=True)):
+        if generator is None:
+            uniforms.append(shared_uniforms[place[request]])
+            noise.append(shared_noise[place[request]])
+            continue
+        if num_drafts:
+            uniforms.append(torch.rand(num_drafts, generator=generator, device=device))
+        noise.append(torch.empty(vocab, device=device).exponential_(generator=generator))
+    return torch.cat(uniforms) if uniforms else torch.empty(0, device=device), torch.stack(noise)
 
 
 def residual_weights(
@@ -174,12 +196,11 @@ def verify_batch(
     for request_drafts in drafts:
         starts.append(starts[-1] + len(request_drafts) + 1)
     sampled = [i for i, (s, error) in enumerate(zip(settings, errors, strict=True)) if not s.greedy and error is None]
-    parts = [argmax, finite.long()]
-    if sampled:
-        parts += sample_verdicts(
-            processed, [SampledRequest(starts[i], settings[i], generators[i], drafts[i]) for i in sampled]
-        )
-    host = to_host(torch.cat(parts))
+    # A seeded request draws from its own generator; the others share the device's default one (nothing asks
+    # them to replay, and their draws cost two launches in all instead of two each: random_draws).
+    own = [generators[i] if settings[i].seed is not None else None for i in sampled]
+    requests = [SampledRequest(starts[i], settings[i], g, drafts[i]) for i, g in zip(sampled, own, strict=True)]
+    host = to_host(torch.cat([argmax, finite.long(), *sample_verdicts(processed, requests)]))
     tokens, finite_rows, found = host[:num_rows], host[num_rows : 2 * num_rows], host[2 * num_rows :]
     verdicts = {i: found[3 * j : 3 * j + 3] for j, i in enumerate(sampled)}
     emitted: list[list[int] | VerifyError] = []
