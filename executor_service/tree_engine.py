@@ -29,7 +29,7 @@ from executor_service.parallel.driver import TensorParallelModel
 from executor_service.rejection_sampler import VerifyError, verify_batch
 from executor_service.request import Request, Status
 from executor_service.scheduler import ScheduledStep
-from executor_service.spec_step import VerifiedStep
+from executor_service.spec_step import PendingStep
 from executor_service.tree_proposer import TreeProposer
 from executor_service.tree_step import TreeStep
 from executor_service.tree_verification import DraftTree, TreeVerdict, verify_tree_batch
@@ -47,6 +47,11 @@ class TreeEngine(Engine):
 
     def step(self) -> None:
         started = time.perf_counter()
+        if self._in_flight is not None:  # a device tree step launched behind the last one: book it
+            requests, pending = self._in_flight
+            self._in_flight = None
+            self._book_tree_step(requests, pending, started)
+            return
         self._fail_alone(self._bad_drafts())
         scheduled = self.scheduler.schedule()
         self._fail_alone(scheduled.failed)
@@ -54,12 +59,12 @@ class TreeEngine(Engine):
             return
         try:
             inputs = self.runner.prepare(scheduled)
-            result = self._run_tree_step(inputs, scheduled.requests)
+            pending = self._launch_tree_step(inputs, scheduled.requests)
         except Exception as err:  # a kernel or device failure fails this step's requests, not the server
             self._fail(scheduled.requests, err)
             return
-        if result is not None:
-            self._book_tree_step(scheduled.requests, result, started)
+        if pending is not None:
+            self._book_tree_step(scheduled.requests, pending, started)
             return
         try:
             trees = self._tree_inputs(scheduled, inputs)
@@ -90,7 +95,7 @@ class TreeEngine(Engine):
         if self.on_verify is not None and drafted:
             self.on_verify(drafted, accepted)
 
-    def _run_tree_step(self, inputs: StepInputs, requests: list[Request]) -> VerifiedStep | None:
+    def _launch_tree_step(self, inputs: StepInputs, requests: list[Request]) -> PendingStep | None:
         """The step on the device (tree_step.py) when every request verifies a whole tree greedily and has room
         for what the step may write; None: the host path runs it."""
         tree_step = self.tree_step
@@ -100,16 +105,41 @@ class TreeEngine(Engine):
             return None
         if not all(self.scheduler.reserve(r, tree_step.reach(r)) for r in requests):
             return None
-        pending = tree_step.launch(inputs, requests)
-        self._flush_outbox()  # the previous step's outputs go out while this one runs on the device
-        return pending.result()
+        return tree_step.launch(inputs, requests)
 
-    def _book_tree_step(self, requests: list[Request], result: VerifiedStep, started: float) -> None:
-        """Book a device-resident tree step: its path's K/V is in place; count the kept rows, emit the
-        tokens and hand each running request its next tree."""
+    def _launch_following(self, requests: list[Request], pending: PendingStep) -> PendingStep | None:
+        """The step after `pending`, launched before `pending` is read back, when nothing could change the batch
+        in between (no command or waiting request) and every request keeps drafting whole trees with room for
+        them; scripted trees (`proposer.replay_tree`) need the host."""
+        tree_step = self.tree_step
+        assert tree_step is not None
+        if self.proposer.replay_tree is not None or self.scheduler.waiting or not self._commands.empty():
+            return None
+        for request in requests:
+            if request.status is not Status.RUNNING or self.proposer.num_drafts(request) != tree_step.num_drafts:
+                return None
+            if tree_step.reach_following(request) > self.max_model_len:
+                return None
+        if not all(self.scheduler.reserve(r, tree_step.reach_following(r)) for r in requests):
+            return None
+        return tree_step.launch_following(pending, requests)
+
+    def _book_tree_step(self, requests: list[Request], pending: PendingStep, started: float) -> None:
+        """Book a device-resident tree step: its path's K/V is in place; count the kept rows, emit the tokens
+        and hand each running request its next tree. When the batch can go on, the step after it is launched
+        first, its inputs derived on the device: one read-back per step, overlapped with the next step."""
         assert self.tree_step is not None
+        try:
+            following = self._launch_following(requests, pending)
+            self._flush_outbox()  # the previous step's outputs go out while this one runs on the device
+            result = pending.result()
+        except Exception as err:  # a kernel or device failure fails this step's requests, not the server
+            self._fail(requests, err)
+            return
         generated, drafted, accepted, size = 0, [], [], self.tree_step.num_drafts
         for index, request in enumerate(requests):
+            if request.status is not Status.RUNNING:  # finished while a following step was in flight
+                continue
             tree = DraftTree(request.draft_ids, self.proposer.tree_of(request))
             count = result.accepted[index]
             request.num_computed_tokens += result.kept_rows(index)  # the root and the path
@@ -119,9 +149,11 @@ class TreeEngine(Engine):
             accepted.append(count)
             generated += self._emit(request, result.emitted(index), len(tree.tokens))
             if request.status is Status.RUNNING:
-                following = result.next_drafts[index]
-                self.proposer.set_tree(request, following[:size], following[size:])
+                tree_ids = result.next_drafts[index]  # the next tree's tokens, then its parents
+                self.proposer.set_tree(request, tree_ids[:size], tree_ids[size:])
         self._cache_prefixes(requests)  # once the drafter wrote its K/V too
+        if following is not None:
+            self._in_flight = (requests, following)
         if self.on_step is not None:
             self.on_step(len(requests) * self.tree_step.rows, generated, time.perf_counter() - started)
         if self.on_verify is not None:

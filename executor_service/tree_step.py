@@ -79,6 +79,47 @@ class TreeStep:
             (packed,) = self.forward(step, inputs.positions, x)
         return PendingStep(packed, inputs.positions, self.depth + 1)
 
+    def reach_following(self, request: Request) -> int:
+        """Positions a request needs room for before the step after its current one is launched blind: this
+        step may accept D drafts, and the next one writes from one past there."""
+        return self.reach(request) + self.depth + 1
+
+    @torch.inference_mode()
+    def launch_following(self, previous: PendingStep, requests: list[Request]) -> PendingStep:
+        """Queue the step after `previous` for the same requests before the host has read `previous` back: its
+        inputs (the bonus token and the next tree), positions, sequence lengths and slots follow on the device
+        from `previous`'s packed result. The caller has reserved every request's blocks up to `reach_following`."""
+        count, rows, depth, size = len(requests), self.rows, self.depth, self.num_drafts
+        roots = [r.num_computed_tokens for r in requests]  # `previous`'s root (not yet booked)
+        wide = self.proposer.slots_ahead(requests, roots, depth + 2 + max(rows, self.ahead_width))
+        packed = previous.packed
+        accepted = packed[:, depth + 1]
+        bonus = packed[:, : depth + 1].gather(1, accepted[:, None])
+        input_ids = torch.cat([bonus, packed[:, depth + 2 : depth + 2 + size]], dim=1).reshape(-1)
+        parents = packed[:, depth + 2 + size :]
+        shift = accepted[:, None] + 1  # the new root's offset from the old one
+        root = previous.positions.view(count, rows)[:, 0] + accepted + 1
+        offsets = torch.arange(max(rows, self.ahead_width), device=packed.device)[None, :]
+        positions = (root[:, None] + offsets[:, :rows]).reshape(-1)
+        slot_mapping = wide.gather(1, shift + offsets[:, :rows]).reshape(-1)
+        slots_ahead = wide.gather(1, shift + 1 + offsets[:, : self.ahead_width])
+        seq_lens = (root + rows).to(torch.int32)
+        block_table = self.proposer.block_table(requests)
+        x = {"input_ids": input_ids, "parents": parents, "slots_ahead": slots_ahead}
+        if self.graphs is not None and count <= self.graphs.max_batch:
+            self.counts["graph following"] += 1
+            (out,) = self.graphs.run(block_table, seq_lens, slot_mapping, positions, **x)
+        else:
+            self.counts["eager following"] += 1
+            step = AttentionStep(
+                backend=self.runner.backend, block_table=block_table,
+                query_start_loc=torch.arange(count + 1, dtype=torch.int32, device=packed.device) * rows,
+                seq_lens=seq_lens, slot_mapping=slot_mapping, max_query_len=rows,
+                max_seq_len=max(roots) + depth + 1 + rows,
+            )  # fmt: skip
+            (out,) = self.forward(step, positions, x)
+        return PendingStep(out, positions, depth + 1)
+
     def forward(self, step: AttentionStep, positions: torch.Tensor, x: dict[str, torch.Tensor]) -> tuple:
         """[B, (D + 1) + 1 + 2N]: see the module's docstring. `positions`: root, root + 1, ... per request."""
         input_ids, parents = x["input_ids"], x["parents"]

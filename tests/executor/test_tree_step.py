@@ -157,3 +157,75 @@ def test_device_step_leaves_sampled_requests_to_the_host_path() -> None:
     assert len(sink.tokens("g")) == 8 and len(sink.tokens("s")) == 12
     assert sink.outputs["g"][-1].finish.verify_steps > 0 and sink.outputs["s"][-1].finish.verify_steps > 0
     assert session.engine.tree_step.counts["eager"] == warm_up  # every step had the sampled request in it
+
+
+class ReplayInDraftTree:
+    """Rewrites the trees where they are drafted (TreeProposer.draft_tree: in the host path's proposal, in the
+    device step and in the steps launched ahead of the read-back alike): the target's own continuation down a
+    random branch to a random depth, seeded by request and position, a wrong token everywhere else."""
+
+    def __init__(self, session: ModelSession, sequences: dict[str, list[int]], seed: int) -> None:
+        self.session, self.sequences, self.seed = session, sequences, seed
+        self.original = session.proposer.draft_tree
+        session.proposer.draft_tree = self
+        self.trees: list[tuple[str, int, list[int], list[int]]] = []  # as set, after each booked step
+        original_set = session.proposer.set_tree
+
+        def record(request, tokens: list[int], parents: list[int]) -> None:
+            self.trees.append((request.request_id, len(request.output_ids), list(tokens), list(parents)))
+            original_set(request, tokens, parents)
+
+        session.proposer.set_tree = record
+
+    def __call__(self, block_table, last, scratch, head, hidden) -> tuple[torch.Tensor, torch.Tensor]:
+        tokens, parents = self.original(block_table, last, scratch, head, hidden)
+        by_block = {r.block_ids[0]: r for r in self.session.engine.scheduler.running if r.block_ids}
+        rewritten = tokens.clone()
+        for row, (first_block, position) in enumerate(zip(block_table[:, 0].tolist(), last.tolist(), strict=True)):
+            request = by_block.get(first_block)
+            if request is None:  # a padded row
+                continue
+            upcoming = self.sequences[request.request_id][position + 2 :]  # depth 1: the token after the root
+            rng = random.Random(f"{self.seed}/{request.request_id}/{position}")
+            children = DraftTree(tokens[row].tolist(), parents[row].tolist()).children()
+            new = [(upcoming[0] + 1) % VOCAB if upcoming else 0] * tokens.shape[1]
+            node = -1
+            for depth in range(rng.randint(0, len(upcoming))):
+                if not children[node + 1]:
+                    break
+                for child in children[node + 1]:
+                    new[child] = (upcoming[depth] + 1) % VOCAB
+                node = rng.choice(children[node + 1])
+                new[node] = upcoming[depth]
+            rewritten[row] = torch.tensor(new)
+        return rewritten, parents
+
+
+def drafted_run(method: str, shape: str, on_device: bool) -> tuple[ReplayInDraftTree, Collector, ModelSession]:
+    tree, k = TREES[shape]
+    session = tree_session(method, tree, k)
+    session.engine.tree_step.counts.clear()  # the session's warm-up ran greedy trees
+    if not on_device:
+        session.engine.tree_step = None
+    batch = prompts(3, seed=13)
+    sequences = {rid: p + greedy_reference(session.loaded.model, p, 16) for rid, p in batch.items()}
+    replay = ReplayInDraftTree(session, sequences, seed=len(shape))
+    sink = check_equals_target_only(session, 16, batch)
+    return replay, sink, session
+
+
+@pytest.mark.parametrize("shape", ["static_2_2_1", "dynamic_3_budget_8_depth_4"])
+@pytest.mark.parametrize("method", ["eagle", "eagle3"])
+def test_steps_launched_ahead_equal_the_host_path(method: str, shape: str) -> None:
+    """Drafted trees (no host rewrite) let the device launch each step before reading the last one back, its
+    inputs derived on the device (launch_following): the same trees, tokens and stats as the host path."""
+    device, device_sink, session = drafted_run(method, shape, on_device=True)
+    host, host_sink, _ = drafted_run(method, shape, on_device=False)
+    assert session.engine.tree_step.counts["eager following"] > 0
+    assert device.trees == host.trees
+    assert sum(o[-1].finish.accepted_tokens for o in host_sink.outputs.values()) > 0
+    for rid, outputs in device_sink.outputs.items():
+        assert [(o.token_ids, o.num_drafted, o.num_accepted) for o in outputs] == [
+            (o.token_ids, o.num_drafted, o.num_accepted) for o in host_sink.outputs[rid]
+        ]
+        assert outputs[-1].finish == host_sink.outputs[rid][-1].finish
