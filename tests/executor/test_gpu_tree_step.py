@@ -65,7 +65,9 @@ def test_graph_tree_step_equals_target_only(expected: dict, method: str, shape: 
         replay = ReplayOnLastBranch(expected)
         session.proposer.replay_tree = replay
     assert run(session, prompts(8, seed=21)) == expected
-    assert session.engine.tree_step.counts["graph"] > 0 and session.engine.tree_step.counts["eager"] == 0
+    counts = session.engine.tree_step.counts
+    assert counts["graph"] > 0 and counts["eager"] == 0 and counts["eager following"] == 0
+    assert (counts["graph following"] > 0) == (not replayed)  # scripted trees need the host: no step launched ahead
     if replayed:
         assert replay.accepted_path_moved > 0
 
