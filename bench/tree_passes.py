@@ -4,10 +4,11 @@ against the chain's at the same number of drafts.
     dynamic:TOP_K:BUDGET:DEPTH   e.g. dynamic:8:16:7 (EAGLE-2: top-8 per step, 16 drafts verified, 7 deep)
     static:B1-B2-...             e.g. static:4-2-2-1 (branching per depth)
 
-The verify passes run eagerly (tree steps do not replay graphs; the chain is run the same way for a fair
-comparison): one target forward over `batch` requests of `context` cached tokens, each with a root and `budget`
-drafts; the chain with consecutive positions and a causal mask, the tree with positions root + depth and a tree
-mask (a top-4 tree filled breadth first: the mask's cost does not depend much on the shape).
+The verify passes run eagerly (the chain is run the same way for a fair comparison; the whole device-resident
+tree step, graphs included, is timed by specdec_bench.py's tree_step_times): one target forward over `batch`
+requests of `context` cached tokens, each with a root and `budget` drafts; the chain with consecutive positions
+and a causal mask, the tree with positions root + depth and a tree mask (a top-4 tree filled breadth first: the
+mask's cost does not depend much on the shape).
 """
 
 from __future__ import annotations
