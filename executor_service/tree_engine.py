@@ -1,5 +1,7 @@
 """The engine step for tree drafting: verify each request's tree of drafts in one target pass, keep the accepted
-path, draft the next trees. The host path (Engine.step's order: schedule, target, verify, accept, emit, propose).
+path, draft the next trees. Greedy steps of whole trees run on the device (tree_step.py: one function, one
+read-back, the next step launched ahead); the rest takes the host path described here (Engine.step's order:
+schedule, target, verify, accept, emit, propose).
 
 - Target pass: the root (the newest token) and its drafts are the request's last query tokens; their K/V go to
   consecutive slots after the root, but each draft's position (RoPE) is the root's plus its depth, and a tree mask

@@ -25,6 +25,7 @@ next tokens (N) | next parents (N)]. Sampled requests, penalties, logprobs and c
 from __future__ import annotations
 
 from collections import Counter
+from dataclasses import replace
 
 import torch
 
@@ -66,11 +67,12 @@ class TreeStep:
     def launch(self, inputs: StepInputs, requests: list[Request]) -> PendingStep:
         """Queue the step and its read-back; returns without waiting for either. `inputs`: runner.prepare's
         (consecutive positions and slots from the root; the tree positions and masks are built on the device)."""
-        roots = [r.num_computed_tokens for r in requests]
-        ahead = self.proposer.slots_ahead(requests, [s + 1 for s in roots], self.ahead_width)
+        # The block table as reserved up to `reach` (the drafter's keys may pass the blocks the step was built with).
+        step = replace(inputs.attention, block_table=self.proposer.block_table(requests))
+        roots = inputs.positions.view(len(requests), self.rows)[:, 0]
+        ahead = self._slots(step.block_table, roots + 1, self.ahead_width)
         parents = self.proposer.tensor([self.proposer.tree_of(r) for r in requests], torch.int64)
         x = {"input_ids": inputs.input_ids, "parents": parents, "slots_ahead": ahead}
-        step = inputs.attention
         if self.graphs is not None and len(requests) <= self.graphs.max_batch:
             self.counts["graph"] += 1
             (packed,) = self.graphs.run(step.block_table, step.seq_lens, step.slot_mapping, inputs.positions, **x)
@@ -91,20 +93,21 @@ class TreeStep:
         from `previous`'s packed result. The caller has reserved every request's blocks up to `reach_following`."""
         count, rows, depth, size = len(requests), self.rows, self.depth, self.num_drafts
         roots = [r.num_computed_tokens for r in requests]  # `previous`'s root (not yet booked)
-        wide = self.proposer.slots_ahead(requests, roots, depth + 2 + max(rows, self.ahead_width))
+        block_table = self.proposer.block_table(requests)
+        old_root = previous.positions.view(count, rows)[:, 0]
+        wide = self._slots(block_table, old_root, depth + 2 + max(rows, self.ahead_width))
         packed = previous.packed
         accepted = packed[:, depth + 1]
         bonus = packed[:, : depth + 1].gather(1, accepted[:, None])
         input_ids = torch.cat([bonus, packed[:, depth + 2 : depth + 2 + size]], dim=1).reshape(-1)
         parents = packed[:, depth + 2 + size :]
         shift = accepted[:, None] + 1  # the new root's offset from the old one
-        root = previous.positions.view(count, rows)[:, 0] + accepted + 1
+        root = old_root + accepted + 1
         offsets = torch.arange(max(rows, self.ahead_width), device=packed.device)[None, :]
         positions = (root[:, None] + offsets[:, :rows]).reshape(-1)
         slot_mapping = wide.gather(1, shift + offsets[:, :rows]).reshape(-1)
         slots_ahead = wide.gather(1, shift + 1 + offsets[:, : self.ahead_width])
         seq_lens = (root + rows).to(torch.int32)
-        block_table = self.proposer.block_table(requests)
         x = {"input_ids": input_ids, "parents": parents, "slots_ahead": slots_ahead}
         if self.graphs is not None and count <= self.graphs.max_batch:
             self.counts["graph following"] += 1
@@ -119,6 +122,14 @@ class TreeStep:
             )  # fmt: skip
             (out,) = self.forward(step, positions, x)
         return PendingStep(out, positions, depth + 1)
+
+    def _slots(self, block_table: torch.Tensor, first: torch.Tensor, width: int) -> torch.Tensor:
+        """[B, width] cache slots of positions first, first + 1, ... of each request, on the device (no host loop
+        over the slots); every one of them reserved by the caller."""
+        size = self.runner.block_size
+        positions = first[:, None] + torch.arange(width, device=first.device)[None, :]
+        blocks = block_table.long().gather(1, (positions // size).clamp(max=block_table.shape[1] - 1))
+        return blocks * size + positions % size
 
     def forward(self, step: AttentionStep, positions: torch.Tensor, x: dict[str, torch.Tensor]) -> tuple:
         """[B, (D + 1) + 1 + 2N]: see the module's docstring. `positions`: root, root + 1, ... per request."""
