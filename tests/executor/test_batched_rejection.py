@@ -8,11 +8,15 @@ from __future__ import annotations
 import random
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 import pytest
 import torch
 from penalty_reference import reference_logits
+from spec_builders import spec_session
+from test_engine import Collector
 
+import executor_service.engine as engine
 import executor_service.rejection_sampler as rejection_sampler
 import executor_service.sampling as sampling
 from executor_service.penalties import TokenCounts
@@ -182,10 +186,12 @@ def test_seeded_tokens_follow_the_per_request_draw_order() -> None:
         generators = [make_generator(s, device) for s in batch.settings]
 
 
-def counting(calls: list[int], function: Callable[[torch.Tensor], list[int]]) -> Callable[[torch.Tensor], list[int]]:
-    def counted(tokens: torch.Tensor) -> list[int]:
-        calls.append(tokens.numel())
-        return function(tokens)
+def counting(calls: list[int], function: Callable[..., Any]) -> Callable[..., Any]:
+    """`function`, noting each call in `calls`."""
+
+    def counted(*args: Any, **kwargs: Any) -> Any:
+        calls.append(1)
+        return function(*args, **kwargs)
 
     return counted
 
@@ -225,3 +231,26 @@ def drafter_distances(device: torch.device) -> list[float]:
 def test_sampled_drafters_in_one_batch() -> None:
     distances = drafter_distances(torch.device("cpu"))
     assert max(distances) < BOUND, distances
+
+
+def test_an_engine_step_of_sampled_requests_verifies_with_one_host_copy(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Through the engine (EAGLE, k = 3): a batch of sampled requests with their own k (0 to 3), penalties,
+    min-p, top-k and top-p, seeded and not, makes one host copy in each verification (verify_batch)."""
+    session = spec_session("eagle", 3, vocab_size=64)
+    copies: list[int] = []
+    verified: list[int] = []
+    monkeypatch.setattr(rejection_sampler, "to_host", counting(copies, to_host))
+    monkeypatch.setattr(sampling, "to_host", counting(copies, to_host))
+    monkeypatch.setattr(engine, "verify_batch", counting(verified, verify_batch))
+    sink = Collector()
+    settings = [
+        SamplingSettings(0.8, seed=1, ignore_eos=True),
+        SamplingSettings(1.2, top_p=0.9, top_k=10, ignore_eos=True),
+        SamplingSettings(0.9, min_p=0.05, seed=3, ignore_eos=True, **PENALTIES),
+        SamplingSettings(1.0, ignore_eos=True, **REWARDS),
+    ]
+    for i, setting in enumerate(settings * 2):
+        session.engine.add(session.new_request(f"r{i}", [3, 1, 4, 1, 5], setting, 12, sink, i % 4))
+    session.engine.run_until_idle()
+    assert all(len(sink.tokens(f"r{i}")) == 12 for i in range(8))
+    assert len(verified) > 3 and len(copies) == len(verified), (len(copies), len(verified))
