@@ -14,6 +14,7 @@ from greedy_reference import greedy_reference
 from test_engine import Collector, add_all
 from test_tree_decode import TREES, VOCAB, check_equals_target_only, prompts, tree_session
 
+from executor_service import cuda_graphs
 from executor_service.session import ModelSession
 from executor_service.tree_step import accept_tree, tree_layout
 from executor_service.tree_verification import DraftTree, verify_greedy_tree
@@ -201,9 +202,13 @@ class ReplayInDraftTree:
         return rewritten, parents
 
 
-def drafted_run(method: str, shape: str, on_device: bool) -> tuple[ReplayInDraftTree, Collector, ModelSession]:
+def drafted_run(
+    method: str, shape: str, on_device: bool, graph_batch: int = 0
+) -> tuple[ReplayInDraftTree, Collector, ModelSession]:
     tree, k = TREES[shape]
     session = tree_session(method, tree, k)
+    if graph_batch:
+        session.engine.tree_step.capture_graphs(graph_batch, session.engine.max_model_len)
     session.engine.tree_step.counts.clear()  # the session's warm-up ran greedy trees
     if not on_device:
         session.engine.tree_step = None
@@ -228,4 +233,19 @@ def test_steps_launched_ahead_equal_the_host_path(method: str, shape: str) -> No
         assert [(o.token_ids, o.num_drafted, o.num_accepted) for o in outputs] == [
             (o.token_ids, o.num_drafted, o.num_accepted) for o in host_sink.outputs[rid]
         ]
+        assert outputs[-1].finish == host_sink.outputs[rid][-1].finish
+
+
+@pytest.mark.skipif(not hasattr(cuda_graphs, "EagerReplay"), reason="step graphs replay on CUDA only here")
+@pytest.mark.parametrize("shape", ["static_3_2", "dynamic_2_budget_5_depth_3"])
+def test_graph_buffers_and_padded_buckets(shape: str) -> None:
+    """The graph path's plumbing on the CPU (StepGraphs reruns the forward from its static buffers there): three
+    requests in the bucket of four (a padded request that writes nothing and moves nothing), steps launched
+    ahead through the same buffers; the host path's trees, tokens and stats."""
+    device, device_sink, session = drafted_run("eagle3", shape, on_device=True, graph_batch=4)
+    host, host_sink, _ = drafted_run("eagle3", shape, on_device=False)
+    counts = session.engine.tree_step.counts
+    assert counts["graph"] > 0 and counts["graph following"] > 0 and not counts["eager"] + counts["eager following"]
+    assert device.trees == host.trees
+    for rid, outputs in device_sink.outputs.items():
         assert outputs[-1].finish == host_sink.outputs[rid][-1].finish
