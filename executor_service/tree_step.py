@@ -12,8 +12,9 @@ path does them:
 - verify (`accept_tree`): a draft matches when its token is the target's argmax at its parent's row (of equal
   siblings, the first only: the host's walk takes the first matching child); it is accepted when it and all
   its ancestors match. The accepted drafts form one path, read out by depth.
-- accept: the path's K/V moves from its rows' slots to the slots of root + depth (copy_kv_slots with device
-  indices; the entries past the path copy one untouched slot onto itself, so the shapes stay fixed).
+- accept: the path's K/V moves from its rows' slots to the slots of root + depth, every layer in one gather and
+  one scatter with device indices (the entries past the path copy one untouched slot onto itself, so the
+  shapes stay fixed).
 - propose: the drafter's context pass over the root and the path rows (D + 1 rows: those past the path land
   past the verified tokens, where the drafter's passes write over them), then TreeProposer.draft_tree from the
   newest verified row.
@@ -32,7 +33,6 @@ import torch
 from executor_service.attention_step import AttentionStep
 from executor_service.cuda_graphs import StepGraphs
 from executor_service.fused_ops import argmax
-from executor_service.kv_cache import copy_kv_slots
 from executor_service.model_runner import ModelRunner, StepInputs
 from executor_service.parallel.driver import TensorParallelModel
 from executor_service.request import Request
@@ -162,8 +162,10 @@ class TreeStep:
         source, target = slots.gather(1, path_rows[:, 1:]), slots[:, 1 : self.depth + 1]
         moves = (levels <= accepted[:, None]) & (source >= 0) & (target >= 0)
         anchor = slots[:1, :1]  # the first request's root: no move reads or writes it
-        src, dst = torch.where(moves, source, anchor), torch.where(moves, target, anchor)
-        copy_kv_slots(self.runner.kv_cache.layers, src.reshape(-1), dst.reshape(-1))
+        src, dst = torch.where(moves, source, anchor).reshape(-1), torch.where(moves, target, anchor).reshape(-1)
+        storage = self.runner.kv_cache.storage  # [layers, 2, blocks, block_size, heads, head_size], one allocation
+        by_slot = storage.view(storage.shape[0] * 2, -1, *storage.shape[4:])  # every layer's K and V by slot
+        by_slot[:, dst] = by_slot[:, src]  # two kernels for all layers (copy_kv_slots: two per layer, K and V)
 
     def _propose(
         self, step: AttentionStep, slots: torch.Tensor, features: torch.Tensor, root: torch.Tensor,
