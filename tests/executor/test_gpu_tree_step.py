@@ -1,7 +1,8 @@
 """Tree drafting on CUDA (bf16, TRITON_ATTN): the device-resident tree step replays its CUDA graphs (counted), and
 its greedy output equals the target-only output of the same backend for static and dynamic trees, EAGLE and
 EAGLE-3; with the right tokens on the trees' last branches (the accepted path's K/V moved inside the graph) too,
-and graph replays give what eager steps give."""
+and graph replays give what eager steps give. The target-only reference never drafts: only tree sessions must
+verify drafts (a failure prints the session's backends, step and pass counts, and every request's Finish)."""
 
 from __future__ import annotations
 
@@ -36,13 +37,29 @@ def cuda_tree_session(method: str, shape: str, cuda_graphs: bool = True) -> Mode
     return session
 
 
-def run(session: ModelSession, batch: dict[str, list[int]]) -> dict[str, list[int]]:
+def diagnostics(session: ModelSession, sink: Collector) -> str:
+    """What a failure needs to tell a session that never drafted from one that drafted wrong."""
+    engine, proposer = session.engine, session.proposer
+    lines = [
+        f"backends: target {engine.runner.backend}, drafter {getattr(proposer, 'backend', None)}",
+        f"tree step counts: {dict(getattr(getattr(engine, 'tree_step', None), 'counts', {}))}",
+        f"drafter pass counts: {dict(getattr(proposer, 'pass_counts', {}))}",
+    ]
+    lines += [f"{rid}: {outputs[-1].finish if outputs else None}" for rid, outputs in sorted(sink.outputs.items())]
+    return "\n".join(lines)
+
+
+def run(session: ModelSession, batch: dict[str, list[int]], drafting: bool = True) -> dict[str, list[int]]:
+    """Greedy tokens per request; `drafting`: a tree session, whose every request must verify drafts (the
+    target-only reference has none to verify)."""
     sink = Collector()
     add_all(session, batch, greedy(MAX_TOKENS), sink)
     session.engine.run_until_idle()
     for rid in batch:
         assert all(o.error is None for o in sink.outputs[rid]), [o.error for o in sink.outputs[rid]]
-        assert sink.outputs[rid][-1].finish.verify_steps > 0
+        finish = sink.outputs[rid][-1].finish
+        assert finish is not None and finish.reason == "length", diagnostics(session, sink)
+        assert (finish.verify_steps > 0 and finish.drafted_tokens > 0) == drafting, diagnostics(session, sink)
     assert session.kv_cache.allocator.num_used == 0
     return {rid: sink.tokens(rid) for rid in batch}
 
@@ -53,7 +70,7 @@ def expected() -> dict[str, list[int]]:
     if reason is not None:
         pytest.skip(f"{BACKEND}: {reason}")
     target = tiny_session(backend=BACKEND, device="cuda", num_kv_blocks=256, max_num_seqs=16, dtype=BF16)
-    return run(target, prompts(8, seed=21))
+    return run(target, prompts(8, seed=21), drafting=False)
 
 
 @pytest.mark.parametrize("replayed", [False, True], ids=["drafted", "last_branch"])
