@@ -77,3 +77,13 @@ def test_init_from_refuses_a_drafter_of_another_shape(tmp_path: Path, capsys: py
     wider = [*base, "--intermediate-size", "96", "--init-from", str(tmp_path / "first" / "drafter")]
     assert main([*wider, "--out", str(tmp_path / "wider")]) == 1
     assert "not the recipe's drafter: intermediate_size 64 (recipe 96)" in capsys.readouterr().err
+
+
+def test_train_minutes_stops_the_run_at_the_first_fit_once_over_budget(tmp_path: Path) -> None:
+    """--train-minutes through the training loop: a budget already spent when steps 10-30 have set the pace
+    ends the run one step later (step 31 of the recipe's 60), and the drafter is still written."""
+    target = save_toy_target(tmp_path / "target")
+    argv = ["train-drafter", "--method", "eagle", "--target", str(target), "--out", str(tmp_path / "run"), *TINY_RUN]
+    assert main([*argv, "--epochs", "20", "--train-minutes", "0.00001"]) == 0
+    log = json.loads((tmp_path / "run" / "training_log.json").read_text())
+    assert log["steps"] == 31 and log["train_minutes"] == 0.00001

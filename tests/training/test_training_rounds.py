@@ -118,9 +118,23 @@ def test_a_time_budget_shortens_the_run_to_what_fits() -> None:
     from executor_service.training.trainer import Trainer
 
     trainer = Trainer.__new__(Trainer)  # only the step arithmetic: no model needed
-    trainer.step, trainer.total_steps, trainer.time_budget = 30, 1000, 60.0
+    trainer.step, trainer.total_steps, trainer.time_budget, trainer.step_cap = 30, 1000, 60.0, None
     assert trainer.fit_to_budget(elapsed=10.0, per_step=0.5) == 30 + 100  # 50 s left at 0.5 s a step
-    trainer.total_steps, trainer.time_budget = 50, 600.0
+    trainer.total_steps, trainer.time_budget, trainer.step_cap = 50, 600.0, None
     assert trainer.fit_to_budget(elapsed=10.0, per_step=0.5) == 50  # never more than the recipe's
-    trainer.total_steps, trainer.time_budget = 1000, 5.0
+    trainer.total_steps, trainer.time_budget, trainer.step_cap = 1000, 5.0, None
     assert trainer.fit_to_budget(elapsed=10.0, per_step=0.5) == 31  # over budget already: one more step, then stop
+
+
+def test_a_time_budget_is_fitted_again_as_the_pace_changes() -> None:
+    """Runs sharing a GPU speed up when the others finish: a later fit lengthens the run again, up to the cap
+    that the recipe (or --max-steps) set, never past it."""
+    from executor_service.training.trainer import Trainer
+
+    trainer = Trainer.__new__(Trainer)
+    trainer.step, trainer.total_steps, trainer.time_budget, trainer.step_cap = 30, 1000, 100.0, None
+    assert trainer.fit_to_budget(elapsed=10.0, per_step=1.0) == 30 + 90  # slow at first: 90 s left
+    trainer.step = 100
+    assert trainer.fit_to_budget(elapsed=50.0, per_step=0.1) == 100 + 500  # faster now: 50 s at 0.1 s
+    trainer.step = 200
+    assert trainer.fit_to_budget(elapsed=55.0, per_step=0.01) == 1000  # the recipe's total stays the cap
