@@ -160,6 +160,16 @@ def test_demo_with_the_shipped_default() -> None:
     assert check_statistics(out, 7) > 0, "the trained drafter's drafts are never accepted"
 
 
+@pytest.mark.skipif(not SHIPPED.is_dir(), reason=f"{SHIPPED} is not there yet (the trained drafters)")
+def test_demo_with_the_shipped_eagle1_drafter() -> None:
+    """`--method eagle` runs the shipped EAGLE-1 drafter (drafters/smollm2-eagle), whose drafts the target accepts."""
+    result = run_demo("--method", "eagle", "--k", "3", "--max-tokens", "16")
+    out = result.stdout
+    assert result.returncode == 0, f"{out}\n{result.stderr}"
+    assert f"drafter  eagle, k=3: smollm2-eagle in {SHIPPED.parent}" in out
+    assert check_statistics(out, 3) > 0, "the trained drafter's drafts are never accepted"
+
+
 def free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
