@@ -8,7 +8,7 @@ from collections.abc import Callable
 
 import pytest
 import torch
-from tp_greedy_run import load_request
+from tp_greedy_run import METHODS, load_request, select_forced
 
 from executor_service.capabilities import probe
 from executor_service.drafting import resolve_draft
@@ -17,9 +17,22 @@ from executor_service.parallel import state
 from executor_service.session import EngineSettings, prepare_load, resolve_target, selection_request
 from executor_service.weights import hf_layout
 from selection.selector import select_backends
+from specdec.v1 import common_pb2
 from specdec_runtime.errors import InvalidArgument
 
 CPU = torch.device("cpu")
+# The GPU host's report (test_tp_gpu runs there), by hand: the CUDA side of the capability table.
+H100 = common_pb2.HardwareCapabilities(
+    platform=common_pb2.PLATFORM_CUDA,
+    device_name="NVIDIA H100 80GB HBM3",
+    compute_capability_major=9,
+    compute_capability_minor=0,
+    device_count=4,
+    libraries=[
+        common_pb2.KernelLibrary(name="torch", version="2.11.0"),
+        common_pb2.KernelLibrary(name="triton", version="3.6.0"),
+    ],
+)
 
 
 @pytest.fixture
@@ -96,3 +109,33 @@ def test_load_is_checked_against_rank_zeros_share(method: str, tensor_parallel: 
     target_cache = request.num_kv_blocks * bytes_per_block(config, request.block_size, torch.float32)
     assert share.kv_cache == whole.kv_cache - target_cache // 2
     assert share.activations == whole.activations
+
+
+@pytest.mark.parametrize("tp", [1, 2, 4])
+@pytest.mark.parametrize("method", list(METHODS))
+def test_the_gpu_tests_shapes_run_on_triton_attn_on_cuda(
+    method: str, tp: int, tensor_parallel: Callable[[int], None]
+) -> None:
+    """test_tp_gpu forces TRITON_ATTN on CUDA for the target and every drafter, at TP 1, 2 and 4: the CUDA
+    table claims those shapes (heads of 16 were refused there at the first step: the test had bypassed selection)."""
+    if tp > 1:
+        tensor_parallel(tp)
+    request = load_request(method)
+    source = resolve_target(request.target, None, "target")
+    draft = resolve_draft(request.draft, source.config, None) if method != "none" else None
+    decision = select_forced(request, source, draft, H100, "TRITON_ATTN")
+    assert decision.target.backend == "TRITON_ATTN"
+    assert decision.drafter.backend == ("TRITON_ATTN" if draft is not None else "")
+
+
+def test_a_forced_backend_that_refuses_the_heads_fails_the_load_naming_it() -> None:
+    """What LoadModel does with a backend its table refuses on this hardware: INVALID_ARGUMENT before anything
+    is loaded, naming attention.backend and the reason, instead of a session whose every step fails."""
+    request = load_request("none")
+    request.target.synthetic.head_size = 16
+    source = resolve_target(request.target, None, "target")
+    with pytest.raises(InvalidArgument) as refused:
+        select_forced(request, source, None, H100, "TRITON_ATTN")
+    (violation,) = refused.value.field_violations
+    assert violation.field == "attention.backend"
+    assert "head_size not supported" in violation.description

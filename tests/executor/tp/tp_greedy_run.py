@@ -22,17 +22,29 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/executor: 
 from engine_driving import Outputs, run_bounded
 
 from executor_service import session as session_module
+from executor_service.capabilities import probe
 from executor_service.config import ModelConfig
 from executor_service.cuda_graphs import GRAPH_BACKENDS
-from executor_service.drafting import resolve_draft
+from executor_service.drafting import DraftSource, resolve_draft
 from executor_service.loader import build_synthetic, save_directory
 from executor_service.request import Request
 from executor_service.sampling import SamplingSettings
-from executor_service.session import EngineSettings, ModelSession, build_session, capture_graphs, resolve_target
+from executor_service.session import (
+    TORCH_DTYPES,
+    EngineSettings,
+    ModelSession,
+    TargetSource,
+    build_session,
+    capture_graphs,
+    resolve_target,
+    selection_request,
+)
 from executor_service.tree_verification import DraftTree
-from specdec.v1 import common_pb2, executor_pb2
+from selection.selector import select_backends
+from specdec.v1 import common_pb2, executor_pb2, selector_pb2
 
 # 8 query / 4 KV heads split 2 and 4 ways; a vocabulary of 510 leaves the last rank's slice padded at 4.
+# Heads of 32: the smallest TRITON_ATTN claims (kernels/capabilities.py), which test_tp_gpu runs on CUDA.
 SIZES = {
     "vocab_size": 510,
     "hidden_size": 64,
@@ -40,7 +52,7 @@ SIZES = {
     "num_layers": 2,
     "num_heads": 8,
     "num_kv_heads": 4,
-    "head_size": 16,
+    "head_size": 32,
 }
 METHODS = {
     "none": None,
@@ -134,6 +146,23 @@ def graph_replays(session: ModelSession) -> dict[str, int]:
     return dict(counts)
 
 
+def select_forced(
+    request: executor_pb2.LoadModelRequest,
+    source: TargetSource,
+    draft: DraftSource | None,
+    hardware: common_pb2.HardwareCapabilities,
+    backend: str,
+) -> selector_pb2.SelectBackendsResponse:
+    """`backend` for the target and the drafter, through the selection LoadModel runs (the capability report,
+    the layer specs, the tensor-parallel shapes): a shape the backend does not claim on this hardware is
+    refused here with the selector's reason (InvalidArgument), not by the kernel at the first step."""
+    request.attention.backend = backend
+    if draft is not None:
+        request.draft.attention_backend = backend
+    dtype = TORCH_DTYPES[request.dtype]  # load_request names it: the same on every device
+    return select_backends(selection_request(request, source.config, hardware, dtype, draft))
+
+
 def greedy_outputs(
     method: str,
     device: str = "cpu",
@@ -147,11 +176,11 @@ def greedy_outputs(
     request = load_request(method, checkpoint)
     source = resolve_target(request.target, checkpoint.parent if checkpoint else None, "target")
     draft = resolve_draft(request.draft, source.config, None) if request.HasField("draft") else None
-    decision = common_pb2.BackendDecision(backend=backend)
+    decision = select_forced(request, source, draft, probe(torch.device(device)), backend)
     session = build_session(
-        source, request, decision, torch.device(device), replace(SETTINGS, cuda_graphs=graphs), start=False,
+        source, request, decision.target, torch.device(device), replace(SETTINGS, cuda_graphs=graphs), start=False,
         draft=draft,
-        draft_decision=decision if draft is not None else None,
+        draft_decision=decision.drafter if draft is not None else None,
     )  # fmt: skip
     if graphs and device == "cpu":
         capture_cpu_graphs(session)
