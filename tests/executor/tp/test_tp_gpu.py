@@ -40,8 +40,11 @@ def run_tp(tp: int, graphs: bool) -> tuple[dict[str, dict[str, list[int]]], dict
         check=False,
     )
     assert run.returncode == 0, run.stderr[-3000:]
-    *_, replays, tokens = run.stdout.strip().splitlines()
-    return json.loads(tokens), json.loads(replays.removeprefix(REPLAYS))
+    # The two result lines, wherever they are: NCCL_DEBUG=INFO (and the followers, which share this stdout) print too.
+    lines = run.stdout.splitlines()
+    at = next((i for i, line in enumerate(lines) if line.startswith(REPLAYS)), len(lines))
+    assert at + 1 < len(lines), run.stdout[-3000:]
+    return json.loads(lines[at + 1]), json.loads(lines[at].removeprefix(REPLAYS))
 
 
 @pytest.mark.parametrize("graphs", [False, True], ids=["eager", "graphs"])
