@@ -7,7 +7,10 @@ user tokens) arrive at once; time to first token is from the arrival to the mome
 request's first token. Repeats use new user tokens each; the figures are medians over the repeats, after one
 untimed burst per session (kernels compile for new shapes). Reported: TTFT (median, p90, the last request's)
 with and without, their ratio against the issue's bar (<= 0.3), the burst's prefix-cache hit rate, and
-whether every request's tokens are identical with and without (greedy).
+whether every request's tokens are identical with and without (greedy). When they are not, the controls of
+prefix_cache_controls.py tell the caching logic from bf16 rounding: the same comparison with the arithmetic
+pinned (requests one at a time, chunked at the cache boundary), the burst in fp32 without TF32, and the top-2
+logit gap at each divergence.
 
     python bench/prefix_cache_bench.py --out bench/results      # H100: Llama-3-8B shape, bf16, EAGLE-3
     python bench/prefix_cache_bench.py --tiny --out /tmp        # a CPU smoke run of the script
@@ -30,7 +33,15 @@ for _path in (REPO, REPO / "bench", REPO / "protos", REPO / "tests" / "executor"
         sys.path.append(str(_path))
 
 import torch  # noqa: E402
-from common import PRESETS, commit_id, default_dtype, log, median, versions, write_result  # noqa: E402
+from common import PRESETS, commit_id, log, median, versions, write_result  # noqa: E402
+from prefix_cache_controls import (  # noqa: E402
+    cache_boundary,
+    identity,
+    logprob_identity,
+    near_ties,
+    pinned_outputs,
+    strict_fp32,
+)
 from specdec_bench import draft_request, target_request  # noqa: E402
 
 from executor_service.drafting import resolve_draft  # noqa: E402
@@ -39,6 +50,7 @@ from executor_service.loader import LoadedModel, build_synthetic  # noqa: E402
 from executor_service.request import RequestOutput  # noqa: E402
 from executor_service.sampling import SamplingSettings  # noqa: E402
 from executor_service.session import (  # noqa: E402
+    DTYPE_ENUMS,
     EngineSettings,
     ModelSession,
     build_session,
@@ -57,11 +69,15 @@ TINY = {
     "preset": "tiny", "device": "cpu", "backend": "CPU_ATTN", "method": "none", "system_tokens": 64, "user_tokens": 8,
     "requests": 4, "repeats": 2,
 }  # fmt: skip
+CONTROLS = ("pinned", "fp32", "ties")
 
 
-def open_session(args: argparse.Namespace, loaded: LoadedModel, caching: bool) -> ModelSession:
+def open_session(
+    args: argparse.Namespace, loaded: LoadedModel, caching: bool, dtype: torch.dtype, kv_blocks: int
+) -> ModelSession:
+    """A session over `loaded`, built in `dtype`, with `kv_blocks` KV blocks."""
     preset = PRESETS[args.preset]
-    request = target_request(preset, default_dtype(torch.device(args.device)), args.backend, args.kv_blocks)
+    request = target_request(preset, DTYPE_ENUMS[dtype], args.backend, kv_blocks)
     request.enable_prefix_caching = caching
     source = resolve_target(request.target, None, "target")
     draft = None
@@ -155,24 +171,38 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--max-tokens", type=int, default=8, help="default 8")
     parser.add_argument("--max-num-batched-tokens", type=int, default=8192, help="default 8192")
     parser.add_argument("--kv-blocks", type=int, default=0, help="per session (default 0: every request's tokens fit)")
+    parser.add_argument("--dtype", choices=["bfloat16", "float32"], help="default: bfloat16 on a GPU, else float32")
+    parser.add_argument(
+        "--controls", default=",".join(CONTROLS), help=f"of {','.join(CONTROLS)}, or none (default all)"
+    )
+    parser.add_argument("--fp32-requests", type=int, help="the fp32 control's burst (default 16, --tiny 4)")
+    parser.add_argument("--max-probes", type=int, default=64, help="divergences probed for near ties (default 64)")
     parser.add_argument("--out", type=Path, default=REPO / "bench" / "results")
     args = parser.parse_args()
     for key, value in (TINY if args.tiny else DEFAULTS).items():
         if getattr(args, key) is None:
             setattr(args, key, value)
-    if not args.kv_blocks:
-        per_request = args.system_tokens + args.user_tokens + args.max_tokens + 2 * 16  # drafts and lookahead
-        args.kv_blocks = blocks_needed((args.requests + 1) * per_request, DEFAULT_BLOCK_SIZE) + 16
+    args.controls = [] if args.controls == "none" else args.controls.split(",")
+    if unknown := set(args.controls) - set(CONTROLS):
+        parser.error(f"--controls: unknown {sorted(unknown)}")
+    args.dtype = (
+        getattr(torch, args.dtype)
+        if args.dtype
+        else resolve_dtype(common_pb2.DTYPE_UNSPECIFIED, torch.device(args.device))
+    )
+    args.fp32_requests = args.fp32_requests or min(args.requests, 4 if args.tiny else 16)
+    args.kv_blocks = args.kv_blocks or kv_blocks_for(args, args.requests)
     return args
+
+
+def kv_blocks_for(args: argparse.Namespace, requests: int) -> int:
+    """Blocks for the warm request and `requests` at once (drafts and lookahead included)."""
+    per_request = args.system_tokens + args.user_tokens + args.max_tokens + 2 * 16
+    return blocks_needed((requests + 1) * per_request, DEFAULT_BLOCK_SIZE) + 16
 
 
 def compare(on: dict[str, Any], off: dict[str, Any]) -> dict[str, Any]:
     """With against without: the TTFT ratio and its bar, the hit rate, and identical outputs (greedy)."""
-    same = [
-        a == b
-        for run_on, run_off in zip(on["outputs"], off["outputs"], strict=True)
-        for a, b in zip(run_on, run_off, strict=True)
-    ]
     ratio = on["summary"]["ttft_median_ms"] / off["summary"]["ttft_median_ms"]
     return {
         "without_caching": {"summary": off["summary"], "runs": off["runs"]},
@@ -181,9 +211,91 @@ def compare(on: dict[str, Any], off: dict[str, Any]) -> dict[str, Any]:
         "ttft_bar": TTFT_BAR,
         "ttft_bar_met": ratio <= TTFT_BAR,
         "prefix_cache_hit_rate": median([run["prefix_cache_hit_rate"] for run in on["runs"]]),
-        "identical_requests": f"{sum(same)}/{len(same)}",
-        "outputs_identical": all(same),
+        **identity(flat(off["outputs"]), flat(on["outputs"])),
     }
+
+
+def flat(runs: list[list[Any]]) -> list[Any]:
+    """The repeats' requests in one list (request r of repeat i at i * requests + r)."""
+    return [item for run in runs for item in run]
+
+
+def close(session: ModelSession) -> None:
+    session.shutdown()
+    del session
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+
+
+def burst_and_pinned(args: argparse.Namespace, config: Any, system: list[int], vocab: int) -> dict[str, Any]:
+    """The timed bursts with and without caching and, in the same sessions, the pinned control. The session
+    without caching goes second and probes every divergence for a near tie: its prefills read nothing cached.
+    Returns the report's part of it."""
+    loaded = build_synthetic(config, 0, args.dtype, torch.device(args.device))
+    prompts = [user_prompts(system, args, vocab, seed=repeat) for repeat in range(args.repeats)]
+    boundary = cache_boundary(args.system_tokens, args.method, DEFAULT_BLOCK_SIZE)
+    results, pinned = {}, {}
+    for caching in (True, False):  # one session at a time: each holds its own KV cache
+        session = open_session(args, loaded, caching, args.dtype, args.kv_blocks)
+        results[caching] = measure(session, system, args, vocab)
+        if "pinned" in args.controls:
+            pinned[caching] = pinned_outputs(session, system, prompts[0], args.max_tokens, boundary)
+            pinned[caching, "logprobs"] = pinned_outputs(session, system, prompts[0], args.max_tokens, boundary, 1)
+            log(f"pinned control caching={caching}: {sum(pinned[caching]['cached'])} prompt tokens found cached")
+        if not caching:
+            report = compare(results[True], results[False])
+            if "pinned" in args.controls:
+                report["pinned"] = pinned_report(pinned, boundary)
+            if "ties" in args.controls:
+                off = flat(results[False]["outputs"])
+                report["near_ties"] = near_ties(session, flat(prompts), off, report["divergences"], args.max_probes)
+                if "pinned" in args.controls and report["pinned"]["divergences"]:
+                    found, off = report["pinned"]["divergences"], pinned[False]["outputs"]
+                    report["pinned"]["near_ties"] = near_ties(session, prompts[0], off, found, args.max_probes)
+        close(session)
+    return report
+
+
+def pinned_report(pinned: dict[Any, dict[str, Any]], boundary: int) -> dict[str, Any]:
+    """The pinned control's identity: greedy tokens (the burst's path), then tokens and log probabilities to the
+    bit (the host's path). A request that found other than the boundary cached (one before it with the same
+    first user token) was not computed in the same chunks: listed, its comparison is not strict."""
+    cached = pinned[True]["cached"] + pinned[True, "logprobs"]["cached"]
+    return {
+        "cache_boundary_tokens": boundary,
+        "requests_off_boundary": sorted(
+            {i % len(pinned[True]["cached"]) for i, n in enumerate(cached) if n != boundary}
+        ),
+        **identity(pinned[False]["outputs"], pinned[True]["outputs"]),
+        "logprobs": logprob_identity(pinned[False, "logprobs"], pinned[True, "logprobs"]),
+    }
+
+
+def fp32_control(args: argparse.Namespace, config: Any, system: list[int], vocab: int) -> dict[str, Any]:
+    """The burst's comparison (its schedule, fewer requests) in float32 with TF32 off."""
+    gc.collect()  # the bf16 sessions and weights
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+    precision = strict_fp32()
+    loaded = build_synthetic(config, 0, torch.float32, torch.device(args.device))
+    prompts = user_prompts(system, args, vocab, seed=0)[: args.fp32_requests]
+    outputs, hits = {}, 0
+    for caching in (True, False):  # as the burst's: the session without caching probes
+        session = open_session(args, loaded, caching, torch.float32, kv_blocks_for(args, len(prompts)))
+        burst(session, [[*system, 1]], args.max_tokens)
+        outputs[caching] = burst(session, prompts, args.max_tokens)[1]
+        if caching:
+            hits = session.prefix_cache_stats().hits
+        else:
+            report = {"requests": len(prompts), **precision, **identity(outputs[False], outputs[True])}
+            report["prefix_cache_hits"] = hits
+            if "ties" in args.controls and report["divergences"]:
+                found = report["divergences"]
+                report["near_ties"] = near_ties(session, prompts, outputs[False], found, args.max_probes)
+        close(session)
+    log(f"fp32 control: identical {report['identical_requests']}")
+    return report
 
 
 def main() -> int:
@@ -195,14 +307,13 @@ def main() -> int:
     system = [random.Random(-1).randrange(1, vocab) for _ in range(args.system_tokens)]
     request = target_request(preset, 0, args.backend, args.kv_blocks)
     config = resolve_target(request.target, None, "target").config
-    loaded = build_synthetic(config, 0, resolve_dtype(common_pb2.DTYPE_UNSPECIFIED, device), device)
-    results = {}
-    for caching in (False, True):  # one session at a time: each holds its own KV cache
-        session = open_session(args, loaded, caching)
-        results[caching] = measure(session, system, args, vocab)
-        session.shutdown()
-        del session
-        gc.collect()
+    comparison = burst_and_pinned(args, config, system, vocab)
+    if "fp32" in args.controls:  # after the bf16 weights are gone: 8B in fp32 needs the room
+        try:
+            comparison["fp32"] = fp32_control(args, config, system, vocab)
+        except Exception as err:  # a control that cannot run (memory, dtype) must not lose the burst's figures
+            log(f"fp32 control failed: {err!r}")
+            comparison["fp32"] = {"error": repr(err)[:500]}
     workload = (
         "system_tokens",
         "user_tokens",
@@ -222,12 +333,18 @@ def main() -> int:
         "preset": args.preset,
         "backend": args.backend,
         "method": args.method,
+        "dtype": str(args.dtype).removeprefix("torch."),
         "workload": {key: getattr(args, key) for key in workload},
-        **compare(results[True], results[False]),
+        **comparison,
     }
     with_ms, without_ms = (report[key]["summary"]["ttft_median_ms"] for key in ("with_caching", "without_caching"))
     log(f"TTFT median {with_ms} ms with caching, {without_ms} ms without: {report['ttft_ratio']}x (bar {TTFT_BAR}); "
         f"hit rate {report['prefix_cache_hit_rate']}; identical {report['identical_requests']}")  # fmt: skip
+    for name in ("pinned", "fp32"):
+        if name in report:
+            log(f"{name} control: identical {report[name].get('identical_requests', report[name])}")
+    if "near_ties" in report:
+        log(f"near ties at the burst's divergences: {report['near_ties']}")
     write_result(args.out, "prefix_cache", device, commit, report)
     return 0
 
