@@ -28,12 +28,24 @@ from executor_service.draft_models import Eagle3Drafter
 from executor_service.proposer import Proposer
 from executor_service.request import Request
 from executor_service.sampling import to_host
+from executor_service.step_constants import StepConstants
 from kernels.tree_mask import TREE_WINDOW, to_int64
+from selection.draft_tree import TreeShape
 
 # Ties broken toward shallower nodes, so that a parent always ranks above a child that scores the same.
 DEPTH_TIE_BREAK = 1e-6
 
 TreeReplay = Callable[[Request, list[int], list[int]], tuple[list[int], list[int]]]  # test drafters: rewrite a tree
+
+
+def static_parents(tree: TreeShape) -> list[int]:
+    """The parents of a static tree's drafts as draft_tree lays them out: level by level, each node's children
+    together, in its level's order."""
+    parents, start, size = [-1] * tree.branching[0], 0, tree.branching[0]
+    for branch in tree.branching[1:]:
+        parents += [start + i // branch for i in range(size * branch)]
+        start, size = start + size, size * branch
+    return parents
 
 
 class TreeProposer(Proposer):
@@ -46,6 +58,7 @@ class TreeProposer(Proposer):
         self.tree = self.config.tree
         self.parents: dict[str, list[int]] = {}
         self.replay_tree: TreeReplay | None = None  # scripted trees need the host: no step launched ahead
+        self.constants = StepConstants(self.device)
 
     def drafts_tree(self, request: Request) -> bool:
         """Whether the request drafts at all: its own k (0: never) and nothing that reads one chain of rows."""
@@ -138,62 +151,100 @@ class TreeProposer(Proposer):
     ) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
         """The trees on the device, no host sync (the device-resident tree step captures it): tokens and parents
         [B, drafts] (-1: the root) from the newest verified row's head and feedback [B, H] at positions `last`;
-        `scratch` [B, num_inputs] the slots of positions last + 1, ... that the drafter's passes write."""
-        tree, count, device = self.tree, head.shape[0], head.device
-        first_width = tree.branching[0] if tree.branching else tree.top_k
-        log_probs, tokens = self.top_candidates(head, first_width)  # [B, w]
+        `scratch` [B, num_inputs] the slots of positions last + 1, ... that the drafter's passes write.
+        A static tree's layout (parents, which node expands which, the masks) is constant: only its tokens and
+        hidden states move; a dynamic tree also carries its scores, parents and frontier."""
+        tree, count, constants = self.tree, head.shape[0], self.constants
+        dynamic = tree.dynamic
+        first_width = tree.top_k if dynamic else tree.branching[0]
+        log_probs, tokens = self.top_candidates(head, first_width, scores=dynamic)  # [B, w]
         pool_tokens, pool_scores, pool_parents = [tokens], [log_probs], [torch.full_like(tokens, -1)]
-        frontier = torch.arange(first_width, device=device).expand(count, -1)  # pool indices being expanded
+        frontier = constants.arange(first_width).expand(count, -1)  # pool indices being expanded
         frontier_tokens, frontier_scores = tokens, log_probs
         frontier_hidden = hidden[:, None].expand(-1, first_width, -1)
-        ancestors = torch.zeros(count, first_width, dtype=torch.int64, device=device)  # bits over scratch indices
+        ancestors = None  # [B, frontier] bits over scratch indices (dynamic)
+        seq_base = (last + 1).to(torch.int32)
+        # Position last + d of every depth's queries, clamped to the context (the last steps of a request).
+        ahead = (last[:, None] + constants.arange(tree.depth)[None, :]).clamp(max=self.max_model_len - 1)
         used, pool_size = 0, first_width
         for depth in range(1, tree.depth):
-            size = frontier.shape[1]
-            index = torch.arange(used, used + size, device=device)
-            ancestors = ancestors | (torch.ones_like(index) << index)[None, :]
-            step = self._tree_step(block_table, last, scratch[:, used : used + size], ancestors, used + size)
-            positions = (last + depth)[:, None].expand(-1, size).clamp(max=self.max_model_len - 1)
+            size = frontier_tokens.shape[1]
+            bits = constants.get(("frontier bits", used, size), lambda u=used, n=size: self._bits(u, n))
+            if dynamic:
+                ancestors = bits.expand(count, -1) if ancestors is None else ancestors | bits
+                masks = (ancestors << (TREE_WINDOW - used - size)) | to_int64((1 << (TREE_WINDOW - used - size)) - 1)
+            else:
+                masks = constants.get(("static masks", depth), lambda d=depth: self._static_masks(d))
+                masks = masks.expand(count, -1)
+            step = self._tree_step(block_table, seq_base + (used + size), scratch[:, used : used + size], masks)
+            positions = ahead[:, depth : depth + 1].expand(-1, size)
             out_hidden, out_head = self.drafter(
                 frontier_tokens.reshape(-1), positions.reshape(-1), frontier_hidden.reshape(count * size, -1),
                 self.kv_cache.layers, step,
             )  # fmt: skip
             used += size
-            branch = tree.branching[depth] if tree.branching else tree.top_k
-            log_probs, tokens = self.top_candidates(out_head, branch)
-            scores = frontier_scores[:, :, None] + log_probs.view(count, size, branch)
-            children_parent = frontier[:, :, None].expand(-1, -1, branch)
-            pool_tokens.append(tokens.view(count, -1))
-            pool_scores.append(scores.reshape(count, -1))
-            pool_parents.append(children_parent.reshape(count, -1))
-            candidates = torch.arange(size * branch, device=device).expand(count, -1)
-            if not tree.branching:  # dynamic: the top_k children by cumulative confidence go on
-                candidates = scores.reshape(count, -1).topk(tree.top_k, dim=-1).indices
-            slot_of_parent = candidates // branch
-            frontier = pool_size + candidates
-            frontier_tokens = tokens.view(count, -1).gather(1, candidates)
-            frontier_scores = scores.reshape(count, -1).gather(1, candidates)
-            frontier_hidden = out_hidden.view(count, size, -1).gather(
-                1, slot_of_parent[:, :, None].expand(-1, -1, out_hidden.shape[-1])
-            )
-            ancestors = ancestors.gather(1, slot_of_parent)
+            branch = tree.top_k if dynamic else tree.branching[depth]
+            log_probs, tokens = self.top_candidates(out_head, branch, scores=dynamic)
+            tokens = tokens.view(count, -1)
+            pool_tokens.append(tokens)
+            if dynamic:  # the top_k children by cumulative confidence go on
+                scores = (frontier_scores[:, :, None] + log_probs.view(count, size, branch)).reshape(count, -1)
+                pool_scores.append(scores)
+                pool_parents.append(frontier[:, :, None].expand(-1, -1, branch).reshape(count, -1))
+                candidates = scores.topk(tree.top_k, dim=-1).indices
+                slot_of_parent = candidates // branch
+                frontier = pool_size + candidates
+                frontier_tokens, frontier_scores = tokens.gather(1, candidates), scores.gather(1, candidates)
+                ancestors = ancestors.gather(1, slot_of_parent)
+                frontier_hidden = out_hidden.view(count, size, -1).gather(
+                    1, slot_of_parent[:, :, None].expand(-1, -1, out_hidden.shape[-1])
+                )
+            else:  # every child goes on: node j of the next level is child j % branch of node j // branch
+                frontier_tokens = tokens
+                spread = constants.get(("spread", size, branch), lambda n=size * branch, b=branch: self._spread(n, b))
+                frontier_hidden = out_hidden.view(count, size, -1).index_select(1, spread)
             pool_size += size * branch
+        if not dynamic:
+            parents = constants.get("static parents", lambda: self._static_parents_tensor())
+            return torch.cat(pool_tokens, 1), parents.expand(count, -1)
         return self._select(torch.cat(pool_tokens, 1), torch.cat(pool_scores, 1), torch.cat(pool_parents, 1))
 
+    def _bits(self, used: int, size: int) -> torch.Tensor:
+        """1 << (used + i) for the i-th query of a drafter pass: its own scratch key's bit."""
+        return torch.ones(size, dtype=torch.int64, device=self.device) << self.constants.arange(size) + used
+
+    def _spread(self, count: int, branch: int) -> torch.Tensor:
+        return self.constants.arange(count) // branch
+
+    def _static_parents_tensor(self) -> torch.Tensor:
+        return torch.tensor([static_parents(self.tree)], dtype=torch.int64, device=self.device)
+
+    def _static_masks(self, depth: int) -> torch.Tensor:
+        """[1, nodes] tree masks of a static tree's drafter pass at `depth` (its nodes at depth - 1 expanded):
+        every context key, and of the scratch keys written so far the node's ancestors and itself."""
+        branching = self.tree.branching
+        ancestors, used = [0] * branching[0], 0
+        for d in range(1, depth + 1):
+            ancestors = [a | 1 << (used + i) for i, a in enumerate(ancestors)]
+            if d == depth:
+                break
+            used += len(ancestors)
+            ancestors = [ancestors[j // branching[d]] for j in range(len(ancestors) * branching[d])]
+        shift = TREE_WINDOW - used - len(ancestors)  # window bit of scratch index 0: the window ends at the last query
+        masks = [to_int64((a << shift) | ((1 << shift) - 1)) for a in ancestors]
+        return torch.tensor([masks], dtype=torch.int64, device=self.device)
+
     def _tree_step(
-        self, block_table: torch.Tensor, last: torch.Tensor, slots: torch.Tensor, ancestors: torch.Tensor, used: int
+        self, block_table: torch.Tensor, seq_lens: torch.Tensor, slots: torch.Tensor, masks: torch.Tensor
     ) -> AttentionStep:
-        """The metadata of one drafter pass: per request `slots.shape[1]` queries, the newest of `used` scratch
-        keys (slots past the newest verified token); each sees the context and its ancestors (bits over scratch)."""
+        """The metadata of one drafter pass: per request `slots.shape[1]` queries, the newest scratch keys (slots
+        past the newest verified token); `masks` [B, queries] their tree masks, `seq_lens` [B] int32."""
         count, size = slots.shape
-        shift = TREE_WINDOW - used  # window bit of scratch index 0: the window ends at the last query
-        context_bits = to_int64((1 << shift) - 1)
-        masks = (ancestors << shift) | context_bits
         return AttentionStep(
             backend=self.backend,
             block_table=block_table,
-            query_start_loc=torch.arange(count + 1, dtype=torch.int32, device=last.device) * size,
-            seq_lens=(last + 1 + used).to(torch.int32),
+            query_start_loc=self.constants.starts(count, size),
+            seq_lens=seq_lens,
             slot_mapping=slots.reshape(-1),
             max_query_len=size,
             max_seq_len=self.max_model_len,
@@ -201,34 +252,37 @@ class TreeProposer(Proposer):
             tree_mask=masks.reshape(-1),
         )
 
-    def top_candidates(self, head: torch.Tensor, width: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """The drafter's `width` most likely next tokens [N, width] (target ids) and their log-probabilities."""
+    def top_candidates(
+        self, head: torch.Tensor, width: int, scores: bool = True
+    ) -> tuple[torch.Tensor | None, torch.Tensor]:
+        """The drafter's `width` most likely next tokens [N, width] (target ids) and their log-probabilities
+        (float32, cast inside the softmax; None without `scores`: a static tree ranks by the logits alone)."""
         if isinstance(self.drafter, Eagle3Drafter):
-            logits = self.drafter.lm_head(head).float()
-            log_probs, ids = logits.log_softmax(-1).topk(width, dim=-1)
-            return log_probs, ids + self.drafter.d2t[ids]
-        assert self.drafter.target is not None
-        logits = self.drafter.target.lm_head(head).float()
-        return logits.log_softmax(-1).topk(width, dim=-1)
+            logits, d2t = self.drafter.lm_head(head), self.drafter.d2t
+            to_target = self.constants.get("draft to target", lambda: self.constants.arange(d2t.shape[0]) + d2t)
+        else:
+            assert self.drafter.target is not None
+            logits, to_target = self.drafter.target.lm_head(head), None
+        if scores:
+            log_probs, ids = logits.log_softmax(-1, dtype=torch.float32).topk(width, dim=-1)
+        else:
+            log_probs, ids = None, logits.topk(width, dim=-1).indices
+        return log_probs, ids if to_target is None else to_target[ids]
 
     def _select(
         self, tokens: torch.Tensor, scores: torch.Tensor, parents: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """The verified tree of each request: every node (static) or the verify_budget best (dynamic), in pool
-        order (topological: parents are drafted first), parents renumbered into it; tokens and parents [B, W]."""
+        """A dynamic tree's verified drafts: the verify_budget best (ties to the shallower), in pool order
+        (topological: parents are drafted first), parents renumbered into it; tokens and parents [B, W]."""
         count, pool = tokens.shape
-        if self.tree.branching:
-            chosen = torch.arange(pool, device=tokens.device).expand(count, -1)
-        else:
-            depth = torch.cat(
-                [torch.full((size,), d, device=tokens.device) for d, size in enumerate(self.tree.level_sizes)]
-            )
-            ranked = scores - DEPTH_TIE_BREAK * depth
-            chosen = ranked.topk(min(self.tree.verify_budget, pool), dim=-1).indices.sort(dim=-1).values
+        tie_break = self.constants.get(("tie break", pool), self._tie_break)
+        chosen = (scores - tie_break).topk(min(self.tree.verify_budget, pool), dim=-1).indices.sort(dim=-1).values
         width = chosen.shape[1]
-        where = torch.full_like(tokens, -1).scatter_(
-            1, chosen, torch.arange(width, device=tokens.device).expand(count, -1)
-        )
-        chosen_parents = parents.gather(1, chosen)
-        renumbered = where.gather(1, chosen_parents.clamp(min=0))
-        return tokens.gather(1, chosen), torch.where(chosen_parents >= 0, renumbered, -1)
+        # where[p + 1]: the new index of pool node p; where[0] (the root) stays -1
+        where = torch.full((count, pool + 1), -1, dtype=torch.int64, device=tokens.device)
+        where.scatter_(1, chosen + 1, self.constants.arange(width).expand(count, -1))
+        return tokens.gather(1, chosen), where.gather(1, parents.gather(1, chosen) + 1)
+
+    def _tie_break(self) -> torch.Tensor:
+        depth = torch.cat([torch.full((size,), d, device=self.device) for d, size in enumerate(self.tree.level_sizes)])
+        return DEPTH_TIE_BREAK * depth

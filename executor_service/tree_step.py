@@ -37,7 +37,8 @@ from executor_service.model_runner import ModelRunner, StepInputs
 from executor_service.parallel.driver import TensorParallelModel
 from executor_service.request import Request
 from executor_service.spec_step import PendingStep
-from executor_service.tree_proposer import TreeProposer
+from executor_service.step_constants import StepConstants
+from executor_service.tree_proposer import TreeProposer, static_parents
 from kernels.tree_mask import TREE_WINDOW, to_int64
 
 
@@ -50,13 +51,29 @@ class TreeStep:
         self.ahead_width = self.depth + self.scratch_width  # slots of positions root + 1, ..., wherever the path ends
         self.graphs: StepGraphs | None = None
         self.counts: Counter[str] = Counter()  # "graph" / "eager" (benchmarks read it)
+        self.constants = StepConstants(runner.device)
+        # A static tree is drafted in one layout: its depths, ancestors and masks are constants, not D rounds of
+        # gathers per step (the first step's host-given trees are checked against it in `accepts`).
+        self.static_parents = None if self.tree.dynamic else static_parents(self.tree)
+        self.static_layout: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
+        if self.static_parents is not None:
+            parents = torch.tensor([self.static_parents], dtype=torch.int64, device=runner.device)
+            node_depth, ancestors = tree_layout(parents, self.depth)
+            self.static_layout = (node_depth, ancestors, self._masks(ancestors))
 
     def accepts(self, inputs: StepInputs, requests: list[Request]) -> bool:
-        """Every request verifies a whole tree (N drafts, all rows sampled) and decodes greedily from the argmax
-        alone; tensor parallelism keeps the host path (its K/V move is an op on every rank)."""
+        """Every request verifies a whole tree (N drafts, all rows sampled; a static tree in its drafted layout)
+        and decodes greedily from the argmax alone; tensor parallelism keeps the host path (its K/V move is an op
+        on every rank)."""
         if inputs.uniform_query_len != self.rows or isinstance(self.runner.model, TensorParallelModel):
             return False
-        return all(r.settings.plain_greedy and len(self.proposer.tree_of(r)) == self.num_drafts for r in requests)
+        for request in requests:
+            parents = self.proposer.tree_of(request)
+            if not request.settings.plain_greedy or len(parents) != self.num_drafts:
+                return False
+            if self.static_parents is not None and parents != self.static_parents:
+                return False
+        return True
 
     def reach(self, request: Request) -> int:
         """Positions a request needs room for: the verify rows up to root + N and the drafter's keys up to
@@ -103,7 +120,7 @@ class TreeStep:
         parents = packed[:, depth + 2 + size :]
         shift = accepted[:, None] + 1  # the new root's offset from the old one
         root = old_root + accepted + 1
-        offsets = torch.arange(max(rows, self.ahead_width), device=packed.device)[None, :]
+        offsets = self.constants.arange(max(rows, self.ahead_width))[None, :]
         positions = (root[:, None] + offsets[:, :rows]).reshape(-1)
         slot_mapping = wide.gather(1, shift + offsets[:, :rows]).reshape(-1)
         slots_ahead = wide.gather(1, shift + 1 + offsets[:, : self.ahead_width])
@@ -116,7 +133,7 @@ class TreeStep:
             self.counts["eager following"] += 1
             step = AttentionStep(
                 backend=self.runner.backend, block_table=block_table,
-                query_start_loc=torch.arange(count + 1, dtype=torch.int32, device=packed.device) * rows,
+                query_start_loc=self.constants.starts(count, rows),
                 seq_lens=seq_lens, slot_mapping=slot_mapping, max_query_len=rows,
                 max_seq_len=max(roots) + depth + 1 + rows,
             )  # fmt: skip
@@ -127,7 +144,7 @@ class TreeStep:
         """[B, width] cache slots of positions first, first + 1, ... of each request, on the device (no host loop
         over the slots); every one of them reserved by the caller."""
         size = self.runner.block_size
-        positions = first[:, None] + torch.arange(width, device=first.device)[None, :]
+        positions = first[:, None] + self.constants.arange(width)[None, :]
         blocks = block_table.long().gather(1, (positions // size).clamp(max=block_table.shape[1] - 1))
         return blocks * size + positions % size
 
@@ -136,9 +153,11 @@ class TreeStep:
         input_ids, parents = x["input_ids"], x["parents"]
         count, rows = parents.shape[0], self.rows
         root = positions.view(count, rows)[:, 0]
-        node_depth, ancestors = tree_layout(parents, self.depth)
-        first = TREE_WINDOW - rows  # window bit of row 0 (kernels/tree_mask.py)
-        masks = (ancestors << first) | to_int64((1 << first) - 1)
+        if self.static_layout is not None:
+            node_depth, ancestors, masks = (t.expand(count, -1) for t in self.static_layout)
+        else:
+            node_depth, ancestors = tree_layout(parents, self.depth, self.constants)
+            masks = self._masks(ancestors)
         verify = AttentionStep(
             backend=step.backend, block_table=step.block_table, query_start_loc=step.query_start_loc,
             seq_lens=step.seq_lens, slot_mapping=step.slot_mapping, max_query_len=rows,
@@ -149,16 +168,23 @@ class TreeStep:
         assert features is not None, "a drafter reads the target's features"
         target_ids = argmax(logits).view(count, rows)
         drafts = input_ids.view(count, rows)[:, 1:]
-        path_rows, accepted = accept_tree(drafts, parents, target_ids, node_depth, ancestors, self.depth)
+        path_rows, accepted = accept_tree(
+            drafts, parents, target_ids, node_depth, ancestors, self.depth, self.constants
+        )
         emitted = target_ids.gather(1, path_rows)  # the accepted drafts' tokens, then the target's next one
         slots = step.slot_mapping.view(count, rows)
         self._move_path(slots, path_rows, accepted)
         next_tokens, next_parents = self._propose(step, slots, features, root, path_rows, accepted, emitted, x)
         return (torch.cat([emitted, accepted[:, None], next_tokens, next_parents], dim=1),)
 
+    def _masks(self, ancestors: torch.Tensor) -> torch.Tensor:
+        """The verify rows' tree masks: every context key, and of the window's last `rows` keys the ancestors."""
+        first = TREE_WINDOW - self.rows  # window bit of row 0 (kernels/tree_mask.py)
+        return (ancestors << first) | to_int64((1 << first) - 1)
+
     def _move_path(self, slots: torch.Tensor, path_rows: torch.Tensor, accepted: torch.Tensor) -> None:
         """The accepted draft at depth d: its K/V from its row's slot to the slot of root + d, every layer."""
-        levels = torch.arange(1, self.depth + 1, device=slots.device)[None, :]
+        levels = self.constants.arange(self.depth + 1)[None, 1:]
         source, target = slots.gather(1, path_rows[:, 1:]), slots[:, 1 : self.depth + 1]
         moves = (levels <= accepted[:, None]) & (source >= 0) & (target >= 0)
         anchor = slots[:1, :1]  # the first request's root: no move reads or writes it
@@ -174,18 +200,18 @@ class TreeStep:
         """The next trees: the drafter's context pass over the root and path rows at root, root + 1, ...
         (row i pairs with emitted token i), then the tree drafted from the newest verified row."""
         proposer, count, width = self.proposer, root.shape[0], self.depth + 1
-        offsets = torch.arange(width, device=root.device)
+        offsets = self.constants.arange(width)
         context = AttentionStep(
             backend=proposer.backend, block_table=step.block_table,
-            query_start_loc=torch.arange(count + 1, dtype=torch.int32, device=root.device) * width,
+            query_start_loc=self.constants.starts(count, width),
             seq_lens=(root + width).to(torch.int32), slot_mapping=slots[:, :width].reshape(-1),
             max_query_len=width, max_seq_len=proposer.max_model_len,
         )  # fmt: skip
-        rows = (torch.arange(count, device=root.device)[:, None] * self.rows + path_rows).reshape(-1)
+        rows = (self.constants.strided(count, self.rows)[:, None] + path_rows).reshape(-1)
         positions = (root[:, None] + offsets).reshape(-1)
         feedback, head = proposer.context_pass_rows(context, positions, emitted.reshape(-1), features[rows])
-        picked = torch.arange(count, device=root.device) * width + accepted  # the newest verified row
-        scratch_offsets = torch.arange(self.scratch_width, device=root.device)
+        picked = self.constants.strided(count, width) + accepted  # the newest verified row
+        scratch_offsets = self.constants.arange(self.scratch_width)
         scratch = x["slots_ahead"].gather(1, accepted[:, None] + scratch_offsets[None, :])
         return proposer.draft_tree(step.block_table, root + accepted, scratch, head[picked], feedback[picked])
 
@@ -202,40 +228,49 @@ class TreeStep:
         self.graphs.capture()
 
 
-def tree_layout(parents: torch.Tensor, depth: int) -> tuple[torch.Tensor, torch.Tensor]:
+def tree_layout(
+    parents: torch.Tensor, depth: int, constants: StepConstants | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Each row's depth (the root's 0) and ancestor bits (itself included; bit r: row r), both [B, N + 1], from
-    the drafts' parents [B, N] (-1: the root) in topological order: `depth` rounds of gathers, a level each."""
+    the drafts' parents [B, N] (-1: the root) in topological order. Pointer doubling: after round r a row holds
+    its ancestors up to 2^r levels up, so log2(depth) rounds of gathers, not one per level; its depth is the
+    number of its ancestors."""
     count, rows = parents.shape[0], parents.shape[1] + 1
+    constants = constants or StepConstants(parents.device)
+    index = constants.arange(rows)
+    own = constants.get(("own bits", rows), lambda: torch.ones_like(index) << index)[None, :].expand(count, -1)
     up = torch.cat([torch.zeros_like(parents[:, :1]), parents + 1], dim=1)  # each row's parent row; root: itself
-    index = torch.arange(rows, device=parents.device)
-    own = (torch.ones_like(index) << index)[None, :].expand(count, -1)
-    ancestors, node_depth = own, torch.zeros_like(up)
-    for _ in range(depth):
-        ancestors = own | ancestors.gather(1, up)
-        node_depth = torch.where(index > 0, node_depth.gather(1, up) + 1, 0)
+    ancestors, reach = own | own.gather(1, up), 1  # itself and its parent
+    while reach < depth:
+        ancestors = ancestors | ancestors.gather(1, up)
+        reach *= 2
+        if reach < depth:
+            up = up.gather(1, up)  # the ancestor 2^r levels up (the root stays put)
+    node_depth = ((ancestors[:, :, None] >> index) & 1).sum(dim=2) - 1
     return node_depth, ancestors
 
 
 def accept_tree(
     drafts: torch.Tensor, parents: torch.Tensor, target_ids: torch.Tensor, node_depth: torch.Tensor,
-    ancestors: torch.Tensor, depth: int,
+    ancestors: torch.Tensor, depth: int, constants: StepConstants | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
     """The longest matching path, on the device. Returns the rows [B, D + 1] of the accepted node at depth
     0 (the root), 1, ...; past the path, the deepest accepted node's row, so that the target's argmax there
     reads as the next token. And the accepted drafts [B]."""
     num = drafts.shape[1]
+    constants = constants or StepConstants(drafts.device)
     matches = drafts == target_ids.gather(1, parents + 1)
-    index = torch.arange(num, device=drafts.device)
-    earlier = index[:, None] > index[None, :]  # [j, i]: i precedes j
+    earlier = constants.get(("earlier", num), lambda: constants.arange(num)[:, None] > constants.arange(num))
     twins = (parents[:, :, None] == parents[:, None, :]) & (drafts[:, :, None] == drafts[:, None, :]) & earlier
     matches = matches & ~twins.any(dim=2)  # of equal siblings the first only, so the accepted nodes form a path
-    rows = torch.arange(num + 1, device=drafts.device)
-    ok = torch.cat([torch.ones_like(matches[:, :1]), matches], dim=1)
-    ok_bits = (ok.long() << rows).sum(dim=1)  # distinct bits: the sum is their union
+    rows = constants.arange(num + 1)
+    ok_bits = (matches.long() << rows[1:]).sum(dim=1) | 1  # distinct bits: the sum is their union; the root's
     accepted_rows = (ancestors & ~ok_bits[:, None]) == 0  # the row and all its ancestors match
     accepted = accepted_rows.sum(dim=1) - 1
-    levels = torch.arange(depth + 1, device=drafts.device)
-    at_level = accepted_rows[:, None, :] & (node_depth[:, None, :] == levels[None, :, None])  # [B, D + 1, N + 1]
-    path_rows = at_level.to(torch.int32).argmax(dim=2)
+    levels = constants.arange(depth + 1)
+    # Each accepted row's depth is distinct: scatter the rows to their depths (the root's 0 everywhere else).
+    at_depth = torch.where(accepted_rows, node_depth, depth + 1)  # rejected rows: past the last level
+    path_rows = ancestors.new_zeros(ancestors.shape[0], depth + 2).scatter_(1, at_depth, rows.expand_as(at_depth))
+    path_rows = path_rows[:, : depth + 1]
     deepest = path_rows.gather(1, accepted[:, None])
     return torch.where(levels[None, :] <= accepted[:, None], path_rows, deepest), accepted

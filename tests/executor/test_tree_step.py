@@ -19,6 +19,7 @@ from executor_service.session import ModelSession
 from executor_service.tree_step import accept_tree, tree_layout
 from executor_service.tree_verification import DraftTree, verify_greedy_tree
 from kernels.tree_mask import tree_masks
+from specdec.v1 import common_pb2
 
 
 def random_tree(rng: random.Random, size: int, depth: int) -> list[int]:
@@ -249,3 +250,51 @@ def test_graph_buffers_and_padded_buckets(shape: str) -> None:
     assert device.trees == host.trees
     for rid, outputs in device_sink.outputs.items():
         assert outputs[-1].finish == host_sink.outputs[rid][-1].finish
+
+
+@pytest.mark.parametrize("branching", [[2, 2, 1], [3, 2], [4, 2, 2, 1], [1, 1, 1, 1]])
+def test_static_layouts_are_the_drafted_ones(branching: list[int]) -> None:
+    """A static tree's constants (parents; each drafter pass's masks over the scratch keys, where every node
+    of depth < D is expanded in pool order) against a walk of the definition."""
+    from executor_service.tree_proposer import static_parents
+    from selection.draft_tree import TreeShape
+
+    shape = TreeShape(depth=len(branching), branching=tuple(branching))
+    parents = static_parents(shape)
+    tree = DraftTree([0] * len(parents), parents)
+    assert [len(c) for c in tree.children()[: len(parents) - shape.level_sizes[-1] + 1]] == [
+        branching[0], *(b for depth, b in enumerate(branching[1:]) for _ in range(shape.level_sizes[depth]))
+    ]  # fmt: skip
+    assert tree.depths() == sorted(tree.depths())  # level by level
+    session = tree_session("eagle3", common_pb2.DraftTree(branching=branching))
+    proposer = session.proposer
+    for depth in range(1, shape.depth):
+        used_end = sum(shape.level_sizes[:depth])  # scratch keys written once this pass has written its own
+        nodes = range(used_end - shape.level_sizes[depth - 1], used_end)
+        expected = []
+        for node in nodes:
+            bits, at = (1 << (64 - used_end)) - 1, node
+            while at >= 0:
+                bits |= 1 << (64 - used_end + at)
+                at = parents[at]
+            expected.append(bits - (1 << 64) if bits >> 63 else bits)
+        assert proposer._static_masks(depth).tolist() == [expected], depth
+
+
+def test_a_static_tree_in_another_layout_takes_the_host_path() -> None:
+    """The device step lays a static tree out from constants: a tree of the same size in another layout (all
+    drafts children of the root, the right token last) goes to the host path and still gives the target's."""
+    tree, k = TREES["static_2_2_1"]
+    session = tree_session("eagle3", tree, k)
+    session.engine.tree_step.counts.clear()
+    batch = prompts(2, seed=17)
+    references = {rid: greedy_reference(session.loaded.model, p, 8) for rid, p in batch.items()}
+
+    def flat(request, tokens: list[int], parents: list[int]) -> tuple[list[int], list[int]]:
+        upcoming = references[request.request_id][len(request.output_ids) :] or [0]
+        return [(upcoming[0] + 1) % VOCAB] * (len(tokens) - 1) + [upcoming[0]], [-1] * len(tokens)
+
+    session.proposer.replay_tree = flat
+    sink = check_equals_target_only(session, 8, batch)
+    assert sum(outputs[-1].finish.accepted_tokens for outputs in sink.outputs.values()) > 0
+    assert not session.engine.tree_step.counts  # no device step, eager or graph
