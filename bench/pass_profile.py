@@ -3,8 +3,11 @@
 Replays every pass of `specdec_bench.py` (CUDA graphs, batch 1) under torch.profiler and splits its time
 into the kernels it runs (summed per name, per replay) and what is left of the wall time (launch gaps,
 tails, the static-buffer copies). Says whether a pass is bound by kernel count or by kernel speed.
+With --trees, also the device-resident tree step of each EAGLE-3 tree spec (tree_passes.py), beside the
+chain's device step (spec_step_eagle3): which kernels a tree step adds.
 
     python bench/pass_profile.py --methods eagle,dflash --out bench/results
+    python bench/pass_profile.py --preset smollm2 --methods eagle3 --trees dynamic:8:16:7,dynamic:4:16:6
 """
 
 from __future__ import annotations
@@ -20,8 +23,9 @@ sys.path.append(str(Path(__file__).resolve().parent))
 
 import torch
 from common import PRESETS, commit_id, log, time_graph, write_result
-from specdec_bench import open_sessions, parse_args, pass_calls
+from specdec_bench import open_session, open_sessions, parse_args, pass_calls, tree_step_call
 from torch.profiler import ProfilerActivity, profile
+from tree_passes import parse_tree_spec
 
 REPLAYS = 20
 TOP_KERNELS = 12
@@ -65,7 +69,14 @@ def main() -> int:
         "backend": args.backend,
         "passes": {},
     }
-    for name, (call, _moved) in pass_calls(sessions, args, preset).items():
+    calls = {name: call for name, (call, _moved) in pass_calls(sessions, args, preset).items()}
+    for spec in (t for t in args.trees.split(",") if t):  # EAGLE-3 tree shapes, over the same target weights
+        label, tree, depth = parse_tree_spec(spec)
+        sessions[label] = open_session(args, sessions["target-only"].loaded, "eagle3", preset, tree, depth)
+        call = tree_step_call(sessions[label], args)
+        if call is not None:
+            calls[f"tree_step_{label}"] = call
+    for name, call in calls.items():
         wall_us = time_graph(call, device, args.iters) * 1e3
         kernels = kernel_profile(call, REPLAYS)
         kernels["wall_us"] = round(wall_us, 1)

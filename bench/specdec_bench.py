@@ -103,15 +103,17 @@ def draft_request(method: str, preset: dict[str, Any]) -> executor_pb2.DraftMode
 
 def open_session(
     args: argparse.Namespace, loaded: LoadedModel, method: str | None, preset: dict[str, Any],
-    tree: common_pb2.DraftTree | None = None,
+    tree: common_pb2.DraftTree | None = None, depth: int = 0,
 ) -> ModelSession:  # fmt: skip
     request = target_request(preset, default_dtype(torch.device(args.device)), args.backend, args.kv_blocks)
     source = resolve_target(request.target, None, "target")
     draft = None
     if method is not None:
         request.draft.CopyFrom(draft_request(method, preset))
-        if tree is not None:  # the drafter's k is then the dynamic tree's depth
+        if tree is not None:  # the drafter's k is then the dynamic tree's depth (`depth`, else DRAFTERS'; static: 0)
             request.draft.tree.CopyFrom(tree)
+            default = request.draft.num_speculative_tokens
+            request.draft.num_speculative_tokens = 0 if tree.branching else depth or default
         draft = resolve_draft(request.draft, source.config, None)
     decision = common_pb2.BackendDecision(backend=args.backend)
     settings = EngineSettings(max_num_batched_tokens=8192, max_num_seqs=max(args.batches), cuda_graphs=True)
@@ -464,21 +466,12 @@ def tree_step_times(sessions: dict[str, ModelSession], args: argparse.Namespace,
     tree = common_pb2.DraftTree(top_k=min(8, budget), verify_budget=budget)
     session = open_session(args, sessions["target-only"].loaded, "eagle3", preset, tree)
     try:
-        tree_step = session.engine.tree_step  # type: ignore[attr-defined]
-        if tree_step is None or tree_step.graphs is None:
+        call = tree_step_call(session, args)
+        if call is None:
             return {"refused": f"no tree step graphs with {args.backend}"}
+        tree_ms = time_back_to_back(call, args.iters)
+        report = {"shape": session.engine.tree_step.tree.describe(), "tree_step_ms": round(tree_ms, 4)}  # type: ignore[attr-defined]
         device, context = torch.device(args.device), args.context
-        blocks = session.kv_cache.allocator.allocate(
-            -(-(context + 1 + tree_step.ahead_width + 64) // DEFAULT_BLOCK_SIZE)
-        )
-        rows = tree_step.rows
-        parents = torch.tensor([breadth_first_tree(budget, min(8, budget))], device=device)
-        inputs = {
-            "input_ids": torch.zeros(rows, dtype=torch.int64, device=device), "parents": parents,
-            "slots_ahead": slots_ahead(blocks, context + 1, tree_step.ahead_width, device),
-        }  # fmt: skip
-        tree_ms = time_back_to_back(graph_call(tree_step.graphs, blocks, context, inputs), args.iters)
-        report = {"shape": tree_step.tree.describe(), "tree_step_ms": round(tree_ms, 4)}
         chain = sessions["eagle3"]
         if chain.engine.spec_step is not None and chain.engine.spec_step.graphs is not None:
             q = chain.engine.spec_step.k + 1
@@ -494,6 +487,23 @@ def tree_step_times(sessions: dict[str, ModelSession], args: argparse.Namespace,
         return report
     finally:
         session.shutdown()
+
+
+def tree_step_call(session: ModelSession, args: argparse.Namespace) -> Any:
+    """A batch-1 replay of the session's device-resident tree step after --context cached tokens (its tree in
+    the drafted layout for a static shape, else breadth first); None without tree step graphs."""
+    tree_step = getattr(session.engine, "tree_step", None)
+    if tree_step is None or tree_step.graphs is None:
+        return None
+    device, context, size = torch.device(args.device), args.context, tree_step.num_drafts
+    blocks = session.kv_cache.allocator.allocate(-(-(context + 1 + tree_step.ahead_width + 64) // DEFAULT_BLOCK_SIZE))
+    layout = tree_step.static_parents or breadth_first_tree(size, min(8, size))
+    inputs = {
+        "input_ids": torch.zeros(tree_step.rows, dtype=torch.int64, device=device),
+        "parents": torch.tensor([layout], device=device),
+        "slots_ahead": slots_ahead(blocks, context + 1, tree_step.ahead_width, device),
+    }
+    return graph_call(tree_step.graphs, blocks, context, inputs)
 
 
 def parse_args(description: str | None = __doc__) -> argparse.Namespace:
@@ -513,6 +523,7 @@ def parse_args(description: str | None = __doc__) -> argparse.Namespace:
     parser.add_argument("--host-step-too", action="store_true", help="also time each script on the host path")
     parser.add_argument("--kv-blocks", type=int, default=1024)
     parser.add_argument("--tree-budget", type=int, default=0, help="time a tree verify pass of N drafts vs the chain")
+    parser.add_argument("--trees", default="", help="pass_profile.py: tree specs whose device step to profile")
     parser.add_argument("--out", type=Path, default=REPO / "bench" / "results")
     args = parser.parse_args()
     args.methods = [m for m in args.methods.split(",") if m]
