@@ -13,6 +13,7 @@ from pathlib import Path
 
 import torch
 
+from executor_service.backend_claims import DRAFT_FIELD, TARGET_FIELD, check_backend_claims
 from executor_service.cancellation import check_cancelled
 from executor_service.chat import load_chat_template
 from executor_service.config import ModelConfig
@@ -306,6 +307,9 @@ def build_session(
     started = time.perf_counter()
     dtype = resolve_dtype(request.dtype, device)
     block_size = request.block_size or DEFAULT_BLOCK_SIZE
+    check_backend_claims(decision.backend, source.config, dtype, block_size, device, TARGET_FIELD)
+    if draft is not None and draft_decision is not None:
+        check_backend_claims(draft_decision.backend, draft.config.model, dtype, block_size, device, DRAFT_FIELD)
     num_blocks = requested_kv_blocks(request, device)
     if num_blocks is not None:  # before anything is allocated
         check_warm_up_fits(num_blocks, block_size, source.config, draft, request.num_kv_blocks > 0)

@@ -194,11 +194,24 @@ def refusal_reasons(
     The platform is not checked: kernels run wherever they can (ROCM_ATTN is tested on CUDA, CPU_ATTN is
     the reference on GPUs); the selector keeps each platform to its own backends.
     """
+    return layer_refusal_reasons(backend, q.dtype, q.shape[-1], k_cache.shape[1], q.device, causal, tree)
+
+
+def layer_refusal_reasons(
+    backend: str,
+    dtype: torch.dtype,
+    head_size: int,
+    block_size: int,
+    device: torch.device,
+    causal: bool = True,
+    tree: bool = False,
+) -> list[str]:
+    """refusal_reasons before any tensor exists, from a layer's shapes: a load checks its backends with it, so
+    one the kernels would refuse at every step fails the load instead. BackendUnavailableError: no module."""
     name = backend.strip().upper()
     module = implementation(name)
     version = getattr(module, "library_version", lambda: None)()
-    reasons = _refusal_reasons(BACKENDS[name], version, q.dtype, q.shape[-1], k_cache.shape[1], causal, q.device, tree)
-    return list(reasons)
+    return list(_refusal_reasons(BACKENDS[name], version, dtype, head_size, block_size, causal, device, tree))
 
 
 @functools.lru_cache(maxsize=256)
