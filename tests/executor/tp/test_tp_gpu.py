@@ -1,6 +1,8 @@
 """The NCCL path (gpu marker): greedy tokens through the parallel package on cuda:0..N-1 equal the single-GPU
 ones, fp32 on TRITON_ATTN, with no drafter, EAGLE-3, an EAGLE-3 tree and DFlash; eagerly, and with CUDA graphs
 (the target's captured on every rank with their collectives, replayed in lockstep; rank 0's drafter's).
+TRITON_ATTN goes through selection (tp_greedy_run.select_forced) against this GPU's report, so shapes it does
+not claim fail at once with the selector's reason (heads of 16 once failed every step of the warm-up).
 
 TP 1 runs on one GPU: a group of one rank over NCCL (tp_greedy_run.py starts the parallel package itself,
 which `specdec-executor --tensor-parallel-size 1` does not), so every op goes through the protocol and the
