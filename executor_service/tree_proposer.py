@@ -163,7 +163,9 @@ class TreeProposer(Proposer):
         frontier_tokens, frontier_scores = tokens, log_probs
         frontier_hidden = hidden[:, None].expand(-1, first_width, -1)
         ancestors = None  # [B, frontier] bits over scratch indices (dynamic)
-        seq_base = (last + 1).to(torch.int32)
+        # Each pass's sequence lengths, [depth, B]: last + 1 + the scratch keys written once the pass has run.
+        written = constants.get(("written", tree), lambda: self._written().to(torch.int32))
+        seq_lens = (last + 1).to(torch.int32)[None, :] + written[:, None]
         # Position last + d of every depth's queries, clamped to the context (the last steps of a request).
         ahead = (last[:, None] + constants.arange(tree.depth)[None, :]).clamp(max=self.max_model_len - 1)
         used, pool_size = 0, first_width
@@ -176,7 +178,7 @@ class TreeProposer(Proposer):
             else:
                 masks = constants.get(("static masks", depth), lambda d=depth: self._static_masks(d))
                 masks = masks.expand(count, -1)
-            step = self._tree_step(block_table, seq_base + (used + size), scratch[:, used : used + size], masks)
+            step = self._tree_step(block_table, seq_lens[depth], scratch[:, used : used + size], masks)
             positions = ahead[:, depth : depth + 1].expand(-1, size)
             out_hidden, out_head = self.drafter(
                 frontier_tokens.reshape(-1), positions.reshape(-1), frontier_hidden.reshape(count * size, -1),
@@ -191,10 +193,10 @@ class TreeProposer(Proposer):
                 scores = (frontier_scores[:, :, None] + log_probs.view(count, size, branch)).reshape(count, -1)
                 pool_scores.append(scores)
                 pool_parents.append(frontier[:, :, None].expand(-1, -1, branch).reshape(count, -1))
-                candidates = scores.topk(tree.top_k, dim=-1).indices
+                frontier_scores, candidates = scores.topk(tree.top_k, dim=-1)
                 slot_of_parent = candidates // branch
                 frontier = pool_size + candidates
-                frontier_tokens, frontier_scores = tokens.gather(1, candidates), scores.gather(1, candidates)
+                frontier_tokens = tokens.gather(1, candidates)
                 ancestors = ancestors.gather(1, slot_of_parent)
                 frontier_hidden = out_hidden.view(count, size, -1).gather(
                     1, slot_of_parent[:, :, None].expand(-1, -1, out_hidden.shape[-1])
@@ -208,6 +210,14 @@ class TreeProposer(Proposer):
             parents = constants.get("static parents", lambda: self._static_parents_tensor())
             return torch.cat(pool_tokens, 1), parents.expand(count, -1)
         return self._select(torch.cat(pool_tokens, 1), torch.cat(pool_scores, 1), torch.cat(pool_parents, 1))
+
+    def _written(self) -> torch.Tensor:
+        """[depth]: scratch keys written after the pass at each depth (index 0 unused: depth 1 needs no pass)."""
+        sizes = [self.tree.top_k] * self.tree.depth if self.tree.dynamic else [1, *self.tree.level_sizes]
+        written = [0] * self.tree.depth
+        for depth in range(1, self.tree.depth):
+            written[depth] = written[depth - 1] + sizes[depth - 1 if self.tree.dynamic else depth]
+        return torch.tensor(written, device=self.device)
 
     def _bits(self, used: int, size: int) -> torch.Tensor:
         """1 << (used + i) for the i-th query of a drafter pass: its own scratch key's bit."""

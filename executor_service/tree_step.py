@@ -264,8 +264,8 @@ def accept_tree(
     twins = (parents[:, :, None] == parents[:, None, :]) & (drafts[:, :, None] == drafts[:, None, :]) & earlier
     matches = matches & ~twins.any(dim=2)  # of equal siblings the first only, so the accepted nodes form a path
     rows = constants.arange(num + 1)
-    ok_bits = (matches.long() << rows[1:]).sum(dim=1) | 1  # distinct bits: the sum is their union; the root's
-    accepted_rows = (ancestors & ~ok_bits[:, None]) == 0  # the row and all its ancestors match
+    bad_bits = ((~matches).long() << rows[1:]).sum(dim=1)  # distinct bits: the sum is their union
+    accepted_rows = (ancestors & bad_bits[:, None]) == 0  # the row and all its ancestors match
     accepted = accepted_rows.sum(dim=1) - 1
     levels = constants.arange(depth + 1)
     # Each accepted row's depth is distinct: scatter the rows to their depths (the root's 0 everywhere else).
