@@ -58,7 +58,7 @@ def run(session: ModelSession, batch: dict[str, list[int]], drafting: bool = Tru
     for rid in batch:
         assert all(o.error is None for o in sink.outputs[rid]), [o.error for o in sink.outputs[rid]]
         finish = sink.outputs[rid][-1].finish
-        assert finish is not None and finish.reason == "length", diagnostics(session, sink)
+        assert finish is not None, diagnostics(session, sink)
         assert (finish.verify_steps > 0 and finish.drafted_tokens > 0) == drafting, diagnostics(session, sink)
     assert session.kv_cache.allocator.num_used == 0
     return {rid: sink.tokens(rid) for rid in batch}
