@@ -298,3 +298,47 @@ def test_a_static_tree_in_another_layout_takes_the_host_path() -> None:
     sink = check_equals_target_only(session, 8, batch)
     assert sum(outputs[-1].finish.accepted_tokens for outputs in sink.outputs.values()) > 0
     assert not session.engine.tree_step.counts  # no device step, eager or graph
+
+
+@pytest.mark.parametrize("shape", ["static_2_2_1", "dynamic_3_budget_8_depth_4"])
+def test_a_warm_tree_step_builds_no_index_tensors(shape: str) -> None:
+    """Index tensors (aranges) are built once per shape, not in every step: inside a captured step each would be a
+    kernel per replay. Counted in the step's own work, the target's and drafter's passes left out."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Aranges(TorchDispatchMode):
+        def __init__(self) -> None:
+            super().__init__()
+            self.count, self.paused = 0, False
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.count += not self.paused and func.overloadpacket.__name__ == "arange"
+            return func(*args, **(kwargs or {}))
+
+    mode = Aranges()
+    tree, k = TREES[shape]
+    session = tree_session("eagle3", tree, k)
+    tree_step, proposer = session.engine.tree_step, session.proposer
+
+    def paused(function):
+        def run(*args, **kwargs):
+            mode.paused = True
+            try:
+                return function(*args, **kwargs)
+            finally:
+                mode.paused = False
+
+        return run
+
+    session.engine.runner.forward = paused(session.engine.runner.forward)
+    proposer.drafter.forward = paused(proposer.drafter.forward)
+    forward, steps = tree_step.forward, []
+
+    def counted(*args, **kwargs):
+        steps.append(mode.count)
+        with mode:
+            return forward(*args, **kwargs)
+
+    tree_step.forward = counted
+    check_equals_target_only(session, 8, prompts(2, seed=19))
+    assert len(steps) >= 3 and mode.count == steps[1]  # only the first step (this batch size's) built any
