@@ -36,10 +36,11 @@ import torch  # noqa: E402
 from common import PRESETS, commit_id, log, median, versions, write_result  # noqa: E402
 from prefix_cache_controls import (  # noqa: E402
     cache_boundary,
+    flat,
     identity,
-    logprob_identity,
     near_ties,
     pinned_outputs,
+    pinned_report,
     strict_fp32,
 )
 from specdec_bench import draft_request, target_request  # noqa: E402
@@ -215,11 +216,6 @@ def compare(on: dict[str, Any], off: dict[str, Any]) -> dict[str, Any]:
     }
 
 
-def flat(runs: list[list[Any]]) -> list[Any]:
-    """The repeats' requests in one list (request r of repeat i at i * requests + r)."""
-    return [item for run in runs for item in run]
-
-
 def close(session: ModelSession) -> None:
     session.shutdown()
     del session
@@ -257,26 +253,13 @@ def burst_and_pinned(args: argparse.Namespace, config: Any, system: list[int], v
     return report
 
 
-def pinned_report(pinned: dict[Any, dict[str, Any]], boundary: int) -> dict[str, Any]:
-    """The pinned control's identity: greedy tokens (the burst's path), then tokens and log probabilities to the
-    bit (the host's path). A request that found other than the boundary cached (one before it with the same
-    first user token) was not computed in the same chunks: listed, its comparison is not strict."""
-    cached = pinned[True]["cached"] + pinned[True, "logprobs"]["cached"]
-    return {
-        "cache_boundary_tokens": boundary,
-        "requests_off_boundary": sorted(
-            {i % len(pinned[True]["cached"]) for i, n in enumerate(cached) if n != boundary}
-        ),
-        **identity(pinned[False]["outputs"], pinned[True]["outputs"]),
-        "logprobs": logprob_identity(pinned[False, "logprobs"], pinned[True, "logprobs"]),
-    }
-
-
 def fp32_control(args: argparse.Namespace, config: Any, system: list[int], vocab: int) -> dict[str, Any]:
     """The burst's comparison (its schedule, fewer requests) in float32 with TF32 off."""
     gc.collect()  # the bf16 sessions and weights
     if torch.cuda.is_available():
         torch.cuda.empty_cache()
+    if torch.cuda.is_available():
+        log(f"fp32 control: {torch.cuda.memory_allocated() / 2**30:.1f} GiB still allocated before its weights")
     precision = strict_fp32()
     loaded = build_synthetic(config, 0, torch.float32, torch.device(args.device))
     prompts = user_prompts(system, args, vocab, seed=0)[: args.fp32_requests]

@@ -128,6 +128,26 @@ def logprob_identity(without: dict[str, Any], with_: dict[str, Any]) -> dict[str
     return {"bit_identical_requests": f"{same}/{len(without['outputs'])}", "max_abs_logprob_diff": largest}
 
 
+def pinned_report(pinned: dict[Any, dict[str, Any]], boundary: int) -> dict[str, Any]:
+    """The pinned control's identity: greedy tokens (the burst's path), then tokens and log probabilities to the
+    bit (the host's path). A request that found other than the boundary cached (one before it with the same
+    first user token) was not computed in the same chunks: listed, its comparison is not strict."""
+    cached = pinned[True]["cached"] + pinned[True, "logprobs"]["cached"]
+    return {
+        "cache_boundary_tokens": boundary,
+        "requests_off_boundary": sorted(
+            {i % len(pinned[True]["cached"]) for i, n in enumerate(cached) if n != boundary}
+        ),
+        **identity(pinned[False]["outputs"], pinned[True]["outputs"]),
+        "logprobs": logprob_identity(pinned[False, "logprobs"], pinned[True, "logprobs"]),
+    }
+
+
+def flat(runs: list[list[Any]]) -> list[Any]:
+    """The repeats' requests in one list (request r of repeat i at i * requests + r)."""
+    return [item for run in runs for item in run]
+
+
 def top2(session: ModelSession, prompt: list[int]) -> tuple[list[int], float]:
     """The target's two most likely next tokens after `prompt` and their log-probability gap (= the logit gap)."""
     settings = SamplingSettings(max_tokens=1, ignore_eos=True, logprobs=2)
