@@ -1,7 +1,7 @@
 """Prefix caching: time to first token of requests that share a long system prompt, with and without caching.
 
 Two sessions over the same synthetic target weights (Llama-3-8B's shape on the GPU) and the same drafter, one
-with LoadModelRequest.enable_prefix_caching on, one with it off. In each, one request with the system prompt
+with LoadModelRequest.enable_prefix_caching on, then one with it off. In each, one request with the system prompt
 runs first (in serving the system prompt is hot), then --requests requests (the system prompt + their own
 user tokens) arrive at once; time to first token is from the arrival to the moment the engine hands out the
 request's first token. Repeats use new user tokens each; the figures are medians over the repeats, after one
