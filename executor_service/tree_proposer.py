@@ -158,8 +158,9 @@ class TreeProposer(Proposer):
         dynamic = tree.dynamic
         first_width = tree.top_k if dynamic else tree.branching[0]
         log_probs, tokens = self.top_candidates(head, first_width, scores=dynamic)  # [B, w]
-        pool_tokens, pool_scores, pool_parents = [tokens], [log_probs], [torch.full_like(tokens, -1)]
-        frontier = constants.arange(first_width).expand(count, -1)  # pool indices being expanded
+        pool_tokens, pool_scores = [tokens], [log_probs]
+        # Dynamic: the nodes each pass expands, as indices into their level (depth 1's: the pool's first level).
+        frontiers = [constants.arange(first_width).expand(count, -1)]
         frontier_tokens, frontier_scores = tokens, log_probs
         frontier_hidden = hidden[:, None].expand(-1, first_width, -1)
         ancestors = None  # [B, frontier] bits over scratch indices (dynamic)
@@ -168,7 +169,9 @@ class TreeProposer(Proposer):
         seq_lens = (last + 1).to(torch.int32)[None, :] + written[:, None]
         # Position last + d of every depth's queries, clamped to the context (the last steps of a request).
         ahead = (last[:, None] + constants.arange(tree.depth)[None, :]).clamp(max=self.max_model_len - 1)
-        used, pool_size = 0, first_width
+        if dynamic:  # every pass has top_k queries: their positions [depth, B * top_k] in one copy
+            ahead = ahead.T[:, :, None].expand(-1, -1, tree.top_k).reshape(tree.depth, -1)
+        used = 0
         for depth in range(1, tree.depth):
             size = frontier_tokens.shape[1]
             bits = constants.get(("frontier bits", used, size), lambda u=used, n=size: self._bits(u, n))
@@ -179,9 +182,9 @@ class TreeProposer(Proposer):
                 masks = constants.get(("static masks", depth), lambda d=depth: self._static_masks(d))
                 masks = masks.expand(count, -1)
             step = self._tree_step(block_table, seq_lens[depth], scratch[:, used : used + size], masks)
-            positions = ahead[:, depth : depth + 1].expand(-1, size)
+            positions = ahead[depth] if dynamic else ahead[:, depth : depth + 1].expand(-1, size).reshape(-1)
             out_hidden, out_head = self.drafter(
-                frontier_tokens.reshape(-1), positions.reshape(-1), frontier_hidden.reshape(count * size, -1),
+                frontier_tokens.reshape(-1), positions, frontier_hidden.reshape(count * size, -1),
                 self.kv_cache.layers, step,
             )  # fmt: skip
             used += size
@@ -192,10 +195,9 @@ class TreeProposer(Proposer):
             if dynamic:  # the top_k children by cumulative confidence go on
                 scores = (frontier_scores[:, :, None] + log_probs.view(count, size, branch)).reshape(count, -1)
                 pool_scores.append(scores)
-                pool_parents.append(frontier[:, :, None].expand(-1, -1, branch).reshape(count, -1))
                 frontier_scores, candidates = scores.topk(tree.top_k, dim=-1)
                 slot_of_parent = candidates // branch
-                frontier = pool_size + candidates
+                frontiers.append(candidates)
                 frontier_tokens = tokens.gather(1, candidates)
                 ancestors = ancestors.gather(1, slot_of_parent)
                 frontier_hidden = out_hidden.view(count, size, -1).gather(
@@ -205,11 +207,25 @@ class TreeProposer(Proposer):
                 frontier_tokens = tokens
                 spread = constants.get(("spread", size, branch), lambda n=size * branch, b=branch: self._spread(n, b))
                 frontier_hidden = out_hidden.view(count, size, -1).index_select(1, spread)
-            pool_size += size * branch
         if not dynamic:
             parents = constants.get("static parents", lambda: self._static_parents_tensor())
             return torch.cat(pool_tokens, 1), parents.expand(count, -1)
-        return self._select(torch.cat(pool_tokens, 1), torch.cat(pool_scores, 1), torch.cat(pool_parents, 1))
+        # Each drafted child's parent: the pool index of the node it was drafted from (level start + index).
+        roots = constants.get(("root parents", first_width), lambda: constants.arange(first_width) * 0 - 1)
+        parents = roots.expand(count, -1)
+        if tree.depth > 1:
+            starts = constants.get(("frontier starts", tree), self._frontier_starts)
+            expanded = torch.cat(frontiers[: tree.depth - 1], dim=1) + starts
+            children = expanded[:, :, None].expand(-1, -1, tree.top_k).reshape(count, -1)
+            parents = torch.cat([parents, children], dim=1)
+        return self._select(torch.cat(pool_tokens, 1), torch.cat(pool_scores, 1), parents)
+
+    def _frontier_starts(self) -> torch.Tensor:
+        """[top_k * (depth - 1)]: the pool index where each expanded node's level starts (depth d's pass expands
+        nodes of level d; level 1 starts at 0, level d + 1 at top_k + (d - 1) * top_k^2)."""
+        top_k = self.tree.top_k
+        levels = [0] + [top_k + (d - 1) * top_k * top_k for d in range(1, self.tree.depth - 1)]
+        return torch.tensor([start for start in levels for _ in range(top_k)], device=self.device)
 
     def _written(self) -> torch.Tensor:
         """[depth]: scratch keys written after the pass at each depth (index 0 unused: depth 1 needs no pass)."""
