@@ -42,6 +42,7 @@ from prefix_cache_controls import (  # noqa: E402
     pinned_outputs,
     pinned_report,
     strict_fp32,
+    verdict,
 )
 from specdec_bench import draft_request, target_request  # noqa: E402
 
@@ -320,6 +321,7 @@ def main() -> int:
         "workload": {key: getattr(args, key) for key in workload},
         **comparison,
     }
+    report["identity_verdict"] = verdict(report)
     with_ms, without_ms = (report[key]["summary"]["ttft_median_ms"] for key in ("with_caching", "without_caching"))
     log(f"TTFT median {with_ms} ms with caching, {without_ms} ms without: {report['ttft_ratio']}x (bar {TTFT_BAR}); "
         f"hit rate {report['prefix_cache_hit_rate']}; identical {report['identical_requests']}")  # fmt: skip
@@ -328,6 +330,7 @@ def main() -> int:
             log(f"{name} control: identical {report[name].get('identical_requests', report[name])}")
     if "near_ties" in report:
         log(f"near ties at the burst's divergences: {report['near_ties']}")
+    log(f"identity: {report['identity_verdict']}")
     write_result(args.out, "prefix_cache", device, commit, report)
     return 0
 

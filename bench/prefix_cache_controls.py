@@ -143,6 +143,23 @@ def pinned_report(pinned: dict[Any, dict[str, Any]], boundary: int) -> dict[str,
     }
 
 
+def verdict(report: dict[str, Any]) -> str:
+    """One line the report is read for: where a difference with and without caching comes from."""
+    pinned, fp32 = report.get("pinned"), report.get("fp32")
+    if pinned is not None:
+        same, total = pinned["logprobs"]["bit_identical_requests"].split("/")
+        if same != total or not pinned["outputs_identical"]:
+            return "caching logic suspect: the pinned control differs where the arithmetic is the same"
+    if fp32 is not None and "error" not in fp32 and not fp32["outputs_identical"]:
+        return "fp32 burst differs: the burst's batches (kernels, admission), not bf16 rounding alone"
+    if report["outputs_identical"]:
+        return "identical"
+    checked = [name for name in ("pinned", "fp32") if report.get(name) and "error" not in report[name]]
+    if not checked:
+        return "burst differs; no control ran"
+    return f"bf16 rounding: the burst differs, the controls ({', '.join(checked)}) do not"
+
+
 def flat(runs: list[list[Any]]) -> list[Any]:
     """The repeats' requests in one list (request r of repeat i at i * requests + r)."""
     return [item for run in runs for item in run]

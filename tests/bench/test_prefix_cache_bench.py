@@ -9,6 +9,7 @@ from pathlib import Path
 
 import prefix_cache_bench
 import pytest
+from prefix_cache_controls import verdict
 
 from executor_service.prefix_cache import PrefixCache
 from executor_service.request import Request
@@ -33,6 +34,7 @@ def test_tiny_run_reports_hits_and_identical_outputs(tmp_path: Path, monkeypatch
     assert pinned["logprobs"] == {"bit_identical_requests": "4/4", "max_abs_logprob_diff": 0.0}
     assert report["fp32"]["identical_requests"] == "4/4" and report["fp32"]["prefix_cache_hits"] == 4 * 64
     assert report["near_ties"]["probed"] == 0 and report["near_ties"]["typical_first_token_gap_median"] > 0
+    assert report["identity_verdict"] == "identical"
 
 
 def test_controls_catch_a_wrong_block(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -61,3 +63,15 @@ def test_controls_catch_a_wrong_block(tmp_path: Path, monkeypatch: pytest.Monkey
     probed = pinned["divergences"] + report["divergences"]
     assert all(entry["without"] in entry["top2"] for entry in probed)
     assert report["near_ties"]["probed"] == len(report["divergences"])
+    assert report["identity_verdict"].startswith("caching logic suspect")
+
+
+def test_verdict_names_where_a_difference_comes_from() -> None:
+    pinned = {"outputs_identical": True, "logprobs": {"bit_identical_requests": "64/64"}}
+    report = {"outputs_identical": False, "pinned": pinned, "fp32": {"outputs_identical": True}}
+    assert verdict(report) == "bf16 rounding: the burst differs, the controls (pinned, fp32) do not"
+    assert verdict({**report, "fp32": {"outputs_identical": False}}).startswith("fp32 burst differs")
+    assert verdict({**report, "fp32": {"error": "OutOfMemoryError()"}}).endswith("the controls (pinned) do not")
+    off = {"outputs_identical": True, "logprobs": {"bit_identical_requests": "63/64"}}
+    assert verdict({**report, "pinned": off}).startswith("caching logic suspect")
+    assert verdict({"outputs_identical": False}) == "burst differs; no control ran"
