@@ -195,6 +195,8 @@ class TreeProposer(Proposer):
             if dynamic:  # the top_k children by cumulative confidence go on
                 scores = (frontier_scores[:, :, None] + log_probs.view(count, size, branch)).reshape(count, -1)
                 pool_scores.append(scores)
+                if depth == tree.depth - 1:  # the deepest level: nothing goes on
+                    break
                 frontier_scores, candidates = scores.topk(tree.top_k, dim=-1)
                 slot_of_parent = candidates // branch
                 frontiers.append(candidates)
@@ -203,7 +205,7 @@ class TreeProposer(Proposer):
                 frontier_hidden = out_hidden.view(count, size, -1).gather(
                     1, slot_of_parent[:, :, None].expand(-1, -1, out_hidden.shape[-1])
                 )
-            else:  # every child goes on: node j of the next level is child j % branch of node j // branch
+            elif depth < tree.depth - 1:  # every child goes on: node j of the next level is child j % b of j // b
                 frontier_tokens = tokens
                 spread = constants.get(("spread", size, branch), lambda n=size * branch, b=branch: self._spread(n, b))
                 frontier_hidden = out_hidden.view(count, size, -1).index_select(1, spread)
@@ -300,14 +302,13 @@ class TreeProposer(Proposer):
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """A dynamic tree's verified drafts: the verify_budget best (ties to the shallower), in pool order
         (topological: parents are drafted first), parents renumbered into it; tokens and parents [B, W]."""
-        count, pool = tokens.shape
+        pool = tokens.shape[1]
         tie_break = self.constants.get(("tie break", pool), self._tie_break)
         chosen = (scores - tie_break).topk(min(self.tree.verify_budget, pool), dim=-1).indices.sort(dim=-1).values
-        width = chosen.shape[1]
-        # where[p + 1]: the new index of pool node p; where[0] (the root) stays -1
-        where = torch.full((count, pool + 1), -1, dtype=torch.int64, device=tokens.device)
-        where.scatter_(1, chosen + 1, self.constants.arange(width).expand(count, -1))
-        return tokens.gather(1, chosen), where.gather(1, parents.gather(1, chosen) + 1)
+        # A chosen node's parent is chosen too: its new index is the count of chosen pool indices up to it, less
+        # one (the root's, -1: none). One search over the sorted choice, no [B, pool] table to fill.
+        new_parents = torch.searchsorted(chosen, parents.gather(1, chosen), right=True) - 1
+        return tokens.gather(1, chosen), new_parents
 
     def _tie_break(self) -> torch.Tensor:
         depth = torch.cat([torch.full((size,), d, device=self.device) for d, size in enumerate(self.tree.level_sizes)])

@@ -186,7 +186,8 @@ class TreeStep:
         """The accepted draft at depth d: its K/V from its row's slot to the slot of root + d, every layer."""
         levels = self.constants.arange(self.depth + 1)[None, 1:]
         source, target = slots.gather(1, path_rows[:, 1:]), slots[:, 1 : self.depth + 1]
-        moves = (levels <= accepted[:, None]) & (source >= 0) & (target >= 0)
+        # A padded request (graph buckets) has every slot -1: its root's tells; a real one's slots are all set.
+        moves = (levels <= accepted[:, None]) & (slots[:, :1] >= 0)
         anchor = slots[:1, :1]  # the first request's root: no move reads or writes it
         src, dst = torch.where(moves, source, anchor).reshape(-1), torch.where(moves, target, anchor).reshape(-1)
         storage = self.runner.kv_cache.storage  # [layers, 2, blocks, block_size, heads, head_size], one allocation
@@ -257,14 +258,17 @@ def accept_tree(
     """The longest matching path, on the device. Returns the rows [B, D + 1] of the accepted node at depth
     0 (the root), 1, ...; past the path, the deepest accepted node's row, so that the target's argmax there
     reads as the next token. And the accepted drafts [B]."""
-    num = drafts.shape[1]
+    count, num = drafts.shape
     constants = constants or StepConstants(drafts.device)
-    matches = drafts == target_ids.gather(1, parents + 1)
-    earlier = constants.get(("earlier", num), lambda: constants.arange(num)[:, None] > constants.arange(num))
-    twins = (parents[:, :, None] == parents[:, None, :]) & (drafts[:, :, None] == drafts[:, None, :]) & earlier
-    matches = matches & ~twins.any(dim=2)  # of equal siblings the first only, so the accepted nodes form a path
+    parent_rows = parents + 1
     rows = constants.arange(num + 1)
-    bad_bits = ((~matches).long() << rows[1:]).sum(dim=1)  # distinct bits: the sum is their union
+    # Matching siblings are equal (the target's argmax at their parent): of them the first only, as the host's
+    # walk, so the accepted nodes form a path. Each row's first matching child by one scatter (min), not [N, N].
+    matched = torch.where(drafts == target_ids.gather(1, parent_rows), rows[1:], num + 1)
+    first = matched.new_full((count, num + 1), num + 1).scatter_reduce_(1, parent_rows, matched, "amin")
+    matches = first.gather(1, parent_rows) == rows[1:]
+    own_bits = constants.get(("draft bits", num), lambda: torch.ones_like(rows[1:]) << rows[1:])
+    bad_bits = torch.where(matches, 0, own_bits).sum(dim=1)  # distinct bits: the sum is their union
     accepted_rows = (ancestors & bad_bits[:, None]) == 0  # the row and all its ancestors match
     accepted = accepted_rows.sum(dim=1) - 1
     levels = constants.arange(depth + 1)
