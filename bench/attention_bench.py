@@ -120,8 +120,9 @@ def sweep_triton(batch: PagedBatch, causal: bool) -> list[dict]:
     )  # fmt: skip
     group = HEADS // KV_HEADS
     chosen = triton_attn.choose_config(
-        len(batch.spec.seq_lens), KV_HEADS, group, batch.max_query_len, batch.max_seq_len, HEAD_SIZE, batch.q.device
-    )
+        len(batch.spec.seq_lens), KV_HEADS, group, batch.max_query_len, batch.max_seq_len, HEAD_SIZE, batch.q.device,
+        batch.q.element_size(),
+    )  # fmt: skip
     rows = batch.max_query_len * group
     small = rows <= 128
     block_ms = [max(16, triton.next_power_of_2(rows))] if small else [64, 128]

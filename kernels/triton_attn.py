@@ -15,15 +15,14 @@ Tree attention (TREE): each row also carries its token's tree mask, bits over it
 
 from __future__ import annotations
 
-import functools
 import os
-from dataclasses import dataclass
 
 import torch
 import triton
 import triton.language as tl
 
 from kernels.attention import AttentionBatch
+from kernels.triton_attn_config import MAX_SPLITS, LaunchConfig, choose_config
 
 LOG2E = 1.4426950408889634
 
@@ -220,57 +219,6 @@ def _combine_splits_kernel(
     tl.store(out_ptr + token * stride_ot + head * stride_oh + offs_d, result.to(out_ptr.dtype.element_ty), mask=d_mask)
 
 
-# Split-KV: a request's keys go to at most MAX_SPLITS programs per head, each given at least MIN_SPLIT_LEN keys
-# (fewer, longer splits for short contexts: every split costs a partial write and a share of the combine).
-MAX_SPLITS = 16
-MIN_SPLIT_LEN = 128
-
-
-@dataclass(frozen=True)
-class LaunchConfig:
-    block_m: int
-    block_n: int
-    num_splits: int
-    num_warps: int
-    num_stages: int
-    # Pack a KV head's query heads into one tile's rows, so they share K/V loads. Tiles of one head
-    # (False) hold 4x more query positions, shrinking the masked causal diagonal's share, but on an H100
-    # 4k causal prefill ran 0.428 ms unpacked vs 0.393 ms packed: the extra K/V reads cost more.
-    pack_gqa: bool = True
-    min_split_len: int = MIN_SPLIT_LEN  # tests lower it to split short contexts
-
-
-@functools.cache
-def _num_sms(device_index: int) -> int:
-    return torch.cuda.get_device_properties(device_index).multi_processor_count
-
-
-def choose_config(
-    num_requests: int,
-    num_kv_heads: int,
-    group: int,
-    max_query_len: int,
-    max_seq_len: int,
-    head_pad: int,
-    device: torch.device,
-) -> LaunchConfig:
-    """Tile sizes and split count. Few queries per request (decode, DFlash, verify): one tile per
-    request and enough key splits to fill the GPU; otherwise prefill tiles of 128 rows."""
-    rows = max_query_len * group
-    num_sms = _num_sms(device.index or 0) if device.type == "cuda" else 8
-    if rows <= 128:
-        block_m = max(16, triton.next_power_of_2(rows))
-        programs = max(1, num_requests * num_kv_heads)
-        if programs >= num_sms:  # the requests fill the GPU without splitting their keys
-            return LaunchConfig(block_m, 64, 1, 4, 3)
-        needed = min(MAX_SPLITS, -(-max_seq_len // MIN_SPLIT_LEN))  # the splits the longest request uses
-        return LaunchConfig(block_m, 64, triton.next_power_of_2(needed), 4, 3)
-    # Prefill: on an H100 (d=128, bf16) 128x128 tiles, 8 warps, 3 stages were fastest of the sweep.
-    if head_pad <= 128:
-        return LaunchConfig(128, 128 if head_pad == 128 else 64, 1, 8 if head_pad == 128 else 4, 3)
-    return LaunchConfig(64, 64, 1, 8, 2)
-
-
 def forward(
     q: torch.Tensor,
     k_cache: torch.Tensor,
@@ -290,7 +238,14 @@ def forward(
     if q.stride(2) != 1 or out.stride(2) != 1 or k_cache.stride(3) != 1 or k_cache.stride() != v_cache.stride():
         raise ValueError("TRITON_ATTN needs the head dimension contiguous and k/v caches of one layout")
     cfg = config or choose_config(
-        batch.num_requests, num_kv_heads, group, batch.max_query_len, batch.max_seq_len, head_pad, q.device
+        batch.num_requests,
+        num_kv_heads,
+        group,
+        batch.max_query_len,
+        batch.max_seq_len,
+        head_pad,
+        q.device,
+        q.element_size(),
     )
     row_group = group if cfg.pack_gqa else 1
     block_q = max(1, cfg.block_m // row_group)
