@@ -165,8 +165,8 @@ class TreeProposer(Proposer):
         frontier_hidden = hidden[:, None].expand(-1, first_width, -1)
         ancestors = None  # [B, frontier] bits over scratch indices (dynamic)
         # Each pass's sequence lengths, [depth, B]: last + 1 + the scratch keys written once the pass has run.
-        written = constants.get(("written", tree), lambda: self._written().to(torch.int32))
-        seq_lens = (last + 1).to(torch.int32)[None, :] + written[:, None]
+        written = constants.get(("written", tree), lambda: (self._written() + 1).to(torch.int32))
+        seq_lens = last.to(torch.int32)[None, :] + written[:, None]
         # Position last + d of every depth's queries, clamped to the context (the last steps of a request).
         ahead = (last[:, None] + constants.arange(tree.depth)[None, :]).clamp(max=self.max_model_len - 1)
         if dynamic:  # every pass has top_k queries: their positions [depth, B * top_k] in one copy
@@ -175,9 +175,16 @@ class TreeProposer(Proposer):
         for depth in range(1, tree.depth):
             size = frontier_tokens.shape[1]
             bits = constants.get(("frontier bits", used, size), lambda u=used, n=size: self._bits(u, n))
-            if dynamic:
-                ancestors = bits.expand(count, -1) if ancestors is None else ancestors | bits
-                masks = (ancestors << (TREE_WINDOW - used - size)) | to_int64((1 << (TREE_WINDOW - used - size)) - 1)
+            if dynamic:  # the window ends at the pass's last query: scratch index 0 at window bit `shift`
+                shift = TREE_WINDOW - used - size
+                if ancestors is None:  # depth 1: every node sees itself alone of the scratch keys, a constant
+                    ancestors = bits.expand(count, -1)
+                    masks = constants.get(("first masks", size), lambda b=bits, s=shift: self._window_masks(b, s))
+                    masks = masks.expand(count, -1)
+                else:  # (ancestors << shift) | the context's bits, in one op (an int64 product wraps as a shift)
+                    ancestors = ancestors | bits
+                    context = constants.get(("context bits", shift), lambda s=shift: self._context_bits(s))
+                    masks = torch.add(context, ancestors, alpha=to_int64(1 << shift))
             else:
                 masks = constants.get(("static masks", depth), lambda d=depth: self._static_masks(d))
                 masks = masks.expand(count, -1)
@@ -240,6 +247,14 @@ class TreeProposer(Proposer):
     def _bits(self, used: int, size: int) -> torch.Tensor:
         """1 << (used + i) for the i-th query of a drafter pass: its own scratch key's bit."""
         return torch.ones(size, dtype=torch.int64, device=self.device) << self.constants.arange(size) + used
+
+    def _window_masks(self, ancestors: torch.Tensor, shift: int) -> torch.Tensor:
+        """Tree masks from ancestor bits over the scratch keys: every context key, and the ancestors' keys."""
+        return (ancestors << shift) | to_int64((1 << shift) - 1)
+
+    def _context_bits(self, shift: int) -> torch.Tensor:
+        """The window bits below scratch index 0 (the context's keys), as a 0-d tensor."""
+        return torch.tensor(to_int64((1 << shift) - 1), dtype=torch.int64, device=self.device)
 
     def _spread(self, count: int, branch: int) -> torch.Tensor:
         return self.constants.arange(count) // branch

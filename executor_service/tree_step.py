@@ -205,7 +205,7 @@ class TreeStep:
         context = AttentionStep(
             backend=proposer.backend, block_table=step.block_table,
             query_start_loc=self.constants.starts(count, width),
-            seq_lens=(root + width).to(torch.int32), slot_mapping=slots[:, :width].reshape(-1),
+            seq_lens=step.seq_lens - (self.rows - width), slot_mapping=slots[:, :width].reshape(-1),
             max_query_len=width, max_seq_len=proposer.max_model_len,
         )  # fmt: skip
         rows = (self.constants.strided(count, self.rows)[:, None] + path_rows).reshape(-1)
@@ -271,10 +271,8 @@ def accept_tree(
     bad_bits = torch.where(matches, 0, own_bits).sum(dim=1)  # distinct bits: the sum is their union
     accepted_rows = (ancestors & bad_bits[:, None]) == 0  # the row and all its ancestors match
     accepted = accepted_rows.sum(dim=1) - 1
-    levels = constants.arange(depth + 1)
-    # Each accepted row's depth is distinct: scatter the rows to their depths (the root's 0 everywhere else).
+    # Each accepted row's depth is distinct: scatter the rows to their depths (0 everywhere else). A child's row
+    # follows its parent's, so a running max carries the deepest accepted row past the path.
     at_depth = torch.where(accepted_rows, node_depth, depth + 1)  # rejected rows: past the last level
-    path_rows = ancestors.new_zeros(ancestors.shape[0], depth + 2).scatter_(1, at_depth, rows.expand_as(at_depth))
-    path_rows = path_rows[:, : depth + 1]
-    deepest = path_rows.gather(1, accepted[:, None])
-    return torch.where(levels[None, :] <= accepted[:, None], path_rows, deepest), accepted
+    path_rows = ancestors.new_zeros(count, depth + 2).scatter_(1, at_depth, rows.expand_as(at_depth))
+    return path_rows[:, : depth + 1].cummax(dim=1).values, accepted
