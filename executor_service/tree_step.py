@@ -256,8 +256,9 @@ def accept_tree(
     ancestors: torch.Tensor, depth: int, constants: StepConstants | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
     """The longest matching path, on the device. Returns the rows [B, D + 1] of the accepted node at depth
-    0 (the root), 1, ...; past the path, the deepest accepted node's row, so that the target's argmax there
-    reads as the next token. And the accepted drafts [B]."""
+    0 (the root), 1, ...; past the path, the root's row 0 (read by nothing that counts: the host keeps the first
+    accepted + 1 tokens, and the drafter's rows past the path are written over before they are read). And the
+    accepted drafts [B]; the target's argmax at the row of depth `accepted` is the next token."""
     count, num = drafts.shape
     constants = constants or StepConstants(drafts.device)
     parent_rows = parents + 1
@@ -271,8 +272,7 @@ def accept_tree(
     bad_bits = torch.where(matches, 0, own_bits).sum(dim=1)  # distinct bits: the sum is their union
     accepted_rows = (ancestors & bad_bits[:, None]) == 0  # the row and all its ancestors match
     accepted = accepted_rows.sum(dim=1) - 1
-    # Each accepted row's depth is distinct: scatter the rows to their depths (0 everywhere else). A child's row
-    # follows its parent's, so a running max carries the deepest accepted row past the path.
+    # Each accepted row's depth is distinct: scatter the rows to their depths (the root's 0 everywhere else).
     at_depth = torch.where(accepted_rows, node_depth, depth + 1)  # rejected rows: past the last level
     path_rows = ancestors.new_zeros(count, depth + 2).scatter_(1, at_depth, rows.expand_as(at_depth))
-    return path_rows[:, : depth + 1].cummax(dim=1).values, accepted
+    return path_rows[:, : depth + 1], accepted

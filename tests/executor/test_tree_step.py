@@ -342,3 +342,82 @@ def test_a_warm_tree_step_builds_no_index_tensors(shape: str) -> None:
     tree_step.forward = counted
     check_equals_target_only(session, 8, prompts(2, seed=19))
     assert len(steps) >= 3 and mode.count == steps[1]  # only the first step (this batch size's) built any
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_select_keeps_the_best_drafts_with_their_parents_renumbered(seed: int) -> None:
+    """A dynamic tree's verified drafts (TreeProposer._select) against the definition: the verify_budget best
+    of the pool (a child's score never above its parent's, equal ones too: ties go to the shallower), in pool
+    order, each parent renumbered to its index among them (-1: the root)."""
+    tree, k = TREES["dynamic_3_budget_8_depth_4"]
+    proposer = tree_session("eagle3", tree, k).proposer
+    sizes, budget = proposer.tree.level_sizes, proposer.tree.verify_budget
+    rng = random.Random(seed)
+    depths = [d for d, size in enumerate(sizes) for _ in range(size)]
+    batch = []
+    for _ in range(4):
+        parents, scores, start = [-1] * sizes[0], [-rng.random() for _ in range(sizes[0])], 0
+        for level in range(1, len(sizes)):
+            for _ in range(sizes[level]):
+                parent = start + rng.randrange(sizes[level - 1])
+                equal = parent not in parents and rng.random() < 0.5  # a first child as likely as its parent
+                parents.append(parent)
+                scores.append(scores[parent] - (0.0 if equal else rng.random()))
+            start += sizes[level - 1]
+        batch.append((rng.sample(range(100), len(parents)), scores, parents))
+    tokens, scores, parents = (torch.tensor([row[i] for row in batch]) for i in range(3))
+    got_tokens, got_parents = proposer._select(tokens, scores.float(), parents)
+    ranked = (scores.float() - 1e-6 * torch.tensor(depths, dtype=torch.float32)).tolist()
+    for row, (row_tokens, _, row_parents) in enumerate(batch):
+        chosen = sorted(sorted(range(len(row_parents)), key=lambda i: -ranked[row][i])[:budget])
+        assert all(row_parents[i] in chosen or row_parents[i] < 0 for i in chosen)
+        assert got_tokens[row].tolist() == [row_tokens[i] for i in chosen]
+        renumbered = [chosen.index(row_parents[i]) if row_parents[i] >= 0 else -1 for i in chosen]
+        assert got_parents[row].tolist() == renumbered
+
+
+@pytest.mark.parametrize(("shape", "most"), [("static_2_2_1", 54), ("dynamic_3_budget_8_depth_4", 104)])
+def test_a_warm_tree_step_keeps_its_op_count(shape: str, most: int) -> None:
+    """At batch 1 a step costs about one small kernel per op: the tree step's own ops (the target's and
+    drafter's passes left out, views not counted) stay at most today's count (2026-11-24: static_2_2_1
+    64 -> 54, dynamic_3_budget_8_depth_4 125 -> 104; the first step of a batch size builds its constants)."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Ops(TorchDispatchMode):
+        def __init__(self) -> None:
+            super().__init__()
+            self.count, self.paused = 0, False
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.count += not self.paused and not func.is_view
+            return func(*args, **(kwargs or {}))
+
+    mode = Ops()
+    tree, k = TREES[shape]
+    session = tree_session("eagle3", tree, k)
+    tree_step, proposer = session.engine.tree_step, session.proposer
+
+    def paused(function):
+        def run(*args, **kwargs):
+            mode.paused = True
+            try:
+                return function(*args, **kwargs)
+            finally:
+                mode.paused = False
+
+        return run
+
+    session.engine.runner.forward = paused(session.engine.runner.forward)
+    proposer.drafter.forward = paused(proposer.drafter.forward)
+    forward, counts = tree_step.forward, []
+
+    def counted(*args, **kwargs):
+        start = mode.count
+        with mode:
+            out = forward(*args, **kwargs)
+        counts.append(mode.count - start)
+        return out
+
+    tree_step.forward = counted
+    check_equals_target_only(session, 8, prompts(1, seed=23))
+    assert len(counts) >= 3 and max(counts[1:]) <= most, counts
