@@ -28,6 +28,7 @@ import triton.language as tl
 
 from kernels.attention import AttentionBatch
 from kernels.triton_attn import LOG2E, find_request  # the tile -> request search both kernels use
+from kernels.triton_attn_config import MIN_BLOCK, LaunchConfig, is_hip, shared_memory_bytes, shared_memory_limit
 
 BLOCK_M = 64  # new tokens per program
 BLOCK_N = 64  # keys per step
@@ -44,6 +45,19 @@ def unavailable_reason(device: torch.device) -> str | None:
     return f"no Triton backend for {device.type} devices"
 
 
+def _block_n(block_d: int, itemsize: int, device: torch.device) -> int:
+    """Keys per step whose K and V tiles (and fp32's P tile) fit the device's shared memory: in fp32 an
+    MI300's 64 KiB LDS holds 64 keys of head 64 but only 32 of head 128 and 16 of head 256."""
+    limit, hip = shared_memory_limit(device), is_hip(device)
+    block_n = BLOCK_N
+    while (
+        block_n > MIN_BLOCK
+        and shared_memory_bytes(LaunchConfig(BLOCK_M, block_n, 1, NUM_WARPS, 3), block_d, itemsize, hip) > limit
+    ):
+        block_n //= 2
+    return block_n
+
+
 def forward(
     q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, batch: AttentionBatch, out: torch.Tensor | None
 ) -> torch.Tensor:
@@ -53,8 +67,7 @@ def forward(
     if num_tokens == 0 or num_requests == 0:
         return out
     block_d = max(16, 1 << (head_size - 1).bit_length())
-    # Keep the K and V tiles within shared memory for wide heads in fp32 (head 256 x 4 bytes).
-    block_n = BLOCK_N if block_d * q.element_size() <= 512 else BLOCK_N // 2
+    block_n = _block_n(block_d, q.element_size(), q.device)
     grid = (-(-num_tokens // BLOCK_M) + num_requests, num_heads)
     prefix_prefill_kernel[grid](
         q, k_cache, v_cache, out, batch.block_table, batch.query_start_loc, batch.seq_lens,

@@ -45,14 +45,18 @@ class LaunchConfig:
     min_split_len: int = MIN_SPLIT_LEN  # tests lower it to split short contexts
 
 
-def shared_memory_bytes(cfg: LaunchConfig, head_pad: int, itemsize: int) -> int:
-    """An upper bound on the kernel's shared memory, in the terms Triton allocates it: the K and V tiles of
-    every pipeline stage but the one being computed, the Q tile (staged for the dot's operand layout), the
-    P tile when fp32 dots run on FMA units (both operands go through shared memory), and one float per row
-    for the row max/sum. Equal to what Triton 3.9 allocates for sm_90 fp32 at 2 stages, above it otherwise."""
+def shared_memory_bytes(cfg: LaunchConfig, head_pad: int, itemsize: int, hip: bool = False) -> int:
+    """An upper bound on the kernel's shared memory, in the terms Triton allocates it. CUDA: the K and V
+    tiles of every pipeline stage but the one being computed, the Q tile (staged for the dot's operand
+    layout), the P tile when fp32 dots run on FMA units (both operands go through shared memory), and one
+    float per row for the row max/sum; equal to what Triton 3.9 allocates for sm_90 fp32 at 2 stages, above
+    it otherwise. ROCm (LDS): one K and one V tile whatever the stages, plus the fp32 P tile, or the Q tile
+    before the loop if larger; equal to Triton 3.9's gfx942 figures in fp32, above them in bf16."""
+    p = cfg.block_m * cfg.block_n * 4 if itemsize == 4 else 0
+    if hip:
+        return max(2 * cfg.block_n * head_pad * itemsize + p, cfg.block_m * head_pad * itemsize)
     kv = max(1, cfg.num_stages - 1) * 2 * cfg.block_n * head_pad * itemsize
     q = cfg.block_m * head_pad * itemsize
-    p = cfg.block_m * cfg.block_n * 4 if itemsize == 4 else 0
     return kv + q + p + cfg.block_m * 4
 
 
@@ -67,6 +71,10 @@ def _device_shared_memory(device_index: int) -> int:
     return getattr(props, "shared_memory_per_block_optin", 0) or FALLBACK_SHARED_MEMORY
 
 
+def is_hip(device: torch.device) -> bool:
+    return device.type == "cuda" and torch.version.hip is not None
+
+
 def shared_memory_limit(device: torch.device) -> int:
     """The device's limit; on the CPU (the interpreter, which has none) the H100's, so tests run its configs."""
     if device.type == "cuda":
@@ -74,10 +82,12 @@ def shared_memory_limit(device: torch.device) -> int:
     return H100_SHARED_MEMORY
 
 
-def fit_shared_memory(cfg: LaunchConfig, head_pad: int, itemsize: int, limit: int, min_block_m: int) -> LaunchConfig:
+def fit_shared_memory(
+    cfg: LaunchConfig, head_pad: int, itemsize: int, limit: int, min_block_m: int, hip: bool = False
+) -> LaunchConfig:
     """Shrink `cfg` until it fits `limit`: the key tile first (the loop just takes more steps), then the
     pipeline stages, then the query tile down to `min_block_m` (split-KV needs a request's rows in one tile)."""
-    while shared_memory_bytes(cfg, head_pad, itemsize) > limit:
+    while shared_memory_bytes(cfg, head_pad, itemsize, hip) > limit:
         if cfg.block_n > MIN_BLOCK:
             cfg = replace(cfg, block_n=cfg.block_n // 2)
         elif cfg.num_stages > 2:
@@ -103,11 +113,13 @@ def choose_config(
     device: torch.device,
     itemsize: int,
     limit: int | None = None,
+    hip: bool | None = None,
 ) -> LaunchConfig:
     """Tile sizes and split count. Few queries per request (decode, DFlash, verify): one tile per
     request and enough key splits to fill the GPU; otherwise prefill tiles of 128 rows. Then shrunk to fit
-    `limit` bytes of shared memory (default: the device's)."""
+    `limit` bytes of shared memory (default: the device's; `hip`: ROCm's allocation, default: the device's)."""
     limit = shared_memory_limit(device) if limit is None else limit
+    hip = is_hip(device) if hip is None else hip
     rows = max_query_len * group
     num_sms = _num_sms(device.index or 0) if device.type == "cuda" else 8
     if rows <= 128:
@@ -118,10 +130,10 @@ def choose_config(
         else:
             needed = min(MAX_SPLITS, -(-max_seq_len // MIN_SPLIT_LEN))  # the splits the longest request uses
             cfg = LaunchConfig(block_m, 64, 1 << (needed - 1).bit_length(), 4, 3)
-        return fit_shared_memory(cfg, head_pad, itemsize, limit, block_m if cfg.num_splits > 1 else MIN_BLOCK)
+        return fit_shared_memory(cfg, head_pad, itemsize, limit, block_m if cfg.num_splits > 1 else MIN_BLOCK, hip)
     # Prefill: on an H100 (d=128, bf16) 128x128 tiles, 8 warps, 3 stages were fastest of the sweep.
     if head_pad <= 128:
         cfg = LaunchConfig(128, 128 if head_pad == 128 else 64, 1, 8 if head_pad == 128 else 4, 3)
     else:
         cfg = LaunchConfig(64, 64, 1, 8, 2)
-    return fit_shared_memory(cfg, head_pad, itemsize, limit, MIN_BLOCK)
+    return fit_shared_memory(cfg, head_pad, itemsize, limit, MIN_BLOCK, hip)

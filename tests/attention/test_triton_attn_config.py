@@ -1,8 +1,9 @@
 """TRITON_ATTN's launch configs fit shared memory for every (dtype, head size) its capability entry claims.
 
-No GPU needed: the configs and the shared-memory estimate are plain arithmetic. The estimate is checked
-against what Triton 3.9 allocated for the kernel, compiled offline for sm_90 and sm_80: an fp32 prefill at head 128 in
-the bf16-tuned tiles asked for 262656 bytes, more than an H100's 232448 (the bug this guards against).
+No GPU needed: the configs and the shared-memory estimate are plain arithmetic (ROCM_ATTN's key tile too).
+The estimate is checked against what Triton 3.9 allocated for the kernels, compiled offline for sm_90, sm_80
+and gfx942: an fp32 prefill at head 128 in the bf16-tuned tiles asked for 262656 bytes, more than an H100's
+232448 (the bug this guards against), and 196608 on an MI300, whose LDS holds 65536.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ import torch
 from kernels.capabilities import DType, get_backend
 from kernels.triton_attn_config import (
     A100_SHARED_MEMORY,
+    FALLBACK_SHARED_MEMORY,
     H100_SHARED_MEMORY,
     LaunchConfig,
     choose_config,
@@ -23,7 +25,8 @@ from kernels.triton_attn_config import (
 
 CPU = torch.device("cpu")
 ITEMSIZE = {DType.FLOAT16: 2, DType.BFLOAT16: 2, DType.FLOAT32: 4}
-LIMITS = {"h100": H100_SHARED_MEMORY, "a100": A100_SHARED_MEMORY}
+# (limit, ROCm's allocation): an MI300's LDS is 64 KiB, what ROCm's torch falls back to.
+LIMITS = {"h100": (H100_SHARED_MEMORY, False), "a100": (A100_SHARED_MEMORY, False), "mi300": (65536, True)}
 # (num_requests, max_query_len, max_seq_len) at 8 KV heads, group 4: prefill of a 2k prompt, an 80-token
 # suffix over cached context, decode (split and not), a 32-token verify (128 rows, split-KV, one tile).
 SHAPES = {
@@ -49,6 +52,21 @@ MEASURED = {
     (80, 4, 128, 128, 32, 8, 3, False, False): 115328,
     (80, 4, 256, 64, 16, 4, 2, True, True): 102656,
 }
+# The same for gfx942 (GPUTarget("hip", "gfx942", 64)): the old fp32 tiles overflow its 64 KiB, the new fit.
+MEASURED_GFX942 = {
+    (4, 128, 128, 128, 8, 3, False, False): 196608,
+    (4, 128, 128, 64, 8, 3, False, False): 98304,
+    (4, 256, 64, 64, 8, 2, False, False): 147456,
+    (4, 256, 16, 64, 4, 3, True, False): 135168,
+    (4, 128, 128, 32, 8, 3, False, False): 65536,
+    (4, 128, 16, 32, 4, 3, True, False): 34816,
+    (4, 256, 64, 16, 8, 2, False, False): 65536,
+    (4, 256, 16, 16, 4, 3, True, False): 33792,
+    (4, 256, 64, 16, 4, 2, True, True): 65536,
+    (2, 128, 128, 128, 8, 3, False, False): 32768,
+    (2, 256, 128, 64, 4, 3, True, False): 65536,
+    (2, 256, 16, 64, 4, 3, True, False): 32768,
+}
 
 
 def _claimed_head_pads() -> list[int]:
@@ -69,6 +87,15 @@ def test_estimate_bounds_what_triton_allocated(key: tuple) -> None:
     assert shared_memory_bytes(cfg, head, itemsize) >= MEASURED[key]
 
 
+@pytest.mark.parametrize("key", sorted(MEASURED_GFX942), ids=str)
+def test_hip_estimate_bounds_what_triton_allocated(key: tuple) -> None:
+    itemsize, head, block_m, block_n, warps, stages, split, _ = key
+    cfg = LaunchConfig(block_m, block_n, 8 if split else 1, warps, stages)
+    assert shared_memory_bytes(cfg, head, itemsize, hip=True) >= MEASURED_GFX942[key]
+    if itemsize == 4:  # exact in fp32
+        assert shared_memory_bytes(cfg, head, itemsize, hip=True) == MEASURED_GFX942[key]
+
+
 def test_estimate_is_exact_at_two_stages_fp32() -> None:
     assert shared_memory_bytes(LaunchConfig(128, 64, 1, 8, 2), 128, 4) == 164352
     assert shared_memory_bytes(LaunchConfig(64, 64, 1, 8, 2), 256, 4) == 213248
@@ -86,20 +113,23 @@ def test_bf16_tuned_prefill_tiles_overflow_fp32_on_h100() -> None:
 def test_every_claimed_config_fits(dtype: DType, shape: str, gpu: str) -> None:
     num_requests, max_query_len, max_seq_len = SHAPES[shape]
     for head_pad in _claimed_head_pads():
-        cfg = choose_config(num_requests, 8, 4, max_query_len, max_seq_len, head_pad, CPU, ITEMSIZE[dtype], LIMITS[gpu])
-        used = shared_memory_bytes(cfg, head_pad, ITEMSIZE[dtype])
-        assert used <= LIMITS[gpu], f"{dtype} head {head_pad} {shape} on {gpu}: {cfg} needs {used} bytes"
+        limit, hip = LIMITS[gpu]
+        cfg = choose_config(num_requests, 8, 4, max_query_len, max_seq_len, head_pad, CPU, ITEMSIZE[dtype], limit, hip)
+        used = shared_memory_bytes(cfg, head_pad, ITEMSIZE[dtype], hip)
+        assert used <= limit, f"{dtype} head {head_pad} {shape} on {gpu}: {cfg} needs {used} bytes"
         if cfg.num_splits > 1:  # split-KV keeps a request's rows in one tile
             assert cfg.block_m >= max_query_len * 4
 
 
+@pytest.mark.parametrize("gpu", ["h100", "mi300"])
 @pytest.mark.parametrize("head_pad", [32, 64, 128, 256])
 @pytest.mark.parametrize("shape", sorted(SHAPES))
-def test_half_precision_configs_unchanged_on_h100(shape: str, head_pad: int) -> None:
+def test_half_precision_configs_unchanged(shape: str, head_pad: int, gpu: str) -> None:
     """bf16/fp16 (the fast path) keep the tiles they were tuned with: they fit without shrinking."""
     num_requests, max_query_len, max_seq_len = SHAPES[shape]
-    fitted = choose_config(num_requests, 8, 4, max_query_len, max_seq_len, head_pad, CPU, 2, H100_SHARED_MEMORY)
-    unbounded = choose_config(num_requests, 8, 4, max_query_len, max_seq_len, head_pad, CPU, 2, 1 << 30)
+    limit, hip = LIMITS[gpu]
+    fitted = choose_config(num_requests, 8, 4, max_query_len, max_seq_len, head_pad, CPU, 2, limit, hip)
+    unbounded = choose_config(num_requests, 8, 4, max_query_len, max_seq_len, head_pad, CPU, 2, 1 << 30, hip)
     assert fitted == unbounded
 
 
@@ -122,3 +152,24 @@ def test_fit_refuses_a_limit_nothing_fits() -> None:
 
 def test_cpu_uses_the_h100_limit() -> None:
     assert shared_memory_limit(CPU) == H100_SHARED_MEMORY
+
+
+@pytest.mark.parametrize(
+    ("head", "itemsize", "hip", "limit", "expected"),
+    [
+        (128, 4, True, FALLBACK_SHARED_MEMORY, 32),  # 64 keys: 81920 bytes on gfx942, over its 64 KiB
+        (256, 4, True, FALLBACK_SHARED_MEMORY, 16),  # 32 keys: 73728
+        (64, 4, True, FALLBACK_SHARED_MEMORY, 64),
+        (256, 2, True, FALLBACK_SHARED_MEMORY, 64),  # bf16 unchanged
+        (128, 4, False, H100_SHARED_MEMORY, 64),  # what the CPU (interpreter) runs, as before
+        (256, 4, False, H100_SHARED_MEMORY, 32),
+    ],
+)
+def test_rocm_attn_key_tile_fits(
+    monkeypatch: pytest.MonkeyPatch, head: int, itemsize: int, hip: bool, limit: int, expected: int
+) -> None:
+    from kernels import rocm_attn
+
+    monkeypatch.setattr(rocm_attn, "is_hip", lambda device: hip)
+    monkeypatch.setattr(rocm_attn, "shared_memory_limit", lambda device: limit)
+    assert rocm_attn._block_n(head, itemsize, CPU) == expected
