@@ -25,8 +25,8 @@ MIN_SPLIT_LEN = 128
 # Shared memory one program may use (cudaDevAttrMaxSharedMemoryPerBlockOptin), in bytes.
 H100_SHARED_MEMORY = 232448  # 227 KiB
 A100_SHARED_MEMORY = 166912  # 163 KiB
-# When the device does not report it (ROCm's torch has no opt-in figure): an MI300's LDS, and below every
-# CUDA GPU of compute capability 7.0 and up, so a config that fits it fits them all.
+# When neither torch nor Triton reports it: an MI300's LDS, and below every CUDA GPU of compute capability
+# 7.0 and up, so a config that fits it fits them all.
 FALLBACK_SHARED_MEMORY = 65536
 MIN_BLOCK = 16  # tl.dot's smallest tile side
 
@@ -67,8 +67,16 @@ def _num_sms(device_index: int) -> int:
 
 @functools.cache
 def _device_shared_memory(device_index: int) -> int:
-    props = torch.cuda.get_device_properties(device_index)
-    return getattr(props, "shared_memory_per_block_optin", 0) or FALLBACK_SHARED_MEMORY
+    """torch's opt-in figure, else the one Triton's launcher checks against (ROCm's torch has none)."""
+    limit = getattr(torch.cuda.get_device_properties(device_index), "shared_memory_per_block_optin", 0)
+    if not limit:
+        try:
+            import triton
+
+            limit = triton.runtime.driver.active.utils.get_device_properties(device_index)["max_shared_mem"]
+        except Exception:  # an older or different driver API: the safe fallback below
+            limit = 0
+    return limit or FALLBACK_SHARED_MEMORY
 
 
 def is_hip(device: torch.device) -> bool:

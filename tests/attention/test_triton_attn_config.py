@@ -173,3 +173,30 @@ def test_rocm_attn_key_tile_fits(
     monkeypatch.setattr(rocm_attn, "is_hip", lambda device: hip)
     monkeypatch.setattr(rocm_attn, "shared_memory_limit", lambda device: limit)
     assert rocm_attn._block_n(head, itemsize, CPU) == expected
+
+
+def test_device_limit_from_torch_then_triton_then_fallback(monkeypatch: pytest.MonkeyPatch) -> None:
+    from types import SimpleNamespace
+
+    import triton
+
+    from kernels import triton_attn_config
+
+    def driver(limit: int | None) -> SimpleNamespace:
+        def properties(index: int) -> dict:
+            if limit is None:
+                raise RuntimeError("no driver")
+            return {"max_shared_mem": limit}
+
+        return SimpleNamespace(active=SimpleNamespace(utils=SimpleNamespace(get_device_properties=properties)))
+
+    for props, triton_limit, expected in [
+        (SimpleNamespace(shared_memory_per_block_optin=H100_SHARED_MEMORY), 1, H100_SHARED_MEMORY),
+        (SimpleNamespace(), 160 * 1024, 160 * 1024),  # ROCm's torch: Triton's figure (a gfx950)
+        (SimpleNamespace(), None, FALLBACK_SHARED_MEMORY),
+    ]:
+        monkeypatch.setattr(torch.cuda, "get_device_properties", lambda index, props=props: props)
+        monkeypatch.setattr(triton.runtime, "driver", driver(triton_limit))
+        triton_attn_config._device_shared_memory.cache_clear()
+        assert triton_attn_config.shared_memory_limit(torch.device("cuda", 0)) == expected
+    triton_attn_config._device_shared_memory.cache_clear()
