@@ -58,11 +58,12 @@ class EagleDrafter(nn.Module):
 
     def forward(
         self, input_ids: torch.Tensor, positions: torch.Tensor, hidden: torch.Tensor, kv_caches: KVCaches,
-        step: AttentionStep,
+        step: AttentionStep, rotary: Rotary | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
-        """(hidden fed to the next chain step, hidden the head reads)."""
+        """(hidden fed to the next chain step, hidden the head reads). `rotary`: the positions' cos and sin when
+        the caller looked them up already (a tree's passes, once per step for all of them)."""
         x = self.fc(torch.cat([self.embed(input_ids), hidden], dim=-1))
-        rotary = self.rope.lookup(positions, x.dtype)
+        rotary = self.rope.lookup(positions, x.dtype) if rotary is None else rotary
         for index, layer in enumerate(self.layers):
             x = layer(x, rotary, kv_caches[index], step)
         return x, x
@@ -115,10 +116,11 @@ class Eagle3Drafter(nn.Module):
 
     def forward(
         self, input_ids: torch.Tensor, positions: torch.Tensor, hidden: torch.Tensor, kv_caches: KVCaches,
-        step: AttentionStep,
+        step: AttentionStep, rotary: Rotary | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
-        """(pre-norm hidden fed to the next chain step, normed hidden the head reads)."""
-        rotary = self.rope.lookup(positions, hidden.dtype)
+        """(pre-norm hidden fed to the next chain step, normed hidden the head reads). `rotary`: as
+        EagleDrafter's."""
+        rotary = self.rope.lookup(positions, hidden.dtype) if rotary is None else rotary
         out = self.midlayer(self.embed(input_ids), hidden, rotary, kv_caches[0], step)
         return out, self.norm(out)
 

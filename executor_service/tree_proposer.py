@@ -171,6 +171,10 @@ class TreeProposer(Proposer):
         ahead = (last[:, None] + constants.arange(tree.depth)[None, :]).clamp(max=self.max_model_len - 1)
         if dynamic:  # every pass has top_k queries: their positions [depth, B * top_k] in one copy
             ahead = ahead.T[:, :, None].expand(-1, -1, tree.top_k).reshape(tree.depth, -1)
+        # Every pass's cos and sin looked up at once, not two lookups (and casts) per pass: [depth, ..., 1, D/2].
+        cos, sin = (
+            t.view(*ahead.shape, *t.shape[1:]) for t in self.drafter.rope.lookup(ahead.reshape(-1), hidden.dtype)
+        )
         used = 0
         for depth in range(1, tree.depth):
             size = frontier_tokens.shape[1]
@@ -189,10 +193,17 @@ class TreeProposer(Proposer):
                 masks = constants.get(("static masks", depth), lambda d=depth: self._static_masks(d))
                 masks = masks.expand(count, -1)
             step = self._tree_step(block_table, seq_lens[depth], scratch[:, used : used + size], masks)
-            positions = ahead[depth] if dynamic else ahead[:, depth : depth + 1].expand(-1, size).reshape(-1)
+            if dynamic:
+                positions, rotary = ahead[depth], (cos[depth], sin[depth])
+            else:  # a static pass's nodes of one request share their position
+                positions = ahead[:, depth : depth + 1].expand(-1, size).reshape(-1)
+                rotary = (
+                    cos[:, depth, None].expand(-1, size, -1, -1).reshape(count * size, *cos.shape[2:]),
+                    sin[:, depth, None].expand(-1, size, -1, -1).reshape(count * size, *sin.shape[2:]),
+                )
             out_hidden, out_head = self.drafter(
                 frontier_tokens.reshape(-1), positions, frontier_hidden.reshape(count * size, -1),
-                self.kv_cache.layers, step,
+                self.kv_cache.layers, step, rotary=rotary,
             )  # fmt: skip
             used += size
             branch = tree.top_k if dynamic else tree.branching[depth]

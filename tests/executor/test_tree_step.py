@@ -376,11 +376,12 @@ def test_select_keeps_the_best_drafts_with_their_parents_renumbered(seed: int) -
         assert got_parents[row].tolist() == renumbered
 
 
-@pytest.mark.parametrize(("shape", "most"), [("static_2_2_1", 54), ("dynamic_3_budget_8_depth_4", 104)])
+@pytest.mark.parametrize(("shape", "most"), [("static_2_2_1", 221), ("dynamic_3_budget_8_depth_4", 328)])
 def test_a_warm_tree_step_keeps_its_op_count(shape: str, most: int) -> None:
-    """At batch 1 a step costs about one small kernel per op: the tree step's own ops (the target's and
-    drafter's passes left out, views not counted) stay at most today's count (2026-11-24: static_2_2_1
-    64 -> 54, dynamic_3_budget_8_depth_4 125 -> 104; the first step of a batch size builds its constants)."""
+    """At batch 1 a step costs about one small kernel per op: the tree step's ops (the drafter's passes
+    included, the target's pass left out, views not counted) stay at most today's count (2026-11-24:
+    static_2_2_1 233 -> 221, dynamic_3_budget_8_depth_4 353 -> 328; the first step of a batch size builds its
+    constants)."""
     from torch.utils._python_dispatch import TorchDispatchMode
 
     class Ops(TorchDispatchMode):
@@ -395,7 +396,7 @@ def test_a_warm_tree_step_keeps_its_op_count(shape: str, most: int) -> None:
     mode = Ops()
     tree, k = TREES[shape]
     session = tree_session("eagle3", tree, k)
-    tree_step, proposer = session.engine.tree_step, session.proposer
+    tree_step = session.engine.tree_step
 
     def paused(function):
         def run(*args, **kwargs):
@@ -408,7 +409,6 @@ def test_a_warm_tree_step_keeps_its_op_count(shape: str, most: int) -> None:
         return run
 
     session.engine.runner.forward = paused(session.engine.runner.forward)
-    proposer.drafter.forward = paused(proposer.drafter.forward)
     forward, counts = tree_step.forward, []
 
     def counted(*args, **kwargs):
@@ -421,3 +421,27 @@ def test_a_warm_tree_step_keeps_its_op_count(shape: str, most: int) -> None:
     tree_step.forward = counted
     check_equals_target_only(session, 8, prompts(1, seed=23))
     assert len(counts) >= 3 and max(counts[1:]) <= most, counts
+
+
+@pytest.mark.parametrize("shape", ["static_3_2", "dynamic_3_budget_8_depth_4"])
+def test_tree_passes_share_one_rotary_lookup(shape: str) -> None:
+    """The drafter's tree passes take their cos and sin from one lookup per step: the trees are the ones
+    drafted when every pass looks up its own positions (fails with a pass given another depth's)."""
+    drafted: list[list[tuple[str, int, list[int], list[int]]]] = []
+    for own_lookup in (False, True):
+        tree, k = TREES[shape]
+        session = tree_session("eagle3", tree, k)
+        drafter, proposer, trees = session.proposer.drafter, session.proposer, []
+        if own_lookup:
+            forward = drafter.forward
+            drafter.forward = lambda *args, rotary=None, forward=forward: forward(*args)
+        set_tree = proposer.set_tree
+
+        def record(request, tokens: list[int], parents: list[int], trees=trees, set_tree=set_tree) -> None:
+            trees.append((request.request_id, len(request.output_ids), list(tokens), list(parents)))
+            set_tree(request, tokens, parents)
+
+        proposer.set_tree = record
+        check_equals_target_only(session, 12, prompts(2, seed=29))
+        drafted.append(trees)
+    assert len(drafted[0]) > 4 and drafted[0] == drafted[1]
