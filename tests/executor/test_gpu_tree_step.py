@@ -106,3 +106,27 @@ def test_graph_replays_give_what_eager_steps_give(expected: dict, shape: str) ->
         found[graphs] = ({size: run(session, prompts(size, seed=size)) for size in (1, 2, 4)}, drafted)
         assert session.engine.tree_step.counts["graph" if graphs else "eager"] > 0
     assert found[True] == found[False]
+
+
+@pytest.mark.parametrize("shape", ["static_2_2_1", "dynamic_3_budget_8_depth_4"])
+def test_shared_rotary_lookup_drafts_the_same_trees(shape: str) -> None:
+    """The drafter's tree passes take cos and sin from one lookup per step (a static pass at batch 1: a stride-0
+    view into it, read by the fused rotary kernel): eagerly on CUDA, batches 1 and 2, the trees and tokens are
+    the ones drafted when every pass looks up its own positions."""
+    found = []
+    for own_lookup in (False, True):
+        session = cuda_tree_session("eagle3", shape, cuda_graphs=False)
+        drafter, drafted = session.proposer.drafter, []
+        if own_lookup:
+            forward = drafter.forward
+            drafter.forward = lambda *args, rotary=None, forward=forward: forward(*args)
+        original = session.proposer.set_tree
+
+        def record(request, tokens, parents, original=original, drafted=drafted) -> None:
+            drafted.append((request.request_id, len(request.output_ids), list(tokens), list(parents)))
+            original(request, tokens, parents)
+
+        session.proposer.set_tree = record
+        found.append(({size: run(session, prompts(size, seed=size)) for size in (1, 2)}, drafted))
+        assert session.engine.tree_step.counts["eager"] > 0
+    assert len(found[0][1]) > 4 and found[0] == found[1]
