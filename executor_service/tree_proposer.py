@@ -231,21 +231,26 @@ class TreeProposer(Proposer):
             parents = constants.get("static parents", lambda: self._static_parents_tensor())
             return torch.cat(pool_tokens, 1), parents.expand(count, -1)
         # Each drafted child's parent: the pool index of the node it was drafted from (level start + index).
-        roots = constants.get(("root parents", first_width), lambda: constants.arange(first_width) * 0 - 1)
-        parents = roots.expand(count, -1)
-        if tree.depth > 1:
-            starts = constants.get(("frontier starts", tree), self._frontier_starts)
-            expanded = torch.cat(frontiers[: tree.depth - 1], dim=1) + starts
-            children = expanded[:, :, None].expand(-1, -1, tree.top_k).reshape(count, -1)
-            parents = torch.cat([parents, children], dim=1)
+        # The expanded nodes' level indices behind a zero column: each pool node's parent is one of them plus its
+        # level's start (a root's: the zero column less one), picked by one constant index.
+        zero = constants.get("zero column", lambda: torch.zeros(1, 1, dtype=torch.int64, device=self.device))
+        columns = torch.cat([zero.expand(count, -1), *frontiers], dim=1)
+        pick = constants.get(("parent columns", tree), lambda: self._parent_columns()[0])
+        starts = constants.get(("parent starts", tree), lambda: self._parent_columns()[1])
+        parents = columns.index_select(1, pick) + starts
         return self._select(torch.cat(pool_tokens, 1), torch.cat(pool_scores, 1), parents)
 
-    def _frontier_starts(self) -> torch.Tensor:
-        """[top_k * (depth - 1)]: the pool index where each expanded node's level starts (depth d's pass expands
-        nodes of level d; level 1 starts at 0, level d + 1 at top_k + (d - 1) * top_k^2)."""
-        top_k = self.tree.top_k
-        levels = [0] + [top_k + (d - 1) * top_k * top_k for d in range(1, self.tree.depth - 1)]
-        return torch.tensor([start for start in levels for _ in range(top_k)], device=self.device)
+    def _parent_columns(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """[pool] each node's column of [zero | the expanded nodes' level indices, depth by depth] and what to add:
+        -1 for depth 1 (the root), else the start of the parent's level in the pool (level 1 starts at 0, level
+        d + 1 at top_k + (d - 1) * top_k^2). Child j of a pass is child j % top_k of its expanded node j // top_k."""
+        top_k, depth = self.tree.top_k, self.tree.depth
+        pick, starts = [0] * top_k, [-1] * top_k
+        for level in range(1, depth):  # the pass over level `level`'s expanded nodes drafts level + 1
+            start = 0 if level == 1 else top_k + (level - 2) * top_k * top_k
+            pick += [1 + (level - 1) * top_k + j // top_k for j in range(top_k * top_k)]
+            starts += [start] * (top_k * top_k)
+        return torch.tensor(pick, device=self.device), torch.tensor(starts, device=self.device)
 
     def _written(self) -> torch.Tensor:
         """[depth]: scratch keys written after the pass at each depth (index 0 unused: depth 1 needs no pass)."""
