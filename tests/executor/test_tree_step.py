@@ -6,6 +6,8 @@ EAGLE-3, with accepted paths on random branches (their K/V moved into place on t
 from __future__ import annotations
 
 import random
+from collections.abc import Callable
+from typing import Any
 
 import pytest
 import torch
@@ -13,6 +15,7 @@ from executor_builders import greedy
 from greedy_reference import greedy_reference
 from test_engine import Collector, add_all
 from test_tree_decode import TREES, VOCAB, check_equals_target_only, prompts, tree_session
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from executor_service import cuda_graphs
 from executor_service.session import ModelSession
@@ -300,38 +303,39 @@ def test_a_static_tree_in_another_layout_takes_the_host_path() -> None:
     assert not session.engine.tree_step.counts  # no device step, eager or graph
 
 
+class OpCounter(TorchDispatchMode):
+    """Counts the dispatched ops that `counts` selects, except inside functions wrapped by `paused` (the target's
+    and drafter's passes, when only the step's own work is measured)."""
+
+    def __init__(self, counts: Callable[[Any], bool]) -> None:
+        super().__init__()
+        self.counts, self.count, self.is_paused = counts, 0, False
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.count += not self.is_paused and self.counts(func)
+        return func(*args, **(kwargs or {}))
+
+    def paused(self, function: Callable[..., Any]) -> Callable[..., Any]:
+        def run(*args: Any, **kwargs: Any) -> Any:
+            self.is_paused = True
+            try:
+                return function(*args, **kwargs)
+            finally:
+                self.is_paused = False
+
+        return run
+
+
 @pytest.mark.parametrize("shape", ["static_2_2_1", "dynamic_3_budget_8_depth_4"])
 def test_a_warm_tree_step_builds_no_index_tensors(shape: str) -> None:
     """Index tensors (aranges) are built once per shape, not in every step: inside a captured step each would be a
     kernel per replay. Counted in the step's own work, the target's and drafter's passes left out."""
-    from torch.utils._python_dispatch import TorchDispatchMode
-
-    class Aranges(TorchDispatchMode):
-        def __init__(self) -> None:
-            super().__init__()
-            self.count, self.paused = 0, False
-
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            self.count += not self.paused and func.overloadpacket.__name__ == "arange"
-            return func(*args, **(kwargs or {}))
-
-    mode = Aranges()
+    mode = OpCounter(lambda func: func.overloadpacket.__name__ == "arange")
     tree, k = TREES[shape]
     session = tree_session("eagle3", tree, k)
     tree_step, proposer = session.engine.tree_step, session.proposer
-
-    def paused(function):
-        def run(*args, **kwargs):
-            mode.paused = True
-            try:
-                return function(*args, **kwargs)
-            finally:
-                mode.paused = False
-
-        return run
-
-    session.engine.runner.forward = paused(session.engine.runner.forward)
-    proposer.drafter.forward = paused(proposer.drafter.forward)
+    session.engine.runner.forward = mode.paused(session.engine.runner.forward)
+    proposer.drafter.forward = mode.paused(proposer.drafter.forward)
     forward, steps = tree_step.forward, []
 
     def counted(*args, **kwargs):
@@ -382,33 +386,11 @@ def test_a_warm_tree_step_keeps_its_op_count(shape: str, most: int) -> None:
     included, the target's pass left out, views not counted) stay at most today's count (2026-11-24:
     static_2_2_1 233 -> 221, dynamic_3_budget_8_depth_4 353 -> 328, with 4 ops of slack for other torch
     versions' decompositions; the first step of a batch size builds its constants)."""
-    from torch.utils._python_dispatch import TorchDispatchMode
-
-    class Ops(TorchDispatchMode):
-        def __init__(self) -> None:
-            super().__init__()
-            self.count, self.paused = 0, False
-
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            self.count += not self.paused and not func.is_view
-            return func(*args, **(kwargs or {}))
-
-    mode = Ops()
+    mode = OpCounter(lambda func: not func.is_view)
     tree, k = TREES[shape]
     session = tree_session("eagle3", tree, k)
     tree_step = session.engine.tree_step
-
-    def paused(function):
-        def run(*args, **kwargs):
-            mode.paused = True
-            try:
-                return function(*args, **kwargs)
-            finally:
-                mode.paused = False
-
-        return run
-
-    session.engine.runner.forward = paused(session.engine.runner.forward)
+    session.engine.runner.forward = mode.paused(session.engine.runner.forward)
     forward, counts = tree_step.forward, []
 
     def counted(*args, **kwargs):
