@@ -122,3 +122,19 @@ def wait_or_kill(process: subprocess.Popen[bytes], timeout: float = SHUTDOWN_TIM
         process.kill()
         process.wait()
         return None
+
+
+def wait_address_serving(address: str, timeout: float = 300.0) -> None:
+    """Until the executor at `address` has its model (loaded at start) and health says SERVING; `timeout` only
+    against hanging."""
+    import grpc
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+    deadline = time.monotonic() + timeout
+    with grpc.insecure_channel(address) as channel:
+        health = health_pb2_grpc.HealthStub(channel)
+        while (
+            health.Check(health_pb2.HealthCheckRequest(), timeout=10).status != health_pb2.HealthCheckResponse.SERVING
+        ):
+            assert time.monotonic() < deadline, f"{address} not SERVING after {timeout} s"
+            time.sleep(0.2)

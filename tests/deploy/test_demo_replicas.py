@@ -5,28 +5,14 @@ only one) and --requests 4: the generations are spread over both, counted by eac
 from __future__ import annotations
 
 import json
-import time
 
 import grpc
 from google.protobuf import json_format
-from grpc_health.v1 import health_pb2, health_pb2_grpc
+from server_processes import wait_address_serving
 
 from specdec.v1 import executor_pb2, executor_pb2_grpc
 from specdec_cli.cli import main
 from specdec_cli.demo_model import synthetic_model
-
-SERVING_TIMEOUT_S = 300.0  # only against hanging
-
-
-def wait_serving(address: str) -> None:
-    deadline = time.monotonic() + SERVING_TIMEOUT_S
-    with grpc.insecure_channel(address) as channel:
-        health = health_pb2_grpc.HealthStub(channel)
-        while (
-            health.Check(health_pb2.HealthCheckRequest(), timeout=10).status != health_pb2.HealthCheckResponse.SERVING
-        ):
-            assert time.monotonic() < deadline, f"{address} not SERVING"
-            time.sleep(0.2)
 
 
 def admitted(address: str) -> int:
@@ -40,7 +26,7 @@ def test_demo_spreads_requests_over_replicas_it_does_not_load(launch_executor, t
     load.write_text(json_format.MessageToJson(synthetic_model("eagle3", None).load))
     replicas = [launch_executor(load).address for _ in range(2)]
     for address in replicas:
-        wait_serving(address)
+        wait_address_serving(address)
     target = "ipv4:" + ",".join(replicas)
     argv = ["demo", "--synthetic", "--executor", target, "--no-load", "--requests", "4", "--max-tokens", "8"]
     assert main([*argv, "--json"]) == 0

@@ -21,7 +21,6 @@ import shutil
 import socket
 import subprocess
 import sys
-import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -29,6 +28,7 @@ from pathlib import Path
 import grpc
 import pytest
 from google.protobuf import json_format
+from server_processes import wait_address_serving
 from toy_model import write_toy_model
 
 from specdec.v1 import common_pb2, executor_pb2, executor_pb2_grpc, selector_pb2, selector_pb2_grpc
@@ -366,20 +366,6 @@ def test_python_client_names_an_address_it_cannot_reach() -> None:
     assert "UNAVAILABLE" in result.stderr and "Traceback" not in result.stderr and result.stdout == ""
 
 
-def wait_serving(address: str, timeout: float = 300.0) -> None:
-    """Until the executor at `address` has its model (loaded at start) and says SERVING."""
-    from grpc_health.v1 import health_pb2, health_pb2_grpc
-
-    deadline = time.monotonic() + timeout
-    with grpc.insecure_channel(address) as channel:
-        health = health_pb2_grpc.HealthStub(channel)
-        while (
-            health.Check(health_pb2.HealthCheckRequest(), timeout=10).status != health_pb2.HealthCheckResponse.SERVING
-        ):
-            assert time.monotonic() < deadline, f"{address} not SERVING after {timeout} s"
-            time.sleep(0.2)
-
-
 def served(addresses: list[str]) -> list[int]:
     """Requests each replica admitted (its own GetLoads: prompt tokens / the prompt's length)."""
     counts = []
@@ -400,7 +386,7 @@ def test_clients_spread_generate_over_replicas(launch_server, launch_executor, t
     selector = launch_server("selector")
     replicas = [launch_executor(load).address for _ in range(2)]
     for address in replicas:
-        wait_serving(address)
+        wait_address_serving(address)
     target = "ipv4:" + ",".join(replicas)
     clients = {"python": ([sys.executable, str(EXAMPLES / "python" / "client.py")], REPO_ROOT)}
     node = shutil.which("node")
