@@ -14,10 +14,9 @@ from pathlib import Path
 
 import grpc
 import pytest
-from google.protobuf import json_format
-from server_processes import REPO_ROOT, spawn_server
+from server_processes import REPO_ROOT
 from test_fault_kill import generate, wait_serving
-from test_tp_rank_failure import child_pids
+from test_tp_rank_failure import child_pids, spawn_tp_executor
 from tp_greedy_run import greedy_outputs, load_request
 
 from specdec.v1 import executor_pb2_grpc
@@ -57,11 +56,7 @@ def alive(pid: int) -> bool:
 @pytest.mark.skipif(not Path("/proc/self/task").exists(), reason="reads /proc for the follower's pid")
 def test_followers_exit_when_rank_0_is_killed(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("OMP_NUM_THREADS", "1")
-    load = tmp_path / "load.json"
-    load.write_text(json.dumps(json_format.MessageToDict(load_request("none"))))
-    server = spawn_server(
-        "executor", "tp", tmp_path, "--device", "cpu", "--tensor-parallel-size", "3", "--load", str(load)
-    )
+    server = spawn_tp_executor(tmp_path, load_request("none"), 3)
     try:
         followers = []
         deadline = time.monotonic() + EXIT_WAIT_S
@@ -83,11 +78,7 @@ def test_sigterm_stops_rank_0_and_its_followers_cleanly(tmp_path: Path, monkeypa
     """Served tokens at TP 2 through gRPC, then SIGTERM: the model is unloaded on every rank, the followers get
     STOP and exit, and rank 0 exits 0."""
     monkeypatch.setenv("OMP_NUM_THREADS", "1")
-    load = tmp_path / "load.json"
-    load.write_text(json.dumps(json_format.MessageToDict(load_request("eagle3"))))
-    server = spawn_server(
-        "executor", "tp", tmp_path, "--device", "cpu", "--tensor-parallel-size", "2", "--load", str(load)
-    )
+    server = spawn_tp_executor(tmp_path, load_request("eagle3"), 2)
     try:
         with grpc.insecure_channel(server.address) as channel:
             wait_serving(channel, server)

@@ -14,11 +14,11 @@ import grpc
 import pytest
 from google.protobuf import json_format
 from grpc_health.v1 import health_pb2, health_pb2_grpc
-from server_processes import spawn_server
+from server_processes import ServerProcess, spawn_server
 from test_fault_kill import END_AFTER_KILL_S, RPC_TIMEOUT_S, Stream, generate, wait_serving
 from tp_greedy_run import load_request
 
-from specdec.v1 import executor_pb2_grpc
+from specdec.v1 import executor_pb2, executor_pb2_grpc
 
 NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
 
@@ -31,17 +31,22 @@ def child_pids(pid: int) -> list[int]:
     return pids
 
 
+def spawn_tp_executor(tmp_path: Path, request: executor_pb2.LoadModelRequest, size: int) -> ServerProcess:
+    """A CPU executor at --tensor-parallel-size `size` that loads `request` at start (--load)."""
+    load = tmp_path / "load.json"
+    load.write_text(json.dumps(json_format.MessageToDict(request)))
+    return spawn_server(
+        "executor", "tp", tmp_path, "--device", "cpu", "--tensor-parallel-size", str(size), "--load", str(load)
+    )
+
+
 @pytest.mark.skipif(not Path("/proc/self/task").exists(), reason="reads /proc for the follower's pid")
 def test_a_rank_that_dies_fails_requests_with_unavailable(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("OMP_NUM_THREADS", "1")  # three processes' thread pools on a 2-core machine
     monkeypatch.setenv("SPECDEC_TP_KEEPALIVE_S", "0.2")  # keep-alives between the steps throughout
     request = load_request("none")
     request.num_kv_blocks = 512
-    load = tmp_path / "load.json"
-    load.write_text(json.dumps(json_format.MessageToDict(request)))
-    server = spawn_server(
-        "executor", "tp", tmp_path, "--device", "cpu", "--tensor-parallel-size", "2", "--load", str(load)
-    )
+    server = spawn_tp_executor(tmp_path, request, 2)
     try:
         with grpc.insecure_channel(server.address) as channel:
             wait_serving(channel, server)
