@@ -59,6 +59,9 @@ class TreeProposer(Proposer):
         self.parents: dict[str, list[int]] = {}
         self.replay_tree: TreeReplay | None = None  # scripted trees need the host: no step launched ahead
         self.constants = StepConstants(self.device)
+        # Each depth's top candidates in one Triton launch on GPUs (kernels/triton_topk.py), torch's softmax and
+        # top-k elsewhere; tests turn it on on the CPU under TRITON_INTERPRET=1.
+        self.fused_top_k = torch.device(self.device).type == "cuda"
 
     def drafts_tree(self, request: Request) -> bool:
         """Whether the request drafts at all: its own k (0: never) and nothing that reads one chain of rows."""
@@ -315,13 +318,19 @@ class TreeProposer(Proposer):
         self, head: torch.Tensor, width: int, scores: bool = True
     ) -> tuple[torch.Tensor | None, torch.Tensor]:
         """The drafter's `width` most likely next tokens [N, width] (target ids) and their log-probabilities
-        (float32, cast inside the softmax; None without `scores`: a static tree ranks by the logits alone)."""
+        (float32, cast inside the softmax; None without `scores`: a static tree ranks by the logits alone).
+        Equal values: the lower index first with the fused kernel; torch's order (unspecified on CUDA) without."""
         if isinstance(self.drafter, Eagle3Drafter):
             logits, d2t = self.drafter.lm_head(head), self.drafter.d2t
             to_target = self.constants.get("draft to target", lambda: self.constants.arange(d2t.shape[0]) + d2t)
         else:
             assert self.drafter.target is not None
             logits, to_target = self.drafter.target.lm_head(head), None
+        if self.fused_top_k:  # one launch: softmax, top-k and the id map (width <= MAX_TREE_TOP_K = its MAX_K)
+            from kernels.triton_topk import topk_log_softmax
+
+            log_probs, ids = topk_log_softmax(logits, width, to_target, normalize=scores)
+            return (log_probs if scores else None), ids
         if scores:
             log_probs, ids = logits.log_softmax(-1, dtype=torch.float32).topk(width, dim=-1)
         else:
