@@ -7,14 +7,13 @@ from __future__ import annotations
 import os
 
 import pytest
-import torch
 from test_tree_decode import TREES, check_equals_target_only, prompts, tree_session
 
 from kernels import triton_topk
 
 pytestmark = pytest.mark.skipif(
-    not torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1",
-    reason="Triton needs a GPU or TRITON_INTERPRET=1",
+    os.environ.get("TRITON_INTERPRET") != "1",
+    reason="CPU sessions run the kernel under TRITON_INTERPRET=1 (on a GPU, test_gpu_tree_step.py runs it)",
 )
 
 
