@@ -4,7 +4,8 @@ Replays every pass of `specdec_bench.py` (CUDA graphs, batch 1) under torch.prof
 into the kernels it runs (summed per name, per replay) and what is left of the wall time (launch gaps,
 tails, the static-buffer copies). Says whether a pass is bound by kernel count or by kernel speed.
 With --trees, also the device-resident tree step of each EAGLE-3 tree spec (tree_passes.py), beside the
-chain's device step (spec_step_eagle3): which kernels a tree step adds.
+chain's device step (spec_step_eagle3): which kernels a tree step adds; and each one again with torch's
+log-softmax and top-k for the drafter's candidates (`_torch_topk`) instead of the fused kernel (kernels/triton_topk.py).
 
     python bench/pass_profile.py --methods eagle,dflash --out bench/results
     python bench/pass_profile.py --preset smollm2 --methods eagle3 --trees dynamic:8:16:7,dynamic:4:16:6
@@ -26,6 +27,8 @@ from common import PRESETS, commit_id, log, time_graph, write_result
 from specdec_bench import open_session, open_sessions, parse_args, pass_calls, tree_step_call
 from torch.profiler import ProfilerActivity, profile
 from tree_passes import parse_tree_spec
+
+from executor_service.session import ModelSession
 
 REPLAYS = 20
 TOP_KERNELS = 12
@@ -54,6 +57,15 @@ def kernel_profile(call: Any, replays: int) -> dict[str, Any]:
     }
 
 
+def torch_top_k(session: ModelSession) -> None:
+    """The tree step as before the fused top-k: torch's log-softmax, top-k and id gather at every depth (the
+    step's graphs captured again with them)."""
+    session.proposer.fused_top_k = False
+    tree_step = session.engine.tree_step
+    if tree_step is not None and tree_step.graphs is not None:
+        tree_step.capture_graphs(tree_step.graphs.max_batch, session.engine.max_model_len)
+
+
 def main() -> int:
     args = parse_args(__doc__)
     preset, device = PRESETS[args.preset], torch.device(args.device)
@@ -72,10 +84,13 @@ def main() -> int:
     calls = {name: call for name, (call, _moved) in pass_calls(sessions, args, preset).items()}
     for spec in (t for t in args.trees.split(",") if t):  # EAGLE-3 tree shapes, over the same target weights
         label, tree, depth = parse_tree_spec(spec)
-        sessions[label] = open_session(args, sessions["target-only"].loaded, "eagle3", preset, tree, depth)
-        call = tree_step_call(sessions[label], args)
-        if call is not None:
-            calls[f"tree_step_{label}"] = call
+        for name in (label, f"{label}_torch_topk"):
+            sessions[name] = open_session(args, sessions["target-only"].loaded, "eagle3", preset, tree, depth)
+            if name != label:
+                torch_top_k(sessions[name])
+            call = tree_step_call(sessions[name], args)
+            if call is not None:
+                calls[f"tree_step_{name}"] = call
     for name, call in calls.items():
         wall_us = time_graph(call, device, args.iters) * 1e3
         kernels = kernel_profile(call, REPLAYS)
