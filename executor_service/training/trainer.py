@@ -29,6 +29,7 @@ from executor_service.training.recipes import Recipe
 WARMUP_STEPS, TIMING_STEPS = 10, 20  # a time budget first fixes the run's length from steps 10-30's pace
 REFIT_STEPS = 100  # then fits it again every this many steps, at their pace (runs sharing a GPU speed up as
 # the others finish: the first fit alone cut a concurrent 18-minute run to 7 minutes)
+LENGTH_WINDOW_BATCHES = 64  # batches of sequences sorted by length together (see Trainer._epoch_batches)
 EVAL_SEED_OFFSET = 7_777  # DFlash anchors of evaluations: a fixed draw, the same before and after training
 
 
@@ -71,7 +72,7 @@ class Trainer:
         self.seconds = 0.0
         self.time_budget: float | None = None  # seconds: the run is shortened to fit (see fit_to_budget)
         self.step_cap: int | None = None  # the recipe's (or --max-steps') total, once a fit has changed it
-        self._orders: dict[int, torch.Tensor] = {}
+        self._orders: dict[int, list[list[int]]] = {}  # the current epoch's batches (sequence indices)
 
     def _lr_factor(self, step: int) -> float:
         warmup = max(1, round(self.recipe.warmup_ratio * self.total_steps))
@@ -84,10 +85,25 @@ class Trainer:
     def batch(self, step: int) -> list[Sequence]:
         epoch, index = divmod(step, self.batches_per_epoch)
         if epoch not in self._orders:
-            generator = torch.Generator().manual_seed(self.seed * 1_000_003 + epoch)
-            self._orders = {epoch: torch.randperm(len(self.sequences), generator=generator)}
-        size = self.recipe.batch_size
-        return [self.sequences[i] for i in self._orders[epoch][index * size : (index + 1) * size].tolist()]
+            self._orders = {epoch: self._epoch_batches(epoch)}
+        return [self.sequences[i] for i in self._orders[epoch][index]]
+
+    def _epoch_batches(self, epoch: int) -> list[list[int]]:
+        """One epoch's batches, of sequences of similar length: a batch is padded to its longest row, and
+        random batches of sequences from 40 to 1024 tokens spent most of a step on padding. The epoch's
+        random order is cut into windows of LENGTH_WINDOW_BATCHES batches, each window sorted by length and
+        cut into batches, then the batches are shuffled: which sequences meet stays random, their lengths
+        close. Every sequence is seen once per epoch; the order is a function of the seed and the epoch."""
+        generator = torch.Generator().manual_seed(self.seed * 1_000_003 + epoch)
+        order = torch.randperm(len(self.sequences), generator=generator).tolist()
+        size, limit = self.recipe.batch_size, self.recipe.max_len
+        window = size * LENGTH_WINDOW_BATCHES
+        batches = []
+        for start in range(0, len(order), window):
+            chunk = sorted(order[start : start + window], key=lambda i: min(len(self.sequences[i].ids), limit))
+            batches += [chunk[i : i + size] for i in range(0, len(chunk), size)]
+        shuffle = torch.randperm(len(batches), generator=generator).tolist()
+        return [batches[i] for i in shuffle]
 
     def _autocast(self) -> Any:
         return torch.autocast("cuda", dtype=torch.bfloat16, enabled=self.device.type == "cuda")

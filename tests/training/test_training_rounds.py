@@ -138,3 +138,43 @@ def test_a_time_budget_is_fitted_again_as_the_pace_changes() -> None:
     assert trainer.fit_to_budget(elapsed=50.0, per_step=0.1) == 100 + 500  # faster now: 50 s at 0.1 s
     trainer.step = 200
     assert trainer.fit_to_budget(elapsed=55.0, per_step=0.01) == 1000  # the recipe's total stays the cap
+
+
+def grouping_trainer(lengths: list[int], batch_size: int, seed: int = 0):
+    """A Trainer with only what `batch` reads: sequences of the given lengths, the batch size and max_len."""
+    from executor_service.training.features import Sequence
+    from executor_service.training.recipes import RECIPES, with_overrides
+    from executor_service.training.trainer import Trainer
+
+    trainer = Trainer.__new__(Trainer)
+    trainer.sequences = [Sequence([1], [2] * (n - 1)) for n in lengths]
+    trainer.recipe = with_overrides(RECIPES["eagle3"], batch_size=batch_size, max_len=1024)
+    trainer.seed, trainer._orders = seed, {}
+    trainer.batches_per_epoch = -(-len(lengths) // batch_size)
+    return trainer
+
+
+def test_batches_group_sequences_of_similar_length_and_see_each_once_per_epoch() -> None:
+    """A batch is padded to its longest row: random batches of 40- to 1024-token sequences are mostly padding.
+    Grouping by length within windows of the shuffled order cuts the padded tokens, every sequence is still seen
+    once per epoch, and the order depends on the seed and the epoch alone."""
+    import random
+
+    rng = random.Random(0)
+    lengths = [rng.randint(40, 1024) for _ in range(3000)]
+    trainer = grouping_trainer(lengths, batch_size=16)
+    steps = trainer.batches_per_epoch
+    for epoch in range(2):
+        batches = trainer._epoch_batches(epoch)
+        assert len(batches) == steps
+        assert sorted(i for b in batches for i in b) == list(range(len(lengths)))
+    padded = sum(len(b) * max(min(lengths[i], 1024) for i in b) for b in trainer._epoch_batches(0))
+    random_order = torch.randperm(len(lengths), generator=torch.Generator().manual_seed(0)).tolist()
+    random_padded = sum(16 * max(lengths[i] for i in random_order[s : s + 16]) for s in range(0, len(lengths), 16))
+    assert padded < 0.7 * random_padded
+    assert padded < 1.1 * sum(lengths)  # nearly no padding left
+    first = [[len(s.ids) for s in trainer.batch(step)] for step in range(3)]
+    again = grouping_trainer(lengths, batch_size=16)
+    assert [[len(s.ids) for s in again.batch(step)] for step in range(3)] == first
+    assert trainer._epoch_batches(0) != trainer._epoch_batches(1)
+    assert grouping_trainer(lengths, 16, seed=1)._epoch_batches(0) != trainer._epoch_batches(0)
