@@ -19,9 +19,10 @@ out=${OUT:-/tmp/out}
 export PYTHONPATH=$work:$work/protos:/tmp/site PYTHONUNBUFFERED=1
 
 bench() {
-  local drafters=(--drafter eagle3:shipped=drafters/smollm2-eagle3 --drafter dflash:shipped=drafters/smollm2-dflash
-                  --drafter "eagle3=$run/eagle3/drafter" --drafter "dflash=$run/dflash/drafter"
-                  --drafter "eagle=$run/eagle/drafter")
+  local drafters=(--drafter eagle3:shipped=drafters/smollm2-eagle3 --drafter dflash:shipped=drafters/smollm2-dflash)
+  for name in eagle3 dflash eagle; do  # the drafters this run trained (METHODS in retrain.sh)
+    if [[ -d $run/$name/drafter ]]; then drafters+=(--drafter "$name=$run/$name/drafter"); fi
+  done
   python3 bench/acceptance_bench.py --target "$gguf" "${drafters[@]}" --prompts drafters/prompts_heldout.jsonl \
     --per-kind 10 --ks 7 --temperatures 0,0.7 --max-tokens 256 --speedup-ks 7 --speedup-prompts 5 --repeats 3 \
     --speedup-batches 1,16 --speedup-devices cuda --out "$run/bench"
