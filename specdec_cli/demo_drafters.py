@@ -119,6 +119,6 @@ def training_summary(directory: Path) -> str:
     seconds = log.get("seconds") if isinstance(log.get("seconds"), dict) else {}
     if seconds.get("total"):
         parts.append(f"in {float(seconds['total']) / 60:.0f} min")
-    if log.get("init_from"):  # a fine-tuning: the first stage's log is kept beside it
-        parts.append("fine-tuned from an earlier training (training_log_base.json)")
+    if log.get("init_from"):  # a fine-tuning: the earlier stages' logs are kept beside it
+        parts.append("fine-tuned from earlier training (its logs beside it)")
     return ", ".join(parts) or "training_log.json present"
