@@ -24,11 +24,11 @@ METHODS = {
 BLOCK_SIZE = 16
 NUM_KV_BLOCKS = 512  # 8192 tokens: the context of either model, small enough for any device
 # EAGLE-1 / EAGLE-3 drafts per step on the default model, by device: the fastest end to end where measured
-# (DFlash proposes its block size - 1, and is slower on both). H100, the fine-tuned EAGLE-3,
-# bench/results/acceptance_2026-11-24_h100_6d2e0ec_chain-vs-trees: k = 3 2.15x, k = 5 2.06x, k = 7 2.02x, trees
-# 1.71-1.97x (DFlash k = 7 1.89x in acceptance_2026-11-24_h100_drafters-finetune). A 2-core CPU,
-# acceptance_2026-11-24_cpu_84d4ee1: EAGLE-3 k = 3 1.09x, k = 7 0.92x, DFlash 0.74-0.77x, EAGLE-1 0.49-0.66x.
-DEFAULT_EAGLE_K = {"cuda": 3, "cpu": 3}
+# (DFlash proposes its block size - 1, and is slower on both). H100, the shipped (third-stage) EAGLE-3,
+# bench/results/acceptance_2026-11-24_h100_8bc9587_eagle3-chain-vs-trees: k = 3 2.50x, k = 7 2.35x (DFlash k = 7
+# 2.41x, k = 15 2.47x in acceptance_2026-11-24_h100_8bc9587_dflash). A 2-core CPU, acceptance_2026-11-24_cpu_8bc9587:
+# EAGLE-3 k = 7 1.15x (1.13-1.16), k = 3 1.08x (1.07-1.10), DFlash 0.89-0.91x.
+DEFAULT_EAGLE_K = {"cuda": 3, "cpu": 7}
 
 
 def default_eagle_k(device: str) -> int:

