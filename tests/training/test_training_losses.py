@@ -1,0 +1,73 @@
+"""The EAGLE losses score every row and read their metrics back once; they must equal the plain formulation
+that selects the scored rows first (cross-entropy over those rows, accuracy and accept length over them)."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+import torch.nn.functional as F
+from executor_builders import tiny_model
+
+from executor_service.training.features import Sequence, collate, shifted, target_view
+from executor_service.training.init import trainable_drafter
+from executor_service.training.losses import LossSettings, eagle_loss
+from executor_service.training.recipes import RECIPES, draft_config, with_overrides
+from executor_service.training.unroll import eagle_unroll
+
+CPU = torch.device("cpu")
+
+
+def reference(drafter, view, settings: LossSettings, t2d) -> tuple[float, dict[str, float]]:
+    """The loss and metrics with the scored rows selected before the head (one read per metric)."""
+    eagle3 = t2d is not None
+    total, metrics, leading = 0.0, {}, None
+    accepted = torch.zeros_like(view.valid, dtype=torch.float32)
+    for j, step in enumerate(eagle_unroll(drafter, view.ids, view.features, settings.ttt_steps)):
+        labels, valid = shifted(view.labels, 1 + j), shifted(view.valid, 1 + j, fill=False)
+        if eagle3:
+            labels = t2d[labels]
+            valid = valid & (labels >= 0)
+        head = drafter.lm_head if eagle3 else drafter.target.lm_head
+        logits = head(step.head[valid])
+        ce = F.cross_entropy(logits, labels[valid]) if logits.shape[0] else torch.tensor(0.0)
+        loss = ce
+        if not eagle3:
+            feature = F.smooth_l1_loss(step.feedback[valid], shifted(view.hidden, 1 + j)[valid])
+            loss = settings.token_weight * ce + settings.feature_weight * feature
+            metrics[f"feature_loss_{j}"] = feature.item()
+        total += settings.step_decay**j * loss.item()
+        correct = torch.zeros_like(valid)
+        correct[valid] = logits.argmax(-1) == labels[valid]
+        metrics[f"ce_{j}"] = ce.item()
+        metrics[f"acc_{j}"] = float(correct[valid].float().mean()) if valid.any() else 0.0
+        leading = correct if leading is None else leading & correct
+        accepted += leading.float()
+    metrics["accept_length"] = 1 + float(accepted[view.valid].mean())
+    metrics["loss"] = total
+    return total, metrics
+
+
+@pytest.mark.parametrize("method", ["eagle3", "eagle"])
+def test_eagle_losses_equal_the_selected_rows_formulation(method: str) -> None:
+    torch.manual_seed(0)
+    target = tiny_model().model
+    rng = random.Random(0)
+    vocab = target.config.vocab_size
+    sequences = [
+        Sequence([rng.randrange(vocab) for _ in range(rng.randint(2, 6))], [rng.randrange(vocab) for _ in range(n)])
+        for n in (5, 12, 9)
+    ]
+    recipe = with_overrides(RECIPES[method], intermediate_size=96, draft_vocab_size=vocab // 2)
+    drafter, t2d = trainable_drafter(draft_config(recipe, target.config), target, sequences, 0, CPU)
+    view = target_view(target, drafter.config, collate(sequences, 64, CPU))
+    settings = LossSettings(ttt_steps=3)
+    out = eagle_loss(drafter, view, settings, t2d)
+    expected_loss, expected = reference(drafter, view, settings, t2d)
+    if method == "eagle3":  # half the vocabulary: some labels fall outside it and are not scored
+        assert 0 < int((t2d[view.labels] < 0).sum()) < view.labels.numel()
+    assert out.loss.item() == pytest.approx(expected_loss, rel=1e-5)
+    assert out.metrics.keys() == expected.keys()
+    for name, value in expected.items():
+        assert out.metrics[name] == pytest.approx(value, rel=1e-5, abs=1e-6), name
