@@ -48,7 +48,7 @@ PUBLISHED_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 RECIPE_FIELDS = {
     "epochs": float, "batch_size": int, "max_len": int, "lr": float, "weight_decay": float, "warmup_ratio": float,
     "num_layers": int, "intermediate_size": int, "num_feature_layers": int, "draft_vocab_size": int,
-    "block_size": int, "ttt_steps": int, "num_anchors": int, "gamma": float,
+    "block_size": int, "ttt_steps": int, "num_anchors": int, "gamma": float, "distill": float,
 }  # fmt: skip
 VALIDATION_SHARE, VALIDATION_MAX = 0.02, 256  # generated sequences kept out of training, for the log
 
@@ -107,7 +107,12 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def recipe_from(args: argparse.Namespace) -> Recipe:
-    return with_overrides(RECIPES[args.method], **{name: getattr(args, name) for name in RECIPE_FIELDS})
+    recipe = with_overrides(RECIPES[args.method], **{name: getattr(args, name) for name in RECIPE_FIELDS})
+    if not 0 <= recipe.loss.distill <= 1:
+        raise ValueError(f"--distill is the distillation share of the loss, in [0, 1]; got {recipe.loss.distill}")
+    if recipe.loss.distill and args.method != "eagle3":
+        raise ValueError("--distill is for eagle3 (its own head over the draft vocabulary)")
+    return recipe
 
 
 def training_prompts(args: argparse.Namespace) -> list[Prompt]:

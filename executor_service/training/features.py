@@ -62,22 +62,30 @@ class TargetView:
     hidden: torch.Tensor  # [B, L, H] the target's final normed hidden state (EAGLE-1's regression target)
     labels: torch.Tensor  # [B, L] the target's greedy next token after each position
     valid: torch.Tensor  # [B, L] bool: the token after this position is a response token
+    # [B, L, V'] bf16: the target's next-token distribution over `soft_ids` (renormalized over them), when asked
+    soft: torch.Tensor | None = None
 
 
 @torch.no_grad()
-def target_view(model: DecoderModel, config: DraftConfig, batch: Batch) -> TargetView:
+def target_view(
+    model: DecoderModel, config: DraftConfig, batch: Batch, soft_ids: torch.Tensor | None = None
+) -> TargetView:
+    """The features and labels; with `soft_ids` (EAGLE-3's draft vocabulary as target ids) also the target's
+    distribution over them, which distillation trains the drafter's own head towards."""
     hidden, aux = target_forward(model, batch.ids, feature_layers(config))
     features = torch.cat(aux, dim=-1) if aux else hidden
     flat = hidden.reshape(-1, hidden.shape[-1])
-    labels = torch.cat(
-        [
-            model.compute_logits(flat[i : i + LABEL_CHUNK_ROWS]).argmax(-1)
-            for i in range(0, flat.shape[0], LABEL_CHUNK_ROWS)
-        ]
-    ).view(batch.ids.shape)
+    labels, soft = [], []
+    for i in range(0, flat.shape[0], LABEL_CHUNK_ROWS):
+        logits = model.compute_logits(flat[i : i + LABEL_CHUNK_ROWS])
+        labels.append(logits.argmax(-1))
+        if soft_ids is not None:
+            soft.append(logits.index_select(-1, soft_ids).float().softmax(-1).to(torch.bfloat16))
+    shape = batch.ids.shape
     following = torch.arange(batch.ids.shape[1], device=batch.ids.device)[None] + 1
     valid = (following >= batch.response_start[:, None]) & (following < batch.lengths[:, None])
-    return TargetView(batch.ids, features, hidden, labels, valid)
+    distribution = torch.cat(soft).view(*shape, -1) if soft else None
+    return TargetView(batch.ids, features, hidden, torch.cat(labels).view(shape), valid, distribution)
 
 
 def shifted(x: torch.Tensor, by: int, fill: float | bool | int = 0) -> torch.Tensor:

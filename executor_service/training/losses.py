@@ -34,6 +34,10 @@ class LossSettings:
     token_weight: float = 0.1  # EAGLE-1
     num_anchors: int = 32  # DFlash, per sequence
     gamma: float = 7.0  # DFlash
+    # EAGLE-3: the share of the loss that is distillation, cross-entropy against the target's distribution over
+    # the draft vocabulary (view.soft) instead of its greedy token: sampled requests accept by how much of the
+    # target's distribution the drafter covers, which greedy labels alone do not teach. 0: greedy labels only.
+    distill: float = 0.0
 
 
 @dataclass
@@ -84,6 +88,13 @@ def eagle_loss(
             ce = (per_row.view_as(valid) * valid).sum() / valid.sum().clamp(min=1)
             correct = (logits.argmax(-1) == labels) & valid
             loss = ce
+            if settings.distill > 0:
+                assert view.soft is not None, "distillation needs target_view's soft_ids"
+                target = shifted(view.soft, 1 + j).float()
+                soft_row = -(target * logits.float().log_softmax(-1)).sum(-1)
+                soft_ce = (soft_row * valid).sum() / valid.sum().clamp(min=1)
+                loss = (1 - settings.distill) * ce + settings.distill * soft_ce
+                values[f"soft_ce_{j}"] = soft_ce.detach()
         else:
             logits = drafter.target.lm_head(step.head[valid])
             ce = F.cross_entropy(logits.float(), labels[valid]) if logits.shape[0] else total * 0

@@ -19,7 +19,7 @@ from typing import Any
 
 import torch
 
-from executor_service.draft_models import Drafter
+from executor_service.draft_models import Drafter, Eagle3Drafter
 from executor_service.model import DecoderModel
 from executor_service.training.features import Sequence, collate, target_view
 from executor_service.training.losses import drafter_loss, read_metrics
@@ -105,12 +105,18 @@ class Trainer:
         shuffle = torch.randperm(len(batches), generator=generator).tolist()
         return [batches[i] for i in shuffle]
 
+    def soft_ids(self) -> torch.Tensor | None:
+        """EAGLE-3's draft vocabulary as target ids, when the recipe distills (else None: no distribution)."""
+        if self.recipe.loss.distill <= 0 or not isinstance(self.drafter, Eagle3Drafter):
+            return None
+        return torch.arange(self.drafter.d2t.shape[0], device=self.device) + self.drafter.d2t
+
     def _autocast(self) -> Any:
         return torch.autocast("cuda", dtype=torch.bfloat16, enabled=self.device.type == "cuda")
 
     def train_step(self) -> dict[str, float]:
         batch = collate(self.batch(self.step), self.recipe.max_len, self.device)
-        view = target_view(self.target, self.drafter.config, batch)
+        view = target_view(self.target, self.drafter.config, batch, self.soft_ids())
         with self._autocast():
             out = drafter_loss(self.drafter, view, self.recipe.loss, self.generator, self.t2d)
         out.loss.backward()
@@ -179,7 +185,8 @@ class Trainer:
         size = self.recipe.batch_size
         batches = [sequences[i : i + size] for i in range(0, len(sequences), size)]
         for chunk in batches:
-            view = target_view(self.target, self.drafter.config, collate(chunk, self.recipe.max_len, self.device))
+            batch = collate(chunk, self.recipe.max_len, self.device)
+            view = target_view(self.target, self.drafter.config, batch, self.soft_ids())
             with self._autocast():
                 out = drafter_loss(self.drafter, view, self.recipe.loss, generator, self.t2d)
             for name, value in out.metrics.items():

@@ -71,3 +71,51 @@ def test_eagle_losses_equal_the_selected_rows_formulation(method: str) -> None:
     assert out.metrics.keys() == expected.keys()
     for name, value in expected.items():
         assert out.metrics[name] == pytest.approx(value, rel=1e-5, abs=1e-6), name
+
+
+def test_distillation_trains_towards_the_targets_distribution_over_the_draft_vocabulary() -> None:
+    """--distill w: the loss is (1 - w) x the greedy cross-entropy + w x the cross-entropy against the target's
+    distribution over the draft vocabulary (renormalized there); w = 0 leaves the greedy loss unchanged."""
+    torch.manual_seed(0)
+    target = tiny_model().model
+    rng = random.Random(1)
+    vocab = target.config.vocab_size
+    sequences = [
+        Sequence([rng.randrange(vocab) for _ in range(3)], [rng.randrange(vocab) for _ in range(n)]) for n in (7, 11)
+    ]
+    recipe = with_overrides(RECIPES["eagle3"], intermediate_size=96, draft_vocab_size=vocab // 2)
+    drafter, t2d = trainable_drafter(draft_config(recipe, target.config), target, sequences, 0, CPU)
+    soft_ids = torch.arange(drafter.d2t.shape[0]) + drafter.d2t
+    batch = collate(sequences, 64, CPU)
+    view = target_view(target, drafter.config, batch, soft_ids)
+    logits = target.compute_logits(view.hidden.flatten(0, 1)).view(*view.ids.shape, -1)
+    expected_soft = logits[..., soft_ids].softmax(-1)
+    assert torch.allclose(view.soft.float(), expected_soft, atol=4e-3)  # bf16
+    assert torch.allclose(view.soft.float().sum(-1), torch.ones(view.ids.shape), atol=2e-2)
+
+    greedy = eagle_loss(drafter, view, LossSettings(ttt_steps=2), t2d)
+    half = eagle_loss(drafter, view, LossSettings(ttt_steps=2, distill=0.5), t2d)
+    steps = eagle_unroll(drafter, view.ids, view.features, 2)
+    expected = 0.0
+    for j, step in enumerate(steps):
+        labels = t2d[shifted(view.labels, 1 + j)]
+        valid = shifted(view.valid, 1 + j, fill=False) & (labels >= 0)
+        log_q = drafter.lm_head(step.head).log_softmax(-1)
+        soft_ce = -(shifted(view.soft, 1 + j).float() * log_q).sum(-1)[valid].mean()
+        assert half.metrics[f"soft_ce_{j}"] == pytest.approx(soft_ce.item(), rel=1e-5)
+        expected += 0.8**j * (0.5 * greedy.metrics[f"ce_{j}"] + 0.5 * soft_ce.item())
+    assert half.loss.item() == pytest.approx(expected, rel=1e-5)
+    assert "soft_ce_0" not in greedy.metrics
+    assert half.loss.item() != pytest.approx(greedy.loss.item(), rel=1e-3)
+
+
+@pytest.mark.parametrize(("argv", "message"), [
+    (["--distill", "1.5"], "in \\[0, 1\\]"),
+    (["--distill", "0.5", "--method", "dflash"], "for eagle3"),
+])  # fmt: skip
+def test_distill_is_checked(argv: list[str], message: str) -> None:
+    from executor_service.training.cli import build_parser, recipe_from
+
+    base = ["--method", "eagle3", "--target", "synthetic:tiny", "--out", "x"]
+    with pytest.raises(ValueError, match=message):
+        recipe_from(build_parser().parse_args(base + argv))
