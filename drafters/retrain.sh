@@ -50,11 +50,15 @@ if [[ ${FROM_SHIPPED:-1} == 1 ]]; then
 else
   e3=(--lr 1e-3) df=()
 fi
+# E3_ARGS / DFLASH_ARGS / EAGLE_ARGS: more train-drafter flags for one drafter (e.g. E3_ARGS="--distill 0.5").
+read -r -a e3_more <<< "${E3_ARGS:-}"
+read -r -a df_more <<< "${DFLASH_ARGS:-}"
+read -r -a eagle_more <<< "${EAGLE_ARGS:-}"
 train_one() {
   case $1 in
-    eagle3) train --method eagle3 --out "$run/eagle3" "${fit[@]}" --max-steps "${E3_STEPS:-3000}" "${e3[@]}" ;;
-    dflash) train --method dflash --out "$run/dflash" "${fit[@]}" --max-steps "${DFLASH_STEPS:-4000}" "${df[@]}" ;;
-    eagle) train --method eagle --out "$run/eagle" "${fit[@]}" --max-steps "${EAGLE_STEPS:-2000}" ;;
+    eagle3) train --method eagle3 --out "$run/eagle3" "${fit[@]}" --max-steps "${E3_STEPS:-3000}" "${e3[@]}" "${e3_more[@]}" ;;
+    dflash) train --method dflash --out "$run/dflash" "${fit[@]}" --max-steps "${DFLASH_STEPS:-4000}" "${df[@]}" "${df_more[@]}" ;;
+    eagle) train --method eagle --out "$run/eagle" "${fit[@]}" --max-steps "${EAGLE_STEPS:-2000}" "${eagle_more[@]}" ;;
   esac > "$run/$1.log" 2>&1
 }
 for method in "${methods[@]}"; do
