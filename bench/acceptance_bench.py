@@ -322,7 +322,7 @@ def main() -> int:
     }
     write_result(args.out, "acceptance", device, commit, report)
     del loaded
-    for name in args.speedup_devices.split(","):
+    for name in filter(None, args.speedup_devices.split(",")):  # "" measures acceptance only
 
         def save(section: dict[str, Any], name: str = name) -> None:
             report["speedup"][name] = section
