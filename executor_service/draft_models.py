@@ -128,6 +128,10 @@ class Eagle3Drafter(nn.Module):
         draft_ids = argmax(self.lm_head(hidden))
         return draft_ids + self.d2t[draft_ids]
 
+    def target_ids(self) -> torch.Tensor:
+        """The draft vocabulary as target ids [draft_vocab_size]: what each row of the head stands for."""
+        return torch.arange(self.d2t.shape[0], device=self.d2t.device) + self.d2t
+
 
 class DFlashDrafter(nn.Module):
     """DFlash (z-lab): a block-diffusion drafter that proposes block_size - 1 tokens in one pass."""

@@ -321,8 +321,8 @@ class TreeProposer(Proposer):
         (float32, cast inside the softmax; None without `scores`: a static tree ranks by the logits alone).
         Equal values: the lower index first with the fused kernel; torch's order (unspecified on CUDA) without."""
         if isinstance(self.drafter, Eagle3Drafter):
-            logits, d2t = self.drafter.lm_head(head), self.drafter.d2t
-            to_target = self.constants.get("draft to target", lambda: self.constants.arange(d2t.shape[0]) + d2t)
+            logits = self.drafter.lm_head(head)
+            to_target = self.constants.get("draft to target", self.drafter.target_ids)
         else:
             assert self.drafter.target is not None
             logits, to_target = self.drafter.target.lm_head(head), None

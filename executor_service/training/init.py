@@ -109,6 +109,5 @@ def pretrained_drafter(
     drafter = load_drafter(directory, config, heads, torch.float32, device, INIT_FIELD)
     t2d = None
     if isinstance(drafter, Eagle3Drafter):
-        selected = drafter.d2t.cpu() + torch.arange(config.draft_vocab_size)
-        t2d = vocab_maps(selected, config.model.vocab_size)[1].to(device)
+        t2d = vocab_maps(drafter.target_ids().cpu(), config.model.vocab_size)[1].to(device)
     return drafter.train().requires_grad_(True), t2d

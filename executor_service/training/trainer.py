@@ -73,6 +73,10 @@ class Trainer:
         self.time_budget: float | None = None  # seconds: the run is shortened to fit (see fit_to_budget)
         self.step_cap: int | None = None  # the recipe's (or --max-steps') total, once a fit has changed it
         self._orders: dict[int, list[list[int]]] = {}  # the current epoch's batches (sequence indices)
+        # EAGLE-3's draft vocabulary as target ids when the recipe distills: the target's distribution over it
+        # is computed with the labels (else None: no distribution).
+        distills = recipe.loss.distill > 0 and isinstance(drafter, Eagle3Drafter)
+        self.soft_ids = drafter.target_ids() if distills else None
 
     def _lr_factor(self, step: int) -> float:
         warmup = max(1, round(self.recipe.warmup_ratio * self.total_steps))
@@ -105,18 +109,12 @@ class Trainer:
         shuffle = torch.randperm(len(batches), generator=generator).tolist()
         return [batches[i] for i in shuffle]
 
-    def soft_ids(self) -> torch.Tensor | None:
-        """EAGLE-3's draft vocabulary as target ids, when the recipe distills (else None: no distribution)."""
-        if self.recipe.loss.distill <= 0 or not isinstance(self.drafter, Eagle3Drafter):
-            return None
-        return torch.arange(self.drafter.d2t.shape[0], device=self.device) + self.drafter.d2t
-
     def _autocast(self) -> Any:
         return torch.autocast("cuda", dtype=torch.bfloat16, enabled=self.device.type == "cuda")
 
     def train_step(self) -> dict[str, float]:
         batch = collate(self.batch(self.step), self.recipe.max_len, self.device)
-        view = target_view(self.target, self.drafter.config, batch, self.soft_ids())
+        view = target_view(self.target, self.drafter.config, batch, self.soft_ids)
         with self._autocast():
             out = drafter_loss(self.drafter, view, self.recipe.loss, self.generator, self.t2d)
         out.loss.backward()
@@ -186,7 +184,7 @@ class Trainer:
         batches = [sequences[i : i + size] for i in range(0, len(sequences), size)]
         for chunk in batches:
             batch = collate(chunk, self.recipe.max_len, self.device)
-            view = target_view(self.target, self.drafter.config, batch, self.soft_ids())
+            view = target_view(self.target, self.drafter.config, batch, self.soft_ids)
             with self._autocast():
                 out = drafter_loss(self.drafter, view, self.recipe.loss, generator, self.t2d)
             for name, value in out.metrics.items():
