@@ -84,15 +84,13 @@ def eagle_loss(
             labels = t2d[labels]
             valid = valid & (labels >= 0)
             logits = drafter.lm_head(step.head)
-            per_row = F.cross_entropy(logits.flatten(0, 1).float(), labels.clamp(min=0).flatten(), reduction="none")
-            ce = (per_row.view_as(valid) * valid).sum() / valid.sum().clamp(min=1)
+            log_q, scored_rows = logits.float().log_softmax(-1), valid.sum().clamp(min=1)
+            ce = -(log_q.gather(-1, labels.clamp(min=0)[..., None])[..., 0] * valid).sum() / scored_rows
             correct = (logits.argmax(-1) == labels) & valid
             loss = ce
-            if settings.distill > 0:
+            if settings.distill > 0:  # the same log-probabilities against the target's distribution
                 assert view.soft is not None, "distillation needs target_view's soft_ids"
-                target = shifted(view.soft, 1 + j).float()
-                soft_row = -(target * logits.float().log_softmax(-1)).sum(-1)
-                soft_ce = (soft_row * valid).sum() / valid.sum().clamp(min=1)
+                soft_ce = -((shifted(view.soft, 1 + j).float() * log_q).sum(-1) * valid).sum() / scored_rows
                 loss = (1 - settings.distill) * ce + settings.distill * soft_ce
                 values[f"soft_ce_{j}"] = soft_ce.detach()
         else:
