@@ -23,9 +23,8 @@ import torch
 from common import commit_id, device_tag, versions, write_result
 
 from executor_service.training.cli import pick_device
-from executor_service.training.features import Sequence, collate, target_view
+from executor_service.training.features import Sequence
 from executor_service.training.init import pretrained_config, pretrained_drafter, trainable_drafter
-from executor_service.training.losses import drafter_loss
 from executor_service.training.recipes import RECIPES, draft_config, with_overrides
 from executor_service.training.target import load_target, target_source
 from executor_service.training.trainer import Trainer
@@ -46,24 +45,17 @@ def sync(device: torch.device) -> float:
 
 
 def timed_step(trainer: Trainer) -> dict[str, float]:
-    """One training step as Trainer.train_step runs it, with a synchronized clock between its parts."""
-    device, recipe = trainer.device, trainer.recipe
-    start = sync(device)
-    batch = collate(trainer.batch(trainer.step), recipe.max_len, device)
-    view = target_view(trainer.target, trainer.drafter.config, batch)
-    viewed = sync(device)
-    with trainer._autocast():
-        out = drafter_loss(trainer.drafter, view, recipe.loss, trainer.generator, trainer.t2d)
-    forward = sync(device)
-    out.loss.backward()
-    backward = sync(device)
-    torch.nn.utils.clip_grad_norm_(trainer.drafter.parameters(), recipe.grad_clip)
-    trainer.optimizer.step()
-    trainer.optimizer.zero_grad(set_to_none=True)
-    trainer.step += 1
-    done = sync(device)
-    return {"target_view": viewed - start, "loss_forward": forward - viewed, "backward": backward - forward,
-            "optimizer": done - backward, "total": done - start}  # fmt: skip
+    """One Trainer.train_step, its parts timed apart by a synchronized clock at each of its marks."""
+    times: dict[str, float] = {}
+    start = last = sync(trainer.device)
+
+    def mark(part: str) -> None:
+        nonlocal last
+        now = sync(trainer.device)
+        times[part], last = now - last, now
+
+    trainer.train_step(mark)
+    return {**times, "total": last - start}
 
 
 def main() -> None:

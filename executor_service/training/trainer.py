@@ -13,6 +13,7 @@ import math
 import os
 import time
 from collections import defaultdict
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -112,16 +113,22 @@ class Trainer:
     def _autocast(self) -> Any:
         return torch.autocast("cuda", dtype=torch.bfloat16, enabled=self.device.type == "cuda")
 
-    def train_step(self) -> dict[str, float]:
+    def train_step(self, mark: Callable[[str], None] | None = None) -> dict[str, float]:
+        """One step; `mark` (bench/train_profile.py) is called with each part's name as it is queued."""
+        mark = mark or (lambda _part: None)
         batch = collate(self.batch(self.step), self.recipe.max_len, self.device)
         view = target_view(self.target, self.drafter.config, batch, self.soft_ids)
+        mark("target_view")
         with self._autocast():
             out = drafter_loss(self.drafter, view, self.recipe.loss, self.generator, self.t2d)
+        mark("loss_forward")
         out.loss.backward()
+        mark("backward")
         norm = torch.nn.utils.clip_grad_norm_(self.drafter.parameters(), self.recipe.grad_clip)
         self.optimizer.step()
         self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
+        mark("optimizer")
         self.step += 1
         metrics = read_metrics({**out.values, "grad_norm": norm})  # the step's one read back
         return {**metrics, "lr": self.scheduler.get_last_lr()[0]}
