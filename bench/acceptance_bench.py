@@ -21,7 +21,8 @@ import datetime
 import sys
 import time
 from collections import defaultdict
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -167,15 +168,8 @@ def measure_speedup(
         rounds: dict[str, list[tuple[float, Any]]] = defaultdict(list)
         for round_index in range(args.repeats + 1):  # round 0: untimed
             for name, device_step in configs:
-                session = sessions[name]
-                spec_step, session.engine.spec_step = session.engine.spec_step, spec_step_if(session, device_step)
-                tree_step = getattr(session.engine, "tree_step", None)
-                if tree_step is not None and not device_step:
-                    session.engine.tree_step = None  # type: ignore[attr-defined]
-                finishes, seconds, tokens = generate_groups(session, groups, max_tokens)
-                session.engine.spec_step = spec_step
-                if tree_step is not None:
-                    session.engine.tree_step = tree_step  # type: ignore[attr-defined]
+                with device_steps(sessions[name], on=device_step):
+                    finishes, seconds, tokens = generate_groups(sessions[name], groups, max_tokens)
                 if round_index:
                     rounds[label(name, device_step)].append((tokens / seconds, finishes))
         report[f"batch_{batch}"] = speedup_report(rounds, args.repeats)
@@ -203,8 +197,20 @@ def method_of(name: str) -> str:
     return name.split(":", 1)[0]
 
 
-def spec_step_if(session: ModelSession, device_step: bool) -> Any:
-    return session.engine.spec_step if device_step else None
+@contextmanager
+def device_steps(session: ModelSession, on: bool) -> Iterator[None]:
+    """Runs with the session's device-resident steps (the chain's spec_step, a TreeEngine's tree_step) as they
+    are, or with both off when not `on` (the host path); restored after."""
+    engine = session.engine
+    saved = {name: getattr(engine, name) for name in ("spec_step", "tree_step") if hasattr(engine, name)}
+    if not on:
+        for name in saved:
+            setattr(engine, name, None)
+    try:
+        yield
+    finally:
+        for name, step in saved.items():
+            setattr(engine, name, step)
 
 
 def device_step_of(session: ModelSession) -> Any:
