@@ -103,18 +103,23 @@ class ReplayOnRandomBranch:
         done = len(request.output_ids)
         self.trees.append((request.request_id, done, list(tokens), list(parents)))
         rng = random.Random(f"{self.seed}/{request.request_id}/{done}")
-        upcoming = self.references[request.request_id][done:]
-        children = DraftTree(tokens, parents).children()
-        rewritten = [(upcoming[0] + 1) % VOCAB if upcoming else 0] * len(tokens)
-        node, reach = -1, rng.randint(0, len(upcoming))
-        for depth in range(reach):
-            if not children[node + 1]:
-                break
-            for child in children[node + 1]:
-                rewritten[child] = (upcoming[depth] + 1) % VOCAB
-            node = rng.choice(children[node + 1])
-            rewritten[node] = upcoming[depth]
-        return rewritten, parents
+        return down_a_random_branch(tokens, parents, self.references[request.request_id][done:], rng), parents
+
+
+def down_a_random_branch(tokens: list[int], parents: list[int], upcoming: list[int], rng: random.Random) -> list[int]:
+    """The tree's tokens rewritten: the target's own continuation `upcoming` down a random child at each depth, to
+    a random depth; a wrong token everywhere else (the replays of both test drafters)."""
+    children = DraftTree(tokens, parents).children()
+    rewritten = [(upcoming[0] + 1) % VOCAB if upcoming else 0] * len(tokens)
+    node = -1
+    for depth in range(rng.randint(0, len(upcoming))):
+        if not children[node + 1]:
+            break
+        for child in children[node + 1]:
+            rewritten[child] = (upcoming[depth] + 1) % VOCAB
+        node = rng.choice(children[node + 1])
+        rewritten[node] = upcoming[depth]
+    return rewritten
 
 
 def replayed_run(method: str, shape: str, on_device: bool) -> tuple[ReplayOnRandomBranch, Collector, ModelSession]:
@@ -192,16 +197,7 @@ class ReplayInDraftTree:
                 continue
             upcoming = self.sequences[request.request_id][position + 2 :]  # depth 1: the token after the root
             rng = random.Random(f"{self.seed}/{request.request_id}/{position}")
-            children = DraftTree(tokens[row].tolist(), parents[row].tolist()).children()
-            new = [(upcoming[0] + 1) % VOCAB if upcoming else 0] * tokens.shape[1]
-            node = -1
-            for depth in range(rng.randint(0, len(upcoming))):
-                if not children[node + 1]:
-                    break
-                for child in children[node + 1]:
-                    new[child] = (upcoming[depth] + 1) % VOCAB
-                node = rng.choice(children[node + 1])
-                new[node] = upcoming[depth]
+            new = down_a_random_branch(tokens[row].tolist(), parents[row].tolist(), upcoming, rng)
             rewritten[row] = torch.tensor(new)
         return rewritten, parents
 
