@@ -13,7 +13,10 @@ set -euo pipefail
 target=${1:?TARGET} run=${2:?RUN_DIR} prompts=${3:?PROMPTS}
 gen_minutes=${GEN_MINUTES:-20} phases=${PHASES:-generate,train}  # PHASES: generate, train or both
 mkdir -p "$run"
-common=(--target "$target" --prompts "$prompts" --num-prompts 44000 --self-instruct 6000 --max-new-tokens 512
+# NUM_PROMPTS / SELF_INSTRUCT: first-turn prompts and self-instruct seeds (the third stage: 44000 and 6000, engine
+# written). DENSE_BATCH: write the text with dense_generate in batches of this many (0: through the engine).
+common=(--target "$target" --prompts "$prompts" --num-prompts "${NUM_PROMPTS:-60000}"
+        --self-instruct "${SELF_INSTRUCT:-8000}" --dense-batch "${DENSE_BATCH:-512}" --max-new-tokens 512
         --temperatures 0,0.7 --max-num-seqs 512 --data "$run/data.jsonl" --seed 0 --no-progress --max-len 1024)
 train() { python3 -m executor_service.training.cli "${common[@]}" "$@"; }
 

@@ -80,6 +80,12 @@ def build_parser() -> argparse.ArgumentParser:
     data.add_argument("--self-instruct", type=int, default=0, help="seed requests the target writes prompts from")
     data.add_argument("--max-new-tokens", type=int, default=256)
     data.add_argument("--max-num-seqs", type=int, default=256, help="requests generated at once")
+    data.add_argument(
+        "--dense-batch",
+        type=int,
+        default=0,
+        help="write the text with dense_generate in batches of this many instead of the engine (0: the engine)",
+    )
     data.add_argument("--temperatures", default="0,0.7", help="comma-separated, taken in turn per prompt")
     data.add_argument("--data", type=Path, help="generated responses (default OUT/data.jsonl; share between runs)")
     recipe = parser.add_argument_group("recipe (defaults: the method's recipe)")
@@ -168,6 +174,8 @@ def pick_device(name: str) -> torch.device:
 def run(args: argparse.Namespace, command: str) -> dict[str, Any]:
     """The whole pipeline; returns the training log (written to OUT/training_log.json once finished)."""
     started = time.perf_counter()
+    if args.dense_batch < 0:
+        raise ValueError(f"--dense-batch: {args.dense_batch} is below 0 (0 writes the text through the engine)")
     device, recipe = pick_device(args.device), recipe_from(args)
     checkpoint, before_path = args.out / "checkpoint.pt", args.out / "validation_before.json"
     if checkpoint.exists() and not args.resume:
@@ -182,6 +190,8 @@ def run(args: argparse.Namespace, command: str) -> dict[str, Any]:
         temperatures,
         args.seed,
         max_num_seqs=args.max_num_seqs,
+        dense_batch=args.dense_batch,
+        chunk=max(1024, 8 * args.dense_batch),  # dense batches group a chunk's prompts by length: more is tighter
         progress=not args.no_progress,
         deadline=deadline,
     )

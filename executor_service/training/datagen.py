@@ -1,8 +1,9 @@
-"""Responses written by the target itself, through our engine (continuous batching, CUDA graphs on GPUs).
+"""Responses written by the target itself, through our engine (continuous batching, CUDA graphs on GPUs) or,
+for bulk runs, dense_generate.py (fixed batches over a dense cache, several times the engine's pace there).
 
 The drafter must predict the target, so the target writes the training text: each prompt gets one
-response, greedy or sampled (temperatures taken in turn; a sampled request has its own seed, so a
-response does not depend on what else was batched with it). Sequences are appended to a JSONL file a
+response, greedy or sampled (temperatures taken in turn; through the engine a sampled request has its own
+seed, so a response does not depend on what else was batched with it). Sequences are appended to a JSONL file a
 chunk at a time: an interrupted run picks up where it stopped. Token ids are stored compactly: base64 of
 little-endian uint16 when the vocabulary fits (int32 otherwise), a third of the size of JSON lists.
 """
@@ -34,6 +35,7 @@ from executor_service.session import (
     build_session,
     selection_request,
 )
+from executor_service.training.dense_generate import generate_dense
 from executor_service.training.features import Sequence
 from executor_service.training.progress import Progress
 from selection.selector import Selector
@@ -50,6 +52,7 @@ class GenerationSettings:
     max_num_batched_tokens: int = 8192
     num_kv_blocks: int = 0  # 0: the session's default (GPU: gpu_memory_utilization; CPU: 16k tokens)
     gpu_memory_utilization: float = 0.4  # leaves the rest for training, which follows in the same process
+    dense_batch: int = 0  # > 0: dense_generate.py in batches of this many (bulk text, no engine); 0: the engine
     progress: bool = True
     deadline: float | None = None  # time.time() after which no new chunk starts (what is done is kept)
 
@@ -120,7 +123,9 @@ def generate(
     total = sum(min(settings.max_new_tokens, loaded.config.max_position_embeddings - len(p.ids)) for p in prompts)
     bar = Progress(total, "generating", "tok", enabled=settings.progress)
     bar.update(sum(len(s.response) for s in done))
-    session = _session(loaded, settings, device, lambda _computed, generated, _seconds: bar.update(generated))
+    session = None
+    if not settings.dense_batch:
+        session = _session(loaded, settings, device, lambda _computed, generated, _seconds: bar.update(generated))
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
         with path.open("a") as file:
@@ -128,7 +133,11 @@ def generate(
                 if past(settings.deadline):
                     break
                 chunk = list(enumerate(prompts[start : start + settings.chunk], start=start))
-                responses = _run(session, chunk, settings)
+                if session is None:
+                    responses = _run_dense(loaded, chunk, settings)
+                    bar.update(sum(len(r) for r in responses))
+                else:
+                    responses = _run(session, chunk, settings)
                 for (index, prompt), response in zip(chunk, responses, strict=True):
                     row = sequence_row(index, prompt.kind, prompt.ids, response, loaded.config.vocab_size)
                     file.write(json.dumps(row))
@@ -137,7 +146,8 @@ def generate(
                 file.flush()
     finally:
         bar.close()
-        session.shutdown()
+        if session is not None:
+            session.shutdown()
         del session  # its KV cache and CUDA graphs: given back before training allocates
         gc.collect()
         if device.type == "cuda":
@@ -163,6 +173,18 @@ def _session(
     source = TargetSource(loaded.config, None)
     ids_only = dataclasses.replace(loaded, tokenizer=None)  # no detokenizing of every generated token
     return build_session(source, request, selection.target, device, engine, on_step, start=False, preloaded=ids_only)
+
+
+def _run_dense(loaded: LoadedModel, chunk: list[tuple[int, PromptIds]], settings: GenerationSettings) -> list[list[int]]:
+    """The chunk through dense_generate: prompt i at temperatures[i % len], its sampled draws seeded by the
+    chunk's first index (a resumed run writes the same chunks)."""
+    room = loaded.config.max_position_embeddings
+    temperatures = [settings.temperatures[index % len(settings.temperatures)] for index, _ in chunk]
+    budgets = [min(settings.max_new_tokens, room - len(prompt.ids)) for _, prompt in chunk]
+    seed = settings.seed * 1_000_003 + chunk[0][0]
+    stops = set(loaded.config.eos_token_ids)
+    prompts = [prompt.ids for _, prompt in chunk]
+    return generate_dense(loaded.model, prompts, temperatures, budgets, stops, seed, settings.dense_batch)
 
 
 def _run(session: ModelSession, chunk: list[tuple[int, PromptIds]], settings: GenerationSettings) -> list[list[int]]:

@@ -29,6 +29,15 @@ def test_specdec_train_drafter_writes_the_drafter_and_its_log(tmp_path: Path, ca
     assert "checkpoint.pt exists: pass --resume" in capsys.readouterr().err
 
 
+def test_dense_batch_writes_the_same_greedy_text_as_the_engine(tmp_path: Path) -> None:
+    common = ["train-drafter", "--method", "dflash", "--target", "synthetic:tiny", "--temperatures", "0",
+              "--stop-after-steps", "1", *TINY_RUN]  # fmt: skip
+    assert main([*common, "--out", str(tmp_path / "engine")]) == 0
+    assert main([*common, "--out", str(tmp_path / "dense"), "--dense-batch", "5"]) == 0
+    engine, dense = ((tmp_path / run / "data.jsonl").read_text() for run in ("engine", "dense"))
+    assert dense == engine and engine.count("\n") == 24
+
+
 @pytest.mark.parametrize(
     ("extra", "message"),
     [
@@ -36,6 +45,7 @@ def test_specdec_train_drafter_writes_the_drafter_and_its_log(tmp_path: Path, ca
         (["--target", "synthetic:tiny"], "no tokenizer"),
         (["--target", "synthetic:giant", "--random-prompts", "4"], "unknown synthetic preset 'giant'"),
         (["--target", "no/such/model", "--random-prompts", "4"], "--target"),
+        (["--target", "synthetic:tiny", "--random-prompts", "4", "--dense-batch", "-1"], "--dense-batch: -1"),
     ],
 )
 def test_bad_runs_are_refused_with_the_reason(
