@@ -175,7 +175,9 @@ def _session(
     return build_session(source, request, selection.target, device, engine, on_step, start=False, preloaded=ids_only)
 
 
-def _run_dense(loaded: LoadedModel, chunk: list[tuple[int, PromptIds]], settings: GenerationSettings) -> list[list[int]]:
+def _run_dense(
+    loaded: LoadedModel, chunk: list[tuple[int, PromptIds]], settings: GenerationSettings
+) -> list[list[int]]:
     """The chunk through dense_generate: prompt i at temperatures[i % len], its sampled draws seeded by the
     chunk's first index (a resumed run writes the same chunks)."""
     room = loaded.config.max_position_embeddings

@@ -165,4 +165,3 @@ def _sample(logits: torch.Tensor, temperatures: torch.Tensor, generator: torch.G
     probs = torch.softmax(logits / temperatures.clamp_min(1e-5)[:, None], dim=-1)
     noise = torch.empty_like(probs).exponential_(generator=generator)
     return torch.where(temperatures > 0, (probs / noise).argmax(dim=-1), greedy)
-
