@@ -10,6 +10,7 @@
 #       responses (data.tgz.partNN), to carry to the next machine.
 # PHASES=generate or PHASES=train (retrain.sh) splits the work over two machines of 30 minutes each: the first
 # generates and brings `data` back, the second is started with DATA_PARTS=DIR (the carried parts) and trains.
+# BENCH=0 skips the benchmark after training (a machine whose time runs out first).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 work=/root/work
@@ -36,7 +37,7 @@ case ${1:?start|follow} in
     rm -rf "$work" && mkdir -p "$work" && cp -r . "$work" && cd "$work"
     setsid nohup bash -c "$(declare -f bench); run=$run gguf=$gguf
       PHASES=${PHASES:-generate,train} bash drafters/retrain.sh $gguf $run $run/prompts_train.jsonl > $run/pipeline.log 2>&1
-      [[ ${PHASES:-train} == *train* ]] && bench > $run/bench.log 2>&1; touch $run/done" > /dev/null 2>&1 < /dev/null &
+      [[ ${PHASES:-train} == *train* && ${BENCH:-1} == 1 ]] && bench > $run/bench.log 2>&1; touch $run/done" > /dev/null 2>&1 < /dev/null &
     echo "started in $run"
     ;;
   follow)
