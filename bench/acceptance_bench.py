@@ -2,10 +2,12 @@
 
 (a) Mean acceptance length (1 + accepted / verify steps) and the acceptance rate at each draft position,
     greedy and sampled (T = 0.7), per prompt kind (instruction, prose, code), for each drafter at each k.
-    All held-out prompts run as one batch: acceptance does not depend on the batch, only time does.
+    All held-out prompts run as one batch: acceptance does not depend on the batch, only time does. Sampled
+    requests draw their drafts from the drafter's distribution; --argmax-drafts-too also measures them with
+    the drafter's argmax (point masses, how the engine drafted before), in the same run.
 (b) Speedup at batch 1 and 16: tokens/s of speculative decoding against target-only decoding of the same
     prompts in the same run, greedy, on each device named (the GPU with CUDA graphs, and the CPU); medians
-    and spread over --repeats interleaved rounds.
+    and spread over --repeats interleaved rounds; --speedup-temperatures 0,0.7 adds unseeded sampled runs.
 (c) With --trees: the same for tree drafting (bench/tree_passes.py specs), beside the chains, e.g. a verify
     budget of 16 against the chain at k = 7: --trees dynamic:8:16:7 --ks 7 --speedup-ks 7.
 
@@ -71,9 +73,11 @@ def open_session(
 
 
 def generate(
-    session: ModelSession, prompts: list[list[int]], settings: SamplingSettings, max_tokens: int, batch: bool
-) -> tuple[list[Finish], float, int]:
-    """Finish records, seconds and generated tokens; all prompts at once (`batch`) or one after another."""
+    session: ModelSession, prompts: list[list[int]], settings: SamplingSettings, max_tokens: int, batch: bool,
+    seeded: bool = True,
+) -> tuple[list[Finish], float, int]:  # fmt: skip
+    """Finish records, seconds and generated tokens; all prompts at once (`batch`) or one after another.
+    Sampled requests are `seeded` (reproducible) or not (as most served requests: their draws batch)."""
     finishes: list[Finish] = []
     generated = 0
     started = time.perf_counter()
@@ -81,8 +85,8 @@ def generate(
     for group in groups:
         outputs: dict[int, list[RequestOutput]] = {i: [] for i, _ in group}
         for i, prompt in group:
-            seeded = SamplingSettings(settings.temperature, max_tokens=max_tokens, seed=1000 + i)
-            session.engine.add(session.new_request(f"p{i}", prompt, seeded, max_tokens, outputs[i].append))
+            own = SamplingSettings(settings.temperature, max_tokens=max_tokens, seed=1000 + i if seeded else None)
+            session.engine.add(session.new_request(f"p{i}", prompt, own, max_tokens, outputs[i].append))
         session.engine.run_until_idle()
         for outs in outputs.values():
             assert outs and outs[-1].finish is not None, "a request failed"
@@ -121,16 +125,20 @@ def measure_acceptance(
         shapes = [(f"k{k}", k, None) for k in args.ks] + [(label, k, tree) for label, tree, k in args.trees]
         for shape, k, tree in shapes:
             session = open_session(args.source, loaded, device, method_of(name), k, drafter_dir, args.kv_blocks, tree)
-            for temperature in args.temperatures:
+            runs = [(t, True) for t in args.temperatures]
+            runs += [(t, False) for t in args.temperatures if t > 0 and args.argmax_drafts_too]
+            for temperature, sampled_drafts in runs:
+                session.engine.proposer.sample_drafts = sampled_drafts
                 settings = SamplingSettings(temperature)
                 finishes, seconds, _ = generate(session, everything, settings, args.max_tokens, batch=True)
                 by_kind: dict[str, list[Finish]] = defaultdict(list)
                 for kind, finish in zip(kinds, finishes, strict=True):
                     by_kind[kind].append(finish)
                 entry = {"all": acceptance(finishes)} | {kind: acceptance(by_kind[kind]) for kind in KINDS}
-                report[f"{name}_{shape}_T{temperature:g}"] = entry
+                key = f"{name}_{shape}_T{temperature:g}" + ("" if sampled_drafts else "_argmax_drafts")
+                report[key] = entry
                 lengths = {kind: entry[kind]["mean_acceptance_length"] for kind in ("all", *KINDS)}
-                log(f"{name} {shape} T={temperature:g}: mean acceptance length {lengths} in {seconds:.1f} s")
+                log(f"{key}: mean acceptance length {lengths} in {seconds:.1f} s")
             session.shutdown()
     return report
 
@@ -138,7 +146,8 @@ def measure_acceptance(
 def measure_speedup(
     args: argparse.Namespace, device: torch.device, prompts: dict[str, list[list[int]]], save: Callable[[dict], None]
 ) -> dict[str, Any]:
-    """Greedy, on `device`, at each batch size: target-only and each drafter at each of `args.speedup_ks` (and,
+    """On `device`, at each batch size and temperature (--speedup-temperatures; sampled requests unseeded):
+    target-only and each drafter at each of `args.speedup_ks` (and,
     with --host-step-too, the same drafters with the device-resident step turned off). Every configuration
     runs its prompts once untimed (Triton compiles kernels for new shapes); then `args.repeats` rounds time
     every configuration once each, interleaved, so a slow moment of the machine hits all of them alike.
@@ -163,21 +172,24 @@ def measure_speedup(
     if args.host_step_too:
         configs += [(name, False) for name, session in sessions.items() if device_step_of(session) is not None]
     report: dict[str, Any] = {"prompts": len(chosen), "max_tokens": max_tokens, "repeats": args.repeats}
-    for batch in args.speedup_batches:
-        groups = batch_groups(chosen, batch)
-        rounds: dict[str, list[tuple[float, Any]]] = defaultdict(list)
-        for round_index in range(args.repeats + 1):  # round 0: untimed
-            for name, device_step in configs:
-                with device_steps(sessions[name], on=device_step):
-                    finishes, seconds, tokens = generate_groups(sessions[name], groups, max_tokens)
-                if round_index:
-                    rounds[label(name, device_step)].append((tokens / seconds, finishes))
-        report[f"batch_{batch}"] = speedup_report(rounds, args.repeats)
-        report[f"batch_{batch}"]["device_step_counts"] = {  # so far: graph / eager replays of each session's step
-            name: dict(step.counts) for name, session in sessions.items() if (step := device_step_of(session))
-        }
-        log(f"{device.type} batch {batch}: {report[f'batch_{batch}']}")
-        save(report)
+    for temperature in args.speedup_temperatures:
+        settings = SamplingSettings(temperature)
+        for batch in args.speedup_batches:
+            groups = batch_groups(chosen, batch)
+            rounds: dict[str, list[tuple[float, Any]]] = defaultdict(list)
+            for round_index in range(args.repeats + 1):  # round 0: untimed
+                for name, device_step in configs:
+                    with device_steps(sessions[name], on=device_step):
+                        finishes, seconds, tokens = generate_groups(sessions[name], groups, max_tokens, settings)
+                    if round_index:
+                        rounds[label(name, device_step)].append((tokens / seconds, finishes))
+            key = f"batch_{batch}" if settings.greedy else f"batch_{batch}_T{temperature:g}"
+            report[key] = speedup_report(rounds, args.repeats)
+            report[key]["device_step_counts"] = {  # so far: graph / eager replays of each session's step
+                name: dict(step.counts) for name, session in sessions.items() if (step := device_step_of(session))
+            }
+            log(f"{device.type} {key}: {report[key]}")
+            save(report)
     for session in sessions.values():
         session.shutdown()
     hf_prompts = [prompts[kind][0] for kind in KINDS][: args.hf_prompts]  # HF decodes slowly: a few prompts
@@ -230,11 +242,11 @@ def batch_groups(prompts: list[list[int]], batch: int) -> list[list[list[int]]]:
 
 
 def generate_groups(
-    session: ModelSession, groups: list[list[list[int]]], max_tokens: int
+    session: ModelSession, groups: list[list[list[int]]], max_tokens: int, settings: SamplingSettings
 ) -> tuple[list[Finish], float, int]:
     finishes, seconds, tokens = [], 0.0, 0
     for group in groups:
-        group_finishes, group_seconds, group_tokens = generate(session, group, SamplingSettings(), max_tokens, True)
+        group_finishes, group_seconds, group_tokens = generate(session, group, settings, max_tokens, True, False)
         finishes += group_finishes
         seconds += group_seconds
         tokens += group_tokens
@@ -276,11 +288,15 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--ks", default="3,7,15")
     parser.add_argument("--temperatures", default="0,0.7")
     parser.add_argument("--max-tokens", type=int, default=256, help="as the training responses")
+    parser.add_argument(
+        "--argmax-drafts-too", action="store_true", help="sampled acceptance with argmax drafts too (point masses)"
+    )
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--speedup-devices", default="cuda,cpu" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--speedup-ks", default="3,7")
     parser.add_argument("--speedup-prompts", type=int, default=5, help="of each kind, timed")
     parser.add_argument("--speedup-batches", default="1,16", help="batch sizes of the timed runs")
+    parser.add_argument("--speedup-temperatures", default="0", help="temperatures of the timed runs, e.g. 0,0.7")
     parser.add_argument("--repeats", type=int, default=3, help="timed rounds; medians and spread are reported")
     parser.add_argument("--hf", default="", help="Hugging Face's batch-1 figure beside ours: static, compiled, or both")
     parser.add_argument("--hf-prompts", type=int, default=3, help="prompts Hugging Face decodes (one of each kind)")
@@ -299,6 +315,7 @@ def parse_args() -> argparse.Namespace:
     if set(args.hf) - {"static", "compiled"}:
         parser.error(f"--hf takes static and/or compiled, not {args.hf}")
     args.temperatures = [float(t) for t in args.temperatures.split(",")]
+    args.speedup_temperatures = [float(t) for t in args.speedup_temperatures.split(",") if t]
     args.trees = [parse_tree_spec(t) for t in args.trees.split(",") if t]
     args.source = target_source(args.target)
     return args

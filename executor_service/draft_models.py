@@ -36,7 +36,24 @@ class TargetHeads:
     lm_head: nn.Linear
 
 
-class EagleDrafter(nn.Module):
+class TargetVocabulary:
+    """Drafters that read the target's own LM head: their draft ids are target ids."""
+
+    target: TargetHeads | None
+
+    def draft_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """The head's logits [N, V]: what greedy drafting takes the argmax of and sampled drafting draws from."""
+        assert self.target is not None
+        return self.target.lm_head(hidden)
+
+    def to_target(self, draft_ids: torch.Tensor) -> torch.Tensor:
+        return draft_ids
+
+    def draft_tokens(self, hidden: torch.Tensor) -> torch.Tensor:
+        return argmax(self.draft_logits(hidden))
+
+
+class EagleDrafter(TargetVocabulary, nn.Module):
     """EAGLE-1."""
 
     def __init__(self, config: DraftConfig) -> None:
@@ -67,10 +84,6 @@ class EagleDrafter(nn.Module):
         for index, layer in enumerate(self.layers):
             x = layer(x, rotary, kv_caches[index], step)
         return x, x
-
-    def draft_tokens(self, hidden: torch.Tensor) -> torch.Tensor:
-        assert self.target is not None
-        return argmax(self.target.lm_head(hidden))
 
 
 class Eagle3Layer(nn.Module):
@@ -124,16 +137,22 @@ class Eagle3Drafter(nn.Module):
         out = self.midlayer(self.embed(input_ids), hidden, rotary, kv_caches[0], step)
         return out, self.norm(out)
 
-    def draft_tokens(self, hidden: torch.Tensor) -> torch.Tensor:
-        draft_ids = argmax(self.lm_head(hidden))
+    def draft_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """The reduced head's logits [N, draft_vocab_size]; their ids map to the target's with `to_target`."""
+        return self.lm_head(hidden)
+
+    def to_target(self, draft_ids: torch.Tensor) -> torch.Tensor:
         return draft_ids + self.d2t[draft_ids]
+
+    def draft_tokens(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.to_target(argmax(self.draft_logits(hidden)))
 
     def target_ids(self) -> torch.Tensor:
         """The draft vocabulary as target ids [draft_vocab_size]: what each row of the head stands for."""
         return torch.arange(self.d2t.shape[0], device=self.d2t.device) + self.d2t
 
 
-class DFlashDrafter(nn.Module):
+class DFlashDrafter(TargetVocabulary, nn.Module):
     """DFlash (z-lab): a block-diffusion drafter that proposes block_size - 1 tokens in one pass."""
 
     def __init__(self, config: DraftConfig) -> None:
@@ -166,10 +185,6 @@ class DFlashDrafter(nn.Module):
         for index, layer in enumerate(self.layers):
             x = layer(x, rotary, kv_caches[index], step)
         return self.norm(x)
-
-    def draft_tokens(self, hidden: torch.Tensor) -> torch.Tensor:
-        assert self.target is not None
-        return argmax(self.target.lm_head(hidden))
 
 
 Drafter = EagleDrafter | Eagle3Drafter | DFlashDrafter

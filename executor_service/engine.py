@@ -165,7 +165,8 @@ class Engine:
             sampled = [scheduled.requests[i] for i in inputs.sampled]
             drafts = [r.draft_ids for r in sampled]
             settings = [r.settings for r in sampled]
-            emitted = verify_batch(output.logits, settings, [r.generator for r in sampled], drafts, histories=sampled)
+            generators, draft_probs = [r.generator for r in sampled], [r.draft_probs for r in sampled]
+            emitted = verify_batch(output.logits, settings, generators, drafts, sampled, draft_probs)
             found = batch_logprobs(output.logits, settings, drafts, emitted)  # the target's, for who asks
             logprobs = {id(r): request_logprobs for r, request_logprobs in zip(sampled, found, strict=True)}
         except Exception as err:  # a kernel or device failure fails this step's requests, not the server
@@ -197,7 +198,7 @@ class Engine:
             kept[id(request)] -= len(request_drafts) - accepted
             if request_drafts:
                 request.record_verification(len(request_drafts), accepted)
-            request.draft_ids = []
+            request.draft_ids, request.draft_probs = [], None
         for request in scheduled.requests:
             request.num_computed_tokens += kept[id(request)]
         return kept

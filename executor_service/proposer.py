@@ -14,7 +14,8 @@ them. Then:
 
 Two entry points share these passes: `propose` (the host knows which rows were verified: after a prefill
 chunk, a sampled request, an uneven batch) and `propose_verified` (greedy verification computed on the
-device, inside the speculative step's graph: see spec_step.py).
+device, inside the speculative step's graph: see spec_step.py). `propose` drafts the argmax for greedy
+requests and draws from the drafter's distribution for sampled ones (draft_sampling.py), eagerly.
 """
 
 from __future__ import annotations
@@ -33,7 +34,8 @@ from executor_service.attention_step import (
     to_device,
 )
 from executor_service.cuda_graphs import RequestInputs, StepGraphs, TokenInputs
-from executor_service.draft_models import DFlashDrafter, Drafter
+from executor_service.draft_models import DFlashDrafter, Drafter, Eagle3Drafter
+from executor_service.draft_sampling import DraftSampler
 from executor_service.kv_cache import KVCache
 from executor_service.request import Request
 from executor_service.sampling import to_host
@@ -42,6 +44,7 @@ Replay = Callable[[Request, list[int]], list[int]]  # test drafters: rewrite a r
 PassForward = Callable[[AttentionStep, torch.Tensor, dict[str, torch.Tensor]], tuple[torch.Tensor, ...]]
 # (block table, one position per request, inputs) -> outputs: a pass that builds its metadata on the device
 OwnMetadataForward = Callable[[torch.Tensor, torch.Tensor, dict[str, torch.Tensor]], tuple[torch.Tensor, ...]]
+Pick = Callable[[torch.Tensor], torch.Tensor]  # the head's hidden states [B, H] -> draft ids [B] (target ids)
 
 
 @dataclass(frozen=True)
@@ -89,6 +92,7 @@ class Proposer:
         # Slots of the positions a proposal may write, from the first verified row on (see propose_verified).
         self.ahead_width = self.k + 1 + self.config.positions_ahead
         self.replay: Replay | None = None
+        self.sample_drafts = True  # False: argmax drafts for sampled requests too (benchmarks compare the two)
         self.pass_counts: Counter[str] = Counter()  # "<pass> graph" / "<pass> eager" (benchmarks read it)
         self.graphs: dict[str, StepGraphs] = {}  # by pass name; see capture_graphs
         self.passes = self._passes()
@@ -183,23 +187,35 @@ class Proposer:
     # ---- proposing from host bookkeeping ----------------------------------------------------
     @torch.inference_mode()
     def propose(self, batch: ProposeBatch) -> None:
-        """Run the drafter and set `draft_ids` of every proposing request in the batch."""
+        """Run the drafter and set `draft_ids` of every proposing request in the batch: greedy drafts, or, when
+        a sampled request proposes, drafts drawn from the drafter's distribution for it (draft_sampling.py)."""
         if not batch.entries:
             return
-        drafts = self._propose_dflash(batch) if self.dflash else self._propose_eagle(batch)
         proposing = [e.request for e in batch.entries if e.propose]
-        for request, ids in zip(proposing, _rows(drafts) if proposing else [], strict=True):
-            self.set_drafts(request, ids)
+        sampler = None
+        if self.sample_drafts and DraftSampler.wanted(proposing):
+            vocab_ids = self.drafter.target_ids() if isinstance(self.drafter, Eagle3Drafter) else None
+            sampler = DraftSampler(proposing, vocab_ids, self.config.model.vocab_size)
+        drafts = self._propose_dflash(batch, sampler) if self.dflash else self._propose_eagle(batch, sampler)
+        probs = sampler.probs_of(len(proposing)) if sampler is not None else [None] * len(proposing)
+        for request, ids, q in zip(proposing, _rows(drafts) if proposing else [], probs, strict=True):
+            self.set_drafts(request, ids, q)
 
-    def set_drafts(self, request: Request, drafts: list[int]) -> None:
-        """The request's drafts for its next step, never past the context. Drafts past max_tokens are kept
-        (verified, their tokens dropped): the last steps keep k + 1 tokens per request, so they replay the
-        verify graph instead of running eagerly."""
+    def set_drafts(self, request: Request, drafts: list[int], probs: torch.Tensor | None = None) -> None:
+        """The request's drafts for its next step, never past the context, and the distributions they were
+        drawn from (None: greedy, a point mass). Drafts past max_tokens are kept (verified, their tokens
+        dropped): the last steps keep k + 1 tokens per request, so they replay the verify graph instead of
+        running eagerly. Scripted drafts (`replay`) are a point mass each."""
         drafts = drafts[: self.num_drafts(request)]  # a request drafting fewer than k keeps its own
-        drafts = self.replay(request, drafts) if self.replay is not None else drafts
+        if self.replay is not None:
+            drafts, probs = self.replay(request, drafts), None
         request.draft_ids = drafts[: max(self.max_model_len - request.num_tokens, 0)]
+        request.draft_probs = probs[: len(request.draft_ids)] if probs is not None else None
 
-    def _propose_eagle(self, batch: ProposeBatch) -> torch.Tensor:
+    def _picker(self, sampler: DraftSampler) -> Pick:
+        return lambda hidden: self.drafter.to_target(sampler.pick(self.drafter.draft_logits(hidden)))
+
+    def _propose_eagle(self, batch: ProposeBatch, sampler: DraftSampler | None = None) -> torch.Tensor:
         features, positions, next_ids, step = self.context_pass(batch)
         uniform = all(e.propose and e.num_rows == self.k + 1 for e in batch.entries)
         feedback, head = self._run("eagle_context", uniform, step, positions, input_ids=next_ids, features=features)
@@ -212,16 +228,21 @@ class Proposer:
         if not proposing:
             return torch.empty(0)
         picked = self.tensor(sample_rows, torch.int64)
-        tokens, hidden = self.drafter.draft_tokens(head[picked]), feedback[picked]
+        pick = self._picker(sampler) if sampler is not None else self.drafter.draft_tokens
+        tokens, hidden = pick(head[picked]), feedback[picked]
         last = [r.num_computed_tokens - 1 for r in proposing]  # position of each request's newest verified row
         own = [self.num_drafts(r) for r in proposing]  # the chain runs k - 1 steps; each keeps its own drafts
         ahead = self.slots_ahead(proposing, last, self.k, own)
         chain_inputs = {"input_ids": tokens, "hidden": hidden, "ahead_slots": ahead}
         block_table, positions = self.block_table(proposing), self.tensor(last, torch.int64)
-        (rest,) = self._run_device_metadata("eagle_chain", block_table, positions, chain_inputs)
+        if sampler is not None:  # draws on the host's schedule (seeded generators): eager
+            self.pass_counts["eagle_chain sampled"] += 1
+            (rest,) = self._eagle_chain(block_table, positions, chain_inputs, pick)
+        else:
+            (rest,) = self._run_device_metadata("eagle_chain", block_table, positions, chain_inputs)
         return torch.cat([tokens[:, None], rest], dim=1)
 
-    def _propose_dflash(self, batch: ProposeBatch) -> torch.Tensor:
+    def _propose_dflash(self, batch: ProposeBatch, sampler: DraftSampler | None = None) -> torch.Tensor:
         features, positions, _, step = self.context_pass(batch)
         uniform = all(e.propose and e.num_rows == self.k + 1 for e in batch.entries)
         self._run("dflash_context", uniform, step, positions, features=features)
@@ -236,6 +257,9 @@ class Proposer:
             "ahead_slots": self.slots_ahead(proposing, starts, size),
         }
         block_table, positions = self.block_table(proposing), self.tensor(starts, torch.int64)
+        if sampler is not None:
+            self.pass_counts["dflash_block sampled"] += 1
+            return self._dflash_block(block_table, positions, inputs, self._picker(sampler))[0]
         (tokens,) = self._run_device_metadata("dflash_block", block_table, positions, inputs)
         return tokens
 
@@ -327,9 +351,12 @@ class Proposer:
         hidden = self.drafter.combine(x["features"])
         return self.drafter(x["input_ids"], positions, hidden, self.kv_cache.layers, step)
 
-    def _eagle_chain(self, block_table: torch.Tensor, positions: torch.Tensor, x: dict[str, torch.Tensor]) -> tuple:
+    def _eagle_chain(
+        self, block_table: torch.Tensor, positions: torch.Tensor, x: dict[str, torch.Tensor], pick: Pick | None = None
+    ) -> tuple:
         """Drafts 2..k [B, k - 1] from draft 1 (`input_ids`, `hidden`) at the newest verified `positions`;
-        `ahead_slots` [B, k]: slots of positions + 0..k-1."""
+        `ahead_slots` [B, k]: slots of positions + 0..k-1. `pick`: how a step's drafts are chosen (the argmax)."""
+        pick = pick or self.drafter.draft_tokens
         tokens, hidden, drafted = x["input_ids"], x["hidden"], []
         # Every chain step's metadata at once, one row per step (a few kernels instead of a few per step).
         steps = torch.arange(1, self.k, device=positions.device)[:, None]
@@ -344,7 +371,7 @@ class Proposer:
         for j in range(self.k - 1):
             step = self.chain_step(block_table, query_start_loc, chain_positions[j], chain_seq_lens[j], chain_slots[j])
             hidden, head = self.drafter(tokens, chain_positions[j], hidden, self.kv_cache.layers, step)
-            tokens = self.drafter.draft_tokens(head)
+            tokens = pick(head)
             drafted.append(tokens)
         if not drafted:
             return (torch.empty(tokens.shape[0], 0, dtype=torch.int64, device=tokens.device),)
@@ -354,15 +381,20 @@ class Proposer:
         self.drafter.store_context(x["features"], positions, step.slot_mapping, self.kv_cache.layers)
         return ()
 
-    def _dflash_block(self, block_table: torch.Tensor, starts: torch.Tensor, x: dict[str, torch.Tensor]) -> tuple:
-        """Drafts [B, k] from the block opened by `input_ids` at `starts`; `ahead_slots` [B, block]."""
+    def _dflash_block(
+        self, block_table: torch.Tensor, starts: torch.Tensor, x: dict[str, torch.Tensor], pick: Pick | None = None
+    ) -> tuple:
+        """Drafts [B, k] from the block opened by `input_ids` at `starts`; `ahead_slots` [B, block]. `pick`: how
+        each position's drafts are chosen (the argmax of all of them at once)."""
         size, count = self.config.block_size, starts.shape[0]
         block_step, positions = self.block_step(block_table, starts, x["ahead_slots"])
         block_ids = torch.full((count, size), self.config.mask_token_id, dtype=torch.int64, device=starts.device)
         block_ids[:, 0] = x["input_ids"]
         hidden = self.drafter(block_ids.reshape(-1), positions, self.kv_cache.layers, block_step)
         hidden = hidden.view(count, size, hidden.shape[-1])[:, 1 : self.k + 1]  # slot i: token i
-        return (self.drafter.draft_tokens(hidden),)
+        if pick is None:
+            return (self.drafter.draft_tokens(hidden),)
+        return (torch.stack([pick(hidden[:, i]) for i in range(hidden.shape[1])], dim=1),)
 
     def capture_graphs(self, max_batch: int) -> None:
         """One graph set per pass (CUDA, capture-safe drafter backend); larger batches, and context passes

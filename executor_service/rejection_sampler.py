@@ -5,8 +5,8 @@ request samples from, after penalties / temperature / min-p / top-k / top-p; p_{
 had been emitted: penalties.py): accept d_i with probability min(1, p_i(d_i) /
 q_i(d_i)); at the first rejection emit a token from norm(max(0, p_i - q_i)) and stop; if every draft is
 accepted, emit a bonus token from p_{k+1}. The emitted tokens are distributed exactly as if the target had
-sampled them one by one. Our drafters are greedy (the argmax of their own logits), so q_i is the point mass
-on d_i (q_i(d_i) = 1): exactly the distribution the drafts were drawn from, which the same rule covers.
+sampled them one by one. A sampled request's drafts are drawn from the drafter's q (draft_sampling.py) and
+verified against it; argmax drafts are a point mass on d_i (q_i(d_i) = 1), which the same rule covers.
 Greedy requests (temperature 0) accept while the draft equals the target's argmax (of the penalised logits).
 
 All sampled requests of a step are verified together on the device (`rejection_sample_batch`): their target
@@ -176,10 +176,13 @@ def verify_batch(
     generators: list[torch.Generator | None],
     drafts: list[list[int]],
     histories: list[History | None] | None = None,
+    draft_probs: list[torch.Tensor | None] | None = None,
 ) -> list[list[int] | VerifyError]:
     """Emitted tokens of each request from its k + 1 rows of target logits (k = its drafts, 0 or more), or
     the VerifyError that fails that request alone (the others are verified as usual). `histories` (the
-    requests) give the tokens that penalties count; without them no penalty applies.
+    requests) give the tokens that penalties count; without them no penalty applies. `draft_probs`: each
+    request's q rows [>= k, V] when its drafts were drawn from the drafter's distribution (draft_sampling.py);
+    None, or a None entry: point masses (greedy drafts).
 
     Greedy requests take the argmax; sampled ones (with drafts or not) go through one batched rejection pass
     against the distributions they sample from (`sample_verdicts`). One device-to-host copy for the whole
@@ -199,7 +202,10 @@ def verify_batch(
     # A seeded request draws from its own generator; the others share the device's default one (nothing asks
     # them to replay, and their draws cost two launches in all instead of two each: random_draws).
     own = [generators[i] if settings[i].seed is not None else None for i in sampled]
-    requests = [SampledRequest(starts[i], settings[i], g, drafts[i]) for i, g in zip(sampled, own, strict=True)]
+    probs = draft_probs or [None] * len(settings)
+    requests = [
+        SampledRequest(starts[i], settings[i], g, drafts[i], probs[i]) for i, g in zip(sampled, own, strict=True)
+    ]
     host = to_host(torch.cat([argmax, finite.long(), *sample_verdicts(processed, requests)]))
     tokens, finite_rows, found = host[:num_rows], host[num_rows : 2 * num_rows], host[2 * num_rows :]
     verdicts = {i: found[3 * j : 3 * j + 3] for j, i in enumerate(sampled)}
@@ -222,12 +228,21 @@ def verify_batch(
 
 
 class SampledRequest(NamedTuple):
-    """A sampled request of verify_batch: its first verify row, settings, generator and drafts (k + 1 rows)."""
+    """A sampled request of verify_batch: its first verify row, settings, generator, drafts (k + 1 rows) and the
+    distributions they were drawn from (None: point masses)."""
 
     start: int
     settings: SamplingSettings
     generator: torch.Generator | None
     drafts: list[int]
+    draft_probs: torch.Tensor | None = None
+
+    def draft_rows(self, vocab: int, device: torch.device) -> torch.Tensor:
+        """q of each draft [k, V]: its own rows (those of drafts the scheduler kept), or one-hot rows."""
+        if self.draft_probs is not None:
+            return self.draft_probs[: len(self.drafts)].to(device=device, dtype=torch.float32)
+        ids = to_device(self.drafts, torch.int64, device)[:, None]
+        return torch.zeros(len(self.drafts), vocab, device=device).scatter_(1, ids, 1.0)
 
 
 def sample_verdicts(processed: torch.Tensor, requests: list[SampledRequest]) -> list[torch.Tensor]:
@@ -235,14 +250,20 @@ def sample_verdicts(processed: torch.Tensor, requests: list[SampledRequest]) -> 
     They go in passes of about ROWS_PER_PASS rows, so the probabilities and their temporaries stay small."""
     out: list[torch.Tensor] = []
     group: list[SampledRequest] = []
+    group_rows = 0
+    vocab, device = processed.shape[-1], processed.device
     for index, request in enumerate(requests):
         group.append(request)
-        if sum(len(r.drafts) + 1 for r in group) < ROWS_PER_PASS and index + 1 < len(requests):
+        group_rows += len(request.drafts) + 1
+        if group_rows < ROWS_PER_PASS and index + 1 < len(requests):
             continue
         rows = [row for r in group for row in range(r.start, r.start + len(r.drafts) + 1)]
         row_settings = [r.settings for r in group for _ in range(len(r.drafts) + 1)]
-        probs = sampled_probs(processed[to_device(rows, torch.int64, processed.device)], row_settings)
-        verdict = rejection_sample_batch(probs, [r.drafts for r in group], None, [r.generator for r in group])
+        probs = sampled_probs(processed[to_device(rows, torch.int64, device)], row_settings)
+        q = None
+        if any(r.draft_probs is not None for r in group):
+            q = torch.cat([r.draft_rows(vocab, device) for r in group])
+        verdict = rejection_sample_batch(probs, [r.drafts for r in group], q, [r.generator for r in group])
         out.append(torch.stack([verdict.num_accepted, verdict.tokens, verdict.valid.long()], dim=1).reshape(-1))
-        group = []
+        group, group_rows = [], 0
     return out

@@ -198,10 +198,22 @@ def draw_rows(probs: torch.Tensor, generators: list[torch.Generator | None]) -> 
     is token i with probability p_i. Each row's noise comes from its own generator, so a seeded request does
     not depend on its batch. Also whether each row was a distribution (finite, >= 0, sum > 0); rows that are
     not draw from uniform weights, as `draw` does."""
-    noise = torch.stack(
-        [torch.empty(probs.shape[-1], device=probs.device).exponential_(generator=g) for g in generators]
-    )
-    return race(probs, noise)
+    return race(probs, exponential_noise(generators, probs.shape[-1], probs.device))
+
+
+def exponential_noise(generators: list[torch.Generator | None], vocab: int, device: torch.device) -> torch.Tensor:
+    """Exp(1) noise [N, V], row i from generators[i]: one launch per generator (torch has no batched draw over
+    many), and one for all the rows without one (None: the device's default generator)."""
+    shared = [i for i, g in enumerate(generators) if g is None]
+    noise = torch.empty(len(generators), vocab, device=device)
+    if len(shared) == len(generators):
+        return noise.exponential_()
+    if shared:
+        noise[to_device(shared, torch.int64, device)] = torch.empty(len(shared), vocab, device=device).exponential_()
+    for i, generator in enumerate(generators):
+        if generator is not None:
+            noise[i].exponential_(generator=generator)
+    return noise
 
 
 def race(weights: torch.Tensor, noise: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -166,7 +166,7 @@ class Scheduler:
         self.running.remove(request)
         self.release(request)
         request.num_computed_tokens = 0
-        request.draft_ids = []
+        request.draft_ids, request.draft_probs = [], None
         request.num_preemptions += 1
         request.status = Status.WAITING
         self.waiting.appendleft(request)

@@ -5,7 +5,9 @@ continuation enumerated), with a total-variation bound that a wrong verification
 With k = 3 and max_tokens = 4, token 1 comes from the prefill and tokens 2 to 4 from verify steps: the first
 verifies 2 drafts (the engine drafts at most the tokens still wanted - 1) and emits them with a bonus token
 or stops at a rejection with a token from the residual, leaving the rest to a later step with fewer drafts.
-So every path of verification feeds the marginals of tokens 2 to 4.
+So every path of verification feeds the marginals of tokens 2 to 4. Sampled requests draw their drafts from
+the drafter's distribution q (draft_sampling.py), verified against q: EAGLE here, EAGLE-3 (a reduced
+vocabulary: q is 0 on the target's other ids) and DFlash (every position drawn at once) too.
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ from spec_builders import spec_session
 from test_engine import Collector
 
 import executor_service.rejection_sampler as rejection_sampler
+from executor_service.draft_sampling import DraftSampler
 from executor_service.model import DecoderModel
 from executor_service.rejection_sampler import Verdict
 from executor_service.sampling import SamplingSettings, target_probs
@@ -40,11 +43,10 @@ SETTINGS = {
 }
 
 
-@pytest.fixture(scope="module")
-def session() -> ModelSession:
-    """Drafter seed 4: about one draft in five accepted. One block of 16 per request (prompt, 4 tokens, drafts)."""
+def batch_session(method: str) -> ModelSession:
+    """One block of 16 per request (prompt, 4 tokens, drafts)."""
     return spec_session(
-        "eagle",
+        method,
         3,
         vocab_size=VOCAB,
         draft_seed=4,
@@ -52,6 +54,12 @@ def session() -> ModelSession:
         max_num_batched_tokens=8 * BATCH,
         num_kv_blocks=2 * BATCH,
     )
+
+
+@pytest.fixture(scope="module")
+def session() -> ModelSession:
+    """EAGLE, drafter seed 4: about one draft in five accepted."""
+    return batch_session("eagle")
 
 
 def exact_marginals(model: DecoderModel, settings: SamplingSettings) -> torch.Tensor:
@@ -116,15 +124,44 @@ def test_speculative_sampling_keeps_the_target_distribution(session: ModelSessio
     assert max(distances) < BOUND, distances
 
 
+@pytest.mark.parametrize("method", ["eagle3", "dflash"])
+def test_sampled_drafts_of_the_other_drafters_keep_the_target_distribution(method: str) -> None:
+    session = batch_session(method)
+    settings = SETTINGS["temperature"]
+    exact = exact_marginals(session.loaded.model, settings)
+    empirical, drafted, accepted = run_requests(session, settings)
+    assert 0 < accepted < drafted
+    distances = total_variations(empirical, exact)
+    assert max(distances) < BOUND, distances
+
+
+TRUE_PROBS_OF = DraftSampler.probs_of
+
+
+def uniform_q(self: DraftSampler, count: int) -> list[torch.Tensor | None]:
+    """In place of DraftSampler.probs_of: drafts drawn from q verified as if drawn from uniform weights, so
+    they pass min(1, p / q) far too often. (Verifying them as point masses would be exact: that rule holds
+    for a draft however it was chosen, it only accepts less.)"""
+    return [None if q is None else torch.full_like(q, 1.0 / VOCAB) for q in TRUE_PROBS_OF(self, count)]
+
+
 @pytest.mark.parametrize(
-    ("part", "broken"), [("rejection_sample_batch", always_accept), ("residual_weights", resample_from_target)]
+    ("part", "broken"),
+    [
+        ("rejection_sample_batch", always_accept),
+        ("residual_weights", resample_from_target),
+        ("DraftSampler.probs_of", uniform_q),
+    ],
 )
 def test_the_bound_catches_a_wrong_verification(
     session: ModelSession, part: str, broken: Callable[..., object], monkeypatch: pytest.MonkeyPatch
 ) -> None:
     settings = SETTINGS["temperature"]
     exact = exact_marginals(session.loaded.model, settings)
-    monkeypatch.setattr(rejection_sampler, part, broken)
+    if part == "DraftSampler.probs_of":
+        monkeypatch.setattr(DraftSampler, "probs_of", broken)
+    else:
+        monkeypatch.setattr(rejection_sampler, part, broken)
     empirical, _, _ = run_requests(session, settings)
     distances = total_variations(empirical, exact)
     assert distances[0] < BOUND  # the prefill verifies no drafts: the broken samplers get token 1 right

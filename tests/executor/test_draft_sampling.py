@@ -1,0 +1,90 @@
+"""Sampled drafting (executor_service/draft_sampling.py): greedy rows keep the argmax, sampled rows draw from q
+(the drafter's logits under the request's settings) and keep q, in the target's vocabulary, for verification.
+The engine-level proof that verification against q keeps the target's distribution is test_spec_sampling."""
+
+from __future__ import annotations
+
+import torch
+
+from executor_service.draft_sampling import DraftSampler
+from executor_service.rejection_sampler import rejection_sample_batch
+from executor_service.request import Request
+from executor_service.sampling import SamplingSettings, make_generator, sampled_probs
+
+VOCAB = 5
+
+
+def request(settings: SamplingSettings) -> Request:
+    return Request("r", [1], settings, 8, frozenset(), lambda _: None, make_generator(settings, torch.device("cpu")))
+
+
+def test_greedy_rows_keep_the_argmax_and_no_q() -> None:
+    logits = torch.randn(3, VOCAB, generator=torch.Generator().manual_seed(0))
+    sampler = DraftSampler([request(SamplingSettings())] * 3, None, VOCAB)
+    assert not DraftSampler.wanted([request(SamplingSettings())])
+    assert torch.equal(sampler.pick(logits), logits.argmax(dim=-1))
+    assert sampler.probs_of(3) == [None, None, None]
+
+
+def test_sampled_rows_draw_from_q_and_keep_it() -> None:
+    """Row 1 sampled (temperature and top-k), rows 0 and 2 greedy: the draws' frequencies are q's, and the q
+    kept for row 1 is sampled_probs of its logits under its settings."""
+    logits = torch.tensor([[0.0, 3.0, 1.0, 0.5, -1.0]] * 3)
+    settings = SamplingSettings(temperature=0.9, top_k=3)
+    sampler = DraftSampler([request(SamplingSettings()), request(settings), request(SamplingSettings())], None, VOCAB)
+    assert DraftSampler.wanted([request(SamplingSettings()), request(settings)])
+    draws = torch.stack([sampler.pick(logits) for _ in range(4000)])
+    assert (draws[:, 0] == 1).all() and (draws[:, 2] == 1).all()
+    q = sampled_probs(logits[:1], [settings])[0]
+    frequencies = torch.bincount(draws[:, 1], minlength=VOCAB) / draws.shape[0]
+    assert frequencies[0] == 0 and frequencies[4] == 0  # outside the top 3
+    assert (frequencies - q).abs().max() < 0.03, (frequencies, q)
+    kept = sampler.probs_of(3)
+    assert kept[0] is None and kept[2] is None and kept[1] is not None
+    assert kept[1].shape == (4000, VOCAB) and torch.allclose(kept[1], q.expand(4000, VOCAB))
+
+
+def test_reduced_vocabulary_q_lands_on_the_target_ids() -> None:
+    """EAGLE-3's head covers target ids [4, 0, 2] of 6: q in the target's vocabulary is 0 elsewhere."""
+    vocab_ids = torch.tensor([4, 0, 2])
+    sampler = DraftSampler([request(SamplingSettings(temperature=1.0))], vocab_ids, 6)
+    sampler.pick(torch.tensor([[1.0, 2.0, 0.0]]))
+    (q,) = sampler.probs_of(1)
+    assert q is not None
+    expected = torch.zeros(6)
+    expected[vocab_ids] = torch.softmax(torch.tensor([1.0, 2.0, 0.0]), dim=-1)
+    torch.testing.assert_close(q[0], expected)
+
+
+def test_seeded_requests_draw_the_same_drafts() -> None:
+    settings = SamplingSettings(temperature=1.0, seed=7)
+    logits = torch.zeros(1, 1000)
+
+    def draws() -> list[int]:
+        sampler = DraftSampler([request(settings)], None, 1000)
+        return [int(sampler.pick(logits)[0]) for _ in range(5)]
+
+    assert draws() == draws()
+    assert len(set(draws())) > 1
+
+
+def test_logits_without_a_distribution_draw_from_uniform_and_keep_it() -> None:
+    """A faulty drafter's NaN row draws from uniform weights, and uniform is the q kept: verification against
+    it stays exact, where q = NaN would reject every draft and q = point mass would favour it."""
+    sampler = DraftSampler([request(SamplingSettings(temperature=1.0))], None, VOCAB)
+    sampler.pick(torch.full((1, VOCAB), float("nan")))
+    (q,) = sampler.probs_of(1)
+    assert q is not None
+    torch.testing.assert_close(q, torch.full((1, VOCAB), 1.0 / VOCAB))
+
+
+def test_a_drafter_that_knows_the_target_has_every_draft_accepted() -> None:
+    """q == p: every sampled draft passes u * q <= p, where point masses accept each draft with p(d) only."""
+    generator = torch.Generator().manual_seed(3)
+    p = torch.softmax(torch.randn(64 * 4, VOCAB, generator=generator), dim=-1)  # 64 requests x (3 drafts + bonus)
+    rows = p.view(64, 4, VOCAB)[:, :3].reshape(-1, VOCAB)
+    drafts = torch.multinomial(rows, 1, generator=generator).view(64, 3).tolist()
+    sampled = rejection_sample_batch(p, drafts, rows, [None] * 64)
+    assert sampled.num_accepted.tolist() == [3] * 64
+    point_mass = rejection_sample_batch(p, drafts, None, [None] * 64)
+    assert point_mass.num_accepted.float().mean() < 2.0
