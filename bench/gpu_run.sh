@@ -5,7 +5,7 @@
 #   bash bench/gpu_run.sh run STEPS        later calls on the same machine: FA4 already in /tmp/fa-site
 #   bash bench/gpu_run.sh smol-stash / smol-install   the SmolLM2 GGUF, likewise (to /root/models/smollm2)
 # STEPS: comma-separated from tests, bench, sweep, bench16, executor-tests, gpu-tests, executor-bench, specdec-bench,
-# acceptance-bench, profile, prefix-cache-bench. Results and logs go to $OUT.
+# acceptance-bench, sampled-profile, profile, prefix-cache-bench. Results and logs go to $OUT.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 mode=${1:?stash|install|run}
@@ -63,6 +63,8 @@ for step in ${steps//,/ }; do
     acceptance-bench) timeout ${ACC_TIMEOUT:-540} python3 bench/acceptance_bench.py --target /root/models/smollm2/SmolLM2-135M-Instruct.Q4_1.gguf \
         --drafter eagle3=drafters/smollm2-eagle3 --drafter dflash=drafters/smollm2-dflash --prompts drafters/prompts_heldout.jsonl \
         ${ACC_ARGS:-} --out "$out" 2>&1 | tee "$out/acceptance_bench.log" | tail -60 ;;
+    sampled-profile) timeout ${SAMPLED_TIMEOUT:-400} python3 bench/sampled_profile.py --target /root/models/smollm2/SmolLM2-135M-Instruct.Q4_1.gguf \
+        ${SAMPLED_ARGS:-} --out "$out" 2>&1 | tee "$out/sampled_profile.log" | tail -80 ;;
     profile) timeout ${PROFILE_TIMEOUT:-300} python3 bench/pass_profile.py ${PROFILE_ARGS:-} --out "$out" 2>&1 | tee "$out/pass_profile.log" | tail -60 ;;
     prefix-cache-bench) timeout ${PREFIX_TIMEOUT:-540} python3 bench/prefix_cache_bench.py ${PREFIX_ARGS:-} --out "$out" 2>&1 | tee "$out/prefix_cache_bench.log" | tail -30 ;;
     executor-bench) timeout 540 python3 bench/executor_bench.py ${BENCH_ARGS:-} --out "$out" 2>&1 | tee "$out/executor_bench.log" | tail -60 ;;

@@ -25,7 +25,7 @@ from executor_service.parallel.state import check_tensor_parallel_size
 from executor_service.prompt_intake import MAX_REQUEST_BYTES
 from executor_service.selection import BackendChooser, SelectorClientSettings
 from executor_service.servicer import SERVICE_NAME, ExecutorServicer
-from executor_service.session import EngineSettings
+from executor_service.session import SAMPLED_DRAFTS, EngineSettings
 from specdec.v1 import executor_pb2, executor_pb2_grpc
 from specdec_runtime.auth import resolve_token
 from specdec_runtime.client import load_message, server_address
@@ -212,6 +212,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--max-num-seqs", type=int, default=256, help="requests in the running batch")
     parser.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs for decode steps")
     parser.add_argument(
+        "--sampled-drafts",
+        choices=sorted(SAMPLED_DRAFTS),
+        default="auto",
+        help="sampled requests' drafts drawn from the drafter's distribution (on), its argmax (off), or on only "
+        "where the drafter runs without CUDA graphs (auto); lossless either way",
+    )
+    parser.add_argument(
         "--host-spec-step",
         action="store_true",
         help="verify and propose with host bookkeeping between passes, not as one device pass (for comparison)",
@@ -244,6 +251,7 @@ def main(argv: list[str] | None = None) -> int:
                 not args.enforce_eager,
                 device_spec_step=not args.host_spec_step,
                 prefix_caching=not args.no_prefix_caching,
+                sampled_drafts=args.sampled_drafts,
             ),
             max_live_requests=int(args.max_live_requests),
             tensor_parallel_size=int(args.tensor_parallel_size),

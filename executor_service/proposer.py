@@ -92,7 +92,10 @@ class Proposer:
         # Slots of the positions a proposal may write, from the first verified row on (see propose_verified).
         self.ahead_width = self.k + 1 + self.config.positions_ahead
         self.replay: Replay | None = None
-        self.sample_drafts = True  # False: argmax drafts for sampled requests too (benchmarks compare the two)
+        # Sampled requests' drafts: True drawn from q (draft_sampling.py), False the argmax, None (auto) drawn
+        # only where the drafter runs eagerly anyway: with graphs captured the sampled chain runs eagerly, and
+        # on the H100 that cost more (0.25x target-only at T = 0.7) than its higher acceptance gained.
+        self.sample_drafts: bool | None = None
         self.pass_counts: Counter[str] = Counter()  # "<pass> graph" / "<pass> eager" (benchmarks read it)
         self.graphs: dict[str, StepGraphs] = {}  # by pass name; see capture_graphs
         self.passes = self._passes()
@@ -193,13 +196,17 @@ class Proposer:
             return
         proposing = [e.request for e in batch.entries if e.propose]
         sampler = None
-        if self.sample_drafts and DraftSampler.wanted(proposing):
+        if self.samples_drafts() and DraftSampler.wanted(proposing):
             vocab_ids = self.drafter.target_ids() if isinstance(self.drafter, Eagle3Drafter) else None
             sampler = DraftSampler(proposing, vocab_ids, self.config.model.vocab_size)
         drafts = self._propose_dflash(batch, sampler) if self.dflash else self._propose_eagle(batch, sampler)
         probs = sampler.probs_of(len(proposing)) if sampler is not None else [None] * len(proposing)
         for request, ids, q in zip(proposing, _rows(drafts) if proposing else [], probs, strict=True):
             self.set_drafts(request, ids, q)
+
+    def samples_drafts(self) -> bool:
+        """Whether sampled requests draw their drafts from q (`sample_drafts`; auto: without graphs)."""
+        return not self.graphs if self.sample_drafts is None else self.sample_drafts
 
     def set_drafts(self, request: Request, drafts: list[int], probs: torch.Tensor | None = None) -> None:
         """The request's drafts for its next step, never past the context, and the distributions they were

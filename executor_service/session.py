@@ -84,6 +84,9 @@ class TargetSource:
     seed: int = 0
 
 
+SAMPLED_DRAFTS: dict[str, bool | None] = {"auto": None, "on": True, "off": False}
+
+
 @dataclass(frozen=True)
 class EngineSettings:
     max_num_batched_tokens: int = 8192
@@ -91,6 +94,7 @@ class EngineSettings:
     cuda_graphs: bool = True  # decode steps replayed from CUDA graphs where the backend allows
     device_spec_step: bool = True  # greedy verify + accept + propose as one device pass (spec_step.py)
     prefix_caching: bool = True  # for a LoadModel that leaves enable_prefix_caching unset (prefix_cache.py)
+    sampled_drafts: str = "auto"  # sampled requests' drafts: "on" drawn from q, "off" argmax, "auto" (proposer.py)
 
 
 def resolve_target(source: executor_pb2.ModelSource, model_root: Path | None, field: str) -> TargetSource:
@@ -348,6 +352,7 @@ def build_session(
         proposer = (TreeProposer if drafts_trees else Proposer)(
             drafter, draft_cache, draft_decision.backend, max_model_len, device
         )
+        proposer.sample_drafts = SAMPLED_DRAFTS[settings.sampled_drafts]
     layers = feature_layers(draft.config) if draft is not None else None
     runner = ModelRunner(loaded.model, kv_cache, decision.backend, device, layers)
     lookahead = draft.config.positions_ahead if draft is not None else 0

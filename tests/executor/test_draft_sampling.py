@@ -4,7 +4,9 @@ The engine-level proof that verification against q keeps the target's distributi
 
 from __future__ import annotations
 
+import pytest
 import torch
+from spec_builders import spec_session
 
 from executor_service.draft_sampling import DraftSampler
 from executor_service.rejection_sampler import rejection_sample_batch
@@ -88,3 +90,32 @@ def test_a_drafter_that_knows_the_target_has_every_draft_accepted() -> None:
     assert sampled.num_accepted.tolist() == [3] * 64
     point_mass = rejection_sample_batch(p, drafts, None, [None] * 64)
     assert point_mass.num_accepted.float().mean() < 2.0
+
+
+@pytest.mark.parametrize(
+    ("setting", "graphs", "expected"),
+    [(None, False, True), (None, True, False), (True, True, True), (False, False, False)],
+)
+def test_which_drafts_a_sampled_request_gets(setting: bool | None, graphs: bool, expected: bool) -> None:
+    """--sampled-drafts: on, off, or auto (drawn from q only where the drafter runs without CUDA graphs, which the
+    sampled chain would give up). The drafts follow: q kept for verification, or argmax drafts without one."""
+    session = spec_session("eagle3", 3)
+    proposer = session.proposer
+    assert proposer is not None
+    proposer.sample_drafts = setting
+    proposer.graphs = {"stand-in": None} if graphs else {}  # type: ignore[dict-item]
+    assert proposer.samples_drafts() is expected
+    proposer.graphs = {}
+    sampled = SamplingSettings(temperature=0.8, max_tokens=6, ignore_eos=True, seed=1)
+    found: list[bool] = []
+    record = proposer.set_drafts
+
+    def recording(request: Request, ids: list[int], probs: torch.Tensor | None = None) -> None:
+        found.append(probs is not None)
+        record(request, ids, probs)
+
+    proposer.set_drafts = recording  # type: ignore[method-assign]
+    proposer.sample_drafts = expected
+    session.engine.add(session.new_request("r", [1, 2, 3], sampled, 6, lambda _: None))
+    session.engine.run_until_idle()
+    assert found and set(found) == {expected}

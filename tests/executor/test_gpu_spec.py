@@ -81,9 +81,12 @@ def test_graph_drafting_drafts_what_eager_drafting_drafts(method: str) -> None:
         recorded = drafts.setdefault(graphs, [])
         set_drafts = proposer.set_drafts
 
-        def recording(request: Request, ids: list[int], set_drafts=set_drafts, recorded=recorded) -> None:
+        def recording(
+            request: Request, ids: list[int], probs: torch.Tensor | None = None, set_drafts=set_drafts,
+            recorded=recorded,
+        ) -> None:  # fmt: skip
             recorded.append((request.request_id, request.num_tokens, list(ids)))
-            set_drafts(request, ids)
+            set_drafts(request, ids, probs)
 
         proposer.set_drafts = recording  # type: ignore[method-assign]
         run(session, batch, 30)
