@@ -11,7 +11,7 @@ top-k and top-p (`sampled_probs`, the target's recipe), so it spreads its mass w
 
 Greedy requests keep their argmax drafts. A seeded request draws its drafts' noise from its own generator
 (after the drafts, its verification draws from it too: reproducible run to run); the others share the
-device's default generator, one launch per draft position for all of them.
+device's default generator: one launch per pick for all of them (a chain step, or DFlash's whole block).
 """
 
 from __future__ import annotations
@@ -34,26 +34,31 @@ class DraftSampler:
         self.generators = [requests[i].generator if requests[i].settings.seed is not None else None for i in self.rows]
         self.vocab_ids, self.vocab_size = vocab_ids, vocab_size  # vocab_ids: the draft vocabulary's target ids
         self.index: torch.Tensor | None = None
-        self.probs: list[torch.Tensor] = []  # per draft position, [S, Vd]
+        self.probs: list[torch.Tensor] = []  # per pick, [S, positions, Vd]
 
     @staticmethod
     def wanted(requests: list[Request]) -> bool:
         return any(not r.settings.greedy for r in requests)
 
     def pick(self, logits: torch.Tensor) -> torch.Tensor:
-        """Draft ids (the drafter's vocabulary) of one position: argmax rows, and draws from q for sampled rows.
-        A row whose q is not a distribution (a faulty drafter) draws from uniform weights, and uniform is the q
-        it keeps: still what the draft was drawn from, so verification stays exact."""
-        ids = argmax(logits)
+        """Draft ids (the drafter's vocabulary) of one position [B, Vd] -> [B], or of n positions at once
+        [B, n, Vd] -> [B, n] (DFlash's block): argmax rows, and draws from q for sampled rows. A row whose q is
+        not a distribution (a faulty drafter) draws from uniform weights, and uniform is the q it keeps:
+        still what the draft was drawn from, so verification stays exact."""
+        ids = argmax(logits.reshape(-1, logits.shape[-1])).view(logits.shape[:-1])
         if not self.rows:
             return ids
         if self.index is None:
             self.index = to_device(self.rows, torch.int64, logits.device)
-        q = sampled_probs(logits[self.index], self.settings)
-        drawn, valid = race(q, exponential_noise(self.generators, q.shape[-1], q.device))
+        positions = logits.shape[1] if logits.dim() == 3 else 1
+        rows = logits[self.index].reshape(len(self.rows) * positions, -1)  # request-major: its positions in turn
+        settings = [s for s in self.settings for _ in range(positions)]
+        generators = [g for g in self.generators for _ in range(positions)]
+        q = sampled_probs(rows, settings)
+        drawn, valid = race(q, exponential_noise(generators, q.shape[-1], q.device))
         q = torch.where(valid[:, None], q, torch.full_like(q, 1.0 / q.shape[-1]))
-        self.probs.append(q)
-        ids[self.index] = drawn
+        self.probs.append(q.view(len(self.rows), positions, -1))
+        ids[self.index] = drawn.view(len(self.rows), *ids.shape[1:])
         return ids
 
     def probs_of(self, count: int) -> list[torch.Tensor | None]:
@@ -61,7 +66,7 @@ class DraftSampler:
         found: list[torch.Tensor | None] = [None] * count
         if not self.probs:
             return found
-        q = torch.stack(self.probs, dim=1)  # [S, k, Vd]
+        q = torch.cat(self.probs, dim=1)  # [S, k, Vd]
         if self.vocab_ids is not None:  # a reduced vocabulary (EAGLE-3): the target's other ids get 0
             full = q.new_zeros(q.shape[0], q.shape[1], self.vocab_size)
             q = full.index_copy_(2, self.vocab_ids, q)

@@ -44,7 +44,7 @@ Replay = Callable[[Request, list[int]], list[int]]  # test drafters: rewrite a r
 PassForward = Callable[[AttentionStep, torch.Tensor, dict[str, torch.Tensor]], tuple[torch.Tensor, ...]]
 # (block table, one position per request, inputs) -> outputs: a pass that builds its metadata on the device
 OwnMetadataForward = Callable[[torch.Tensor, torch.Tensor, dict[str, torch.Tensor]], tuple[torch.Tensor, ...]]
-Pick = Callable[[torch.Tensor], torch.Tensor]  # the head's hidden states [B, H] -> draft ids [B] (target ids)
+Pick = Callable[[torch.Tensor], torch.Tensor]  # the head's hidden states [B, (n,) H] -> draft ids [B, (n)] (target)
 
 
 @dataclass(frozen=True)
@@ -392,16 +392,14 @@ class Proposer:
         self, block_table: torch.Tensor, starts: torch.Tensor, x: dict[str, torch.Tensor], pick: Pick | None = None
     ) -> tuple:
         """Drafts [B, k] from the block opened by `input_ids` at `starts`; `ahead_slots` [B, block]. `pick`: how
-        each position's drafts are chosen (the argmax of all of them at once)."""
+        the drafts of all positions are chosen at once (the argmax)."""
         size, count = self.config.block_size, starts.shape[0]
         block_step, positions = self.block_step(block_table, starts, x["ahead_slots"])
         block_ids = torch.full((count, size), self.config.mask_token_id, dtype=torch.int64, device=starts.device)
         block_ids[:, 0] = x["input_ids"]
         hidden = self.drafter(block_ids.reshape(-1), positions, self.kv_cache.layers, block_step)
         hidden = hidden.view(count, size, hidden.shape[-1])[:, 1 : self.k + 1]  # slot i: token i
-        if pick is None:
-            return (self.drafter.draft_tokens(hidden),)
-        return (torch.stack([pick(hidden[:, i]) for i in range(hidden.shape[1])], dim=1),)
+        return ((pick or self.drafter.draft_tokens)(hidden),)
 
     def capture_graphs(self, max_batch: int) -> None:
         """One graph set per pass (CUDA, capture-safe drafter backend); larger batches, and context passes

@@ -119,3 +119,19 @@ def test_which_drafts_a_sampled_request_gets(setting: bool | None, graphs: bool,
     session.engine.add(session.new_request("r", [1, 2, 3], sampled, 6, lambda _: None))
     session.engine.run_until_idle()
     assert found and set(found) == {expected}
+
+
+def test_a_block_of_positions_draws_each_from_its_own_q() -> None:
+    """DFlash's block in one pick [B, n, Vd]: each position's draws follow that position's q, the greedy row
+    keeps its argmax, and q comes back per request as [n, V]."""
+    logits = torch.tensor([[[4.0, 0.0, 0.0, 0.0, 0.0], [0.0, 0.0, 0.0, 1.0, 2.0]]]).repeat(2, 1, 1)
+    settings = SamplingSettings(temperature=1.0)
+    sampler = DraftSampler([request(SamplingSettings()), request(settings)], None, VOCAB)
+    draws = torch.stack([sampler.pick(logits) for _ in range(3000)])  # [3000, 2, 2]
+    assert (draws[:, 0, 0] == 0).all() and (draws[:, 0, 1] == 4).all()
+    for position in range(2):
+        frequencies = torch.bincount(draws[:, 1, position], minlength=VOCAB) / draws.shape[0]
+        assert (frequencies - torch.softmax(logits[1, position], dim=-1)).abs().max() < 0.03
+    kept = sampler.probs_of(2)
+    assert kept[0] is None and kept[1] is not None and kept[1].shape == (6000, VOCAB)
+    torch.testing.assert_close(kept[1][:2], torch.softmax(logits[1], dim=-1))
