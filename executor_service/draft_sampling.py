@@ -7,7 +7,8 @@ their greedy drafts match the target's argmax two times in three. Drawing d from
 (accept with probability min(1, p(d) / q(d)), else emit from norm(max(0, p - q))) accepts sum_x min(p(x),
 q(x)) on average: 1 when the drafter knows the target's distribution, and the emitted tokens are the
 target's distribution whatever q is. q is the drafter's logits under the request's own temperature, min-p,
-top-k and top-p (`sampled_probs`, the target's recipe), so it spreads its mass where p does.
+top-k and top-p (`sampled_probs`, the target's recipe), so it spreads its mass where p does, kept on the
+drafter's DRAFT_SUPPORT most likely ids.
 
 Greedy requests keep their argmax drafts. A seeded request draws its drafts' noise from its own generator
 (after the drafts, its verification draws from it too: reproducible run to run); the others share the
@@ -20,21 +21,28 @@ import torch
 
 from executor_service.attention_step import to_device
 from executor_service.fused_ops import argmax
+from executor_service.rejection_sampler import DraftProbs
 from executor_service.request import Request
 from executor_service.sampling import exponential_noise, race, sampled_probs
+
+# Ids each drawn draft's q keeps: the drafter's most likely ones, renormalised. The draft is drawn from exactly
+# that q, so verification stays exact; what the drafter puts past them is rarely drawn at T <= 1 anyway. A
+# request keeps k x 32 ids and probabilities instead of k full rows (1.4 MB at k = 7 and 49k ids, 4 MB at
+# 128k), and verification expands them one pass of rows at a time.
+DRAFT_SUPPORT = 32
 
 
 class DraftSampler:
     """Picks each draft position's ids for the proposing requests, [B] from the drafter's logits [B, Vd], and
-    records q of the sampled ones; `probs_of` hands each request its [k, V] rows in the target's vocabulary."""
+    records q of the sampled ones; `probs_of` hands each request its DraftProbs in the target's ids."""
 
-    def __init__(self, requests: list[Request], vocab_ids: torch.Tensor | None, vocab_size: int) -> None:
+    def __init__(self, requests: list[Request], vocab_ids: torch.Tensor | None, support: int = DRAFT_SUPPORT) -> None:
         self.rows = [i for i, r in enumerate(requests) if not r.settings.greedy]
         self.settings = [requests[i].settings for i in self.rows]
         self.generators = [requests[i].generator if requests[i].settings.seed is not None else None for i in self.rows]
-        self.vocab_ids, self.vocab_size = vocab_ids, vocab_size  # vocab_ids: the draft vocabulary's target ids
+        self.vocab_ids, self.support = vocab_ids, support  # vocab_ids: the draft vocabulary's target ids
         self.index: torch.Tensor | None = None
-        self.probs: list[torch.Tensor] = []  # per pick, [S, positions, Vd]
+        self.probs: list[DraftProbs] = []  # per pick, [S, positions, K] each
 
     @staticmethod
     def wanted(requests: list[Request]) -> bool:
@@ -42,9 +50,10 @@ class DraftSampler:
 
     def pick(self, logits: torch.Tensor) -> torch.Tensor:
         """Draft ids (the drafter's vocabulary) of one position [B, Vd] -> [B], or of n positions at once
-        [B, n, Vd] -> [B, n] (DFlash's block): argmax rows, and draws from q for sampled rows. A row whose q is
-        not a distribution (a faulty drafter) draws from uniform weights, and uniform is the q it keeps:
-        still what the draft was drawn from, so verification stays exact."""
+        [B, n, Vd] -> [B, n] (DFlash's block): argmax rows, and draws from q for sampled rows: the request's
+        sampled_probs of the logits, kept on its `support` most likely ids and renormalised. A row whose q is
+        not a distribution (a faulty drafter) draws uniformly among the ids it kept, and uniform is the q it
+        keeps: still what the draft was drawn from, so verification stays exact."""
         ids = argmax(logits.reshape(-1, logits.shape[-1])).view(logits.shape[:-1])
         if not self.rows:
             return ids
@@ -54,22 +63,22 @@ class DraftSampler:
         rows = logits[self.index].reshape(len(self.rows) * positions, -1)  # request-major: its positions in turn
         settings = [s for s in self.settings for _ in range(positions)]
         generators = [g for g in self.generators for _ in range(positions)]
-        q = sampled_probs(rows, settings)
-        drawn, valid = race(q, exponential_noise(generators, q.shape[-1], q.device))
-        q = torch.where(valid[:, None], q, torch.full_like(q, 1.0 / q.shape[-1]))
-        self.probs.append(q.view(len(self.rows), positions, -1))
-        ids[self.index] = drawn.view(len(self.rows), *ids.shape[1:])
+        q, kept = sampled_probs(rows, settings).topk(min(self.support, rows.shape[-1]), dim=-1)
+        slot, valid = race(q, exponential_noise(generators, q.shape[-1], q.device))
+        q = torch.where(valid[:, None], q / q.sum(dim=-1, keepdim=True), torch.full_like(q, 1.0 / q.shape[-1]))
+        kept_ids = kept if self.vocab_ids is None else self.vocab_ids[kept]  # the target's ids
+        shape = (len(self.rows), positions, q.shape[-1])
+        self.probs.append(DraftProbs(kept_ids.view(shape), q.view(shape)))
+        ids[self.index] = kept.gather(1, slot[:, None]).view(len(self.rows), *ids.shape[1:])
         return ids
 
-    def probs_of(self, count: int) -> list[torch.Tensor | None]:
-        """Each proposing request's q rows [k, V] in the target's vocabulary (None: greedy, a point mass)."""
-        found: list[torch.Tensor | None] = [None] * count
+    def probs_of(self, count: int) -> list[DraftProbs | None]:
+        """Each proposing request's q of its k drafts (None: greedy, a point mass)."""
+        found: list[DraftProbs | None] = [None] * count
         if not self.probs:
             return found
-        q = torch.cat(self.probs, dim=1)  # [S, k, Vd]
-        if self.vocab_ids is not None:  # a reduced vocabulary (EAGLE-3): the target's other ids get 0
-            full = q.new_zeros(q.shape[0], q.shape[1], self.vocab_size)
-            q = full.index_copy_(2, self.vocab_ids, q)
+        ids = torch.cat([p.ids for p in self.probs], dim=1)  # [S, k, K]
+        probs = torch.cat([p.probs for p in self.probs], dim=1)
         for j, row in enumerate(self.rows):
-            found[row] = q[j]
+            found[row] = DraftProbs(ids[j], probs[j])
         return found

@@ -35,8 +35,9 @@ from executor_service.attention_step import (
 )
 from executor_service.cuda_graphs import RequestInputs, StepGraphs, TokenInputs
 from executor_service.draft_models import DFlashDrafter, Drafter, Eagle3Drafter
-from executor_service.draft_sampling import DraftSampler
+from executor_service.draft_sampling import DRAFT_SUPPORT, DraftSampler
 from executor_service.kv_cache import KVCache
+from executor_service.rejection_sampler import DraftProbs
 from executor_service.request import Request
 from executor_service.sampling import to_host
 
@@ -96,6 +97,7 @@ class Proposer:
         # only where the drafter runs eagerly anyway: with graphs captured the sampled chain runs eagerly, and
         # on the H100 that cost more (0.25x target-only at T = 0.7) than its higher acceptance gained.
         self.sample_drafts: bool | None = None
+        self.draft_support = DRAFT_SUPPORT  # ids each drawn draft's q keeps (draft_sampling.py)
         self.pass_counts: Counter[str] = Counter()  # "<pass> graph" / "<pass> eager" (benchmarks read it)
         self.graphs: dict[str, StepGraphs] = {}  # by pass name; see capture_graphs
         self.passes = self._passes()
@@ -198,7 +200,7 @@ class Proposer:
         sampler = None
         if self.samples_drafts() and DraftSampler.wanted(proposing):
             vocab_ids = self.drafter.target_ids() if isinstance(self.drafter, Eagle3Drafter) else None
-            sampler = DraftSampler(proposing, vocab_ids, self.config.model.vocab_size)
+            sampler = DraftSampler(proposing, vocab_ids, self.draft_support)
         drafts = self._propose_dflash(batch, sampler) if self.dflash else self._propose_eagle(batch, sampler)
         probs = sampler.probs_of(len(proposing)) if sampler is not None else [None] * len(proposing)
         for request, ids, q in zip(proposing, _rows(drafts) if proposing else [], probs, strict=True):
@@ -208,7 +210,7 @@ class Proposer:
         """Whether sampled requests draw their drafts from q (`sample_drafts`; auto: without graphs)."""
         return not self.graphs if self.sample_drafts is None else self.sample_drafts
 
-    def set_drafts(self, request: Request, drafts: list[int], probs: torch.Tensor | None = None) -> None:
+    def set_drafts(self, request: Request, drafts: list[int], probs: DraftProbs | None = None) -> None:
         """The request's drafts for its next step, never past the context, and the distributions they were
         drawn from (None: greedy, a point mass). Drafts past max_tokens are kept (verified, their tokens
         dropped): the last steps keep k + 1 tokens per request, so they replay the verify graph instead of
@@ -217,7 +219,7 @@ class Proposer:
         if self.replay is not None:
             drafts, probs = self.replay(request, drafts), None
         request.draft_ids = drafts[: max(self.max_model_len - request.num_tokens, 0)]
-        request.draft_probs = probs[: len(request.draft_ids)] if probs is not None else None
+        request.draft_probs = probs.head(len(request.draft_ids)) if probs is not None else None
 
     def _picker(self, sampler: DraftSampler) -> Pick:
         return lambda hidden: self.drafter.to_target(sampler.pick(self.drafter.draft_logits(hidden)))

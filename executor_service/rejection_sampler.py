@@ -31,6 +31,23 @@ from executor_service.penalties import ROWS_PER_PASS, History, penalised_logits
 from executor_service.sampling import SamplingSettings, race, sampled_probs, to_host
 
 
+class DraftProbs(NamedTuple):
+    """The distributions a request's drafts were drawn from, each on a few ids (draft_sampling.py): ids [k, K]
+    (target ids, distinct in a row) and their probabilities [k, K], summing to 1 in each row."""
+
+    ids: torch.Tensor
+    probs: torch.Tensor
+
+    def head(self, count: int) -> DraftProbs:
+        """The first `count` drafts' rows (the drafts a step keeps)."""
+        return DraftProbs(self.ids[:count], self.probs[:count])
+
+    def dense(self, vocab: int, device: torch.device) -> torch.Tensor:
+        """[k, V] fp32 rows, 0 off the ids."""
+        rows = torch.zeros(self.ids.shape[0], vocab, device=device)
+        return rows.scatter_(1, self.ids.to(device), self.probs.to(device=device, dtype=torch.float32))
+
+
 class VerifyError(RuntimeError):
     """One request's verification failed (drafts outside the vocabulary, logits that are not finite)."""
 
@@ -176,13 +193,13 @@ def verify_batch(
     generators: list[torch.Generator | None],
     drafts: list[list[int]],
     histories: list[History | None] | None = None,
-    draft_probs: list[torch.Tensor | None] | None = None,
+    draft_probs: list[DraftProbs | None] | None = None,
 ) -> list[list[int] | VerifyError]:
     """Emitted tokens of each request from its k + 1 rows of target logits (k = its drafts, 0 or more), or
     the VerifyError that fails that request alone (the others are verified as usual). `histories` (the
     requests) give the tokens that penalties count; without them no penalty applies. `draft_probs`: each
-    request's q rows [>= k, V] when its drafts were drawn from the drafter's distribution (draft_sampling.py);
-    None, or a None entry: point masses (greedy drafts).
+    request's q rows (at least k) when its drafts were drawn from the drafter's distribution
+    (draft_sampling.py); None, or a None entry: point masses (argmax drafts).
 
     Greedy requests take the argmax; sampled ones (with drafts or not) go through one batched rejection pass
     against the distributions they sample from (`sample_verdicts`). One device-to-host copy for the whole
@@ -235,12 +252,12 @@ class SampledRequest(NamedTuple):
     settings: SamplingSettings
     generator: torch.Generator | None
     drafts: list[int]
-    draft_probs: torch.Tensor | None = None
+    draft_probs: DraftProbs | None = None
 
     def draft_rows(self, vocab: int, device: torch.device) -> torch.Tensor:
         """q of each draft [k, V]: its own rows (those of drafts the scheduler kept), or one-hot rows."""
         if self.draft_probs is not None:
-            return self.draft_probs[: len(self.drafts)].to(device=device, dtype=torch.float32)
+            return self.draft_probs.head(len(self.drafts)).dense(vocab, device)
         ids = to_device(self.drafts, torch.int64, device)[:, None]
         return torch.zeros(len(self.drafts), vocab, device=device).scatter_(1, ids, 1.0)
 

@@ -11,6 +11,7 @@ import torch
 
 from executor_service.logprobs import TokenLogprob
 from executor_service.penalties import TokenCounts
+from executor_service.rejection_sampler import DraftProbs
 from executor_service.sampling import SamplingSettings
 
 
@@ -64,7 +65,7 @@ class Request:
     arrival_time: float = field(default_factory=time.monotonic)
     num_preemptions: int = 0
     draft_ids: list[int] = field(default_factory=list)  # proposed for the next step to verify
-    draft_probs: torch.Tensor | None = None  # [k, V]: the distributions the drafts were drawn from; None: argmax
+    draft_probs: DraftProbs | None = None  # the distributions the drafts were drawn from; None: argmax drafts
     # The request's own speculation (GenerateRequest.num_speculative_tokens), resolved by the session: drafts
     # per step (0: none) and the drafter cache slots its proposals write past its tokens. None: the loaded
     # drafter's own numbers.

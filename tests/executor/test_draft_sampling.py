@@ -1,5 +1,6 @@
 """Sampled drafting (executor_service/draft_sampling.py): greedy rows keep the argmax, sampled rows draw from q
-(the drafter's logits under the request's settings) and keep q, in the target's vocabulary, for verification.
+(the drafter's logits under the request's settings, on its most likely ids) and keep q, in the target's ids,
+for verification.
 The engine-level proof that verification against q keeps the target's distribution is test_spec_sampling."""
 
 from __future__ import annotations
@@ -9,7 +10,7 @@ import torch
 from spec_builders import spec_session
 
 from executor_service.draft_sampling import DraftSampler
-from executor_service.rejection_sampler import rejection_sample_batch
+from executor_service.rejection_sampler import DraftProbs, rejection_sample_batch
 from executor_service.request import Request
 from executor_service.sampling import SamplingSettings, make_generator, sampled_probs
 
@@ -20,9 +21,14 @@ def request(settings: SamplingSettings) -> Request:
     return Request("r", [1], settings, 8, frozenset(), lambda _: None, make_generator(settings, torch.device("cpu")))
 
 
+def dense(probs: DraftProbs | None, vocab: int = VOCAB) -> torch.Tensor:
+    assert probs is not None
+    return probs.dense(vocab, torch.device("cpu"))
+
+
 def test_greedy_rows_keep_the_argmax_and_no_q() -> None:
     logits = torch.randn(3, VOCAB, generator=torch.Generator().manual_seed(0))
-    sampler = DraftSampler([request(SamplingSettings())] * 3, None, VOCAB)
+    sampler = DraftSampler([request(SamplingSettings())] * 3, None)
     assert not DraftSampler.wanted([request(SamplingSettings())])
     assert torch.equal(sampler.pick(logits), logits.argmax(dim=-1))
     assert sampler.probs_of(3) == [None, None, None]
@@ -33,7 +39,7 @@ def test_sampled_rows_draw_from_q_and_keep_it() -> None:
     kept for row 1 is sampled_probs of its logits under its settings."""
     logits = torch.tensor([[0.0, 3.0, 1.0, 0.5, -1.0]] * 3)
     settings = SamplingSettings(temperature=0.9, top_k=3)
-    sampler = DraftSampler([request(SamplingSettings()), request(settings), request(SamplingSettings())], None, VOCAB)
+    sampler = DraftSampler([request(SamplingSettings()), request(settings), request(SamplingSettings())], None)
     assert DraftSampler.wanted([request(SamplingSettings()), request(settings)])
     draws = torch.stack([sampler.pick(logits) for _ in range(4000)])
     assert (draws[:, 0] == 1).all() and (draws[:, 2] == 1).all()
@@ -43,19 +49,34 @@ def test_sampled_rows_draw_from_q_and_keep_it() -> None:
     assert (frequencies - q).abs().max() < 0.03, (frequencies, q)
     kept = sampler.probs_of(3)
     assert kept[0] is None and kept[2] is None and kept[1] is not None
-    assert kept[1].shape == (4000, VOCAB) and torch.allclose(kept[1], q.expand(4000, VOCAB))
+    assert kept[1].ids.shape == (4000, VOCAB)
+    torch.testing.assert_close(dense(kept[1]), q.expand(4000, VOCAB))
+
+
+def test_q_keeps_the_drafters_most_likely_ids_renormalised() -> None:
+    """With a support of 2 of 5 ids the draws come from the two most likely, in their renormalised ratio, and
+    that is the q kept: what the drafts were drawn from."""
+    logits = torch.log(torch.tensor([[0.1, 0.4, 0.05, 0.2, 0.25]]))
+    sampler = DraftSampler([request(SamplingSettings(temperature=1.0))], None, support=2)
+    draws = torch.cat([sampler.pick(logits) for _ in range(4000)])
+    frequencies = torch.bincount(draws, minlength=VOCAB) / draws.shape[0]
+    expected = torch.tensor([0.0, 0.4 / 0.65, 0.0, 0.0, 0.25 / 0.65])
+    assert (frequencies - expected).abs().max() < 0.03, frequencies
+    (kept,) = sampler.probs_of(1)
+    assert kept is not None and kept.ids.shape == (4000, 2)
+    torch.testing.assert_close(dense(kept)[0], expected)
 
 
 def test_reduced_vocabulary_q_lands_on_the_target_ids() -> None:
     """EAGLE-3's head covers target ids [4, 0, 2] of 6: q in the target's vocabulary is 0 elsewhere."""
     vocab_ids = torch.tensor([4, 0, 2])
-    sampler = DraftSampler([request(SamplingSettings(temperature=1.0))], vocab_ids, 6)
-    sampler.pick(torch.tensor([[1.0, 2.0, 0.0]]))
+    sampler = DraftSampler([request(SamplingSettings(temperature=1.0))], vocab_ids)
+    drawn = sampler.pick(torch.tensor([[1.0, 2.0, 0.0]]))
+    assert 0 <= int(drawn[0]) < 3  # a draft-vocabulary id: the proposer maps it
     (q,) = sampler.probs_of(1)
-    assert q is not None
     expected = torch.zeros(6)
     expected[vocab_ids] = torch.softmax(torch.tensor([1.0, 2.0, 0.0]), dim=-1)
-    torch.testing.assert_close(q[0], expected)
+    torch.testing.assert_close(dense(q, 6)[0], expected)
 
 
 def test_seeded_requests_draw_the_same_drafts() -> None:
@@ -63,7 +84,7 @@ def test_seeded_requests_draw_the_same_drafts() -> None:
     logits = torch.zeros(1, 1000)
 
     def draws() -> list[int]:
-        sampler = DraftSampler([request(settings)], None, 1000)
+        sampler = DraftSampler([request(settings)], None)
         return [int(sampler.pick(logits)[0]) for _ in range(5)]
 
     assert draws() == draws()
@@ -71,13 +92,13 @@ def test_seeded_requests_draw_the_same_drafts() -> None:
 
 
 def test_logits_without_a_distribution_draw_from_uniform_and_keep_it() -> None:
-    """A faulty drafter's NaN row draws from uniform weights, and uniform is the q kept: verification against
-    it stays exact, where q = NaN would reject every draft and q = point mass would favour it."""
-    sampler = DraftSampler([request(SamplingSettings(temperature=1.0))], None, VOCAB)
+    """A faulty drafter's NaN row draws uniformly among the ids it kept, and uniform is the q kept:
+    verification against it stays exact, where q = NaN would reject every draft and q = point mass would
+    favour it."""
+    sampler = DraftSampler([request(SamplingSettings(temperature=1.0))], None)
     sampler.pick(torch.full((1, VOCAB), float("nan")))
     (q,) = sampler.probs_of(1)
-    assert q is not None
-    torch.testing.assert_close(q, torch.full((1, VOCAB), 1.0 / VOCAB))
+    torch.testing.assert_close(dense(q), torch.full((1, VOCAB), 1.0 / VOCAB))
 
 
 def test_a_drafter_that_knows_the_target_has_every_draft_accepted() -> None:
@@ -110,7 +131,7 @@ def test_which_drafts_a_sampled_request_gets(setting: bool | None, graphs: bool,
     found: list[bool] = []
     record = proposer.set_drafts
 
-    def recording(request: Request, ids: list[int], probs: torch.Tensor | None = None) -> None:
+    def recording(request: Request, ids: list[int], probs: DraftProbs | None = None) -> None:
         found.append(probs is not None)
         record(request, ids, probs)
 
@@ -126,12 +147,12 @@ def test_a_block_of_positions_draws_each_from_its_own_q() -> None:
     keeps its argmax, and q comes back per request as [n, V]."""
     logits = torch.tensor([[[4.0, 0.0, 0.0, 0.0, 0.0], [0.0, 0.0, 0.0, 1.0, 2.0]]]).repeat(2, 1, 1)
     settings = SamplingSettings(temperature=1.0)
-    sampler = DraftSampler([request(SamplingSettings()), request(settings)], None, VOCAB)
+    sampler = DraftSampler([request(SamplingSettings()), request(settings)], None)
     draws = torch.stack([sampler.pick(logits) for _ in range(3000)])  # [3000, 2, 2]
     assert (draws[:, 0, 0] == 0).all() and (draws[:, 0, 1] == 4).all()
     for position in range(2):
         frequencies = torch.bincount(draws[:, 1, position], minlength=VOCAB) / draws.shape[0]
         assert (frequencies - torch.softmax(logits[1, position], dim=-1)).abs().max() < 0.03
     kept = sampler.probs_of(2)
-    assert kept[0] is None and kept[1] is not None and kept[1].shape == (6000, VOCAB)
-    torch.testing.assert_close(kept[1][:2], torch.softmax(logits[1], dim=-1))
+    assert kept[0] is None and kept[1] is not None and kept[1].ids.shape == (6000, VOCAB)
+    torch.testing.assert_close(dense(kept[1])[:2], torch.softmax(logits[1], dim=-1))

@@ -13,6 +13,7 @@ from spec_builders import spec_session
 from test_spec_metadata import BATCHED_TOKENS, MAX_TOKENS, WRONG_AT, K, run_recorded
 from test_spec_metadata import prompts as metadata_prompts
 
+from executor_service.rejection_sampler import DraftProbs
 from executor_service.request import Request, RequestOutput
 from executor_service.sampling import SamplingSettings
 from executor_service.session import ModelSession
@@ -82,7 +83,7 @@ def test_graph_drafting_drafts_what_eager_drafting_drafts(method: str) -> None:
         set_drafts = proposer.set_drafts
 
         def recording(
-            request: Request, ids: list[int], probs: torch.Tensor | None = None, set_drafts=set_drafts,
+            request: Request, ids: list[int], probs: DraftProbs | None = None, set_drafts=set_drafts,
             recorded=recorded,
         ) -> None:  # fmt: skip
             recorded.append((request.request_id, request.num_tokens, list(ids)))

@@ -24,7 +24,7 @@ from test_engine import Collector
 import executor_service.rejection_sampler as rejection_sampler
 from executor_service.draft_sampling import DraftSampler
 from executor_service.model import DecoderModel
-from executor_service.rejection_sampler import Verdict
+from executor_service.rejection_sampler import DraftProbs, Verdict
 from executor_service.sampling import SamplingSettings, target_probs
 from executor_service.session import ModelSession
 
@@ -124,9 +124,12 @@ def test_speculative_sampling_keeps_the_target_distribution(session: ModelSessio
     assert max(distances) < BOUND, distances
 
 
-@pytest.mark.parametrize("method", ["eagle3", "dflash"])
-def test_sampled_drafts_of_the_other_drafters_keep_the_target_distribution(method: str) -> None:
+@pytest.mark.parametrize(("method", "support"), [("eagle3", 32), ("dflash", 32), ("eagle", 2)])
+def test_sampled_drafts_of_the_other_drafters_keep_the_target_distribution(method: str, support: int) -> None:
+    """EAGLE-3 and DFlash; EAGLE with q kept on the drafter's 2 most likely ids of 6 (DRAFT_SUPPORT is 32)."""
     session = batch_session(method)
+    assert session.proposer is not None
+    session.proposer.draft_support = support
     settings = SETTINGS["temperature"]
     exact = exact_marginals(session.loaded.model, settings)
     empirical, drafted, accepted = run_requests(session, settings)
@@ -138,11 +141,12 @@ def test_sampled_drafts_of_the_other_drafters_keep_the_target_distribution(metho
 TRUE_PROBS_OF = DraftSampler.probs_of
 
 
-def uniform_q(self: DraftSampler, count: int) -> list[torch.Tensor | None]:
+def uniform_q(self: DraftSampler, count: int) -> list[DraftProbs | None]:
     """In place of DraftSampler.probs_of: drafts drawn from q verified as if drawn from uniform weights, so
     they pass min(1, p / q) far too often. (Verifying them as point masses would be exact: that rule holds
     for a draft however it was chosen, it only accepts less.)"""
-    return [None if q is None else torch.full_like(q, 1.0 / VOCAB) for q in TRUE_PROBS_OF(self, count)]
+    found = TRUE_PROBS_OF(self, count)
+    return [None if q is None else DraftProbs(q.ids, torch.full_like(q.probs, 1.0 / VOCAB)) for q in found]
 
 
 @pytest.mark.parametrize(
