@@ -19,7 +19,6 @@
 from __future__ import annotations
 
 import argparse
-import datetime
 import sys
 import time
 from collections import defaultdict
@@ -31,7 +30,7 @@ from typing import Any
 sys.path.append(str(Path(__file__).resolve().parent))
 
 import torch
-from common import commit_id, default_dtype, log, write_result
+from common import default_dtype, log, provenance, write_result
 from hf_reference import hf_greedy_tokens_per_s
 from tree_passes import parse_tree_spec
 
@@ -324,18 +323,13 @@ def parse_args() -> argparse.Namespace:
 def main() -> int:
     args = parse_args()
     device = torch.device(args.device)
-    commit, dirty = commit_id()
     loaded = load_target(args.source, torch.bfloat16 if device.type == "cuda" else torch.float32, device)
     renderer = chat_renderer(args.source, loaded)
     assert renderer is not None, "the target has no tokenizer: acceptance on text needs one"
     held_out = read_prompts(args.prompts)
     prompts = {kind: [renderer(p.text) for p in held_out if p.kind == kind][: args.per_kind] for kind in KINDS}
     report: dict[str, Any] = {
-        "benchmark": "acceptance",
-        "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
-        "commit": commit,
-        "dirty": dirty,
-        "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
+        **provenance("acceptance", device),
         "target": args.target,
         "drafters": {m: str(d) for m, d in args.drafters.items()},
         "prompts": {kind: len(ids) for kind, ids in prompts.items()},
@@ -343,13 +337,13 @@ def main() -> int:
         "acceptance": measure_acceptance(loaded, args, prompts, device),
         "speedup": {},
     }
-    write_result(args.out, "acceptance", device, commit, report)
+    write_result(args.out, "acceptance", device, report["commit"], report)
     del loaded
     for name in filter(None, args.speedup_devices.split(",")):  # "" measures acceptance only
 
         def save(section: dict[str, Any], name: str = name) -> None:
             report["speedup"][name] = section
-            write_result(args.out, "acceptance", device, commit, report)
+            write_result(args.out, "acceptance", device, report["commit"], report)
 
         save(measure_speedup(args, torch.device(name), prompts, save))
     return 0

@@ -70,6 +70,19 @@ def commit_id() -> tuple[str, bool | None]:
         return "unknown", None
 
 
+def provenance(benchmark: str, device: torch.device) -> dict[str, Any]:
+    """A report's first keys: which benchmark, when, at which commit (and whether tracked files differed from
+    it), on which device."""
+    commit, dirty = commit_id()
+    return {
+        "benchmark": benchmark,
+        "date": dt.datetime.now(dt.UTC).isoformat(timespec="seconds"),
+        "commit": commit,
+        "dirty": dirty,
+        "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
+    }
+
+
 def device_tag(device: torch.device) -> str:
     if device.type != "cuda":
         return "cpu"

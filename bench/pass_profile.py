@@ -13,7 +13,6 @@ log-softmax and top-k for the drafter's candidates (`_torch_topk`) instead of th
 
 from __future__ import annotations
 
-import datetime
 import json
 import sys
 from collections import defaultdict
@@ -23,7 +22,7 @@ from typing import Any
 sys.path.append(str(Path(__file__).resolve().parent))
 
 import torch
-from common import PRESETS, commit_id, log, time_graph, write_result
+from common import PRESETS, log, provenance, time_graph, write_result
 from specdec_bench import open_session, open_sessions, parse_args, pass_calls, tree_step_call
 from torch.profiler import ProfilerActivity, profile
 from tree_passes import parse_tree_spec
@@ -69,14 +68,9 @@ def torch_top_k(session: ModelSession) -> None:
 def main() -> int:
     args = parse_args(__doc__)
     preset, device = PRESETS[args.preset], torch.device(args.device)
-    commit, dirty = commit_id()
     sessions = open_sessions(args, preset)
     report: dict[str, Any] = {
-        "benchmark": "pass_profile",
-        "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
-        "commit": commit,
-        "dirty": dirty,
-        "device": torch.cuda.get_device_name(device),
+        **provenance("pass_profile", device),
         "preset": args.preset,
         "backend": args.backend,
         "passes": {},
@@ -100,7 +94,7 @@ def main() -> int:
         log(f"{name}: {json.dumps(kernels, indent=1)}")
     for session in sessions.values():
         session.shutdown()
-    write_result(args.out, "pass_profile", device, commit, report)
+    write_result(args.out, "pass_profile", device, report["commit"], report)
     return 0
 
 

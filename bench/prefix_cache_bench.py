@@ -19,7 +19,6 @@ logit gap at each divergence.
 from __future__ import annotations
 
 import argparse
-import datetime
 import gc
 import random
 import sys
@@ -33,7 +32,7 @@ for _path in (REPO, REPO / "bench", REPO / "protos", REPO / "tests" / "executor"
         sys.path.append(str(_path))
 
 import torch  # noqa: E402
-from common import PRESETS, commit_id, log, median, versions, write_result  # noqa: E402
+from common import PRESETS, log, median, provenance, versions, write_result  # noqa: E402
 from prefix_cache_controls import (  # noqa: E402
     cache_boundary,
     flat,
@@ -286,7 +285,6 @@ def main() -> int:
     args = parse_args()
     preset = PRESETS[args.preset]
     device = torch.device(args.device)
-    commit, dirty = commit_id()
     vocab = preset["vocab"] - 1  # DFlash's mask token is the last id
     system = [random.Random(-1).randrange(1, vocab) for _ in range(args.system_tokens)]
     request = target_request(preset, 0, args.backend, args.kv_blocks)
@@ -308,11 +306,7 @@ def main() -> int:
         "max_num_batched_tokens",
     )
     report: dict[str, Any] = {
-        "benchmark": "prefix_cache",
-        "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
-        "commit": commit,
-        "dirty": dirty,
-        "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
+        **provenance("prefix_cache", device),
         "versions": versions(),
         "preset": args.preset,
         "backend": args.backend,
@@ -331,7 +325,7 @@ def main() -> int:
     if "near_ties" in report:
         log(f"near ties at the burst's divergences: {report['near_ties']}")
     log(f"identity: {report['identity_verdict']}")
-    write_result(args.out, "prefix_cache", device, commit, report)
+    write_result(args.out, "prefix_cache", device, report["commit"], report)
     return 0
 
 

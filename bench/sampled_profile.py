@@ -9,7 +9,6 @@ PyTorch profile of one sampled request with drawn drafts (top ops by CPU and, on
 from __future__ import annotations
 
 import argparse
-import datetime
 import sys
 from collections import defaultdict
 from pathlib import Path
@@ -19,7 +18,7 @@ sys.path.append(str(Path(__file__).resolve().parent))
 
 import torch
 from acceptance_bench import generate, open_session
-from common import commit_id, log, median, write_result
+from common import log, median, provenance, write_result
 from torch.profiler import ProfilerActivity, profile
 
 from executor_service.sampling import SamplingSettings
@@ -72,20 +71,15 @@ def main() -> int:
     for key, entry in figures.items():
         log(f"{key}: {entry}")
     profiles = {name: profile_drawn(sessions[name], prompts[0], device) for name in DRAFTERS}
-    commit, dirty = commit_id()
     report: dict[str, Any] = {
-        "benchmark": "sampled_profile",
-        "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
-        "commit": commit,
-        "dirty": dirty,
-        "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
+        **provenance("sampled_profile", device),
         "prompts": len(prompts),
         "max_tokens": args.max_tokens,
         "repeats": args.repeats,
         "figures": figures,
         "profiles": profiles,
     }
-    write_result(args.out, "sampled_profile", device, commit, report)
+    write_result(args.out, "sampled_profile", device, report["commit"], report)
     for session in sessions.values():
         session.shutdown()
     return 0

@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import argparse
 import cProfile
-import datetime
 import gc
 import io
 import json
@@ -42,12 +41,12 @@ for _path in (REPO, REPO / "bench", REPO / "protos", REPO / "tests" / "executor"
 import torch  # noqa: E402
 from common import (  # noqa: E402
     PRESETS,
-    commit_id,
     copy_bandwidth,
     default_dtype,
     log,
     make_prompts,
     median,
+    provenance,
     synthetic_target,
     time_graph,
     versions,
@@ -536,13 +535,8 @@ def main() -> int:
     args = parse_args()
     preset = PRESETS[args.preset]
     device = torch.device(args.device)
-    commit, dirty = commit_id()
     report: dict[str, Any] = {
-        "benchmark": "specdec",
-        "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
-        "commit": commit,
-        "dirty": dirty,
-        "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
+        **provenance("specdec", device),
         "versions": versions(),
         "preset": args.preset,
         "backend": args.backend,
@@ -567,7 +561,7 @@ def main() -> int:
     for session in sessions.values():
         session.shutdown()
     gc.collect()
-    write_result(args.out, "specdec", device, commit, report)
+    write_result(args.out, "specdec", device, report["commit"], report)
     return 0
 
 
