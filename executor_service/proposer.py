@@ -94,8 +94,8 @@ class Proposer:
         self.ahead_width = self.k + 1 + self.config.positions_ahead
         self.replay: Replay | None = None
         # Sampled requests' drafts: True drawn from q (draft_sampling.py), False the argmax, None (auto) drawn
-        # only where the drafter runs eagerly anyway: with graphs captured the sampled chain runs eagerly, and
-        # on the H100 that cost more (0.25x target-only at T = 0.7) than its higher acceptance gained.
+        # only where the drafter runs eagerly anyway. Drawn drafts run the chain eagerly, and on the H100 that
+        # decoded at 0.25x of target-only at T = 0.7 (docs/executor.md; argmax drafts not yet timed beside it).
         self.sample_drafts: bool | None = None
         self.draft_support = DRAFT_SUPPORT  # ids each drawn draft's q keeps (draft_sampling.py)
         self.pass_counts: Counter[str] = Counter()  # "<pass> graph" / "<pass> eager" (benchmarks read it)

@@ -255,11 +255,11 @@ class SampledRequest(NamedTuple):
     draft_probs: DraftProbs | None = None
 
     def draft_rows(self, vocab: int, device: torch.device) -> torch.Tensor:
-        """q of each draft [k, V]: its own rows (those of drafts the scheduler kept), or one-hot rows."""
+        """q of each draft [k, V]: its own rows (those of drafts the scheduler kept), or point masses."""
         if self.draft_probs is not None:
             return self.draft_probs.head(len(self.drafts)).dense(vocab, device)
         ids = to_device(self.drafts, torch.int64, device)[:, None]
-        return torch.zeros(len(self.drafts), vocab, device=device).scatter_(1, ids, 1.0)
+        return DraftProbs(ids, torch.ones(ids.shape, device=device)).dense(vocab, device)
 
 
 def sample_verdicts(processed: torch.Tensor, requests: list[SampledRequest]) -> list[torch.Tensor]:
