@@ -15,9 +15,11 @@ gen_minutes=${GEN_MINUTES:-20} phases=${PHASES:-generate,train}  # PHASES: gener
 mkdir -p "$run"
 # NUM_PROMPTS / SELF_INSTRUCT: first-turn prompts and self-instruct seeds (the third stage: 44000 and 6000, engine
 # written). DENSE_BATCH: write the text with dense_generate in batches of this many (0: through the engine).
+# SEED (default 0) seeds the self-instruct requests, the sampled responses and the training order: another seed
+# writes new text from the same prompts.
 common=(--target "$target" --prompts "$prompts" --num-prompts "${NUM_PROMPTS:-60000}"
         --self-instruct "${SELF_INSTRUCT:-8000}" --dense-batch "${DENSE_BATCH:-512}" --max-new-tokens 512
-        --temperatures 0,0.7 --max-num-seqs 512 --data "$run/data.jsonl" --seed 0 --no-progress --max-len 1024)
+        --temperatures 0,0.7 --max-num-seqs 512 --data "$run/data.jsonl" --seed "${SEED:-0}" --no-progress --max-len 1024)
 train() { python3 -m executor_service.training.cli "${common[@]}" "$@"; }
 
 # 1. The target writes every round once (self-instruct requests, first turns, follow-up turns; greedy and
