@@ -42,7 +42,7 @@ read -r -a methods <<< "${METHODS:-eagle3 dflash eagle}"
 for method in "${methods[@]}"; do
   [[ $method == eagle3 || $method == dflash || $method == eagle ]] || { echo "METHODS: unknown $method" >&2; exit 2; }
 done
-fit=(--generation-minutes 0 --batch-size 16 --epochs 8)
+fit=(--generation-minutes 0 --batch-size "${BATCH:-16}" --epochs 8)  # BATCH: sequences a step
 if [[ -n ${TRAIN_MINUTES:-} ]]; then
   minutes=$TRAIN_MINUTES
   if [[ ${SERIAL:-0} == 1 ]]; then minutes=$(python3 -c "print(round($TRAIN_MINUTES / ${#methods[@]}, 2))"); fi
