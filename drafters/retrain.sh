@@ -7,7 +7,7 @@
 # (the GPU host has no network), with the same seed and held-out share as `train-drafter --corpus`; see
 # drafters/README.md ("Retraining"). GEN_MINUTES bounds generation (default 20: it starts no new chunk after
 # that; on an H100 about 36,700 responses took 13 minutes). Each drafter trains for at most E3_STEPS,
-# DFLASH_STEPS or EAGLE_STEPS steps at batch 16; TRAIN_MINUTES fits the runs to that many minutes (the step
+# DFLASH_STEPS or EAGLE_STEPS steps of BATCH sequences (default 16); TRAIN_MINUTES fits the runs to that many minutes (the step
 # count is fitted to the pace again every 100 steps). Five runs at once at batch 32 ran out of the H100's 80 GB.
 set -euo pipefail
 target=${1:?TARGET} run=${2:?RUN_DIR} prompts=${3:?PROMPTS}
