@@ -41,12 +41,15 @@ class Batch:
     response_start: torch.Tensor  # [B] position of each row's first response token
 
 
-def collate(sequences: list[Sequence], max_len: int, device: torch.device) -> Batch:
-    """Right-pad to the longest row. A sequence longer than `max_len` loses the start of its prompt first
-    (a long conversation keeps its latest turns and the response), then the end of its response."""
+def collate(sequences: list[Sequence], max_len: int, device: torch.device, pad_multiple: int = 1) -> Batch:
+    """Right-pad to the longest row, rounded up to a multiple of `pad_multiple` (never past `max_len` for that):
+    few distinct widths let attention reuse its plans (see Trainer). A sequence longer than `max_len` loses the
+    start of its prompt first (a long conversation keeps its latest turns and the response), then the end of
+    its response. Padding is never a response token, so it is never scored."""
     cuts = [min(len(s.prompt), max(0, len(s.ids) - max_len)) for s in sequences]
     rows = [s.ids[cut : cut + max_len] for s, cut in zip(sequences, cuts, strict=True)]
-    width = max(len(r) for r in rows)
+    longest = max(len(r) for r in rows)
+    width = max(longest, min(-(-longest // pad_multiple) * pad_multiple, max_len))
     ids = torch.zeros(len(rows), width, dtype=torch.int64)
     for index, row in enumerate(rows):
         ids[index, : len(row)] = torch.tensor(row, dtype=torch.int64)

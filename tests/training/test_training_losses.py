@@ -119,3 +119,29 @@ def test_distill_is_checked(argv: list[str], message: str) -> None:
     base = ["--method", "eagle3", "--target", "synthetic:tiny", "--out", "x"]
     with pytest.raises(ValueError, match=message):
         recipe_from(build_parser().parse_args(base + argv))
+
+
+def test_padding_to_a_width_multiple_changes_no_loss_or_metric() -> None:
+    """Trainer pads a batch's width up to a multiple of PAD_MULTIPLE (fewer shapes for attention to plan):
+    padding is never scored and real rows never attend to it, so every number must stay what it was."""
+    torch.manual_seed(0)
+    target = tiny_model().model
+    rng = random.Random(2)
+    vocab = target.config.vocab_size
+    sequences = [
+        Sequence([rng.randrange(vocab) for _ in range(3)], [rng.randrange(vocab) for _ in range(n)]) for n in (6, 10)
+    ]
+    recipe = with_overrides(RECIPES["eagle3"], intermediate_size=96, draft_vocab_size=vocab // 2)
+    drafter, t2d = trainable_drafter(draft_config(recipe, target.config), target, sequences, 0, CPU)
+    soft_ids = torch.arange(drafter.d2t.shape[0]) + drafter.d2t
+    settings = LossSettings(ttt_steps=3, distill=0.5)
+    outs = {}
+    for multiple in (1, 8, 64):
+        batch = collate(sequences, 24, CPU, pad_multiple=multiple)
+        outs[multiple] = (batch.ids.shape[1], eagle_loss(drafter, target_view(target, drafter.config, batch, soft_ids),
+                                                         settings, t2d))  # fmt: skip
+    assert [width for width, _ in outs.values()] == [13, 16, 24]  # 13 tokens; 64 is capped at max_len
+    for width, out in outs.values():
+        assert out.loss.item() == pytest.approx(outs[1][1].loss.item(), rel=1e-5), width
+        for name, value in outs[1][1].metrics.items():
+            assert out.metrics[name] == pytest.approx(value, rel=1e-5, abs=1e-6), (width, name)
