@@ -27,8 +27,8 @@ NUM_KV_BLOCKS = 512  # 8192 tokens: the context of either model, small enough fo
 # (DFlash proposes its block size - 1, and is slower on both). H100, the third-stage EAGLE-3 (the sixth-stage one
 # shipped now has not been timed at k = 3; docs/demo.md),
 # bench/results/acceptance_2026-11-24_h100_8bc9587_eagle3-chain-vs-trees: k = 3 2.50x, k = 7 2.35x (DFlash k = 7
-# 2.41x, k = 15 2.47x in acceptance_2026-11-24_h100_8bc9587_dflash). A 2-core CPU, acceptance_2026-11-24_cpu_8bc9587:
-# EAGLE-3 k = 7 1.15x (1.13-1.16), k = 3 1.08x (1.07-1.10), DFlash 0.89-0.91x.
+# 2.41x, k = 15 2.47x in acceptance_2026-11-24_h100_8bc9587_dflash). A 2-core CPU, the shipped drafters,
+# acceptance_2026-11-25_cpu_8af13f7_stage6: EAGLE-3 k = 7 1.41x (1.35-1.42), k = 3 1.18x, DFlash 1.01-1.11x.
 DEFAULT_EAGLE_K = {"cuda": 3, "cpu": 7}
 
 
