@@ -100,7 +100,10 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--stop-after-steps", type=int, help="stop after this many steps (resume later)")
     run.add_argument("--max-steps", type=int, help="train at most this many steps (the schedule fits them)")
     run.add_argument(
-        "--init-from", type=Path, help="a published drafter of the recipe's shape to go on training (fine-tuning)"
+        "--init-from",
+        type=Path,
+        help="a published drafter of the recipe's shape to go on training (fine-tuning); DFlash and EAGLE-1 may have "
+        "fewer layers than the recipe (--num-layers): new layers are added on top, starting as no-ops",
     )
     run.add_argument("--train-minutes", type=float, help="fit the run to this time (steps 10-30 set the pace)")
     run.add_argument(
@@ -203,7 +206,7 @@ def run(args: argparse.Namespace, command: str) -> dict[str, Any]:
     config = draft_config(recipe, loaded.config, mask_token_id=0)
     if args.init_from:
         config = pretrained_config(args.init_from, config, loaded.config)
-        drafter, t2d = pretrained_drafter(args.init_from, config, loaded.model, device)
+        drafter, t2d = pretrained_drafter(args.init_from, config, loaded.model, device, args.seed)
     else:
         config = with_mask_token(config, sequences)
         drafter, t2d = trainable_drafter(config, loaded.model, train, args.seed, device)

@@ -10,6 +10,10 @@ the target where the shapes allow it.
 
 Or a published drafter to go on training (`--init-from`, `pretrained_drafter`): its weights, EAGLE-3's
 reduced vocabulary and DFlash's mask token are kept, so the fine-tuned drafter stays a drop-in replacement.
+A DFlash or EAGLE-1 recipe with more layers than the published drafter grows it: the published layers come
+first, and each new layer starts with its output projections (attention's o_proj, the MLP's down_proj) at zero,
+so it adds nothing to the residual stream and the grown drafter drafts exactly what the published one did until
+training moves it.
 """
 
 from __future__ import annotations
@@ -51,6 +55,7 @@ def draft_vocabulary(counts: torch.Tensor, size: int) -> torch.Tensor:
 
 INIT_FIELD = "--init-from"
 SHAPE_FIELDS = ("num_layers", "hidden_size", "intermediate_size", "num_heads", "num_kv_heads", "head_size")
+GROWABLE = ("dflash", "eagle")  # drafters of a stack of decoder layers: --init-from may add layers on top
 DRAFT_FIELDS = ("target_layer_ids", "draft_vocab_size", "block_size")
 
 
@@ -87,27 +92,61 @@ def trainable_drafter(
     return drafter.train().requires_grad_(True), t2d
 
 
+def published_config(directory: Path, method: str, target: ModelConfig) -> DraftConfig:
+    raw = read_config_json(directory, INIT_FIELD)
+    return draft_from_hf(raw, method, target, executor_pb2.DraftModel(), INIT_FIELD)
+
+
 def pretrained_config(directory: Path, recipe_config: DraftConfig, target: ModelConfig) -> DraftConfig:
     """The published drafter's config, which must have the recipe's shape (the recipe's flags change the
-    optimization only); ValueError naming what differs."""
-    raw = read_config_json(directory, INIT_FIELD)
-    config = draft_from_hf(raw, recipe_config.method, target, executor_pb2.DraftModel(), INIT_FIELD)
+    optimization only), except that a growable drafter may have fewer layers than the recipe (the config then
+    has the recipe's count); ValueError naming what differs."""
+    config = published_config(directory, recipe_config.method, target)
     pairs = [(name, getattr(config.model, name), getattr(recipe_config.model, name)) for name in SHAPE_FIELDS]
     pairs += [(name, getattr(config, name), getattr(recipe_config, name)) for name in DRAFT_FIELDS]
-    differ = [f"{name} {mine} (recipe {wanted})" for name, mine, wanted in pairs if mine != wanted]
+    grows = config.method in GROWABLE and config.model.num_layers < recipe_config.model.num_layers
+    differ = [
+        f"{name} {mine} (recipe {wanted})"
+        for name, mine, wanted in pairs
+        if mine != wanted and not (grows and name == "num_layers")
+    ]
     if differ:
         raise ValueError(f"{INIT_FIELD} {directory}: not the recipe's drafter: " + "; ".join(differ))
-    return config
+    return replace(config, model=replace(config.model, num_layers=recipe_config.model.num_layers))
 
 
 @torch.no_grad()
 def pretrained_drafter(
-    directory: Path, config: DraftConfig, target: DecoderModel, device: torch.device
+    directory: Path, config: DraftConfig, target: DecoderModel, device: torch.device, seed: int = 0
 ) -> tuple[Drafter, torch.Tensor | None]:
-    """The published drafter in fp32 with gradients on, and EAGLE-3's t2d from its own d2t."""
+    """The published drafter in fp32 with gradients on (grown to config's layers, the new ones' other weights
+    drawn from `seed`), and EAGLE-3's t2d from its own d2t."""
     heads = TargetHeads(target.embed_tokens, target.lm_head)
-    drafter = load_drafter(directory, config, heads, torch.float32, device, INIT_FIELD)
+    published = published_config(directory, config.method, target.config).model.num_layers
+    if published < config.model.num_layers:
+        drafter = grown_drafter(directory, config, published, heads, seed, device)
+    else:
+        drafter = load_drafter(directory, config, heads, torch.float32, device, INIT_FIELD)
     t2d = None
     if isinstance(drafter, Eagle3Drafter):
         t2d = vocab_maps(drafter.target_ids().cpu(), config.model.vocab_size)[1].to(device)
     return drafter.train().requires_grad_(True), t2d
+
+
+@torch.no_grad()
+def grown_drafter(
+    directory: Path, config: DraftConfig, published: int, heads: TargetHeads, seed: int, device: torch.device
+) -> Drafter:
+    """The published drafter's `published` layers, then new ones whose output projections are zero."""
+    shallow_config = replace(config, model=replace(config.model, num_layers=published))
+    shallow = load_drafter(directory, shallow_config, heads, torch.float32, device, INIT_FIELD)
+    drafter = synthetic_drafter(config, heads, seed, torch.float32, device)
+    missing, unexpected = drafter.load_state_dict(shallow.state_dict(), strict=False)
+    new_layers = tuple(f"layers.{index}." for index in range(published, config.model.num_layers))
+    assert not unexpected and all(name.startswith(new_layers) for name in missing), (missing, unexpected)
+    for layer in drafter.layers[published:]:
+        for projection in (layer.self_attn.o_proj, layer.mlp.down_proj):
+            projection.weight.zero_()
+            if projection.bias is not None:
+                projection.bias.zero_()
+    return drafter

@@ -89,6 +89,43 @@ def test_init_from_refuses_a_drafter_of_another_shape(tmp_path: Path, capsys: py
     assert "not the recipe's drafter: intermediate_size 64 (recipe 96)" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("method", ["dflash", "eagle"])
+def test_init_from_grows_a_drafter_by_layers_that_start_as_no_ops(method: str, tmp_path: Path) -> None:
+    """--num-layers above the published drafter's: its layers come first, each new layer's output projections
+    start at zero, so before training the grown drafter scores exactly what the published one does (the same
+    validation metrics as a same-depth --init-from run); at lr 0 the written drafter keeps all of that."""
+    from safetensors.torch import load_file
+
+    target = save_toy_target(tmp_path / "target")
+    base = ["train-drafter", "--method", method, "--target", str(target), *TINY_RUN]
+    assert main([*base, "--num-layers", "1", "--out", str(tmp_path / "first")]) == 0
+    first = tmp_path / "first" / "drafter"
+    frozen = [*base, "--lr", "0", "--init-from", str(first)]
+    assert main([*frozen, "--num-layers", "1", "--out", str(tmp_path / "same")]) == 0
+    assert main([*frozen, "--num-layers", "2", "--out", str(tmp_path / "grown")]) == 0
+    same, grown = (json.loads((tmp_path / run / "training_log.json").read_text()) for run in ("same", "grown"))
+    assert grown["validation_before"] == same["validation_before"]
+    published = load_file(str(first / "model.safetensors"))
+    written = load_file(str(tmp_path / "grown" / "drafter" / "model.safetensors"))
+    assert all(torch.equal(written[name], published[name]) for name in published)
+    new = {name: value for name, value in written.items() if name not in published}
+    assert new and all(name.startswith(("layers.1.", "model.layers.1.")) for name in new), sorted(new)
+    outputs = [v for name, v in new.items() if "o_proj" in name or "down_proj" in name]
+    assert len(outputs) >= 2 and all(not v.any() for v in outputs)
+    assert any(v.any() for name, v in new.items() if "q_proj" in name or "qkv" in name)  # drawn, not zero
+    config = json.loads((tmp_path / "grown" / "drafter" / "config.json").read_text())
+    assert config["num_hidden_layers"] == 2
+
+
+def test_init_from_refuses_to_drop_layers(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    target = save_toy_target(tmp_path / "target")
+    base = ["train-drafter", "--method", "dflash", "--target", str(target), *TINY_RUN]
+    assert main([*base, "--num-layers", "2", "--out", str(tmp_path / "first")]) == 0
+    shallower = [*base, "--num-layers", "1", "--init-from", str(tmp_path / "first" / "drafter")]
+    assert main([*shallower, "--out", str(tmp_path / "shallower")]) == 1
+    assert "not the recipe's drafter: num_layers 2 (recipe 1)" in capsys.readouterr().err
+
+
 def test_train_minutes_stops_the_run_at_the_first_fit_once_over_budget(tmp_path: Path) -> None:
     """--train-minutes through the training loop: a budget already spent when steps 10-30 have set the pace
     ends the run one step later (step 31 of the recipe's 60), and the drafter is still written."""
