@@ -259,7 +259,7 @@ def main(argv: list[str] | None = None) -> int:
         log = run(args, shlex.join(["specdec", "train-drafter", *argv]))
     except (ValueError, FileNotFoundError, SpecdecError) as err:
         details = [f"{v.field}: {v.description}" for v in getattr(err, "field_violations", ())]
-        print("; ".join([f"error: {err}", *details]), file=sys.stderr)
+        print("; ".join([f"error: {err}", *(d for d in details if d not in str(err))]), file=sys.stderr)
         return 1
     if not log["finished"]:
         print(f"stopped at step {log['steps']}; continue with --resume")

@@ -126,6 +126,13 @@ def test_init_from_refuses_to_drop_layers(tmp_path: Path, capsys: pytest.Capture
     assert "not the recipe's drafter: num_layers 2 (recipe 1)" in capsys.readouterr().err
 
 
+def test_a_field_error_is_printed_once(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    argv = ["train-drafter", "--method", "eagle3", "--target", "synthetic:tiny", "--num-layers", "2", *TINY_RUN]
+    assert main([*argv, "--out", str(tmp_path / "run")]) == 1
+    err = capsys.readouterr().err
+    assert err.count("EAGLE-3 drafters have exactly one layer") == 1, err
+
+
 def test_train_minutes_stops_the_run_at_the_first_fit_once_over_budget(tmp_path: Path) -> None:
     """--train-minutes through the training loop: a budget already spent when steps 10-30 have set the pace
     ends the run one step later (step 31 of the recipe's 60), and the drafter is still written."""
