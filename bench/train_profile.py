@@ -25,6 +25,7 @@ from common import provenance, versions, write_result
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from executor_service.training.cli import pick_device
+from executor_service.training.dense_generate import BACKENDS
 from executor_service.training.features import Sequence
 from executor_service.training.init import pretrained_config, pretrained_drafter, trainable_drafter
 from executor_service.training.recipes import RECIPES, draft_config, with_overrides
@@ -92,8 +93,7 @@ def main() -> None:
     else:
         drafter, t2d = trainable_drafter(config, loaded.model, sequences, 0, device)
     trainer = Trainer(drafter, loaded.model, sequences, recipe, 0, device, t2d, False, args.pad_multiple)
-    backends = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
-    backends += [] if args.no_cudnn else [SDPBackend.CUDNN_ATTENTION]
+    backends = BACKENDS + ([] if args.no_cudnn else [SDPBackend.CUDNN_ATTENTION])  # dense_generate's, and cuDNN
     with sdpa_kernel(backends):
         for _ in range(2):  # warm-up: allocator, autotuning
             timed_step(trainer)

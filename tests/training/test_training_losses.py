@@ -10,6 +10,8 @@ import torch
 import torch.nn.functional as F
 from executor_builders import tiny_model
 
+from executor_service.draft_models import Eagle3Drafter
+from executor_service.model import DecoderModel
 from executor_service.training.features import Sequence, collate, shifted, target_view
 from executor_service.training.init import trainable_drafter
 from executor_service.training.losses import LossSettings, eagle_loss
@@ -73,19 +75,30 @@ def test_eagle_losses_equal_the_selected_rows_formulation(method: str) -> None:
         assert out.metrics[name] == pytest.approx(value, rel=1e-5, abs=1e-6), name
 
 
-def test_distillation_trains_towards_the_targets_distribution_over_the_draft_vocabulary() -> None:
-    """--distill w: the loss is (1 - w) x the greedy cross-entropy + w x the cross-entropy against the target's
-    distribution over the draft vocabulary (renormalized there); w = 0 leaves the greedy loss unchanged."""
+def tiny_eagle3(
+    seed: int, response_lengths: tuple[int, ...]
+) -> tuple[DecoderModel, list[Sequence], Eagle3Drafter, torch.Tensor | None]:
+    """The tiny target, sequences of a 3-token prompt and random responses of these lengths, and an EAGLE-3
+    drafter over half its vocabulary (with its t2d)."""
     torch.manual_seed(0)
     target = tiny_model().model
-    rng = random.Random(1)
+    rng = random.Random(seed)
     vocab = target.config.vocab_size
     sequences = [
-        Sequence([rng.randrange(vocab) for _ in range(3)], [rng.randrange(vocab) for _ in range(n)]) for n in (7, 11)
+        Sequence([rng.randrange(vocab) for _ in range(3)], [rng.randrange(vocab) for _ in range(n)])
+        for n in response_lengths
     ]
     recipe = with_overrides(RECIPES["eagle3"], intermediate_size=96, draft_vocab_size=vocab // 2)
     drafter, t2d = trainable_drafter(draft_config(recipe, target.config), target, sequences, 0, CPU)
-    soft_ids = torch.arange(drafter.d2t.shape[0]) + drafter.d2t
+    assert isinstance(drafter, Eagle3Drafter)
+    return target, sequences, drafter, t2d
+
+
+def test_distillation_trains_towards_the_targets_distribution_over_the_draft_vocabulary() -> None:
+    """--distill w: the loss is (1 - w) x the greedy cross-entropy + w x the cross-entropy against the target's
+    distribution over the draft vocabulary (renormalized there); w = 0 leaves the greedy loss unchanged."""
+    target, sequences, drafter, t2d = tiny_eagle3(seed=1, response_lengths=(7, 11))
+    soft_ids = drafter.target_ids()
     batch = collate(sequences, 64, CPU)
     view = target_view(target, drafter.config, batch, soft_ids)
     logits = target.compute_logits(view.hidden.flatten(0, 1)).view(*view.ids.shape, -1)
@@ -124,16 +137,8 @@ def test_distill_is_checked(argv: list[str], message: str) -> None:
 def test_padding_to_a_width_multiple_changes_no_loss_or_metric() -> None:
     """Trainer pads a batch's width up to a multiple of PAD_MULTIPLE (fewer shapes for attention to plan):
     padding is never scored and real rows never attend to it, so every number must stay what it was."""
-    torch.manual_seed(0)
-    target = tiny_model().model
-    rng = random.Random(2)
-    vocab = target.config.vocab_size
-    sequences = [
-        Sequence([rng.randrange(vocab) for _ in range(3)], [rng.randrange(vocab) for _ in range(n)]) for n in (6, 10)
-    ]
-    recipe = with_overrides(RECIPES["eagle3"], intermediate_size=96, draft_vocab_size=vocab // 2)
-    drafter, t2d = trainable_drafter(draft_config(recipe, target.config), target, sequences, 0, CPU)
-    soft_ids = torch.arange(drafter.d2t.shape[0]) + drafter.d2t
+    target, sequences, drafter, t2d = tiny_eagle3(seed=2, response_lengths=(6, 10))
+    soft_ids = drafter.target_ids()
     settings = LossSettings(ttt_steps=3, distill=0.5)
     outs = {}
     for multiple in (1, 8, 64):
