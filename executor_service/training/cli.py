@@ -50,6 +50,9 @@ RECIPE_FIELDS = {
     "num_layers": int, "intermediate_size": int, "num_feature_layers": int, "draft_vocab_size": int,
     "block_size": int, "ttt_steps": int, "num_anchors": int, "gamma": float, "distill": float,
 }  # fmt: skip
+# The methods --distill trains towards the target's distribution: EAGLE-3 over its draft vocabulary, DFlash over
+# the target's top-K (features.TEACHER_TOP_K).
+DISTILLED = ("eagle3", "dflash")
 VALIDATION_SHARE, VALIDATION_MAX = 0.02, 256  # generated sequences kept out of training, for the log
 
 
@@ -119,8 +122,8 @@ def recipe_from(args: argparse.Namespace) -> Recipe:
     recipe = with_overrides(RECIPES[args.method], **{name: getattr(args, name) for name in RECIPE_FIELDS})
     if not 0 <= recipe.loss.distill <= 1:
         raise ValueError(f"--distill is the distillation share of the loss, in [0, 1]; got {recipe.loss.distill}")
-    if recipe.loss.distill and args.method != "eagle3":
-        raise ValueError("--distill is for eagle3 (its own head over the draft vocabulary)")
+    if recipe.loss.distill and args.method not in DISTILLED:
+        raise ValueError(f"--distill is for {' and '.join(DISTILLED)}, not {args.method}")
     return recipe
 
 

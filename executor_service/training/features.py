@@ -19,6 +19,11 @@ from executor_service.model import DecoderModel
 from executor_service.training.dense import target_forward
 
 LABEL_CHUNK_ROWS = 4096  # rows of logits [rows, V] computed at once for the labels
+# DFlash distills against the target's K most likely next tokens at every position, not its whole distribution:
+# [B, L, V] over SmolLM2's 49,152 ids is 1.6 GB in bf16 for a batch of 16 x 1024 tokens, the top 64 (ids and
+# probabilities) 12 MB. What it drops is the tail past the 64th token, which sampling at T = 0.7 draws from even
+# less than the T = 1 distribution taught here; the kept probabilities are renormalized over the K ids.
+TEACHER_TOP_K = 64
 
 
 @dataclass(frozen=True)
@@ -67,28 +72,45 @@ class TargetView:
     valid: torch.Tensor  # [B, L] bool: the token after this position is a response token
     # [B, L, V'] bf16: the target's next-token distribution over `soft_ids` (renormalized over them), when asked
     soft: torch.Tensor | None = None
+    # [B, L, K] int64 / fp32: the target's K most likely next tokens (most likely first) and their probabilities
+    # at T = 1 renormalized over them, when asked (`teacher_k`)
+    teacher_ids: torch.Tensor | None = None
+    teacher_probs: torch.Tensor | None = None
 
 
 @torch.no_grad()
 def target_view(
-    model: DecoderModel, config: DraftConfig, batch: Batch, soft_ids: torch.Tensor | None = None
+    model: DecoderModel,
+    config: DraftConfig,
+    batch: Batch,
+    soft_ids: torch.Tensor | None = None,
+    teacher_k: int = 0,
 ) -> TargetView:
     """The features and labels; with `soft_ids` (EAGLE-3's draft vocabulary as target ids) also the target's
-    distribution over them, which distillation trains the drafter's own head towards."""
+    distribution over them, which distillation trains the drafter's own head towards; with `teacher_k` the
+    target's top-K distribution, which DFlash's distillation trains towards through the target's LM head. Both
+    are computed chunk by chunk with the labels, so no [B, L, V] tensor is ever held."""
     hidden, aux = target_forward(model, batch.ids, feature_layers(config))
     features = torch.cat(aux, dim=-1) if aux else hidden
     flat = hidden.reshape(-1, hidden.shape[-1])
-    labels, soft = [], []
+    labels, soft, top_ids, top_probs = [], [], [], []
     for i in range(0, flat.shape[0], LABEL_CHUNK_ROWS):
         logits = model.compute_logits(flat[i : i + LABEL_CHUNK_ROWS])
         labels.append(logits.argmax(-1))
         if soft_ids is not None:
             soft.append(logits.index_select(-1, soft_ids).float().softmax(-1).to(torch.bfloat16))
+        if teacher_k:  # a softmax over the kept logits: the full softmax's probabilities renormalized over them
+            top = logits.topk(min(teacher_k, logits.shape[-1]), dim=-1)
+            top_ids.append(top.indices)
+            top_probs.append(top.values.float().softmax(-1))
     shape = batch.ids.shape
     following = torch.arange(batch.ids.shape[1], device=batch.ids.device)[None] + 1
     valid = (following >= batch.response_start[:, None]) & (following < batch.lengths[:, None])
     distribution = torch.cat(soft).view(*shape, -1) if soft else None
-    return TargetView(batch.ids, features, hidden, torch.cat(labels).view(shape), valid, distribution)
+    teacher_ids = torch.cat(top_ids).view(*shape, -1) if top_ids else None
+    teacher_probs = torch.cat(top_probs).view(*shape, -1) if top_probs else None
+    labels_view = torch.cat(labels).view(shape)
+    return TargetView(batch.ids, features, hidden, labels_view, valid, distribution, teacher_ids, teacher_probs)
 
 
 def shifted(x: torch.Tensor, by: int, fill: float | bool | int = 0) -> torch.Tensor:

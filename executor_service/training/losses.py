@@ -6,6 +6,9 @@
   vocabulary (t2d); tokens outside it are not scored. Step j weighs `step_decay ** j`.
 - DFlash: random anchors in the response; cross-entropy of slots 1 .. B-1, slot i weighted by
   exp(-(i - 1) / gamma).
+- Distillation (`distill` w > 0, EAGLE-3 and DFlash): (1 - w) x that cross-entropy + w x cross-entropy against
+  the target's distribution: over EAGLE-3's draft vocabulary, or the target's top-K tokens for DFlash (whose
+  drafter scores the whole vocabulary; see features.TEACHER_TOP_K).
 
 `accept_length` is, over the scored rows, 1 + the mean number of leading correct drafts: what greedy
 verification would accept there (exact for DFlash's block and for the unrolled chain, given the target's
@@ -34,9 +37,10 @@ class LossSettings:
     token_weight: float = 0.1  # EAGLE-1
     num_anchors: int = 32  # DFlash, per sequence
     gamma: float = 7.0  # DFlash
-    # EAGLE-3: the share of the loss that is distillation, cross-entropy against the target's distribution over
-    # the draft vocabulary (view.soft) instead of its greedy token: sampled requests accept by how much of the
-    # target's distribution the drafter covers, which greedy labels alone do not teach. 0: greedy labels only.
+    # EAGLE-3 and DFlash: the share of the loss that is distillation, cross-entropy against the target's
+    # distribution (EAGLE-3: over its draft vocabulary, view.soft; DFlash: the target's top-K, view.teacher_*)
+    # instead of its greedy token: sampled requests accept by how much of the target's distribution the drafter
+    # covers, which greedy labels alone do not teach. 0: greedy labels only.
     distill: float = 0.0
 
 
@@ -135,6 +139,8 @@ def sample_anchors(view: TargetView, count: int, generator: torch.Generator) -> 
 def dflash_loss(
     drafter: DFlashDrafter, view: TargetView, settings: LossSettings, generator: torch.Generator
 ) -> LossOutput:
+    """Only the scored rows go through the target's LM head (all rows of the whole vocabulary would not fit),
+    and their fp32 log-softmax is built once, for the cross-entropy and the distillation alike."""
     assert drafter.target is not None
     size = drafter.config.block_size
     anchors, real = sample_anchors(view, settings.num_anchors, generator)
@@ -146,13 +152,29 @@ def dflash_loss(
     labels = view.labels.gather(1, flat).view_as(label_positions)
     valid = view.valid.gather(1, flat).view_as(label_positions) & within & real[..., None]
     weights = torch.exp(-torch.arange(size - 1, device=anchors.device, dtype=torch.float32) / settings.gamma)
-    logits = drafter.target.lm_head(hidden[valid]).float()
-    per_token = F.cross_entropy(logits, labels[valid], reduction="none")
+    logits = drafter.target.lm_head(hidden[valid])
+    predicted, log_q = logits.argmax(-1), logits.float().log_softmax(-1)  # [N], [N, V]
+    del logits  # only log_q ([N, V] fp32, kept for the backward) stays: no fp32 logits beside it
+    # One gather for the label and the teacher's ids: its backward builds one [N, V] gradient, not one per part.
+    picked_ids, teacher_probs = labels[valid][:, None], None
+    if settings.distill > 0:
+        assert view.teacher_ids is not None and view.teacher_probs is not None, "distillation needs teacher_k"
+        rows = torch.arange(label_positions.shape[0], device=anchors.device)[:, None, None]
+        teacher_ids = view.teacher_ids[rows, label_positions][valid]  # [N, K], at the labels' positions
+        teacher_probs = view.teacher_probs[rows, label_positions][valid].float()
+        picked_ids = torch.cat([picked_ids, teacher_ids.long()], dim=-1)
+    picked = log_q.gather(-1, picked_ids)
+    per_token = -picked[:, 0]  # what F.cross_entropy computes
+    values = {"ce": per_token.detach().sum() / max(per_token.numel(), 1)}
+    if teacher_probs is not None:
+        soft_ce = -(teacher_probs * picked[:, 1:]).sum(-1)
+        values["soft_ce"] = soft_ce.detach().sum() / max(soft_ce.numel(), 1)
+        per_token = (1 - settings.distill) * per_token + settings.distill * soft_ce
     row_weights = weights.expand_as(valid)[valid]
     loss = (per_token * row_weights).sum() / row_weights.sum().clamp(min=1e-6)
     correct = torch.zeros_like(valid)
-    correct[valid] = logits.argmax(-1) == labels[valid]
-    values = {"loss": loss.detach(), "ce": per_token.detach().sum() / max(per_token.numel(), 1)}
+    correct[valid] = predicted == labels[valid]
+    values = {"loss": loss.detach(), **values}
     for slot in range(size - 1):
         here = valid[..., slot]
         values[f"acc_{slot}"] = (correct[..., slot] & here).sum() / here.sum().clamp(min=1)

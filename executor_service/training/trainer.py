@@ -20,9 +20,9 @@ from typing import Any
 
 import torch
 
-from executor_service.draft_models import Drafter, Eagle3Drafter
+from executor_service.draft_models import DFlashDrafter, Drafter, Eagle3Drafter
 from executor_service.model import DecoderModel
-from executor_service.training.features import Sequence, collate, target_view
+from executor_service.training.features import TEACHER_TOP_K, Sequence, collate, target_view
 from executor_service.training.losses import drafter_loss, read_metrics
 from executor_service.training.progress import Progress
 from executor_service.training.recipes import Recipe
@@ -81,10 +81,11 @@ class Trainer:
         self.time_budget: float | None = None  # seconds: the run is shortened to fit (see fit_to_budget)
         self.step_cap: int | None = None  # the recipe's (or --max-steps') total, once a fit has changed it
         self._orders: dict[int, list[list[int]]] = {}  # the current epoch's batches (sequence indices)
-        # EAGLE-3's draft vocabulary as target ids when the recipe distills: the target's distribution over it
-        # is computed with the labels (else None: no distribution).
-        distills = recipe.loss.distill > 0 and isinstance(drafter, Eagle3Drafter)
-        self.soft_ids = drafter.target_ids() if distills else None
+        # When the recipe distills, the target's distribution is computed with the labels: over EAGLE-3's draft
+        # vocabulary (its target ids), or DFlash's top-K teacher (the drafter scores the whole vocabulary).
+        distills = recipe.loss.distill > 0
+        self.soft_ids = drafter.target_ids() if distills and isinstance(drafter, Eagle3Drafter) else None
+        self.teacher_k = TEACHER_TOP_K if distills and isinstance(drafter, DFlashDrafter) else 0
 
     def _lr_factor(self, step: int) -> float:
         warmup = max(1, round(self.recipe.warmup_ratio * self.total_steps))
@@ -124,7 +125,7 @@ class Trainer:
         """One step; `mark` (bench/train_profile.py) is called with each part's name as it is queued."""
         mark = mark or (lambda _part: None)
         batch = collate(self.batch(self.step), self.recipe.max_len, self.device, self.pad_multiple)
-        view = target_view(self.target, self.drafter.config, batch, self.soft_ids)
+        view = target_view(self.target, self.drafter.config, batch, self.soft_ids, self.teacher_k)
         mark("target_view")
         with self._autocast():
             out = drafter_loss(self.drafter, view, self.recipe.loss, self.generator, self.t2d)
@@ -198,7 +199,7 @@ class Trainer:
         batches = [sequences[i : i + size] for i in range(0, len(sequences), size)]
         for chunk in batches:
             batch = collate(chunk, self.recipe.max_len, self.device, self.pad_multiple)
-            view = target_view(self.target, self.drafter.config, batch, self.soft_ids)
+            view = target_view(self.target, self.drafter.config, batch, self.soft_ids, self.teacher_k)
             with self._autocast():
                 out = drafter_loss(self.drafter, view, self.recipe.loss, generator, self.t2d)
             for name, value in out.metrics.items():

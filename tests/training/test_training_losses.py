@@ -124,7 +124,7 @@ def test_distillation_trains_towards_the_targets_distribution_over_the_draft_voc
 
 @pytest.mark.parametrize(("argv", "message"), [
     (["--distill", "1.5"], "in \\[0, 1\\]"),
-    (["--distill", "0.5", "--method", "dflash"], "for eagle3"),
+    (["--distill", "0.5", "--method", "eagle"], "--distill is for eagle3 and dflash, not eagle"),
 ])  # fmt: skip
 def test_distill_is_checked(argv: list[str], message: str) -> None:
     from executor_service.training.cli import build_parser, recipe_from
@@ -132,6 +132,14 @@ def test_distill_is_checked(argv: list[str], message: str) -> None:
     base = ["--method", "eagle3", "--target", "synthetic:tiny", "--out", "x"]
     with pytest.raises(ValueError, match=message):
         recipe_from(build_parser().parse_args(base + argv))
+
+
+@pytest.mark.parametrize("method", ["eagle3", "dflash"])
+def test_distill_is_taken_by_eagle3_and_dflash(method: str) -> None:
+    from executor_service.training.cli import build_parser, recipe_from
+
+    argv = ["--method", method, "--target", "synthetic:tiny", "--out", "x", "--distill", "0.5"]
+    assert recipe_from(build_parser().parse_args(argv)).loss.distill == 0.5
 
 
 def test_padding_to_a_width_multiple_changes_no_loss_or_metric() -> None:
