@@ -10,6 +10,8 @@
 #       responses (data.tgz.partNN), to carry to the next machine.
 # PHASES=generate or PHASES=train (retrain.sh) splits the work over two machines of 30 minutes each: the first
 # generates and brings `data` back, the second is started with DATA_PARTS=DIR (the carried parts) and trains.
+# EXTRA_DATA_PARTS=DIR: the `data` parts of another run (e.g. another SEED), unpacked into $RUN_DIR/extra and
+# trained on beside this run's text (retrain.sh's EXTRA_DATA).
 # BENCH=0 skips the benchmark after training (a machine whose time runs out first).
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -34,9 +36,14 @@ case ${1:?start|follow} in
     mkdir -p "$run/bench" && rm -f "$run/done"
     gunzip -c "${2:?PROMPTS.jsonl.gz}" > "$run/prompts_train.jsonl"
     if [[ -n ${DATA_PARTS:-} ]]; then cat "$DATA_PARTS"/data.tgz.part* | tar xzf - -C "$run"; fi
+    extra_data=
+    if [[ -n ${EXTRA_DATA_PARTS:-} ]]; then
+      mkdir -p "$run/extra" && cat "$EXTRA_DATA_PARTS"/data.tgz.part* | tar xzf - -C "$run/extra"
+      extra_data=$run/extra/data.jsonl
+    fi
     rm -rf "$work" && mkdir -p "$work" && cp -r . "$work" && cd "$work"
     setsid nohup bash -c "$(declare -f bench); run=$run gguf=$gguf
-      PHASES=${PHASES:-generate,train} bash drafters/retrain.sh $gguf $run $run/prompts_train.jsonl > $run/pipeline.log 2>&1
+      EXTRA_DATA=$extra_data PHASES=${PHASES:-generate,train} bash drafters/retrain.sh $gguf $run $run/prompts_train.jsonl > $run/pipeline.log 2>&1
       [[ ${PHASES:-train} == *train* && ${BENCH:-1} == 1 ]] && bench > $run/bench.log 2>&1; touch $run/done" > /dev/null 2>&1 < /dev/null &
     echo "started in $run"
     ;;

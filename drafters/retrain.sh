@@ -9,6 +9,8 @@
 # that; on an H100 about 36,700 responses took 13 minutes). Each drafter trains for at most E3_STEPS,
 # DFLASH_STEPS or EAGLE_STEPS steps of BATCH sequences (default 16); TRAIN_MINUTES fits the runs to that many minutes (the step
 # count is fitted to the pace again every 100 steps). Five runs at once at batch 32 ran out of the H100's 80 GB.
+# EXTRA_DATA: space-separated data.jsonl files another run generated (e.g. with another SEED), trained on beside
+# this run's text with their round files (--extra-data; the generation run does not read them).
 set -euo pipefail
 target=${1:?TARGET} run=${2:?RUN_DIR} prompts=${3:?PROMPTS}
 gen_minutes=${GEN_MINUTES:-20} phases=${PHASES:-generate,train}  # PHASES: generate, train or both
@@ -44,6 +46,8 @@ for method in "${methods[@]}"; do
   [[ $method == eagle3 || $method == dflash || $method == eagle ]] || { echo "METHODS: unknown $method" >&2; exit 2; }
 done
 fit=(--generation-minutes 0 --batch-size "${BATCH:-16}" --epochs 8)  # BATCH: sequences a step
+read -r -a extra_data <<< "${EXTRA_DATA:-}"
+for path in "${extra_data[@]}"; do fit+=(--extra-data "$path"); done
 if [[ -n ${TRAIN_MINUTES:-} ]]; then
   minutes=$TRAIN_MINUTES
   if [[ ${SERIAL:-0} == 1 ]]; then minutes=$(python3 -c "print(round($TRAIN_MINUTES / ${#methods[@]}, 2))"); fi

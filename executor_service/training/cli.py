@@ -38,7 +38,7 @@ from executor_service.training.prompts import (
     write_prompts,
 )
 from executor_service.training.recipes import RECIPES, Recipe, draft_config, published_bytes, with_overrides
-from executor_service.training.rounds import RoundsPlan, generate_rounds
+from executor_service.training.rounds import RoundsPlan, generate_rounds, read_rounds
 from executor_service.training.target import chat_renderer, load_target, target_source
 from executor_service.training.trainer import Trainer
 from specdec_runtime.errors import SpecdecError
@@ -91,6 +91,14 @@ def build_parser() -> argparse.ArgumentParser:
     )
     data.add_argument("--temperatures", default="0,0.7", help="comma-separated, taken in turn per prompt")
     data.add_argument("--data", type=Path, help="generated responses (default OUT/data.jsonl; share between runs)")
+    data.add_argument(
+        "--extra-data",
+        type=Path,
+        action="append",
+        default=[],
+        help="a data.jsonl another run generated (e.g. with another --seed); it and its round files beside it are "
+        "trained on too (repeatable)",
+    )
     recipe = parser.add_argument_group("recipe (defaults: the method's recipe)")
     for name, kind in RECIPE_FIELDS.items():
         recipe.add_argument(f"--{name.replace('_', '-')}", dest=name, type=kind)
@@ -145,10 +153,14 @@ def training_prompts(args: argparse.Namespace) -> list[Prompt]:
 
 
 def generate_data(
-    args: argparse.Namespace, loaded: Any, renderer: Any, settings: datagen.GenerationSettings, device: torch.device
+    args: argparse.Namespace,
+    loaded: Any,
+    renderer: Any,
+    settings: datagen.GenerationSettings,
+    device: torch.device,
+    data: Path,
 ) -> tuple[list[Sequence], dict[str, Any]]:
-    """The target's responses (every round), and what the log says about them."""
-    data = args.data or args.out / "data.jsonl"
+    """The target's responses (every round, written to `data` and its round files), and what the log says."""
     if args.random_prompts:
         prompts = datagen.random_prompts(loaded.config.vocab_size, args.random_prompts, args.seed)
         sequences = datagen.generate(loaded, prompts, settings, device, data)
@@ -161,6 +173,26 @@ def generate_data(
     counts = prompt_counts(outcome.prompts)
     (args.out / "prompt_counts.json").write_text(json.dumps(counts, indent=2))
     return outcome.sequences, {"prompts": len(outcome.prompts), "prompt_counts": counts, "rounds": outcome.counts}
+
+
+def extra_sequences(paths: list[Path], data: Path, vocab_size: int) -> tuple[list[Sequence], dict[str, int]]:
+    """The sequences of --extra-data files (each with its round files), and how many came from each. Read before
+    generating, so a wrong path fails at once; text of another target (ids past its vocabulary) is refused."""
+    sequences: list[Sequence] = []
+    counts: dict[str, int] = {}
+    seen = {data.resolve()}
+    for path in paths:
+        if not path.is_file():
+            raise ValueError(f"--extra-data: {path} does not exist")
+        if path.resolve() in seen:
+            raise ValueError(f"--extra-data: {path} is named twice (or is --data itself)")
+        seen.add(path.resolve())
+        read = read_rounds(path)
+        if max((max(s.ids) for s in read if s.ids), default=-1) >= vocab_size:
+            raise ValueError(f"--extra-data: {path} holds ids past the target's {vocab_size}-token vocabulary")
+        sequences += read
+        counts[str(path)] = len(read)
+    return sequences, counts
 
 
 def split_validation(sequences: list[Sequence], seed: int) -> tuple[list[Sequence], list[Sequence]]:
@@ -201,9 +233,12 @@ def run(args: argparse.Namespace, command: str) -> dict[str, Any]:
         progress=not args.no_progress,
         deadline=deadline,
     )
+    data = args.data or args.out / "data.jsonl"
+    extra, extra_counts = extra_sequences(args.extra_data, data, loaded.config.vocab_size)
     generation_started = time.perf_counter()
-    sequences, data_log = generate_data(args, loaded, chat_renderer(source, loaded), settings, device)
+    sequences, data_log = generate_data(args, loaded, chat_renderer(source, loaded), settings, device, data)
     generation_seconds = time.perf_counter() - generation_started
+    sequences += extra
 
     train, validation = split_validation(sequences, args.seed)
     config = draft_config(recipe, loaded.config, mask_token_id=0)
@@ -239,7 +274,7 @@ def run(args: argparse.Namespace, command: str) -> dict[str, Any]:
         "drafter": {"target_layer_ids": list(config.target_layer_ids), "draft_vocab_size": config.draft_vocab_size,
                     "mask_token_id": config.mask_token_id, "block_size": config.block_size,
                     "bytes": published_bytes(config, dtype.itemsize), "dtype": args.dtype},
-        "data": {**data_log, "sequences": len(sequences),
+        "data": {**data_log, "extra": extra_counts, "sequences": len(sequences),
                  "train_sequences": len(train), "validation_sequences": len(validation),
                  "tokens": sum(len(s.ids) for s in sequences),
                  "response_tokens": sum(len(s.response) for s in sequences),

@@ -45,6 +45,13 @@ def round_path(data: Path, name: str) -> Path:
     return data.with_name(f"{data.stem}.{name}{data.suffix}")
 
 
+def read_rounds(data: Path) -> list[Sequence]:
+    """Every round's sequences that `data` and the round files beside it hold (missing files hold none), in the
+    order generate_rounds returns them: text another run wrote, to train on beside this run's (--extra-data)."""
+    paths = [round_path(data, "self_instruct"), data, round_path(data, "turn2"), round_path(data, "turn3")]
+    return [sequence for path in paths for sequence in datagen.read_sequences(path)]
+
+
 def generate_rounds(
     loaded: LoadedModel,
     renderer: ChatRenderer,

@@ -13,6 +13,7 @@ from specdec_cli.cli import main
 
 TINY_RUN = ["--random-prompts", "24", "--max-new-tokens", "8", "--epochs", "1", "--batch-size", "8",
             "--intermediate-size", "64", "--no-progress", "--device", "cpu"]  # fmt: skip
+SMALL_DFLASH = ["--block-size", "4", "--num-anchors", "8", "--num-layers", "1"]
 
 
 def test_specdec_train_drafter_writes_the_drafter_and_its_log(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
@@ -46,6 +47,10 @@ def test_dense_batch_writes_the_same_greedy_text_as_the_engine(tmp_path: Path) -
         (["--target", "synthetic:giant", "--random-prompts", "4"], "unknown synthetic preset 'giant'"),
         (["--target", "no/such/model", "--random-prompts", "4"], "--target"),
         (["--target", "synthetic:tiny", "--random-prompts", "4", "--dense-batch", "-1"], "--dense-batch: -1"),
+        (
+            ["--target", "synthetic:tiny", "--random-prompts", "4", "--extra-data", "nowhere/data.jsonl"],
+            "--extra-data: nowhere/data.jsonl does not exist",
+        ),
     ],
 )
 def test_bad_runs_are_refused_with_the_reason(
@@ -53,6 +58,38 @@ def test_bad_runs_are_refused_with_the_reason(
 ) -> None:
     assert main(["train-drafter", "--method", "dflash", "--out", str(tmp_path / "run"), *extra]) == 1
     assert message in capsys.readouterr().err
+
+
+def test_extra_data_trains_on_text_another_run_generated(tmp_path: Path) -> None:
+    """--extra-data: another run's data.jsonl and its round files beside it join this run's sequences before the
+    validation split; the log counts them per file."""
+    common = ["train-drafter", "--method", "dflash", "--target", "synthetic:tiny", *TINY_RUN, *SMALL_DFLASH]
+    assert main([*common, "--seed", "1", "--stop-after-steps", "1", "--out", str(tmp_path / "other")]) == 0
+    extra = tmp_path / "other" / "data.jsonl"
+    rows = extra.read_text().splitlines(keepends=True)
+    (tmp_path / "other" / "data.turn2.jsonl").write_text("".join(rows[:5]))  # a round file beside it
+    assert main([*common, "--out", str(tmp_path / "run"), "--extra-data", str(extra)]) == 0
+    log = json.loads((tmp_path / "run" / "training_log.json").read_text())
+    assert log["data"]["extra"] == {str(extra): 29} and log["data"]["rounds"] == {"first_turns": 24}
+    assert log["data"]["sequences"] == 53
+    assert log["data"]["train_sequences"] == 52 and log["data"]["validation_sequences"] == 1
+    assert log["steps"] == 7  # 52 sequences in batches of 8: the extra ones are trained on
+    assert (tmp_path / "run" / "data.jsonl").read_text().count("\n") == 24  # this run's own file is its own text
+
+
+def test_extra_data_of_another_vocabulary_or_named_twice_is_refused(
+    tmp_path: Path, capsys: pytest.CaptureFixture
+) -> None:
+    foreign = tmp_path / "foreign.jsonl"
+    foreign.write_text(json.dumps({"prompt": [1, 2], "response": [5000], "kind": "x"}) + "\n")
+    common = ["train-drafter", "--method", "dflash", "--target", "synthetic:tiny", *TINY_RUN]
+    assert main([*common, "--out", str(tmp_path / "run"), "--extra-data", str(foreign)]) == 1
+    assert f"--extra-data: {foreign} holds ids past the target's 512-token vocabulary" in capsys.readouterr().err
+    data = tmp_path / "data.jsonl"
+    data.write_text(json.dumps({"prompt": [1, 2], "response": [3], "kind": "x"}) + "\n")
+    twice = ["--extra-data", str(data), "--extra-data", str(tmp_path / "." / "data.jsonl")]
+    assert main([*common, "--out", str(tmp_path / "twice"), *twice]) == 1
+    assert "is named twice (or is --data itself)" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize("method", ["eagle3", "dflash"])

@@ -14,7 +14,7 @@ from executor_service.gguf_tokenizer import chat_template, gguf_tokenizer
 from executor_service.loader import LoadedModel, build_synthetic
 from executor_service.training import datagen
 from executor_service.training.prompts import ChatRenderer, Prompt
-from executor_service.training.rounds import RoundsPlan, generate_rounds, round_path
+from executor_service.training.rounds import RoundsPlan, generate_rounds, read_rounds, round_path
 from executor_service.training.self_instruct import STYLES, TOPICS, parse_request, seed_requests, unique_requests
 
 
@@ -84,6 +84,8 @@ def test_rounds_answer_follow_ups_with_the_earlier_turns_and_resume(
 
     for name in ("self_instruct", "turn2", "turn3"):
         assert round_path(data, name).exists()
+    # what --extra-data reads from another run's files: every round, in the order generation returned them
+    assert [s.ids for s in read_rounds(data)] == [s.ids for s in outcome.sequences]
     again = generate_rounds(loaded, renderer, prompts, plan, settings, torch.device("cpu"), data)
     assert [s.ids for s in again.sequences] == [s.ids for s in outcome.sequences]  # read back, not regenerated
 
