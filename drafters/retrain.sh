@@ -10,7 +10,8 @@
 # DFLASH_STEPS or EAGLE_STEPS steps of BATCH sequences (default 16); TRAIN_MINUTES fits the runs to that many minutes (the step
 # count is fitted to the pace again every 100 steps). Five runs at once at batch 32 ran out of the H100's 80 GB.
 # EXTRA_DATA: space-separated data.jsonl files another run generated (e.g. with another SEED), trained on beside
-# this run's text with their round files (--extra-data; the generation run does not read them).
+# this run's text with their round files (--extra-data). Generation skips the prompts they answer (--skip-answered):
+# the new text answers new prompts.
 set -euo pipefail
 target=${1:?TARGET} run=${2:?RUN_DIR} prompts=${3:?PROMPTS}
 gen_minutes=${GEN_MINUTES:-20} phases=${PHASES:-generate,train}  # PHASES: generate, train or both
@@ -27,8 +28,10 @@ train() { python3 -m executor_service.training.cli "${common[@]}" "$@"; }
 # 1. The target writes every round once (self-instruct requests, first turns, follow-up turns; greedy and
 #    T = 0.7 in turn, up to 512 tokens), in a throwaway run that stops after one training step.
 started=$(date +%s)
+read -r -a extra_data <<< "${EXTRA_DATA:-}"
 if [[ $phases == *generate* ]]; then
-  train --method eagle3 --out "$run/generate" --stop-after-steps 1 --generation-minutes "$gen_minutes" \
+  skip=() && for path in "${extra_data[@]}"; do skip+=(--skip-answered "$path"); done
+  train --method eagle3 --out "$run/generate" --stop-after-steps 1 --generation-minutes "$gen_minutes" "${skip[@]}" \
     > "$run/generate.log" 2>&1
 fi
 echo "generation: $(( $(date +%s) - started )) s"
@@ -46,7 +49,6 @@ for method in "${methods[@]}"; do
   [[ $method == eagle3 || $method == dflash || $method == eagle ]] || { echo "METHODS: unknown $method" >&2; exit 2; }
 done
 fit=(--generation-minutes 0 --batch-size "${BATCH:-16}" --epochs 8)  # BATCH: sequences a step
-read -r -a extra_data <<< "${EXTRA_DATA:-}"
 for path in "${extra_data[@]}"; do fit+=(--extra-data "$path"); done
 if [[ -n ${TRAIN_MINUTES:-} ]]; then
   minutes=$TRAIN_MINUTES

@@ -38,7 +38,7 @@ from executor_service.training.prompts import (
     write_prompts,
 )
 from executor_service.training.recipes import RECIPES, Recipe, draft_config, published_bytes, with_overrides
-from executor_service.training.rounds import RoundsPlan, generate_rounds, read_rounds
+from executor_service.training.rounds import RoundsPlan, answered_prompts, generate_rounds, read_rounds
 from executor_service.training.target import chat_renderer, load_target, target_source
 from executor_service.training.trainer import Trainer
 from specdec_runtime.errors import SpecdecError
@@ -98,6 +98,14 @@ def build_parser() -> argparse.ArgumentParser:
         default=[],
         help="a data.jsonl another run generated (e.g. with another --seed); it and its round files beside it are "
         "trained on too (repeatable)",
+    )
+    data.add_argument(
+        "--skip-answered",
+        type=Path,
+        action="append",
+        default=[],
+        help="a data.jsonl another run generated: the first-turn prompts it answers are skipped, so this run writes "
+        "new text (repeatable)",
     )
     recipe = parser.add_argument_group("recipe (defaults: the method's recipe)")
     for name, kind in RECIPE_FIELDS.items():
@@ -161,13 +169,19 @@ def generate_data(
     data: Path,
 ) -> tuple[list[Sequence], dict[str, Any]]:
     """The target's responses (every round, written to `data` and its round files), and what the log says."""
+    missing = [str(path) for path in args.skip_answered if not path.is_file()]
+    if missing:
+        raise ValueError(f"--skip-answered: {', '.join(missing)} does not exist")
     if args.random_prompts:
+        if args.skip_answered:
+            raise ValueError("--skip-answered is for text prompts (--prompts, --corpus), not --random-prompts")
         prompts = datagen.random_prompts(loaded.config.vocab_size, args.random_prompts, args.seed)
         sequences = datagen.generate(loaded, prompts, settings, device, data)
         return sequences, {"prompts": len(prompts), "rounds": {"first_turns": len(sequences)}}
     if renderer is None:
         raise ValueError("this target has no tokenizer: train it on --random-prompts N")
-    plan = RoundsPlan(args.self_instruct, args.max_prompt_tokens, args.max_context_tokens)
+    answered = frozenset().union(*(answered_prompts(path) for path in args.skip_answered))
+    plan = RoundsPlan(args.self_instruct, args.max_prompt_tokens, args.max_context_tokens, answered)
     outcome = generate_rounds(loaded, renderer, training_prompts(args), plan, settings, device, data)
     write_prompts(args.out / "prompts_train.jsonl", outcome.prompts)
     counts = prompt_counts(outcome.prompts)

@@ -32,6 +32,9 @@ class RoundsPlan:
     self_instruct: int = 0  # seed requests the target writes prompts from
     max_prompt_tokens: int = 640  # first-turn prompts longer than this are skipped
     max_context_tokens: int = 1536  # a conversation is not continued past this many prompt tokens
+    # rendered first-turn prompts another run's text already answers (--skip-answered): skipped, so text written
+    # with another seed is new text, not the same prompts again (greedy answers to them would be identical)
+    answered: frozenset[tuple[int, ...]] = frozenset()
 
 
 @dataclass
@@ -43,6 +46,11 @@ class RoundsOutcome:
 
 def round_path(data: Path, name: str) -> Path:
     return data.with_name(f"{data.stem}.{name}{data.suffix}")
+
+
+def answered_prompts(data: Path) -> frozenset[tuple[int, ...]]:
+    """The first-turn prompts (rendered ids) that `data`, another run's text, answers."""
+    return frozenset(tuple(sequence.prompt) for sequence in datagen.read_sequences(data))
 
 
 def read_rounds(data: Path) -> list[Sequence]:
@@ -70,8 +78,9 @@ def generate_rounds(
         prompts = _spread(prompts, extra, settings.seed)
 
     rendered = [(p, renderer(p.text)) for p in prompts]
-    kept = [(p, ids) for p, ids in rendered if len(ids) <= plan.max_prompt_tokens]
-    counts["skipped_too_long"] = len(rendered) - len(kept)
+    new = [(p, ids) for p, ids in rendered if tuple(ids) not in plan.answered]
+    kept = [(p, ids) for p, ids in new if len(ids) <= plan.max_prompt_tokens]
+    counts["skipped_answered"], counts["skipped_too_long"] = len(rendered) - len(new), len(new) - len(kept)
     ids = [datagen.PromptIds(p.kind, i) for p, i in kept]
     first = datagen.generate(loaded, ids, settings, device, data)
     kept = kept[: len(first)]  # fewer when the deadline came first
@@ -116,7 +125,8 @@ def _self_instruct(
 
 
 def _spread(prompts: list[Prompt], extra: list[Prompt], seed: int) -> list[Prompt]:
-    """`extra` placed among `prompts` at seeded positions, so any prefix holds a share of both."""
+    """`prompts` and `extra` shuffled together (seeded), so any prefix holds a share of both. The prompts' own
+    order is not kept: to answer only some of them, cut them before (--num-prompts, --skip-answered)."""
     merged = [*prompts, *extra]
     random.Random(f"{seed}:spread").shuffle(merged)
     return merged

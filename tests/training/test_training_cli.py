@@ -51,6 +51,14 @@ def test_dense_batch_writes_the_same_greedy_text_as_the_engine(tmp_path: Path) -
             ["--target", "synthetic:tiny", "--random-prompts", "4", "--extra-data", "nowhere/data.jsonl"],
             "--extra-data: nowhere/data.jsonl does not exist",
         ),
+        (
+            ["--target", "synthetic:tiny", "--random-prompts", "4", "--skip-answered", "nowhere/data.jsonl"],
+            "--skip-answered: nowhere/data.jsonl does not exist",
+        ),
+        (
+            ["--target", "synthetic:tiny", "--random-prompts", "4", "--skip-answered", "pyproject.toml"],
+            "--skip-answered is for text prompts",
+        ),
     ],
 )
 def test_bad_runs_are_refused_with_the_reason(

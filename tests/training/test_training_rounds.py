@@ -14,7 +14,13 @@ from executor_service.gguf_tokenizer import chat_template, gguf_tokenizer
 from executor_service.loader import LoadedModel, build_synthetic
 from executor_service.training import datagen
 from executor_service.training.prompts import ChatRenderer, Prompt
-from executor_service.training.rounds import RoundsPlan, generate_rounds, read_rounds, round_path
+from executor_service.training.rounds import (
+    RoundsPlan,
+    answered_prompts,
+    generate_rounds,
+    read_rounds,
+    round_path,
+)
 from executor_service.training.self_instruct import STYLES, TOPICS, parse_request, seed_requests, unique_requests
 
 
@@ -88,6 +94,24 @@ def test_rounds_answer_follow_ups_with_the_earlier_turns_and_resume(
     assert [s.ids for s in read_rounds(data)] == [s.ids for s in outcome.sequences]
     again = generate_rounds(loaded, renderer, prompts, plan, settings, torch.device("cpu"), data)
     assert [s.ids for s in again.sequences] == [s.ids for s in outcome.sequences]  # read back, not regenerated
+
+
+def test_prompts_another_run_answered_are_skipped(
+    tokenized_target: tuple[LoadedModel, ChatRenderer], tmp_path: Path
+) -> None:
+    """--skip-answered: text written with another seed answers only the prompts the other run's text left."""
+    loaded, renderer = tokenized_target
+    prompts = [Prompt("prose", f"Continue: the {word} was calm that night.", word) for word in ("sea", "sky", "town")]
+    settings = datagen.GenerationSettings(max_new_tokens=4, temperatures=(0.0,), chunk=8, progress=False)
+    first = generate_rounds(
+        loaded, renderer, prompts[:2], RoundsPlan(), settings, torch.device("cpu"), tmp_path / "a.jsonl"
+    )
+    answered = answered_prompts(tmp_path / "a.jsonl")
+    assert answered == {tuple(s.prompt) for s in first.sequences} and len(answered) == 2
+    plan = RoundsPlan(answered=answered)
+    second = generate_rounds(loaded, renderer, prompts, plan, settings, torch.device("cpu"), tmp_path / "b.jsonl")
+    assert second.counts["skipped_answered"] == 2 and second.counts["first_turns"] == 1
+    assert second.prompts == [prompts[2]] and second.sequences[0].prompt == renderer(prompts[2].text)
 
 
 def test_long_sequences_lose_their_prompt_start_first() -> None:
