@@ -1,8 +1,9 @@
 """`specdec-executor`: serve the Executor gRPC service on one device until SIGTERM.
 
 Health is NOT_SERVING until a model is loaded and warmed up (LoadModel, or --load at start). On SIGTERM
-health goes NOT_SERVING, new generations are refused, running ones get --grace-seconds to finish and
-are then aborted (their streams end with finish_reason "abort"), and the process exits 0.
+health goes NOT_SERVING, new generations are refused (UNAVAILABLE), running ones get --grace-seconds to finish
+and are then aborted (their streams end with finish_reason "abort"); the server then goes on refusing until
+calls stop coming in (STOP_LINGER_MAX_S at most), stops, and the process exits 0.
 """
 
 from __future__ import annotations
@@ -60,14 +61,26 @@ class ExecutorOptions:
     tensor_parallel_size: int = 1  # > 1: this process is rank 0 and starts the other ranks (parallel/)
 
 
+# After the drain the server stays up, refusing, until no call has come in for STOP_QUIET_S (STOP_LINGER_MAX_S at
+# most): calls that reached it while the loop was busy are still queued inside gRPC, and the final stop would
+# cancel them (RunningServer.wait_until_quiet).
+STOP_QUIET_S = 0.2
+STOP_LINGER_MAX_S = 2.0
+
+
 @dataclass
 class RunningExecutor:
     server: RunningServer
     servicer: ExecutorServicer
 
     async def stop(self, grace_seconds: float) -> None:
+        """NOT_SERVING, drain (new generations refused with UNAVAILABLE, running ones get `grace_seconds`), then
+        stop the server only once calls have stopped coming in, so that every call that reached this replica
+        ends with the service's own answer and none with the CANCELLED of gRPC's stop, which clients do not
+        retry."""
         await self.server.health.enter_graceful_shutdown()
         await self.servicer.drain(grace_seconds)
+        await self.server.wait_until_quiet(STOP_QUIET_S, STOP_LINGER_MAX_S)
         await self.server.server.stop(1.0)
         await self.servicer.chooser.close()
 

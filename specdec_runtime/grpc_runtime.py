@@ -12,6 +12,7 @@ import os
 import signal
 import socket
 import ssl
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -271,6 +272,23 @@ class RunningServer:
         status = health_pb2.HealthCheckResponse.SERVING if serving else health_pb2.HealthCheckResponse.NOT_SERVING
         for name in ("", *self.services):
             await self.health.set(name, status)
+
+    async def wait_until_quiet(self, quiet: float, longest: float) -> None:
+        """Keep serving until no call has come in for `quiet` seconds (`longest` at most), before a final stop.
+
+        gRPC holds the calls that arrive while the event loop is busy in a queue of its own until the loop asks
+        for the next one, and `server.stop` cancels every call still queued: the client sees CANCELLED, which it
+        does not retry. This wait lets the loop take the queued calls in, so that the service answers each with
+        its own status (a stopping executor: UNAVAILABLE, retried on another replica). The quiet spell counts
+        from now at the earliest, since queued calls are invisible until taken in; `longest` bounds the wait for
+        clients that never stop sending."""
+        start = time.monotonic()
+        deadline = start + longest
+        while True:
+            left = min(max(start, self.metrics.last_call_at) + quiet, deadline) - time.monotonic()
+            if left <= 0:
+                return
+            await asyncio.sleep(left)
 
     async def stop(self, grace: float) -> None:
         """NOT_SERVING first (load balancers drain), then finish in-flight RPCs within `grace`."""

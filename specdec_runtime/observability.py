@@ -47,6 +47,9 @@ class RpcMetrics:
             registry=self.registry,
             buckets=LATENCY_BUCKETS,
         )
+        # time.monotonic() when the latest RPC came in (0: none yet): a stopping server waits for a quiet spell
+        # before its final stop, which cancels the calls gRPC still holds (RunningServer.wait_until_quiet).
+        self.last_call_at = 0.0
 
     def observe(self, method: str, code: grpc.StatusCode, seconds: float) -> None:
         self.requests.labels(self.service, method, code.name).inc()
@@ -93,6 +96,7 @@ class ObservingInterceptor(grpc.aio.ServerInterceptor):
         continuation: Callable[[grpc.HandlerCallDetails], Awaitable[grpc.RpcMethodHandler]],
         handler_call_details: grpc.HandlerCallDetails,
     ) -> grpc.RpcMethodHandler:
+        self._metrics.last_call_at = time.monotonic()
         handler = await continuation(handler_call_details)
         if handler is None:
             return handler
