@@ -10,8 +10,8 @@
 # DFLASH_STEPS or EAGLE_STEPS steps of BATCH sequences (default 16); TRAIN_MINUTES fits the runs to that many minutes (the step
 # count is fitted to the pace again every 100 steps). Five runs at once at batch 32 ran out of the H100's 80 GB.
 # EXTRA_DATA: space-separated data.jsonl files another run generated (e.g. with another SEED), trained on beside
-# this run's text with their round files (--extra-data). Generation skips the prompts they answer (--skip-answered):
-# the new text answers new prompts.
+# this run's text with their round files (--extra-data). The prompts they answer are skipped (--skip-answered):
+# the new text answers new prompts. A run split over two machines needs the same EXTRA_DATA on both.
 set -euo pipefail
 target=${1:?TARGET} run=${2:?RUN_DIR} prompts=${3:?PROMPTS}
 gen_minutes=${GEN_MINUTES:-20} phases=${PHASES:-generate,train}  # PHASES: generate, train or both
@@ -23,15 +23,17 @@ mkdir -p "$run"
 common=(--target "$target" --prompts "$prompts" --num-prompts "${NUM_PROMPTS:-60000}"
         --self-instruct "${SELF_INSTRUCT:-8000}" --dense-batch "${DENSE_BATCH:-512}" --max-new-tokens 512
         --temperatures 0,0.7 --max-num-seqs 512 --data "$run/data.jsonl" --seed "${SEED:-0}" --no-progress --max-len 1024)
+# EXTRA_DATA's prompts are skipped in every run, not only the generating one: each run rebuilds the prompt list
+# and checks that data.jsonl answers it in that order.
+read -r -a extra_data <<< "${EXTRA_DATA:-}"
+for path in "${extra_data[@]}"; do common+=(--skip-answered "$path"); done
 train() { python3 -m executor_service.training.cli "${common[@]}" "$@"; }
 
 # 1. The target writes every round once (self-instruct requests, first turns, follow-up turns; greedy and
 #    T = 0.7 in turn, up to 512 tokens), in a throwaway run that stops after one training step.
 started=$(date +%s)
-read -r -a extra_data <<< "${EXTRA_DATA:-}"
 if [[ $phases == *generate* ]]; then
-  skip=() && for path in "${extra_data[@]}"; do skip+=(--skip-answered "$path"); done
-  train --method eagle3 --out "$run/generate" --stop-after-steps 1 --generation-minutes "$gen_minutes" "${skip[@]}" \
+  train --method eagle3 --out "$run/generate" --stop-after-steps 1 --generation-minutes "$gen_minutes" \
     > "$run/generate.log" 2>&1
 fi
 echo "generation: $(( $(date +%s) - started )) s"
@@ -73,8 +75,11 @@ train_one() {
     eagle) train --method eagle --out "$run/eagle" "${fit[@]}" --max-steps "${EAGLE_STEPS:-2000}" "${eagle_more[@]}" ;;
   esac > "$run/$1.log" 2>&1
 }
+failed=()  # a drafter whose training failed (its log says why) fails the script, after the others finish
+pids=()
 for method in "${methods[@]}"; do
-  if [[ ${SERIAL:-0} == 1 ]]; then train_one "$method"; else train_one "$method" & fi
+  if [[ ${SERIAL:-0} == 1 ]]; then train_one "$method" || failed+=("$method"); else train_one "$method" & pids+=($!); fi
 done
-wait
+for index in "${!pids[@]}"; do wait "${pids[$index]}" || failed+=("${methods[$index]}"); done
 echo "training: $(( $(date +%s) - started )) s"
+if (( ${#failed[@]} )); then echo "failed: ${failed[*]} (see $run/<name>.log)" >&2; exit 1; fi

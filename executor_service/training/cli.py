@@ -27,7 +27,13 @@ import torch
 from executor_service.draft_weights import empty_drafter, save_drafter
 from executor_service.training import datagen
 from executor_service.training.features import Sequence
-from executor_service.training.init import pretrained_config, pretrained_drafter, trainable_drafter, with_mask_token
+from executor_service.training.init import (
+    pretrained_config,
+    pretrained_drafter,
+    published_config,
+    trainable_drafter,
+    with_mask_token,
+)
 from executor_service.training.prompts import (
     MATERIAL_SOURCES,
     Prompt,
@@ -121,8 +127,8 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument(
         "--init-from",
         type=Path,
-        help="a published drafter of the recipe's shape to go on training (fine-tuning); DFlash and EAGLE-1 may have "
-        "fewer layers than the recipe (--num-layers): new layers are added on top, starting as no-ops",
+        help="a published drafter of the recipe's shape to go on training (fine-tuning), at its own depth; with a "
+        "larger --num-layers a DFlash or EAGLE-1 drafter grows: new layers are added on top, starting as no-ops",
     )
     run.add_argument("--train-minutes", type=float, help="fit the run to this time (steps 10-30 set the pace)")
     run.add_argument(
@@ -235,6 +241,9 @@ def run(args: argparse.Namespace, command: str) -> dict[str, Any]:
     args.out.mkdir(parents=True, exist_ok=True)
     source = target_source(args.target)
     loaded = load_target(source, torch.bfloat16 if device.type == "cuda" else torch.float32, device)
+    if args.init_from and args.num_layers is None:  # fine-tuning keeps the published depth; --num-layers grows it
+        depth = published_config(args.init_from, args.method, loaded.config).model.num_layers
+        recipe = with_overrides(recipe, num_layers=depth)
     temperatures = tuple(float(t) for t in args.temperatures.split(","))
     deadline = None if args.generation_minutes is None else time.time() + 60 * args.generation_minutes
     settings = datagen.GenerationSettings(

@@ -162,6 +162,18 @@ def test_init_from_grows_a_drafter_by_layers_that_start_as_no_ops(method: str, t
     assert config["num_hidden_layers"] == 2
 
 
+def test_init_from_keeps_the_published_depth_without_num_layers(tmp_path: Path) -> None:
+    """Fine-tuning a published drafter deeper than the recipe's default (the shipped 3-layer DFlash against the
+    recipe's 2) keeps its depth when --num-layers is not given, as retrain.sh fine-tunes the shipped drafters."""
+    target = save_toy_target(tmp_path / "target")
+    base = ["train-drafter", "--method", "dflash", "--target", str(target), *TINY_RUN]
+    assert main([*base, "--num-layers", "3", "--out", str(tmp_path / "first")]) == 0
+    assert main([*base, "--init-from", str(tmp_path / "first" / "drafter"), "--out", str(tmp_path / "again")]) == 0
+    log = json.loads((tmp_path / "again" / "training_log.json").read_text())
+    assert log["recipe"]["num_layers"] == 3
+    assert json.loads((tmp_path / "again" / "drafter" / "config.json").read_text())["num_hidden_layers"] == 3
+
+
 def test_init_from_refuses_to_drop_layers(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
     target = save_toy_target(tmp_path / "target")
     base = ["train-drafter", "--method", "dflash", "--target", str(target), *TINY_RUN]
