@@ -5,12 +5,11 @@ the scored slots, and that nothing changes without it. The expected values are c
 from __future__ import annotations
 
 import math
-import random
 
 import pytest
 import torch
 import torch.nn.functional as F
-from executor_builders import tiny_model
+from random_text import tiny_target_and_text
 
 from executor_service.draft_models import DFlashDrafter
 from executor_service.model import DecoderModel
@@ -30,14 +29,7 @@ def tiny_dflash(
 ) -> tuple[DecoderModel, list[Sequence], DFlashDrafter]:
     """The tiny target (512 ids), sequences of a 3-token prompt and random responses of these lengths, and a
     one-layer DFlash drafter of block 4 over two of its layers."""
-    torch.manual_seed(0)
-    target = tiny_model().model
-    rng = random.Random(seed)
-    vocab = target.config.vocab_size
-    sequences = [
-        Sequence([rng.randrange(vocab) for _ in range(3)], [rng.randrange(vocab) for _ in range(n)])
-        for n in response_lengths
-    ]
+    target, sequences = tiny_target_and_text(seed, response_lengths)
     recipe = with_overrides(
         RECIPES["dflash"], num_layers=1, intermediate_size=96, num_feature_layers=2, block_size=4, **changes
     )

@@ -9,6 +9,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from executor_builders import tiny_model
+from random_text import tiny_target_and_text
 
 from executor_service.draft_models import Eagle3Drafter
 from executor_service.model import DecoderModel
@@ -80,14 +81,8 @@ def tiny_eagle3(
 ) -> tuple[DecoderModel, list[Sequence], Eagle3Drafter, torch.Tensor | None]:
     """The tiny target, sequences of a 3-token prompt and random responses of these lengths, and an EAGLE-3
     drafter over half its vocabulary (with its t2d)."""
-    torch.manual_seed(0)
-    target = tiny_model().model
-    rng = random.Random(seed)
+    target, sequences = tiny_target_and_text(seed, response_lengths)
     vocab = target.config.vocab_size
-    sequences = [
-        Sequence([rng.randrange(vocab) for _ in range(3)], [rng.randrange(vocab) for _ in range(n)])
-        for n in response_lengths
-    ]
     recipe = with_overrides(RECIPES["eagle3"], intermediate_size=96, draft_vocab_size=vocab // 2)
     drafter, t2d = trainable_drafter(draft_config(recipe, target.config), target, sequences, 0, CPU)
     assert isinstance(drafter, Eagle3Drafter)
