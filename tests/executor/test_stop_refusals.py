@@ -79,9 +79,9 @@ async def test_calls_queued_while_the_loop_is_busy_at_the_stop_are_refused_unava
         await drain(grace_seconds)
         before = core_calls_started()
         outcomes.extend(client_pool.submit(generate, stub, f"late-{i}") for i in range(CALLS))
-        deadline = time.monotonic() + WAIT_S
-        while core_calls_started() < before + CALLS:
-            assert time.monotonic() < deadline, "the calls never reached the server"
+        # Calls that never reach the server end at their own deadline (WAIT_S): the loop ends then, and the
+        # outcomes below say what happened, with no assertion on elapsed time.
+        while core_calls_started() < before + CALLS and not all(outcome.done() for outcome in outcomes):
             time.sleep(0.005)
 
     monkeypatch.setattr(executor.servicer, "drain", drain_then_busy)
