@@ -9,6 +9,8 @@ log-softmax and top-k for the drafter's candidates (`_torch_topk`) instead of th
 
     python bench/pass_profile.py --methods eagle,dflash --out bench/results
     python bench/pass_profile.py --preset smollm2 --methods eagle3 --trees dynamic:8:16:7,dynamic:4:16:6
+    python bench/pass_profile.py --preset smollm2 --methods dflash --drafter-config dflash=drafters/smollm2-dflash \\
+        --drafter-layers dflash=2 --draft-k dflash=7    # a 2-layer version of the shipped DFlash, as served at k = 7
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ from __future__ import annotations
 import json
 import sys
 from collections import defaultdict
+from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
@@ -73,6 +76,7 @@ def main() -> int:
         **provenance("pass_profile", device),
         "preset": args.preset,
         "backend": args.backend,
+        "drafters": {m: asdict(args.drafters[m]) for m in args.methods},  # the shapes timed
         "passes": {},
     }
     calls = {name: call for name, (call, _moved) in pass_calls(sessions, args, preset).items()}

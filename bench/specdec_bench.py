@@ -2,8 +2,9 @@
 
 (a) Passes at batch 1, CUDA graphs, over a context of --context tokens: one target decode step, one
     verify pass over k + 1 = 16 tokens, one EAGLE chain step (EAGLE-1 and EAGLE-3, 1 layer), one DFlash
-    block pass (5 layers, block 16). Each is timed as replayed by the engine (static-buffer copies +
-    graph replay, CUDA events): issued back to back, as the chain and the engine issue them (`ms`), and
+    block pass (5 layers, block 16); or drafters of a shipped drafter's shape (--drafter-config, --drafter-layers,
+    --draft-k; the JSON's `drafters` says which shapes ran). Each is timed as replayed by the engine (static-buffer
+    copies + graph replay, CUDA events): issued back to back, as the chain and the engine issue them (`ms`), and
     alone on an idle GPU, which adds the host's launch latency (`alone`). Each is compared with one target
     decode step and with its own memory floor: the bytes it must move (weights it reads, KV read and
     written, logits written) over the copy bandwidth measured in the same run.
@@ -17,6 +18,7 @@
 
     python bench/specdec_bench.py --out bench/results            # H100: synthetic Llama-3-8B, bf16
     python bench/specdec_bench.py --preset tiny --device cpu --backend CPU_ATTN   # a smoke run of the script
+    python bench/specdec_bench.py --preset smollm2 --drafter-config dflash=drafters/smollm2-dflash --draft-k dflash=7
 """
 
 from __future__ import annotations
@@ -30,6 +32,8 @@ import pstats
 import sys
 import time
 from collections import Counter
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -69,6 +73,7 @@ from executor_service.session import (  # noqa: E402
 )
 from executor_service.validation import DEFAULT_BLOCK_SIZE  # noqa: E402
 from specdec.v1 import common_pb2, executor_pb2  # noqa: E402
+from specdec_runtime.errors import InvalidArgument  # noqa: E402
 
 # method -> (k, drafter layers); EAGLE-3's head covers 32000 ids as the published ones do.
 DRAFTERS = {"eagle": (7, 1), "eagle3": (7, 1), "dflash": (15, 5)}
@@ -85,19 +90,96 @@ def target_request(preset: dict[str, Any], dtype: int, backend: str, blocks: int
     return request
 
 
-def draft_request(method: str, preset: dict[str, Any]) -> executor_pb2.DraftModel:
-    k, layers = DRAFTERS[method]
-    draft = executor_pb2.DraftModel(method=METHOD_ENUMS[method], num_speculative_tokens=k)
+@dataclass(frozen=True)
+class DraftShape:
+    """What a synthetic drafter's passes cost depends on: its shape (its weights' values do not matter)."""
+
+    k: int  # drafts per step (num_speculative_tokens)
+    layers: int
+    intermediate: int
+    draft_vocab: int = 0  # EAGLE-3's own head
+    block: int = 0  # DFlash: the rows one block pass runs over, whatever k (k <= block - 1)
+    mask_token_id: int = -1  # DFlash
+    target_layer_ids: tuple[int, ...] = ()  # the target layers it reads (DFlash: their count sizes its fc)
+    config: str = ""  # the drafter directory whose config.json gave the shape ("": DRAFTERS')
+
+
+# A drafter's config.json key -> the preset's: the synthetic drafter's attention is the target's, so they must agree.
+ATTENTION_KEYS = {"hidden_size": "hidden", "num_attention_heads": "heads", "num_key_value_heads": "kv_heads",
+                  "head_dim": "head_size"}  # fmt: skip
+
+
+def config_shape(method: str, preset: dict[str, Any], directory: Path, k: int) -> DraftShape:
+    """The shape of a shipped drafter, from `directory`/config.json; ValueError if its attention is not the preset's."""
+    path = directory / "config.json"
+    raw = json.loads(path.read_text())
+    raw.setdefault("num_key_value_heads", raw.get("num_attention_heads"))
+    raw.setdefault("head_dim", raw.get("hidden_size", 0) // max(1, raw.get("num_attention_heads", 1)))
+    wrong = [f"{key} {raw.get(key)} (the preset's {preset[ours]})" for key, ours in ATTENTION_KEYS.items()
+             if raw.get(key) != preset[ours]]  # fmt: skip
+    if wrong:
+        raise ValueError(f"{path} does not fit the target preset: {', '.join(wrong)}")
+    dflash = raw.get("dflash_config") or {}
+    return DraftShape(
+        k, raw["num_hidden_layers"], raw["intermediate_size"],
+        draft_vocab=raw.get("draft_vocab_size", 0) if method == "eagle3" else 0,
+        block=(dflash.get("block_size") or raw.get("block_size", 0)) if method == "dflash" else 0,
+        mask_token_id=dflash.get("mask_token_id", preset["vocab"] - 1) if method == "dflash" else -1,
+        target_layer_ids=tuple(dflash.get("target_layer_ids", ())) if method == "dflash" else (),
+        config=str(directory),
+    )  # fmt: skip
+
+
+def draft_shape(
+    method: str, preset: dict[str, Any], config: Path | None = None, layers: int = 0, k: int = 0
+) -> DraftShape:
+    """DRAFTERS' shape for `method` (DFlash: block k + 1), or a shipped drafter's from `config`/config.json;
+    `layers` and `k` (0: keep) override either. Returned as the executor resolves it for the preset's target
+    (its defaults filled in, so the report says what ran); InvalidArgument where the executor would refuse it."""
+    k = k or DRAFTERS[method][0]
+    if config is not None:
+        shape = config_shape(method, preset, config, k)
+    else:
+        dflash = method == "dflash"
+        shape = DraftShape(
+            k, DRAFTERS[method][1], preset["intermediate"],
+            draft_vocab=min(32000, preset["vocab"]) if method == "eagle3" else 0,
+            block=k + 1 if dflash else 0, mask_token_id=preset["vocab"] - 1 if dflash else -1,
+        )  # fmt: skip
+    shape = replace(shape, layers=layers or shape.layers)
+    target = resolve_target(target_request(preset, 0, "", 0).target, None, "target").config
+    resolved = resolve_draft(draft_request(method, preset, shape), target, None).config
+    return replace(
+        shape, k=resolved.num_speculative_tokens, draft_vocab=resolved.draft_vocab_size, block=resolved.block_size,
+        mask_token_id=resolved.mask_token_id, target_layer_ids=resolved.target_layer_ids,
+    )  # fmt: skip
+
+
+def draft_request(method: str, preset: dict[str, Any], shape: DraftShape | None = None) -> executor_pb2.DraftModel:
+    """A synthetic drafter of `shape` (default: DRAFTERS') over the preset's target."""
+    shape = shape or draft_shape(method, preset)
+    draft = executor_pb2.DraftModel(method=METHOD_ENUMS[method], num_speculative_tokens=shape.k)
     spec = draft.source.synthetic
-    spec.architecture, spec.seed, spec.num_layers = "llama", 1, layers
-    spec.hidden_size, spec.intermediate_size = preset["hidden"], preset["intermediate"]
+    spec.architecture, spec.seed, spec.num_layers = "llama", 1, shape.layers
+    spec.hidden_size, spec.intermediate_size = preset["hidden"], shape.intermediate
     spec.num_heads, spec.num_kv_heads, spec.head_size = preset["heads"], preset["kv_heads"], preset["head_size"]
-    if method == "eagle3":
-        spec.draft_vocab_size = min(32000, preset["vocab"])
+    spec.draft_vocab_size = shape.draft_vocab
     if method == "dflash":
-        draft.dflash_config.mask_token_id = preset["vocab"] - 1
-        draft.dflash_config.block_size = k + 1
+        draft.dflash_config.mask_token_id = shape.mask_token_id
+        draft.dflash_config.block_size = shape.block
+        draft.dflash_config.target_layer_ids.extend(shape.target_layer_ids)
     return draft
+
+
+def per_method(pairs: list[str], value: Callable[[str], Any]) -> dict[str, Any]:
+    """Repeated METHOD=VALUE flags as {METHOD: value(VALUE)}; ValueError names a malformed one."""
+    values = {}
+    for pair in pairs:
+        method, _, text = pair.partition("=")
+        if method not in DRAFTERS or not text:
+            raise ValueError(f"{pair!r}: expected METHOD=VALUE, METHOD one of {', '.join(DRAFTERS)}")
+        values[method] = value(text)
+    return values
 
 
 def open_session(
@@ -108,8 +190,8 @@ def open_session(
     source = resolve_target(request.target, None, "target")
     draft = None
     if method is not None:
-        request.draft.CopyFrom(draft_request(method, preset))
-        if tree is not None:  # the drafter's k is then the dynamic tree's depth (`depth`, else DRAFTERS'; static: 0)
+        request.draft.CopyFrom(draft_request(method, preset, args.drafters[method]))
+        if tree is not None:  # the drafter's k is then the dynamic tree's depth (`depth`, else the shape's; static: 0)
             request.draft.tree.CopyFrom(tree)
             default = request.draft.num_speculative_tokens
             request.draft.num_speculative_tokens = 0 if tree.branching else depth or default
@@ -524,7 +606,23 @@ def parse_args(description: str | None = __doc__) -> argparse.Namespace:
     parser.add_argument("--tree-budget", type=int, default=0, help="time a tree verify pass of N drafts vs the chain")
     parser.add_argument("--trees", default="", help="pass_profile.py: tree specs whose device step to profile")
     parser.add_argument("--out", type=Path, default=REPO / "bench" / "results")
+    shapes = parser.add_argument_group("drafter shapes (default: DRAFTERS', over the preset's MLP width)")
+    for flag, metavar, text in (
+        ("--drafter-config", "METHOD=DIR", "METHOD's shape from DIR/config.json (layers, MLP, EAGLE-3 head, "
+         "DFlash block and mask), e.g. dflash=drafters/smollm2-dflash; its attention must be the preset's"),
+        ("--drafter-layers", "METHOD=N", "METHOD's drafter layers, e.g. dflash=2 beside a 3-layer config"),
+        ("--draft-k", "METHOD=K", "METHOD's drafts per step (default: eagle 7, eagle3 7, dflash 15); DFlash: at "
+         "most its block - 1 (its block pass is as wide whatever k), its block k + 1 without a config"),
+    ):  # fmt: skip
+        shapes.add_argument(flag, action="append", default=[], metavar=metavar, help=text)
     args = parser.parse_args()
+    try:  # every method's shape, also those --methods leaves out (tree sessions are EAGLE-3's)
+        configs = per_method(args.drafter_config, Path)
+        layers, ks = per_method(args.drafter_layers, int), per_method(args.draft_k, int)
+        preset = PRESETS[args.preset]
+        args.drafters = {m: draft_shape(m, preset, configs.get(m), layers.get(m, 0), ks.get(m, 0)) for m in DRAFTERS}
+    except (ValueError, OSError, InvalidArgument) as err:
+        parser.error(str(err))
     args.methods = [m for m in args.methods.split(",") if m]
     args.e2e_methods = [m for m in args.e2e_methods.split(",") if m]
     args.batches = [int(b) for b in args.batches.split(",")]
@@ -540,7 +638,7 @@ def main() -> int:
         "versions": versions(),
         "preset": args.preset,
         "backend": args.backend,
-        "drafters": {m: {"k": DRAFTERS[m][0], "layers": DRAFTERS[m][1]} for m in args.methods},
+        "drafters": {m: asdict(args.drafters[m]) for m in args.methods},
     }
     report["copy_bandwidth"] = copy_bandwidth(device, preset["copy_mib"], 20)
     bandwidth = report["copy_bandwidth"]["GBps"]
