@@ -47,8 +47,8 @@ class DraftConfig:
     block_size: int = 0  # DFlash: the block [last token, MASK x (block_size - 1)]
     mask_token_id: int = -1  # DFlash
     causal: bool = False  # DFlash: attend causally inside the block (R6)
-    # Tree drafting (EAGLE, EAGLE-3): the tree's shape; num_speculative_tokens is then the drafts it verifies
-    # per step (tree.num_drafts) and tree.depth its drafter steps. None: a chain.
+    # Tree drafting: the tree's shape; num_speculative_tokens is then the drafts it verifies per step
+    # (tree.num_drafts) and tree.depth its drafter steps (DFlash: the block positions it reads). None: a chain.
     tree: TreeShape | None = None
 
     @property
@@ -66,9 +66,11 @@ class DraftConfig:
         whose tokens attend to one another; a request that does not draft writes nothing."""
         if num_speculative_tokens == 0:
             return 0
+        if self.method == "dflash":  # a chain or a tree: one block pass
+            return self.block_size
         if self.tree is not None:  # the whole tree: one key per node its passes expand
             return self.tree.positions_ahead
-        return self.block_size if self.method == "dflash" else num_speculative_tokens + 1
+        return num_speculative_tokens + 1
 
 
 def default_eagle3_layers(num_target_layers: int) -> tuple[int, ...]:

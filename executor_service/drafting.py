@@ -71,7 +71,7 @@ def speculative_config(
         )
         if config.method == "dflash"
         else None,
-        tree=draft.tree if config.tree is not None else None,  # R11: both stacks then need tree attention
+        tree=draft.tree if config.tree is not None else None,  # R11: the target (and EAGLE) need tree attention
     )
 
 
@@ -84,7 +84,8 @@ def check_drafter_backend(config: DraftConfig, backend: str) -> None:
             "choose another drafter backend (e.g. FLASH_ATTN, TRITON_ATTN) or a causal DFlash checkpoint",
             field_violations=(FieldViolation("draft.attention_backend", f"{backend} has no non-causal attention"),),
         )
-    if config.tree is not None and not BACKENDS[backend].supports_tree_attention:  # R11, as the selector checks
+    expands_tree = config.tree is not None and config.method != "dflash"  # DFlash drafts a tree in one block pass
+    if expands_tree and not BACKENDS[backend].supports_tree_attention:  # R11, as the selector checks
         raise FailedPrecondition(
             f"tree drafting needs tree attention, which {backend} does not support",
             field_violations=(FieldViolation("draft.attention_backend", f"{backend} has no tree attention"),),

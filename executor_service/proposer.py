@@ -395,13 +395,19 @@ class Proposer:
     ) -> tuple:
         """Drafts [B, k] from the block opened by `input_ids` at `starts`; `ahead_slots` [B, block]. `pick`: how
         the drafts of all positions are chosen at once (the argmax)."""
+        hidden = self.dflash_block_hidden(block_table, starts, x)[:, 1 : self.k + 1]  # slot i: token i
+        return ((pick or self.drafter.draft_tokens)(hidden),)
+
+    def dflash_block_hidden(
+        self, block_table: torch.Tensor, starts: torch.Tensor, x: dict[str, torch.Tensor]
+    ) -> torch.Tensor:
+        """The block pass's normed hidden states [B, block, H]: slot i reads as the draft of the block's token i."""
         size, count = self.config.block_size, starts.shape[0]
         block_step, positions = self.block_step(block_table, starts, x["ahead_slots"])
         block_ids = torch.full((count, size), self.config.mask_token_id, dtype=torch.int64, device=starts.device)
         block_ids[:, 0] = x["input_ids"]
         hidden = self.drafter(block_ids.reshape(-1), positions, self.kv_cache.layers, block_step)
-        hidden = hidden.view(count, size, hidden.shape[-1])[:, 1 : self.k + 1]  # slot i: token i
-        return ((pick or self.drafter.draft_tokens)(hidden),)
+        return hidden.view(count, size, hidden.shape[-1])
 
     def capture_graphs(self, max_batch: int) -> None:
         """One graph set per pass (CUDA, capture-safe drafter backend); larger batches, and context passes

@@ -18,6 +18,7 @@ from executor_service.cancellation import check_cancelled
 from executor_service.chat import load_chat_template
 from executor_service.config import ModelConfig
 from executor_service.cuda_graphs import GRAPH_BACKENDS
+from executor_service.dflash_tree_proposer import DFlashTreeProposer
 from executor_service.draft_config import METHOD_ENUMS, DraftConfig
 from executor_service.draft_weights import check_drafter_checkpoint
 from executor_service.drafting import DraftSource, build_drafter, feature_layers, speculative_config
@@ -348,10 +349,7 @@ def build_session(
     if drafter is not None:
         assert draft is not None and draft_decision is not None, "a drafter is loaded with its backend decision"
         draft_cache = KVCache(draft.config.model, num_blocks, block_size, dtype, device, kv_cache.allocator)
-        drafts_trees = draft.config.tree is not None  # tree drafting: its own proposer and engine step
-        proposer = (TreeProposer if drafts_trees else Proposer)(
-            drafter, draft_cache, draft_decision.backend, max_model_len, device
-        )
+        proposer = proposer_class(draft.config)(drafter, draft_cache, draft_decision.backend, max_model_len, device)
         proposer.sample_drafts = SAMPLED_DRAFTS[settings.sampled_drafts]
     layers = feature_layers(draft.config) if draft is not None else None
     runner = ModelRunner(loaded.model, kv_cache, decision.backend, device, layers)
@@ -417,6 +415,13 @@ def load_target(source: TargetSource, dtype: torch.dtype, device: torch.device) 
     if is_gguf(source.path):
         return load_gguf(source.path, dtype, device, "target.path")
     return load_directory(source.path, dtype, device, "target.path")
+
+
+def proposer_class(config: DraftConfig) -> type[Proposer]:
+    """Chains, EAGLE trees and DFlash trees each have their proposer (tree drafting: its own engine step too)."""
+    if config.tree is None:
+        return Proposer
+    return DFlashTreeProposer if config.method == "dflash" else TreeProposer
 
 
 def headroom_by_k(draft: DraftConfig) -> tuple[int, ...]:

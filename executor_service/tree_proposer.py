@@ -51,10 +51,13 @@ def static_parents(tree: TreeShape) -> list[int]:
 class TreeProposer(Proposer):
     """A Proposer whose drafts form a tree; `parents[request_id]` holds the parents of each draft."""
 
+    drafts_dflash = False  # DFlash's trees: dflash_tree_proposer.py
+    drafter_kinds = "an EAGLE or EAGLE-3 drafter"
+
     def __init__(self, *args: object, **kwargs: object) -> None:
         super().__init__(*args, **kwargs)  # type: ignore[arg-type]
-        if self.dflash or self.config.tree is None:
-            raise ValueError("tree drafting needs an EAGLE or EAGLE-3 drafter with a tree shape")
+        if self.config.tree is None or self.dflash != self.drafts_dflash:
+            raise ValueError(f"{type(self).__name__} needs a tree shape and {self.drafter_kinds}")
         self.tree = self.config.tree
         self.parents: dict[str, list[int]] = {}
         self.replay_tree: TreeReplay | None = None  # scripted trees need the host: no step launched ahead
@@ -62,6 +65,11 @@ class TreeProposer(Proposer):
         # Each depth's top candidates in one Triton launch on GPUs (kernels/triton_topk.py), torch's softmax and
         # top-k elsewhere; tests turn it on on the CPU under TRITON_INTERPRET=1.
         self.fused_top_k = torch.device(self.device).type == "cuda"
+
+    @property
+    def scratch_width(self) -> int:
+        """Keys a proposal's drafter passes write past the newest verified token: one per expanded node."""
+        return max(self.tree.num_inputs, 1)
 
     def drafts_tree(self, request: Request) -> bool:
         """Whether the request drafts at all: its own k (0: never) and nothing that reads one chain of rows."""
@@ -97,19 +105,18 @@ class TreeProposer(Proposer):
             query_lens.append(len(request_rows))
         requests = [e[0] for e in entries]
         step = self.attention(requests, query_lens, seq_lens, slots, causal=True)
-        context = {
-            "input_ids": self.tensor(next_ids, torch.int64),
-            "features": features[self.tensor(rows, torch.int64)],
-        }
         self.pass_counts["tree_context eager"] += 1
-        feedback, head = self._eagle_context(step, self.tensor(positions, torch.int64), context)
+        feedback, head = self.context_pass_rows(
+            step, self.tensor(positions, torch.int64), self.tensor(next_ids, torch.int64),
+            features[self.tensor(rows, torch.int64)],
+        )  # fmt: skip
         picked, proposing, offset = [], [], 0
         for (request, _, propose), count in zip(entries, query_lens, strict=True):
             offset += count
             if not propose:
                 continue
             last = request.num_computed_tokens - 1
-            ahead = last + 1 + self.tree.num_inputs
+            ahead = last + 1 + self.scratch_width
             if ahead > self.max_model_len or not reserve(request, ahead):  # no room: decode without drafts
                 self.set_tree(request, [], [])
                 continue
@@ -125,7 +132,7 @@ class TreeProposer(Proposer):
         self, step: AttentionStep, positions: torch.Tensor, next_ids: torch.Tensor, features: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """The drafter over verified target rows (`features`, each paired with the token after it): its
-        feedback and head per row. The device-resident tree step's context pass (tree_step.py)."""
+        feedback and head per row, which `draft_tree` reads at the newest verified row."""
         return self._eagle_context(step, positions, {"input_ids": next_ids, "features": features})
 
     def set_tree(self, request: Request, tokens: list[int], parents: list[int]) -> None:
@@ -142,8 +149,8 @@ class TreeProposer(Proposer):
     ) -> list[tuple[list[int], list[int]]]:
         """The trees (tokens, parents) of `requests` from the newest verified row's head and feedback [B, H]."""
         last = self.tensor([r.num_computed_tokens - 1 for r in requests], torch.int64)
-        width = max(self.tree.num_inputs, 1)
-        scratch = self.slots_ahead(requests, [r.num_computed_tokens for r in requests], width)  # [B, inputs]
+        starts = [r.num_computed_tokens for r in requests]
+        scratch = self.slots_ahead(requests, starts, self.scratch_width)  # [B, scratch_width]
         tokens, parents = self.draft_tree(self.block_table(requests), last, scratch, head, hidden)
         flat, size = to_host(torch.cat([tokens, parents], dim=1).reshape(-1)), tokens.shape[1]
         return [(flat[i : i + size], flat[i + size : i + 2 * size]) for i in range(0, len(flat), 2 * size)]

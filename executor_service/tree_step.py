@@ -47,7 +47,7 @@ class TreeStep:
         self.runner, self.proposer, self.tree = runner, proposer, proposer.tree
         self.num_drafts, self.depth = self.tree.num_drafts, self.tree.depth
         self.rows = self.num_drafts + 1  # the root and the drafts
-        self.scratch_width = max(self.tree.num_inputs, 1)  # keys the drafter's tree passes write
+        self.scratch_width = proposer.scratch_width  # keys the drafter's tree passes write
         self.ahead_width = self.depth + self.scratch_width  # slots of positions root + 1, ..., wherever the path ends
         self.graphs: StepGraphs | None = None
         self.counts: Counter[str] = Counter()  # "graph" / "eager" (benchmarks read it)

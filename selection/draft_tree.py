@@ -7,8 +7,9 @@ executor read the same rules.
   `verify_budget` best candidates of all steps (with their ancestors, which score at least as high) are verified.
 
 One verify pass holds the root (the newest token) and the drafts, and the tree mask spans a request's 64 newest
-keys (kernels/tree_mask.py), so a tree verifies at most 63 drafts; the drafter's passes write one key per
-expanded node, at most 63 too. DFlash is refused: see `DFLASH_REASON`.
+keys (kernels/tree_mask.py), so a tree verifies at most 63 drafts; an EAGLE drafter's passes write one key per
+expanded node, at most 63 too. A DFlash drafter drafts every depth in one block pass (each depth's candidates are
+its block position's most likely tokens), so its depth is bounded by the block and it expands no nodes.
 """
 
 from __future__ import annotations
@@ -23,10 +24,6 @@ MAX_TREE_DRAFTS = TREE_WINDOW - 1  # drafts verified per step (the root takes th
 MAX_TREE_INPUTS = TREE_WINDOW - 1  # keys a proposal's drafter passes write (one per expanded node)
 MAX_TREE_DEPTH = 16
 MAX_TREE_TOP_K = 16
-DFLASH_REASON = (
-    "EAGLE and EAGLE-3 only: DFlash drafts each block position from the context alone, so a tree would repeat "
-    "the same candidates under every branch (docs/api.md)"
-)
 
 
 @dataclass(frozen=True)
@@ -87,13 +84,11 @@ def parse_draft_tree(
     the depth; 0 leaves it to the static list, or for a dynamic tree unchecked until the drafter's is known)."""
     if not has_tree(tree):
         return None, []
-    if is_dflash:
-        return None, [FieldViolation(field, DFLASH_REASON)]
     if tree.branching and (tree.top_k or tree.verify_budget):
         return None, [FieldViolation(field, "static (branching) or dynamic (top_k, verify_budget), not both")]
     if tree.branching:
         return _static(tree, num_speculative_tokens, field, k_field)
-    return _dynamic(tree, num_speculative_tokens, field, k_field)
+    return _dynamic(tree, num_speculative_tokens, field, k_field, is_dflash)
 
 
 def _static(
@@ -123,7 +118,7 @@ def _static(
 
 
 def _dynamic(
-    tree: common_pb2.DraftTree, k: int, field: str, k_field: str
+    tree: common_pb2.DraftTree, k: int, field: str, k_field: str, is_dflash: bool
 ) -> tuple[TreeShape | None, list[FieldViolation]]:
     violations = []
     if not 1 <= tree.top_k <= MAX_TREE_TOP_K:
@@ -139,7 +134,7 @@ def _dynamic(
     if violations or not k:
         return None, violations
     shape = TreeShape(depth=k, top_k=tree.top_k, verify_budget=tree.verify_budget)
-    if shape.num_inputs > MAX_TREE_INPUTS:
+    if shape.num_inputs > MAX_TREE_INPUTS and not is_dflash:  # DFlash's one block pass expands no nodes
         violations.append(
             FieldViolation(
                 f"{field}.top_k",
@@ -150,5 +145,12 @@ def _dynamic(
     if shape.verify_budget > candidates:
         violations.append(
             FieldViolation(f"{field}.verify_budget", f"more than the {candidates} candidates this tree drafts")
+        )
+    if shape.verify_budget < k:  # the deeper levels could never be verified
+        violations.append(
+            FieldViolation(
+                f"{field}.verify_budget",
+                f"at least the depth {k} (a path of depth d verifies d drafts), got {shape.verify_budget}",
+            )
         )
     return (None, violations) if violations else (shape, [])

@@ -13,7 +13,7 @@ from dataclasses import dataclass, replace
 from kernels.capabilities import KV_CACHE_DTYPES, AttentionNeeds, DType, Hardware, Platform
 from selection.draft_tree import parse_draft_tree
 from selection.registry import UnknownBackendError, normalize_backend_name
-from selection.rules import drafter_uses_non_causal, stacks_use_tree_attention
+from selection.rules import drafter_uses_non_causal, drafter_uses_tree_attention, target_uses_tree_attention
 from specdec.v1 import common_pb2, selector_pb2
 from specdec_runtime.bounds import largest_message, size_violations
 from specdec_runtime.errors import FieldViolation, echo, invalid_fields
@@ -73,7 +73,7 @@ def parse_request(request: selector_pb2.SelectBackendsRequest) -> ParsedRequest:
     if violations:
         raise invalid_fields(violations)
     assert hardware is not None and target_needs is not None
-    if drafter is not None and stacks_use_tree_attention(request.speculative):  # R11: the target verifies the tree
+    if drafter is not None and target_uses_tree_attention(request.speculative):  # R11: the target verifies the tree
         target_needs = replace(target_needs, use_tree_attention=True)
     target = StackRequest("target", target_needs, target_backend, "attention.backend")
     return ParsedRequest(hardware, target, drafter)
@@ -231,7 +231,7 @@ def _parse_drafter(
         needs = _parse_layers(request.target_layers, "target_layers", use_non_causal, [])
     if needs is None:
         return None
-    needs = replace(needs, use_tree_attention=stacks_use_tree_attention(spec))  # R11: it drafts the tree
+    needs = replace(needs, use_tree_attention=drafter_uses_tree_attention(spec))  # R11: it drafts the tree
     # R5: its own needs and its own name (decided apart from the target's in rules.decide_stacks).
     return StackRequest("drafter", needs, backend, "speculative.attention_backend")
 

@@ -13,7 +13,8 @@ written in this module; the others are named with where they live.
 - R9 causality is chosen per call and checked at run time: kernels/attention.py `check_claimed`, and
   executor_service/drafting.py `check_drafter_backend` at load time.
 - R10 every draft pass gets fresh attention metadata: executor_service/proposer.py.
-- R11 tree drafting needs tree attention, for the target and the drafter: `stacks_use_tree_attention`;
+- R11 tree drafting needs tree attention, for the target (it verifies the tree) and for an EAGLE / EAGLE-3
+  drafter (its passes expand the tree's nodes): `target_uses_tree_attention`, `drafter_uses_tree_attention`;
   declared per backend (kernels/capabilities.py `supports_tree_attention`), checked by `validate`.
 """
 
@@ -72,9 +73,15 @@ def drafter_uses_non_causal(method: int, dflash_causal: bool) -> bool:
 
 
 # ---- R11: tree drafting ------------------------------------------------------------------------------------
-def stacks_use_tree_attention(spec: common_pb2.SpeculativeConfig) -> bool:
-    """R11: a tree of drafts is verified by the target, and drafted by the drafter, with a mask per token
-    (each draft sees the context and its ancestors): both stacks need a backend with tree attention."""
+def target_uses_tree_attention(spec: common_pb2.SpeculativeConfig) -> bool:
+    """R11: the target verifies a tree of drafts with a mask per token (each draft sees the context and its
+    ancestors), whichever drafter drafted it."""
+    return spec.method != common_pb2.SPEC_METHOD_NONE and has_tree(spec.tree)
+
+
+def drafter_uses_tree_attention(spec: common_pb2.SpeculativeConfig) -> bool:
+    """R11: an EAGLE or EAGLE-3 drafter expands the tree's nodes with the same masks. DFlash drafts every depth
+    in its one block pass (the block's own attention) and needs none."""
     return spec.method in (common_pb2.SPEC_METHOD_EAGLE, common_pb2.SPEC_METHOD_EAGLE3) and has_tree(spec.tree)
 
 

@@ -1,6 +1,6 @@
 """Sampling along a tree keeps the target's distribution: the seeded requests and exact marginals of
-test_spec_sampling (6-token vocabulary, every continuation enumerated), verified as trees (EAGLE-3, static and
-dynamic), with a total-variation bound that a wrong multi-candidate sampler (shown alongside) fails."""
+test_spec_sampling (6-token vocabulary, every continuation enumerated), verified as trees (EAGLE-3 and DFlash, static
+and dynamic), with a total-variation bound that a wrong multi-candidate sampler (shown alongside) fails."""
 
 from __future__ import annotations
 
@@ -20,10 +20,10 @@ SHAPES = {
 }
 
 
-def session(shape: str) -> ModelSession:
+def session(shape: str, method: str = "eagle3") -> ModelSession:
     tree, k = SHAPES[shape]
     return tree_session(
-        "eagle3", tree, k, vocab_size=VOCAB, draft_seed=4, max_num_seqs=BATCH,
+        method, tree, k, vocab_size=VOCAB, draft_seed=4, max_num_seqs=BATCH,
         max_num_batched_tokens=8 * BATCH, num_kv_blocks=2 * BATCH,
     )  # fmt: skip
 
@@ -45,9 +45,10 @@ def no_residual(tree: DraftTree, probs: torch.Tensor, generator: torch.Generator
         row = accepted + 1
 
 
+@pytest.mark.parametrize("method", ["eagle3", "dflash"])
 @pytest.mark.parametrize("shape", list(SHAPES))
-def test_tree_sampling_keeps_the_target_distribution(shape: str) -> None:
-    spec = session(shape)
+def test_tree_sampling_keeps_the_target_distribution(shape: str, method: str) -> None:
+    spec = session(shape, method)
     settings = SETTINGS["temperature"]
     empirical, drafted, accepted = run_requests(spec, settings)
     assert 0 < accepted < drafted

@@ -1,6 +1,6 @@
-"""R11: tree drafting needs tree attention for the target (it verifies the tree) and the drafter (it drafts it);
-auto-selection passes over backends without it with the reason, a forced one is refused; the DraftTree shape is
-checked with bounds, every bad field named."""
+"""R11: tree drafting needs tree attention for the target (it verifies the tree) and an EAGLE drafter (it drafts
+it; DFlash drafts it in one block pass); auto-selection passes over backends without it with the reason, a forced
+one is refused; the DraftTree shape is checked with bounds, every bad field named."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import pytest
 from builders import cpu, cuda, dflash, eagle, request, rocm
 
 from kernels.capabilities import TREE_ATTENTION_NOT_SUPPORTED
-from selection.draft_tree import DFLASH_REASON, MAX_TREE_DRAFTS, TreeShape, parse_draft_tree
+from selection.draft_tree import MAX_TREE_DRAFTS, TreeShape, parse_draft_tree
 from selection.selector import select_backends
 from specdec.v1 import common_pb2
 from specdec_runtime.errors import InvalidArgument
@@ -66,6 +66,7 @@ def test_shapes() -> None:
         (common_pb2.DraftTree(top_k=8, verify_budget=16), 10, ["t.top_k"]),  # 72 expanded nodes
         (common_pb2.DraftTree(top_k=2, verify_budget=30), 2, ["t.verify_budget"]),  # only 6 candidates
         (common_pb2.DraftTree(top_k=2, verify_budget=8), 40, ["k"]),
+        (common_pb2.DraftTree(top_k=2, verify_budget=2), 3, ["t.verify_budget"]),  # depth 3 never verified
     ],
 )
 def test_bad_trees_name_their_fields(tree: common_pb2.DraftTree, k: int, fields: list[str]) -> None:
@@ -73,7 +74,16 @@ def test_bad_trees_name_their_fields(tree: common_pb2.DraftTree, k: int, fields:
     assert shape is None and [v.field for v in violations] == fields
 
 
-def test_dflash_trees_are_refused_with_the_reason() -> None:
-    with pytest.raises(InvalidArgument) as err:
-        select_backends(request(H100_FA4, speculative=dflash(tree=STATIC)))
-    assert {v.field: v.description for v in err.value.field_violations} == {"speculative.tree": DFLASH_REASON}
+@pytest.mark.parametrize("tree", [DYNAMIC, STATIC], ids=["dynamic", "static"])
+def test_a_dflash_tree_needs_tree_attention_for_the_target_only(tree: common_pb2.DraftTree) -> None:
+    response = select_backends(request(H100_FA4, speculative=dflash(k=3 if tree is STATIC else 7, tree=tree)))
+    assert response.target.backend == "TRITON_ATTN" and response.target.use_tree_attention
+    assert response.drafter.backend == "FLASH_ATTN" and not response.drafter.use_tree_attention
+    assert response.drafter.use_non_causal  # the block pass as in a chain
+
+
+def test_a_dflash_tree_expands_no_nodes() -> None:
+    """Top-8 over 15 depths would be 112 expanded EAGLE nodes (refused); DFlash drafts them in one block pass."""
+    tree = common_pb2.DraftTree(top_k=8, verify_budget=32)
+    assert [v.field for v in parse_draft_tree(tree, False, 15, "t", "k")[1]] == ["t.top_k"]
+    assert parse_draft_tree(tree, True, 15, "t", "k") == (TreeShape(depth=15, top_k=8, verify_budget=32), [])
