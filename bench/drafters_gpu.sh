@@ -33,7 +33,7 @@ bench() {
 
 case ${1:?start|follow} in
   start)
-    mkdir -p "$run/bench" && rm -f "$run/done"
+    mkdir -p "$run/bench" && rm -f "$run/done" "$run/failed"
     gunzip -c "${2:?PROMPTS.jsonl.gz}" > "$run/prompts_train.jsonl"
     if [[ -n ${DATA_PARTS:-} ]]; then cat "$DATA_PARTS"/data.tgz.part* | tar xzf - -C "$run"; fi
     extra_data=
@@ -43,8 +43,10 @@ case ${1:?start|follow} in
     fi
     rm -rf "$work" && mkdir -p "$work" && cp -r . "$work" && cd "$work"
     setsid nohup bash -c "$(declare -f bench); run=$run gguf=$gguf
-      EXTRA_DATA=$extra_data PHASES=${PHASES:-generate,train} bash drafters/retrain.sh $gguf $run $run/prompts_train.jsonl > $run/pipeline.log 2>&1
-      [[ ${PHASES:-train} == *train* && ${BENCH:-1} == 1 ]] && bench > $run/bench.log 2>&1; touch $run/done" > /dev/null 2>&1 < /dev/null &
+      if EXTRA_DATA=$extra_data PHASES=${PHASES:-generate,train} bash drafters/retrain.sh $gguf $run $run/prompts_train.jsonl > $run/pipeline.log 2>&1; then
+        [[ ${PHASES:-train} == *train* && ${BENCH:-1} == 1 ]] && bench > $run/bench.log 2>&1
+      else echo \"drafters/retrain.sh failed (exit \$?): no benchmark; see pipeline.log\" > $run/failed; fi
+      touch $run/done" > /dev/null 2>&1 < /dev/null &
     echo "started in $run"
     ;;
   follow)
@@ -60,10 +62,11 @@ case ${1:?start|follow} in
       --exclude='prompts_train.jsonl' . 2>/dev/null)
     names=()
     for n in "$@"; do
-      if [[ $n == data ]]; then (cd "$run" && tar czf - data*.jsonl | split -d -b 15M - "$out/data.tgz.part")
+      if [[ $n == data ]]; then (cd "$run" && tar czf - data*.jsonl data.settings | split -d -b 15M - "$out/data.tgz.part")
       else names+=("$n/drafter"); fi
     done
     if (( ${#names[@]} )); then (cd "$run" && tar cf - "${names[@]}" | split -d -b 15M - "$out/drafters.tar.part"); fi
     ls -la "$out"
+    if [[ -e $run/failed ]]; then cat "$run/failed" "$run/pipeline.log" | tail -n 20 >&2; exit 1; fi
     ;;
 esac

@@ -16,6 +16,17 @@ set -euo pipefail
 target=${1:?TARGET} run=${2:?RUN_DIR} prompts=${3:?PROMPTS}
 gen_minutes=${GEN_MINUTES:-20} phases=${PHASES:-generate,train}  # PHASES: generate, train or both
 mkdir -p "$run"
+# The prompt list is rebuilt from SEED, SELF_INSTRUCT and NUM_PROMPTS in every run, and data.jsonl must answer it
+# in order. The generation writes them to data.settings beside data.jsonl; a training run on text from another
+# machine takes them from there where unset, and stops here where set otherwise.
+if [[ $phases != *generate* && -f $run/data.settings ]]; then
+  while read -r name value; do
+    if [[ -z ${!name:-} ]]; then printf -v "$name" %s "$value"
+    elif [[ ${!name} != "$value" ]]; then
+      echo "$run/data.settings: the text was generated with $name=$value, not ${!name}" >&2; exit 2
+    fi
+  done < "$run/data.settings"
+fi
 # NUM_PROMPTS / SELF_INSTRUCT: first-turn prompts and self-instruct seeds (the third stage: 44000 and 6000, engine
 # written). DENSE_BATCH: write the text with dense_generate in batches of this many (0: through the engine).
 # SEED (default 0) seeds the self-instruct requests, the sampled responses and the training order: another seed
@@ -33,6 +44,8 @@ train() { python3 -m executor_service.training.cli "${common[@]}" "$@"; }
 #    T = 0.7 in turn, up to 512 tokens), in a throwaway run that stops after one training step.
 started=$(date +%s)
 if [[ $phases == *generate* ]]; then
+  printf 'SEED %s\nSELF_INSTRUCT %s\nNUM_PROMPTS %s\n' "${SEED:-0}" "${SELF_INSTRUCT:-8000}" "${NUM_PROMPTS:-60000}" \
+    > "$run/data.settings"
   train --method eagle3 --out "$run/generate" --stop-after-steps 1 --generation-minutes "$gen_minutes" \
     > "$run/generate.log" 2>&1
 fi
