@@ -1,6 +1,6 @@
 """Tree drafting on CUDA (bf16, TRITON_ATTN): the device-resident tree step replays its CUDA graphs (counted), and
-its greedy output equals the target-only output of the same backend for static and dynamic trees, EAGLE and
-EAGLE-3; with the right tokens on the trees' last branches (the accepted path's K/V moved inside the graph) too,
+its greedy output equals the target-only output of the same backend for static and dynamic trees, EAGLE,
+EAGLE-3 and DFlash; with the right tokens on the trees' last branches (the accepted path's K/V moved inside the graph) too,
 and graph replays give what eager steps give. The target-only reference never drafts: only tree sessions must
 verify drafts (a failure prints the session's backends, step and pass counts, and every request's Finish)."""
 
@@ -75,7 +75,7 @@ def expected() -> dict[str, list[int]]:
 
 @pytest.mark.parametrize("replayed", [False, True], ids=["drafted", "last_branch"])
 @pytest.mark.parametrize("shape", ["static_2_2_1", "dynamic_3_budget_8_depth_4"])
-@pytest.mark.parametrize("method", ["eagle", "eagle3"])
+@pytest.mark.parametrize("method", ["eagle", "eagle3", "dflash"])
 def test_graph_tree_step_equals_target_only(expected: dict, method: str, shape: str, replayed: bool) -> None:
     session = cuda_tree_session(method, shape)
     if replayed:

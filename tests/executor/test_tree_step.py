@@ -137,7 +137,7 @@ def replayed_run(method: str, shape: str, on_device: bool) -> tuple[ReplayOnRand
 
 
 @pytest.mark.parametrize("shape", ["static_2_2_1", "static_3_2", "dynamic_3_budget_8_depth_4"])
-@pytest.mark.parametrize("method", ["eagle", "eagle3"])
+@pytest.mark.parametrize("method", ["eagle", "eagle3", "dflash"])
 def test_device_step_equals_the_host_path(method: str, shape: str) -> None:
     """Both paths emit the target's tokens; the device step drafts the trees the host path drafts (tokens and
     parents, before the rewrite) and books the same stats per request and per depth."""
@@ -220,7 +220,7 @@ def drafted_run(
 
 
 @pytest.mark.parametrize("shape", ["static_2_2_1", "dynamic_3_budget_8_depth_4"])
-@pytest.mark.parametrize("method", ["eagle", "eagle3"])
+@pytest.mark.parametrize("method", ["eagle", "eagle3", "dflash"])
 def test_steps_launched_ahead_equal_the_host_path(method: str, shape: str) -> None:
     """Drafted trees (no host rewrite) let the device launch each step before reading the last one back, its
     inputs derived on the device (launch_following): the same trees, tokens and stats as the host path."""
@@ -237,13 +237,15 @@ def test_steps_launched_ahead_equal_the_host_path(method: str, shape: str) -> No
 
 
 @pytest.mark.skipif(not hasattr(cuda_graphs, "EagerReplay"), reason="step graphs replay on CUDA only here")
-@pytest.mark.parametrize("shape", ["static_3_2", "dynamic_2_budget_5_depth_3"])
-def test_graph_buffers_and_padded_buckets(shape: str) -> None:
+@pytest.mark.parametrize(
+    ("method", "shape"), [("eagle3", "static_3_2"), ("eagle3", "dynamic_2_budget_5_depth_3"), ("dflash", "static_3_2")]
+)
+def test_graph_buffers_and_padded_buckets(method: str, shape: str) -> None:
     """The graph path's plumbing on the CPU (StepGraphs reruns the forward from its static buffers there): three
     requests in the bucket of four (a padded request that writes nothing and moves nothing), steps launched
     ahead through the same buffers; the host path's trees, tokens and stats."""
-    device, device_sink, session = drafted_run("eagle3", shape, on_device=True, graph_batch=4)
-    host, host_sink, _ = drafted_run("eagle3", shape, on_device=False)
+    device, device_sink, session = drafted_run(method, shape, on_device=True, graph_batch=4)
+    host, host_sink, _ = drafted_run(method, shape, on_device=False)
     counts = session.engine.tree_step.counts
     assert counts["graph"] > 0 and counts["graph following"] > 0 and not counts["eager"] + counts["eager following"]
     assert device.trees == host.trees
