@@ -1,8 +1,9 @@
 """Tree drafting on CUDA (bf16, TRITON_ATTN): the device-resident tree step replays its CUDA graphs (counted), and
 its greedy output equals the target-only output of the same backend for static and dynamic trees, EAGLE,
-EAGLE-3 and DFlash; with the right tokens on the trees' last branches (the accepted path's K/V moved inside the graph) too,
-and graph replays give what eager steps give. The target-only reference never drafts: only tree sessions must
-verify drafts (a failure prints the session's backends, step and pass counts, and every request's Finish)."""
+EAGLE-3 and DFlash; with the right tokens on the trees' last branches (the accepted path's K/V moved inside the
+graph) too, and graph replays give what eager steps give. The target-only reference never drafts: only tree
+sessions must verify drafts (a failure prints the session's backends, step and pass counts, and every request's
+Finish)."""
 
 from __future__ import annotations
 
