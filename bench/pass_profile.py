@@ -11,6 +11,8 @@ log-softmax and top-k for the drafter's candidates (`_torch_topk`) instead of th
     python bench/pass_profile.py --preset smollm2 --methods eagle3 --trees dynamic:8:16:7,dynamic:4:16:6
     python bench/pass_profile.py --preset smollm2 --methods dflash --drafter-config dflash=drafters/smollm2-dflash \\
         --drafter-layers dflash=2 --draft-k dflash=7    # a 2-layer version of the shipped DFlash, as served at k = 7
+    python bench/pass_profile.py --preset smollm2 --methods dflash --drafter-config dflash=drafters/smollm2-dflash \\
+        --draft-k dflash=7 --tree-method dflash --trees dynamic:8:16:7,dynamic:8:32:10   # DFlash trees' steps
 """
 
 from __future__ import annotations
@@ -80,10 +82,12 @@ def main() -> int:
         "passes": {},
     }
     calls = {name: call for name, (call, _moved) in pass_calls(sessions, args, preset).items()}
-    for spec in (t for t in args.trees.split(",") if t):  # EAGLE-3 tree shapes, over the same target weights
+    method = args.tree_method  # who drafts the tree shapes, over the same target weights (EAGLE-3 by default)
+    for spec in (t for t in args.trees.split(",") if t):
         label, tree, depth = parse_tree_spec(spec)
+        label = label if method == "eagle3" else f"{method}_{label}"
         for name in (label, f"{label}_torch_topk"):
-            sessions[name] = open_session(args, sessions["target-only"].loaded, "eagle3", preset, tree, depth)
+            sessions[name] = open_session(args, sessions["target-only"].loaded, method, preset, tree, depth)
             if name != label:
                 torch_top_k(sessions[name])
             call = tree_step_call(sessions[name], args)

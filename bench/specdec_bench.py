@@ -605,6 +605,7 @@ def parse_args(description: str | None = __doc__) -> argparse.Namespace:
     parser.add_argument("--kv-blocks", type=int, default=1024)
     parser.add_argument("--tree-budget", type=int, default=0, help="time a tree verify pass of N drafts vs the chain")
     parser.add_argument("--trees", default="", help="pass_profile.py: tree specs whose device step to profile")
+    parser.add_argument("--tree-method", choices=sorted(DRAFTERS), default="eagle3", help="who drafts --trees")
     parser.add_argument("--out", type=Path, default=REPO / "bench" / "results")
     shapes = parser.add_argument_group("drafter shapes (default: DRAFTERS', over the preset's MLP width)")
     for flag, metavar, text in (

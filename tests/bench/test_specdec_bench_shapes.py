@@ -71,3 +71,22 @@ def test_flags_set_each_methods_shape(monkeypatch: pytest.MonkeyPatch, capsys: p
     with pytest.raises(SystemExit):
         parse_args()
     assert "does not fit the target preset" in capsys.readouterr().err
+
+
+def test_trees_open_for_the_chosen_drafter(monkeypatch: pytest.MonkeyPatch) -> None:
+    """pass_profile's --trees with --tree-method dflash: a DFlash tree session over the same target (CPU, tiny)."""
+    from specdec_bench import open_session, open_sessions
+    from tree_passes import parse_tree_spec
+
+    from executor_service.dflash_tree_proposer import DFlashTreeProposer
+
+    argv = ["--preset", "tiny", "--device", "cpu", "--backend", "CPU_ATTN", "--methods", "dflash", "--batches", "1"]
+    monkeypatch.setattr(sys, "argv", ["pass_profile.py", *argv, "--kv-blocks", "64", "--tree-method", "dflash"])
+    args = parse_args()
+    sessions = open_sessions(args, PRESETS["tiny"])
+    _, tree, depth = parse_tree_spec("dynamic:4:8:5")
+    session = open_session(args, sessions["target-only"].loaded, args.tree_method, PRESETS["tiny"], tree, depth)
+    assert isinstance(session.proposer, DFlashTreeProposer)
+    assert (session.proposer.tree.depth, session.proposer.tree.num_drafts) == (5, 8)
+    for opened in [*sessions.values(), session]:
+        opened.shutdown()
