@@ -22,27 +22,16 @@ from executor_service.attention_step import build_attention_step, cache_slot, to
 from executor_service.session import ModelSession
 from executor_service.tree_verification import DraftTree
 from kernels.tree_mask import tree_masks
+from selection.draft_tree import tree_from_text
 from specdec.v1 import common_pb2
 
 
 def parse_tree_spec(text: str) -> tuple[str, common_pb2.DraftTree, int]:
-    """(label, DraftTree, num_speculative_tokens) of a spec; ValueError naming the forms otherwise."""
-    kind, _, rest = text.partition(":")
-    try:
-        if kind == "dynamic":
-            top_k, budget, depth = (int(x) for x in rest.split(":"))
-            return (
-                f"tree_top{top_k}_budget{budget}_depth{depth}",
-                common_pb2.DraftTree(top_k=top_k, verify_budget=budget),
-                depth,
-            )
-        if kind == "static":
-            branching = [int(x) for x in rest.split("-")]
-            label = "tree_static_" + "-".join(map(str, branching))
-            return label, common_pb2.DraftTree(branching=branching), len(branching)
-    except ValueError:
-        pass
-    raise ValueError(f"tree spec {text!r}: dynamic:TOP_K:BUDGET:DEPTH or static:B1-B2-...")
+    """(label, DraftTree, depth) of a spec (selection/draft_tree.py's forms); ValueError naming them otherwise."""
+    tree, depth = tree_from_text(text)
+    if tree.branching:
+        return "tree_static_" + "-".join(map(str, tree.branching)), tree, len(tree.branching)
+    return f"tree_top{tree.top_k}_budget{tree.verify_budget}_depth{depth}", tree, depth
 
 
 def breadth_first_tree(size: int, branching: int = 4) -> list[int]:

@@ -72,6 +72,25 @@ class TreeShape:
         return f"static tree {list(self.branching)}: {self.num_drafts} drafts verified, depth {self.depth}"
 
 
+TREE_FORMS = "dynamic:TOP_K:BUDGET:DEPTH (e.g. dynamic:8:16:7) or static:B1-B2-... (e.g. static:4-2-1)"
+
+
+def tree_from_text(text: str) -> tuple[common_pb2.DraftTree, int]:
+    """A tree written on a command line, and the num_speculative_tokens that goes with it (a dynamic tree's depth;
+    0 for a static one, whose depth is its list's length); ValueError naming the forms. The bounds are
+    parse_draft_tree's, where the drafter is known."""
+    kind, _, rest = text.partition(":")
+    try:
+        if kind == "dynamic":
+            top_k, budget, depth = (int(x) for x in rest.split(":"))
+            return common_pb2.DraftTree(top_k=top_k, verify_budget=budget), depth
+        if kind == "static":
+            return common_pb2.DraftTree(branching=[int(x) for x in rest.split("-")]), 0
+    except ValueError:
+        pass
+    raise ValueError(f"tree {text[:80]!r}: {TREE_FORMS}")
+
+
 def has_tree(tree: common_pb2.DraftTree) -> bool:
     """Whether the message asks for a tree (an empty one is a chain)."""
     return bool(tree.branching) or tree.top_k != 0 or tree.verify_budget != 0

@@ -85,10 +85,12 @@ def run_demo(args: argparse.Namespace) -> int:
 def _flow(args: argparse.Namespace, out: Output, servers: list[LocalServer], log_dir: Path) -> None:
     if args.no_load and not args.executor:
         raise DemoError("--no-load uses the model a running executor serves: give its address with --executor")
+    if args.tree and args.k:
+        raise DemoError("--tree sets the drafts per step (a dynamic tree's depth is its last number): drop --k")
     if args.synthetic:
-        model = synthetic_model(args.method, args.k)
+        model = synthetic_model(args.method, args.k, args.tree)
     else:  # before any server starts: a missing drafter fails at once
-        model = default_model(args.method, args.k, args.drafters, args.device)
+        model = default_model(args.method, args.k, args.drafters, args.device, args.tree)
     with ExitStack() as channels:
         opened = _connect(args, out, servers, log_dir, channels, model.model_root)
         executor = executor_pb2_grpc.ExecutorStub(opened["executor"])

@@ -13,6 +13,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
+from selection.draft_tree import has_tree
 from specdec.v1 import common_pb2, executor_pb2, selector_pb2
 from specdec_cli.demo_drafters import AttentionShape, DrafterInfo, find_drafter, read_drafter
 
@@ -90,14 +91,22 @@ class DemoModel:
     model_root: Path | None = None  # where the drafter lives: the --model-root of an executor started here
 
 
-def default_model(method: str, k: int | None, drafters_root: Path, device: str = "cpu") -> DemoModel:
+Tree = tuple[common_pb2.DraftTree, int]  # a draft tree and its num_speculative_tokens (selection/draft_tree.py)
+
+
+def default_model(
+    method: str, k: int | None, drafters_root: Path, device: str = "cpu", tree: Tree | None = None
+) -> DemoModel:
     """SmolLM2 and its trained `method` drafter from `drafters_root`, proposing `k` tokens (default: the fastest
-    measured on `device`'s kind, DEFAULT_EAGLE_K; DFlash: its block size - 1)."""
+    measured on `device`'s kind, DEFAULT_EAGLE_K; DFlash: its block size - 1), or drafting `tree`."""
     drafters_root = drafters_root.resolve()
     directory = find_drafter(drafters_root, SMOLLM2.drafters, method)
     drafter = read_drafter(directory, method)
     k = k or (drafter.block_size - 1 if method == "dflash" else default_eagle_k(device))
     draft = executor_pb2.DraftModel(method=METHODS[method], num_speculative_tokens=k)
+    if tree is not None:
+        draft.tree.CopyFrom(tree[0])
+        draft.num_speculative_tokens = tree[1]
     draft.source.path = directory.name  # relative to the executor's --model-root
     load = executor_pb2.LoadModelRequest(
         target=executor_pb2.ModelSource(path=SMOLLM2.path),
@@ -118,9 +127,19 @@ def default_model(method: str, k: int | None, drafters_root: Path, device: str =
         f"target   {SMOLLM2.name}: {s.num_layers} layers, hidden {SMOLLM2.hidden_size}, "
         f"{s.num_heads} heads ({s.num_kv_heads} kv) x {s.head_size}, vocab {SMOLLM2.vocab_size}"
     )
-    description = [target_line, f"drafter  {method}, k={k}: {_describe_drafter(drafter, method)}"]
+    description = [target_line, f"drafter  {method}, {_drafts(draft)}: {_describe_drafter(drafter, method)}"]
     description.append(f"         trained: {drafter.training}" if drafter.training else "         no training_log.json")
     return DemoModel(load, SMOLLM2.shape, drafter.shape, dflash, description, model_root=drafters_root)
+
+
+def _drafts(draft: executor_pb2.DraftModel) -> str:
+    """k, or the tree as asked (the executor checks its bounds)."""
+    tree = draft.tree
+    if not has_tree(tree):
+        return f"k={draft.num_speculative_tokens}"
+    if tree.branching:
+        return f"static tree {list(tree.branching)}"
+    return f"dynamic tree: top-{tree.top_k}, {tree.verify_budget} drafts verified, {draft.num_speculative_tokens} deep"
 
 
 def _describe_drafter(drafter: DrafterInfo, method: str) -> str:
@@ -136,10 +155,13 @@ def _describe_drafter(drafter: DrafterInfo, method: str) -> str:
     return line + ")"
 
 
-def synthetic_model(method: str, k: int | None) -> DemoModel:
-    """The synthetic target plus a synthetic `method` drafter proposing `k` tokens (default 3). EAGLE-1: one
-    layer on the target's LM head; EAGLE-3: one layer, its own head over half the vocabulary; DFlash: two
-    Qwen3-style layers, a block of k + 1 filled with the last id as the mask token, non-causal."""
+def synthetic_model(method: str, k: int | None, tree: Tree | None = None) -> DemoModel:
+    """The synthetic target plus a synthetic `method` drafter proposing `k` tokens (default 3), or drafting `tree`.
+    EAGLE-1: one layer on the target's LM head; EAGLE-3: one layer, its own head over half the vocabulary; DFlash:
+    two Qwen3-style layers, a block of k + 1 (a tree's depth + 1) filled with the last id as the mask token,
+    non-causal."""
+    if tree is not None:
+        k = tree[1] or len(tree[0].branching)
     k = k or SYNTHETIC_K
     spec = executor_pb2.SyntheticModel()
     spec.CopyFrom(SYNTHETIC_TARGET)
@@ -151,6 +173,9 @@ def synthetic_model(method: str, k: int | None) -> DemoModel:
     if method == "eagle3":
         spec.draft_vocab_size = SYNTHETIC_TARGET.vocab_size // 2
     draft = executor_pb2.DraftModel(method=METHODS[method], num_speculative_tokens=k)
+    if tree is not None:
+        draft.tree.CopyFrom(tree[0])
+        draft.num_speculative_tokens = tree[1]
     draft.source.synthetic.CopyFrom(spec)
     dflash = None
     if method == "dflash":
@@ -163,7 +188,7 @@ def synthetic_model(method: str, k: int | None) -> DemoModel:
         block_size=BLOCK_SIZE,
         num_kv_blocks=NUM_KV_BLOCKS,
     )
-    line = f"drafter  {method}, k={k}: {_describe_synthetic(spec)}"
+    line = f"drafter  {method}, {_drafts(draft)}: {_describe_synthetic(spec)}"
     if spec.draft_vocab_size:
         line += f", own head over {spec.draft_vocab_size} ids"
     if method == "dflash":
@@ -214,11 +239,14 @@ def selection_request(
     )
     speculative = request.speculative
     speculative.method = load.draft.method
-    speculative.num_speculative_tokens = load.draft.num_speculative_tokens
+    # A static tree's depth is its list's length (0 in the load request), as the executor tells the selector.
+    speculative.num_speculative_tokens = load.draft.num_speculative_tokens or len(load.draft.tree.branching)
     speculative.attention_backend = load.draft.attention_backend
     speculative.draft_layers.CopyFrom(_layers(model.drafter, load.dtype, block_size))
     if model.dflash is not None:
         speculative.dflash_config.CopyFrom(model.dflash)
+    if has_tree(load.draft.tree):  # R11: the selector gives the target (and an EAGLE drafter) tree attention
+        speculative.tree.CopyFrom(load.draft.tree)
     return request
 
 

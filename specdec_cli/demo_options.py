@@ -5,6 +5,8 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
+from selection.draft_tree import tree_from_text
+from specdec.v1 import common_pb2
 from specdec_cli.demo_drafters import repo_drafters_dir
 from specdec_cli.demo_model import METHODS
 from specdec_runtime.client import add_channel_arguments, server_address
@@ -34,6 +36,13 @@ def add_demo_arguments(parser: argparse.ArgumentParser) -> None:
         type=_positive,
         help="tokens the drafter proposes per step (default: 3 on CUDA and 7 on the CPU, the fastest measured "
         "there; DFlash: its block size - 1; --synthetic: 3)",
+    )
+    parser.add_argument(
+        "--tree",
+        type=_tree,
+        metavar="SPEC",
+        help="draft a tree instead of a chain: dynamic:TOP_K:BUDGET:DEPTH (e.g. dynamic:8:16:7: the 16 best of the "
+        "top 8 per depth, 7 deep) or static:B1-B2-... (children per depth, e.g. static:4-2-1); replaces --k",
     )
     parser.add_argument(
         "--drafters",
@@ -75,6 +84,13 @@ def add_demo_arguments(parser: argparse.ArgumentParser) -> None:
         "which take what the machine needs; Ctrl-C stops them)",
     )
     add_channel_arguments(parser, "the remote servers (--selector, --executor)")
+
+
+def _tree(text: str) -> tuple[common_pb2.DraftTree, int]:
+    try:
+        return tree_from_text(text)
+    except ValueError as err:
+        raise argparse.ArgumentTypeError(str(err)) from None
 
 
 def _positive_seconds(text: str) -> float:

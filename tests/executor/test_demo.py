@@ -26,6 +26,7 @@ from executor_service.capabilities import probe
 from executor_service.drafting import resolve_draft
 from executor_service.session import resolve_target
 from executor_service.session import selection_request as executor_selection_request
+from selection.draft_tree import tree_from_text
 from selection.selector import Selector
 from specdec.v1 import common_pb2, executor_pb2, executor_pb2_grpc
 from specdec_cli.demo_drafters import repo_drafters_dir
@@ -168,6 +169,44 @@ def test_demo_with_the_shipped_eagle1_drafter() -> None:
     assert result.returncode == 0, f"{out}\n{result.stderr}"
     assert f"drafter  eagle, k=3: smollm2-eagle in {SHIPPED.parent}" in out
     assert check_statistics(out, 3) > 0, "the trained drafter's drafts are never accepted"
+
+
+@pytest.mark.skipif(not SHIPPED.is_dir(), reason=f"{SHIPPED} is not there yet (the trained drafters)")
+def test_demo_with_the_shipped_dflash_drafting_trees() -> None:
+    """`--method dflash --tree dynamic:8:16:7`: the shipped DFlash drafts trees from its block pass (the target
+    verifies 16 drafts a step with tree attention), the text is the target's, and drafts are accepted."""
+    result = run_demo("--method", "dflash", "--tree", "dynamic:8:16:7", "--max-tokens", "24")
+    out = result.stdout
+    assert result.returncode == 0, f"{out}\n{result.stderr}"
+    assert "drafter  dflash, dynamic tree: top-8, 16 drafts verified, 7 deep: smollm2-dflash" in out
+    assert streamed_text(out).startswith("```python\ndef is_prime(n):")
+    drafted, accepted = map(int, re.search(r"drafted (\d+), accepted (\d+)", out).groups())
+    assert 0 < accepted < drafted, "the trained drafter's trees are never accepted"
+
+
+@pytest.mark.parametrize("spec", ["dynamic:4:8:3", "static:2-2-1"])
+@pytest.mark.parametrize("method", ["eagle3", "dflash"])
+def test_demo_trees_ask_the_selector_what_the_executor_would(method: str, spec: str, stand_ins: Path) -> None:
+    """A tree goes to the selector as the executor sends it (R11: tree attention for the target, and for an EAGLE
+    drafter, not for DFlash's block pass)."""
+    model = default_model(method, None, stand_ins, tree=tree_from_text(spec))
+    load = model.load
+    load.dtype = common_pb2.DTYPE_FLOAT32
+    hardware = probe(torch.device("cpu"))
+    source = resolve_target(load.target, model.model_root, "target")
+    draft = resolve_draft(load.draft, source.config, model.model_root)
+    ours = selection_request(model, hardware)
+    assert ours == executor_selection_request(load, source.config, hardware, torch.float32, draft)
+    decision = Selector().select(ours)
+    assert decision.target.use_tree_attention and decision.drafter.use_tree_attention == (method != "dflash")
+
+
+def test_demo_refuses_a_bad_tree_before_starting_anything() -> None:
+    result = run_demo("--synthetic", "--tree", "dynamic:8")
+    assert result.returncode == 2 and "dynamic:TOP_K:BUDGET:DEPTH" in result.stderr, result.stderr
+    result = run_demo("--synthetic", "--tree", "static:2-1", "--k", "3")
+    assert result.returncode != 0 and "drop --k" in result.stderr, result.stderr
+    assert "started here" not in result.stdout
 
 
 def free_port() -> int:
