@@ -71,12 +71,7 @@ class DFlashTreeProposer(TreeProposer):
             if depth < tree.depth - 1:
                 frontier_scores, candidates = scores.topk(top_k, dim=-1)
                 frontiers.append(candidates)
-        zero = self.constants.get("zero column", lambda: torch.zeros(1, 1, dtype=torch.int64, device=self.device))
-        columns = torch.cat([zero.expand(count, -1), *frontiers], dim=1)
-        pick = self.constants.get(("parent columns", tree), lambda: self._parent_columns()[0])
-        starts = self.constants.get(("parent starts", tree), lambda: self._parent_columns()[1])
-        parents = columns.index_select(1, pick) + starts
-        return self._select(torch.cat(pool_tokens, 1), torch.cat(pool_scores, 1), parents)
+        return self._dynamic_tree(pool_tokens, pool_scores, frontiers)
 
     def _static_picks(self) -> torch.Tensor:
         """[drafts] each static node's index into the candidates [D x width]: node j of depth d is position

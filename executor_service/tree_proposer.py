@@ -240,13 +240,21 @@ class TreeProposer(Proposer):
         if not dynamic:
             parents = constants.get("static parents", lambda: self._static_parents_tensor())
             return torch.cat(pool_tokens, 1), parents.expand(count, -1)
+        return self._dynamic_tree(pool_tokens, pool_scores, frontiers)
+
+    def _dynamic_tree(
+        self, pool_tokens: list[torch.Tensor], pool_scores: list[torch.Tensor], frontiers: list[torch.Tensor]
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """A dynamic tree's verified drafts from its pool (every level's candidates [B, size] and their cumulative
+        scores) and the nodes each level expanded (`frontiers`: level indices, depth 1's first)."""
+        constants, count = self.constants, pool_tokens[0].shape[0]
         # Each drafted child's parent: the pool index of the node it was drafted from (level start + index).
         # The expanded nodes' level indices behind a zero column: each pool node's parent is one of them plus its
         # level's start (a root's: the zero column less one), picked by one constant index.
         zero = constants.get("zero column", lambda: torch.zeros(1, 1, dtype=torch.int64, device=self.device))
         columns = torch.cat([zero.expand(count, -1), *frontiers], dim=1)
-        pick = constants.get(("parent columns", tree), lambda: self._parent_columns()[0])
-        starts = constants.get(("parent starts", tree), lambda: self._parent_columns()[1])
+        pick = constants.get(("parent columns", self.tree), lambda: self._parent_columns()[0])
+        starts = constants.get(("parent starts", self.tree), lambda: self._parent_columns()[1])
         parents = columns.index_select(1, pick) + starts
         return self._select(torch.cat(pool_tokens, 1), torch.cat(pool_scores, 1), parents)
 
