@@ -19,7 +19,13 @@ pytestmark = pytest.mark.skipif(
 
 @pytest.mark.parametrize(
     ("method", "shape"),
-    [("eagle3", "static_3_2"), ("eagle3", "dynamic_3_budget_8_depth_4"), ("eagle", "dynamic_2_budget_5_depth_3")],
+    [
+        ("eagle3", "static_3_2"),
+        ("eagle3", "dynamic_3_budget_8_depth_4"),
+        ("eagle", "dynamic_2_budget_5_depth_3"),
+        ("dflash", "static_3_2"),
+        ("dflash", "dynamic_3_budget_8_depth_4"),
+    ],
 )
 def test_fused_top_k_drafts_the_torch_trees(method: str, shape: str, monkeypatch: pytest.MonkeyPatch) -> None:
     calls = []
