@@ -13,7 +13,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
-from selection.draft_tree import has_tree
+from selection.draft_tree import has_tree, tree_from_text
 from specdec.v1 import common_pb2, executor_pb2, selector_pb2
 from specdec_cli.demo_drafters import AttentionShape, DrafterInfo, find_drafter, read_drafter
 
@@ -23,19 +23,29 @@ METHODS = {
     "dflash": common_pb2.SPEC_METHOD_DFLASH,
 }
 BLOCK_SIZE = 16
+Tree = tuple[common_pb2.DraftTree, int]  # a draft tree and its num_speculative_tokens (selection/draft_tree.py)
 NUM_KV_BLOCKS = 512  # 8192 tokens: the context of either model, small enough for any device
 # EAGLE-1 / EAGLE-3 drafts per step on the default model, by device: the fastest end to end where measured
-# (DFlash proposes its block size - 1, and is slower on both). H100, the third-stage EAGLE-3 (the sixth-stage one
-# shipped now has not been timed at k = 3; docs/demo.md),
-# bench/results/acceptance_2026-11-24_h100_8bc9587_eagle3-chain-vs-trees: k = 3 2.50x, k = 7 2.35x (DFlash k = 7
-# 2.41x, k = 15 2.47x in acceptance_2026-11-24_h100_8bc9587_dflash). A 2-core CPU, the shipped drafters,
-# acceptance_2026-11-25_cpu_8af13f7_stage6: EAGLE-3 k = 7 1.41x (1.35-1.42), k = 3 1.18x, DFlash 1.01-1.11x.
+# (DFlash proposes its block size - 1). H100, the shipped EAGLE-3, acceptance_2026-11-25_h100_c6fec1e_eagle3-k3-vs-k7:
+# k = 3 2.15x, k = 7 2.07x (DFlash k = 7 2.41x, k = 15 2.47x in acceptance_2026-11-24_h100_8bc9587_dflash). A 2-core
+# CPU, acceptance_2026-11-25_cpu_8af13f7_stage6: EAGLE-3 k = 7 1.41x (1.35-1.42), k = 3 1.18x.
 DEFAULT_EAGLE_K = {"cuda": 3, "cpu": 7}
+# On a CPU, EAGLE-3 and DFlash draft this tree by default: faster there than their chains in every timed round
+# (acceptance_2026-11-27_cpu_2fcefa3_trees-speed*: EAGLE-3 1.21x and 1.26x against 1.13x and 1.21x at k = 7;
+# DFlash 1.12x against 0.94x). On CUDA the shipped drafters' trees are not yet timed: chains stay the default.
+CPU_TREE = "dynamic:8:16:7"
 
 
 def default_eagle_k(device: str) -> int:
     """EAGLE's default drafts per step on `device` (cpu, cuda, cuda:N; another kind gets the CPU's)."""
     return DEFAULT_EAGLE_K.get(device.split(":", 1)[0], DEFAULT_EAGLE_K["cpu"])
+
+
+def default_tree(method: str, device: str) -> Tree | None:
+    """The tree `method` drafts by default on `device` (None: a chain)."""
+    if method == "eagle" or device.split(":", 1)[0] == "cuda":
+        return None
+    return tree_from_text(CPU_TREE)
 
 
 @dataclass(frozen=True)
@@ -91,14 +101,14 @@ class DemoModel:
     model_root: Path | None = None  # where the drafter lives: the --model-root of an executor started here
 
 
-Tree = tuple[common_pb2.DraftTree, int]  # a draft tree and its num_speculative_tokens (selection/draft_tree.py)
-
-
 def default_model(
     method: str, k: int | None, drafters_root: Path, device: str = "cpu", tree: Tree | None = None
 ) -> DemoModel:
-    """SmolLM2 and its trained `method` drafter from `drafters_root`, proposing `k` tokens (default: the fastest
-    measured on `device`'s kind, DEFAULT_EAGLE_K; DFlash: its block size - 1), or drafting `tree`."""
+    """SmolLM2 and its trained `method` drafter from `drafters_root`, proposing `k` tokens or drafting `tree`;
+    neither given: the fastest measured on `device`'s kind (default_tree, else DEFAULT_EAGLE_K or for DFlash its
+    block size - 1)."""
+    if k is None and tree is None:
+        tree = default_tree(method, device)
     drafters_root = drafters_root.resolve()
     directory = find_drafter(drafters_root, SMOLLM2.drafters, method)
     drafter = read_drafter(directory, method)

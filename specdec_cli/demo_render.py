@@ -7,6 +7,7 @@ the other sections, kept apart so the flow in demo.py reads as the sequence of c
 from __future__ import annotations
 
 from specdec.v1 import common_pb2, executor_pb2
+from specdec_cli.render import decision_traits
 
 GiB = 1 << 30
 
@@ -33,19 +34,20 @@ def render_loaded(
     """A LoadModel's outcome, or (seconds None) the model an executor already serves."""
     info = response.info
     dtype = enum_name(common_pb2.DType, info.dtype, "DTYPE_").lower()
+    tree = response.target_backend.use_tree_attention  # the target verifies trees (R11)
+    drafts = f"a tree of {info.num_speculative_tokens} drafts" if tree else f"{info.num_speculative_tokens} tokens"
     lines = [
         f"{f'loaded in {seconds:.1f} s' if seconds is not None else 'serving'}: target on "
         f"{_backend(response.target_backend)}, drafter on {_backend(response.draft_backend)}",
         f"{dtype}, context {info.max_model_len} tokens, KV cache {info.num_kv_blocks} blocks of {info.block_size}, "
-        f"{enum_name(common_pb2.SpecMethod, info.spec_method, 'SPEC_METHOD_')} proposing "
-        f"{info.num_speculative_tokens} tokens per step, tokenizer: {'yes' if info.has_tokenizer else 'none'}",
+        f"{enum_name(common_pb2.SpecMethod, info.spec_method, 'SPEC_METHOD_')} proposing {drafts} per step, "
+        f"tokenizer: {'yes' if info.has_tokenizer else 'none'}",
     ]
     return "\n".join(lines)
 
 
 def _backend(decision: common_pb2.BackendDecision) -> str:
-    how = "explicit" if decision.explicit else "auto"
-    return f"{decision.backend} ({how}, {'non-causal' if decision.use_non_causal else 'causal'})"
+    return f"{decision.backend} ({decision_traits(decision)})"
 
 
 def render_finished(finished: executor_pb2.Finished, seconds: float) -> str:

