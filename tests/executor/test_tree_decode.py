@@ -252,3 +252,31 @@ async def test_load_and_generate_over_grpc(stub) -> None:
         await stub.LoadModel(request)
     assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
     assert "tree attention not supported" in err.value.details()
+
+
+async def test_a_dflash_tree_over_grpc(stub) -> None:
+    """LoadModel with a DFlash tree: tree attention for the target only (R11: the drafter's block pass is the
+    chain's), 16 drafts verified per step; Generate streams the target's greedy tokens; a tree deeper than the
+    block is refused naming the field, and the model loaded before keeps serving."""
+    import grpc
+
+    from specdec.v1 import executor_pb2
+
+    request = load_request()
+    request.draft.CopyFrom(draft_model("dflash", 7))  # a block of 8
+    request.draft.num_speculative_tokens = 7
+    request.draft.tree.CopyFrom(common_pb2.DraftTree(top_k=4, verify_budget=16))
+    response = await stub.LoadModel(request)
+    assert response.target_backend.use_tree_attention and not response.draft_backend.use_tree_attention
+    assert response.info.num_speculative_tokens == 16
+    generate = executor_pb2.GenerateRequest(request_id="d", token_ids=executor_pb2.TokenIds(ids=[5, 9, 2]))
+    generate.sampling.max_tokens = 8
+    tokens = [t async for message in stub.Generate(generate) for t in message.token_ids]
+    assert len(tokens) == 8
+    request.draft.num_speculative_tokens = 8  # past the block's 7 positions
+    with pytest.raises(grpc.aio.AioRpcError) as err:
+        await stub.LoadModel(request)
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "draft.num_speculative_tokens" in err.value.details()
+    again = [t async for message in stub.Generate(generate) for t in message.token_ids]
+    assert again == tokens  # the loaded DFlash tree still serves, greedy as before
