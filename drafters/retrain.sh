@@ -31,9 +31,10 @@ fi
 # written). DENSE_BATCH: write the text with dense_generate in batches of this many (0: through the engine).
 # SEED (default 0) seeds the self-instruct requests, the sampled responses and the training order: another seed
 # writes new text from the same prompts.
-common=(--target "$target" --prompts "$prompts" --num-prompts "${NUM_PROMPTS:-60000}"
-        --self-instruct "${SELF_INSTRUCT:-8000}" --dense-batch "${DENSE_BATCH:-512}" --max-new-tokens 512
-        --temperatures 0,0.7 --max-num-seqs 512 --data "$run/data.jsonl" --seed "${SEED:-0}" --no-progress --max-len 1024)
+SEED=${SEED:-0} SELF_INSTRUCT=${SELF_INSTRUCT:-8000} NUM_PROMPTS=${NUM_PROMPTS:-60000}
+common=(--target "$target" --prompts "$prompts" --num-prompts "$NUM_PROMPTS"
+        --self-instruct "$SELF_INSTRUCT" --dense-batch "${DENSE_BATCH:-512}" --max-new-tokens 512
+        --temperatures 0,0.7 --max-num-seqs 512 --data "$run/data.jsonl" --seed "$SEED" --no-progress --max-len 1024)
 # EXTRA_DATA's prompts are skipped in every run, not only the generating one: each run rebuilds the prompt list
 # and checks that data.jsonl answers it in that order.
 read -r -a extra_data <<< "${EXTRA_DATA:-}"
@@ -44,8 +45,7 @@ train() { python3 -m executor_service.training.cli "${common[@]}" "$@"; }
 #    T = 0.7 in turn, up to 512 tokens), in a throwaway run that stops after one training step.
 started=$(date +%s)
 if [[ $phases == *generate* ]]; then
-  printf 'SEED %s\nSELF_INSTRUCT %s\nNUM_PROMPTS %s\n' "${SEED:-0}" "${SELF_INSTRUCT:-8000}" "${NUM_PROMPTS:-60000}" \
-    > "$run/data.settings"
+  printf 'SEED %s\nSELF_INSTRUCT %s\nNUM_PROMPTS %s\n' "$SEED" "$SELF_INSTRUCT" "$NUM_PROMPTS" > "$run/data.settings"
   train --method eagle3 --out "$run/generate" --stop-after-steps 1 --generation-minutes "$gen_minutes" \
     > "$run/generate.log" 2>&1
 fi

@@ -12,13 +12,14 @@ from pathlib import Path
 import torch
 
 from executor_service.config import ModelConfig
-from executor_service.draft_config import METHODS, DraftConfig, draft_from_hf, draft_from_synthetic
+from executor_service.draft_config import METHOD_ENUMS, METHODS, DraftConfig, draft_from_hf, draft_from_synthetic
 from executor_service.draft_models import Drafter, TargetHeads
 from executor_service.draft_weights import load_drafter, synthetic_drafter
 from executor_service.loader import read_config_json
 from executor_service.model import DecoderModel
 from executor_service.validation import resolve_model_path
 from kernels.capabilities import BACKENDS
+from selection.rules import drafter_uses_tree_attention
 from specdec.v1 import common_pb2, executor_pb2
 from specdec_runtime.errors import FailedPrecondition, FieldViolation
 
@@ -84,7 +85,7 @@ def check_drafter_backend(config: DraftConfig, backend: str) -> None:
             "choose another drafter backend (e.g. FLASH_ATTN, TRITON_ATTN) or a causal DFlash checkpoint",
             field_violations=(FieldViolation("draft.attention_backend", f"{backend} has no non-causal attention"),),
         )
-    expands_tree = config.tree is not None and config.method != "dflash"  # DFlash drafts a tree in one block pass
+    expands_tree = drafter_uses_tree_attention(METHOD_ENUMS[config.method], config.tree is not None)
     if expands_tree and not BACKENDS[backend].supports_tree_attention:  # R11, as the selector checks
         raise FailedPrecondition(
             f"tree drafting needs tree attention, which {backend} does not support",

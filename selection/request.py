@@ -11,7 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 
 from kernels.capabilities import KV_CACHE_DTYPES, AttentionNeeds, DType, Hardware, Platform
-from selection.draft_tree import parse_draft_tree
+from selection.draft_tree import has_tree, parse_draft_tree
 from selection.registry import UnknownBackendError, normalize_backend_name
 from selection.rules import drafter_uses_non_causal, drafter_uses_tree_attention, target_uses_tree_attention
 from specdec.v1 import common_pb2, selector_pb2
@@ -231,7 +231,8 @@ def _parse_drafter(
         needs = _parse_layers(request.target_layers, "target_layers", use_non_causal, [])
     if needs is None:
         return None
-    needs = replace(needs, use_tree_attention=drafter_uses_tree_attention(spec))  # R11: it drafts the tree
+    drafts_tree = drafter_uses_tree_attention(spec.method, has_tree(spec.tree))  # R11: it drafts the tree
+    needs = replace(needs, use_tree_attention=drafts_tree)
     # R5: its own needs and its own name (decided apart from the target's in rules.decide_stacks).
     return StackRequest("drafter", needs, backend, "speculative.attention_backend")
 

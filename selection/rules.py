@@ -79,10 +79,11 @@ def target_uses_tree_attention(spec: common_pb2.SpeculativeConfig) -> bool:
     return spec.method != common_pb2.SPEC_METHOD_NONE and has_tree(spec.tree)
 
 
-def drafter_uses_tree_attention(spec: common_pb2.SpeculativeConfig) -> bool:
+def drafter_uses_tree_attention(method: int, drafts_tree: bool) -> bool:
     """R11: an EAGLE or EAGLE-3 drafter expands the tree's nodes with the same masks. DFlash drafts every depth
-    in its one block pass (the block's own attention) and needs none."""
-    return spec.method in (common_pb2.SPEC_METHOD_EAGLE, common_pb2.SPEC_METHOD_EAGLE3) and has_tree(spec.tree)
+    in its one block pass (the block's own attention) and needs none. Also checked at load time
+    (executor_service/drafting.py)."""
+    return drafts_tree and method in (common_pb2.SPEC_METHOD_EAGLE, common_pb2.SPEC_METHOD_EAGLE3)
 
 
 # ---- R1-R3, R5: one decision per attention stack --------------------------------------------------------------

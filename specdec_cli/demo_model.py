@@ -113,10 +113,7 @@ def default_model(
     directory = find_drafter(drafters_root, SMOLLM2.drafters, method)
     drafter = read_drafter(directory, method)
     k = k or (drafter.block_size - 1 if method == "dflash" else default_eagle_k(device))
-    draft = executor_pb2.DraftModel(method=METHODS[method], num_speculative_tokens=k)
-    if tree is not None:
-        draft.tree.CopyFrom(tree[0])
-        draft.num_speculative_tokens = tree[1]
+    draft = _draft_model(method, k, tree)
     draft.source.path = directory.name  # relative to the executor's --model-root
     load = executor_pb2.LoadModelRequest(
         target=executor_pb2.ModelSource(path=SMOLLM2.path),
@@ -140,6 +137,13 @@ def default_model(
     description = [target_line, f"drafter  {method}, {_drafts(draft)}: {_describe_drafter(drafter, method)}"]
     description.append(f"         trained: {drafter.training}" if drafter.training else "         no training_log.json")
     return DemoModel(load, SMOLLM2.shape, drafter.shape, dflash, description, model_root=drafters_root)
+
+
+def _draft_model(method: str, k: int, tree: Tree | None) -> executor_pb2.DraftModel:
+    """A chain of `k` drafts, or `tree` with its own num_speculative_tokens."""
+    if tree is None:
+        return executor_pb2.DraftModel(method=METHODS[method], num_speculative_tokens=k)
+    return executor_pb2.DraftModel(method=METHODS[method], num_speculative_tokens=tree[1], tree=tree[0])
 
 
 def _drafts(draft: executor_pb2.DraftModel) -> str:
@@ -182,10 +186,7 @@ def synthetic_model(method: str, k: int | None, tree: Tree | None = None) -> Dem
         spec.architecture = "qwen3"  # DFlash drafters are Qwen3 layers (q/k norms) whatever the target
     if method == "eagle3":
         spec.draft_vocab_size = SYNTHETIC_TARGET.vocab_size // 2
-    draft = executor_pb2.DraftModel(method=METHODS[method], num_speculative_tokens=k)
-    if tree is not None:
-        draft.tree.CopyFrom(tree[0])
-        draft.num_speculative_tokens = tree[1]
+    draft = _draft_model(method, k, tree)
     draft.source.synthetic.CopyFrom(spec)
     dflash = None
     if method == "dflash":
