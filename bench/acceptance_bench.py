@@ -115,8 +115,14 @@ def acceptance(finishes: list[Finish]) -> dict[str, Any]:
 
 
 def measure_acceptance(
-    loaded: LoadedModel, args: argparse.Namespace, prompts: dict[str, list[list[int]]], device: torch.device
+    loaded: LoadedModel,
+    args: argparse.Namespace,
+    prompts: dict[str, list[list[int]]],
+    device: torch.device,
+    save: Callable[[dict], None],
 ) -> dict[str, Any]:
+    """Every drafter at every chain length and tree shape, at each temperature, over all prompts batched.
+    `save` gets the report after each configuration, so a run cut short still leaves its figures."""
     report: dict[str, Any] = {}
     everything = [p for kind in KINDS for p in prompts[kind]]
     kinds = [kind for kind in KINDS for _ in prompts[kind]]
@@ -138,6 +144,7 @@ def measure_acceptance(
                 report[key] = entry
                 lengths = {kind: entry[kind]["mean_acceptance_length"] for kind in ("all", *KINDS)}
                 log(f"{key}: mean acceptance length {lengths} in {seconds:.1f} s")
+                save(report)
             session.shutdown()
     return report
 
@@ -334,10 +341,15 @@ def main() -> int:
         "drafters": {m: str(d) for m, d in args.drafters.items()},
         "prompts": {kind: len(ids) for kind, ids in prompts.items()},
         "max_tokens": args.max_tokens,
-        "acceptance": measure_acceptance(loaded, args, prompts, device),
+        "acceptance": {},
         "speedup": {},
     }
-    write_result(args.out, "acceptance", device, report["commit"], report)
+
+    def save_acceptance(section: dict[str, Any]) -> None:
+        report["acceptance"] = section
+        write_result(args.out, "acceptance", device, report["commit"], report)
+
+    save_acceptance(measure_acceptance(loaded, args, prompts, device, save_acceptance))
     del loaded
     for name in filter(None, args.speedup_devices.split(",")):  # "" measures acceptance only
 
