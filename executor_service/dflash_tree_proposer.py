@@ -60,6 +60,11 @@ class DFlashTreeProposer(TreeProposer):
             return ids.reshape(count, -1).index_select(1, pick), parents.expand(count, -1)
         assert log_probs is not None
         log_probs = log_probs.view(count, tree.depth, width)
+        if self.fused_top_k:  # the tree below in one launch (kernels/triton_dflash_tree.py)
+            from kernels.triton_dflash_tree import dflash_dynamic_tree
+
+            tie_break = self.constants.get(("tie break", sum(tree.level_sizes)), self._tie_break)
+            return dflash_dynamic_tree(log_probs, ids, tie_break, tree.verify_budget)
         top_k = tree.top_k
         pool_tokens, pool_scores = [ids[:, 0]], [log_probs[:, 0]]
         frontiers = [self.constants.arange(top_k).expand(count, -1)]

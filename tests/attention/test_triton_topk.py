@@ -17,7 +17,7 @@ pytestmark = pytest.mark.skipif(
     reason="Triton needs a GPU or TRITON_INTERPRET=1",
 )
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
-LONG = ONE_BLOCK_VOCAB + CHUNK + 123  # three pieces, the last one partial
+LONG = ONE_BLOCK_VOCAB + CHUNK + 123  # six pieces, the last one partial
 
 
 def topk(logits: torch.Tensor, k: int, **kwargs: object) -> tuple[torch.Tensor, torch.Tensor]:
