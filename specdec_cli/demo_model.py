@@ -25,15 +25,18 @@ METHODS = {
 BLOCK_SIZE = 16
 Tree = tuple[common_pb2.DraftTree, int]  # a draft tree and its num_speculative_tokens (selection/draft_tree.py)
 NUM_KV_BLOCKS = 512  # 8192 tokens: the context of either model, small enough for any device
-# EAGLE-1 / EAGLE-3 drafts per step on the default model, by device: the fastest end to end where measured
-# (DFlash proposes its block size - 1). H100, the shipped EAGLE-3, acceptance_2026-11-25_h100_c6fec1e_eagle3-k3-vs-k7:
-# k = 3 2.15x, k = 7 2.07x (DFlash k = 7 2.41x, k = 15 2.47x in acceptance_2026-11-24_h100_8bc9587_dflash). A 2-core
-# CPU, acceptance_2026-11-25_cpu_8af13f7_stage6: EAGLE-3 k = 7 1.41x (1.35-1.42), k = 3 1.18x.
+# EAGLE-1 / EAGLE-3 drafts per step on the default model, by device: the fastest end to end where measured.
+# H100, the shipped EAGLE-3, 128 tokens as the demo: k = 3 2.15x / 1.97x at batch 1 / 16 against k = 7 2.07x / 1.76x
+# (acceptance_2026-11-25_h100_c6fec1e_eagle3-k3-vs-k7), and 2.21x / 2.14x against 2.20x / 1.95x
+# (acceptance_2026-11-27_h100_3f1cfdc_speed-128, 5 rounds); at 256 tokens k = 7 led at batch 1 (2.77x against 2.62x).
+# A 2-core CPU, acceptance_2026-11-25_cpu_8af13f7_stage6: EAGLE-3 k = 7 1.41x (1.35-1.42), k = 3 1.18x.
 DEFAULT_EAGLE_K = {"cuda": 3, "cpu": 7}
-# On a CPU, EAGLE-3 and DFlash draft this tree by default: faster there than their chains in every timed round
-# (acceptance_2026-11-27_cpu_2fcefa3_trees-speed*: EAGLE-3 1.21x and 1.26x against 1.13x and 1.21x at k = 7;
-# DFlash 1.12x against 0.94x). On CUDA the shipped drafters' trees are not yet timed: chains stay the default.
-CPU_TREE = "dynamic:8:16:7"
+# The tree drafted by default where it is faster than the chains: on a CPU for EAGLE-3 and DFlash
+# (acceptance_2026-11-27_cpu_2fcefa3_trees-speed*: EAGLE-3 1.21x and 1.26x against 1.13x and 1.21x at k = 7; DFlash
+# 1.12x against 0.94x), on CUDA for DFlash (H100, acceptance_2026-11-27_h100_3f1cfdc_speed-128: 2.10x / 1.79x at
+# batch 1 / 16 against k = 15's 1.96x / 1.44x, ahead in each of the 5 rounds). EAGLE-3's chain stays CUDA's default
+# (its tree: 2.07x / 1.86x), EAGLE-1 always drafts a chain.
+DEFAULT_TREE = "dynamic:8:16:7"
 
 
 def default_eagle_k(device: str) -> int:
@@ -43,9 +46,10 @@ def default_eagle_k(device: str) -> int:
 
 def default_tree(method: str, device: str) -> Tree | None:
     """The tree `method` drafts by default on `device` (None: a chain)."""
-    if method == "eagle" or device.split(":", 1)[0] == "cuda":
+    on_cuda = device.split(":", 1)[0] == "cuda"
+    if method == "eagle" or (on_cuda and method != "dflash"):
         return None
-    return tree_from_text(CPU_TREE)
+    return tree_from_text(DEFAULT_TREE)
 
 
 @dataclass(frozen=True)

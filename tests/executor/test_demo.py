@@ -30,7 +30,7 @@ from selection.draft_tree import tree_from_text
 from selection.selector import Selector
 from specdec.v1 import common_pb2, executor_pb2, executor_pb2_grpc
 from specdec_cli.demo_drafters import repo_drafters_dir
-from specdec_cli.demo_model import CPU_TREE, METHODS, SMOLLM2, default_model, selection_request, synthetic_model
+from specdec_cli.demo_model import DEFAULT_TREE, METHODS, SMOLLM2, default_model, selection_request, synthetic_model
 from specdec_cli.demo_options import DEFAULT_PROMPT
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -298,20 +298,20 @@ def test_the_demo_client_does_not_import_torch() -> None:
 
 
 def test_the_default_drafting_is_the_fastest_measured_on_the_device(stand_ins: Path) -> None:
-    """The default follows the device's measurements: on CUDA chains (EAGLE k = 3, DFlash its block size - 1);
-    elsewhere EAGLE-3 and DFlash draft the CPU's tree (7 deep) and EAGLE-1 a chain of 7; an explicit --k or
+    """The default follows the device's measurements: on CUDA EAGLE-3 and EAGLE-1 draft a chain of 3 and DFlash
+    the tree (7 deep); elsewhere EAGLE-3 and DFlash draft the tree and EAGLE-1 a chain of 7; an explicit --k or
     --tree is kept whatever the device."""
     drafts = {
         (method, device): default_model(method, None, stand_ins, device).load.draft
         for method in ("eagle3", "dflash", "eagle")
         for device in ("cpu", "cuda", "cuda:1", "mps")
     }
-    cpu_tree = tree_from_text(CPU_TREE)[0]
+    default_tree, tree_k = tree_from_text(DEFAULT_TREE)
     for (method, device), draft in drafts.items():
         on_cuda = device.startswith("cuda")
-        assert draft.tree == (common_pb2.DraftTree() if on_cuda or method == "eagle" else cpu_tree), (method, device)
-        chain_k = (15 if method == "dflash" else 3) if on_cuda else 7
-        assert draft.num_speculative_tokens == chain_k, (method, device)
+        drafts_tree = method == "dflash" or (method == "eagle3" and not on_cuda)
+        assert draft.tree == (default_tree if drafts_tree else common_pb2.DraftTree()), (method, device)
+        assert draft.num_speculative_tokens == (tree_k if drafts_tree else 3 if on_cuda else 7), (method, device)
     chain = default_model("eagle3", 5, stand_ins, "cpu").load.draft
     assert chain.num_speculative_tokens == 5 and not chain.HasField("tree")
     tree = default_model("dflash", None, stand_ins, "cuda", tree_from_text("static:2-1")).load.draft
