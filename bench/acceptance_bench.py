@@ -334,12 +334,14 @@ def main() -> int:
     renderer = chat_renderer(args.source, loaded)
     assert renderer is not None, "the target has no tokenizer: acceptance on text needs one"
     held_out = read_prompts(args.prompts)
-    prompts = {kind: [renderer(p.text) for p in held_out if p.kind == kind][: args.per_kind] for kind in KINDS}
+    # Enough of each kind for both parts: the first per_kind measure acceptance, the first speedup_prompts are timed.
+    wanted = max(args.per_kind, args.speedup_prompts)
+    prompts = {kind: [renderer(p.text) for p in held_out if p.kind == kind][:wanted] for kind in KINDS}
     report: dict[str, Any] = {
         **provenance("acceptance", device),
         "target": args.target,
         "drafters": {m: str(d) for m, d in args.drafters.items()},
-        "prompts": {kind: len(ids) for kind, ids in prompts.items()},
+        "prompts": {kind: min(len(ids), args.per_kind) for kind, ids in prompts.items()},
         "max_tokens": args.max_tokens,
         "acceptance": {},
         "speedup": {},
@@ -349,7 +351,8 @@ def main() -> int:
         report["acceptance"] = section
         write_result(args.out, "acceptance", device, report["commit"], report)
 
-    save_acceptance(measure_acceptance(loaded, args, prompts, device, save_acceptance))
+    measured = {kind: ids[: args.per_kind] for kind, ids in prompts.items()}
+    save_acceptance(measure_acceptance(loaded, args, measured, device, save_acceptance))
     del loaded
     for name in filter(None, args.speedup_devices.split(",")):  # "" measures acceptance only
 
