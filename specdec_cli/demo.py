@@ -90,7 +90,7 @@ def _flow(args: argparse.Namespace, out: Output, servers: list[LocalServer], log
     if args.synthetic:
         model = synthetic_model(args.method, args.k, args.tree)
     else:  # before any server starts: a missing drafter fails at once
-        model = default_model(args.method, args.k, args.drafters, args.device, args.tree)
+        model = default_model(args.method, args.k, args.drafters, args.device, args.tree, args.temperature > 0)
     with ExitStack() as channels:
         opened = _connect(args, out, servers, log_dir, channels, model.model_root)
         executor = executor_pb2_grpc.ExecutorStub(opened["executor"])

@@ -44,10 +44,11 @@ def default_eagle_k(device: str) -> int:
     return DEFAULT_EAGLE_K.get(device.split(":", 1)[0], DEFAULT_EAGLE_K["cpu"])
 
 
-def default_tree(method: str, device: str) -> Tree | None:
-    """The tree `method` drafts by default on `device` (None: a chain)."""
+def default_tree(method: str, device: str, sampled: bool = False) -> Tree | None:
+    """The tree `method` drafts by default on `device` (None: a chain). Sampled requests draft chains: a sampled
+    tree step takes the host path, and the trees were timed greedy only."""
     on_cuda = device.split(":", 1)[0] == "cuda"
-    if method == "eagle" or (on_cuda and method != "dflash"):
+    if sampled or method == "eagle" or (on_cuda and method != "dflash"):
         return None
     return tree_from_text(DEFAULT_TREE)
 
@@ -106,13 +107,14 @@ class DemoModel:
 
 
 def default_model(
-    method: str, k: int | None, drafters_root: Path, device: str = "cpu", tree: Tree | None = None
-) -> DemoModel:
+    method: str, k: int | None, drafters_root: Path, device: str = "cpu", tree: Tree | None = None,
+    sampled: bool = False,
+) -> DemoModel:  # fmt: skip
     """SmolLM2 and its trained `method` drafter from `drafters_root`, proposing `k` tokens or drafting `tree`;
-    neither given: the fastest measured on `device`'s kind (default_tree, else DEFAULT_EAGLE_K or for DFlash its
-    block size - 1)."""
+    neither given: the fastest measured on `device`'s kind for greedy (`sampled` False) or sampled requests
+    (default_tree, else DEFAULT_EAGLE_K or for DFlash its block size - 1)."""
     if k is None and tree is None:
-        tree = default_tree(method, device)
+        tree = default_tree(method, device, sampled)
     drafters_root = drafters_root.resolve()
     directory = find_drafter(drafters_root, SMOLLM2.drafters, method)
     drafter = read_drafter(directory, method)

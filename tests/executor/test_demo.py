@@ -312,6 +312,9 @@ def test_the_default_drafting_is_the_fastest_measured_on_the_device(stand_ins: P
         drafts_tree = method == "dflash" or (method == "eagle3" and not on_cuda)
         assert draft.tree == (default_tree if drafts_tree else common_pb2.DraftTree()), (method, device)
         assert draft.num_speculative_tokens == (tree_k if drafts_tree else 3 if on_cuda else 7), (method, device)
+    for method, device in [("eagle3", "cpu"), ("dflash", "cpu"), ("dflash", "cuda")]:  # sampled: chains
+        sampled = default_model(method, None, stand_ins, device, sampled=True).load.draft
+        assert not sampled.HasField("tree") and sampled.num_speculative_tokens == (15 if method == "dflash" else 7)
     chain = default_model("eagle3", 5, stand_ins, "cpu").load.draft
     assert chain.num_speculative_tokens == 5 and not chain.HasField("tree")
     tree = default_model("dflash", None, stand_ins, "cuda", tree_from_text("static:2-1")).load.draft
