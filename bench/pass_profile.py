@@ -35,7 +35,7 @@ from tree_passes import parse_tree_spec
 from executor_service.session import ModelSession
 
 REPLAYS = 20
-TOP_KERNELS = 12
+TOP_KERNELS = 40  # enough to see a tree step's small kernels, not only the target's GEMMs
 
 
 def kernel_profile(call: Any, replays: int) -> dict[str, Any]:
