@@ -68,31 +68,50 @@ def verify_greedy_tree(tree: DraftTree, target_argmax: list[int]) -> TreeVerdict
 
 
 def sample_tree(tree: DraftTree, probs: torch.Tensor, generator: torch.Generator | None) -> TreeVerdict:
-    """Multi-candidate speculative sampling along the tree; probs [N + 1, V], the rows the request samples from."""
-    children, path, row = tree.children(), [], 0
+    """Multi-candidate speculative sampling along the tree; probs [N + 1, V], the rows the request samples from.
+    The walk needs of the device only each draft's probability under its parent's row, each row's mass and one
+    uniform per draft (a draft is tried at most once): one copy to the host, then the walk runs there, and a
+    second copy brings the final token. Rejected siblings' mass is subtracted on the host."""
+    children, count = tree.children(), len(tree.tokens)
+    where = torch.tensor([[p + 1 for p in tree.parents], tree.tokens], dtype=torch.int64).to(probs.device)
+    uniforms = torch.rand(count, generator=generator, device=probs.device, dtype=torch.float64)
+    chances_and_masses = torch.cat([probs[where[0], where[1]], probs.sum(dim=-1)]).double()
+    host = torch.cat([chances_and_masses, uniforms]).cpu().tolist()
+    chances, masses, draws = host[:count], host[count : 2 * count + 1], host[2 * count + 1 :]
+    path, row = [], 0
     while True:
-        residual = probs[row].clone()
-        accepted = None
+        rejected: list[int] = []  # tokens tried at this node: their mass is gone from the residual
+        mass, accepted = masses[row], None
         for j in children[row]:
             token = tree.tokens[j]
-            chance, mass = to_host_floats(residual[token], residual.sum())
-            if mass > 0.0 and float(torch.rand((), generator=generator, device=probs.device)) * mass < chance:
+            chance = 0.0 if token in rejected else chances[j]
+            if mass > 0.0 and draws[j] * mass < chance:
                 accepted = j
                 break
-            residual[token] = 0.0  # rejected: the next candidate is tried against the rest
+            if token not in rejected:
+                rejected.append(token)
+                mass -= chance
         if accepted is None:
-            weights = residual if float(residual.sum()) > 0.0 else probs[row]
-            final, valid = draw(weights, generator)
-            final_token, is_valid = to_host(torch.stack([final, valid.long()]))
-            if not is_valid:
-                raise VerifyError("the target's probabilities are not a distribution (inf or NaN)")
-            return TreeVerdict(path, [tree.tokens[j] for j in path] + [final_token])
+            return TreeVerdict(path, [tree.tokens[j] for j in path] + [_final_token(probs[row], rejected, generator)])
         path.append(accepted)
         row = accepted + 1
 
 
-def to_host_floats(*values: torch.Tensor) -> list[float]:
-    return torch.stack(values).double().cpu().tolist()
+def _final_token(probs: torch.Tensor, rejected: list[int], generator: torch.Generator | None) -> int:
+    """The token after the path: drawn from p with the rejected children's tokens removed; from p itself if
+    nothing is left of it (only rounding leaves a residual of zero: a child holding all the rest is accepted)."""
+    residual = probs
+    if rejected:
+        residual = probs.clone()
+        residual[torch.tensor(rejected, dtype=torch.int64).to(probs.device)] = 0.0
+    final, valid = draw(residual, generator)
+    token, is_valid = to_host(torch.stack([final, valid.long()]))
+    if not is_valid and rejected:
+        final, valid = draw(probs, generator)
+        token, is_valid = to_host(torch.stack([final, valid.long()]))
+    if not is_valid:
+        raise VerifyError("the target's probabilities are not a distribution (inf or NaN)")
+    return token
 
 
 def verify_tree_batch(
