@@ -68,20 +68,19 @@ def verify_greedy_tree(tree: DraftTree, target_argmax: list[int]) -> TreeVerdict
 
 
 def sample_tree(tree: DraftTree, probs: torch.Tensor, generator: torch.Generator | None) -> TreeVerdict:
-    """Multi-candidate speculative sampling along the tree; probs [N + 1, V], the rows the request samples from.
-    The walk needs of the device only each draft's probability under its parent's row, each row's mass and one
-    uniform per draft (a draft is tried at most once): one copy to the host, then the walk runs there, and a
-    second copy brings the final token. Rejected siblings' mass is subtracted on the host."""
+    """Multi-candidate speculative sampling along the tree; probs [N + 1, V], the rows the request samples from,
+    each a distribution (target_probs). The walk needs of the device only each draft's probability under its
+    parent's row and one uniform per draft (a draft is tried at most once): one copy to the host, the walk there
+    (a node's residual mass is 1 less its rejected children's), and a second copy for the final token."""
     children, count = tree.children(), len(tree.tokens)
-    where = torch.tensor([[p + 1 for p in tree.parents], tree.tokens], dtype=torch.int64).to(probs.device)
+    where = torch.tensor([[p + 1 for p in tree.parents], tree.tokens]).to(probs.device)
     uniforms = torch.rand(count, generator=generator, device=probs.device, dtype=torch.float64)
-    chances_and_masses = torch.cat([probs[where[0], where[1]], probs.sum(dim=-1)]).double()
-    host = torch.cat([chances_and_masses, uniforms]).cpu().tolist()
-    chances, masses, draws = host[:count], host[count : 2 * count + 1], host[2 * count + 1 :]
+    host = torch.cat([probs[where[0], where[1]].double(), uniforms]).cpu().tolist()
+    chances, draws = host[:count], host[count:]
     path, row = [], 0
     while True:
         rejected: list[int] = []  # tokens tried at this node: their mass is gone from the residual
-        mass, accepted = masses[row], None
+        mass, accepted = 1.0, None
         for j in children[row]:
             token = tree.tokens[j]
             chance = 0.0 if token in rejected else chances[j]

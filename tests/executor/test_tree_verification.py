@@ -1,6 +1,6 @@
 """sample_tree on its own: the emitted tokens follow the target's rows exactly (counted over many seeded walks of
 small trees, repeated siblings included), a residual that rounding left empty falls back to the row itself, and a
-row that is not a distribution fails the request with VerifyError."""
+final row that is not a distribution fails the request with VerifyError."""
 
 from __future__ import annotations
 
@@ -55,7 +55,9 @@ def test_an_empty_residual_falls_back_to_the_row() -> None:
 
 
 def test_a_row_that_is_not_a_distribution_fails() -> None:
+    """The final token's row is checked where it is drawn (rows with non-finite logits fail before the walk)."""
     probs = ROWS.clone()
-    probs[0, 3] = float("nan")  # on no child: it stays in the residual
+    probs[0] = torch.tensor([1.0, 0.0, 0.0, 0.0])  # draft 0 (token 0) is accepted for sure
+    probs[1, 3] = float("nan")  # its row, which the bonus token is drawn from
     with pytest.raises(VerifyError, match="not a distribution"):
         sample_tree(DraftTree([0, 1], [-1, -1]), probs, torch.Generator().manual_seed(1))
