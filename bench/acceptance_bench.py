@@ -337,11 +337,12 @@ def main() -> int:
     # Enough of each kind for both parts: the first per_kind measure acceptance, the first speedup_prompts are timed.
     wanted = max(args.per_kind, args.speedup_prompts)
     prompts = {kind: [renderer(p.text) for p in held_out if p.kind == kind][:wanted] for kind in KINDS}
+    measured = {kind: ids[: args.per_kind] for kind, ids in prompts.items()}
     report: dict[str, Any] = {
         **provenance("acceptance", device),
         "target": args.target,
         "drafters": {m: str(d) for m, d in args.drafters.items()},
-        "prompts": {kind: min(len(ids), args.per_kind) for kind, ids in prompts.items()},
+        "prompts": {kind: len(ids) for kind, ids in measured.items()},
         "max_tokens": args.max_tokens,
         "acceptance": {},
         "speedup": {},
@@ -351,7 +352,6 @@ def main() -> int:
         report["acceptance"] = section
         write_result(args.out, "acceptance", device, report["commit"], report)
 
-    measured = {kind: ids[: args.per_kind] for kind, ids in prompts.items()}
     save_acceptance(measure_acceptance(loaded, args, measured, device, save_acceptance))
     del loaded
     for name in filter(None, args.speedup_devices.split(",")):  # "" measures acceptance only

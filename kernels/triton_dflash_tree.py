@@ -76,16 +76,15 @@ def _dynamic_tree_kernel(
     pool_index = tl.where(level == 0, child, TOP_K + (level - 1) * TOP_K * TOP_K + child)
 
     # Level 0: position 0's candidates, children of the root; its frontier is all of them, in their order.
-    first = tl.arange(0, LEVEL_PAD)
-    level_scores = tl.load(candidates + first, mask=first < TOP_K, other=float("-inf"))
+    kids = tl.arange(0, LEVEL_PAD)  # a level's nodes
+    level_scores = tl.load(candidates + kids, mask=kids < TOP_K, other=float("-inf"))
     scores = tl.where(level == 0, level_scores[None, :], float("-inf"))
-    tokens = tl.where(level == 0, tl.load(token_ids + first, mask=first < TOP_K, other=0)[None, :], 0)
+    tokens = tl.where(level == 0, tl.load(token_ids + kids, mask=kids < TOP_K, other=0)[None, :], 0)
     parents = tl.full([DEPTH_PAD, LEVEL_PAD], -1, tl.int64)
     slot = tl.arange(0, K_PAD)
     frontier_scores = tl.load(candidates + slot, mask=slot < TOP_K, other=float("-inf"))
     frontier_nodes = slot.to(tl.int64)  # pool indices of the nodes expanded next
 
-    kids = tl.arange(0, LEVEL_PAD)
     of_parent = (kids // TOP_K)[:, None] == slot[None, :]  # [children, frontier]: child j's expanded node
     lowest = tl.full([LEVEL_PAD], -(2**63), tl.int64)
     for d in tl.static_range(1, DEPTH):

@@ -34,16 +34,17 @@ def add_demo_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--k",
         type=_positive,
-        help="tokens the drafter proposes per step, as a chain (default, the fastest measured: on CUDA 3, DFlash "
-        "its block size - 1; on the CPU EAGLE-3 and DFlash draft a tree, see --tree, EAGLE-1 7; --synthetic: 3)",
+        help="tokens the drafter proposes per step, as a chain (default, the fastest measured: EAGLE 3 on CUDA and "
+        "7 on the CPU; greedy EAGLE-3 on the CPU and greedy DFlash draft a tree, see --tree; sampled DFlash its "
+        "block size - 1; --synthetic: 3)",
     )
     parser.add_argument(
         "--tree",
         type=_tree,
         metavar="SPEC",
         help="draft a tree instead of a chain: dynamic:TOP_K:BUDGET:DEPTH (e.g. dynamic:8:16:7: the 16 best of the "
-        "top 8 per depth, 7 deep; EAGLE-3's and DFlash's default on the CPU) or static:B1-B2-... (children per "
-        "depth, e.g. static:4-2-1); replaces --k",
+        "top 8 per depth, 7 deep; greedy DFlash's default, and greedy EAGLE-3's on the CPU) or static:B1-B2-... "
+        "(children per depth, e.g. static:4-2-1); replaces --k",
     )
     parser.add_argument(
         "--drafters",
