@@ -27,6 +27,7 @@ from executor_service.prompt_intake import MAX_REQUEST_BYTES
 from executor_service.selection import BackendChooser, SelectorClientSettings
 from executor_service.servicer import SERVICE_NAME, ExecutorServicer
 from executor_service.session import SAMPLED_DRAFTS, EngineSettings
+from executor_service.validation import check_model_root
 from specdec.v1 import executor_pb2, executor_pb2_grpc
 from specdec_runtime.auth import resolve_token
 from specdec_runtime.client import load_message, server_address
@@ -259,7 +260,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         options = ExecutorOptions(
             device=_device(args.device) if args.device else default_device(),
-            model_root=Path(args.model_root) if args.model_root else None,
+            model_root=check_model_root(args.model_root) if args.model_root else None,
             selector_address=args.selector_address,
             selector_client=selector_client_settings(args),
             engine=EngineSettings(

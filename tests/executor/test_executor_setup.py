@@ -82,3 +82,12 @@ def test_a_malformed_load_file(run_main, tmp_path: Path, name: str, text: str, s
     status, message = run_main("--port", "0", "--load", str(load))
     assert status == 2
     assert message.startswith(f"cannot serve: --load {load}: ") and said in message
+
+
+def test_a_model_root_that_is_not_a_directory(run_main, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+    """--model-root must exist at start (it started without a word, then refused every path LoadModel)."""
+    status, message = run_main("--port", "0", "--model-root", str(tmp_path / "nonexistent"))
+    assert (status, message) == (2, f"cannot serve: --model-root {tmp_path / 'nonexistent'}: does not exist")
+    (tmp_path / "file").write_text("")
+    status, message = run_main("--port", "0", "--model-root", str(tmp_path / "file"))
+    assert (status, message) == (2, f"cannot serve: --model-root {tmp_path / 'file'}: is not a directory")
