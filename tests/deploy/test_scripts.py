@@ -132,11 +132,13 @@ def test_two_first_run_sh_at_once_install_once(tmp_path: Path) -> None:
         return subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
     first = start()
-    wait_for(lambda: Path(f"{log}.installing").exists(), first)
-    second = start()
-    waiting = second.stderr.readline()  # type: ignore[union-attr]
+    try:
+        wait_for(lambda: Path(f"{log}.installing").exists(), first)
+        second = start()
+        waiting = second.stderr.readline()  # type: ignore[union-attr]
+    finally:
+        Path(f"{log}.release").touch()  # a failed check leaves no fake install waiting
     assert waiting == "== waiting for another install into .venv to finish\n", waiting
-    Path(f"{log}.release").touch()
     outcomes = [process.communicate(timeout=TIMEOUT_S) for process in (first, second)]
     assert (first.returncode, second.returncode) == (0, 0), outcomes
     assert "== python environment: .venv is up to date" in outcomes[1][1]
