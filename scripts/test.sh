@@ -69,4 +69,12 @@ step "ruff"
 .venv/bin/ruff format --check .
 
 step "pytest"
-.venv/bin/pytest -q -ra "$@"
+# In parallel processes, one per core (SPECDEC_TEST_WORKERS overrides: a number, or 0 for one process); a file's
+# tests stay on one worker (--dist loadfile: module fixtures are built once, and no two workers share them). The
+# 20 slowest tests are listed at the end, so a test that grows shows in the CI log.
+workers=(-n "${SPECDEC_TEST_WORKERS:-auto}" --dist loadfile)
+if ! .venv/bin/python -c "import xdist" 2>/dev/null; then
+  echo "pytest-xdist is not installed in .venv (an install from before it was added): running in one process"
+  workers=()
+fi
+.venv/bin/pytest -q -ra "${workers[@]}" --durations=20 "$@"

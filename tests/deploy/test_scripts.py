@@ -11,6 +11,7 @@ import re
 import shutil
 import subprocess
 import time
+import tomllib
 from collections.abc import Callable
 from pathlib import Path
 
@@ -87,16 +88,22 @@ def test_run_sh_installs_once_and_again_when_pyproject_changes(tmp_path: Path) -
     assert calls(log)[0] == "python3 -m venv .venv"
 
 
-def test_test_sh_without_node_skips_the_node_steps(tmp_path: Path) -> None:
-    script = copy_script(tmp_path, "test.sh")
-    for tool in ("python", "ruff", "pytest"):  # each logs its call and succeeds
-        write_tool(tmp_path / ".venv" / "bin" / tool, f'echo "{tool} $*" >>"$CALLS"')
-    tools = tmp_path / "no-node-bin"  # a PATH with what the script needs besides node, npm and npx
+def no_node_path(tmp_path: Path) -> Path:
+    """A PATH directory with what test.sh needs besides node, npm and npx."""
+    tools = tmp_path / "no-node-bin"
     tools.mkdir()
     for name in ("dirname", "cat", "printf"):
         found = shutil.which(name)
         if found:
             (tools / name).symlink_to(found)
+    return tools
+
+
+def test_test_sh_without_node_skips_the_node_steps(tmp_path: Path) -> None:
+    script = copy_script(tmp_path, "test.sh")
+    for tool in ("python", "ruff", "pytest"):  # each logs its call and succeeds
+        write_tool(tmp_path / ".venv" / "bin" / tool, f'echo "{tool} $*" >>"$CALLS"')
+    tools = no_node_path(tmp_path)
     log = tmp_path / "calls.log"
 
     result = run_script(script, str(tools), log, "-x", SPECDEC_SKIP_INSTALL="1")
@@ -106,7 +113,8 @@ def test_test_sh_without_node_skips_the_node_steps(tmp_path: Path) -> None:
         "python protos/generate.py --check",
         "ruff check .",
         "ruff format --check .",
-        "pytest -q -ra -x",
+        "python -c import xdist",
+        "pytest -q -ra -n auto --dist loadfile --durations=20 -x",
     ]
 
 
@@ -167,3 +175,24 @@ def test_npm_installs_leave_the_locks_alone() -> None:
             for optional in entry.get("optionalDependencies", {}):
                 where = f"{name}/node_modules/{optional}" if name else f"node_modules/{optional}"
                 assert where in packages or f"node_modules/{optional}" in packages, (lock_path, optional)
+
+
+def test_test_sh_runs_pytest_in_parallel_and_lists_the_slowest(tmp_path: Path) -> None:
+    """pytest-xdist is in the dev extra test.sh installs; SPECDEC_TEST_WORKERS sets the workers; without xdist in
+    an older .venv the suite runs in one process, saying so (it always ran in one, 18 minutes on CI)."""
+    dev = tomllib.loads((REPO_ROOT / "pyproject.toml").read_text())["project"]["optional-dependencies"]["dev"]
+    assert any(requirement.startswith("pytest-xdist") for requirement in dev), dev
+    script = copy_script(tmp_path, "test.sh")
+    for tool in ("ruff", "pytest"):
+        write_tool(tmp_path / ".venv" / "bin" / tool, f'echo "{tool} $*" >>"$CALLS"')
+    log = tmp_path / "calls.log"
+    write_tool(tmp_path / ".venv" / "bin" / "python", 'echo "python $*" >>"$CALLS"')
+    tools = str(no_node_path(tmp_path))
+    result = run_script(script, tools, log, "tests/selector", SPECDEC_SKIP_INSTALL="1", SPECDEC_TEST_WORKERS="3")
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert calls(log)[-1] == "pytest -q -ra -n 3 --dist loadfile --durations=20 tests/selector"
+    write_tool(tmp_path / ".venv" / "bin" / "python", 'echo "python $*" >>"$CALLS"; [[ "$1" != -c ]]')
+    result = run_script(script, tools, log, SPECDEC_SKIP_INSTALL="1")
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "pytest-xdist is not installed in .venv" in result.stdout
+    assert calls(log)[-1] == "pytest -q -ra --durations=20"
