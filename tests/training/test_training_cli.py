@@ -13,7 +13,8 @@ from specdec_cli.cli import main
 
 TINY_RUN = ["--random-prompts", "24", "--max-new-tokens", "8", "--epochs", "1", "--batch-size", "8",
             "--intermediate-size", "64", "--no-progress", "--device", "cpu"]  # fmt: skip
-SMALL_DFLASH = ["--block-size", "4", "--num-anchors", "8", "--num-layers", "1"]
+DFLASH_BLOCK = ["--block-size", "4", "--num-anchors", "8"]  # the recipe's 16 and its anchors: 2-3x the time
+SMALL_DFLASH = [*DFLASH_BLOCK, "--num-layers", "1"]
 
 
 def test_specdec_train_drafter_writes_the_drafter_and_its_log(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
@@ -107,7 +108,8 @@ def test_init_from_goes_on_training_the_published_drafter(method: str, tmp_path:
     from safetensors.torch import load_file
 
     target = save_toy_target(tmp_path / "target")
-    base = ["train-drafter", "--method", method, "--target", str(target), *TINY_RUN]
+    small = SMALL_DFLASH if method == "dflash" else []
+    base = ["train-drafter", "--method", method, "--target", str(target), *TINY_RUN, *small]
     assert main([*base, "--out", str(tmp_path / "first")]) == 0
     first = tmp_path / "first" / "drafter"
     frozen = [*base, "--lr", "0", "--seed", "5"]
@@ -142,7 +144,8 @@ def test_init_from_grows_a_drafter_by_layers_that_start_as_no_ops(method: str, t
     from safetensors.torch import load_file
 
     target = save_toy_target(tmp_path / "target")
-    base = ["train-drafter", "--method", method, "--target", str(target), *TINY_RUN]
+    small = DFLASH_BLOCK if method == "dflash" else []
+    base = ["train-drafter", "--method", method, "--target", str(target), *TINY_RUN, *small]
     assert main([*base, "--num-layers", "1", "--out", str(tmp_path / "first")]) == 0
     first = tmp_path / "first" / "drafter"
     frozen = [*base, "--lr", "0", "--init-from", str(first)]
@@ -166,7 +169,7 @@ def test_init_from_keeps_the_published_depth_without_num_layers(tmp_path: Path) 
     """Fine-tuning a published drafter deeper than the recipe's default (the shipped 3-layer DFlash against the
     recipe's 2) keeps its depth when --num-layers is not given, as retrain.sh fine-tunes the shipped drafters."""
     target = save_toy_target(tmp_path / "target")
-    base = ["train-drafter", "--method", "dflash", "--target", str(target), *TINY_RUN]
+    base = ["train-drafter", "--method", "dflash", "--target", str(target), *TINY_RUN, *DFLASH_BLOCK]
     assert main([*base, "--num-layers", "3", "--out", str(tmp_path / "first")]) == 0
     assert main([*base, "--init-from", str(tmp_path / "first" / "drafter"), "--out", str(tmp_path / "again")]) == 0
     log = json.loads((tmp_path / "again" / "training_log.json").read_text())
