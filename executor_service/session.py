@@ -34,6 +34,7 @@ from executor_service.gguf_loader import (
 )
 from executor_service.kv_cache import KVCache, blocks_for_memory_fraction, blocks_needed
 from executor_service.limits import MAX_NUM_KV_BLOCKS, model_violations
+from executor_service.load_phases import LoadPhases
 from executor_service.loader import (
     LoadedModel,
     build_synthetic,
@@ -310,6 +311,7 @@ def build_session(
     with several drafters). `memory`: the estimate it was admitted with (prepare_load), kept on the session.
     Under `cancellation.cancellable`, it stops (LoadCancelled) between tensors, phases and warm-up steps."""
     started = time.perf_counter()
+    phases = LoadPhases()
     dtype = resolve_dtype(request.dtype, device)
     block_size = request.block_size or DEFAULT_BLOCK_SIZE
     check_backend_claims(decision.backend, source.config, dtype, block_size, device, TARGET_FIELD)
@@ -319,6 +321,7 @@ def build_session(
     if num_blocks is not None:  # before anything is allocated
         check_warm_up_fits(num_blocks, block_size, source.config, draft, request.num_kv_blocks > 0)
     tp_group, heads = get_tp_group(), None
+    phases.enter("target weights")
     if preloaded is not None:
         loaded = preloaded
     elif tp_group is not None:  # every rank loads it and keeps its shard; rank 0 keeps the drafter's heads
@@ -329,9 +332,11 @@ def build_session(
         loaded = load_target(source, dtype, device)
     config = loaded.config
     check_cancelled()
+    phases.enter("drafter weights")
     drafter = build_drafter(draft, heads or loaded.model, dtype, device) if draft is not None else None  # type: ignore[arg-type]
     draft_model = [draft.config.model] if draft is not None else []
     check_cancelled()
+    phases.enter("KV cache and engine")
     if num_blocks is None:
         fraction = request.gpu_memory_utilization or DEFAULT_GPU_MEMORY_UTILIZATION
         shapes = rank_config(config, tp_group.world_size) if tp_group is not None else config
@@ -398,12 +403,15 @@ def build_session(
     session = ModelSession(
         loaded, decision, dtype, kv_cache, engine, limits, info, 0.0, draft_decision, proposer, memory
     )
+    phases.enter("warm-up")
     warm_up(session)
     if settings.cuda_graphs and device.type == "cuda":  # with TP: every rank captures (parallel/graphs.py)
+        phases.enter("CUDA graphs")
         capture_graphs(session, settings, max_model_len)
     check_cancelled()
     if start:
         engine.start()
+    phases.finish()
     session.load_seconds = time.perf_counter() - started
     return session
 

@@ -25,6 +25,7 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_status import rpc_status
 
+from executor_service.load_phases import PHASE_PREFIX, SUMMARY_PREFIX
 from specdec.v1 import executor_pb2, executor_pb2_grpc, selector_pb2_grpc
 from specdec_cli.demo_model import (
     DemoModel,
@@ -38,7 +39,7 @@ from specdec_cli.demo_options import add_demo_arguments as add_demo_arguments  #
 from specdec_cli.demo_output import Output
 from specdec_cli.demo_render import render_capabilities, render_finished, render_loaded
 from specdec_cli.demo_replicas import generate_again, served_model
-from specdec_cli.local_servers import LocalServer, ServerError, start_server, stop_all
+from specdec_cli.local_servers import LocalServer, ServerError, last_logged, start_server, stop_all
 from specdec_cli.render import render_error, render_selection
 from specdec_runtime.client import open_channel_from_args
 
@@ -99,7 +100,9 @@ def _flow(args: argparse.Namespace, out: Output, servers: list[LocalServer], log
         if args.no_load:
             info = served_model(out, executor, short_deadline(args))
         else:
-            info = _select_and_load(args, out, model, executor, selector, health)
+            local = next((server for server in servers if server.name == "executor"), None)
+            log = local.log_path if local is not None else None
+            info = _select_and_load(args, out, model, executor, selector, health, log)
         out.section("speculative generation (Executor.Generate, streamed)")
         request = _generate(args, out, model, executor, info)
         if args.requests > 1:
@@ -153,8 +156,10 @@ def _select_and_load(
     executor: executor_pb2_grpc.ExecutorStub,
     selector: selector_pb2_grpc.BackendSelectorStub,
     health: Callable[[], int],
+    executor_log: Path | None = None,
 ) -> executor_pb2.ModelInfo:
-    """GetCapabilities, SelectBackends from that report, LoadModel with exactly the selected backends."""
+    """GetCapabilities, SelectBackends from that report, LoadModel with exactly the selected backends. With the
+    log of an executor started here, the progress shows its load phase and the report where the time went."""
     out.section("executor capabilities (Executor.GetCapabilities)")
     out.step = "GetCapabilities on the executor"
     hardware = executor.GetCapabilities(executor_pb2.GetCapabilitiesRequest(), timeout=short_deadline(args))
@@ -178,8 +183,12 @@ def _select_and_load(
     out.step = "LoadModel on the executor"
     started = time.monotonic()
     future = executor.LoadModel.future(with_backends(load, selection), timeout=args.timeout)
-    loaded = out.wait_with_progress(future, "loading", health)
+    phase = functools.partial(last_logged, executor_log, PHASE_PREFIX) if executor_log else None
+    loaded = out.wait_with_progress(future, "loading", health, phase)
     out.line(render_loaded(loaded, time.monotonic() - started))
+    if executor_log and (summary := last_logged(executor_log, SUMMARY_PREFIX)):
+        out.line(f"load phases: {summary}")
+        out.record("load_phases", summary)
     for role, chosen, got in (
         ("target", selection.target, loaded.target_backend),
         ("drafter", selection.drafter, loaded.draft_backend),

@@ -69,11 +69,18 @@ class Output:
         if self.as_json:
             print(json.dumps(self.report, indent=2), flush=True)
 
-    def wait_with_progress(self, future: grpc.Future, label: str, health: Callable[[], int]) -> Any:
-        """The future's result, showing elapsed time and the executor's health while it runs."""
+    def wait_with_progress(
+        self,
+        future: grpc.Future,
+        label: str,
+        health: Callable[[], int],
+        phase: Callable[[], str | None] | None = None,
+    ) -> Any:
+        """The future's result, showing elapsed time and the executor's health while it runs, and `phase()`
+        (what the executor says it is doing) when given."""
         interactive = sys.stderr.isatty()
         started = last_poll = last_plain = time.monotonic()
-        status = _poll(health)
+        status = _poll(health, phase)
         if not interactive:
             _progress(f"{label}... (executor health {status})")
         frame = 0
@@ -81,7 +88,7 @@ class Output:
             while not future.done():
                 now = time.monotonic()
                 if now - last_poll >= HEALTH_POLL_S:
-                    status, last_poll = _poll(health), now
+                    status, last_poll = _poll(health, phase), now
                 if interactive:
                     spinner = SPINNER[frame % len(SPINNER)]
                     sys.stderr.write(f"\r{spinner} {label} {now - started:5.1f} s  (executor health {status})  ")
@@ -105,8 +112,11 @@ def _progress(text: str) -> None:
     print(text, file=sys.stderr, flush=True)
 
 
-def _poll(health: Callable[[], int]) -> str:
+def _poll(health: Callable[[], int], phase: Callable[[], str | None] | None = None) -> str:
+    """The executor's health, and what it is doing when `phase` says."""
     try:
-        return HEALTH.Name(health())
+        status = HEALTH.Name(health())
     except grpc.RpcError as err:
-        return f"unknown: {err.code().name}"  # type: ignore[attr-defined]
+        status = f"unknown: {err.code().name}"  # type: ignore[attr-defined]
+    doing = phase() if phase is not None else None
+    return f"{status}, {doing}" if doing else status

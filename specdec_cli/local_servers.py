@@ -122,3 +122,14 @@ def stop_all(servers: list[LocalServer]) -> list[str]:
             outcome = f"status {status}" if status is not None else f"killed after {STOP_TIMEOUT_S:.0f} s"
             failures.append(f"{server.name} did not stop cleanly ({outcome}):\n{server.log_tail()}")
     return failures
+
+
+def last_logged(path: Path, prefix: str) -> str | None:
+    """What follows `prefix` on the newest line of a server's log that has it (None: no such line yet); the
+    executor logs its load phases this way (executor_service/load_phases.py)."""
+    try:
+        lines = path.read_text(errors="replace").splitlines()
+    except OSError:
+        return None
+    found = [line.partition(prefix)[2] for line in lines if prefix in line]
+    return found[-1].strip() if found else None
