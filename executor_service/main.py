@@ -228,8 +228,8 @@ def main(argv: list[str] | None = None) -> int:
         "--sampled-drafts",
         choices=sorted(SAMPLED_DRAFTS),
         default="auto",
-        help="sampled requests' drafts drawn from the drafter's distribution (on), its argmax (off), or on only "
-        "where the drafter runs without CUDA graphs (auto); lossless either way",
+        help="sampled requests' drafts drawn from the drafter's distribution (on: verified on the host path), or its "
+        "argmax (off, and auto: verified on the device step); lossless either way",
     )
     parser.add_argument(
         "--host-spec-step",
