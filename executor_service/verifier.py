@@ -84,7 +84,7 @@ def verify(
     hit = layout.tokens == at_parents
     logprobs = None
     if sampling is not None:
-        row_params = sampling.params.repeat_interleave(rows, dim=0)
+        row_params = sampling.params[:, None, :].expand(count, rows, -1).reshape(count * rows, -1)  # no host sync
         logprobs = sampling_logprobs(logits, row_params, sort).view(count, rows, -1)
         sampled_hit = _sampled_hits(logprobs, layout, sampling.seed, step_key, constants)
         hit = torch.where(sampling.greedy[:, None], hit, sampled_hit)
