@@ -178,7 +178,7 @@ def measure_speedup(
     if args.host_step_too:
         configs += [(name, False, False) for name, session in sessions.items() if device_step_of(session) is not None]
     if args.q_drafts_too:  # sampled runs with drafts drawn from q (the host path) beside argmax drafts
-        configs += [(name, True, True) for name, session in sessions.items() if session.proposer is not None]
+        configs += [(name, True, True) for name, session in sessions.items() if session.engine.spec_step is not None]
     report: dict[str, Any] = {"prompts": len(chosen), "max_tokens": max_tokens, "repeats": args.repeats}
     for temperature in args.speedup_temperatures:
         settings = SamplingSettings(temperature)
