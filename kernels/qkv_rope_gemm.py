@@ -61,14 +61,14 @@ def _qkv_rope_kernel(
     if head < NUM_Q_HEADS + NUM_KV_HEADS:  # a query or key head: rotated
         if QK_NORM:
             head_rstd = 1.0 / tl.sqrt((tl.sum(lo * lo, 1) + tl.sum(hi * hi, 1)) / (2 * HALF) + head_eps)
-            if head < NUM_Q_HEADS:
-                w_lo = tl.load(qn_ptr + offs_d, mask=d_mask, other=0.0).to(tl.float32)
-                w_hi = tl.load(qn_ptr + HALF + offs_d, mask=d_mask, other=0.0).to(tl.float32)
+            if head < NUM_Q_HEADS:  # (fresh names: a runtime branch may not retype the loop's w_lo)
+                norm_lo = tl.load(qn_ptr + offs_d, mask=d_mask, other=0.0).to(tl.float32)
+                norm_hi = tl.load(qn_ptr + HALF + offs_d, mask=d_mask, other=0.0).to(tl.float32)
             else:
-                w_lo = tl.load(kn_ptr + offs_d, mask=d_mask, other=0.0).to(tl.float32)
-                w_hi = tl.load(kn_ptr + HALF + offs_d, mask=d_mask, other=0.0).to(tl.float32)
-            lo = (lo * head_rstd[:, None] * w_lo[None, :]).to(dtype).to(tl.float32)
-            hi = (hi * head_rstd[:, None] * w_hi[None, :]).to(dtype).to(tl.float32)
+                norm_lo = tl.load(kn_ptr + offs_d, mask=d_mask, other=0.0).to(tl.float32)
+                norm_hi = tl.load(kn_ptr + HALF + offs_d, mask=d_mask, other=0.0).to(tl.float32)
+            lo = (lo * head_rstd[:, None] * norm_lo[None, :]).to(dtype).to(tl.float32)
+            hi = (hi * head_rstd[:, None] * norm_hi[None, :]).to(dtype).to(tl.float32)
         cs_offs = offs_m[:, None] * stride_ct + offs_d[None, :]
         cs_mask = m_mask[:, None] & d_mask[None, :]
         cos = tl.load(cos_ptr + cs_offs, mask=cs_mask, other=0.0).to(tl.float32)
