@@ -93,24 +93,17 @@ class TensorParallelModel(nn.Module):
             protocol.send_forward(self.group, self.model_id, ForwardCall(input_ids, positions, step, aux_layer_ids))
             return self.model(input_ids, positions, kv_caches, step, aux_layer_ids)
 
-    def forward_with_logits(
-        self,
-        input_ids: torch.Tensor,
-        positions: torch.Tensor,
-        kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
-        step: AttentionStep,
-        aux_layer_ids: tuple[int, ...],
-        logits_rows: torch.Tensor | None,
+    def run_with_logits(
+        self, call: ForwardCall, kv_caches: list[tuple[torch.Tensor, torch.Tensor]]
     ) -> tuple[torch.Tensor, list[torch.Tensor], torch.Tensor]:
-        """The forward and the logits of `logits_rows` (None: every row) as one op: one message, one payload.
-        Every rank holds the same final hidden states, so each picks the rows itself."""
+        """A forward and its logits as one op (`forward_with_logits`): one message, one payload. Every rank holds
+        the same final hidden states, so each picks the rows itself."""
+        args = (call.input_ids, call.positions, kv_caches, call.step, call.aux_layer_ids, call.logits_rows)
         if self._local:
-            return _forward_with_logits(self.model, input_ids, positions, kv_caches, step, aux_layer_ids, logits_rows)
-        logits_of = protocol.ALL_ROWS if logits_rows is None else logits_rows.shape[0]
-        call = ForwardCall(input_ids, positions, step, aux_layer_ids, logits_rows, logits_of)
+            return forward_with_logits(self.model, *args)
         with on_all_ranks(self.group, step=True):
             protocol.send_forward(self.group, self.model_id, call)
-            return _forward_with_logits(self.model, input_ids, positions, kv_caches, step, aux_layer_ids, logits_rows)
+            return forward_with_logits(self.model, *args)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         if self._local:
@@ -132,19 +125,6 @@ class TensorParallelModel(nn.Module):
                 protocol.send_header(self.group, Op.UNLOAD, self.model_id)
 
 
-def _forward_with_logits(
-    model: DecoderModel,
-    input_ids: torch.Tensor,
-    positions: torch.Tensor,
-    kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
-    step: AttentionStep,
-    aux_layer_ids: tuple[int, ...],
-    logits_rows: torch.Tensor | None,
-) -> tuple[torch.Tensor, list[torch.Tensor], torch.Tensor]:
-    hidden, aux = model(input_ids, positions, kv_caches, step, aux_layer_ids)
-    return hidden, aux, model.compute_logits(hidden if logits_rows is None else hidden[logits_rows])
-
-
 def forward_with_logits(
     model: nn.Module,
     input_ids: torch.Tensor,
@@ -157,8 +137,11 @@ def forward_with_logits(
     """(hidden, captured layers, logits of `logits_rows` or of every row) of the target: under tensor
     parallelism one op on every rank (model_runner.py's pass), else the model's two calls."""
     if isinstance(model, TensorParallelModel):
-        return model.forward_with_logits(input_ids, positions, kv_caches, step, aux_layer_ids, logits_rows)
-    return _forward_with_logits(model, input_ids, positions, kv_caches, step, aux_layer_ids, logits_rows)  # type: ignore[arg-type]
+        logits_of = protocol.ALL_ROWS if logits_rows is None else logits_rows.shape[0]
+        call = ForwardCall(input_ids, positions, step, aux_layer_ids, logits_rows, logits_of)
+        return model.run_with_logits(call, kv_caches)
+    hidden, aux = model(input_ids, positions, kv_caches, step, aux_layer_ids)
+    return hidden, aux, model.compute_logits(hidden if logits_rows is None else hidden[logits_rows])
 
 
 class FullHeads(nn.Module):
