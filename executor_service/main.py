@@ -132,11 +132,12 @@ async def _serve(
     settings: ServerSettings, options: ExecutorOptions, load_file: str | None, followers: Followers | None
 ) -> int:
     executor = await start_executor(settings, options)
-    if followers is not None:  # a rank that dies: health NOT_SERVING (requests fail with UNAVAILABLE)
+    if followers is not None:  # a rank dead or stalled: health NOT_SERVING, open streams and new calls UNAVAILABLE
         loop = asyncio.get_running_loop()
 
         def not_serving(reason: str) -> None:
             loop.call_soon_threadsafe(lambda: asyncio.ensure_future(executor.server.set_serving(False)))
+            loop.call_soon_threadsafe(executor.servicer.ranks_failed, reason)
 
         followers.on_failure = not_serving
     signalled = asyncio.ensure_future(wait_for_termination_signal())  # SIGTERM during --load stops cleanly too
