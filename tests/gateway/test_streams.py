@@ -76,9 +76,10 @@ def test_a_deadline_is_an_error_event_once_the_stream_began(stack, launch_gatewa
     wait_running(stack, 0)
 
 
-def open_request(stack, body: dict) -> socket.socket:
+def open_request(address: str, body: dict) -> socket.socket:
+    """A POST /v1/completions on a plain socket, so that the test can close it mid-answer."""
     data = json.dumps(body).encode()
-    sock = socket.create_connection(stack.gateway.address.split(":"), timeout=NO_HANG_S)
+    sock = socket.create_connection(address.split(":"), timeout=NO_HANG_S)
     head = (
         f"POST /v1/completions HTTP/1.1\r\nHost: gateway\r\nAuthorization: Bearer {TOKEN}\r\n"
         f"Content-Type: application/json\r\nContent-Length: {len(data)}\r\n\r\n"
@@ -91,7 +92,7 @@ def open_request(stack, body: dict) -> socket.socket:
 def test_a_caller_that_goes_away_aborts_the_executors_request(stack, stream):
     before = wait_running(stack, 0)
     body = {"model": MODEL, "prompt": [1, 2, 3], "max_tokens": LONG, "ignore_eos": True, "stream": stream}
-    sock = open_request(stack, body)
+    sock = open_request(stack.gateway.address, body)
     if stream:
         received = b""
         while b"data: {" not in received:  # the first event: generation is under way
