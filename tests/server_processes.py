@@ -1,8 +1,8 @@
 """Real specdec servers as subprocesses on 127.0.0.1, for the fixtures in tests/conftest.py and the fuzz suite.
 
 `spawn_server(service, name, directory, *args)` starts `python -m <service>_service.main --port 0 --port-file ...
---log-format text *args` ("selector", "executor" or "gateway"), logging to `directory/<name>.log`, and returns once the port
-file appears. Later flags win, so `*args` may override `--port`.
+--log-format text *args` ("selector", "executor" or "gateway"), logging to `directory/<name>.log`, and returns once
+the port file appears. Later flags win, so `*args` may override `--port`.
 """
 
 from __future__ import annotations

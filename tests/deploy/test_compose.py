@@ -68,7 +68,8 @@ def test_docker_compose_reads_the_file_as_we_do(tmp_path: Path) -> None:
     assert result.returncode == 0, result.stderr
     theirs = yaml.safe_load(result.stdout)["services"]
     ours = load_compose({})["services"]
-    assert sorted(theirs) == sorted(ours) == ["client", "executor-0", "executor-1", "executor-cpu", "gateway", "selector"]
+    services = ["client", "executor-0", "executor-1", "executor-cpu", "gateway", "selector"]
+    assert sorted(theirs) == sorted(ours) == services
     for name, service in ours.items():
         for key in ("environment", "entrypoint", "command", "profiles", "deploy", "depends_on", "read_only"):
             assert theirs[name].get(key) == service.get(key), (name, key)
