@@ -37,23 +37,6 @@ from specdec_runtime.client import BALANCING_OPTIONS
 READY_TIMEOUT_S = 300.0
 
 
-def load_request(shape: dict[str, Any], k: int, dtype: int) -> executor_pb2.LoadModelRequest:
-    target = common.synthetic_target(shape, seed=0)
-    drafter = executor_pb2.SyntheticModel()
-    drafter.CopyFrom(target)
-    drafter.num_layers, drafter.seed = 1, 7
-    return executor_pb2.LoadModelRequest(
-        target=executor_pb2.ModelSource(synthetic=target),
-        draft=executor_pb2.DraftModel(
-            method=common_pb2.SPEC_METHOD_EAGLE,
-            num_speculative_tokens=k,
-            source=executor_pb2.ModelSource(synthetic=drafter),
-        ),
-        dtype=dtype,
-        num_kv_blocks=2048,
-    )
-
-
 async def wait_serving(address: str) -> None:
     from grpc_health.v1 import health_pb2, health_pb2_grpc
 
@@ -176,7 +159,7 @@ def main() -> None:
     dtype = common_pb2.DTYPE_FLOAT32 if device.type == "cpu" else common_pb2.DTYPE_BFLOAT16
     with tempfile.TemporaryDirectory() as workdir:
         load = Path(workdir) / "load.json"
-        load.write_text(json_format.MessageToJson(load_request(shape, args.k, dtype)))
+        load.write_text(json_format.MessageToJson(common.synthetic_eagle_load(shape, args.k, dtype, 2048)))
         executor = start_server("executor", Path(workdir), "--device", args.device, "--load", str(load))
         gateway = None
         try:
