@@ -41,7 +41,7 @@ python3 -c "import torch; print('torch', torch.__version__, 'nccl', torch.cuda.n
 
 bench() {  # bench NAME BATCH CAP
   timeout "$(left "$3")" python3 bench/tp_bench.py --graphs --batch "$2" --decode-tokens 48 --method eagle3 \
-    --tp-sizes 1,2,4 --size-timeout 60 --out "$out/$1" 2>&1 | grep -v "Warning\|return func" | tee "$out/$1.log"
+    --tp-sizes "${TP_SIZES:-1,2,4}" --size-timeout 60 --out "$out/$1" 2>&1 | grep -v "Warning\|return func" | tee "$out/$1.log"
 }
 
 for step in ${steps//,/ }; do
