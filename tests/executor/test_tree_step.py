@@ -387,12 +387,13 @@ def test_select_keeps_the_best_drafts_with_their_parents_renumbered(seed: int) -
         assert got_parents[row].tolist() == renumbered
 
 
-@pytest.mark.parametrize(("shape", "most"), [("static_2_2_1", 225), ("dynamic_3_budget_8_depth_4", 332)])
+@pytest.mark.parametrize(("shape", "most"), [("static_2_2_1", 232), ("dynamic_3_budget_8_depth_4", 341)])
 def test_a_warm_tree_step_keeps_its_op_count(shape: str, most: int) -> None:
     """At batch 1 a step costs about one small kernel per op: the tree step's ops (the drafter's passes
     included, the target's pass left out, views not counted) stay at most today's count (2026-11-24:
     static_2_2_1 233 -> 221, dynamic_3_budget_8_depth_4 353 -> 328, with 4 ops of slack for other torch
-    versions' decompositions; the first step of a batch size builds its constants)."""
+    versions' decompositions; the first step of a batch size builds its constants). 2026-11-27: 228 and 337 (+4),
+    the drafter's layers leaving their last residual add to the final norm (the fused layers' eager form)."""
     mode = OpCounter(lambda func: not func.is_view)
     tree, k = TREES[shape]
     session = tree_session("eagle3", tree, k)
