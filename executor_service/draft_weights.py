@@ -2,7 +2,8 @@
 
 Names are as SafeAILab (EAGLE-1 `layers.*`, EAGLE-3 `midlayer.*`) and z-lab (DFlash) publish them,
 without a `model.` prefix (one is accepted and stripped). A frozen `embed_tokens` copy or EAGLE-3's
-`t2d` may be present and are ignored: the target's embedding is used.
+`t2d` may be present and are ignored: the target's embedding is used. Id tables (`d2t`, `t2d`) are
+range-checked at load (draft_id_tables.py).
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ import torch
 
 from executor_service.cancellation import check_cancelled
 from executor_service.draft_config import DraftConfig, dflash_hf_fields
+from executor_service.draft_id_tables import check_id_tables
 from executor_service.draft_models import DRAFTERS, Drafter, TargetHeads
 from executor_service.loader import check_tensors, load_tensors, read_tensor_shapes, tensor_files
 from executor_service.weights import Placement, export_state, layer_layout, materialize, place, synthetic_values
@@ -71,6 +73,8 @@ def check_drafter_checkpoint(
         config = replace(config, fc_bias="fc.bias" in shapes)
     layout = draft_layout(config)
     check_tensors(layout, shapes, field, ignored=IGNORED)
+    tables = {checkpoint_name(name): name for name in located if checkpoint_name(name) in ("d2t", "t2d")}
+    check_id_tables(located, config, field, tables)
     return located, config, layout
 
 

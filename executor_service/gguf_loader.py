@@ -23,7 +23,7 @@ from executor_service.cancellation import check_cancelled
 from executor_service.config import ModelConfig
 from executor_service.gguf_tokenizer import gguf_tokenizer
 from executor_service.loader import LoadedModel, check_tensors
-from executor_service.validation import resolve_model_path, resolve_quietly
+from executor_service.validation import resolve_model_path, resolve_quietly, root_name
 from executor_service.weights import empty_model, hf_layout, place
 from specdec_runtime.errors import FailedPrecondition, FieldViolation, invalid_fields
 
@@ -95,10 +95,11 @@ def resolve_gguf_path(raw: str, model_root: Path | None, field: str) -> Path | N
     if raw.lower().endswith(SUFFIX):
         directory = resolve_model_path(str(Path(raw).parent), model_root, field)
         path = resolve_quietly(directory / Path(raw).name, raw, field)
+        root = root_name(model_root.resolve()) if model_root else ""  # set: resolve_model_path refuses None
         if directory != path.parent and directory not in path.parents:
-            raise invalid_fields([FieldViolation(field, f"{raw!r} is outside the model root")])
+            raise invalid_fields([FieldViolation(field, f"{raw!r} is outside the model root {root}")])
         if not path.is_file():
-            raise invalid_fields([FieldViolation(field, f"{raw!r} is not a file under the model root")])
+            raise invalid_fields([FieldViolation(field, f"{raw!r} is not a file under the model root {root}")])
         return path
     directory = resolve_model_path(raw, model_root, field)
     files = sorted(directory.glob(f"*{SUFFIX}"))

@@ -27,6 +27,7 @@ from executor_service.prompt_intake import MAX_REQUEST_BYTES
 from executor_service.selection import BackendChooser, SelectorClientSettings
 from executor_service.servicer import SERVICE_NAME, ExecutorServicer
 from executor_service.session import SAMPLED_DRAFTS, EngineSettings
+from executor_service.validation import check_model_root
 from specdec.v1 import executor_pb2, executor_pb2_grpc
 from specdec_runtime.auth import resolve_token
 from specdec_runtime.client import load_message, server_address
@@ -114,7 +115,15 @@ async def start_executor(settings: ServerSettings, options: ExecutorOptions) -> 
     return RunningExecutor(running, servicer)
 
 
-async def serve(settings: ServerSettings, options: ExecutorOptions, load_file: str | None) -> int:
+@dataclass(frozen=True)
+class LoadAtStart:
+    """--load: the file's name (for the log) and the request read from it before the server starts."""
+
+    file: str
+    request: executor_pb2.LoadModelRequest
+
+
+async def serve(settings: ServerSettings, options: ExecutorOptions, load: LoadAtStart | None) -> int:
     followers = None
     if options.tensor_parallel_size > 1:
         from executor_service.parallel.launcher import Followers
@@ -122,14 +131,14 @@ async def serve(settings: ServerSettings, options: ExecutorOptions, load_file: s
         log.info("starting tensor-parallel ranks", extra={"tensor_parallel_size": options.tensor_parallel_size})
         followers = await asyncio.to_thread(Followers, options.tensor_parallel_size, options.device, options.model_root)
     try:
-        return await _serve(settings, options, load_file, followers)
+        return await _serve(settings, options, load, followers)
     finally:
         if followers is not None:
             await asyncio.to_thread(followers.stop)
 
 
 async def _serve(
-    settings: ServerSettings, options: ExecutorOptions, load_file: str | None, followers: Followers | None
+    settings: ServerSettings, options: ExecutorOptions, load: LoadAtStart | None, followers: Followers | None
 ) -> int:
     executor = await start_executor(settings, options)
     if followers is not None:  # a rank dead or stalled: health NOT_SERVING, open streams and new calls UNAVAILABLE
@@ -141,7 +150,7 @@ async def _serve(
 
         followers.on_failure = not_serving
     signalled = asyncio.ensure_future(wait_for_termination_signal())  # SIGTERM during --load stops cleanly too
-    status = await load_at_start(executor.servicer, load_file, signalled) if load_file else 0
+    status = await load_at_start(executor.servicer, load, signalled) if load else 0
     if status:
         signalled.cancel()
     else:
@@ -151,14 +160,10 @@ async def _serve(
     return status
 
 
-async def load_at_start(servicer: ExecutorServicer, load_file: str, signalled: asyncio.Future[None]) -> int:
+async def load_at_start(servicer: ExecutorServicer, load: LoadAtStart, signalled: asyncio.Future[None]) -> int:
     """--load: 0 once the model is loaded, or when SIGTERM comes first (the shutdown that follows cancels the
     load); 1 if it cannot be loaded."""
-    try:
-        request = load_message(load_file, executor_pb2.LoadModelRequest())
-    except (ValueError, OSError) as err:
-        log.error("cannot load %s: %s", load_file, err)
-        return 1
+    load_file, request = load.file, load.request
     loading = asyncio.ensure_future(servicer.load(request))  # type: ignore[arg-type]
     await asyncio.wait({loading, signalled}, return_when=asyncio.FIRST_COMPLETED)
     if not loading.done():
@@ -220,7 +225,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--load",
         help="a LoadModelRequest (YAML or JSON) to load at start; the server answers meanwhile (health NOT_SERVING "
-        "until it is loaded and warm); the process exits 1 if it fails",
+        "until it is loaded and warm); the process exits 1 if the load fails, 2 if the file cannot be read",
     )
     parser.add_argument("--max-num-batched-tokens", type=int, default=8192, help="tokens per engine step")
     parser.add_argument("--max-num-seqs", type=int, default=256, help="requests in the running batch")
@@ -256,7 +261,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         options = ExecutorOptions(
             device=_device(args.device) if args.device else default_device(),
-            model_root=Path(args.model_root) if args.model_root else None,
+            model_root=check_model_root(args.model_root) if args.model_root else None,
             selector_address=args.selector_address,
             selector_client=selector_client_settings(args),
             engine=EngineSettings(
@@ -271,7 +276,12 @@ def main(argv: list[str] | None = None) -> int:
             tensor_parallel_size=int(args.tensor_parallel_size),
         )
         check_tensor_parallel_size(options.tensor_parallel_size)
-        status = asyncio.run(serve(ServerSettings.from_args(args), options, args.load))
+        load = read_load_file(args.load) if args.load else None
+    except (OSError, ValueError) as err:  # an unknown device, a --load file that is not a LoadModelRequest, ...
+        log.error("cannot serve: %s", err)
+        return EXIT_BAD_SETUP
+    try:
+        status = asyncio.run(serve(ServerSettings.from_args(args), options, load))
     except (OSError, ValueError) as err:  # address in use, a TLS key that is not the certificate's, ...
         log.error("cannot serve: %s", err)
         return EXIT_BAD_SETUP
@@ -280,6 +290,15 @@ def main(argv: list[str] | None = None) -> int:
         logging.shutdown()
         os._exit(status)
     return status
+
+
+def read_load_file(path: str) -> LoadAtStart:
+    """--load's request, read before the server starts: a file that is missing, malformed or not a
+    LoadModelRequest is one line and exit 2, never a traceback from inside the running server."""
+    try:
+        return LoadAtStart(path, load_message(path, executor_pb2.LoadModelRequest()))  # type: ignore[arg-type]
+    except (ValueError, OSError) as err:
+        raise ValueError(f"--load {err}") from None
 
 
 def _device(name: str) -> torch.device:

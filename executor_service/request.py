@@ -77,8 +77,9 @@ class Request:
     drafted_tokens: int = 0
     accepted_tokens: int = 0
     verify_steps: int = 0  # target steps that verified drafts
-    drafted_per_position: list[int] = field(default_factory=list)  # verify steps that had a draft i
-    accepted_per_position: list[int] = field(default_factory=list)  # ... and accepted it
+    # Verify steps whose accepted drafts reached position (depth) i + 1; divided by every verify step, so the
+    # rates never rise with depth (steps whose chain or tree was shorter count as not reaching it).
+    accepted_per_position: list[int] = field(default_factory=list)
     # Prefix caching (prefix_cache.py): the keys of its leading blocks, how many of its blocks are in the
     # cache (taken from it or registered), and the prompt tokens it found cached at its first admission.
     block_hashes: list[bytes] = field(default_factory=list)
@@ -118,13 +119,11 @@ class Request:
         self.verify_steps += 1
         self.drafted_tokens += num_drafts
         self.accepted_tokens += num_accepted
-        missing = positions - len(self.drafted_per_position)
+        missing = positions - len(self.accepted_per_position)
         if missing > 0:
-            self.drafted_per_position += [0] * missing
             self.accepted_per_position += [0] * missing
-        for i in range(positions):
-            self.drafted_per_position[i] += 1
-            self.accepted_per_position[i] += i < num_accepted
+        for i in range(min(positions, num_accepted)):
+            self.accepted_per_position[i] += 1
 
     def finish(self, reason: str) -> Finish:
         return Finish(
@@ -133,9 +132,8 @@ class Request:
             completion_tokens=len(self.output_ids),
             drafted_tokens=self.drafted_tokens,
             accepted_tokens=self.accepted_tokens,
-            acceptance_per_position=tuple(
-                a / d for a, d in zip(self.accepted_per_position, self.drafted_per_position, strict=True)
-            ),
+            # docs/api.md: the share of verify steps whose accepted path reached depth d.
+            acceptance_per_position=tuple(a / self.verify_steps for a in self.accepted_per_position),
             verify_steps=self.verify_steps,
             cached_prompt_tokens=self.cached_prompt_tokens or 0,
         )

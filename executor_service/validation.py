@@ -35,10 +35,27 @@ def resolve_model_path(raw: str, model_root: Path | None, field: str) -> Path:
     root = model_root.resolve()
     candidate = resolve_quietly(root / raw, raw, field)  # an absolute `raw` replaces root; links are followed
     if candidate != root and root not in candidate.parents:
-        raise invalid_fields([FieldViolation(field, f"{short_repr(raw)} is outside the model root")])
+        raise invalid_fields([FieldViolation(field, f"{short_repr(raw)} is outside the model root {root_name(root)}")])
     if not _is_dir(candidate):
-        raise invalid_fields([FieldViolation(field, f"{short_repr(raw)} is not a directory under the model root")])
+        problem = f"{short_repr(raw)} is not a directory under the model root {root_name(root)}"
+        raise invalid_fields([FieldViolation(field, problem)])
     return candidate
+
+
+def root_name(root: Path) -> str:
+    """The model root as path errors name it, quoted: the caller learns where its paths are looked up (the
+    operator's own setting, so not clipped like the caller's input; the status clips the whole text)."""
+    return repr(str(root))
+
+
+def check_model_root(raw: str) -> Path:
+    """--model-root at start: an existing directory, or a ValueError naming it (the executor refuses to start,
+    rather than refusing every later LoadModel)."""
+    root = Path(raw)
+    if not _is_dir(root):
+        problem = "does not exist" if not root.exists() else "is not a directory"
+        raise ValueError(f"--model-root {raw}: {problem}")
+    return root
 
 
 def check_path_text(raw: str, field: str) -> None:

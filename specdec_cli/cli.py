@@ -24,6 +24,7 @@ from specdec.v1 import common_pb2, selector_pb2, selector_pb2_grpc
 from specdec_cli.demo import add_demo_arguments, run_demo
 from specdec_cli.executor_commands import COMMANDS, add_executor_commands, call_executor
 from specdec_cli.render import render_backends, render_error, render_selection
+from specdec_cli.wrong_service import wrong_service_note
 from specdec_runtime.client import add_channel_arguments, load_message, open_channel_from_args, server_address
 from specdec_runtime.errors import SpecdecError
 from specdec_runtime.grpc_runtime import HelpFormatter
@@ -90,6 +91,15 @@ def _print(args: argparse.Namespace, response: Message | dict[str, Message], tex
         print(text)
 
 
+def _wrong_service(args: argparse.Namespace) -> str | None:
+    """For an UNIMPLEMENTED answer: which service answers at the address the command called, if not its own."""
+    if args.command in COMMANDS:
+        return wrong_service_note(args.executor, "specdec.v1.Executor", "--executor", args)
+    if args.local:
+        return None
+    return wrong_service_note(args.selector, "specdec.v1.BackendSelector", "--selector", args)
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if argv[:1] == ["train-drafter"]:  # torch is imported only for this command
@@ -116,6 +126,8 @@ def main(argv: list[str] | None = None) -> int:
     except grpc.RpcError as err:
         detail = rpc_status.from_call(err)
         print(render_error(err.code().name, err.details(), list(detail.details) if detail else []), file=sys.stderr)
+        if err.code() == grpc.StatusCode.UNIMPLEMENTED and (note := _wrong_service(args)):
+            print(f"  {note}", file=sys.stderr)
         return EXIT_RPC_ERROR
     except (OSError, ValueError, json_format.ParseError) as err:
         print(f"error: {err}", file=sys.stderr)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import math
 from pathlib import Path
 
 from selection.draft_tree import tree_from_text
@@ -29,14 +30,19 @@ def add_demo_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--stop", action="append", default=[], metavar="STRING", help="end at this text (repeatable; not shown)"
     )
-    parser.add_argument("--temperature", type=float, default=0.0, help="0: greedy")
+    parser.add_argument(
+        "--temperature",
+        type=_temperature,
+        default=0.0,
+        help="0: greedy; a finite number >= 0 (checked before any server starts)",
+    )
     parser.add_argument("--method", choices=list(METHODS), default="eagle3", help="the drafter's method")
     parser.add_argument(
         "--k",
         type=_positive,
-        help="tokens the drafter proposes per step, as a chain (default, the fastest measured: EAGLE 3 on CUDA and "
-        "7 on the CPU; greedy EAGLE-3 on the CPU and greedy DFlash draft a tree, see --tree; sampled DFlash its "
-        "block size - 1; --synthetic: 3)",
+        help="tokens the drafter proposes per step, as a chain (default, the fastest measured: EAGLE-3 with k = 3 "
+        "on CUDA and k = 7 on the CPU; greedy EAGLE-3 on the CPU and greedy DFlash draft a tree, see --tree; "
+        "sampled DFlash its block size - 1; --synthetic: 3)",
     )
     parser.add_argument(
         "--tree",
@@ -99,6 +105,15 @@ def _positive_seconds(text: str) -> float:
     value = float(text)
     if not value > 0:
         raise argparse.ArgumentTypeError(f"must be more than 0 seconds, got {text[:40]}")
+    return value
+
+
+def _temperature(text: str) -> float:
+    """What the executor accepts (sampling.temperature: finite, >= 0), refused at parse time: a bad value used to
+    fail only after both servers had started and the model had loaded."""
+    value = float(text)
+    if not 0.0 <= value < math.inf:  # NaN fails every comparison
+        raise argparse.ArgumentTypeError(f"must be a finite number >= 0 (0: greedy), got {text[:40]}")
     return value
 
 

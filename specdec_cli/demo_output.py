@@ -26,23 +26,35 @@ class Output:
         self.as_json = as_json
         self.report: dict[str, Any] = {}
         self.step = "starting"  # the call under way, named in error messages
+        self.line_open = False  # stream() left stdout mid-line
 
     def section(self, title: str) -> None:
+        self.end_line()
         if not self.as_json:
             print(f"\n== {title}", flush=True)
 
     def line(self, text: str) -> None:
+        self.end_line()
         if not self.as_json:
             print(text, flush=True)
 
     def stream(self, text: str) -> None:
         """Part of a line, shown at once (generated tokens as they arrive)."""
-        if not self.as_json:
+        if not self.as_json and text:
             sys.stdout.write(text)
             sys.stdout.flush()
+            self.line_open = not text.endswith("\n")
+
+    def end_line(self) -> None:
+        """End a line stream() left open, so that what follows (an error after Ctrl-C) starts a line of its own."""
+        if self.line_open:
+            sys.stdout.write("\n")
+            sys.stdout.flush()
+            self.line_open = False
 
     def error(self, text: str) -> None:
         """On stderr; with --json the document carries the errors too."""
+        self.end_line()
         print(text, file=sys.stderr, flush=True)
         if self.as_json:
             self.report.setdefault("errors", []).append(text)

@@ -57,9 +57,14 @@ def render_finished(finished: executor_pb2.Finished, seconds: float) -> str:
     return "\n".join(
         [
             f"finish reason {finished.finish_reason}: {finished.prompt_tokens} prompt tokens, "
-            f"{finished.completion_tokens} generated in {seconds:.2f} s ({rate:.0f} tokens/s)",
+            f"{finished.completion_tokens} generated in {seconds:.2f} s ({tokens_per_second(rate)} tokens/s)",
             f"drafted {finished.drafted_tokens}, accepted {finished.accepted_tokens}{share}",
             f"mean acceptance length {finished.mean_acceptance_length:.2f} tokens per target verify step",
             f"acceptance rate per draft position: {per_position or 'none (nothing drafted)'}",
         ]
     )
+
+
+def tokens_per_second(rate: float) -> str:
+    """Whole numbers from 10 up, two significant digits below: 0.4 tokens/s printed as "0" before."""
+    return f"{rate:.0f}" if rate >= 10 else f"{rate:.2g}"

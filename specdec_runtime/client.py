@@ -176,9 +176,28 @@ def channel_security(
 
 
 def load_message(path: str, message: Message) -> Message:
-    """Fill `message` from a YAML or JSON file in the protobuf JSON mapping (enum names as strings)."""
+    """Fill `message` from a YAML or JSON file in the protobuf JSON mapping (enum names as strings). Every way the
+    file can be wrong (unreadable, malformed YAML or JSON, a field the message lacks) is a ValueError or OSError
+    of one line naming the file, which callers print as is (no traceback)."""
     text = Path(path).read_text()
-    data = json.loads(text) if path.endswith(".json") else yaml.safe_load(text)
+    try:
+        data = json.loads(text) if path.endswith(".json") else yaml.safe_load(text)
+    except json.JSONDecodeError as err:
+        raise ValueError(f"{path}: not valid JSON: {err}") from None
+    except yaml.YAMLError as err:
+        raise ValueError(f"{path}: not valid YAML: {_yaml_problem(err)}") from None
     if not isinstance(data, dict):
         raise ValueError(f"{path}: expected a mapping at the top level")
-    return json_format.ParseDict(data, message)
+    try:
+        return json_format.ParseDict(data, message)
+    except json_format.ParseError as err:
+        raise ValueError(f"{path}: {' '.join(str(err).split())}") from None
+
+
+def _yaml_problem(err: yaml.YAMLError) -> str:
+    """PyYAML's error on one line: the problem and where (its str() spans several lines, with a caret)."""
+    if isinstance(err, yaml.MarkedYAMLError) and err.problem_mark is not None:
+        mark = err.problem_mark
+        context = f"{err.context}, " if err.context else ""
+        return f"{context}{err.problem} at line {mark.line + 1}, column {mark.column + 1}"
+    return " ".join(str(err).split())

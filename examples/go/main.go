@@ -19,7 +19,9 @@
 // loaded the same model at start (--load).
 //
 // Addresses default to $SPECDEC_SELECTOR and $SPECDEC_EXECUTOR; when $SPECDEC_AUTH_TOKEN is set every call
-// carries `authorization: Bearer <token>`. Exits 1, printing the gRPC status, when a call fails.
+// carries `authorization: Bearer <token>`. Exits 1, printing the gRPC status, when a call fails, or naming the
+// address and the cause when a server refuses the connection (at once; 10 s when nothing answers at all) or is not
+// the service asked for (its gRPC health service says which specdec service answers there).
 package main
 
 import (
@@ -36,6 +38,9 @@ import (
 	"unicode"
 
 	"google.golang.org/grpc"
+	"google.golang.org/grpc/codes"
+	"google.golang.org/grpc/connectivity"
+	healthpb "google.golang.org/grpc/health/grpc_health_v1"
 	"google.golang.org/grpc/metadata"
 	"google.golang.org/grpc/resolver"
 	"google.golang.org/grpc/resolver/manual"
@@ -64,6 +69,11 @@ const drafterSeed = 38
 const blockSize = 16                  // tokens per KV-cache block
 const loadTimeout = 600 * time.Second // a real checkpoint on a GPU takes a while to load and warm up
 const callTimeout = 30 * time.Second
+const connectTimeout = 10 * time.Second // an address that neither accepts nor refuses (a dropped SYN): given up
+
+// services: what answers at an address, asked of its gRPC health service (open to callers without a token); the
+// two specdec services register their names there.
+var services = map[string]string{"executor": "specdec.v1.Executor", "selector": "specdec.v1.BackendSelector"}
 
 // serviceConfig: client-side load balancing over every address the target resolves to, and gRPC retries of
 // UNAVAILABLE for the calls that are safe to repeat. gRPC commits a call at its first response, so a Generate is
@@ -209,6 +219,12 @@ func run(ctx context.Context, opts options) error {
 		return err
 	}
 	defer selectorConn.Close()
+	if err := connect(ctx, executorConn, "executor", opts.executor); err != nil {
+		return err
+	}
+	if err := connect(ctx, selectorConn, "selector", opts.selector); err != nil {
+		return err
+	}
 	executor, selector := pb.NewExecutorClient(executorConn), pb.NewBackendSelectorClient(selectorConn)
 
 	callCtx, cancel := context.WithTimeout(ctx, callTimeout)
@@ -346,6 +362,62 @@ func run(ctx context.Context, opts options) error {
 	return nil
 }
 
+// connect waits for the connection (a refused address fails at its first TransientFailure, not at a deadline), then
+// checks that the `role` service answers there; its error names the address, the flag and the cause.
+func connect(ctx context.Context, conn *grpc.ClientConn, role, address string) error {
+	flagName := fmt.Sprintf("-%s / $SPECDEC_%s", role, strings.ToUpper(role))
+	health := healthpb.NewHealthClient(conn)
+	check := func(service string) error {
+		checkCtx, cancel := context.WithTimeout(ctx, callTimeout)
+		defer cancel()
+		_, err := health.Check(checkCtx, &healthpb.HealthCheckRequest{Service: service}, grpc.WaitForReady(false))
+		return err
+	}
+	waitCtx, cancel := context.WithTimeout(ctx, connectTimeout)
+	defer cancel()
+	state := conn.GetState() // grpc-go 1.33 dials at once: a new channel is never idle
+	for state != connectivity.Ready && state != connectivity.TransientFailure && conn.WaitForStateChange(waitCtx, state) {
+		state = conn.GetState()
+	}
+	if state != connectivity.Ready {
+		cause := "it did not connect in time"
+		if err := check(services[role]); err != nil { // without waiting: its UNAVAILABLE says why
+			s, _ := status.FromError(err)
+			cause = upperSnake(s.Code().String()) + ": " + s.Message()
+		}
+		return fmt.Errorf("cannot reach the %s at %s (%s): %s", role, address, flagName, cause)
+	}
+	if status.Code(check(services[role])) != codes.NotFound {
+		return nil
+	}
+	var others []string
+	for _, other := range []string{"executor", "selector"} {
+		if check(services[other]) == nil {
+			others = append(others, fmt.Sprintf("%s (a specdec %s)", services[other], other))
+		}
+	}
+	there := strings.Join(others, " and ")
+	if there == "" {
+		there = "neither specdec service"
+	}
+	return fmt.Errorf("the %s at %s (%s) is not a specdec %s: its health service names %s there, not %s",
+		role, address, flagName, role, there, services[role])
+}
+
+// checkAddress refuses HOST:PORT with a port outside 1..65535; other gRPC targets (dns:///NAME:PORT, unix:PATH)
+// pass as they are.
+func checkAddress(role, address string) error {
+	colon := strings.LastIndex(address, ":")
+	if colon <= 0 || address[colon-1] == ':' {
+		return nil
+	}
+	port, err := strconv.Atoi(address[colon+1:])
+	if err != nil || (port >= 1 && port <= 65535) {
+		return nil
+	}
+	return fmt.Errorf("-%s %q: %d is not a port in 1..65535", role, address, port)
+}
+
 // dialTarget: grpc-go resolves dns:///NAME:PORT itself (every address of the name, which round_robin spreads
 // over). The ipv4:/ipv6: address lists that gRPC C-core and grpc-js accept get a static resolver of those addresses.
 func dialTarget(target string) (string, []grpc.DialOption) {
@@ -428,6 +500,14 @@ func main() {
 	if opts.requests < 1 {
 		fmt.Fprintln(os.Stderr, "-requests must be at least 1")
 		os.Exit(2)
+	}
+	for _, role := range []string{"executor", "selector"} {
+		address := map[string]string{"executor": opts.executor, "selector": opts.selector}[role]
+		if err := checkAddress(role, address); err != nil {
+			fmt.Fprintln(os.Stderr, err)
+			flag.Usage()
+			os.Exit(2)
+		}
 	}
 	if _, ok := methods[opts.method]; !ok {
 		fmt.Fprintln(os.Stderr, "-method must be dflash or eagle3")

@@ -16,7 +16,8 @@
 // one of them: the others must have loaded the same model at start (--load).
 // Addresses default to $SPECDEC_SELECTOR and $SPECDEC_EXECUTOR; when $SPECDEC_AUTH_TOKEN is set every call carries
 // `authorization: Bearer <token>`. --protos DIR points at another copy of the protos. Exits 1, printing the gRPC
-// status, when a call fails.
+// status, when a call fails, or naming the address and the cause when a server refuses the connection or is not the
+// service asked for (its gRPC health service says which specdec service answers there).
 import path from 'node:path';
 import { fileURLToPath } from 'node:url';
 import { parseArgs } from 'node:util';
@@ -90,6 +91,12 @@ for (const name of ['num-speculative-tokens', 'max-tokens', 'requests']) {
   if (!/^\d+$/.test(args[name])) usageError(`--${name} must be a whole number, not '${args[name]}'`);
 }
 if (Number(args.requests) < 1) usageError(`--requests must be at least 1, not ${args.requests}`);
+// HOST:PORT with a port in 1..65535 (dns:///NAME:PORT, ipv4:A:P,B:P and unix:PATH targets pass as they are).
+for (const role of ['selector', 'executor']) {
+  const match = /^(.*[^:]):(\d+)$/.exec(args[role]);
+  const port = match ? Number(match[2]) : 1;
+  if (port < 1 || port > 65535) usageError(`--${role} '${args[role]}': ${match[2]} is not a port in 1..65535`);
+}
 
 // Field names as in the .proto files, enums as their names, 64-bit integers as decimal strings.
 const definition = protoLoader.loadSync(['specdec/v1/selector.proto', 'specdec/v1/executor.proto'], {
@@ -182,6 +189,64 @@ function printLoads(loads) {
   );
 }
 
+// What answers at an address, asked of its gRPC health service (open to callers without a token): the two specdec
+// services register their names there.
+const SERVICES = { executor: 'specdec.v1.Executor', selector: 'specdec.v1.BackendSelector' };
+const CONNECT_TIMEOUT_MS = 10_000; // an address that neither accepts nor refuses (a dropped SYN) is given up after this
+
+// A client's failure to reach its server, or to find the service asked for there: one line, exit 1.
+class Unreachable extends Error {}
+
+// grpc.health.v1.Health/Check of `service`, encoded by hand (a HealthCheckRequest is one string field) so this
+// example needs no health protos; resolves to null when the server registers the service, else to the gRPC error.
+function healthCheck(client, service) {
+  const name = Buffer.from(service);
+  const request = Buffer.concat([Buffer.from([0x0a, name.length]), name]);
+  return new Promise((resolve) => {
+    client.makeUnaryRequest(
+      '/grpc.health.v1.Health/Check',
+      (bytes) => bytes,
+      (bytes) => bytes,
+      request,
+      new grpc.Metadata(),
+      { deadline: Date.now() + CALL_TIMEOUT_MS },
+      (err) => resolve(err ?? null),
+    );
+  });
+}
+
+// Wait for the channel to connect (a refused address fails at its first TRANSIENT_FAILURE, not at a deadline),
+// then check that the `role` service answers there; throws Unreachable naming the address, the flag and the cause.
+async function connect(client, role) {
+  const address = args[role];
+  const flag = `--${role} / $SPECDEC_${role.toUpperCase()}`;
+  const channel = client.getChannel();
+  const deadline = Date.now() + CONNECT_TIMEOUT_MS;
+  let state = channel.getConnectivityState(true);
+  while (state !== grpc.connectivityState.READY && state !== grpc.connectivityState.TRANSIENT_FAILURE) {
+    const changed = await new Promise((resolve) => channel.watchConnectivityState(state, deadline, resolve));
+    if (changed) break; // the deadline passed
+    state = channel.getConnectivityState(false);
+  }
+  if (state !== grpc.connectivityState.READY) {
+    const err = await healthCheck(client, SERVICES[role]); // without waiting: its UNAVAILABLE says why
+    const cause = err ? `${grpc.status[err.code]}: ${err.details}` : 'it did not connect in time';
+    throw new Unreachable(`cannot reach the ${role} at ${address} (${flag}): ${cause}`);
+  }
+  const notFound = (err) => err?.code === grpc.status.NOT_FOUND;
+  if (notFound(await healthCheck(client, SERVICES[role]))) {
+    const others = [];
+    for (const [other, name] of Object.entries(SERVICES)) {
+      if ((await healthCheck(client, name)) === null) others.push(`${name} (a specdec ${other})`);
+    }
+    const there = others.join(' and ') || 'neither specdec service';
+    throw new Unreachable(
+      `the ${role} at ${address} (${flag}) is not a specdec ${role}: its health service names ${there} there, ` +
+        `not ${SERVICES[role]}`,
+    );
+  }
+}
+
 // A unary call as a promise. waitForReady: servers that are still starting (docker compose up) are waited for.
 function unary(client, method, request, metadata, timeoutMs = CALL_TIMEOUT_MS) {
   return new Promise((resolve, reject) => {
@@ -221,6 +286,8 @@ async function run(metadata) {
   const executor = new specdec.v1.Executor(args.executor, credentials, CHANNEL_OPTIONS);
   const selector = new specdec.v1.BackendSelector(args.selector, credentials, CHANNEL_OPTIONS);
   try {
+    await connect(executor, 'executor');
+    await connect(selector, 'selector');
     const hardware = await unary(executor, 'GetCapabilities', {}, metadata);
     const libraries = hardware.libraries.map((lib) => `${lib.name} ${lib.version}`).join(', ');
     console.log(`executor ${args.executor}: ${hardware.platform} ${hardware.device_name} (${libraries})`);
@@ -321,6 +388,10 @@ if (process.env.SPECDEC_AUTH_TOKEN) metadata.add('authorization', `Bearer ${proc
 try {
   await run(metadata);
 } catch (err) {
+  if (err instanceof Unreachable) {
+    console.error(`error: ${err.message}`);
+    process.exit(1);
+  }
   if (err.code === undefined) throw err; // not a gRPC status: a bug, with its stack
   console.error(`error: ${grpc.status[err.code]}: ${err.details}`);
   process.exitCode = 1;

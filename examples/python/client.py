@@ -16,7 +16,8 @@ replica (SERVICE_CONFIG); --requests N sends the generation N times, spread over
 reaches one of them: the others must have loaded the same model at start (--load).
 Addresses default to $SPECDEC_SELECTOR and $SPECDEC_EXECUTOR; when $SPECDEC_AUTH_TOKEN is set every call
 carries `authorization: Bearer <token>`. Exits 1, printing the gRPC status, when a call fails, or naming the
-address and the cause when a server does not accept a connection within 10 s.
+address and the cause when a server refuses the connection (at once; 10 s when nothing answers at all) or is not
+the service asked for (its gRPC health service says which specdec service answers there).
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ import argparse
 import json
 import os
 import sys
+import threading
 import time
 
 import grpc
@@ -50,7 +52,7 @@ BLOCK_SIZE = 16  # tokens per KV-cache block
 METHODS = {"dflash": common_pb2.SPEC_METHOD_DFLASH, "eagle3": common_pb2.SPEC_METHOD_EAGLE3}
 LOAD_TIMEOUT_S = 600.0  # a real checkpoint on a GPU takes a while to load and warm up
 CALL_TIMEOUT_S = 30.0
-CONNECT_TIMEOUT_S = 10.0  # a server still starting (docker compose up) is waited for this long
+CONNECT_TIMEOUT_S = 10.0  # an address that neither accepts nor refuses (a dropped SYN) is given up after this
 # Client-side load balancing over every address the target resolves to, and gRPC retries of UNAVAILABLE for the
 # calls that are safe to repeat. gRPC commits a call at its first response, so a Generate is retried only while it
 # has produced no tokens (a replica shutting down or gone). The Node.js and Go examples set the same config.
@@ -81,30 +83,79 @@ CHANNEL_OPTIONS = [("grpc.service_config", SERVICE_CONFIG), ("grpc.enable_retrie
 
 
 class Unreachable(Exception):
-    """A server that did not accept a connection in CONNECT_TIMEOUT_S: the message names it and the cause."""
+    """A server that does not accept a connection, or is not the service asked for: the message names it, the
+    flag that set its address and the cause."""
+
+
+# What answers at an address, asked of its gRPC health service (open to callers without a token): the two specdec
+# services register their names there.
+SERVICES = {"executor": "specdec.v1.Executor", "selector": "specdec.v1.BackendSelector"}
 
 
 def connect(channel: grpc.Channel, role: str, address: str) -> None:
-    """Wait for `channel` to connect; if it does not, ask once without waiting to learn why (refused, no such host)."""
+    """Wait for `channel` to connect (CONNECT_TIMEOUT_S at most), then check that the `role` service answers
+    there. A refused address fails at once (the channel's first TRANSIENT_FAILURE), not after a deadline."""
+    flag = f"--{role} / $SPECDEC_{role.upper()}"
+    settled = threading.Event()
+    states: list[grpc.ChannelConnectivity] = []
+
+    def seen(state: grpc.ChannelConnectivity) -> None:
+        if state in (grpc.ChannelConnectivity.READY, grpc.ChannelConnectivity.TRANSIENT_FAILURE):
+            states.append(state)
+            settled.set()
+
+    channel.subscribe(seen, try_to_connect=True)
     try:
-        grpc.channel_ready_future(channel).result(timeout=CONNECT_TIMEOUT_S)
-    except grpc.FutureTimeoutError:
-        probe = channel.unary_unary("/grpc.health.v1.Health/Check")
-        try:
-            probe(b"", timeout=CONNECT_TIMEOUT_S)
+        settled.wait(CONNECT_TIMEOUT_S)
+    finally:
+        channel.unsubscribe(seen)
+    if not states or states[0] != grpc.ChannelConnectivity.READY:
+        try:  # without waiting: its UNAVAILABLE says why (connection refused, no such host, ...)
+            health_check(channel, SERVICES[role])
             cause = "it did not connect in time"
         except grpc.RpcError as err:
             cause = f"{err.code().name}: {err.details()}"
-        flag = f"--{role} / $SPECDEC_{role.upper()}"
+        raise Unreachable(f"cannot reach the {role} at {address} ({flag}): {cause}")
+    serving = served(channel, SERVICES[role])
+    if serving is False:
+        others = [f"{name} (a specdec {other})" for other, name in SERVICES.items() if served(channel, name)]
+        there = " and ".join(others) or "neither specdec service"
         raise Unreachable(
-            f"cannot reach the {role} at {address} ({flag}) in {CONNECT_TIMEOUT_S:.0f} s: {cause}"
-        ) from None
+            f"the {role} at {address} ({flag}) is not a specdec {role}: its health service names {there} there, "
+            f"not {SERVICES[role]}"
+        )
+
+
+def health_check(channel: grpc.Channel, service: str) -> None:
+    """grpc.health.v1.Health/Check of `service`, encoded by hand (a HealthCheckRequest is one string field) so this
+    example needs no health stubs; raises the call's grpc.RpcError."""
+    name = service.encode()
+    channel.unary_unary("/grpc.health.v1.Health/Check")(b"\x0a" + bytes([len(name)]) + name, timeout=CALL_TIMEOUT_S)
+
+
+def served(channel: grpc.Channel, service: str) -> bool | None:
+    """Whether the server registers `service` with its health service (serving or not yet); None when it has no
+    health service or does not answer, so nothing can be told."""
+    try:
+        health_check(channel, service)
+        return True
+    except grpc.RpcError as err:
+        return False if err.code() == grpc.StatusCode.NOT_FOUND else None
+
+
+def address(text: str) -> str:
+    """HOST:PORT with a port in 1..65535 (gRPC would dial 99999 as 34463, modulo 65536); other gRPC targets
+    (dns:///NAME:PORT, ipv4:A:P,B:P, unix:PATH) pass as they are."""
+    host, _, port = text.rpartition(":")
+    if host and not host.endswith(":") and port.isdigit() and not 1 <= int(port) <= 65535:
+        raise argparse.ArgumentTypeError(f"{text!r}: {port} is not a port in 1..65535")
+    return text
 
 
 def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--selector", default=os.environ.get("SPECDEC_SELECTOR", "127.0.0.1:50051"))
-    parser.add_argument("--executor", default=os.environ.get("SPECDEC_EXECUTOR", "127.0.0.1:50052"))
+    parser.add_argument("--selector", type=address, default=os.environ.get("SPECDEC_SELECTOR", "127.0.0.1:50051"))
+    parser.add_argument("--executor", type=address, default=os.environ.get("SPECDEC_EXECUTOR", "127.0.0.1:50052"))
     parser.add_argument("--method", choices=sorted(METHODS), default="dflash", help="the drafter's kind")
     parser.add_argument("--num-speculative-tokens", type=int, default=4)
     parser.add_argument("--target-backend", default="auto", help='"auto" or a backend name, e.g. CPU_ATTN')

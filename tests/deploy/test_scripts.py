@@ -1,12 +1,17 @@
 """scripts/run.sh and scripts/test.sh, run on a copy of their inputs with fake tools that log their calls: run.sh
-installs only when .venv is missing or what it installs changed, and says what it is doing; test.sh without
-Node.js skips the Node steps, saying so, instead of stopping with exit 127."""
+installs only when .venv is missing or what it installs changed, and says what it is doing, and a second run.sh
+started meanwhile waits for the first's install; test.sh without Node.js skips the Node steps, saying so, instead
+of stopping with exit 127, and its npm installs never rewrite a lock."""
 
 from __future__ import annotations
 
+import json
 import os
+import re
 import shutil
 import subprocess
+import time
+from collections.abc import Callable
 from pathlib import Path
 
 from compose_local import REPO_ROOT
@@ -103,3 +108,62 @@ def test_test_sh_without_node_skips_the_node_steps(tmp_path: Path) -> None:
         "ruff format --check .",
         "pytest -q -ra -x",
     ]
+
+
+def test_two_first_run_sh_at_once_install_once(tmp_path: Path) -> None:
+    """A second run.sh started while the first installs waits for it (flock on .venv), then finds .venv up to
+    date: one install, both demos run. Without the lock both installed into the same .venv and pip failed."""
+    script = copy_script(tmp_path, "run.sh")
+    fake_bin = tmp_path / "fake-bin"
+    logger = 'echo "$$ $(basename "$0") $*" >>"$CALLS"'
+    # The fake venv creation holds the first install until the test creates `release`.
+    write_tool(
+        fake_bin / "python3",
+        f'{logger}\ntouch "$CALLS.installing"\nwhile [[ ! -e "$CALLS.release" ]]; do sleep 0.05; done\n'
+        f'mkdir -p .venv/bin\nfor t in python specdec; do printf "#!/bin/bash\\n%s\\n" '
+        f"'{logger}' >.venv/bin/$t; chmod +x .venv/bin/$t; done",
+    )
+    log = tmp_path / "calls.log"
+    env = {k: v for k, v in os.environ.items() if not k.startswith("SPECDEC_")}
+    env.update(PATH=f"{fake_bin}:/usr/bin:/bin", CALLS=str(log))
+
+    def start() -> subprocess.Popen[str]:
+        command = ["/bin/bash", str(script), "--help"]
+        return subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+    first = start()
+    try:
+        wait_for(lambda: Path(f"{log}.installing").exists(), first)
+        second = start()
+        waiting = second.stderr.readline()  # type: ignore[union-attr]
+    finally:
+        Path(f"{log}.release").touch()  # a failed check leaves no fake install waiting
+    assert waiting == "== waiting for another install into .venv to finish\n", waiting
+    outcomes = [process.communicate(timeout=TIMEOUT_S) for process in (first, second)]
+    assert (first.returncode, second.returncode) == (0, 0), outcomes
+    assert "== python environment: .venv is up to date" in outcomes[1][1]
+    logged = [line.split(" ", 1)[1] for line in log.read_text().splitlines()]
+    assert logged.count("python3 -m venv .venv") == 1, logged
+    assert logged.count("specdec demo --help") == 2, logged
+
+
+def wait_for(condition: Callable[[], bool], process: subprocess.Popen[str]) -> None:
+    """Until `condition` holds; fails if `process` exits first (polls: the fake tools only write files)."""
+    while not condition():
+        assert process.poll() is None, process.communicate()
+        time.sleep(0.05)
+
+
+def test_npm_installs_leave_the_locks_alone() -> None:
+    """scripts/test.sh installs node packages with `npm ci` only (never rewrites a lock, so `git status` stays
+    clean), and every lock holds each optional package it declares (buf's binaries for every platform), without
+    which ci refuses it. protos/ used `npm install`, which added other platforms' entries to its lock."""
+    script = (REPO_ROOT / "scripts" / "test.sh").read_text()
+    installs = re.findall(r"&& npm (\w+)", script)  # each is `(cd DIR && npm ...)`
+    assert installs and set(installs) == {"ci"}, installs
+    for lock_path in ("protos", "tests/contract/node", "examples/node"):
+        packages = json.loads((REPO_ROOT / lock_path / "package-lock.json").read_text())["packages"]
+        for name, entry in packages.items():
+            for optional in entry.get("optionalDependencies", {}):
+                where = f"{name}/node_modules/{optional}" if name else f"node_modules/{optional}"
+                assert where in packages or f"node_modules/{optional}" in packages, (lock_path, optional)

@@ -64,3 +64,30 @@ def test_a_selector_address_with_a_port_out_of_range(capsys: pytest.CaptureFixtu
         executor_main.main(["--device", "cpu", "--port", "0", "--selector-address", "127.0.0.1:99999"])
     assert exited.value.code == 2
     assert "argument --selector-address: '127.0.0.1:99999': 99999 is not a port in 1..65535" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    ("name", "text", "said"),
+    [
+        ("load.yaml", "target: [unclosed\n", "not valid YAML: "),
+        ("load.json", '{"target": ', "not valid JSON: "),
+        ("load.yaml", "no_such_field: 1\n", 'has no field named "no_such_field"'),
+    ],
+)
+def test_a_malformed_load_file(run_main, tmp_path: Path, name: str, text: str, said: str) -> None:  # type: ignore[no-untyped-def]
+    """A --load file that is not a LoadModelRequest: one line naming it, exit 2, before the server starts (a
+    YAML error was a traceback from inside the running server, then a second one, "Event loop is closed")."""
+    load = tmp_path / name
+    load.write_text(text)
+    status, message = run_main("--port", "0", "--load", str(load))
+    assert status == 2
+    assert message.startswith(f"cannot serve: --load {load}: ") and said in message
+
+
+def test_a_model_root_that_is_not_a_directory(run_main, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+    """--model-root must exist at start (it started without a word, then refused every path LoadModel)."""
+    status, message = run_main("--port", "0", "--model-root", str(tmp_path / "nonexistent"))
+    assert (status, message) == (2, f"cannot serve: --model-root {tmp_path / 'nonexistent'}: does not exist")
+    (tmp_path / "file").write_text("")
+    status, message = run_main("--port", "0", "--model-root", str(tmp_path / "file"))
+    assert (status, message) == (2, f"cannot serve: --model-root {tmp_path / 'file'}: is not a directory")

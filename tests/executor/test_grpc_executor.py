@@ -164,8 +164,8 @@ async def test_load_paths_stay_under_the_model_root(executor: RunningExecutor, s
     bad = {
         "../x": "'..' is not allowed",
         "tiny/../tiny": "'..' is not allowed",
-        str(outside): "outside the model root",
-        "missing": "not a directory",
+        str(outside): f"outside the model root '{tmp_path.resolve()}'",
+        "missing": f"'missing' is not a directory under the model root '{tmp_path.resolve()}'",
         "broken": "config",
     }
     for path, message in bad.items():

@@ -95,3 +95,26 @@ def test_addresses_with_a_port_out_of_range_are_refused(argv: list[str], capsys:
 @pytest.mark.parametrize("address", ["127.0.0.1:50051", "[::1]:50051", "localhost", "unix:/tmp/specdec.sock"])
 def test_addresses_without_a_bad_port_parse(address: str) -> None:
     assert build_parser().parse_args(["demo", "--selector", address, "--executor", address]).executor == address
+
+
+def test_malformed_yaml_config_is_one_line(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """Malformed YAML: one line naming the file and where, no traceback (it was a yaml.ScannerError traceback)."""
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("hardware: [unclosed\n")
+    assert main(["select", "--config", str(bad), "--local"]) == 1
+    err = capsys.readouterr().err
+    assert err.startswith(f"error: {bad}: not valid YAML: ") and "line 2, column 1" in err
+    assert err.count("\n") == 1
+
+
+def test_an_executor_command_at_the_selector_says_what_answers_there(
+    selector_address: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """`specdec server-info` pointed at the selector: besides UNIMPLEMENTED, which service answers there and which
+    flag to check (it printed only "Method not found!")."""
+    assert main(["server-info", "--executor", selector_address]) == 2
+    assert capsys.readouterr().err.splitlines() == [
+        "error: UNIMPLEMENTED: Method not found!",
+        f"  {selector_address} is not a specdec executor: specdec.v1.BackendSelector (a specdec selector) answers "
+        "there, not specdec.v1.Executor (check --executor)",
+    ]
