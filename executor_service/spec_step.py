@@ -1,33 +1,22 @@
-"""The speculative step on the device: verify, accept and propose in one pass, read back once.
+"""The speculative step on the device for chains: verify, accept and propose in one pass, read back once.
 
-When every request of a step is greedy and verifies all k of its drafts (the steady state of speculative
-decoding), nothing between the target's verify pass and the drafter's next proposal needs the host:
+When every request of a step verifies all k of its drafts (the steady state of speculative decoding), greedy or
+sampled, nothing between the target's verify pass and the drafter's next proposal needs the host:
 
-- verify (`verify_greedy`): the target's greedy token after each of the k + 1 rows (one argmax);
-- accept (`accept_greedy`): the drafts that match, a cumulative product of matches (the first mismatch stops
-  acceptance);
+- verify and accept (`verifier.verify`, the chain as a tree whose draft j has parent j - 1): the greedy rule
+  accepts drafts equal to the target's argmax, the sampled rule accepts draft d with probability p(d) and draws
+  the token after a rejection from p less d (counter-based draws: device_sampling.py);
 - roll back (`VerifiedStep.kept_rows`): the rejected drafts' K/V stays in the cache but is not booked, and the
   next step overwrites it; `launch_following` derives the same on the device;
-- propose (`Proposer.propose_verified`): the drafter's next inputs are the target's own tokens, its newest
-  verified row is row `accepted`, and each chain step's (or the DFlash block's) metadata is advanced on the
-  device from that position and the slots ahead of it, which the host lays out before the step.
+- propose (`Proposer.propose_verified`): the drafter's next inputs are the emitted tokens, its newest verified
+  row is row `accepted`, and each chain step's (or the DFlash block's) metadata is advanced on the device from
+  that position and the slots ahead of it, which the host lays out before the step.
 
-So the three run as one function, captured as one CUDA graph per batch bucket: one replay per step and one
-read-back of [target tokens, accepted count, next drafts] per request. The same function runs eagerly on
-the CPU and for batches larger than the graphs; the engine falls back to its host path (verify_batch,
-Proposer.propose) for sampled requests, requests with penalties or logprobs, and uneven batches.
-
-The same four parts on either path:
-
-| part      | device-resident step (here)                    | host path (Engine.step)                            |
-|-----------|------------------------------------------------|----------------------------------------------------|
-| verify    | verify_greedy                                  | rejection_sampler.verify_batch (greedy or sampled) |
-| accept    | accept_greedy                                  | verify_batch's tokens, booked by Engine._accept    |
-| roll back | VerifiedStep.kept_rows, Engine._book_on_device | Engine._accept (rows kept up to the last accepted) |
-| propose   | Proposer.propose_verified                      | Proposer.propose, from Engine._propose             |
-
-CUDA-graph plumbing (static buffers, buckets, capture and replay) is cuda_graphs.StepGraphs'; here only which
-function is captured and when a replay replaces the eager call.
+So the three run as one function, captured as CUDA graphs per sampling variant and batch bucket
+(step_variants.py): one replay per step and one read-back of [emitted tokens, accepted count, next drafts] per
+request. The same function runs eagerly on the CPU and for batches larger than the graphs. The engine's host
+path (verify_batch, Proposer.propose) takes requests with penalties, logprobs or q-drawn drafts, and uneven
+batches. CUDA-graph plumbing (static buffers, buckets, capture and replay) is cuda_graphs.StepGraphs'.
 """
 
 from __future__ import annotations
@@ -53,12 +42,12 @@ from executor_service.verifier import DraftLayout, verify
 class VerifiedStep:
     """What the host reads back of one device-resident step, per request."""
 
-    target_ids: list[list[int]]  # the target's greedy token after each of the k + 1 rows
+    target_ids: list[list[int]]  # the emitted tokens: the accepted drafts, then the token after them (k + 1 wide)
     accepted: list[int]  # drafts accepted
     next_drafts: list[list[int]]  # the drafter's k drafts for the next step
 
     def emitted(self, index: int) -> list[int]:
-        """The accepted drafts (equal to the target's tokens) and the target's token after them."""
+        """The accepted drafts and the token after them."""
         return self.target_ids[index][: self.kept_rows(index)]
 
     def kept_rows(self, index: int) -> int:

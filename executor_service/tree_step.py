@@ -1,17 +1,17 @@
 """The tree step on the device: verify a tree of drafts, accept its longest matching path, move that path's K/V
 into place and draft the next trees in one function, read back once (the chain's is spec_step.py).
 
-When every request of a step decodes greedily from the argmax alone and verifies a whole tree of the loaded
-shape (N drafts, depth D), nothing between the target's verify pass and the next trees needs the host. Every
+When every request of a step (greedy or sampled, without penalties or logprobs) verifies a whole tree of the
+loaded shape (N drafts, depth D), nothing between the target's verify pass and the next trees needs the host. Every
 tensor has a fixed shape per tree shape, so the function is captured as one CUDA graph per batch bucket
 (cuda_graphs.StepGraphs) and runs eagerly elsewhere (the CPU, larger batches). The parts, as TreeEngine's host
 path does them:
 
 - layout (`tree_layout`): each row's depth and ancestor bits from the drafts' parents [B, N] (D rounds of
   gathers); the verify pass's positions (root + depth) and tree masks (kernels/tree_mask.py) follow from them.
-- verify (`accept_tree`): a draft matches when its token is the target's argmax at its parent's row (of equal
-  siblings, the first only: the host's walk takes the first matching child); it is accepted when it and all
-  its ancestors match. The accepted drafts form one path, read out by depth.
+- verify (`verifier.verify`): a draft hits by the greedy rule (the target's argmax at its parent's row) or the
+  sampled rule (multi-candidate speculative sampling); of siblings the first that hits is taken, and a draft is
+  accepted when it and all its ancestors are. The accepted drafts form one path, read out by depth.
 - accept: the path's K/V moves from its rows' slots to the slots of root + depth, every layer in one gather and
   one scatter with device indices (the entries past the path copy one untouched slot onto itself, so the
   shapes stay fixed).
@@ -20,7 +20,7 @@ path does them:
   newest verified row.
 
 Read back per request, one packed tensor: [emitted (D + 1; the first accepted + 1 count) | accepted |
-next tokens (N) | next parents (N)]. Sampled requests, penalties, logprobs and cut-short trees take the host path.
+next tokens (N) | next parents (N)]. Penalties, logprobs and cut-short trees take the host path.
 """
 
 from __future__ import annotations
