@@ -174,9 +174,11 @@ def measure_speedup(
             sessions[f"{name}_{shape}"] = open_session(
                 args.source, loaded, device, method_of(name), k, drafter_dir, args.kv_blocks, tree
             )
-    configs = [(name, True) for name in sessions]
+    configs = [(name, True, False) for name in sessions]
     if args.host_step_too:
-        configs += [(name, False) for name, session in sessions.items() if device_step_of(session) is not None]
+        configs += [(name, False, False) for name, session in sessions.items() if device_step_of(session) is not None]
+    if args.q_drafts_too:  # sampled runs with drafts drawn from q (the host path) beside argmax drafts
+        configs += [(name, True, True) for name, session in sessions.items() if session.engine.spec_step is not None]
     report: dict[str, Any] = {"prompts": len(chosen), "max_tokens": max_tokens, "repeats": args.repeats}
     for temperature in args.speedup_temperatures:
         settings = SamplingSettings(temperature)
@@ -184,11 +186,13 @@ def measure_speedup(
             groups = batch_groups(chosen, batch)
             rounds: dict[str, list[tuple[float, Any]]] = defaultdict(list)
             for round_index in range(args.repeats + 1):  # round 0: untimed
-                for name, device_step in configs:
-                    with device_steps(sessions[name], on=device_step):
+                for name, device_step, q_drafts in configs:
+                    if q_drafts and settings.greedy:
+                        continue
+                    with device_steps(sessions[name], on=device_step, q_drafts=q_drafts):
                         finishes, seconds, tokens = generate_groups(sessions[name], groups, max_tokens, settings)
                     if round_index:
-                        rounds[label(name, device_step)].append((tokens / seconds, finishes))
+                        rounds[label(name, device_step, q_drafts)].append((tokens / seconds, finishes))
             key = f"batch_{batch}" if settings.greedy else f"batch_{batch}_T{temperature:g}"
             report[key] = speedup_report(rounds, args.repeats)
             report[key]["device_step_counts"] = {  # so far: graph / eager replays of each session's step
@@ -216,19 +220,25 @@ def method_of(name: str) -> str:
 
 
 @contextmanager
-def device_steps(session: ModelSession, on: bool) -> Iterator[None]:
+def device_steps(session: ModelSession, on: bool, q_drafts: bool = False) -> Iterator[None]:
     """Runs with the session's device-resident steps (the chain's spec_step, a TreeEngine's tree_step) as they
-    are, or with both off when not `on` (the host path); restored after."""
+    are, or with both off when not `on` (the host path), and sampled requests' drafts drawn from q when
+    `q_drafts` (verified on the host path) instead of the argmax; restored after."""
     engine = session.engine
     saved = {name: getattr(engine, name) for name in ("spec_step", "tree_step") if hasattr(engine, name)}
+    drafts = engine.proposer.sample_drafts if engine.proposer is not None else None
     if not on:
         for name in saved:
             setattr(engine, name, None)
+    if engine.proposer is not None:
+        engine.proposer.sample_drafts = q_drafts
     try:
         yield
     finally:
         for name, step in saved.items():
             setattr(engine, name, step)
+        if engine.proposer is not None:
+            engine.proposer.sample_drafts = drafts
 
 
 def device_step_of(session: ModelSession) -> Any:
@@ -236,8 +246,8 @@ def device_step_of(session: ModelSession) -> Any:
     return session.engine.spec_step or getattr(session.engine, "tree_step", None)
 
 
-def label(name: str, device_step: bool) -> str:
-    return name if device_step else f"{name}_host_step"
+def label(name: str, device_step: bool, q_drafts: bool = False) -> str:
+    return name + ("" if device_step else "_host_step") + ("_q_drafts" if q_drafts else "")
 
 
 def batch_groups(prompts: list[list[int]], batch: int) -> list[list[list[int]]]:
@@ -307,6 +317,7 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--hf", default="", help="Hugging Face's batch-1 figure beside ours: static, compiled, or both")
     parser.add_argument("--hf-prompts", type=int, default=3, help="prompts Hugging Face decodes (one of each kind)")
     parser.add_argument("--host-step-too", action="store_true", help="also time the drafters on the host path")
+    parser.add_argument("--q-drafts-too", action="store_true", help="also time sampled runs with drafts drawn from q")
     parser.add_argument("--cpu-max-tokens", type=int, default=64)
     parser.add_argument("--kv-blocks", type=int, default=2048)
     parser.add_argument("--trees", default="", help="tree specs, e.g. dynamic:8:16:7,static:4-2-2-1 (tree_passes.py)")

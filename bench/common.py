@@ -214,6 +214,27 @@ def default_dtype(device: torch.device) -> int:
     return DTYPE_ENUMS[resolve_dtype(common_pb2.DTYPE_UNSPECIFIED, device)]
 
 
+def synthetic_eagle_load(
+    shape: Mapping[str, int], k: int, dtype: int = common_pb2.DTYPE_FLOAT32, num_kv_blocks: int = 256
+) -> executor_pb2.LoadModelRequest:
+    """A synthetic target of `shape` (seed 0) and a one-layer synthetic EAGLE drafter of its shape (seed 7), the
+    same on every executor that loads it."""
+    target = synthetic_target(shape, seed=0)
+    drafter = executor_pb2.SyntheticModel()
+    drafter.CopyFrom(target)
+    drafter.num_layers, drafter.seed = 1, 7
+    return executor_pb2.LoadModelRequest(
+        target=executor_pb2.ModelSource(synthetic=target),
+        draft=executor_pb2.DraftModel(
+            method=common_pb2.SPEC_METHOD_EAGLE,
+            num_speculative_tokens=k,
+            source=executor_pb2.ModelSource(synthetic=drafter),
+        ),
+        dtype=dtype,
+        num_kv_blocks=num_kv_blocks,
+    )
+
+
 def synthetic_target(shape: Mapping[str, int], seed: int) -> executor_pb2.SyntheticModel:
     """A synthetic Llama target of `shape` (the MODEL_FIELDS of a preset)."""
     return executor_pb2.SyntheticModel(

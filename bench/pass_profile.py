@@ -66,8 +66,8 @@ def torch_top_k(session: ModelSession) -> None:
     step's graphs captured again with them)."""
     session.proposer.fused_top_k = False
     tree_step = session.engine.tree_step
-    if tree_step is not None and tree_step.graphs is not None:
-        tree_step.capture_graphs(tree_step.graphs.max_batch, session.engine.max_model_len)
+    if tree_step is not None and tree_step.graphs:
+        tree_step.capture_graphs(tree_step.graphs["greedy"].max_batch, session.engine.max_model_len)
 
 
 def main() -> int:

@@ -38,7 +38,7 @@ import torch
 from google.protobuf import json_format
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from specdec.v1 import common_pb2, executor_pb2, executor_pb2_grpc
+from specdec.v1 import executor_pb2, executor_pb2_grpc
 from specdec_cli.local_servers import LocalServer, start_server
 from specdec_runtime.client import open_channel
 
@@ -58,20 +58,7 @@ class Outcome:
 
 def load_request(shape: dict[str, int], k: int) -> executor_pb2.LoadModelRequest:
     """The same synthetic target and EAGLE drafter (fixed seeds) on every replica."""
-    target = common.synthetic_target(shape, seed=0)
-    drafter = executor_pb2.SyntheticModel()
-    drafter.CopyFrom(target)
-    drafter.num_layers, drafter.seed = 1, 7
-    return executor_pb2.LoadModelRequest(
-        target=executor_pb2.ModelSource(synthetic=target),
-        draft=executor_pb2.DraftModel(
-            method=common_pb2.SPEC_METHOD_EAGLE,
-            num_speculative_tokens=k,
-            source=executor_pb2.ModelSource(synthetic=drafter),
-        ),
-        dtype=common_pb2.DTYPE_FLOAT32,
-        num_kv_blocks=256,
-    )
+    return common.synthetic_eagle_load(shape, k)
 
 
 def start_replicas(

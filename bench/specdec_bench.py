@@ -314,8 +314,8 @@ def pass_calls(
         drafter = proposer.drafter
         draft_kv = kv_bytes_per_token(proposer.kv_cache)
         ahead = slots_ahead(blocks, context, proposer.ahead_width, device)
-        if session.engine.spec_step is not None and session.engine.spec_step.graphs is not None:
-            call = graph_call(session.engine.spec_step.graphs, blocks, context,
+        if session.engine.spec_step is not None and session.engine.spec_step.graphs:
+            call = graph_call(session.engine.spec_step.graphs["greedy"], blocks, context,
                               {"input_ids": ids(q), "slots_ahead": ahead})  # fmt: skip
             calls[f"spec_step_{method}"] = (call, 0)  # verify + accept + propose, one replay: timed, no floor
         if method == "dflash":
@@ -554,7 +554,7 @@ def tree_step_times(sessions: dict[str, ModelSession], args: argparse.Namespace,
         report = {"shape": session.engine.tree_step.tree.describe(), "tree_step_ms": round(tree_ms, 4)}  # type: ignore[attr-defined]
         device, context = torch.device(args.device), args.context
         chain = sessions["eagle3"]
-        if chain.engine.spec_step is not None and chain.engine.spec_step.graphs is not None:
+        if chain.engine.spec_step is not None and chain.engine.spec_step.graphs:
             q = chain.engine.spec_step.k + 1
             chain_blocks = chain.kv_cache.allocator.allocate(-(-(context + 64) // DEFAULT_BLOCK_SIZE))
             chain_inputs = {
@@ -562,7 +562,7 @@ def tree_step_times(sessions: dict[str, ModelSession], args: argparse.Namespace,
                 "slots_ahead": slots_ahead(chain_blocks, context, chain.proposer.ahead_width, device),  # type: ignore[union-attr]
             }  # fmt: skip
             chain_ms = time_back_to_back(
-                graph_call(chain.engine.spec_step.graphs, chain_blocks, context, chain_inputs), args.iters
+                graph_call(chain.engine.spec_step.graphs["greedy"], chain_blocks, context, chain_inputs), args.iters
             )
             report |= {"chain_step_ms": round(chain_ms, 4), "tree_over_chain": round(tree_ms / chain_ms, 3)}
         return report
@@ -574,7 +574,7 @@ def tree_step_call(session: ModelSession, args: argparse.Namespace) -> Any:
     """A batch-1 replay of the session's device-resident tree step after --context cached tokens (its tree in
     the drafted layout for a static shape, else breadth first); None without tree step graphs."""
     tree_step = getattr(session.engine, "tree_step", None)
-    if tree_step is None or tree_step.graphs is None:
+    if tree_step is None or not tree_step.graphs:
         return None
     device, context, size = torch.device(args.device), args.context, tree_step.num_drafts
     blocks = session.kv_cache.allocator.allocate(-(-(context + 1 + tree_step.ahead_width + 64) // DEFAULT_BLOCK_SIZE))
@@ -584,7 +584,7 @@ def tree_step_call(session: ModelSession, args: argparse.Namespace) -> Any:
         "parents": torch.tensor([layout], device=device),
         "slots_ahead": slots_ahead(blocks, context + 1, tree_step.ahead_width, device),
     }
-    return graph_call(tree_step.graphs, blocks, context, inputs)
+    return graph_call(tree_step.graphs["greedy"], blocks, context, inputs)
 
 
 def parse_args(description: str | None = __doc__) -> argparse.Namespace:

@@ -6,11 +6,15 @@ the GPU) alone, then with a synthetic drafter, and times one burst of --batch gr
 tokens, --decode-tokens each) after one untimed burst. Every size runs eagerly unless --graphs (CUDA graphs at
 every size: the target's captured on every rank and replayed in lockstep, rank 0's drafter's), so the sizes
 compare on the same footing. Size "1g" is TP 1 through the parallel package (a group of one rank: NCCL on one
-GPU), beside plain "1". Reported per size and method: output tokens/s, the burst's seconds, drafted / accepted,
-how the target's steps ran (graph replays, eager calls), and whether the tokens equal the first size's (bf16
-sums round differently across ranks, so a near tie may differ; fp32 on the CPU matches). The synthetic drafter
-accepts next to nothing, so the speculative rows give the cost of verify steps with k drafts at each size, not a
-speedup.
+GPU), beside plain "1". Reported per size and method: output tokens/s, the burst's seconds, its target steps and
+the time per step, drafted / accepted, how the target's steps ran (graph replays, eager calls), the share of a
+step spent in collectives (a profiled short burst: NCCL kernels' time over all kernels' on the GPU, the
+collectives' wall time on the CPU), and whether the tokens equal the first size's, with where they first differ
+(bf16 sums round differently across ranks, so a near tie may differ; fp32 matches). The synthetic drafter accepts
+next to nothing, so the speculative rows give the cost of verify steps with k drafts at each size, not a speedup.
+
+Each size runs under --size-timeout seconds; the result file is written again after each size, so a run cut
+short keeps what it measured (a size that failed or ran out of time is recorded with its error).
 
     python bench/tp_bench.py --out bench/results              # GPUs: llama3-8b, bf16, TP 1,2,4 (as many as fit)
     python bench/tp_bench.py --tiny --out /tmp                # a CPU smoke run (gloo), TP 1,2
@@ -48,12 +52,13 @@ from specdec.v1 import common_pb2  # noqa: E402
 
 DEFAULTS = {"preset": "llama3-8b", "device": "cuda", "backend": "TRITON_ATTN", "method": "eagle3", "tp_sizes": "1,2,4",
             "batch": 32, "prompt_len": 128, "decode_tokens": 128}  # fmt: skip
+PROFILED_TOKENS = 16  # the profiled burst's tokens per request (its steps give the collectives' share)
 TINY = {"preset": "tiny", "device": "cpu", "backend": "CPU_ATTN", "method": "eagle3", "tp_sizes": "1,2", "batch": 4,
         "prompt_len": 16, "decode_tokens": 8}  # fmt: skip
 
 
 def burst(args: argparse.Namespace, method: str) -> dict[str, Any]:
-    """One session; an untimed burst, then the timed one. Its figures and tokens."""
+    """One session; an untimed burst, the timed one, then a short profiled one. Its figures and tokens."""
     preset = PRESETS[args.preset]
     room = args.batch * (args.prompt_len + args.decode_tokens + 64)
     request = target_request(preset, default_dtype(torch.device(args.device)), args.backend, blocks_needed(room, 16))
@@ -70,23 +75,75 @@ def burst(args: argparse.Namespace, method: str) -> dict[str, Any]:
         draft_decision=decision if draft is not None else None,
     )  # fmt: skip
     try:
-        for timed in (False, True):
-            outputs = Outputs()
-            prompts = make_prompts(args.batch, args.prompt_len, preset["vocab"], seed=int(timed))
-            started = time.perf_counter()
-            for index, prompt in enumerate(prompts):
-                settings_ = SamplingSettings(ignore_eos=True)
-                session.engine.add(session.new_request(f"r{index}", prompt, settings_, args.decode_tokens, outputs))
-            session.engine.run_until_idle()
-            seconds = time.perf_counter() - started
+        run_burst(session, args, args.decode_tokens, seed=0)  # untimed: warm-up
+        before = sum(step_replays(session).values())
+        seconds, outputs = run_burst(session, args, args.decode_tokens, seed=1)
+        steps = sum(step_replays(session).values()) - before
         tokens = [outputs.tokens(f"r{i}") for i in range(args.batch)]
         drafted = sum(o.num_drafted for outs in outputs.by_id.values() for o in outs)
         accepted = sum(o.num_accepted for outs in outputs.by_id.values() for o in outs)
         figures = {"seconds": round(seconds, 3), "output_tokens_per_s": round(sum(map(len, tokens)) / seconds, 1)}
+        figures.update(steps=steps, step_ms=round(1000 * seconds / max(steps, 1), 3))
+        figures.update(collectives=collective_share(session, args))
         figures.update(drafted=drafted, accepted=accepted, replays=step_replays(session), tokens=tokens)
         return figures
     finally:
         session.shutdown()
+
+
+def run_burst(session: ModelSession, args: argparse.Namespace, decode_tokens: int, seed: int) -> tuple[float, Outputs]:
+    """--batch greedy requests to the end: (seconds, their outputs)."""
+    outputs = Outputs()
+    prompts = make_prompts(args.batch, args.prompt_len, PRESETS[args.preset]["vocab"], seed=seed)
+    started = time.perf_counter()
+    for index, prompt in enumerate(prompts):
+        settings = SamplingSettings(ignore_eos=True)
+        session.engine.add(session.new_request(f"r{index}", prompt, settings, decode_tokens, outputs))
+    session.engine.run_until_idle()
+    return time.perf_counter() - started, outputs
+
+
+def collective_share(session: ModelSession, args: argparse.Namespace) -> dict[str, Any]:
+    """A short burst (PROFILED_TOKENS each, prefill included) under torch.profiler on rank 0. GPU: the NCCL
+    kernels' time over all kernels' (waits for a slower rank included: what a step loses to the collectives).
+    CPU: the gloo collectives' time on their worker thread (peers' waits included) over the burst's wall time."""
+    from torch.profiler import ProfilerActivity, profile
+
+    cuda = torch.device(args.device).type == "cuda"
+    before = sum(step_replays(session).values())
+    with profile(activities=[ProfilerActivity.CUDA if cuda else ProfilerActivity.CPU]) as prof:
+        seconds, _ = run_burst(session, args, PROFILED_TOKENS, seed=2)
+        if cuda:
+            torch.cuda.synchronize()
+    steps = max(sum(step_replays(session).values()) - before, 1)
+    events = prof.key_averages()
+    if cuda:
+        kernels = [(e.key, e.self_device_time_total) for e in events]
+        total = sum(t for _, t in kernels)
+        collective_us = sum(t for key, t in kernels if "nccl" in key.lower())
+        share = collective_us / total if total else None
+    else:
+        collective_us = sum(e.cpu_time_total for e in events if e.key.startswith("gloo:"))
+        share = collective_us / 1e6 / seconds
+    return {
+        "share": round(share, 4) if share is not None else None,
+        "per_step_ms": round(collective_us / 1000 / steps, 4),
+        "profiled_steps": steps,
+        "profiled_seconds": round(seconds, 3),
+    }
+
+
+def first_divergence(tokens: list[list[int]], reference: list[list[int]]) -> dict[str, Any] | None:
+    """Where the tokens first differ from the reference's: the requests that differ and the earliest position
+    (None when every request is identical)."""
+    positions = []
+    for mine, theirs in zip(tokens, reference, strict=True):
+        if mine != theirs:
+            common = min(len(mine), len(theirs))
+            positions.append(next((i for i in range(common) if mine[i] != theirs[i]), common))
+    if not positions:
+        return None
+    return {"requests": len(positions), "of": len(tokens), "first_position": min(positions)}
 
 
 def step_replays(session: ModelSession) -> dict[str, int]:
@@ -127,6 +184,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--prompt-len", type=int)
     parser.add_argument("--decode-tokens", type=int)
     parser.add_argument("--out", type=Path, default=REPO / "bench" / "results")
+    parser.add_argument("--size-timeout", type=float, default=300.0, help="seconds for each TP size's process")
     parser.add_argument("--tp-size", type=int, help=argparse.SUPPRESS)  # the child process of one size
     parser.add_argument("--group", action="store_true", help=argparse.SUPPRESS)  # the child of size 1g
     args = parser.parse_args(argv)
@@ -140,7 +198,11 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     if args.tp_size is not None:
         run_size(args)
-        return 0
+        sys.stdout.flush()
+        sys.stderr.flush()
+        # Measured and stopped: skip the interpreter's teardown, where a group of one rank on the CPU was seen
+        # to abort now and then ("terminate called without an active exception", not understood yet).
+        os._exit(0)
     device = torch.device(args.device)
     sizes = args.tp_sizes.split(",")
     if not all(s == "1g" or (s.isdigit() and int(s) > 0) for s in sizes):
@@ -150,32 +212,60 @@ def main(argv: list[str] | None = None) -> int:
     rows: dict[str, Any] = {}
     own = sys.argv[1:] if argv is None else argv
     env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
-    for size in sizes:
-        log(f"TP {size}: loading and timing ({args.preset}, {args.method})")
-        child_args = ["--tp-size", size.removesuffix("g")] + (["--group"] if size == "1g" else [])
-        child = subprocess.run([sys.executable, __file__, *own, *child_args], env=env, capture_output=True, text=True)
-        if child.returncode != 0:
-            log(f"TP {size} failed:\n{child.stderr[-3000:]}")
-            return 1
-        rows[size] = json.loads(child.stdout.strip().splitlines()[-1])
-    reference = rows[sizes[0]]
-    log(f"{'TP':>3} {'method':>8} {'tokens/s':>10} {'seconds':>8} {'accepted':>9} {'replays':>8}  = TP {sizes[0]}'s")
-    for size, methods in rows.items():
-        for method, figures in methods.items():
-            figures["identical_to_first"] = figures["tokens"] == reference[method]["tokens"]
-            accepted = f"{figures['accepted']}/{figures['drafted']}"
-            replays = sum(n for kind, n in figures["replays"].items() if "graph" in kind)
-            log(f"{size:>3} {method:>8} {figures['output_tokens_per_s']:>10} {figures['seconds']:>8} {accepted:>9} "
-                f"{replays:>8}  {figures['identical_to_first']}")  # fmt: skip
-    for methods in rows.values():
-        for figures in methods.values():
-            del figures["tokens"]
     commit, dirty = commit_id()
     keys = ("preset", "backend", "method", "batch", "prompt_len", "decode_tokens", "graphs")
-    workload = {k: getattr(args, k) for k in keys}
-    report = {"commit": commit, "dirty": dirty, "versions": versions(), "workload": workload, "tp": rows}
-    write_result(args.out, "tp", device, commit, report)
-    return 0
+    report = {"commit": commit, "dirty": dirty, "versions": versions(), "workload": {k: getattr(args, k) for k in keys}}
+    failed = False
+    reference: dict[str, Any] | None = None
+    for size in sizes:
+        log(f"TP {size}: loading and timing ({args.preset}, {args.method}, graphs {args.graphs})")
+        child_args = ["--tp-size", size.removesuffix("g")] + (["--group"] if size == "1g" else [])
+        result = run_child([sys.executable, __file__, *own, *child_args], env, args.size_timeout)
+        if isinstance(result, str):
+            log(f"TP {size} failed: {result[-3000:]}")
+            rows[size], failed = {"error": result[-3000:]}, True
+        else:
+            reference = reference or result
+            rows[size] = compare(result, reference)
+            show(size, rows[size])
+        report["tp"] = {s: {m: {k: v for k, v in f.items() if k != "tokens"} if isinstance(f, dict) else f
+                            for m, f in methods.items()} for s, methods in rows.items()}  # fmt: skip
+        write_result(args.out, "tp", device, commit, report)  # after each size: a run cut short keeps it
+    return 1 if failed else 0
+
+
+def run_child(command: list[str], env: dict[str, str], timeout: float) -> dict[str, Any] | str:
+    """One size's process: its {method: figures}, or why it has none (its stderr's end, or the timeout)."""
+    try:
+        child = subprocess.run(command, env=env, capture_output=True, text=True, timeout=timeout)
+    except subprocess.TimeoutExpired as err:
+        stderr = err.stderr.decode(errors="replace") if isinstance(err.stderr, bytes) else (err.stderr or "")
+        return f"ran out of --size-timeout {timeout:g} s; stderr ends:\n{stderr[-2500:]}"
+    if child.returncode != 0:
+        return f"exit status {child.returncode}; stderr ends:\n{child.stderr[-2500:]}"
+    return json.loads(child.stdout.strip().splitlines()[-1])
+
+
+def compare(methods: dict[str, Any], reference: dict[str, Any]) -> dict[str, Any]:
+    """Each method's figures with identical_to_first and first_divergence against the first size's tokens."""
+    for method, figures in methods.items():
+        theirs = reference[method]["tokens"]
+        figures["identical_to_first"] = figures["tokens"] == theirs
+        figures["first_divergence"] = first_divergence(figures["tokens"], theirs)
+    return methods
+
+
+def show(size: str, methods: dict[str, Any]) -> None:
+    log(f"{'TP':>3} {'method':>8} {'tokens/s':>10} {'step ms':>8} {'coll %':>7} {'accepted':>9} {'replays':>8}  same")
+    for method, figures in methods.items():
+        accepted = f"{figures['accepted']}/{figures['drafted']}"
+        replays = sum(n for kind, n in figures["replays"].items() if "graph" in kind)
+        share = figures["collectives"]["share"]
+        share_text = "-" if share is None else f"{100 * share:.1f}"
+        divergence = figures["first_divergence"]
+        same = "yes" if divergence is None else f"no (from token {divergence['first_position']})"
+        log(f"{size:>3} {method:>8} {figures['output_tokens_per_s']:>10} {figures['step_ms']:>8} {share_text:>7} "
+            f"{accepted:>9} {replays:>8}  {same}")  # fmt: skip
 
 
 if __name__ == "__main__":

@@ -12,7 +12,8 @@ write nothing (slot -1) and read only their own query. Attention is captured wit
 context length, so one graph serves every sequence length.
 
 Under tensor parallelism a `GraphLockstep` (parallel/graphs.py) makes the other ranks capture the same buckets
-and replay each with the same static inputs, so the collectives captured in the graphs meet. The CPU has no
+and replay the same one each time; every pass starts with a broadcast of rank 0's static inputs (captured in
+the graph), so the collectives captured in the graphs meet on the same inputs. The CPU has no
 graphs: there a "graph" reruns the forward from the static buffers on replay (`EagerReplay`), which lets the
 buffers and the ranks' lockstep be tested on the CPU.
 """
@@ -55,8 +56,12 @@ class GraphLockstep(Protocol):
         """Around the capture of every bucket."""
         ...
 
-    def replaying(self, graphs: StepGraphs, size: int, width: int) -> AbstractContextManager[None]:
-        """Around one replay of bucket `size`, its static inputs filled (block table: `width` columns)."""
+    def replaying(self, graphs: StepGraphs, size: int) -> AbstractContextManager[None]:
+        """Around one replay of bucket `size`, rank 0's static inputs filled."""
+        ...
+
+    def share_inputs(self, graphs: StepGraphs, size: int) -> None:
+        """The first operation of every pass of bucket `size` (captured): rank 0's static inputs to every rank."""
         ...
 
 
@@ -128,6 +133,8 @@ class StepGraphs:
             try:
                 self.graphs[size] = self._capture_one(size, pool)
             except RuntimeError as err:  # torch.AcceleratorError is one: an invalidated capture, seen rarely
+                if self.lockstep is not None:  # a capture again here alone would run its collectives out of step
+                    raise
                 log.warning("capturing %s (batch %d) failed, capturing again: %s", self.name, size, err)
                 torch.cuda.synchronize()
                 self.graphs[size] = self._capture_one(size, pool)
@@ -143,6 +150,8 @@ class StepGraphs:
         return graph
 
     def _run_eager(self, size: int) -> tuple[torch.Tensor, ...]:
+        if self.lockstep is not None:
+            self.lockstep.share_inputs(self, size)
         tokens = size * self.query_len
         step = AttentionStep(
             backend=self.backend,
@@ -191,7 +200,7 @@ class StepGraphs:
         self.positions[:tokens].copy_(positions)
         self.positions[tokens:padded].zero_()  # padded requests: short, so device-built seq_lens read little
         self.block_table[:count, : block_table.shape[1]].copy_(block_table)
-        lockstep = self.lockstep.replaying(self, size, block_table.shape[1]) if self.lockstep else nullcontext()
+        lockstep = self.lockstep.replaying(self, size) if self.lockstep else nullcontext()
         with lockstep:
             self.graphs[size].replay()
         return tuple(_first_rows(out, size, count) for out in self.outputs[size])
@@ -199,12 +208,13 @@ class StepGraphs:
     def _bucket(self, count: int) -> int:
         return next(s for s in self.buckets if s >= count)
 
-    def target_inputs(self, size: int, width: int) -> list[torch.Tensor]:
+    def target_inputs(self, size: int) -> list[torch.Tensor]:
         """The static inputs a target pass of bucket `size` reads, as views: positions, slots, sequence lengths,
-        the block table's first `width` columns, input ids (what the other ranks copy from rank 0's)."""
+        the bucket's block table (every column, so that no rank reads a stale one another rank does not) and
+        input ids: what the other ranks receive from rank 0's."""
         padded = size * self.query_len
         views = [self.positions[:padded], self.slot_mapping[:padded], self.seq_lens[:size]]
-        return [*views, self.block_table[:size, :width], self.inputs["input_ids"][:padded]]
+        return [*views, self.block_table[:size], self.inputs["input_ids"][:padded]]
 
 
 class EagerReplay:

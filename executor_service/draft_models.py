@@ -21,6 +21,7 @@ from torch import nn
 
 from executor_service.attention_step import AttentionStep
 from executor_service.draft_config import DraftConfig
+from executor_service.fused_layer import NormInput, norm_input
 from executor_service.fused_ops import argmax
 from executor_service.model import MLP, Attention, DecoderLayer, RMSNorm, Rotary
 from executor_service.rope import RotaryEmbedding
@@ -81,8 +82,10 @@ class EagleDrafter(TargetVocabulary, nn.Module):
         the caller looked them up already (a tree's passes, once per step for all of them)."""
         x = self.fc(torch.cat([self.embed(input_ids), hidden], dim=-1))
         rotary = self.rope.lookup(positions, x.dtype) if rotary is None else rotary
+        residual: torch.Tensor | None = None
         for index, layer in enumerate(self.layers):
-            x = layer(x, rotary, kv_caches[index], step)
+            x, residual = layer(x, residual, rotary, kv_caches[index], step)
+        x = x if residual is None else x + residual
         return x, x
 
 
@@ -99,10 +102,11 @@ class Eagle3Layer(nn.Module):
     def forward(
         self, embeds: torch.Tensor, hidden: torch.Tensor, rotary: Rotary, kv_cache: tuple[torch.Tensor, torch.Tensor],
         step: AttentionStep,
-    ) -> torch.Tensor:  # fmt: skip
+    ) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+        """(the MLP output, the residual stream it is to be added to), as DecoderLayer's."""
         x = torch.cat([self.input_layernorm(embeds), self.hidden_norm(hidden)], dim=-1)
-        hidden = self.self_attn(x, rotary, kv_cache, step, residual=hidden)
-        return self.mlp(self.post_attention_layernorm(hidden), residual=hidden)
+        out, _ = self.self_attn(NormInput(x), rotary, kv_cache, step)  # attention reads [embeds; hidden] normed
+        return self.mlp.fused(norm_input(out, hidden, self.post_attention_layernorm))  # ... and adds to hidden
 
 
 class Eagle3Drafter(nn.Module):
@@ -134,8 +138,9 @@ class Eagle3Drafter(nn.Module):
         """(pre-norm hidden fed to the next chain step, normed hidden the head reads). `rotary`: as
         EagleDrafter's."""
         rotary = self.rope.lookup(positions, hidden.dtype) if rotary is None else rotary
-        out = self.midlayer(self.embed(input_ids), hidden, rotary, kv_caches[0], step)
-        return out, self.norm(out)
+        out, residual = self.midlayer(self.embed(input_ids), hidden, rotary, kv_caches[0], step)
+        normed, out = self.norm.add_forward(out, residual)
+        return out, normed
 
     def draft_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """The reduced head's logits [N, draft_vocab_size]; their ids map to the target's with `to_target`."""
@@ -182,9 +187,10 @@ class DFlashDrafter(TargetVocabulary, nn.Module):
         assert self.target is not None
         x = self.target.embed_tokens(input_ids)
         rotary = self.rope.lookup(positions, x.dtype)
+        residual: torch.Tensor | None = None
         for index, layer in enumerate(self.layers):
-            x = layer(x, rotary, kv_caches[index], step)
-        return self.norm(x)
+            x, residual = layer(x, residual, rotary, kv_caches[index], step)
+        return self.norm.add_forward(x, residual)[0]
 
 
 Drafter = EagleDrafter | Eagle3Drafter | DFlashDrafter

@@ -1,5 +1,5 @@
-"""The small ops around the GEMMs, as one Triton kernel each on GPUs: RMSNorm, SiLU-and-mul, argmax; and the
-residual add folded into the GEMM before it.
+"""The small ops around the GEMMs, as one Triton kernel each on GPUs: RMSNorm, residual add + RMSNorm,
+SiLU-and-mul, argmax; and the residual add folded into the GEMM before it (linear_residual).
 
 At batch 1 a decode step is bandwidth-bound GEMMs plus about ten small kernels per layer. On an H100 torch's
 RMSNorm took 5.8 µs a row of 4096 (65 per Llama-3-8B step), SiLU and the multiply were two kernels, and an
@@ -29,6 +29,19 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     if _use_triton(x):
         return triton_rms_norm(x, weight, eps)
     return F.rms_norm(x, weight.shape, weight, eps)
+
+
+def add_rms_norm(
+    x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(rms_norm(x + residual), x + residual): the decoder layers leave each sublayer's residual add to the
+    norm after it, so one kernel reads both and writes both. Without a residual: (rms_norm(x), x)."""
+    if residual is None:
+        return rms_norm(x, weight, eps), x
+    if _use_triton(x, residual):
+        return triton_add_rms_norm(x, residual, weight, eps)
+    stream = x + residual
+    return F.rms_norm(stream, weight.shape, weight, eps), stream
 
 
 def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
@@ -69,6 +82,19 @@ def triton_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.
         x, weight, out, x.stride(0), out.stride(0), size, eps, BLOCK=block, num_warps=min(16, max(1, block // 512))
     )
     return out
+
+
+def triton_add_rms_norm(
+    x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    out, stream = torch.empty_like(x), torch.empty_like(x)
+    size = x.shape[1]
+    block = _next_power_of_2(size)
+    _kernels()["add_rms_norm"][(x.shape[0],)](
+        x, residual, weight, out, stream, x.stride(0), residual.stride(0), out.stride(0), stream.stride(0), size,
+        eps, BLOCK=block, num_warps=min(16, max(1, block // 512)),
+    )  # fmt: skip
+    return out, stream
 
 
 def triton_silu_and_mul(gate_up: torch.Tensor, block: int = 1024) -> torch.Tensor:
@@ -115,6 +141,22 @@ def _kernels() -> dict[str, Callable[..., Any]]:
         tl.store(out_ptr + row * stride_o + offs, (x * rstd * w).to(out_ptr.dtype.element_ty), mask=mask)
 
     @triton.jit
+    def add_rms_norm_kernel(
+        x_ptr, r_ptr, w_ptr, out_ptr, h_ptr, stride_x, stride_r, stride_o, stride_h, size, eps, BLOCK: tl.constexpr
+    ):
+        row = tl.program_id(0).to(tl.int64)
+        offs = tl.arange(0, BLOCK)
+        mask = offs < size
+        x = tl.load(x_ptr + row * stride_x + offs, mask=mask, other=0.0).to(tl.float32)
+        r = tl.load(r_ptr + row * stride_r + offs, mask=mask, other=0.0).to(tl.float32)
+        h = (x + r).to(h_ptr.dtype.element_ty)  # rounded as torch's add rounds it
+        tl.store(h_ptr + row * stride_h + offs, h, mask=mask)
+        hf = h.to(tl.float32)
+        rstd = 1.0 / tl.sqrt(tl.sum(hf * hf, 0) / size + eps)
+        w = tl.load(w_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+        tl.store(out_ptr + row * stride_o + offs, (hf * rstd * w).to(out_ptr.dtype.element_ty), mask=mask)
+
+    @triton.jit
     def silu_and_mul_kernel(x_ptr, out_ptr, stride_x, stride_o, half, BLOCK: tl.constexpr):
         row = tl.program_id(0).to(tl.int64)
         offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
@@ -147,6 +189,7 @@ def _kernels() -> dict[str, Callable[..., Any]]:
 
     return {
         "rms_norm": rms_norm_kernel,
+        "add_rms_norm": add_rms_norm_kernel,
         "silu_and_mul": silu_and_mul_kernel,
         "argmax_chunks": argmax_chunks_kernel,
         "argmax_combine": argmax_combine_kernel,

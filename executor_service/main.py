@@ -141,11 +141,12 @@ async def _serve(
     settings: ServerSettings, options: ExecutorOptions, load: LoadAtStart | None, followers: Followers | None
 ) -> int:
     executor = await start_executor(settings, options)
-    if followers is not None:  # a rank that dies: health NOT_SERVING (requests fail with UNAVAILABLE)
+    if followers is not None:  # a rank dead or stalled: health NOT_SERVING, open streams and new calls UNAVAILABLE
         loop = asyncio.get_running_loop()
 
         def not_serving(reason: str) -> None:
             loop.call_soon_threadsafe(lambda: asyncio.ensure_future(executor.server.set_serving(False)))
+            loop.call_soon_threadsafe(executor.servicer.ranks_failed, reason)
 
         followers.on_failure = not_serving
     signalled = asyncio.ensure_future(wait_for_termination_signal())  # SIGTERM during --load stops cleanly too
@@ -233,8 +234,8 @@ def main(argv: list[str] | None = None) -> int:
         "--sampled-drafts",
         choices=sorted(SAMPLED_DRAFTS),
         default="auto",
-        help="sampled requests' drafts drawn from the drafter's distribution (on), its argmax (off), or on only "
-        "where the drafter runs without CUDA graphs (auto); lossless either way",
+        help="sampled requests' drafts drawn from the drafter's distribution (on: verified on the host path), or its "
+        "argmax (off, and auto: verified on the device step); lossless either way",
     )
     parser.add_argument(
         "--host-spec-step",

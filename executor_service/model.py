@@ -3,6 +3,11 @@
 Hugging Face's module names, with vLLM's two fusions: q/k/v in one `qkv_proj` and gate/up in one
 `gate_up_proj` (one matmul each instead of three and two). Qwen3 differs from Llama only by an
 RMSNorm over each head of q and k before RoPE.
+
+A layer leaves its sublayers' residual adds pending (as vLLM's layers do): it returns its MLP output and the
+residual stream, and the next norm adds them (executor_service/fused_layer.py). On a GPU at decode and verify
+sizes that makes a layer six kernels where the small-M Triton GEMMs are picked: (add + norm +) QKV + RoPE + K/V
+write, attention (two with split-KV), o_proj, (add + norm +) gate/up + SiLU-and-mul, down_proj.
 """
 
 from __future__ import annotations
@@ -13,7 +18,8 @@ from torch import nn
 
 from executor_service.attention_step import AttentionStep
 from executor_service.config import ModelConfig
-from executor_service.fused_ops import linear_residual, rms_norm, silu_and_mul
+from executor_service.fused_layer import NormInput, fused_config, gate_up_silu, linear, norm_input
+from executor_service.fused_ops import add_rms_norm, linear_residual, rms_norm, silu_and_mul
 from executor_service.rope import RotaryEmbedding
 from executor_service.rotary_cache import rotate_and_store
 
@@ -29,6 +35,10 @@ class RMSNorm(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """One kernel (statistics in fp32) instead of seven, 65 times per step."""
         return rms_norm(x, self.weight, self.eps)
+
+    def add_forward(self, x: torch.Tensor, residual: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+        """(norm(x + residual), x + residual) in one kernel."""
+        return add_rms_norm(x, residual, self.weight, self.eps)
 
 
 class Attention(nn.Module):
@@ -46,14 +56,30 @@ class Attention(nn.Module):
             self.k_norm = RMSNorm(self.head_size, config.rms_norm_eps)
 
     def forward(
-        self,
-        x: torch.Tensor,
-        rotary: Rotary,
-        kv_cache: tuple[torch.Tensor, torch.Tensor],
-        step: AttentionStep,
-        residual: torch.Tensor | None = None,
-    ) -> torch.Tensor:
-        """The attention output, plus `residual` when given (added by the o_proj GEMM itself)."""
+        self, inp: NormInput, rotary: Rotary, kv_cache: tuple[torch.Tensor, torch.Tensor], step: AttentionStep
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(o_proj's output, the residual stream it is to be added to) of the input `inp` still to be normed."""
+        q, stream = self.project_and_store(inp, rotary, kv_cache, step.slot_mapping)
+        out = step.attend(q, kv_cache[0], kv_cache[1], self.scale)
+        return linear(out.reshape(q.shape[0], self.q_size), self.o_proj), stream
+
+    def project_and_store(
+        self, inp: NormInput, rotary: Rotary, kv_cache: tuple[torch.Tensor, torch.Tensor], slots: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(q [T, Hq, D] rotated, the residual stream): the input normed and projected, keys rotated and stored
+        with the values at `slots`. One kernel where the fused QKV GEMM is picked."""
+        k_cache, v_cache = kv_cache
+        config = fused_config("qkv_rope", inp, self.qkv_proj, self.qkv_proj.out_features)
+        cos, sin = rotary
+        if config is not None and k_cache.stride() == v_cache.stride() and k_cache.stride(-1) == 1:
+            from kernels.qkv_rope_gemm import qkv_rope_store
+
+            qk_norm = (self.q_norm.weight, self.k_norm.weight, self.q_norm.eps) if self.qk_norm else None
+            return qkv_rope_store(
+                inp.x, self.qkv_proj.weight, self.qkv_proj.bias, inp.residual, inp.weight, inp.eps,
+                self.num_heads, self.num_kv_heads, cos, sin, k_cache, v_cache, slots, qk_norm, config,
+            )  # fmt: skip
+        x, stream = inp.apply()
         tokens = x.shape[0]
         q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.reshape(tokens, self.num_heads, self.head_size)
@@ -61,10 +87,7 @@ class Attention(nn.Module):
         v = v.reshape(tokens, self.num_kv_heads, self.head_size)
         if self.qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
-        k_cache, v_cache = kv_cache
-        q = rotate_and_store(q, k, v, *rotary, k_cache, v_cache, step.slot_mapping)
-        out = step.attend(q, k_cache, v_cache, self.scale)
-        return linear_residual(out.reshape(tokens, self.q_size), self.o_proj, residual)
+        return rotate_and_store(q, k, v, cos, sin, k_cache, v_cache, slots), stream
 
     def store_context_kv(
         self, x: torch.Tensor, rotary: Rotary, kv_cache: tuple[torch.Tensor, torch.Tensor], slots: torch.Tensor
@@ -90,8 +113,13 @@ class MLP(nn.Module):
         self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
-        """The MLP output, plus `residual` when given (added by the down_proj GEMM itself)."""
+        """The MLP output of x as is, plus `residual` when given (added by the down_proj GEMM itself)."""
         return linear_residual(silu_and_mul(self.gate_up_proj(x)), self.down_proj, residual)
+
+    def fused(self, inp: NormInput) -> tuple[torch.Tensor, torch.Tensor]:
+        """(down_proj's output, the residual stream it is to be added to) of the input still to be normed."""
+        act, stream = gate_up_silu(inp, self.gate_up_proj)
+        return linear(act, self.down_proj), stream
 
 
 class DecoderLayer(nn.Module):
@@ -105,12 +133,15 @@ class DecoderLayer(nn.Module):
     def forward(
         self,
         hidden: torch.Tensor,
+        residual: torch.Tensor | None,
         rotary: Rotary,
         kv_cache: tuple[torch.Tensor, torch.Tensor],
         step: AttentionStep,
-    ) -> torch.Tensor:
-        hidden = self.self_attn(self.input_layernorm(hidden), rotary, kv_cache, step, residual=hidden)
-        return self.mlp(self.post_attention_layernorm(hidden), residual=hidden)
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(this layer's MLP output, the residual stream it is to be added to) from the previous layer's pair
+        (residual None: `hidden` is the stream itself, the embeddings)."""
+        out, stream = self.self_attn(norm_input(hidden, residual, self.input_layernorm), rotary, kv_cache, step)
+        return self.mlp.fused(norm_input(out, stream, self.post_attention_layernorm))
 
 
 class DecoderModel(nn.Module):
@@ -140,11 +171,13 @@ class DecoderModel(nn.Module):
         hidden = self.embed_tokens(input_ids)
         rotary = self.rope.lookup(positions, hidden.dtype)
         captured: dict[int, torch.Tensor] = {}
+        residual: torch.Tensor | None = None
         for index, layer in enumerate(self.layers):
-            hidden = layer(hidden, rotary, kv_caches[index], step)
+            hidden, residual = layer(hidden, residual, rotary, kv_caches[index], step)
             if index in aux_layer_ids:
-                captured[index] = hidden
-        return self.norm(hidden), [captured[i] for i in aux_layer_ids]
+                captured[index] = hidden + residual
+        normed, _ = self.norm.add_forward(hidden, residual)
+        return normed, [captured[i] for i in aux_layer_ids]
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head(hidden).float()

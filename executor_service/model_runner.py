@@ -16,6 +16,7 @@ from executor_service.attention_step import AttentionStep, build_attention_step,
 from executor_service.cuda_graphs import StepGraphs
 from executor_service.kv_cache import KVCache
 from executor_service.model import DecoderModel
+from executor_service.parallel.driver import forward_with_logits
 from executor_service.parallel.graphs import lockstep_for
 from executor_service.scheduler import ScheduledStep
 
@@ -123,8 +124,10 @@ class ModelRunner:
         self, input_ids: torch.Tensor, positions: torch.Tensor, step: AttentionStep, logits_indices: torch.Tensor | None
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Logits of `logits_indices` (None: every row) and the drafter's features of every row."""
-        hidden, aux = self.model(input_ids, positions, self.kv_cache.layers, step, self.feature_layers or ())
-        logits = self.model.compute_logits(hidden if logits_indices is None else hidden[logits_indices])
+        layers, feature_layers = self.kv_cache.layers, self.feature_layers or ()
+        hidden, aux, logits = forward_with_logits(
+            self.model, input_ids, positions, layers, step, feature_layers, logits_indices
+        )  # under tensor parallelism one op on every rank (parallel/driver.py)
         if self.feature_layers is None:
             return logits, None
         return logits, torch.cat(aux, dim=-1) if aux else hidden

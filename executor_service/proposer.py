@@ -93,9 +93,9 @@ class Proposer:
         # Slots of the positions a proposal may write, from the first verified row on (see propose_verified).
         self.ahead_width = self.k + 1 + self.config.positions_ahead
         self.replay: Replay | None = None
-        # Sampled requests' drafts: True drawn from q (draft_sampling.py), False the argmax, None (auto) drawn
-        # only where the drafter runs eagerly anyway. Drawn drafts run the chain eagerly, and on the H100 that
-        # decoded at 0.25x of target-only at T = 0.7 (docs/executor.md; argmax drafts not yet timed beside it).
+        # Sampled requests' drafts: True drawn from q (draft_sampling.py: verified on the host path, the chain run
+        # eagerly), False or None (auto) the argmax, verified as point masses on the device step (verifier.py)
+        # with or without CUDA graphs. docs/executor.md has both timed at T = 0.7.
         self.sample_drafts: bool | None = None
         self.draft_support = DRAFT_SUPPORT  # ids each drawn draft's q keeps (draft_sampling.py)
         self.pass_counts: Counter[str] = Counter()  # "<pass> graph" / "<pass> eager" (benchmarks read it)
@@ -207,8 +207,8 @@ class Proposer:
             self.set_drafts(request, ids, q)
 
     def samples_drafts(self) -> bool:
-        """Whether sampled requests draw their drafts from q (`sample_drafts`; auto: without graphs)."""
-        return not self.graphs if self.sample_drafts is None else self.sample_drafts
+        """Whether sampled requests draw their drafts from q (`sample_drafts`; auto: the argmax)."""
+        return bool(self.sample_drafts)
 
     def set_drafts(self, request: Request, drafts: list[int], probs: DraftProbs | None = None) -> None:
         """The request's drafts for its next step, never past the context, and the distributions they were

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import enum
+import random
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -58,6 +59,8 @@ class Request:
     eos_token_ids: frozenset[int]
     sink: Sink
     generator: torch.Generator | None = None
+    # The key of its counter-based draws (device_sampling.py): its own seed, else a random one (63 bits: int64).
+    seed: int = field(default_factory=lambda: random.getrandbits(63))
     output_ids: list[int] = field(default_factory=list)
     num_computed_tokens: int = 0  # tokens whose K/V are in the cache
     block_ids: list[int] = field(default_factory=list)
@@ -83,6 +86,10 @@ class Request:
     num_cached_blocks: int = 0
     cached_prompt_tokens: int | None = None
     token_counts: TokenCounts | None = None  # for penalties, made at its first penalised step (penalties.py)
+
+    def __post_init__(self) -> None:
+        if self.settings.seed is not None:
+            self.seed = self.settings.seed
 
     @property
     def num_tokens(self) -> int:

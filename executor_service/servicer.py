@@ -81,6 +81,7 @@ class ExecutorServicer(executor_pb2_grpc.ExecutorServicer):
         self.session: ModelSession | None = None
         self.draining = False
         self.open_streams = 0  # Generate streams not yet closed
+        self._stream_outputs: dict[str, asyncio.Queue[RequestOutput]] = {}  # by request id: ranks_failed's reach
         self._mailbox: Mailbox | None = None
         self._capabilities: common_pb2.HardwareCapabilities | None = None
         self.counters = LoadCounters()  # GetServerInfo's uptime, GetLoads' totals and tokens/s
@@ -184,6 +185,11 @@ class ExecutorServicer(executor_pb2_grpc.ExecutorServicer):
         if self.draining:  # shutdown began while it was built: serve nothing new
             await asyncio.to_thread(session.shutdown)
             raise Unavailable("the executor is shutting down: the model being loaded was dropped")
+        try:
+            check_ranks_alive()  # a rank lost after its build: health must not turn SERVING again
+        except RankUnavailable:
+            await asyncio.to_thread(session.shutdown)
+            raise
         old, self.session = self.session, session
         await self.set_serving(True)
         if old is not None:
@@ -236,6 +242,7 @@ class ExecutorServicer(executor_pb2_grpc.ExecutorServicer):
         stream = GenerateStream(request.request_id, session.loaded.tokenizer, request.sampling.stop)
         finished = stopping = False
         self.open_streams += 1
+        self._stream_outputs[request.request_id] = outputs
         try:
             while not finished:
                 chunk = [await outputs.get()]
@@ -255,6 +262,8 @@ class ExecutorServicer(executor_pb2_grpc.ExecutorServicer):
                     yield response
         finally:
             self.open_streams -= 1
+            if self._stream_outputs.get(request.request_id) is outputs:
+                del self._stream_outputs[request.request_id]
             if not finished:  # client cancelled or the stream broke: stop the work, free the blocks
                 session.engine.abort([request.request_id])
 
@@ -292,12 +301,19 @@ class ExecutorServicer(executor_pb2_grpc.ExecutorServicer):
             session = self.session
             if self.draining:
                 raise Unavailable("the executor is shutting down")
+            check_ranks_alive()  # before "not loaded": a rank lost during a LoadModel is what the caller must hear
             if session is None:
                 raise _not_loaded()
-            check_ranks_alive()
             checked = await check_prompt(request, session.limits, session.loaded.tokenizer)
             if self.session is session and not self.draining:
                 return session, checked
+
+    def ranks_failed(self, reason: str) -> None:
+        """On the event loop, when tensor parallelism breaks (launcher.py's watchdog): every open stream ends with
+        UNAVAILABLE now, though the engine thread may still wait inside a collective that will never meet."""
+        error = RankUnavailable(f"tensor parallelism is broken: {reason}; restart the executor")
+        for request_id, outputs in list(self._stream_outputs.items()):
+            outputs.put_nowait(RequestOutput(request_id, [], error=error))
 
     async def Abort(
         self, request: executor_pb2.AbortRequest, context: grpc.aio.ServicerContext

@@ -1,61 +1,53 @@
-"""The speculative step on the device: verify, accept and propose in one pass, read back once.
+"""The speculative step on the device for chains: verify, accept and propose in one pass, read back once.
 
-When every request of a step is greedy and verifies all k of its drafts (the steady state of speculative
-decoding), nothing between the target's verify pass and the drafter's next proposal needs the host:
+When every request of a step verifies all k of its drafts (the steady state of speculative decoding), greedy or
+sampled, nothing between the target's verify pass and the drafter's next proposal needs the host:
 
-- verify (`verify_greedy`): the target's greedy token after each of the k + 1 rows (one argmax);
-- accept (`accept_greedy`): the drafts that match, a cumulative product of matches (the first mismatch stops
-  acceptance);
+- verify and accept (`verifier.verify`, the chain as a tree whose draft j has parent j - 1): the greedy rule
+  accepts drafts equal to the target's argmax, the sampled rule accepts draft d with probability p(d) and draws
+  the token after a rejection from p less d (counter-based draws: device_sampling.py);
 - roll back (`VerifiedStep.kept_rows`): the rejected drafts' K/V stays in the cache but is not booked, and the
   next step overwrites it; `launch_following` derives the same on the device;
-- propose (`Proposer.propose_verified`): the drafter's next inputs are the target's own tokens, its newest
-  verified row is row `accepted`, and each chain step's (or the DFlash block's) metadata is advanced on the
-  device from that position and the slots ahead of it, which the host lays out before the step.
+- propose (`Proposer.propose_verified`): the drafter's next inputs are the emitted tokens, its newest verified
+  row is row `accepted`, and each chain step's (or the DFlash block's) metadata is advanced on the device from
+  that position and the slots ahead of it, which the host lays out before the step.
 
-So the three run as one function, captured as one CUDA graph per batch bucket: one replay per step and one
-read-back of [target tokens, accepted count, next drafts] per request. The same function runs eagerly on
-the CPU and for batches larger than the graphs; the engine falls back to its host path (verify_batch,
-Proposer.propose) for sampled requests, requests with penalties or logprobs, and uneven batches.
-
-The same four parts on either path:
-
-| part      | device-resident step (here)                    | host path (Engine.step)                            |
-|-----------|------------------------------------------------|----------------------------------------------------|
-| verify    | verify_greedy                                  | rejection_sampler.verify_batch (greedy or sampled) |
-| accept    | accept_greedy                                  | verify_batch's tokens, booked by Engine._accept    |
-| roll back | VerifiedStep.kept_rows, Engine._book_on_device | Engine._accept (rows kept up to the last accepted) |
-| propose   | Proposer.propose_verified                      | Proposer.propose, from Engine._propose             |
-
-CUDA-graph plumbing (static buffers, buckets, capture and replay) is cuda_graphs.StepGraphs'; here only which
-function is captured and when a replay replaces the eager call.
+So the three run as one function, captured as CUDA graphs per sampling variant and batch bucket
+(step_variants.py): one replay per step and one read-back of [emitted tokens, accepted count, next drafts] per
+request. The same function runs eagerly on the CPU and for batches larger than the graphs. The engine's host
+path (verify_batch, Proposer.propose) takes requests with penalties, logprobs or q-drawn drafts, and uneven
+batches. CUDA-graph plumbing (static buffers, buckets, capture and replay) is cuda_graphs.StepGraphs'.
 """
 
 from __future__ import annotations
 
-from collections import Counter
+import functools
 from dataclasses import dataclass
 
 import torch
 
 from executor_service.attention_step import AttentionStep
 from executor_service.cuda_graphs import StepGraphs
-from executor_service.fused_ops import argmax
+from executor_service.device_sampling import GREEDY, SORTED, SamplingTensors
 from executor_service.model_runner import ModelRunner, StepInputs
 from executor_service.parallel.graphs import lockstep_for
 from executor_service.proposer import Proposer
 from executor_service.request import Request
+from executor_service.step_constants import StepConstants
+from executor_service.step_variants import StepSampling, VariantSteps, capture_variants, takes
+from executor_service.verifier import DraftLayout, verify
 
 
 @dataclass(frozen=True)
 class VerifiedStep:
     """What the host reads back of one device-resident step, per request."""
 
-    target_ids: list[list[int]]  # the target's greedy token after each of the k + 1 rows
+    target_ids: list[list[int]]  # the emitted tokens: the accepted drafts, then the token after them (k + 1 wide)
     accepted: list[int]  # drafts accepted
     next_drafts: list[list[int]]  # the drafter's k drafts for the next step
 
     def emitted(self, index: int) -> list[int]:
-        """The accepted drafts (equal to the target's tokens) and the target's token after them."""
+        """The accepted drafts and the token after them."""
         return self.target_ids[index][: self.kept_rows(index)]
 
     def kept_rows(self, index: int) -> int:
@@ -66,10 +58,13 @@ class VerifiedStep:
 
 class PendingStep:
     """A launched step's packed result [B, (k + 1) + 1 + k], copied to pinned host memory behind the step;
-    its packed result and positions stay on the device for the step launched after it (`launch_following`)."""
+    its packed result, positions and sampling inputs stay on the device for the step launched after it
+    (`launch_following`)."""
 
-    def __init__(self, packed: torch.Tensor, positions: torch.Tensor, rows: int) -> None:
-        self.packed, self.positions = packed, positions
+    def __init__(
+        self, packed: torch.Tensor, positions: torch.Tensor, rows: int, sampling: StepSampling | None = None
+    ) -> None:
+        self.packed, self.positions, self.sampling = packed, positions, sampling or StepSampling()
         self.rows, self.width = rows, packed.shape[1]
         self.done: torch.cuda.Event | None = None
         if packed.is_cuda:
@@ -93,16 +88,17 @@ class PendingStep:
         )
 
 
-class SpecStep:
+class SpecStep(VariantSteps):
     def __init__(self, runner: ModelRunner, proposer: Proposer) -> None:
+        super().__init__()
         self.runner, self.proposer, self.k = runner, proposer, proposer.k
-        self.graphs: StepGraphs | None = None
-        self.counts: Counter[str] = Counter()  # "graph" / "eager" (benchmarks read it)
+        self.constants = StepConstants(runner.device)
 
     def accepts(self, inputs: StepInputs, requests: list[Request]) -> bool:
-        """Every request verifies k drafts (all rows sampled) and decodes greedily from the argmax alone: a
-        request with penalties or logprobs takes the host path, and the whole step with it."""
-        return inputs.uniform_query_len == self.k + 1 and all(r.settings.plain_greedy for r in requests)
+        """Every request verifies k drafts (all rows sampled), greedy or sampled with argmax drafts: a request with
+        penalties, logprobs or drafts drawn from q takes the host path, and the whole step with it."""
+        point_masses = all(r.draft_probs is None for r in requests)
+        return inputs.uniform_query_len == self.k + 1 and point_masses and all(takes(r) for r in requests)
 
     @torch.inference_mode()
     def launch(self, inputs: StepInputs, requests: list[Request]) -> PendingStep:
@@ -110,16 +106,10 @@ class SpecStep:
         starts = [r.num_computed_tokens for r in requests]  # the first verify row's position
         ahead = self.proposer.slots_ahead(requests, starts, self.proposer.ahead_width)
         step = inputs.attention
-        if self.graphs is not None and len(requests) <= self.graphs.max_batch:
-            self.counts["graph"] += 1
-            (packed,) = self.graphs.run(
-                step.block_table, step.seq_lens, step.slot_mapping, inputs.positions,
-                input_ids=inputs.input_ids, slots_ahead=ahead,
-            )  # fmt: skip
-        else:
-            self.counts["eager"] += 1
-            (packed,) = self.forward(step, inputs.positions, {"input_ids": inputs.input_ids, "slots_ahead": ahead})
-        return PendingStep(packed, inputs.positions, self.k + 1)
+        sampling = StepSampling.of(requests, self.runner.model.config.vocab_size, self.runner.device)
+        x = {"input_ids": inputs.input_ids, "slots_ahead": ahead, **sampling.inputs}
+        (packed,) = self.run(sampling.variant, "", step, inputs.positions, x)
+        return PendingStep(packed, inputs.positions, self.k + 1, sampling)
 
     def reach(self, request: Request) -> int:
         """Positions a request must have room for before the step after its current one is launched blind:
@@ -139,57 +129,48 @@ class SpecStep:
         packed = previous.packed
         accepted = packed[:, rows]
         first = previous.positions.view(count, rows)[:, 0] + accepted + 1
-        offsets = torch.arange(width, device=packed.device)[None, :] + (accepted + 1)[:, None]
+        offsets = self.constants.arange(width)[None, :] + (accepted + 1)[:, None]
         input_ids = torch.cat([packed[:, :rows].gather(1, accepted[:, None]), packed[:, rows + 1 :]], dim=1)
-        positions = (first[:, None] + torch.arange(rows, device=packed.device)[None, :]).reshape(-1)
-        slot_mapping = wide.gather(1, offsets[:, :rows]).reshape(-1)
-        slots_ahead = wide.gather(1, offsets)
-        seq_lens = (first + rows).to(torch.int32)
-        input_ids = input_ids.reshape(-1)
-        if self.graphs is not None and count <= self.graphs.max_batch:
-            self.counts["graph following"] += 1
-            (out,) = self.graphs.run(
-                block_table, seq_lens, slot_mapping, positions, input_ids=input_ids, slots_ahead=slots_ahead
-            )
-        else:
-            self.counts["eager following"] += 1
-            step = AttentionStep(
-                backend=self.runner.backend, block_table=block_table,
-                query_start_loc=torch.arange(count + 1, dtype=torch.int32, device=packed.device) * rows,
-                seq_lens=seq_lens, slot_mapping=slot_mapping, max_query_len=rows,
-                max_seq_len=max(starts) + 2 * rows,
-            )  # fmt: skip
-            (out,) = self.forward(step, positions, {"input_ids": input_ids, "slots_ahead": slots_ahead})
-        return PendingStep(out, positions, rows)
+        positions = (first[:, None] + self.constants.arange(rows)[None, :]).reshape(-1)
+        step = AttentionStep(
+            backend=self.runner.backend, block_table=block_table,
+            query_start_loc=self.constants.starts(count, rows),
+            seq_lens=(first + rows).to(torch.int32), slot_mapping=wide.gather(1, offsets[:, :rows]).reshape(-1),
+            max_query_len=rows, max_seq_len=max(starts) + 2 * rows,
+        )  # fmt: skip
+        sampling = previous.sampling
+        x = {"input_ids": input_ids.reshape(-1), "slots_ahead": wide.gather(1, offsets), **sampling.inputs}
+        (out,) = self.run(sampling.variant, " following", step, positions, x)
+        return PendingStep(out, positions, rows, sampling)
 
-    def forward(self, step: AttentionStep, positions: torch.Tensor, x: dict[str, torch.Tensor]) -> tuple:
-        """[B, (k + 1) + 1 + k]: the target's tokens, the accepted count and the next drafts of each request."""
+    def forward(
+        self, step: AttentionStep, positions: torch.Tensor, x: dict[str, torch.Tensor], variant: str = GREEDY
+    ) -> tuple:
+        """[B, (k + 1) + 1 + k]: the emitted tokens (the accepted drafts, then the target's next token; past
+        them, the target's argmax or the drafts), the accepted count and the next drafts of each request."""
         input_ids, ahead = x["input_ids"], x["slots_ahead"]
         count, rows = ahead.shape[0], self.k + 1
         logits, features = self.runner.forward(input_ids, positions, step, None)  # the target's pass
         assert features is not None, "a drafter reads the target's features"
-        target_ids = verify_greedy(logits, count, rows)
-        accepted = accept_greedy(input_ids.view(count, rows)[:, 1:], target_ids)
-        next_drafts = self.proposer.propose_verified(step, positions, target_ids, features, accepted, ahead)
-        return (torch.cat([target_ids, accepted[:, None], next_drafts], dim=1),)
+        parents = self.constants.get(("chain", self.k), lambda: self.constants.arange(self.k) - 1)
+        drafts = input_ids.view(count, rows)[:, 1:]
+        layout = DraftLayout(drafts, parents.expand(count, -1), None, None, self.k, chain=True)
+        roots = positions.view(count, rows)[:, 0]
+        verdict = verify(logits, layout, SamplingTensors.from_inputs(x), roots, variant == SORTED, self.constants)
+        accepted = verdict.accepted
+        next_drafts = self.proposer.propose_verified(step, positions, verdict.emitted, features, accepted, ahead)
+        return (torch.cat([verdict.emitted, accepted[:, None], next_drafts], dim=1),)
 
     def capture_graphs(self, max_batch: int, max_model_len: int) -> None:
-        """One graph per batch bucket (target and drafter backends both capture-safe: the session checks)."""
-        self.graphs = StepGraphs(
-            f"speculative step (k = {self.k})", self.forward, self.runner.backend, self.k + 1, max_batch,
-            max_model_len, self.runner.block_size, self.runner.device, {"input_ids": ((), torch.int64)},
-            request_inputs={"slots_ahead": ((self.proposer.ahead_width,), torch.int64, -1)},
-            lockstep=lockstep_for(self.runner.model, self.runner.feature_layers or ()),
-        )  # fmt: skip
-        self.graphs.capture()
+        """One graph per sampling variant and batch bucket (target and drafter backends both capture-safe: the
+        session checks)."""
 
+        def build(variant: str, request_inputs: dict) -> StepGraphs:
+            return StepGraphs(
+                f"speculative step (k = {self.k}, {variant})", functools.partial(self.forward, variant=variant),
+                self.runner.backend, self.k + 1, max_batch, max_model_len, self.runner.block_size,
+                self.runner.device, {"input_ids": ((), torch.int64)}, request_inputs=request_inputs,
+                lockstep=lockstep_for(self.runner.model, self.runner.feature_layers or ()),
+            )  # fmt: skip
 
-def verify_greedy(logits: torch.Tensor, count: int, rows: int) -> torch.Tensor:
-    """Verify: the target's greedy token after each of a request's `rows` verify rows, [count, rows]."""
-    return argmax(logits).view(count, rows)
-
-
-def accept_greedy(drafts: torch.Tensor, target_ids: torch.Tensor) -> torch.Tensor:
-    """Accept: per request, how many drafts [count, k] equal the target's token at their row, up to the first
-    that does not (a cumulative product of matches)."""
-    return (drafts == target_ids[:, :-1]).cumprod(dim=1).sum(dim=1)
+        self.graphs = capture_variants(build, {"slots_ahead": ((self.proposer.ahead_width,), torch.int64, -1)})

@@ -1,17 +1,17 @@
 """The tree step on the device: verify a tree of drafts, accept its longest matching path, move that path's K/V
 into place and draft the next trees in one function, read back once (the chain's is spec_step.py).
 
-When every request of a step decodes greedily from the argmax alone and verifies a whole tree of the loaded
-shape (N drafts, depth D), nothing between the target's verify pass and the next trees needs the host. Every
+When every request of a step (greedy or sampled, without penalties or logprobs) verifies a whole tree of the
+loaded shape (N drafts, depth D), nothing between the target's verify pass and the next trees needs the host. Every
 tensor has a fixed shape per tree shape, so the function is captured as one CUDA graph per batch bucket
 (cuda_graphs.StepGraphs) and runs eagerly elsewhere (the CPU, larger batches). The parts, as TreeEngine's host
 path does them:
 
 - layout (`tree_layout`): each row's depth and ancestor bits from the drafts' parents [B, N] (D rounds of
   gathers); the verify pass's positions (root + depth) and tree masks (kernels/tree_mask.py) follow from them.
-- verify (`accept_tree`): a draft matches when its token is the target's argmax at its parent's row (of equal
-  siblings, the first only: the host's walk takes the first matching child); it is accepted when it and all
-  its ancestors match. The accepted drafts form one path, read out by depth.
+- verify (`verifier.verify`): a draft hits by the greedy rule (the target's argmax at its parent's row) or the
+  sampled rule (multi-candidate speculative sampling); of siblings the first that hits is taken, and a draft is
+  accepted when it and all its ancestors are. The accepted drafts form one path, read out by depth.
 - accept: the path's K/V moves from its rows' slots to the slots of root + depth, every layer in one gather and
   one scatter with device indices (the entries past the path copy one untouched slot onto itself, so the
   shapes stay fixed).
@@ -20,37 +20,38 @@ path does them:
   newest verified row.
 
 Read back per request, one packed tensor: [emitted (D + 1; the first accepted + 1 count) | accepted |
-next tokens (N) | next parents (N)]. Sampled requests, penalties, logprobs and cut-short trees take the host path.
+next tokens (N) | next parents (N)]. Penalties, logprobs and cut-short trees take the host path.
 """
 
 from __future__ import annotations
 
-from collections import Counter
+import functools
 from dataclasses import replace
 
 import torch
 
 from executor_service.attention_step import AttentionStep
 from executor_service.cuda_graphs import StepGraphs
-from executor_service.fused_ops import argmax
+from executor_service.device_sampling import GREEDY, SORTED, SamplingTensors
 from executor_service.model_runner import ModelRunner, StepInputs
 from executor_service.parallel.driver import TensorParallelModel
 from executor_service.request import Request
 from executor_service.spec_step import PendingStep
 from executor_service.step_constants import StepConstants
+from executor_service.step_variants import StepSampling, VariantSteps, capture_variants, takes
 from executor_service.tree_proposer import TreeProposer, static_parents
+from executor_service.verifier import DraftLayout, tree_layout, verify
 from kernels.tree_mask import TREE_WINDOW, to_int64
 
 
-class TreeStep:
+class TreeStep(VariantSteps):
     def __init__(self, runner: ModelRunner, proposer: TreeProposer) -> None:
+        super().__init__()
         self.runner, self.proposer, self.tree = runner, proposer, proposer.tree
         self.num_drafts, self.depth = self.tree.num_drafts, self.tree.depth
         self.rows = self.num_drafts + 1  # the root and the drafts
         self.scratch_width = proposer.scratch_width  # keys the drafter's tree passes write
         self.ahead_width = self.depth + self.scratch_width  # slots of positions root + 1, ..., wherever the path ends
-        self.graphs: StepGraphs | None = None
-        self.counts: Counter[str] = Counter()  # "graph" / "eager" (benchmarks read it)
         self.constants = StepConstants(runner.device)
         # A static tree is drafted in one layout: its depths, ancestors and masks are constants, not D rounds of
         # gathers per step (the first step's host-given trees are checked against it in `accepts`).
@@ -62,14 +63,14 @@ class TreeStep:
             self.static_layout = (node_depth, ancestors, self._masks(ancestors))
 
     def accepts(self, inputs: StepInputs, requests: list[Request]) -> bool:
-        """Every request verifies a whole tree (N drafts, all rows sampled; a static tree in its drafted layout)
-        and decodes greedily from the argmax alone; tensor parallelism keeps the host path (its K/V move is an op
-        on every rank)."""
+        """Every request verifies a whole tree (N drafts, all rows sampled; a static tree in its drafted layout),
+        greedy or sampled without penalties or logprobs; tensor parallelism keeps the host path (its K/V move is
+        an op on every rank)."""
         if inputs.uniform_query_len != self.rows or isinstance(self.runner.model, TensorParallelModel):
             return False
         for request in requests:
             parents = self.proposer.tree_of(request)
-            if not request.settings.plain_greedy or len(parents) != self.num_drafts:
+            if not takes(request) or len(parents) != self.num_drafts:
                 return False
             if self.static_parents is not None and parents != self.static_parents:
                 return False
@@ -89,14 +90,10 @@ class TreeStep:
         roots = inputs.positions.view(len(requests), self.rows)[:, 0]
         ahead = self._slots(step.block_table, roots + 1, self.ahead_width)
         parents = self.proposer.tensor([self.proposer.tree_of(r) for r in requests], torch.int64)
-        x = {"input_ids": inputs.input_ids, "parents": parents, "slots_ahead": ahead}
-        if self.graphs is not None and len(requests) <= self.graphs.max_batch:
-            self.counts["graph"] += 1
-            (packed,) = self.graphs.run(step.block_table, step.seq_lens, step.slot_mapping, inputs.positions, **x)
-        else:
-            self.counts["eager"] += 1
-            (packed,) = self.forward(step, inputs.positions, x)
-        return PendingStep(packed, inputs.positions, self.depth + 1)
+        sampling = StepSampling.of(requests, self.runner.model.config.vocab_size, self.runner.device)
+        x = {"input_ids": inputs.input_ids, "parents": parents, "slots_ahead": ahead, **sampling.inputs}
+        (packed,) = self.run(sampling.variant, "", step, inputs.positions, x)
+        return PendingStep(packed, inputs.positions, self.depth + 1, sampling)
 
     def reach_following(self, request: Request) -> int:
         """Positions a request needs room for before the step after its current one is launched blind: this
@@ -124,21 +121,15 @@ class TreeStep:
         positions = (root[:, None] + offsets[:, :rows]).reshape(-1)
         slot_mapping = wide.gather(1, shift + offsets[:, :rows]).reshape(-1)
         slots_ahead = wide.gather(1, shift + 1 + offsets[:, : self.ahead_width])
-        seq_lens = (root + rows).to(torch.int32)
-        x = {"input_ids": input_ids, "parents": parents, "slots_ahead": slots_ahead}
-        if self.graphs is not None and count <= self.graphs.max_batch:
-            self.counts["graph following"] += 1
-            (out,) = self.graphs.run(block_table, seq_lens, slot_mapping, positions, **x)
-        else:
-            self.counts["eager following"] += 1
-            step = AttentionStep(
-                backend=self.runner.backend, block_table=block_table,
-                query_start_loc=self.constants.starts(count, rows),
-                seq_lens=seq_lens, slot_mapping=slot_mapping, max_query_len=rows,
-                max_seq_len=max(roots) + depth + 1 + rows,
-            )  # fmt: skip
-            (out,) = self.forward(step, positions, x)
-        return PendingStep(out, positions, depth + 1)
+        step = AttentionStep(
+            backend=self.runner.backend, block_table=block_table, query_start_loc=self.constants.starts(count, rows),
+            seq_lens=(root + rows).to(torch.int32), slot_mapping=slot_mapping, max_query_len=rows,
+            max_seq_len=max(roots) + depth + 1 + rows,
+        )  # fmt: skip
+        sampling = previous.sampling
+        x = {"input_ids": input_ids, "parents": parents, "slots_ahead": slots_ahead, **sampling.inputs}
+        (out,) = self.run(sampling.variant, " following", step, positions, x)
+        return PendingStep(out, positions, depth + 1, sampling)
 
     def _slots(self, block_table: torch.Tensor, first: torch.Tensor, width: int) -> torch.Tensor:
         """[B, width] cache slots of positions first, first + 1, ... of each request, on the device (no host loop
@@ -148,7 +139,9 @@ class TreeStep:
         blocks = block_table.long().gather(1, (positions // size).clamp(max=block_table.shape[1] - 1))
         return blocks * size + positions % size
 
-    def forward(self, step: AttentionStep, positions: torch.Tensor, x: dict[str, torch.Tensor]) -> tuple:
+    def forward(
+        self, step: AttentionStep, positions: torch.Tensor, x: dict[str, torch.Tensor], variant: str = GREEDY
+    ) -> tuple:
         """[B, (D + 1) + 1 + 2N]: see the module's docstring. `positions`: root, root + 1, ... per request."""
         input_ids, parents = x["input_ids"], x["parents"]
         count, rows = parents.shape[0], self.rows
@@ -158,20 +151,17 @@ class TreeStep:
         else:
             node_depth, ancestors = tree_layout(parents, self.depth, self.constants)
             masks = self._masks(ancestors)
-        verify = AttentionStep(
+        verify_step = AttentionStep(
             backend=step.backend, block_table=step.block_table, query_start_loc=step.query_start_loc,
             seq_lens=step.seq_lens, slot_mapping=step.slot_mapping, max_query_len=rows,
             max_seq_len=step.max_seq_len, causal=True, tree_mask=masks.reshape(-1),
         )  # fmt: skip
         tree_positions = (root[:, None] + node_depth).reshape(-1)
-        logits, features = self.runner.forward(input_ids, tree_positions, verify, None)
+        logits, features = self.runner.forward(input_ids, tree_positions, verify_step, None)
         assert features is not None, "a drafter reads the target's features"
-        target_ids = argmax(logits).view(count, rows)
-        drafts = input_ids.view(count, rows)[:, 1:]
-        path_rows, accepted = accept_tree(
-            drafts, parents, target_ids, node_depth, ancestors, self.depth, self.constants
-        )
-        emitted = target_ids.gather(1, path_rows)  # the accepted drafts' tokens, then the target's next one
+        layout = DraftLayout(input_ids.view(count, rows)[:, 1:], parents, node_depth, ancestors, self.depth)
+        verdict = verify(logits, layout, SamplingTensors.from_inputs(x), root, variant == SORTED, self.constants)
+        path_rows, accepted, emitted = verdict.path_rows, verdict.accepted, verdict.emitted
         slots = step.slot_mapping.view(count, rows)
         self._move_path(slots, path_rows, accepted)
         next_tokens, next_parents = self._propose(step, slots, features, root, path_rows, accepted, emitted, x)
@@ -217,62 +207,15 @@ class TreeStep:
         return proposer.draft_tree(step.block_table, root + accepted, scratch, head[picked], feedback[picked])
 
     def capture_graphs(self, max_batch: int, max_model_len: int) -> None:
-        """One graph per batch bucket (target and drafter backends both capture-safe: the session checks)."""
-        self.graphs = StepGraphs(
-            f"tree step ({self.tree.describe()})", self.forward, self.runner.backend, self.rows, max_batch,
-            max_model_len, self.runner.block_size, self.runner.device, {"input_ids": ((), torch.int64)},
-            request_inputs={
-                "parents": ((self.num_drafts,), torch.int64, -1),
-                "slots_ahead": ((self.ahead_width,), torch.int64, -1),
-            },
-        )  # fmt: skip
-        self.graphs.capture()
+        """One graph per sampling variant and batch bucket (target and drafter backends both capture-safe: the
+        session checks)."""
 
+        def build(variant: str, request_inputs: dict) -> StepGraphs:
+            return StepGraphs(
+                f"tree step ({self.tree.describe()}, {variant})", functools.partial(self.forward, variant=variant),
+                self.runner.backend, self.rows, max_batch, max_model_len, self.runner.block_size, self.runner.device,
+                {"input_ids": ((), torch.int64)}, request_inputs=request_inputs,
+            )  # fmt: skip
 
-def tree_layout(
-    parents: torch.Tensor, depth: int, constants: StepConstants | None = None
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Each row's depth (the root's 0) and ancestor bits (itself included; bit r: row r), both [B, N + 1], from
-    the drafts' parents [B, N] (-1: the root) in topological order. Pointer doubling: after round r a row holds
-    its ancestors up to 2^r levels up, so log2(depth) rounds of gathers, not one per level; its depth is the
-    number of its ancestors."""
-    count, rows = parents.shape[0], parents.shape[1] + 1
-    constants = constants or StepConstants(parents.device)
-    index = constants.arange(rows)
-    own = constants.get(("own bits", rows), lambda: torch.ones_like(index) << index)[None, :].expand(count, -1)
-    up = torch.cat([torch.zeros_like(parents[:, :1]), parents + 1], dim=1)  # each row's parent row; root: itself
-    ancestors, reach = own | own.gather(1, up), 1  # itself and its parent
-    while reach < depth:
-        ancestors = ancestors | ancestors.gather(1, up)
-        reach *= 2
-        if reach < depth:
-            up = up.gather(1, up)  # the ancestor 2^r levels up (the root stays put)
-    node_depth = ((ancestors[:, :, None] >> index) & 1).sum(dim=2) - 1
-    return node_depth, ancestors
-
-
-def accept_tree(
-    drafts: torch.Tensor, parents: torch.Tensor, target_ids: torch.Tensor, node_depth: torch.Tensor,
-    ancestors: torch.Tensor, depth: int, constants: StepConstants | None = None,
-) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
-    """The longest matching path, on the device. Returns the rows [B, D + 1] of the accepted node at depth
-    0 (the root), 1, ...; past the path, the root's row 0 (read by nothing that counts: the host keeps the first
-    accepted + 1 tokens, and the drafter's rows past the path are written over before they are read). And the
-    accepted drafts [B]; the target's argmax at the row of depth `accepted` is the next token."""
-    count, num = drafts.shape
-    constants = constants or StepConstants(drafts.device)
-    parent_rows = parents + 1
-    rows = constants.arange(num + 1)
-    # Matching siblings are equal (the target's argmax at their parent): of them the first only, as the host's
-    # walk, so the accepted nodes form a path. Each row's first matching child by one scatter (min), not [N, N].
-    matched = torch.where(drafts == target_ids.gather(1, parent_rows), rows[1:], num + 1)
-    first = matched.new_full((count, num + 1), num + 1).scatter_reduce_(1, parent_rows, matched, "amin")
-    matches = first.gather(1, parent_rows) == rows[1:]
-    own_bits = constants.get(("draft bits", num), lambda: torch.ones_like(rows[1:]) << rows[1:])
-    bad_bits = torch.where(matches, 0, own_bits).sum(dim=1)  # distinct bits: the sum is their union
-    accepted_rows = (ancestors & bad_bits[:, None]) == 0  # the row and all its ancestors match
-    accepted = accepted_rows.sum(dim=1) - 1
-    # Each accepted row's depth is distinct: scatter the rows to their depths (the root's 0 everywhere else).
-    at_depth = torch.where(accepted_rows, node_depth, depth + 1)  # rejected rows: past the last level
-    path_rows = ancestors.new_zeros(count, depth + 2).scatter_(1, at_depth, rows.expand_as(at_depth))
-    return path_rows[:, : depth + 1], accepted
+        base = {"parents": ((self.num_drafts,), torch.int64, -1), "slots_ahead": ((self.ahead_width,), torch.int64, -1)}
+        self.graphs = capture_variants(build, base)

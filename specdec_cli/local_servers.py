@@ -21,6 +21,7 @@ STOP_TIMEOUT_S = 20.0
 COMMANDS = {
     "selector": ("specdec-selector", "selector_service.main"),
     "executor": ("specdec-executor", "executor_service.main"),
+    "gateway": ("specdec-gateway", "gateway_service.main"),
 }
 
 
@@ -30,7 +31,7 @@ class ServerError(RuntimeError):
 
 @dataclass
 class LocalServer:
-    name: str  # "selector" | "executor"
+    name: str  # "selector" | "executor" | "gateway"
     process: subprocess.Popen[bytes]
     port: int
     log_path: Path

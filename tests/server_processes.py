@@ -1,8 +1,8 @@
 """Real specdec servers as subprocesses on 127.0.0.1, for the fixtures in tests/conftest.py and the fuzz suite.
 
 `spawn_server(service, name, directory, *args)` starts `python -m <service>_service.main --port 0 --port-file ...
---log-format text *args` ("selector" or "executor"), logging to `directory/<name>.log`, and returns once the port
-file appears. Later flags win, so `*args` may override `--port`.
+--log-format text *args` ("selector", "executor" or "gateway"), logging to `directory/<name>.log`, and returns once
+the port file appears. Later flags win, so `*args` may override `--port`.
 """
 
 from __future__ import annotations
@@ -21,7 +21,11 @@ REPO_ROOT = Path(__file__).resolve().parents[1]
 STARTUP_TIMEOUT_S = 120.0  # no-hang bounds, not performance bars (a loaded 2-core machine is slow)
 SHUTDOWN_TIMEOUT_S = 60.0
 HOST = "127.0.0.1"
-SERVER_MODULES = {"selector": "selector_service.main", "executor": "executor_service.main"}
+SERVER_MODULES = {
+    "selector": "selector_service.main",
+    "executor": "executor_service.main",
+    "gateway": "gateway_service.main",
+}
 
 
 @dataclass

@@ -1,6 +1,6 @@
 """The package layout's import graph, read from the source (ast), not from what one run happens to import.
 
-The services stand apart: the selector and the executor each build on the shared packages (specdec_runtime,
+The services stand apart: the selector, the executor and the gateway each build on the shared packages (specdec_runtime,
 selection, kernels, the specdec stubs) and never import the other service or the CLI; the shared packages import
 no service. The selector's side stays torch-free, so that its image runs without torch.
 """
@@ -11,12 +11,14 @@ import ast
 from pathlib import Path
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
-SERVICES = ("selector_service", "executor_service")
+SERVICES = ("selector_service", "executor_service", "gateway_service")
 CLI = "specdec_cli"
 # package -> the top-level modules it must not import
 FORBIDDEN = {
-    "selector_service": {"executor_service", CLI, "torch", "triton"},
-    "executor_service": {"selector_service", CLI},
+    "selector_service": {"executor_service", "gateway_service", CLI, "torch", "triton"},
+    "executor_service": {"selector_service", "gateway_service", CLI},
+    # The gateway is a client of the executors over gRPC only: the protos and the shared runtime, no model code.
+    "gateway_service": {"executor_service", "selector_service", CLI, "selection", "kernels", "torch", "triton"},
     "specdec_runtime": {*SERVICES, CLI, "selection", "torch", "triton"},
     "selection": {*SERVICES, CLI, "torch", "triton"},
     "kernels": {*SERVICES, CLI, "specdec_runtime", "selection"},

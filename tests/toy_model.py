@@ -41,14 +41,15 @@ def token_text(token_id: int) -> str:
     return ALPHABET[pair // len(ALPHABET)] + ALPHABET[pair % len(ALPHABET)]
 
 
-def write_toy_model(directory: Path, chat_template: str | None = None, seed: int = 4) -> Path:
-    """A tiny synthetic checkpoint with the toy tokenizer (and a chat template in tokenizer_config.json)."""
+def write_toy_model(directory: Path, chat_template: str | None = None, seed: int = 4, context: int = 512) -> Path:
+    """A tiny synthetic checkpoint with the toy tokenizer (and a chat template in tokenizer_config.json), whose
+    context is `context` tokens."""
     import torch
 
     from executor_service.config import ModelConfig
     from executor_service.loader import build_synthetic, save_directory
 
-    config = ModelConfig(architecture="llama", max_position_embeddings=512, rope_theta=10000.0, **TINY_SHAPE)
+    config = ModelConfig(architecture="llama", max_position_embeddings=context, rope_theta=10000.0, **TINY_SHAPE)
     save_directory(build_synthetic(config, seed, torch.float32, torch.device("cpu")).model, directory)
     toy_tokenizer().save(str(directory / "tokenizer.json"))
     if chat_template is not None:

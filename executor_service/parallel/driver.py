@@ -1,9 +1,11 @@
 """Rank 0's side: load the target on every rank, and run each target call on all of them.
 
 The engine, the scheduler, sampling and the drafter stay on rank 0 and never see the other ranks: the
-runner's target is a `TensorParallelModel`, which sends each call (protocol.py) before running it on its
-own shard. One op is on the wire at a time (the group's lock), and a failed collective marks the group
-broken, so later calls fail at once with UNAVAILABLE instead of waiting on a dead rank.
+runner's target is a `TensorParallelModel`, which sends each call (protocol.py: one message in the shared
+ring, one payload broadcast) before running it on its own shard; a step's forward and its logits go as one
+call (`forward_with_logits`). One op is on the wire at a time (the group's lock). A failed collective, or
+rank 0's watchdog (launcher.py), marks the group broken, so later calls fail at once with UNAVAILABLE
+instead of waiting on a dead rank.
 """
 
 from __future__ import annotations
@@ -37,12 +39,13 @@ _live_models: weakref.WeakValueDictionary[int, TensorParallelModel] = weakref.We
 
 
 @contextmanager
-def on_all_ranks(group: TensorParallelGroup) -> Iterator[None]:
-    """One op: its messages and its collectives, with no other op in between."""
+def on_all_ranks(group: TensorParallelGroup, step: bool = False) -> Iterator[None]:
+    """One op: its messages and its collectives, with no other op in between. `step`: a step's op (a forward,
+    logits, a K/V move, a graph replay), which the step watchdog bounds; loads and captures it does not."""
     group.check_alive()
     with group.lock:
         group.check_alive()
-        group.last_op = time.monotonic()
+        group.step_since = time.monotonic() if step else None
         try:
             yield
         except RankUnavailable:
@@ -53,6 +56,8 @@ def on_all_ranks(group: TensorParallelGroup) -> Iterator[None]:
                 time.sleep(0.05)
             group.fail(f"an op on the ranks failed: {str(err)[:200]}")
             raise RankUnavailable(f"tensor parallelism is broken: {group.failure}") from err
+        finally:
+            group.step_since = None
 
 
 class TensorParallelModel(nn.Module):
@@ -84,20 +89,32 @@ class TensorParallelModel(nn.Module):
     ) -> tuple[torch.Tensor, list[torch.Tensor]]:
         if self._local:
             return self.model(input_ids, positions, kv_caches, step, aux_layer_ids)
-        with on_all_ranks(self.group):
+        with on_all_ranks(self.group, step=True):
             protocol.send_forward(self.group, self.model_id, ForwardCall(input_ids, positions, step, aux_layer_ids))
             return self.model(input_ids, positions, kv_caches, step, aux_layer_ids)
+
+    def run_with_logits(
+        self, call: ForwardCall, kv_caches: list[tuple[torch.Tensor, torch.Tensor]]
+    ) -> tuple[torch.Tensor, list[torch.Tensor], torch.Tensor]:
+        """A forward and its logits as one op (`forward_with_logits`): one message, one payload. Every rank holds
+        the same final hidden states, so each picks the rows itself."""
+        args = (call.input_ids, call.positions, kv_caches, call.step, call.aux_layer_ids, call.logits_rows)
+        if self._local:
+            return forward_with_logits(self.model, *args)
+        with on_all_ranks(self.group, step=True):
+            protocol.send_forward(self.group, self.model_id, call)
+            return forward_with_logits(self.model, *args)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         if self._local:
             return self.model.compute_logits(hidden)
-        with on_all_ranks(self.group):
+        with on_all_ranks(self.group, step=True):
             protocol.send_logits(self.group, self.model_id, hidden)
             return self.model.compute_logits(hidden)
 
     def move_kv(self, src: torch.Tensor, dst: torch.Tensor, layers: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
         """Every rank copies the K/V of cache slots `src` to `dst` in its own cache (tree_engine.py)."""
-        with on_all_ranks(self.group):
+        with on_all_ranks(self.group, step=True):
             protocol.send_move(self.group, self.model_id, src, dst)
             copy_kv_slots(layers, src, dst)
 
@@ -106,6 +123,25 @@ class TensorParallelModel(nn.Module):
         if self.group.failure is None:
             with on_all_ranks(self.group):
                 protocol.send_header(self.group, Op.UNLOAD, self.model_id)
+
+
+def forward_with_logits(
+    model: nn.Module,
+    input_ids: torch.Tensor,
+    positions: torch.Tensor,
+    kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
+    step: AttentionStep,
+    aux_layer_ids: tuple[int, ...],
+    logits_rows: torch.Tensor | None,
+) -> tuple[torch.Tensor, list[torch.Tensor], torch.Tensor]:
+    """(hidden, captured layers, logits of `logits_rows` or of every row) of the target: under tensor
+    parallelism one op on every rank (model_runner.py's pass), else the model's two calls."""
+    if isinstance(model, TensorParallelModel):
+        logits_of = protocol.ALL_ROWS if logits_rows is None else logits_rows.shape[0]
+        call = ForwardCall(input_ids, positions, step, aux_layer_ids, logits_rows, logits_of)
+        return model.run_with_logits(call, kv_caches)
+    hidden, aux = model(input_ids, positions, kv_caches, step, aux_layer_ids)
+    return hidden, aux, model.compute_logits(hidden if logits_rows is None else hidden[logits_rows])
 
 
 class FullHeads(nn.Module):

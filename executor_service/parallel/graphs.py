@@ -6,22 +6,34 @@ gets a `TargetLockstep`. Before capturing, rank 0 sends CAPTURE: every follower 
 same query length, buckets and context length around its own shard's pass (the target's forward and logits,
 the same collectives in the same order as rank 0's) and captures it, bucket by bucket, while rank 0 captures
 its own. Rank 0's captures call its shard directly (`TensorParallelModel.locally`): the followers are already
-running the same passes. Before each replay rank 0 sends REPLAY with the bucket it chose and the static inputs
-the target reads; the followers copy them into their buffers and replay that bucket's graph, so the captured
-collectives meet. What rank 0's graph adds after the target (sampling, the drafter on its whole heads) has no
-collective and runs on rank 0 alone.
+running the same passes.
+
+Every graph, on every rank, starts with one broadcast of rank 0's static inputs for its bucket (positions,
+slots, sequence lengths, the bucket's block table, input ids: `share_inputs`), captured like the collectives
+after it. So a replay is one message (REPLAY: the graph and the bucket) and one graph launch per rank: no
+payload outside the graph, no host sync on a follower. What rank 0's graph adds after the target (sampling,
+the drafter on its whole heads) has no collective and runs on rank 0 alone.
+
+Why graphs could hang before, and what keeps the ranks in step now:
+- A bucket whose capture failed was captured again on that rank alone (StepGraphs' retry): its collectives ran
+  again while the other ranks had moved on. Under a lockstep a failed capture now fails the load instead.
+- The replay's inputs went eagerly on the NCCL stream, outside the graphs, between the gloo header and the
+  replay: every replay was three operations on three queues (gloo, NCCL stream, the graph). Now the inputs'
+  broadcast is the graph's own first node.
 
 NCCL supports capturing collectives; gloo does not, and on the CPU the graphs are `EagerReplay`s, which rerun
-the same passes (collectives included) from the same buffers, so the lockstep is tested there too.
+the same passes (the inputs' broadcast and the collectives included) from the same buffers, so the lockstep is
+tested there too.
 """
 
 from __future__ import annotations
 
 import itertools
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, contextmanager, nullcontext
 
 import torch
+import torch.distributed as dist
 
 from executor_service.attention_step import AttentionStep
 from executor_service.cuda_graphs import StepGraphs
@@ -49,12 +61,42 @@ class TargetLockstep:
             yield
 
     @contextmanager
-    def replaying(self, graphs: StepGraphs, size: int, width: int) -> Iterator[None]:
+    def replaying(self, graphs: StepGraphs, size: int) -> Iterator[None]:
         model = self.model
-        with on_all_ranks(model.group), model.locally():  # locally: a CPU replay reruns the passes (EagerReplay)
-            inputs = graphs.target_inputs(size, width)
-            protocol.send_replay(model.group, model.model_id, self.graph_id, size, width, inputs)
+        with on_all_ranks(model.group, step=True), model.locally():  # locally: a CPU replay reruns the passes
+            protocol.send_header(model.group, protocol.Op.REPLAY, model.model_id, self.graph_id, size)
             yield
+
+    def share_inputs(self, graphs: StepGraphs, size: int) -> None:
+        share_inputs(graphs, size, 0)
+
+
+class FollowerLockstep:
+    """A follower's side of one StepGraphs: its capture and replays follow rank 0's messages (worker.py), and
+    each of its passes starts with rank 0's inputs."""
+
+    def __init__(self, rank: int) -> None:
+        self.rank = rank
+
+    def capturing(self, graphs: StepGraphs) -> AbstractContextManager[None]:
+        return nullcontext()
+
+    def replaying(self, graphs: StepGraphs, size: int) -> AbstractContextManager[None]:
+        return nullcontext()
+
+    def share_inputs(self, graphs: StepGraphs, size: int) -> None:
+        share_inputs(graphs, size, self.rank)
+
+
+def share_inputs(graphs: StepGraphs, size: int, rank: int) -> None:
+    """The first node of every pass of bucket `size`: rank 0's static inputs broadcast into every rank's."""
+    inputs = graphs.target_inputs(size)
+    if rank == 0:
+        dist.broadcast(protocol.pack_graph_inputs(inputs), src=0)
+        return
+    payload = torch.empty(sum(t.numel() for t in inputs), dtype=torch.int32, device=graphs.device)
+    dist.broadcast(payload, src=0)
+    protocol.unpack_graph_inputs(payload, inputs)
 
 
 def lockstep_for(model: torch.nn.Module, aux_layer_ids: tuple[int, ...]) -> TargetLockstep | None:
@@ -71,7 +113,7 @@ def capture_follower(
     values: list[int],
 ) -> tuple[int, StepGraphs]:
     """A follower's side of CAPTURE: (graph id, its graphs), captured in step with rank 0's."""
-    graph_id, (query_len, max_batch, max_model_len), aux_layer_ids = protocol.receive_capture(group, values)
+    graph_id, (query_len, max_batch, max_model_len), aux_layer_ids = protocol.receive_capture(values)
 
     def forward(step: AttentionStep, positions: torch.Tensor, x: dict[str, torch.Tensor]) -> tuple[torch.Tensor]:
         hidden, _ = model(x["input_ids"], positions, kv_layers, step, aux_layer_ids)
@@ -80,6 +122,7 @@ def capture_follower(
     graphs = StepGraphs(
         f"target shard (graph {graph_id}, query length {query_len})", forward, backend, query_len, max_batch,
         max_model_len, block_size, group.device, {"input_ids": ((), torch.int64)},
+        lockstep=FollowerLockstep(group.rank),
     )  # fmt: skip
     if graphs.max_batch != max_batch:
         raise ValueError(f"rank {group.rank} buckets up to {graphs.max_batch}, rank 0 up to {max_batch}")
@@ -88,9 +131,8 @@ def capture_follower(
 
 
 def replay_follower(graphs: StepGraphs, values: list[int]) -> None:
-    """A follower's side of REPLAY: rank 0's static inputs into this rank's buffers, then the same bucket."""
-    _graph_id, size, width = values[1:4]
-    if size not in graphs.graphs or not 0 < width <= graphs.block_table.shape[1]:
-        raise ValueError(f"a replay of bucket {size}, block-table width {width}: not captured here")
-    protocol.receive_replay(graphs.target_inputs(size, width))
+    """A follower's side of REPLAY: the same bucket's graph (it receives rank 0's inputs itself)."""
+    size = values[2]
+    if size not in graphs.graphs:
+        raise ValueError(f"a replay of bucket {size}: not captured here")
     graphs.graphs[size].replay()

@@ -1,22 +1,24 @@
 """What rank 0 sends the other ranks, so that they run the same target calls on their shards.
 
-Each message is a fixed header of host integers on the gloo control group (the op and the sizes), then,
-where the op has one, a payload on the default group (NCCL on CUDA: device tensors, no host copy):
+Each op is one message in the shared-memory ring (channel.py: the op, its sizes and any host-side values,
+a few microseconds), then, where the op has one, one payload on the default group (NCCL on CUDA: device
+tensors, no host copy). Followers never wait on the device to learn what to run next.
 
-- LOAD (model id, byte count): a JSON body on the control group (the LoadModelRequest and the target's
+- LOAD (model id, byte count): a JSON body on the gloo control group (the LoadModelRequest and the target's
   backend); every rank then reports on the control group whether it built its shard.
 - CACHE (model id, blocks, block size): each rank allocates its KV cache (its own heads) and reports.
 - FORWARD (model id, tokens, requests, block-table width, max query / sequence length, causal, tree mask,
-  captured layers): one int64 tensor holding input ids, positions, slots, block table, query starts,
-  sequence lengths, the tree mask and the captured layer ids, in that order.
-- LOGITS (model id, rows): the hidden rows [rows, hidden] whose logits rank 0 wants.
+  logits rows, captured layers..., the captured layer ids): one int64 tensor holding input ids, positions,
+  slots, block table, query starts, sequence lengths, the tree mask and the rows whose logits follow, in that
+  order. Logits rows: NO_LOGITS, ALL_ROWS, or how many row indices the payload ends with. So a step's forward
+  and its logits are one message (every rank holds the same final hidden states: no hidden rows travel).
+- LOGITS (model id, rows): the hidden rows [rows, hidden] whose logits rank 0 wants (calls outside a step).
 - MOVE_KV (model id, slots): source and destination cache slots (tree drafting's accepted K/V), int64.
-- CAPTURE (model id, graph id, query length, largest batch, context length, captured layers): every rank
-  captures the target's CUDA graphs of one kind, bucket by bucket in the same order (parallel/graphs.py); the
-  captured layer ids follow on the control group.
-- REPLAY (model id, graph id, bucket, block-table width): the static inputs the target reads, int64 (positions,
-  slots, sequence lengths, block table, input ids); then every rank replays that bucket's graph.
-- UNLOAD (model id), STOP, NOOP (an idle rank 0's keep-alive, so the followers' wait never times out).
+- CAPTURE (model id, graph id, query length, largest batch, context length, captured layers..., their ids):
+  every rank captures the target's CUDA graphs of one kind, bucket by bucket in the same order (graphs.py).
+- REPLAY (model id, graph id, bucket): every rank replays that bucket's graph. No payload: the graph itself
+  starts with a broadcast of rank 0's static inputs (graphs.py), captured with the rest.
+- UNLOAD (model id), STOP.
 
 Sampling, scheduling and drafting happen on rank 0 only, so sampling settings never travel.
 """
@@ -25,15 +27,18 @@ from __future__ import annotations
 
 import enum
 import json
+import time
 from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 
-from executor_service.attention_step import AttentionStep, to_device
+from executor_service.attention_step import AttentionStep
 from executor_service.parallel.state import TensorParallelGroup
 
 HEADER = 12
+LOAD_POLL_S = 0.01
+NO_LOGITS, ALL_ROWS = -1, 0  # a FORWARD's logits rows besides a count of row indices
 MAX_LOAD_BYTES = 64 << 20
 MAX_FEATURE_LAYERS = 256  # a CAPTURE's captured layer ids, at most
 
@@ -45,24 +50,23 @@ class Op(enum.IntEnum):
     FORWARD = 3
     LOGITS = 4
     CACHE = 5
-    NOOP = 6  # keep-alive from an idle rank 0
+    # 6: the keep-alive of the gloo control wait, gone with it
     MOVE_KV = 7
     CAPTURE = 8
     REPLAY = 9
 
 
+def send_message(group: TensorParallelGroup, op: Op, *values: int) -> None:
+    """One message to every follower (rank 0, holding the group's lock)."""
+    assert group.ring is not None, "rank 0 of a group without a control ring"
+    group.ring.send([int(op), *values], group.wait_for_followers)
+
+
 def send_header(group: TensorParallelGroup, op: Op, *values: int) -> None:
-    header = torch.zeros(HEADER, dtype=torch.int64)
-    header[0] = int(op)
-    header[1 : 1 + len(values)] = torch.tensor(values, dtype=torch.int64)
-    dist.broadcast(header, src=0, group=group.control)
-
-
-def receive_header(group: TensorParallelGroup) -> tuple[Op, list[int]]:
-    header = torch.empty(HEADER, dtype=torch.int64)
-    dist.broadcast(header, src=0, group=group.control)
-    values = header.tolist()
-    return Op(values[0]), values[1:]
+    """A message of fixed fields (at most HEADER - 1)."""
+    if len(values) >= HEADER:
+        raise ValueError(f"{len(values)} header fields")
+    send_message(group, op, *values)
 
 
 def send_load(group: TensorParallelGroup, model_id: int, body: dict) -> None:
@@ -70,7 +74,8 @@ def send_load(group: TensorParallelGroup, model_id: int, body: dict) -> None:
     if len(data) > MAX_LOAD_BYTES:
         raise ValueError(f"a load message of {len(data)} bytes is over {MAX_LOAD_BYTES}")
     send_header(group, Op.LOAD, model_id, len(data))
-    dist.broadcast(torch.frombuffer(bytearray(data), dtype=torch.uint8), src=0, group=group.control)
+    body = torch.frombuffer(bytearray(data), dtype=torch.uint8)
+    wait_while_alive(group, dist.broadcast(body, src=0, group=group.control, async_op=True))
 
 
 def receive_load(group: TensorParallelGroup, num_bytes: int) -> dict:
@@ -84,8 +89,21 @@ def receive_load(group: TensorParallelGroup, num_bytes: int) -> dict:
 def all_loaded(group: TensorParallelGroup, ok: bool) -> int:
     """Every rank says whether its shard is built; the number of ranks that failed."""
     failed = torch.tensor([0 if ok else 1], dtype=torch.int64)
-    dist.all_reduce(failed, group=group.control)
+    work = dist.all_reduce(failed, group=group.control, async_op=True)
+    if group.is_driver:
+        wait_while_alive(group, work)
+    else:
+        work.wait()
     return int(failed.item())
+
+
+def wait_while_alive(group: TensorParallelGroup, work: dist.Work) -> None:
+    """Rank 0 waits for a gloo op of a load, which may take minutes on every rank, but no longer than the
+    group lives: a follower frozen meanwhile (the watchdog's heartbeat) fails it with RankUnavailable."""
+    while not work.is_completed():
+        group.check_alive()
+        time.sleep(LOAD_POLL_S)
+    work.wait()  # raises what the op raised
 
 
 @dataclass
@@ -94,27 +112,36 @@ class ForwardCall:
     positions: torch.Tensor
     step: AttentionStep
     aux_layer_ids: tuple[int, ...]
+    logits_rows: torch.Tensor | None = None  # the rows whose logits follow (logits_of: which, if any)
+    logits_of: int = NO_LOGITS  # NO_LOGITS, ALL_ROWS, or the number of row indices in logits_rows
 
 
 def send_forward(group: TensorParallelGroup, model_id: int, call: ForwardCall) -> None:
     step = call.step
     tokens, (batch, width) = call.input_ids.shape[0], step.block_table.shape
     tree = step.tree_mask is not None
-    send_header(
+    aux = call.aux_layer_ids
+    if len(aux) > MAX_FEATURE_LAYERS:
+        raise ValueError(f"a forward capturing {len(aux)} layers")
+    send_message(
         group, Op.FORWARD, model_id, tokens, batch, width, step.max_query_len, step.max_seq_len, int(step.causal),
-        int(tree), len(call.aux_layer_ids),
+        int(tree), call.logits_of, len(aux), *aux,
     )  # fmt: skip
-    device = call.input_ids.device
     parts = [call.input_ids, call.positions, step.slot_mapping, step.block_table.flatten(), step.query_start_loc]
     parts += [step.seq_lens] + ([step.tree_mask] if tree else [])
-    parts.append(to_device(list(call.aux_layer_ids), torch.int64, device))  # no wait for the step in flight
+    parts += [call.logits_rows] if call.logits_of > 0 and call.logits_rows is not None else []
     payload = torch.cat([p.to(torch.int64) for p in parts])
     dist.broadcast(payload, src=0)
 
 
 def receive_forward(values: list[int], backend: str, device: torch.device) -> ForwardCall:
-    tokens, batch, width, max_query_len, max_seq_len, causal, tree, num_aux = values[1:9]
-    sizes = [tokens, tokens, tokens, batch * width, batch + 1, batch] + ([tokens] if tree else []) + [num_aux]
+    """The FORWARD whose message fields are `values` (the model id first): its payload, received; no host sync."""
+    tokens, batch, width, max_query_len, max_seq_len, causal, tree, logits_of, num_aux = values[1:10]
+    aux = tuple(values[10 : 10 + num_aux])
+    if len(aux) != num_aux or logits_of < NO_LOGITS:
+        raise ValueError(f"a malformed forward message {values[:10]}")
+    sizes = [tokens, tokens, tokens, batch * width, batch + 1, batch] + ([tokens] if tree else [])
+    sizes += [logits_of] if logits_of > 0 else []
     payload = torch.empty(sum(sizes), dtype=torch.int64, device=device)
     dist.broadcast(payload, src=0)
     parts = list(payload.split(sizes))
@@ -130,7 +157,8 @@ def receive_forward(values: list[int], backend: str, device: torch.device) -> Fo
         causal=bool(causal),
         tree_mask=parts[6] if tree else None,
     )
-    return ForwardCall(input_ids, positions, step, tuple(parts[-1].tolist()))
+    rows = parts[-1] if logits_of > 0 else None
+    return ForwardCall(input_ids, positions, step, aux, rows, logits_of)
 
 
 def send_move(group: TensorParallelGroup, model_id: int, src: torch.Tensor, dst: torch.Tensor) -> None:
@@ -159,32 +187,27 @@ def receive_logits(values: list[int], hidden_size: int, dtype: torch.dtype, devi
 def send_capture(group: TensorParallelGroup, model_id: int, graph_id: int, shape: tuple[int, int, int],
                  aux_layer_ids: tuple[int, ...]) -> None:  # fmt: skip
     """`shape`: the graphs' query length, largest batch and context length."""
-    send_header(group, Op.CAPTURE, model_id, graph_id, *shape, len(aux_layer_ids))
-    if aux_layer_ids:
-        dist.broadcast(torch.tensor(aux_layer_ids, dtype=torch.int64), src=0, group=group.control)
+    if len(aux_layer_ids) > MAX_FEATURE_LAYERS:
+        raise ValueError(f"a capture of {len(aux_layer_ids)} feature layers")
+    send_message(group, Op.CAPTURE, model_id, graph_id, *shape, len(aux_layer_ids), *aux_layer_ids)
 
 
-def receive_capture(group: TensorParallelGroup, values: list[int]) -> tuple[int, tuple[int, int, int], tuple[int, ...]]:
+def receive_capture(values: list[int]) -> tuple[int, tuple[int, int, int], tuple[int, ...]]:
     """(graph id, (query length, largest batch, context length), captured layer ids) of a CAPTURE."""
     graph_id, query_len, max_batch, max_model_len, num_aux = values[1:6]
-    if not 0 <= num_aux <= MAX_FEATURE_LAYERS:
+    aux = tuple(values[6 : 6 + num_aux])
+    if not 0 <= num_aux <= MAX_FEATURE_LAYERS or len(aux) != num_aux:
         raise ValueError(f"a capture of {num_aux} feature layers")
-    aux = torch.empty(num_aux, dtype=torch.int64)
-    if num_aux:
-        dist.broadcast(aux, src=0, group=group.control)
-    return graph_id, (query_len, max_batch, max_model_len), tuple(aux.tolist())
+    return graph_id, (query_len, max_batch, max_model_len), aux
 
 
-def send_replay(group: TensorParallelGroup, model_id: int, graph_id: int, size: int, width: int,
-                inputs: list[torch.Tensor]) -> None:  # fmt: skip
-    """`inputs`: the bucket's static input views (StepGraphs.target_inputs), already filled for this step."""
-    send_header(group, Op.REPLAY, model_id, graph_id, size, width)
-    dist.broadcast(torch.cat([t.flatten().to(torch.int64) for t in inputs]), src=0)
+def pack_graph_inputs(inputs: list[torch.Tensor]) -> torch.Tensor:
+    """Rank 0's static inputs of one bucket as one int32 tensor (positions, slots, token ids and block ids all
+    fit), the payload a graph broadcasts first (graphs.py)."""
+    return torch.cat([t.flatten().to(torch.int32) for t in inputs])
 
 
-def receive_replay(inputs: list[torch.Tensor]) -> None:
-    """Fill this rank's static input views (the same as rank 0's, in the same order) from rank 0's."""
-    payload = torch.empty(sum(t.numel() for t in inputs), dtype=torch.int64, device=inputs[0].device)
-    dist.broadcast(payload, src=0)
+def unpack_graph_inputs(payload: torch.Tensor, inputs: list[torch.Tensor]) -> None:
+    """Fill this rank's static input views (the same as rank 0's, in the same order) from the payload."""
     for view, part in zip(inputs, payload.split([t.numel() for t in inputs]), strict=True):
         view.copy_(part.view(view.shape))

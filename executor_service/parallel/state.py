@@ -1,9 +1,10 @@
 """Tensor-parallel state of this process: its rank, the groups, and whether a rank has failed.
 
 One process per device. The default group (NCCL on CUDA, gloo on the CPU) carries the model's collectives
-and the steps' tensors; a gloo group carries the small host-side control messages, so a follower waiting
-for the next step blocks on a socket, not inside an NCCL kernel with a watchdog timeout. As in vLLM, the
-state is per process (`get_tp_group`), set once at start.
+and the steps' tensors. Rank 0's op messages go through a shared-memory ring (channel.py): a follower waiting
+for the next step polls memory, not a socket or an NCCL kernel with a timeout. A gloo group carries what the
+rare ops (a load, a cache) need back from every rank. As in vLLM, the state is per process (`get_tp_group`),
+set once at start.
 """
 
 from __future__ import annotations
@@ -19,15 +20,31 @@ import torch
 import torch.distributed as dist
 
 from executor_service.config import ModelConfig
+from executor_service.parallel.channel import ControlRing
 from specdec_runtime.errors import FieldViolation, SpecdecError
 
 FLAG = "--tensor-parallel-size"
 MAX_TENSOR_PARALLEL_SIZE = 64
 # A step's collectives finish in seconds; a dead peer on NCCL is noticed at this timeout at the latest.
 STEP_TIMEOUT = timedelta(minutes=5)
-# Followers wait for rank 0's next op on the control group; an idle rank 0 sends a no-op every KEEPALIVE_S.
-CONTROL_TIMEOUT = timedelta(days=1)
-KEEPALIVE_S = float(os.environ.get("SPECDEC_TP_KEEPALIVE_S", "600"))
+# The gloo group of the rare ops: a load's body and every rank's answer (a load may take long on one rank).
+CONTROL_TIMEOUT = timedelta(hours=2)
+
+
+def env_seconds(name: str, default: float) -> float:
+    """A positive number of seconds from the environment (ValueError naming the variable otherwise)."""
+    raw = os.environ.get(name)
+    value = float(raw) if raw else default
+    if not value > 0:
+        raise ValueError(f"{name} must be a positive number of seconds, not {raw!r}")
+    return value
+
+
+# Rank 0's watchdog (launcher.py): a step op (forward, logits, K/V move, graph replay) in flight longer than
+# this breaks the group (a collective that will never meet: far below STEP_TIMEOUT); a follower whose
+# heartbeat (channel.py) is older than HEARTBEAT_TIMEOUT does too (frozen, or gone).
+STEP_WATCHDOG_ENV, HEARTBEAT_ENV = "SPECDEC_TP_STEP_WATCHDOG_S", "SPECDEC_TP_HEARTBEAT_TIMEOUT_S"
+STEP_WATCHDOG_S, HEARTBEAT_TIMEOUT_S = 60.0, 5.0
 
 
 class RankUnavailable(SpecdecError):
@@ -41,10 +58,11 @@ class TensorParallelGroup:
     rank: int
     world_size: int
     device: torch.device
-    control: dist.ProcessGroup | None = None  # gloo: the control messages (protocol.py)
+    control: dist.ProcessGroup | None = None  # gloo: what the rare ops need back from every rank (protocol.py)
+    ring: ControlRing | None = None  # rank 0's op messages (channel.py)
     lock: threading.Lock = field(default_factory=threading.Lock)  # rank 0: one op on the wire at a time
     failure: str | None = None  # why the group can no longer run steps
-    last_op: float = field(default_factory=time.monotonic)  # rank 0: when the last op began (keep-alive)
+    step_since: float | None = None  # rank 0: when the step op in flight began (the step watchdog)
 
     @property
     def is_driver(self) -> bool:
@@ -54,6 +72,11 @@ class TensorParallelGroup:
         if self.failure is None:
             self.failure = reason[:500]
 
+    def wait_for_followers(self) -> None:
+        """Between polls while rank 0 waits on the followers (a full ring): raises once the group has failed."""
+        self.check_alive()
+        time.sleep(50e-6)
+
     def check_alive(self) -> None:
         if self.failure is not None:
             raise RankUnavailable(f"tensor parallelism is broken: {self.failure}; restart the executor")
@@ -62,7 +85,9 @@ class TensorParallelGroup:
 _group: TensorParallelGroup | None = None
 
 
-def init_tensor_parallel(rank: int, world_size: int, init_method: str, device: torch.device) -> TensorParallelGroup:
+def init_tensor_parallel(
+    rank: int, world_size: int, init_method: str, device: torch.device, ring: ControlRing | None = None
+) -> TensorParallelGroup:
     """Join the group (every rank calls it with the same world size and init method)."""
     global _group
     backend = "nccl" if device.type == "cuda" else "gloo"
@@ -72,7 +97,7 @@ def init_tensor_parallel(rank: int, world_size: int, init_method: str, device: t
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // world_size))
     dist.init_process_group(backend, init_method=init_method, rank=rank, world_size=world_size, timeout=STEP_TIMEOUT)
     control = dist.new_group(backend="gloo", timeout=CONTROL_TIMEOUT)
-    _group = TensorParallelGroup(rank, world_size, device, control)
+    _group = TensorParallelGroup(rank, world_size, device, control, ring)
     return _group
 
 

@@ -1,16 +1,20 @@
 """Ranks 1..N-1: follow rank 0's ops (protocol.py) on this rank's shard until STOP or rank 0 is gone.
 
 A follower has no server, scheduler, sampler or drafter: it loads the target as rank 0 does, keeps its
-shard, and runs each forward and logits call rank 0 sends, taking part in the collectives. Anything that
-goes wrong here would leave it out of step with rank 0, so it exits non-zero and rank 0's watchdog
-(launcher.py) marks the group broken.
+shard, and runs each forward and logits call rank 0 sends, taking part in the collectives. It reads rank 0's
+messages from the shared-memory ring (channel.py), polling; a thread of its own beats there, so rank 0 sees a
+frozen follower. Anything that goes wrong here would leave it out of step with rank 0, so it exits non-zero
+and rank 0's watchdog (launcher.py) marks the group broken. It exits too when rank 0 is gone.
 """
 
 from __future__ import annotations
 
 import argparse
 import logging
+import os
 import sys
+import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -20,13 +24,37 @@ from executor_service.cuda_graphs import StepGraphs
 from executor_service.kv_cache import KVCache, copy_kv_slots
 from executor_service.model import DecoderModel
 from executor_service.parallel import protocol
+from executor_service.parallel.channel import ControlRing
 from executor_service.parallel.graphs import capture_follower, replay_follower
 from executor_service.parallel.layers import rank_config
-from executor_service.parallel.protocol import Op
+from executor_service.parallel.protocol import NO_LOGITS, Op
 from executor_service.parallel.state import TensorParallelGroup, init_tensor_parallel
 from specdec.v1 import executor_pb2
 
 log = logging.getLogger("specdec.executor.follower")
+# Polling the ring without sleeping for this long after each message keeps a step's start within microseconds
+# on a GPU host (a core per rank); then sleeps of up to 1 ms. The CPU's ranks share its cores: no spinning.
+SPIN_ENV = "SPECDEC_TP_SPIN_S"
+CUDA_SPIN_S = 0.05
+PARENT_CHECK_S = 1.0
+
+
+class RankZeroGone(RuntimeError):
+    pass
+
+
+def parent_watch() -> Callable[[float], None]:
+    """The ring's idle callback: raises once rank 0 (this process's parent) is gone."""
+    parent, checked = os.getppid(), [time.monotonic()]
+
+    def idle(_waited: float) -> None:
+        now = time.monotonic()
+        if now - checked[0] >= PARENT_CHECK_S:
+            checked[0] = now
+            if os.getppid() != parent:
+                raise RankZeroGone(f"rank 0 (pid {parent}) is gone")
+
+    return idle
 
 
 @dataclass
@@ -51,14 +79,15 @@ def load_shard(group: TensorParallelGroup, body: dict, model_root: Path | None) 
 
 
 @torch.inference_mode()
-def follow(group: TensorParallelGroup, model_root: Path | None) -> None:
+def follow(group: TensorParallelGroup, ring: ControlRing, model_root: Path | None) -> None:
     shards: dict[int, Shard] = {}
+    spin_s = float(os.environ.get(SPIN_ENV) or (CUDA_SPIN_S if group.device.type == "cuda" else 0.0))
+    idle = parent_watch()
     while True:
-        op, values = protocol.receive_header(group)
+        message = ring.receive(idle, spin_s)
+        op, values = Op(message[0]), message[1:]
         if op == Op.STOP:
             return
-        if op == Op.NOOP:
-            continue
         model_id = values[0]
         if op == Op.LOAD:
             body = protocol.receive_load(group, values[1])
@@ -85,7 +114,11 @@ def follow(group: TensorParallelGroup, model_root: Path | None) -> None:
             shard = shards[model_id]
             assert shard.kv_cache is not None, "a forward call before the KV cache"
             call = protocol.receive_forward(values, shard.backend, group.device)
-            shard.model(call.input_ids, call.positions, shard.kv_cache.layers, call.step, call.aux_layer_ids)
+            hidden, _ = shard.model(
+                call.input_ids, call.positions, shard.kv_cache.layers, call.step, call.aux_layer_ids
+            )
+            if call.logits_of != NO_LOGITS:  # the same rows as rank 0's (every rank holds the same hidden states)
+                shard.model.compute_logits(hidden if call.logits_rows is None else hidden[call.logits_rows])
         elif op == Op.MOVE_KV:
             shard = shards[model_id]
             assert shard.kv_cache is not None, "a K/V move before the KV cache"
@@ -110,12 +143,15 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--world-size", type=int, required=True)
     parser.add_argument("--init-method", required=True, help="tcp://host:port of rank 0's store")
     parser.add_argument("--device", required=True)
+    parser.add_argument("--control", required=True, help="rank 0's control ring (channel.py)")
     parser.add_argument("--model-root")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format=f"%(asctime)s rank {args.rank} %(levelname)s %(message)s")
+    ring = ControlRing.attach(Path(args.control), args.rank, args.world_size)
+    ring.start_heartbeat()
     group = init_tensor_parallel(args.rank, args.world_size, args.init_method, torch.device(args.device))
     try:
-        follow(group, Path(args.model_root) if args.model_root else None)
+        follow(group, ring, Path(args.model_root) if args.model_root else None)
     except Exception as err:  # rank 0 gone (a closed connection) or out of step: nothing left to follow
         log.error("rank %d stops following: %s", args.rank, str(err)[:300])
         return 1

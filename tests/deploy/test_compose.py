@@ -68,7 +68,8 @@ def test_docker_compose_reads_the_file_as_we_do(tmp_path: Path) -> None:
     assert result.returncode == 0, result.stderr
     theirs = yaml.safe_load(result.stdout)["services"]
     ours = load_compose({})["services"]
-    assert sorted(theirs) == sorted(ours) == ["client", "executor-0", "executor-1", "executor-cpu", "selector"]
+    services = ["client", "executor-0", "executor-1", "executor-cpu", "gateway", "selector"]
+    assert sorted(theirs) == sorted(ours) == services
     for name, service in ours.items():
         for key in ("environment", "entrypoint", "command", "profiles", "deploy", "depends_on", "read_only"):
             assert theirs[name].get(key) == service.get(key), (name, key)
@@ -116,7 +117,7 @@ def test_one_gpu_per_executor_and_a_cpu_profile() -> None:
 
 
 def test_images_run_as_an_unprivileged_user() -> None:
-    for dockerfile in ("deploy/selector.Dockerfile", "deploy/executor.Dockerfile"):
+    for dockerfile in ("deploy/selector.Dockerfile", "deploy/executor.Dockerfile", "deploy/gateway.Dockerfile"):
         final_stage = (REPO_ROOT / dockerfile).read_text().rsplit("\nFROM ", 1)[1]
         users = [line.split()[1] for line in final_stage.splitlines() if line.startswith("USER ")]
         assert users and users[-1] not in ("root", "0"), dockerfile

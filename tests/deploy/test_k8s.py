@@ -105,3 +105,24 @@ def test_the_load_config_map_holds_a_load_model_request_the_executor_reads():
     config = resource("ConfigMap", volume["configMap"]["name"])
     request = json_format.ParseDict(yaml.safe_load(config["data"][load_path.name]), executor_pb2.LoadModelRequest())
     assert request.target.path and request.draft.num_speculative_tokens > 0
+
+
+def test_the_gateway_is_a_stateless_deployment_reaching_the_executors_headless_service():
+    gateway = resource("Deployment", "specdec-gateway")
+    assert gateway["spec"]["replicas"] >= 2
+    pod = container(gateway)
+    assert pod["securityContext"]["readOnlyRootFilesystem"] is True and "volumeMounts" not in pod
+    assert pod["readinessProbe"]["httpGet"] == {"path": "/health", "port": "http"}  # ready while an executor serves
+    assert pod["livenessProbe"]["httpGet"] == {"path": "/metrics", "port": "http"}  # alive while it answers
+    settings = env(gateway)
+    executor_service = resource("Service", "specdec-executor")
+    port = executor_service["spec"]["ports"][0]["port"]
+    assert settings["SPECDEC_EXECUTOR"] == f"dns:///{executor_service['metadata']['name']}:{port}"
+    assert (
+        float(settings["SPECDEC_GRACE_SECONDS"]) < gateway["spec"]["template"]["spec"]["terminationGracePeriodSeconds"]
+    )
+    (http_port,) = pod["ports"]
+    assert http_port["containerPort"] == int(settings["SPECDEC_PORT"])
+    service = resource("Service", "specdec-gateway")
+    assert service["spec"]["selector"].items() <= gateway["spec"]["template"]["metadata"]["labels"].items()
+    assert service["spec"]["ports"][0]["targetPort"] == http_port["name"]

@@ -115,11 +115,11 @@ def test_a_drafter_that_knows_the_target_has_every_draft_accepted() -> None:
 
 @pytest.mark.parametrize(
     ("setting", "graphs", "expected"),
-    [(None, False, True), (None, True, False), (True, True, True), (False, False, False)],
+    [(None, False, False), (None, True, False), (True, True, True), (True, False, True), (False, False, False)],
 )
 def test_which_drafts_a_sampled_request_gets(setting: bool | None, graphs: bool, expected: bool) -> None:
-    """--sampled-drafts: on, off, or auto (drawn from q only where the drafter runs without CUDA graphs, which the
-    sampled chain would give up). The drafts follow: q kept for verification, or argmax drafts without one."""
+    """--sampled-drafts: on, off, or auto (the argmax: the rule does not depend on CUDA graphs). The drafts
+    follow: q kept for verification (on the host path), or argmax drafts without one (the device step)."""
     session = spec_session("eagle3", 3)
     proposer = session.proposer
     assert proposer is not None

@@ -66,6 +66,26 @@ def test_triton_rms_norm_matches_reference(rows: int, size: int) -> None:
 
 
 @triton_runs
+@pytest.mark.parametrize(("rows", "size"), [(1, 64), (3, 576), (5, 100)])
+def test_triton_add_rms_norm_writes_the_sum_and_its_norm(rows: int, size: int) -> None:
+    generator = torch.Generator().manual_seed(size)
+    x = (torch.randn(rows, 2 * size, generator=generator) * 3).to(DEVICE)[:, :size]  # a strided row layout
+    residual = torch.randn(rows, size, generator=generator).to(DEVICE)
+    weight = torch.randn(size, generator=generator).to(DEVICE)
+    normed, stream = fused_ops.triton_add_rms_norm(x, residual, weight, 1e-5)
+    expected_stream = x.double().cpu() + residual.double().cpu()
+    _close(stream, expected_stream, 1e-6)
+    _close(normed, rms_norm_reference(expected_stream, weight, 1e-5), 1e-5)
+
+
+def test_add_rms_norm_without_a_residual_is_the_norm_of_x() -> None:
+    x, weight = torch.randn(2, 32).to(DEVICE), torch.randn(32).to(DEVICE)
+    normed, stream = fused_ops.add_rms_norm(x, None, weight, 1e-6)
+    assert stream is x
+    _close(normed, rms_norm_reference(x, weight, 1e-6), 1e-5)
+
+
+@triton_runs
 def test_triton_rms_norm_keeps_fp16_statistics_in_fp32() -> None:
     """Squares of 300 overflow fp16 (max 65504): statistics in fp16 would give inf and a zero row."""
     generator = torch.Generator().manual_seed(1)

@@ -33,7 +33,7 @@ def cuda_tree_session(method: str, shape: str, cuda_graphs: bool = True) -> Mode
         cuda_graphs=cuda_graphs,
     )  # fmt: skip
     tree_step = session.engine.tree_step
-    assert tree_step is not None and (tree_step.graphs is not None) == cuda_graphs
+    assert tree_step is not None and bool(tree_step.graphs) == cuda_graphs
     tree_step.counts.clear()  # the warm-up's steps
     return session
 

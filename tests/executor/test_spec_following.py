@@ -53,10 +53,10 @@ def test_following_inputs_are_what_the_host_builds_after_booking(monkeypatch: py
     launched: list[tuple[list[Request], dict[str, torch.Tensor]]] = []
     calls = {"forward": None}
 
-    def recording_forward(step, positions, x):  # type: ignore[no-untyped-def]
+    def recording_forward(step, positions, x, variant):  # type: ignore[no-untyped-def]
         metadata = {"positions": positions, "seq_lens": step.seq_lens, "slot_mapping": step.slot_mapping}
         calls["forward"] = {name: tensor.clone() for name, tensor in (metadata | x).items()}
-        return forward(step, positions, x)
+        return forward(step, positions, x, variant)
 
     def forced_following(previous, requests):  # type: ignore[no-untyped-def]
         with torch.inference_mode():

@@ -22,6 +22,7 @@ from spec_builders import spec_session
 from test_engine import Collector
 
 import executor_service.rejection_sampler as rejection_sampler
+import executor_service.verifier as verifier
 from executor_service.draft_sampling import DraftSampler
 from executor_service.model import DecoderModel
 from executor_service.rejection_sampler import DraftProbs, Verdict
@@ -130,6 +131,7 @@ def test_sampled_drafts_of_the_other_drafters_keep_the_target_distribution(metho
     session = batch_session(method)
     assert session.proposer is not None
     session.proposer.draft_support = support
+    session.proposer.sample_drafts = True  # drawn from q: verified on the host path
     settings = SETTINGS["temperature"]
     exact = exact_marginals(session.loaded.model, settings)
     empirical, drafted, accepted = run_requests(session, settings)
@@ -149,21 +151,43 @@ def uniform_q(self: DraftSampler, count: int) -> list[DraftProbs | None]:
     return [None if q is None else DraftProbs(q.ids, torch.full_like(q.probs, 1.0 / VOCAB)) for q in found]
 
 
+def device_accepts_all(logprobs: torch.Tensor, layout: verifier.DraftLayout, *_: object) -> torch.Tensor:
+    """In place of the verifier's sampled rule: every draft hits."""
+    return torch.ones_like(layout.tokens, dtype=torch.bool)
+
+
+def device_without_residual(logprobs, layout, last, seed, step_key, constants):  # type: ignore[no-untyped-def]
+    """In place of the verifier's final draw: from p, the rejected draft not removed."""
+    kept = verifier.DraftLayout(**{**layout.__dict__, "present": torch.zeros_like(layout.tokens, dtype=torch.bool)})
+    return TRUE_FINAL_DRAWS(logprobs, kept, last, seed, step_key, constants)
+
+
+TRUE_FINAL_DRAWS = verifier._final_draws
+
+
 @pytest.mark.parametrize(
     ("part", "broken"),
     [
         ("rejection_sample_batch", always_accept),
         ("residual_weights", resample_from_target),
         ("DraftSampler.probs_of", uniform_q),
+        ("verifier._sampled_hits", device_accepts_all),
+        ("verifier._final_draws", device_without_residual),
     ],
 )
 def test_the_bound_catches_a_wrong_verification(
     session: ModelSession, part: str, broken: Callable[..., object], monkeypatch: pytest.MonkeyPatch
 ) -> None:
+    """The host path's parts with drafts drawn from q; the device step's (verifier.py) with argmax drafts."""
     settings = SETTINGS["temperature"]
     exact = exact_marginals(session.loaded.model, settings)
+    assert session.proposer is not None
+    on_device = part.startswith("verifier.")
+    monkeypatch.setattr(session.proposer, "sample_drafts", not on_device)
     if part == "DraftSampler.probs_of":
         monkeypatch.setattr(DraftSampler, "probs_of", broken)
+    elif on_device:
+        monkeypatch.setattr(verifier, part.split(".")[1], broken)
     else:
         monkeypatch.setattr(rejection_sampler, part, broken)
     empirical, _, _ = run_requests(session, settings)

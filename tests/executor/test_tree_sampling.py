@@ -10,6 +10,7 @@ from test_spec_sampling import BATCH, BOUND, SETTINGS, VOCAB, exact_marginals, r
 from test_tree_decode import tree_session
 
 import executor_service.tree_verification as tree_verification
+import executor_service.verifier as verifier
 from executor_service.session import ModelSession
 from executor_service.tree_verification import DraftTree, TreeVerdict
 from specdec.v1 import common_pb2
@@ -56,10 +57,24 @@ def test_tree_sampling_keeps_the_target_distribution(shape: str, method: str) ->
     assert max(distances) < BOUND, distances
 
 
-def test_the_bound_catches_a_wrong_tree_sampler(monkeypatch: pytest.MonkeyPatch) -> None:
+def without_residual(logprobs, layout, last, seed, step_key, constants):  # type: ignore[no-untyped-def]
+    """In place of the verifier's final draw: from p, the rejected children not removed."""
+    kept = verifier.DraftLayout(**{**layout.__dict__, "present": torch.zeros_like(layout.tokens, dtype=torch.bool)})
+    return TRUE_FINAL_DRAWS(logprobs, kept, last, seed, step_key, constants)
+
+
+TRUE_FINAL_DRAWS = verifier._final_draws
+
+
+@pytest.mark.parametrize("path", ["host", "device"])
+def test_the_bound_catches_a_wrong_tree_sampler(path: str, monkeypatch: pytest.MonkeyPatch) -> None:
     spec = session("static_2_2")
     settings = SETTINGS["temperature"]
-    monkeypatch.setattr(tree_verification, "sample_tree", no_residual)
+    if path == "host":
+        monkeypatch.setattr(spec.engine, "tree_step", None)
+        monkeypatch.setattr(tree_verification, "sample_tree", no_residual)
+    else:
+        monkeypatch.setattr(verifier, "_final_draws", without_residual)
     empirical, _, _ = run_requests(spec, settings)
     distances = total_variations(empirical, exact_marginals(spec.loaded.model, settings))
     assert distances[0] < BOUND  # the prefill verifies no drafts

@@ -26,21 +26,24 @@ if not torch.cuda.is_available():
 
 RUN = Path(__file__).with_name("tp_greedy_run.py")
 BACKEND = "TRITON_ATTN"
-CHAINS = ("none", "eagle3", "dflash")  # target graphs: decode, and the device-resident speculative step
+CHAINS = ("none", "eagle3", "dflash")
+RUN_TIMEOUT_S = float(
+    os.environ.get("SPECDEC_TP_TEST_TIMEOUT_S") or 600
+)  # one TP run (scripts/gpu_tp_check.sh: 90)  # target graphs: decode, and the device-resident speculative step
 
 
 def run_tp(tp: int, graphs: bool) -> tuple[dict[str, dict[str, list[int]]], dict[str, dict[str, int]]]:
     """tp_greedy_run at TP `tp` over NCCL: each method's tokens and graph replays."""
-    run = subprocess.run(
-        [sys.executable, str(RUN), "--tp", str(tp), "--device", "cuda", "--backend", BACKEND]
-        + (["--graphs"] if graphs else []),
-        cwd=Path(__file__).resolve().parents[3],
-        env=os.environ,
-        capture_output=True,
-        text=True,
-        timeout=600,
-        check=False,
-    )
+    command = [sys.executable, str(RUN), "--tp", str(tp), "--device", "cuda", "--backend", BACKEND]
+    command += ["--graphs"] if graphs else []
+    try:
+        run = subprocess.run(
+            command, cwd=Path(__file__).resolve().parents[3], env=os.environ, capture_output=True, text=True,
+            timeout=RUN_TIMEOUT_S, check=False,
+        )  # fmt: skip
+    except subprocess.TimeoutExpired as err:  # a hang: fail now, with what the ranks had written
+        stderr = err.stderr.decode(errors="replace") if isinstance(err.stderr, bytes) else (err.stderr or "")
+        pytest.fail(f"TP {tp} (graphs {graphs}) ran past {RUN_TIMEOUT_S:g} s; stderr ends:\n{stderr[-3000:]}")
     assert run.returncode == 0, run.stderr[-3000:]
     # The two result lines, wherever they are: NCCL_DEBUG=INFO (and the followers, which share this stdout) print too.
     lines = run.stdout.splitlines()

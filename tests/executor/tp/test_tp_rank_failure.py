@@ -43,7 +43,6 @@ def spawn_tp_executor(tmp_path: Path, request: executor_pb2.LoadModelRequest, si
 @pytest.mark.skipif(not Path("/proc/self/task").exists(), reason="reads /proc for the follower's pid")
 def test_a_rank_that_dies_fails_requests_with_unavailable(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("OMP_NUM_THREADS", "1")  # three processes' thread pools on a 2-core machine
-    monkeypatch.setenv("SPECDEC_TP_KEEPALIVE_S", "0.2")  # keep-alives between the steps throughout
     request = load_request("none")
     request.num_kv_blocks = 512
     server = spawn_tp_executor(tmp_path, request, 2)

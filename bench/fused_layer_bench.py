@@ -1,0 +1,194 @@
+#!/usr/bin/env python
+"""Fused decoder layers (GPU; not a test): the small-M Triton GEMMs against cuBLAS, per shape, and a decode step.
+
+1. Per op and shape (SmolLM2-135M and Llama-3-8B; rows 1-64): the unfused ops (add + RMSNorm kernel, cuBLAS,
+   RoPE + store or SiLU-and-mul) vs the fused kernel at each tile config of a small sweep; the best fused config
+   wins the shape where it is faster. --write-table merges the winners into kernels/small_gemm_table.json.
+2. One decoder layer and the whole decode step (batch 1, CUDA graph, context 300), fused (SPECDEC_SMALL_GEMM=
+   triton), unfused (off) and as the table picks: step time, kernels per step and per layer (torch.profiler).
+Times are CUDA-graph replays of REPS back-to-back calls, divided by REPS. Writes bench/results/fused_layer_*.json.
+
+    python bench/fused_layer_bench.py [--dtypes bfloat16,float32] [--write-table] [--step-presets smollm2,llama3-8b]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+sys.path.append(str(Path(__file__).resolve().parent))
+
+import torch
+from common import PRESETS, log, provenance, time_graph, write_result
+from torch.autograd import DeviceType
+from torch.profiler import ProfilerActivity, profile
+
+from executor_service.attention_step import build_attention_step
+from executor_service.config import ModelConfig
+from executor_service.fused_layer import NormInput, gate_up_silu
+from executor_service.kv_cache import KVCache
+from executor_service.loader import build_synthetic
+from executor_service.model import Attention
+from kernels.qkv_rope_gemm import qkv_rope_store
+from kernels.small_gemm import small_gemm
+from kernels.small_gemm_table import POLICY_ENV, GemmConfig, dtype_name, merge_winners, table_key
+
+REPO = Path(__file__).resolve().parent.parent
+REPS = 20  # calls per captured graph: launch gaps as in a real step, not one kernel's host latency
+ROWS = (1, 2, 4, 8, 16, 32, 64)
+SWEEP = [GemmConfig(n, k, w) for n in (16, 32, 64) for k in (64, 128, 256) for w in (4,)]
+CONTEXT, BLOCK_SIZE = 300, 16
+
+
+def model_config(preset: str, num_layers: int | None = None) -> ModelConfig:
+    p = PRESETS[preset]
+    return ModelConfig(
+        architecture="llama", vocab_size=p["vocab"], hidden_size=p["hidden"], intermediate_size=p["intermediate"],
+        num_layers=num_layers or p["layers"], num_heads=p["heads"], num_kv_heads=p["kv_heads"],
+        head_size=p["head_size"], max_position_embeddings=4096, rope_theta=100000.0,
+        tie_word_embeddings=preset == "smollm2",
+    )  # fmt: skip
+
+
+def per_call_ms(fn: Callable[[], Any], device: torch.device) -> float:
+    """ms of one fn() inside a graph of REPS calls."""
+    for _ in range(2):
+        fn()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(REPS):
+            fn()
+    return time_graph(graph.replay, device, iters=50) / REPS
+
+
+def set_policy(policy: str) -> None:
+    os.environ[POLICY_ENV] = policy
+
+
+def op_cases(cfg: ModelConfig, rows: int, dtype: torch.dtype, device: torch.device) -> dict[str, tuple]:
+    """Per op: (n, k, unfused call, fused call of a config)."""
+    x, res = (torch.randn(rows, cfg.hidden_size, dtype=dtype, device=device) for _ in range(2))
+    norm_w = torch.ones(cfg.hidden_size, dtype=dtype, device=device)
+    attn = Attention(cfg).to(device=device, dtype=dtype)
+    cache = KVCache(cfg, 8, BLOCK_SIZE, dtype, device)  # cfg has one layer
+    cos, sin = (torch.randn(rows, 1, cfg.head_size // 2, dtype=dtype, device=device) for _ in range(2))
+    slots = torch.arange(rows, device=device)
+    gate_up = torch.nn.Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=False, device=device, dtype=dtype)
+    down_in = torch.randn(rows, cfg.intermediate_size, dtype=dtype, device=device)
+    down_w = torch.randn(cfg.hidden_size, cfg.intermediate_size, dtype=dtype, device=device)
+    inp = NormInput(x, res, norm_w, 1e-5)
+    qkv_w = attn.qkv_proj.weight
+    return {
+        "qkv_rope": (
+            qkv_w.shape[0], cfg.hidden_size,
+            lambda: attn.project_and_store(inp, (cos, sin), cache.layers[0], slots),
+            lambda c: qkv_rope_store(x, qkv_w, None, res, norm_w, 1e-5, cfg.num_heads, cfg.num_kv_heads, cos, sin,
+                                     *cache.layers[0], slots, None, c),
+        ),
+        "gate_up_silu": (
+            gate_up.out_features, cfg.hidden_size, lambda: gate_up_silu(inp, gate_up),
+            lambda c: small_gemm(x, gate_up.weight, None, res, norm_w, 1e-5, silu_mul=True, config=c),
+        ),
+        "linear": (
+            cfg.hidden_size, cfg.intermediate_size, lambda: torch.nn.functional.linear(down_in, down_w),
+            lambda c: small_gemm(down_in, down_w, config=c),
+        ),
+    }  # fmt: skip
+
+
+def gemm_table(presets: list[str], dtypes: list[torch.dtype], device: torch.device) -> tuple[list, dict]:
+    rows_out, winners = [], {}
+    set_policy("off")
+    for dtype in dtypes:
+        for preset in presets:
+            cfg = model_config(preset, 1)
+            for rows in ROWS:
+                for op, (n, k, unfused, fused) in op_cases(cfg, rows, dtype, device).items():
+                    base = per_call_ms(unfused, device)
+                    sweep = SWEEP if op != "qkv_rope" else [c for c in SWEEP if c.block_n == 32]
+                    timed = [(per_call_ms(lambda c=c, f=fused: f(c), device), c) for c in sweep]
+                    best_ms, best = min(timed, key=lambda t: t[0])
+                    row = {"dtype": dtype_name(dtype), "preset": preset, "op": op, "rows": rows, "n": n, "k": k,
+                           "unfused_us": base * 1e3, "fused_us": best_ms * 1e3, "config": best.__dict__}  # fmt: skip
+                    rows_out.append(row)
+                    log(f"{preset} {dtype_name(dtype)} {op} M={rows} N={n} K={k}: unfused {base * 1e3:.1f} us, "
+                        f"fused {best_ms * 1e3:.1f} us {best}")  # fmt: skip
+                    if best_ms < base:
+                        winners.setdefault(dtype_name(dtype), {})[table_key(op, rows, n, k)] = best.__dict__
+    return rows_out, winners
+
+
+def count_kernels(run: Callable[[], Any]) -> int:
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        run()
+        torch.cuda.synchronize()
+    names = [e.name for e in prof.events() if e.device_type == DeviceType.CUDA]
+    return sum(1 for name in names if not name.startswith(("Memcpy", "Memset")))
+
+
+def decode_step(preset: str, policy: str, dtype: torch.dtype, device: torch.device, num_layers: int | None) -> dict:
+    """One decode step of batch 1 at CONTEXT, captured as a CUDA graph: its time and kernels."""
+    set_policy(policy)
+    cfg = model_config(preset, num_layers)
+    model = build_synthetic(cfg, 0, dtype, device).model
+    cache = KVCache(cfg, CONTEXT // BLOCK_SIZE + 2, BLOCK_SIZE, dtype, device)
+    step = build_attention_step("TRITON_ATTN", [list(range(CONTEXT // BLOCK_SIZE + 1))], [1], [CONTEXT + 1],
+                                [CONTEXT], True, device)  # fmt: skip
+    ids, pos = torch.tensor([7], device=device), torch.tensor([CONTEXT], device=device)
+
+    def forward() -> None:
+        with torch.inference_mode():
+            model.compute_logits(model(ids, pos, cache.layers, step)[0])
+
+    for _ in range(2):
+        forward()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        forward()
+    step_ms = time_graph(graph.replay, device, iters=100)
+    return {"preset": preset, "policy": policy, "layers": cfg.num_layers, "dtype": dtype_name(dtype),
+            "step_ms": step_ms, "kernels": count_kernels(graph.replay)}  # fmt: skip
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    parser.add_argument("--dtypes", default="bfloat16")
+    parser.add_argument("--presets", default="smollm2,llama3-8b", help="shapes of the per-op table")
+    parser.add_argument("--step-presets", default="smollm2", help="models of the decode-step runs")
+    parser.add_argument("--write-table", action="store_true", help="merge the winners into small_gemm_table.json")
+    parser.add_argument("--out", default=str(REPO / "bench" / "results"))
+    args = parser.parse_args()
+    device = torch.device("cuda")
+    dtypes = [getattr(torch, name) for name in args.dtypes.split(",")]
+    report: dict[str, Any] = provenance("fused_layer_bench", device)
+    report["gemms"], winners = gemm_table(args.presets.split(","), dtypes, device)
+    report["winners"] = winners
+    if args.write_table:
+        merge_winners(winners, torch.cuda.get_device_name(device))
+    steps = []
+    for preset in args.step_presets.split(","):
+        for policy in ("off", "triton", "table"):
+            two, four = (decode_step(preset, policy, dtypes[0], device, n) for n in (2, 4))
+            full = decode_step(preset, policy, dtypes[0], device, None)
+            full["kernels_per_layer"] = (four["kernels"] - two["kernels"]) / 2
+            full["layer_ms"] = (four["step_ms"] - two["step_ms"]) / 2
+            log(
+                f"{preset} decode step, {policy}: {full['step_ms']:.3f} ms, {full['kernels']} kernels "
+                f"({full['kernels_per_layer']:.1f} kernels and {full['layer_ms'] * 1e3:.1f} us per layer)"
+            )
+            torch.cuda.empty_cache()
+            steps.append({**full, "two_layer_ms": two["step_ms"], "four_layer_ms": four["step_ms"]})
+    report["decode_steps"] = steps
+    write_result(Path(args.out), "fused_layer", device, report["commit"], report)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,192 @@
+"""The verifier: which drafts the target accepts and the token after them, for chains and trees, greedy and
+sampled requests, as fixed-shape tensor work (captured in the device step's graph, or run eagerly).
+
+A request's drafts are a tree in topological order with parents (-1: the root); a chain is the tree whose
+draft j has parent j - 1. Row 0 of its verify rows is the root (the newest token), row j + 1 is draft j; a
+draft's candidates for the token after it are its children. One walk decides every rule: from the root, take
+the first child that *hits*, and go on from it; where no child hits, the target's token follows.
+
+- Greedy rule: a child hits when it is the target's argmax at its parent's row; the token after the path is
+  the argmax at its last row.
+- Sampled rule (speculative sampling of point-mass drafts; with several children SpecInfer's multi-candidate
+  form): at a node with distribution p the children are tried in order; child c hits with probability
+  r(c) / sum(r), r being p less the children already rejected there (a repeated child has r(c) = 0). When
+  none hits, the token is drawn from r (a leaf's: from p). Every emitted token is then distributed exactly as
+  the target's (chains: Leviathan et al.; trees: Miao et al.).
+
+Both rules reduce to a per-draft `hit` computed for all drafts at once (a child's chance and the mass left
+before it depend only on its earlier siblings), then the same path extraction. The uniforms and the final
+draw are counter-based (device_sampling.py), keyed by the request's seed and its root's position.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from executor_service.device_sampling import (
+    NOISE_STREAM,
+    UNIFORM_STREAM,
+    SamplingTensors,
+    exponential_race,
+    sampling_logprobs,
+    step_keys,
+    uniforms,
+)
+from executor_service.fused_ops import argmax
+from executor_service.step_constants import StepConstants
+
+
+@dataclass(frozen=True)
+class DraftLayout:
+    """The drafts of B requests as a tree: tokens [B, N], parents [B, N] (-1: the root), each row's depth and
+    ancestor bits [B, N + 1] (tree_layout), the deepest level, and whether the tree is a chain (draft j's
+    parent is j - 1: the path is the first `accepted` drafts, no ancestor arithmetic). `present` [B, N]: drafts
+    that exist (a host batch pads shorter trees); None: all."""
+
+    tokens: torch.Tensor
+    parents: torch.Tensor
+    node_depth: torch.Tensor | None
+    ancestors: torch.Tensor | None
+    depth: int
+    chain: bool = False
+    present: torch.Tensor | None = None
+
+
+@dataclass(frozen=True)
+class Verdict:
+    """Per request: drafts accepted [B]; the rows [B, D + 1] of the accepted node at depth 0, 1, ... (past
+    the path: row 0); emitted [B, D + 1]: the accepted drafts, then the token after them (the first
+    accepted + 1 count; past them, unspecified)."""
+
+    accepted: torch.Tensor
+    path_rows: torch.Tensor
+    emitted: torch.Tensor
+
+
+def verify(
+    logits: torch.Tensor,
+    layout: DraftLayout,
+    sampling: SamplingTensors | None,
+    step_key: torch.Tensor,
+    sort: bool = False,
+    constants: StepConstants | None = None,
+) -> Verdict:
+    """Verify B requests' drafts from their N + 1 rows of logits each ([B * (N + 1), V], request-major).
+    `sampling` None: every request is greedy. `step_key` [B]: the root's position (the random numbers' key);
+    `sort`: some request sets top-k or top-p (device_sampling.needs_sort)."""
+    constants = constants or StepConstants(logits.device)
+    count, num = layout.tokens.shape
+    rows = num + 1
+    target_ids = argmax(logits).view(count, rows)
+    at_parents = target_ids[:, :-1] if layout.chain else target_ids.gather(1, layout.parents + 1)
+    hit = layout.tokens == at_parents
+    logprobs = None
+    if sampling is not None:
+        row_params = sampling.params[:, None, :].expand(count, rows, -1).reshape(count * rows, -1)  # no host sync
+        logprobs = sampling_logprobs(logits, row_params, sort).view(count, rows, -1)
+        sampled_hit = _sampled_hits(logprobs, layout, sampling.seed, step_key, constants)
+        hit = torch.where(sampling.greedy[:, None], hit, sampled_hit)
+    if layout.present is not None:
+        hit = hit & layout.present
+    accepted, path_rows = _walk(hit, layout, constants)
+    if sampling is None:
+        emitted = target_ids if layout.chain else target_ids.gather(1, path_rows)
+        return Verdict(accepted, path_rows, emitted)
+    assert logprobs is not None
+    last = path_rows.gather(1, accepted[:, None])[:, 0]
+    final = target_ids.gather(1, last[:, None])[:, 0]
+    drawn = _final_draws(logprobs, layout, last, sampling.seed, step_key, constants)
+    final = torch.where(sampling.greedy, final, drawn)
+    row_tokens = torch.cat([layout.tokens[:, :1], layout.tokens], dim=1)  # row r's token is draft r - 1's
+    emitted = torch.cat([row_tokens.gather(1, path_rows[:, 1:]), final[:, None]], dim=1)
+    emitted = emitted.scatter(1, accepted[:, None], final[:, None])
+    return Verdict(accepted, path_rows, emitted)
+
+
+def _sampled_hits(
+    logprobs: torch.Tensor, layout: DraftLayout, seed: torch.Tensor, step_key: torch.Tensor, constants: StepConstants
+) -> torch.Tensor:
+    """[B, N]: whether draft j is accepted when it is tried (its parent reached, its earlier siblings rejected):
+    u_j * (1 - mass of its earlier siblings) < p(j), p read at its parent's row."""
+    count, rows, vocab = logprobs.shape
+    parent_rows = constants.strided(count, rows)[:, None] + layout.parents + 1  # flat rows
+    chance = logprobs.view(-1)[parent_rows * vocab + layout.tokens].exp()  # [B, N]
+    draws = uniforms(step_keys(seed, step_key, UNIFORM_STREAM), chance.shape[1])
+    if layout.chain:
+        return draws < chance
+    num = chance.shape[1]
+    index = constants.arange(num)
+    earlier = (layout.parents[:, :, None] == layout.parents[:, None, :]) & (index[None, None, :] < index[None, :, None])
+    repeated = (earlier & (layout.tokens[:, :, None] == layout.tokens[:, None, :])).any(dim=2)
+    chance = torch.where(repeated, 0.0, chance)  # an earlier sibling with its token was rejected: no mass left
+    mass = 1.0 - (earlier.float() * chance[:, None, :]).sum(dim=2)
+    return (draws * mass < chance) & (mass > 0.0)
+
+
+def _walk(hit: torch.Tensor, layout: DraftLayout, constants: StepConstants) -> tuple[torch.Tensor, torch.Tensor]:
+    """Drafts accepted [B] and the path's rows [B, D + 1]: from the root, the first hitting child of each node."""
+    count, num = hit.shape
+    if layout.chain:
+        accepted = hit.cumprod(dim=1).sum(dim=1)
+        return accepted, constants.arange(layout.depth + 1)[None, :].expand(count, -1)
+    assert layout.node_depth is not None and layout.ancestors is not None
+    parent_rows = layout.parents + 1
+    rows = constants.arange(num + 1)
+    # Each row's first hitting child by one scatter (min), not [N, N]; the accepted nodes form one path.
+    matched = torch.where(hit, rows[1:], num + 1)
+    first = matched.new_full((count, num + 1), num + 1).scatter_reduce_(1, parent_rows, matched, "amin")
+    matches = first.gather(1, parent_rows) == rows[1:]
+    own_bits = constants.get(("draft bits", num), lambda: torch.ones_like(rows[1:]) << rows[1:])
+    bad_bits = torch.where(matches, 0, own_bits).sum(dim=1)  # distinct bits: the sum is their union
+    accepted_rows = (layout.ancestors & bad_bits[:, None]) == 0  # the row and all its ancestors match
+    accepted = accepted_rows.sum(dim=1) - 1
+    # Each accepted row's depth is distinct: scatter the rows to their depths (the root's 0 everywhere else).
+    at_depth = torch.where(accepted_rows, layout.node_depth, layout.depth + 1)  # rejected: past the last level
+    path_rows = layout.ancestors.new_zeros(count, layout.depth + 2).scatter_(1, at_depth, rows.expand_as(at_depth))
+    return accepted, path_rows[:, : layout.depth + 1]
+
+
+def _final_draws(
+    logprobs: torch.Tensor,
+    layout: DraftLayout,
+    last: torch.Tensor,
+    seed: torch.Tensor,
+    step_key: torch.Tensor,
+    constants: StepConstants,
+) -> torch.Tensor:
+    """[B] the token after each path, drawn from its last row's p less that node's children (all rejected);
+    from p itself where nothing is left (rounding only: a child holding all the rest is accepted)."""
+    count, rows, vocab = logprobs.shape
+    probs = logprobs.view(count * rows, vocab)[constants.strided(count, rows) + last].exp()
+    children = layout.parents + 1 == last[:, None]
+    if layout.present is not None:
+        children = children & layout.present
+    rejected = torch.zeros(count, vocab, dtype=torch.int64, device=probs.device)
+    rejected.scatter_add_(1, layout.tokens, children.long())
+    residual = torch.where(rejected > 0, 0.0, probs)
+    residual = torch.where(residual.sum(dim=1, keepdim=True) > 0.0, residual, probs)
+    return exponential_race(residual, step_keys(seed, step_key, NOISE_STREAM))
+
+
+def tree_layout(
+    parents: torch.Tensor, depth: int, constants: StepConstants | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each row's depth (the root's 0) and ancestor bits (itself included; bit r: row r), both [B, N + 1], from
+    the drafts' parents [B, N] (-1: the root) in topological order. Pointer doubling: after round r a row holds
+    its ancestors up to 2^r levels up, so log2(depth) rounds of gathers, not one per level; its depth is the
+    number of its ancestors."""
+    count, rows = parents.shape[0], parents.shape[1] + 1
+    constants = constants or StepConstants(parents.device)
+    index = constants.arange(rows)
+    own = constants.get(("own bits", rows), lambda: torch.ones_like(index) << index)[None, :].expand(count, -1)
+    up = torch.cat([torch.zeros_like(parents[:, :1]), parents + 1], dim=1)  # each row's parent row; root: itself
+    ancestors, reach = own | own.gather(1, up), 1  # itself and its parent
+    while reach < depth:
+        ancestors = ancestors | ancestors.gather(1, up)
+        reach *= 2
+        if reach < depth:
+            up = up.gather(1, up)  # the ancestor 2^r levels up (the root stays put)
+    node_depth = ((ancestors[:, :, None] >> index) & 1).sum(dim=2) - 1
+    return node_depth, ancestors

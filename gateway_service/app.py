@@ -1,0 +1,169 @@
+"""The gateway's HTTP routes (Starlette): POST /v1/chat/completions and /v1/completions, GET /v1/models,
+/health and /metrics. /health and /metrics are open, as the servers' gRPC health is (probes carry no
+credentials, and neither reveals anything a caller sent); the /v1 routes need the bearer token when one is set."""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import time
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass
+from typing import Any
+
+import grpc
+from starlette.applications import Starlette
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response, StreamingResponse
+from starlette.routing import Route
+
+from gateway_service.body import read_json_object
+from gateway_service.caller_auth import CallerAuth
+from gateway_service.errors import ApiError, from_rpc_error
+from gateway_service.generation import Disconnected, Generation, unless_disconnected
+from gateway_service.metrics import GatewayMetrics
+from gateway_service.requests import ParsedRequest, model_error, parse_chat, parse_completion
+from gateway_service.responses import Shaper
+from gateway_service.upstream import Upstream
+from specdec.v1 import common_pb2, executor_pb2
+
+log = logging.getLogger("specdec.gateway")
+CLIENT_CLOSED = 499  # nginx's status for a caller that went away; never seen by the caller
+
+
+@dataclass
+class GatewayConfig:
+    model_name: str
+    max_body_bytes: int
+    auth: CallerAuth
+    make_upstream: Callable[[], Upstream]  # called inside the server's event loop (grpc.aio needs it)
+
+
+class Gateway:
+    def __init__(self, config: GatewayConfig) -> None:
+        self.config = config
+        self.metrics = GatewayMetrics()
+        self.upstream: Upstream | None = None
+
+    @contextlib.asynccontextmanager
+    async def lifespan(self, app: Starlette) -> AsyncIterator[None]:
+        self.upstream = self.config.make_upstream()
+        try:
+            yield
+        finally:
+            await self.upstream.close()
+
+    def app(self) -> Starlette:
+        routes = [
+            Route("/v1/chat/completions", self._route("chat", self.generate), methods=["POST"]),
+            Route("/v1/completions", self._route("completion", self.generate), methods=["POST"]),
+            Route("/v1/models", self._route("models", self.models), methods=["GET"]),
+            Route("/health", self._route("health", self.health), methods=["GET"]),
+            Route("/metrics", self._route("metrics", self.metrics_page), methods=["GET"]),
+        ]
+        return Starlette(routes=routes, lifespan=self.lifespan)
+
+    def _route(self, name: str, handler: Callable[[Request, str], Any]) -> Callable[[Request], Any]:
+        """The handler with errors answered in OpenAI's shape and every answer counted."""
+
+        async def endpoint(request: Request) -> Response:
+            started = time.perf_counter()
+            try:
+                response = await handler(request, name)
+            except ApiError as err:
+                response = err.response()
+            except Disconnected:
+                response = Response(status_code=CLIENT_CLOSED)
+            except Exception:
+                log.exception("unexpected error", extra={"route": name})
+                response = ApiError(500, "internal error in the gateway", code="internal_error").response()
+            self.metrics.requests.labels(name, str(response.status_code)).inc()
+            self.metrics.latency.labels(name).observe(time.perf_counter() - started)
+            return response
+
+        return endpoint
+
+    async def generate(self, request: Request, route: str) -> Response:
+        token = self.config.auth.token(request)
+        data = await read_json_object(request, self.config.max_body_bytes)
+        parsed: ParsedRequest = parse_chat(data) if route == "chat" else parse_completion(data)
+        if (wrong_model := model_error(parsed.model, self.config.model_name)) is not None:
+            raise wrong_model
+        assert self.upstream is not None
+        generation = Generation(
+            self.upstream.generate(parsed.generate, token),
+            parsed,
+            Shaper(parsed, self.config.model_name),
+            self.metrics,
+            route,
+            time.perf_counter(),
+        )
+        self.metrics.open.inc()
+        streaming = False
+        try:
+            first = await unless_disconnected(request.receive, generation.first())
+            if parsed.stream:
+                streaming = True  # the stream leaves the gauge when it ends
+                events = _counted(generation.events(first), self.metrics)
+                headers = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+                return StreamingResponse(events, media_type="text/event-stream", headers=headers)
+            return JSONResponse(await unless_disconnected(request.receive, generation.whole(first)))
+        except BaseException:
+            generation.cancel()
+            raise
+        finally:
+            if not streaming:
+                self.metrics.open.dec()
+
+    async def models(self, request: Request, route: str) -> Response:
+        """The model the executors serve, from GetServerInfo; no model loaded: an empty list."""
+        token = self.config.auth.token(request)
+        assert self.upstream is not None
+        try:
+            info = await self.upstream.server_info(token)
+        except grpc.aio.AioRpcError as err:
+            raise from_rpc_error(err, lambda _: None) from None
+        if not info.model_loaded:
+            return JSONResponse({"object": "list", "data": []})
+        model = {
+            "id": self.config.model_name,
+            "object": "model",
+            "created": info.started_unix_ms // 1000,
+            "owned_by": "specdec",
+            "max_model_len": info.info.max_model_len,
+            "specdec": _model_details(info),
+        }
+        return JSONResponse({"object": "list", "data": [model]})
+
+    async def health(self, request: Request, route: str) -> Response:
+        assert self.upstream is not None
+        serving, status = await self.upstream.serving()
+        body = {"status": "ok" if serving else "unavailable", "executor": status}
+        return JSONResponse(body, status_code=200 if serving else 503)
+
+    async def metrics_page(self, request: Request, route: str) -> Response:
+        return self.metrics.response()
+
+
+async def _counted(events: AsyncIterator[bytes], metrics: GatewayMetrics) -> AsyncIterator[bytes]:
+    """The stream, leaving the open-generations gauge when it ends however it ends."""
+    try:
+        async for event in events:
+            yield event
+    finally:
+        await events.aclose()  # type: ignore[attr-defined]
+        metrics.open.dec()
+
+
+def _model_details(info: executor_pb2.GetServerInfoResponse) -> dict[str, Any]:
+    model = info.info
+    return {
+        "architecture": model.architecture,
+        "vocab_size": model.vocab_size,
+        "spec_method": common_pb2.SpecMethod.Name(model.spec_method),
+        "num_speculative_tokens": model.num_speculative_tokens,
+        "target_backend": info.target_backend.backend,
+        "draft_backend": info.draft_backend.backend,
+        "device": info.capabilities.device_name,
+        "server_version": info.server_version,
+    }

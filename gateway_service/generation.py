@@ -1,0 +1,137 @@
+"""One generation through the executors: its first message awaited before the HTTP status is chosen (so that a
+refused request gets its 4xx, not a 200 with an error inside), then either collected whole or streamed as
+server-sent events ending in `data: [DONE]`.
+
+Nothing generates for nobody: when the caller goes away (the HTTP connection closes) while the gateway waits for
+the executor, the gRPC call is cancelled, and the executor aborts the request and frees its KV blocks."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import time
+from collections.abc import AsyncIterator, Awaitable
+from dataclasses import dataclass
+from typing import Any, TypeVar
+
+import grpc
+from starlette.types import Receive
+
+from gateway_service.errors import ApiError, from_rpc_error
+from gateway_service.metrics import GatewayMetrics
+from gateway_service.requests import ParsedRequest
+from gateway_service.responses import Shaper
+from specdec.v1 import executor_pb2
+
+log = logging.getLogger("specdec.gateway")
+T = TypeVar("T")
+DONE = b"data: [DONE]\n\n"
+
+
+class Disconnected(Exception):
+    """The caller closed the connection before the answer was ready."""
+
+
+async def unless_disconnected(receive: Receive, work: Awaitable[T]) -> T:
+    """`work`'s result; Disconnected (with `work` cancelled) if the caller goes away first. Call it once the
+    body is read: the next ASGI message is then the disconnect."""
+    task = asyncio.ensure_future(work)
+    watcher = asyncio.ensure_future(_disconnect(receive))
+    try:
+        await asyncio.wait((task, watcher), return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        watcher.cancel()
+        if not task.done():
+            task.cancel()
+    if not task.done() or task.cancelled():
+        raise Disconnected
+    return task.result()
+
+
+async def _disconnect(receive: Receive) -> None:
+    while (await receive())["type"] != "http.disconnect":
+        pass
+
+
+@dataclass
+class Generation:
+    """The gRPC call of one request, with what it needs to answer in OpenAI's shapes."""
+
+    call: grpc.aio.UnaryStreamCall
+    parsed: ParsedRequest
+    shaper: Shaper
+    metrics: GatewayMetrics
+    route: str
+    started: float
+    ended: bool = False  # the final message (or an error) has come: nothing left to abort
+
+    async def read(self) -> executor_pb2.GenerateResponse | None:
+        """The next message (None at the end); an executor's error as ApiError."""
+        try:
+            message = await self.call.read()
+        except grpc.aio.AioRpcError as err:
+            self.ended = True
+            raise from_rpc_error(err, self.parsed.param_for) from None
+        if message is grpc.aio.EOF:
+            self.ended = True
+            return None
+        self.ended = message.HasField("finished")
+        return message
+
+    async def first(self) -> executor_pb2.GenerateResponse:
+        message = await self.read()
+        if message is None:
+            raise ApiError(502, "the executor ended the stream without an answer", code="bad_gateway")
+        self.metrics.first_token.labels(self.route).observe(time.perf_counter() - self.started)
+        return message
+
+    def cancel(self) -> None:
+        """Abort the executor's request (nothing if it has ended)."""
+        if not self.ended and not self.call.done():
+            self.call.cancel()
+            self.metrics.disconnects.inc()
+            log.info("caller went away: request aborted", extra={"request_id": self.parsed.generate.request_id})
+
+    def _finished(self, finished: executor_pb2.Finished) -> None:
+        self.metrics.tokens.labels("prompt").inc(finished.prompt_tokens)
+        self.metrics.tokens.labels("completion").inc(finished.completion_tokens)
+
+    async def whole(self, first: executor_pb2.GenerateResponse) -> dict[str, Any]:
+        """The non-streamed answer: every message's text and log probabilities joined."""
+        texts, entries, message = [], [], first
+        while True:
+            texts.append(message.text)
+            entries.extend(message.logprobs)
+            if message.HasField("finished"):
+                self._finished(message.finished)
+                return self.shaper.whole("".join(texts), entries, message.finished)
+            following = await self.read()
+            if following is None:
+                raise ApiError(502, "the executor's stream ended without its final message", code="bad_gateway")
+            message = following
+
+    async def events(self, first: executor_pb2.GenerateResponse) -> AsyncIterator[bytes]:
+        """Server-sent events: a chunk per message, the usage chunk if asked for, then [DONE]. An error after the
+        first chunk (the status is sent by then) is an `error` object in the stream, as vLLM and OpenAI do."""
+        message: executor_pb2.GenerateResponse | None = first
+        is_first = True
+        try:
+            while message is not None:
+                yield _event(self.shaper.chunk(message, is_first))
+                is_first = False
+                if message.HasField("finished"):
+                    self._finished(message.finished)
+                    if self.parsed.include_usage:
+                        yield _event(self.shaper.usage_chunk(message.finished))
+                    break
+                message = await self.read()
+        except ApiError as err:
+            yield _event(err.body())
+        finally:
+            self.cancel()  # the caller went away (this generator was closed early), or the stream broke
+        yield DONE
+
+
+def _event(data: dict[str, Any]) -> bytes:
+    return b"data: " + json.dumps(data, separators=(",", ":")).encode() + b"\n\n"

@@ -1,0 +1,159 @@
+"""`specdec-gateway`: serve the OpenAI HTTP API (chat completions, completions, models) in front of specdec
+executors, until SIGTERM. A client of the executors over gRPC; it holds no model and no state worth losing.
+
+    specdec-gateway --port 8000 --executor dns:///executor:50052
+
+Every flag is also SPECDEC_<FLAG> (--executor: SPECDEC_EXECUTOR), as for the other servers."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import logging
+import signal
+import socket
+import ssl
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+import uvicorn
+
+from gateway_service.app import Gateway, GatewayConfig
+from gateway_service.body import DEFAULT_MAX_BODY_BYTES
+from gateway_service.caller_auth import CallerAuth
+from gateway_service.upstream import Upstream
+from specdec_runtime.auth import resolve_token
+from specdec_runtime.client import server_address
+from specdec_runtime.grpc_runtime import (
+    EXIT_BAD_SETUP,
+    EnvDefaultsParser,
+    ServerSettings,
+    add_server_arguments,
+    check_bindable,
+    env_name,
+    server_credentials,
+)
+from specdec_runtime.logs import configure_logging
+
+DEFAULT_PORT = 8000
+log = logging.getLogger("specdec.gateway")
+# The shared server flags, as they read for an HTTP server.
+HTTP_HELP = {
+    "--port": "HTTP port (0: any free port)",
+    "--tls-cert": "PEM server certificate; with --tls-key, serve HTTPS",
+    "--auth-token": "shared token: every /v1 request needs 'Authorization: Bearer <token>' (/health and /metrics "
+    "stay open); also sent to the executors unless --executor-auth-token is given",
+    "--max-message-bytes": f"largest request body (default {DEFAULT_MAX_BODY_BYTES}); larger ones get 413 before "
+    "they are read",
+    "--grace-seconds": "on SIGTERM, how long running generations may go on before they are cut",
+    "--port-file": "write the bound HTTP port here once the server answers (for --port 0)",
+}
+
+
+def parser() -> argparse.ArgumentParser:
+    parser = EnvDefaultsParser(prog="specdec-gateway", description=__doc__)
+    add_server_arguments(parser, DEFAULT_PORT)
+    for action in parser._actions:
+        for flag in set(action.option_strings) & HTTP_HELP.keys():
+            action.help = f"{HTTP_HELP[flag]} [env {env_name(flag)}]"
+    parser.add_argument(
+        "--executor",
+        type=server_address,
+        default="127.0.0.1:50052",
+        help="the executors' gRPC target: HOST:PORT, or dns:///name:port for every replica behind a name",
+    )
+    parser.add_argument("--executor-tls-ca", help="PEM CA that signed the executors' certificate (enables TLS)")
+    parser.add_argument("--executor-tls-cert", help="PEM client certificate for the executors (mTLS)")
+    parser.add_argument("--executor-tls-key", help="PEM client key for the executors (mTLS)")
+    parser.add_argument("--executor-tls-server-name", help="the executors' expected name, if not the target's host")
+    parser.add_argument("--executor-auth-token", help="token sent to the executors (default: --auth-token's)")
+    parser.add_argument("--executor-auth-token-file", help="read --executor-auth-token from this file")
+    parser.add_argument(
+        "--served-model-name", default="specdec", help="the model id of /v1/models, which requests name"
+    )
+    parser.add_argument(
+        "--request-timeout", type=float, default=0.0, help="deadline of one generation in seconds (0: none)"
+    )
+    return parser
+
+
+def build_gateway(args: argparse.Namespace) -> Gateway:
+    """The app from the flags; ValueError for a bad token or TLS file (checked here, before serving)."""
+    token = resolve_token(args.auth_token, args.auth_token_file)
+    executor_token = resolve_token(args.executor_auth_token, args.executor_auth_token_file, "--executor-auth-token")
+    config = GatewayConfig(
+        model_name=args.served_model_name,
+        max_body_bytes=args.max_message_bytes or DEFAULT_MAX_BODY_BYTES,
+        auth=CallerAuth(token),
+        make_upstream=lambda: Upstream(args, executor_token or token),
+    )
+    return Gateway(config)
+
+
+async def serve(args: argparse.Namespace) -> None:
+    settings = ServerSettings.from_args(args)
+    tls = server_credentials(settings) is not None  # checks the PEM files and flag combinations as the servers do
+    gateway = build_gateway(args)
+    check_bindable(args.host, args.port)
+    family = socket.AF_INET6 if ":" in args.host else socket.AF_INET
+    sock = socket.create_server((args.host.strip("[]"), args.port), family=family)
+    config = uvicorn.Config(
+        gateway.app(),
+        log_config=None,
+        access_log=False,
+        timeout_graceful_shutdown=max(int(args.grace_seconds), 1),
+        ssl_certfile=args.tls_cert if tls else None,
+        ssl_keyfile=args.tls_key if tls else None,
+        ssl_ca_certs=args.tls_client_ca if tls else None,
+        ssl_cert_reqs=ssl.CERT_REQUIRED if tls and args.tls_client_ca else ssl.CERT_NONE,
+    )
+    server = _Server(config)
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, lambda: setattr(server, "should_exit", True))
+    if args.metrics_port >= 0:
+        from prometheus_client import start_http_server
+
+        start_http_server(args.metrics_port, addr=args.metrics_host, registry=gateway.metrics.registry)
+    announce = asyncio.ensure_future(_announce(server, sock, args, tls))
+    try:
+        await server.serve(sockets=[sock])
+    finally:
+        announce.cancel()
+    log.info("stopped")
+
+
+class _Server(uvicorn.Server):
+    """uvicorn's server, minus its signal handling: it raises a caught SIGTERM again once stopped, so the
+    process would die of it; here SIGTERM stops the server and the process exits 0, as the other servers do."""
+
+    @contextlib.contextmanager
+    def capture_signals(self) -> Iterator[None]:
+        yield
+
+
+async def _announce(server: uvicorn.Server, sock: socket.socket, args: argparse.Namespace, tls: bool) -> None:
+    """Once uvicorn serves: the log line and the port file."""
+    while not server.started:
+        await asyncio.sleep(0.02)
+    port = sock.getsockname()[1]
+    log.info("serving", extra={"address": f"{args.host}:{port}", "tls": tls, "executor": args.executor})
+    if args.port_file:
+        Path(args.port_file).write_text(f"{port}\n")
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parser().parse_args(argv)
+    configure_logging(args.log_level, args.log_format)
+    try:
+        asyncio.run(serve(args))
+    except (OSError, ValueError) as err:  # address in use, a TLS key that is not the certificate's, ...
+        log.error("cannot serve: %s", err)
+        return EXIT_BAD_SETUP
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,40 @@
+"""The gateway's Prometheus metrics, served at GET /metrics on its own HTTP port: requests by route and status,
+their latency, time to first token, tokens, open generations and callers that went away mid-generation."""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.exposition import CONTENT_TYPE_LATEST
+from starlette.responses import Response
+
+from specdec_runtime.observability import LATENCY_BUCKETS
+
+
+class GatewayMetrics:
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry()
+        self.requests = Counter(
+            "specdec_gateway_requests", "HTTP requests answered, by route and status", ["route", "status"],
+            registry=self.registry,
+        )  # fmt: skip
+        self.latency = Histogram(
+            "specdec_gateway_request_seconds", "Time from a request's arrival to its last byte", ["route"],
+            registry=self.registry, buckets=LATENCY_BUCKETS,
+        )  # fmt: skip
+        self.first_token = Histogram(
+            "specdec_gateway_time_to_first_token_seconds", "Time from a generation's arrival to its first token",
+            ["route"], registry=self.registry, buckets=LATENCY_BUCKETS,
+        )  # fmt: skip
+        self.tokens = Counter(
+            "specdec_gateway_tokens", "Prompt and completion tokens of finished generations", ["kind"],
+            registry=self.registry,
+        )  # fmt: skip
+        self.open = Gauge("specdec_gateway_open_generations", "Generations in flight", registry=self.registry)
+        self.disconnects = Counter(
+            "specdec_gateway_client_disconnects",
+            "Generations whose caller went away before the end (the executor's request was aborted)",
+            registry=self.registry,
+        )
+
+    def response(self) -> Response:
+        return Response(generate_latest(self.registry), media_type=CONTENT_TYPE_LATEST)

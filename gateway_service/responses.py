@@ -1,0 +1,121 @@
+"""The executor's GenerateResponse messages as OpenAI objects: chat.completion / text_completion, their streamed
+chunks, usage (with the speculative statistics in `usage.speculative`) and log probabilities.
+
+The gateway holds no tokenizer, so a log probability names its token as vLLM does with
+--return-tokens-as-token-ids: `"token_id:<id>"`; the text itself comes from the executor."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from gateway_service.errors import ApiError
+from gateway_service.requests import ParsedRequest
+from specdec.v1 import executor_pb2
+
+
+def token_name(token_id: int) -> str:
+    return f"token_id:{token_id}"
+
+
+def finish_reason(finished: executor_pb2.Finished) -> str:
+    """OpenAI's finish reason; an executor's "abort" (its model replaced, or it shut down) is an error."""
+    if finished.finish_reason == "abort":
+        message = "the executor aborted the request (its model was replaced, or it shut down)"
+        raise ApiError(503, message, None, "aborted")
+    return finished.finish_reason
+
+
+def usage(finished: executor_pb2.Finished) -> dict[str, Any]:
+    """OpenAI's usage, with the prefix cache's hits as prompt_tokens_details.cached_tokens and the speculative
+    statistics in `speculative`."""
+    return {
+        "prompt_tokens": finished.prompt_tokens,
+        "completion_tokens": finished.completion_tokens,
+        "total_tokens": finished.prompt_tokens + finished.completion_tokens,
+        "prompt_tokens_details": {"cached_tokens": finished.cached_prompt_tokens},
+        "speculative": {
+            "drafted_tokens": finished.drafted_tokens,
+            "accepted_tokens": finished.accepted_tokens,
+            "mean_acceptance_length": round(finished.mean_acceptance_length, 6),
+            "acceptance_rate_per_position": [round(rate, 6) for rate in finished.acceptance_rate_per_position],
+        },
+    }
+
+
+def chat_logprobs(entries: list[executor_pb2.TokenLogprob]) -> dict[str, Any]:
+    return {
+        "content": [
+            {
+                "token": token_name(entry.token_id),
+                "logprob": entry.logprob,
+                "bytes": None,
+                "top_logprobs": [
+                    {"token": token_name(top.token_id), "logprob": top.logprob, "bytes": None}
+                    for top in entry.top_logprobs
+                ],
+            }
+            for entry in entries
+        ]
+    }
+
+
+def completion_logprobs(entries: list[executor_pb2.TokenLogprob]) -> dict[str, Any]:
+    return {
+        "tokens": [token_name(entry.token_id) for entry in entries],
+        "token_logprobs": [entry.logprob for entry in entries],
+        "top_logprobs": [{token_name(top.token_id): top.logprob for top in entry.top_logprobs} for entry in entries],
+        "text_offset": None,  # the gateway has no tokenizer to place each token in the text
+    }
+
+
+@dataclass
+class Shaper:
+    """Builds every object of one request's answer (same id, model and creation time)."""
+
+    parsed: ParsedRequest
+    model: str
+    created: int = field(default_factory=lambda: int(time.time()))
+
+    @property
+    def chat(self) -> bool:
+        return self.parsed.kind == "chat"
+
+    def _base(self, streamed: bool) -> dict[str, Any]:
+        kind = ("chat.completion.chunk" if streamed else "chat.completion") if self.chat else "text_completion"
+        return {"id": self.parsed.generate.request_id, "object": kind, "created": self.created, "model": self.model}
+
+    def _logprobs(self, entries: list[executor_pb2.TokenLogprob]) -> dict[str, Any] | None:
+        if not self.parsed.logprobs:
+            return None
+        return chat_logprobs(entries) if self.chat else completion_logprobs(entries)
+
+    def whole(self, text: str, entries: list[executor_pb2.TokenLogprob], finished: executor_pb2.Finished) -> dict:
+        """The non-streamed answer."""
+        choice: dict[str, Any] = {"index": 0, "finish_reason": finish_reason(finished)}
+        if self.chat:
+            choice["message"] = {"role": "assistant", "content": text, "refusal": None}
+        else:
+            choice["text"] = text
+        choice["logprobs"] = self._logprobs(entries)
+        return {**self._base(False), "choices": [choice], "usage": usage(finished)}
+
+    def chunk(self, response: executor_pb2.GenerateResponse, first: bool) -> dict[str, Any]:
+        """One streamed chunk; the first chat chunk carries the assistant's role."""
+        reason = finish_reason(response.finished) if response.HasField("finished") else None
+        choice: dict[str, Any] = {"index": 0}
+        if self.chat:
+            choice["delta"] = {"role": "assistant", "content": response.text} if first else {"content": response.text}
+        else:
+            choice["text"] = response.text
+        choice["logprobs"] = self._logprobs(list(response.logprobs))
+        choice["finish_reason"] = reason
+        chunk = {**self._base(True), "choices": [choice]}
+        if self.parsed.include_usage:
+            chunk["usage"] = None
+        return chunk
+
+    def usage_chunk(self, finished: executor_pb2.Finished) -> dict[str, Any]:
+        """stream_options.include_usage: the last chunk, with no choices."""
+        return {**self._base(True), "choices": [], "usage": usage(finished)}

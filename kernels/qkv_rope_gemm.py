@@ -1,0 +1,135 @@
+"""The attention's input side of a decoder layer in one Triton kernel: (add +) RMSNorm, the QKV projection,
+Qwen3's per-head q/k norm, RoPE, and the paged K/V write.
+
+One program owns BLOCK_M rows times one head of the fused qkv_proj output (query, key or value head): it
+accumulates the head's two halves as two dots (rotate-half RoPE pairs element d with d + D/2, so each half is
+its own accumulator), rounds them to the model's dtype as the GEMM's output would be, then
+- a query head: (q-norms and) rotates, and stores into q [M, Hq, D];
+- a key head: (k-norms and) rotates, and stores at each row's slot of the key cache;
+- a value head: stores at each row's slot of the value cache.
+Rows whose slot is -1 store no key or value. The prologue (the residual add and the RMSNorm) is small_gemm's.
+What it replaces: a norm, a GEMM, and the RoPE + cache-write kernel (kernels in executor_service/rotary_cache.py).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from kernels.small_gemm import BLOCK_M, a_tile, dot_precision, dot_upcast, mma, row_rstd
+from kernels.small_gemm_table import DEFAULT_CONFIG, GemmConfig
+
+
+@triton.jit
+def _qkv_rope_kernel(
+    x_ptr, r_ptr, h_ptr, nw_ptr, w_ptr, b_ptr, qn_ptr, kn_ptr, cos_ptr, sin_ptr, q_ptr, k_cache_ptr, v_cache_ptr,
+    slot_ptr, rows, K, eps, head_eps, stride_x, stride_r, stride_h, stride_w, stride_qt, stride_qh, stride_ct,
+    stride_slot, stride_cb, stride_cs, stride_ch, block_size,
+    NUM_Q_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr, HALF: tl.constexpr, NORM: tl.constexpr,
+    HAS_RESIDUAL: tl.constexpr, HAS_BIAS: tl.constexpr, QK_NORM: tl.constexpr, PRECISION: tl.constexpr,
+    UPCAST: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_HALF: tl.constexpr, BLOCK_K: tl.constexpr,
+):  # fmt: skip
+    pid_m, head = tl.program_id(0), tl.program_id(1)
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, BLOCK_HALF)
+    d_mask = offs_d < HALF
+    m_mask = offs_m < rows
+    lo_rows = head * 2 * HALF + offs_d  # the head's weight rows: its first half, then (+ HALF) its second
+    rstd = tl.full([BLOCK_M], 1.0, tl.float32)
+    if NORM or HAS_RESIDUAL:
+        rstd = row_rstd(
+            x_ptr, r_ptr, h_ptr, stride_x, stride_r, stride_h, offs_m, rows, K, eps, head == 0,
+            HAS_RESIDUAL, BLOCK_M, BLOCK_K,
+        )  # fmt: skip
+    lo = tl.zeros([BLOCK_M, BLOCK_HALF], dtype=tl.float32)
+    hi = tl.zeros([BLOCK_M, BLOCK_HALF], dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        offs_k = k0 + tl.arange(0, BLOCK_K)
+        a = a_tile(x_ptr, r_ptr, nw_ptr, stride_x, stride_r, offs_m, offs_k, rows, K, rstd, NORM, HAS_RESIDUAL)
+        w_mask = (offs_k[:, None] < K) & d_mask[None, :]
+        w_lo = tl.load(w_ptr + lo_rows[None, :] * stride_w + offs_k[:, None], mask=w_mask, other=0.0)
+        w_hi = tl.load(w_ptr + (lo_rows + HALF)[None, :] * stride_w + offs_k[:, None], mask=w_mask, other=0.0)
+        lo = mma(a, w_lo, lo, PRECISION, UPCAST)
+        hi = mma(a, w_hi, hi, PRECISION, UPCAST)
+    if HAS_BIAS:
+        lo += tl.load(b_ptr + lo_rows, mask=d_mask, other=0.0).to(tl.float32)[None, :]
+        hi += tl.load(b_ptr + lo_rows + HALF, mask=d_mask, other=0.0).to(tl.float32)[None, :]
+    dtype = q_ptr.dtype.element_ty
+    lo = lo.to(dtype).to(tl.float32)  # what the GEMM would have written
+    hi = hi.to(dtype).to(tl.float32)
+    if head < NUM_Q_HEADS + NUM_KV_HEADS:  # a query or key head: rotated
+        if QK_NORM:
+            head_rstd = 1.0 / tl.sqrt((tl.sum(lo * lo, 1) + tl.sum(hi * hi, 1)) / (2 * HALF) + head_eps)
+            if head < NUM_Q_HEADS:  # (fresh names: a runtime branch may not retype the loop's w_lo)
+                norm_lo = tl.load(qn_ptr + offs_d, mask=d_mask, other=0.0).to(tl.float32)
+                norm_hi = tl.load(qn_ptr + HALF + offs_d, mask=d_mask, other=0.0).to(tl.float32)
+            else:
+                norm_lo = tl.load(kn_ptr + offs_d, mask=d_mask, other=0.0).to(tl.float32)
+                norm_hi = tl.load(kn_ptr + HALF + offs_d, mask=d_mask, other=0.0).to(tl.float32)
+            lo = (lo * head_rstd[:, None] * norm_lo[None, :]).to(dtype).to(tl.float32)
+            hi = (hi * head_rstd[:, None] * norm_hi[None, :]).to(dtype).to(tl.float32)
+        cs_offs = offs_m[:, None] * stride_ct + offs_d[None, :]
+        cs_mask = m_mask[:, None] & d_mask[None, :]
+        cos = tl.load(cos_ptr + cs_offs, mask=cs_mask, other=0.0).to(tl.float32)
+        sin = tl.load(sin_ptr + cs_offs, mask=cs_mask, other=0.0).to(tl.float32)
+        lo, hi = lo * cos - hi * sin, hi * cos + lo * sin
+    if head < NUM_Q_HEADS:
+        dst = q_ptr + offs_m[:, None] * stride_qt + head * stride_qh + offs_d[None, :]
+        mask = m_mask[:, None] & d_mask[None, :]
+        tl.store(dst, lo.to(dtype), mask=mask)
+        tl.store(dst + HALF, hi.to(dtype), mask=mask)
+    else:
+        kv_head = (head - NUM_Q_HEADS) % NUM_KV_HEADS
+        slot = tl.load(slot_ptr + offs_m * stride_slot, mask=m_mask, other=-1).to(tl.int64)
+        base = (slot // block_size) * stride_cb + (slot % block_size) * stride_cs + kv_head * stride_ch
+        mask = (m_mask & (slot >= 0))[:, None] & d_mask[None, :]
+        offs = base[:, None] + offs_d[None, :]
+        if head < NUM_Q_HEADS + NUM_KV_HEADS:
+            tl.store(k_cache_ptr + offs, lo.to(dtype).to(k_cache_ptr.dtype.element_ty), mask=mask)
+            tl.store(k_cache_ptr + offs + HALF, hi.to(dtype).to(k_cache_ptr.dtype.element_ty), mask=mask)
+        else:
+            tl.store(v_cache_ptr + offs, lo.to(dtype).to(v_cache_ptr.dtype.element_ty), mask=mask)
+            tl.store(v_cache_ptr + offs + HALF, hi.to(dtype).to(v_cache_ptr.dtype.element_ty), mask=mask)
+
+
+def qkv_rope_store(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    residual: torch.Tensor | None,
+    norm_weight: torch.Tensor | None,
+    eps: float,
+    num_q_heads: int,
+    num_kv_heads: int,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    qk_norm: tuple[torch.Tensor, torch.Tensor, float] | None = None,
+    config: GemmConfig = DEFAULT_CONFIG,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(q [M, Hq, D] rotated, stream = x + residual): x [M, K] normed as small_gemm's prologue does, projected by
+    weight [(Hq + 2 Hkv) D, K] (q, k, v heads in that order), keys rotated and stored with the values at
+    `slot_mapping` in the caches [blocks, block_size, Hkv, D]; cos, sin [M, 1, D/2] (RotaryEmbedding.lookup);
+    `qk_norm`: (q_norm weight, k_norm weight, eps) for Qwen3."""
+    rows, K = x.shape
+    head_size = weight.shape[0] // (num_q_heads + 2 * num_kv_heads)
+    half = head_size // 2
+    q = torch.empty(rows, num_q_heads, head_size, dtype=x.dtype, device=x.device)
+    stream = torch.empty_like(x) if residual is not None else x
+    res = residual if residual is not None else x
+    q_norm, k_norm, head_eps = qk_norm if qk_norm is not None else (x, x, 0.0)
+    grid = (triton.cdiv(rows, BLOCK_M), num_q_heads + 2 * num_kv_heads)
+    _qkv_rope_kernel[grid](
+        x, res, stream, norm_weight if norm_weight is not None else x, weight, bias if bias is not None else x,
+        q_norm, k_norm, cos, sin, q, k_cache, v_cache, slot_mapping, rows, K, eps, head_eps,
+        x.stride(0), res.stride(0), stream.stride(0), weight.stride(0), q.stride(0), q.stride(1), cos.stride(0),
+        slot_mapping.stride(0), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), k_cache.shape[1],
+        NUM_Q_HEADS=num_q_heads, NUM_KV_HEADS=num_kv_heads, HALF=half, NORM=norm_weight is not None,
+        HAS_RESIDUAL=residual is not None, HAS_BIAS=bias is not None, QK_NORM=qk_norm is not None,
+        PRECISION=dot_precision(x.dtype), UPCAST=dot_upcast(x), BLOCK_M=BLOCK_M,
+        BLOCK_HALF=max(16, triton.next_power_of_2(half)), BLOCK_K=config.block_k, num_warps=config.num_warps,
+    )  # fmt: skip
+    return q, stream

@@ -1,0 +1,155 @@
+"""GEMMs of few rows (decode and verify: M = 1-64) as Triton kernels with the layer's small ops fused in.
+
+At batch 1 a small model's decoder layer is launch-bound: its GEMMs (SmolLM2: N <= 3072, K <= 1536) take a
+few microseconds each whatever they do, and so does each RMSNorm, residual add and SiLU-and-mul between them.
+These kernels fold those ops into the GEMM itself:
+
+- prologue: out = GEMM(rmsnorm(x + residual)); the first column tile's programs also store x + residual (the
+  residual stream, rounded to x's dtype as torch's add rounds it). Every program reads its rows whole once for
+  the statistics (fp32), then again, normed and rounded, as the dot's left operand: the same values the
+  standalone RMSNorm kernel would have written.
+- epilogue: the bias, or SiLU-and-mul over [gate | up] (each program computes a gate tile and the matching up
+  tile, both rounded to the output dtype first, as the GEMM then the separate kernel would).
+
+No split-K: with the residual, the norm and the activation fused, partial sums would need an fp32 buffer, a
+memset and a final pass, three launches where one is the point. Tile shapes come from kernels/small_gemm_table.py.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+from kernels.small_gemm_table import DEFAULT_CONFIG, GemmConfig
+
+BLOCK_M = 16  # tl.dot's smallest tile side; rows past M are masked
+
+
+@triton.jit
+def mma(a, w, acc, PRECISION: tl.constexpr, UPCAST: tl.constexpr):
+    """acc + a @ w. UPCAST (Triton's CPU interpreter only, whose bf16/fp16 dot returns garbage): the same
+    products in fp32, exact for 16-bit inputs; only the summation order can differ from the GPU's MMA."""
+    if UPCAST:
+        return acc + tl.dot(a.to(tl.float32), w.to(tl.float32), input_precision="ieee")
+    return tl.dot(a, w, acc, input_precision=PRECISION)
+
+
+@triton.jit
+def row_rstd(
+    x_ptr, r_ptr, h_ptr, stride_x, stride_r, stride_h, offs_m, rows, K, eps, store_h,
+    HAS_RESIDUAL: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr,
+):  # fmt: skip
+    """1 / rms of each row of h = x (+ residual), in fp32; h stored where `store_h` (one column tile does)."""
+    squares = tl.zeros([BLOCK_M], dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        offs_k = k0 + tl.arange(0, BLOCK_K)
+        mask = (offs_m[:, None] < rows) & (offs_k[None, :] < K)
+        h = tl.load(x_ptr + offs_m[:, None] * stride_x + offs_k[None, :], mask=mask, other=0.0)
+        if HAS_RESIDUAL:
+            r = tl.load(r_ptr + offs_m[:, None] * stride_r + offs_k[None, :], mask=mask, other=0.0)
+            h = (h.to(tl.float32) + r.to(tl.float32)).to(x_ptr.dtype.element_ty)
+            if store_h:
+                tl.store(h_ptr + offs_m[:, None] * stride_h + offs_k[None, :], h, mask=mask)
+        hf = h.to(tl.float32)
+        squares += tl.sum(hf * hf, 1)
+    return 1.0 / tl.sqrt(squares / K + eps)
+
+
+@triton.jit
+def a_tile(
+    x_ptr, r_ptr, nw_ptr, stride_x, stride_r, offs_m, offs_k, rows, K, rstd,
+    NORM: tl.constexpr, HAS_RESIDUAL: tl.constexpr,
+):  # fmt: skip
+    """The dot's left operand [BLOCK_M, BLOCK_K]: rmsnorm(x + residual) rounded to x's dtype (or x as is)."""
+    mask = (offs_m[:, None] < rows) & (offs_k[None, :] < K)
+    a = tl.load(x_ptr + offs_m[:, None] * stride_x + offs_k[None, :], mask=mask, other=0.0)
+    if HAS_RESIDUAL:
+        r = tl.load(r_ptr + offs_m[:, None] * stride_r + offs_k[None, :], mask=mask, other=0.0)
+        a = (a.to(tl.float32) + r.to(tl.float32)).to(x_ptr.dtype.element_ty)
+    if NORM:
+        w = tl.load(nw_ptr + offs_k, mask=offs_k < K, other=0.0).to(tl.float32)
+        a = (a.to(tl.float32) * rstd[:, None] * w[None, :]).to(x_ptr.dtype.element_ty)
+    return a
+
+
+@triton.jit
+def _small_gemm_kernel(
+    x_ptr, r_ptr, h_ptr, nw_ptr, w_ptr, b_ptr, out_ptr, rows, N, K, eps, up_offset,
+    stride_x, stride_r, stride_h, stride_w, stride_o,
+    NORM: tl.constexpr, HAS_RESIDUAL: tl.constexpr, HAS_BIAS: tl.constexpr, SILU_MUL: tl.constexpr,
+    PRECISION: tl.constexpr, UPCAST: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+):  # fmt: skip
+    pid_m, pid_n = tl.program_id(0), tl.program_id(1)
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_mask = offs_n < N
+    rstd = tl.full([BLOCK_M], 1.0, tl.float32)
+    if NORM or HAS_RESIDUAL:
+        rstd = row_rstd(
+            x_ptr, r_ptr, h_ptr, stride_x, stride_r, stride_h, offs_m, rows, K, eps, pid_n == 0,
+            HAS_RESIDUAL, BLOCK_M, BLOCK_K,
+        )  # fmt: skip
+    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    acc_up = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        offs_k = k0 + tl.arange(0, BLOCK_K)
+        a = a_tile(x_ptr, r_ptr, nw_ptr, stride_x, stride_r, offs_m, offs_k, rows, K, rstd, NORM, HAS_RESIDUAL)
+        w_mask = (offs_k[:, None] < K) & n_mask[None, :]
+        w = tl.load(w_ptr + offs_n[None, :] * stride_w + offs_k[:, None], mask=w_mask, other=0.0)  # [BK, BN]
+        acc = mma(a, w, acc, PRECISION, UPCAST)
+        if SILU_MUL:
+            w_up = tl.load(w_ptr + (up_offset + offs_n[None, :]) * stride_w + offs_k[:, None], mask=w_mask, other=0.0)
+            acc_up = mma(a, w_up, acc_up, PRECISION, UPCAST)
+    if HAS_BIAS:
+        acc += tl.load(b_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)[None, :]
+    if SILU_MUL:
+        gate = acc.to(out_ptr.dtype.element_ty).to(tl.float32)
+        up = acc_up.to(out_ptr.dtype.element_ty).to(tl.float32)
+        acc = gate / (1.0 + tl.exp(-gate)) * up
+    out_mask = (offs_m[:, None] < rows) & n_mask[None, :]
+    tl.store(out_ptr + offs_m[:, None] * stride_o + offs_n[None, :], acc.to(out_ptr.dtype.element_ty), mask=out_mask)
+
+
+def dot_precision(dtype: torch.dtype) -> str:
+    """fp32 models get fp32 products (tl.dot would use TF32 on Ampere and later), as cuBLAS gives torch."""
+    return "ieee" if dtype == torch.float32 else "tf32"
+
+
+def dot_upcast(x: torch.Tensor) -> bool:
+    """16-bit dots in fp32, under the interpreter only (see `mma`)."""
+    return x.device.type == "cpu" and x.dtype != torch.float32 and os.environ.get("TRITON_INTERPRET") == "1"
+
+
+def small_gemm(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    residual: torch.Tensor | None = None,
+    norm_weight: torch.Tensor | None = None,
+    eps: float = 1e-6,
+    silu_mul: bool = False,
+    config: GemmConfig = DEFAULT_CONFIG,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(out, stream): out = epilogue(prologue(x) @ weight.T (+ bias)), where prologue(x) = rmsnorm(x + residual)
+    with `norm_weight` (x + residual, or x, without it) and the epilogue is SiLU-and-mul over weight's
+    [gate | up] halves when `silu_mul`; stream = x + residual (x itself without a residual). x [M, K] and
+    weight [N, K] with unit inner strides."""
+    if silu_mul and bias is not None:
+        raise ValueError("small_gemm: a bias with SiLU-and-mul is not supported (no model's gate_up has one)")
+    rows, K = x.shape
+    n_out = weight.shape[0] // 2 if silu_mul else weight.shape[0]
+    out = torch.empty(rows, n_out, dtype=x.dtype, device=x.device)
+    stream = torch.empty_like(x) if residual is not None else x
+    res = residual if residual is not None else x
+    grid = (triton.cdiv(rows, BLOCK_M), triton.cdiv(n_out, config.block_n))
+    _small_gemm_kernel[grid](
+        x, res, stream, norm_weight if norm_weight is not None else x, weight, bias if bias is not None else x, out,
+        rows, n_out, K, eps, n_out, x.stride(0), res.stride(0), stream.stride(0), weight.stride(0), out.stride(0),
+        NORM=norm_weight is not None, HAS_RESIDUAL=residual is not None, HAS_BIAS=bias is not None,
+        SILU_MUL=silu_mul, PRECISION=dot_precision(x.dtype), UPCAST=dot_upcast(x), BLOCK_M=BLOCK_M,
+        BLOCK_N=config.block_n, BLOCK_K=config.block_k, num_warps=config.num_warps,
+    )  # fmt: skip
+    return out, stream

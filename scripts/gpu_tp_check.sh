@@ -1,0 +1,62 @@
+#!/usr/bin/env bash
+# Tensor parallelism on a 4-GPU host (issue 33), in one call of under 9 minutes; everything goes to $OUT.
+#   OUT=/tmp/out bash scripts/gpu_tp_check.sh            # all steps, in this order, within BUDGET_S (530 s)
+#   OUT=/tmp/out bash scripts/gpu_tp_check.sh tests,b1   # some of them
+# Steps:
+#   nccl     TP 2 with graphs, no drafter, NCCL_DEBUG=INFO: $OUT/nccl_debug_tp2.log (the NCCL setup, and a quick
+#            hang check of the captured collectives)
+#   tests    tests/executor/tp/test_tp_gpu.py: TP 1, 2, 4, eager and with graphs, fp32 tokens vs one GPU; each TP
+#            run under SPECDEC_TP_TEST_TIMEOUT_S (90 s): $OUT/tp_gpu_tests_1.log
+#   b32      tp_bench --graphs, 8B shape bf16, batch 32, target-only and EAGLE-3: $OUT/b32/tp_*.json
+#   b1       tp_bench --graphs, batch 1 (decode latency: step_ms), target-only and EAGLE-3: $OUT/b1/tp_*.json
+#   tests2   test_tp_gpu.py again (the issue asks for two passes in a row): $OUT/tp_gpu_tests_2.log
+# Each step has a cap (nccl 45 s, tests 170 s, b32 150 s, b1 120 s) and gets at most what is left of BUDGET_S, so
+# tests2 may be squeezed: if its log says it ran out, run `... gpu_tp_check.sh tests2` in a second call. A step cut
+# short keeps what it wrote (tp_bench writes its file after each TP size). NVLink multicast stays off (the host's
+# rule).
+set -uo pipefail
+cd "$(dirname "$0")/.."
+steps=${1:-nccl,tests,b32,b1,tests2}
+out=${OUT:?OUT names the results folder}
+mkdir -p "$out"
+export PYTHONPATH=$PWD:$PWD/protos PYTHONUNBUFFERED=1
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+if [[ -d .whl ]] && [[ ! -d /tmp/site ]]; then  # grpcio-status and friends, as bench/gpu_run.sh
+  python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/*.whl
+fi
+[[ -d /tmp/site ]] && export PYTHONPATH=$PYTHONPATH:/tmp/site
+budget=${BUDGET_S:-530}
+started=$SECONDS
+
+left() {  # seconds for the next step: its own cap, or what is left of the budget (at least 10)
+  local cap=$1 rest=$((budget - (SECONDS - started)))
+  ((rest < cap)) && cap=$rest
+  ((cap < 10)) && cap=10
+  echo "$cap"
+}
+
+nvidia-smi --query-gpu=name,memory.used,memory.total --format=csv | tee "$out/gpus.txt"
+nvidia-smi topo -m > "$out/topology.txt" 2>&1
+python3 -c "import torch; print('torch', torch.__version__, 'nccl', torch.cuda.nccl.version())" | tee -a "$out/gpus.txt"
+
+bench() {  # bench NAME BATCH CAP
+  timeout "$(left "$3")" python3 bench/tp_bench.py --graphs --batch "$2" --decode-tokens 48 --method eagle3 \
+    --tp-sizes "${TP_SIZES:-1,2,4}" --size-timeout 60 --out "$out/$1" 2>&1 | grep -v "Warning\|return func" | tee "$out/$1.log"
+}
+
+for step in ${steps//,/ }; do
+  echo "== $step ($((SECONDS - started)) s of $budget)"
+  case $step in
+    nccl) NCCL_DEBUG=INFO NCCL_DEBUG_SUBSYS=INIT,GRAPH,TUNING timeout "$(left 45)" python3 tests/executor/tp/tp_greedy_run.py \
+        --tp 2 --device cuda --backend TRITON_ATTN --methods none --graphs > "$out/nccl_debug_tp2.log" 2>&1
+      echo "exit $?" | tee -a "$out/nccl_debug_tp2.log"; tail -3 "$out/nccl_debug_tp2.log" ;;
+    tests | tests2)
+      n=$([[ $step == tests ]] && echo 1 || echo 2)
+      SPECDEC_TP_TEST_TIMEOUT_S=90 timeout "$(left 170)" python3 -m pytest -q -s -p no:cacheprovider -m gpu \
+        tests/executor/tp/test_tp_gpu.py 2>&1 | tee "$out/tp_gpu_tests_$n.log" | grep -E "passed|failed|FAILED|Error|graph replays" ;;
+    b32) bench b32 32 150 ;;
+    b1) bench b1 1 120 ;;
+    *) echo "unknown step $step" ;;
+  esac
+done
+echo "done in $((SECONDS - started)) s"

@@ -1,0 +1,88 @@
+"""Sampled requests on the device step, on CUDA with graphs: chains and trees replay the sampled variants' graphs,
+and a seeded request emits the same tokens alone, in a batch mixing greedy and sampled requests, and with graphs
+off (its draws are keyed by its seed and positions, not by the batch or the replay)."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+from spec_builders import spec_session
+from test_engine import Collector
+from test_tree_decode import tree_session
+
+from executor_service.sampling import SamplingSettings
+from executor_service.session import ModelSession
+from kernels import unavailable_reason
+from specdec.v1 import common_pb2
+
+pytestmark = pytest.mark.gpu
+if not torch.cuda.is_available():
+    pytest.skip("needs a CUDA GPU", allow_module_level=True)
+
+BACKEND = "TRITON_ATTN"
+FP32 = common_pb2.DTYPE_FLOAT32
+SEEDED = SamplingSettings(temperature=0.8, top_p=0.9, seed=1234)
+OTHERS = [
+    SamplingSettings(),
+    SamplingSettings(temperature=0.7),
+    SamplingSettings(temperature=1.0, top_k=20, min_p=0.02),
+]
+
+
+def session_of(shape: str, cuda_graphs: bool = True) -> ModelSession:
+    reason = unavailable_reason(BACKEND, torch.device("cuda"))
+    if reason is not None:
+        pytest.skip(f"{BACKEND}: {reason}")
+    if shape == "chain":
+        return spec_session("eagle3", 5, BACKEND, device="cuda", dtype=FP32, num_kv_blocks=256,
+                            max_num_batched_tokens=512, cuda_graphs=cuda_graphs)  # fmt: skip
+    return tree_session("eagle3", common_pb2.DraftTree(top_k=3, verify_budget=8), 4, BACKEND, vocab_size=512,
+                        num_kv_blocks=256, max_num_batched_tokens=512, device="cuda", dtype=FP32,
+                        cuda_graphs=cuda_graphs)  # fmt: skip
+
+
+def generate(session: ModelSession, companions: int) -> tuple[list[int], Collector]:
+    """The seeded request's tokens, run beside `companions` other requests (greedy and sampled, unseeded)."""
+    rng, sink = random.Random(5), Collector()
+    prompt = [rng.randrange(500) for _ in range(12)]
+    session.engine.add(session.new_request("seeded", prompt, SEEDED, 40, sink))
+    for i in range(companions):
+        other = [rng.randrange(500) for _ in range(12)]
+        session.engine.add(session.new_request(f"o{i}", other, OTHERS[i % len(OTHERS)], 40, sink))
+    session.engine.run_until_idle()
+    for outputs in sink.outputs.values():
+        assert all(o.error is None for o in outputs), [o.error for o in outputs]
+    return sink.tokens("seeded"), sink
+
+
+def step_of(session: ModelSession):  # type: ignore[no-untyped-def]
+    return session.engine.spec_step or session.engine.tree_step
+
+
+@pytest.mark.parametrize("shape", ["chain", "tree"])
+def test_a_seeded_request_draws_the_same_alone_in_a_batch_and_without_graphs(shape: str) -> None:
+    session = session_of(shape)
+    alone, _ = generate(session, 0)
+    together, sink = generate(session, 7)
+    counts = step_of(session).counts
+    assert counts["graph"] > 0 and counts["sorted"] > 0  # the batch's top-p / top-k: the sorted variant
+    assert sink.outputs["seeded"][-1].finish.verify_steps > 0
+    eager_session = session_of(shape, cuda_graphs=False)
+    eager, _ = generate(eager_session, 3)
+    assert step_of(eager_session).counts["eager"] > 0
+    assert alone == together == eager
+
+
+def test_sampled_only_batches_replay_the_sampled_graph() -> None:
+    session = session_of("chain")
+    counts = step_of(session).counts
+    counts.clear()  # the warm-up's steps (greedy, eager)
+    sink = Collector()
+    for i in range(4):
+        settings = SamplingSettings(temperature=0.7, seed=i)
+        session.engine.add(session.new_request(f"s{i}", [i + 1, 7, 9], settings, 30, sink))
+    session.engine.run_until_idle()
+    assert counts["sampled"] > 0 and counts["graph"] > 0 and counts["eager"] == 0 and counts["eager following"] == 0
+    assert all(len(sink.tokens(f"s{i}")) == 30 for i in range(4))
