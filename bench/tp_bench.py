@@ -26,7 +26,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import subprocess
 import sys
 import time
 from collections import Counter
@@ -222,8 +221,8 @@ def main(argv: list[str] | None = None) -> int:
         child_args = ["--tp-size", size.removesuffix("g")] + (["--group"] if size == "1g" else [])
         result = run_child([sys.executable, __file__, *own, *child_args], env, args.size_timeout)
         if isinstance(result, str):
-            log(f"TP {size} failed: {result[-3000:]}")
-            rows[size], failed = {"error": result[-3000:]}, True
+            log(f"TP {size} failed: {result[-12000:]}")
+            rows[size], failed = {"error": result[-12000:]}, True
         else:
             reference = reference or result
             rows[size] = compare(result, reference)
@@ -235,14 +234,16 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def run_child(command: list[str], env: dict[str, str], timeout: float) -> dict[str, Any] | str:
-    """One size's process: its {method: figures}, or why it has none (its stderr's end, or the timeout)."""
-    try:
-        child = subprocess.run(command, env=env, capture_output=True, text=True, timeout=timeout)
-    except subprocess.TimeoutExpired as err:
-        stderr = err.stderr.decode(errors="replace") if isinstance(err.stderr, bytes) else (err.stderr or "")
-        return f"ran out of --size-timeout {timeout:g} s; stderr ends:\n{stderr[-2500:]}"
+    """One size's process: its {method: figures}, or why it has none (its stderr's end; past the timeout, with every
+    rank's Python stacks)."""
+    from executor_service.parallel.stack_dumps import run_or_dump
+
+    child = run_or_dump(command, env, timeout)
+    if child.timed_out:
+        stacks = "every rank's stacks at the end"
+        return f"ran out of --size-timeout {timeout:g} s ({stacks}); stderr ends:\n{child.stderr[-12000:]}"
     if child.returncode != 0:
-        return f"exit status {child.returncode}; stderr ends:\n{child.stderr[-2500:]}"
+        return f"exit status {child.returncode}; stderr ends:\n{child.stderr[-6000:]}"
     return json.loads(child.stdout.strip().splitlines()[-1])
 
 

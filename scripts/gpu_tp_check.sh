@@ -40,19 +40,19 @@ nvidia-smi topo -m > "$out/topology.txt" 2>&1
 python3 -c "import torch; print('torch', torch.__version__, 'nccl', torch.cuda.nccl.version())" | tee -a "$out/gpus.txt"
 
 bench() {  # bench NAME BATCH CAP
-  timeout "$(left "$3")" python3 bench/tp_bench.py --graphs --batch "$2" --decode-tokens 48 --method eagle3 \
-    --tp-sizes "${TP_SIZES:-1,2,4}" --size-timeout 60 --out "$out/$1" 2>&1 | grep -v "Warning\|return func" | tee "$out/$1.log"
+  timeout -s USR1 -k 15 "$(left "$3")" python3 bench/tp_bench.py --graphs --batch "$2" --decode-tokens 48 --method eagle3 \
+    --tp-sizes "${TP_SIZES:-1,2,4}" --size-timeout "${SIZE_TIMEOUT_S:-60}" --out "$out/$1" 2>&1 | grep -v "Warning\|return func" | tee "$out/$1.log"
 }
 
 for step in ${steps//,/ }; do
   echo "== $step ($((SECONDS - started)) s of $budget)"
   case $step in
-    nccl) NCCL_DEBUG=INFO NCCL_DEBUG_SUBSYS=INIT,GRAPH,TUNING timeout "$(left 45)" python3 tests/executor/tp/tp_greedy_run.py \
+    nccl) NCCL_DEBUG=INFO NCCL_DEBUG_SUBSYS=INIT,GRAPH,TUNING timeout -s USR1 -k 15 "$(left 45)" python3 tests/executor/tp/tp_greedy_run.py \
         --tp 2 --device cuda --backend TRITON_ATTN --methods none --graphs > "$out/nccl_debug_tp2.log" 2>&1
       echo "exit $?" | tee -a "$out/nccl_debug_tp2.log"; tail -3 "$out/nccl_debug_tp2.log" ;;
     tests | tests2)
       n=$([[ $step == tests ]] && echo 1 || echo 2)
-      SPECDEC_TP_TEST_TIMEOUT_S=90 timeout "$(left 170)" python3 -m pytest -q -s -p no:cacheprovider -m gpu \
+      SPECDEC_TP_TEST_TIMEOUT_S=90 timeout -s USR1 -k 15 "$(left 170)" python3 -m pytest -q -s -p no:cacheprovider -m gpu \
         tests/executor/tp/test_tp_gpu.py 2>&1 | tee "$out/tp_gpu_tests_$n.log" | grep -E "passed|failed|FAILED|Error|graph replays" ;;
     b32) bench b32 32 150 ;;
     b1) bench b1 1 120 ;;

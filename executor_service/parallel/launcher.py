@@ -30,6 +30,7 @@ import torch
 
 from executor_service.parallel import protocol
 from executor_service.parallel.channel import ControlRing
+from executor_service.parallel.stack_dumps import dump_on_signal, dump_ranks
 from executor_service.parallel.state import (
     HEARTBEAT_ENV,
     HEARTBEAT_TIMEOUT_S,
@@ -71,6 +72,7 @@ class Followers:
         self.step_watchdog_s = env_seconds(STEP_WATCHDOG_ENV, STEP_WATCHDOG_S)
         self.heartbeat_timeout_s = env_seconds(HEARTBEAT_ENV, HEARTBEAT_TIMEOUT_S)
         self._stopping = threading.Event()
+        dump_on_signal()
         init_method = f"tcp://127.0.0.1:{free_port()}"
         self.ring = ControlRing.create(world_size)
         self.processes: list[subprocess.Popen[bytes]] = []
@@ -98,6 +100,7 @@ class Followers:
                 logging.shutdown()
                 os._exit(EXIT_BAD_SETUP)
             log.error("tensor-parallel %s; the executor can no longer run steps", reason)
+            dump_ranks([p.pid for p in self.processes if p.poll() is None], reason)
             self.group.fail(reason)
             self.on_failure(reason)
             return

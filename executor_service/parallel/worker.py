@@ -28,6 +28,7 @@ from executor_service.parallel.channel import ControlRing
 from executor_service.parallel.graphs import capture_follower, replay_follower
 from executor_service.parallel.layers import rank_config
 from executor_service.parallel.protocol import NO_LOGITS, Op
+from executor_service.parallel.stack_dumps import dump_on_signal
 from executor_service.parallel.state import TensorParallelGroup, init_tensor_parallel
 from specdec.v1 import executor_pb2
 
@@ -147,6 +148,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--model-root")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format=f"%(asctime)s rank {args.rank} %(levelname)s %(message)s")
+    dump_on_signal()
     ring = ControlRing.attach(Path(args.control), args.rank, args.world_size)
     ring.start_heartbeat()
     group = init_tensor_parallel(args.rank, args.world_size, args.init_method, torch.device(args.device))

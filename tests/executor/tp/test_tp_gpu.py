@@ -12,13 +12,14 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 import torch
 from tp_greedy_run import METHODS, REPLAYS, greedy_outputs
+
+from executor_service.parallel.stack_dumps import run_or_dump
 
 pytestmark = pytest.mark.gpu
 if not torch.cuda.is_available():
@@ -36,14 +37,9 @@ def run_tp(tp: int, graphs: bool) -> tuple[dict[str, dict[str, list[int]]], dict
     """tp_greedy_run at TP `tp` over NCCL: each method's tokens and graph replays."""
     command = [sys.executable, str(RUN), "--tp", str(tp), "--device", "cuda", "--backend", BACKEND]
     command += ["--graphs"] if graphs else []
-    try:
-        run = subprocess.run(
-            command, cwd=Path(__file__).resolve().parents[3], env=os.environ, capture_output=True, text=True,
-            timeout=RUN_TIMEOUT_S, check=False,
-        )  # fmt: skip
-    except subprocess.TimeoutExpired as err:  # a hang: fail now, with what the ranks had written
-        stderr = err.stderr.decode(errors="replace") if isinstance(err.stderr, bytes) else (err.stderr or "")
-        pytest.fail(f"TP {tp} (graphs {graphs}) ran past {RUN_TIMEOUT_S:g} s; stderr ends:\n{stderr[-3000:]}")
+    run = run_or_dump(command, dict(os.environ), RUN_TIMEOUT_S, cwd=str(Path(__file__).resolve().parents[3]))
+    if run.timed_out:  # a hang: fail now, with what the ranks had written and where each was
+        pytest.fail(f"TP {tp} (graphs {graphs}) ran past {RUN_TIMEOUT_S:g} s; stderr ends:\n{run.stderr[-12000:]}")
     assert run.returncode == 0, run.stderr[-3000:]
     # The two result lines, wherever they are: NCCL_DEBUG=INFO (and the followers, which share this stdout) print too.
     lines = run.stdout.splitlines()

@@ -87,6 +87,7 @@ def test_a_frozen_follower_turns_health_not_serving(tmp_path: Path, monkeypatch:
         assert refused.value.code() == grpc.StatusCode.UNAVAILABLE, refused.value
         assert "has not answered" in (refused.value.details() or ""), refused.value.details()
     assert "rank 1" in server.log() and "has not answered" in server.log()
+    assert "Python stacks of rank 0" in server.log()  # the watchdog says where rank 0 was (stack_dumps.py)
 
 
 def test_generate_after_a_follower_lost_during_load_model_is_unavailable(
