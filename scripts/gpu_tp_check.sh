@@ -25,6 +25,11 @@ if [[ -d .whl ]] && [[ ! -d /tmp/site ]]; then  # grpcio-status and friends, as 
   python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/*.whl
 fi
 [[ -d /tmp/site ]] && export PYTHONPATH=$PYTHONPATH:/tmp/site
+if [[ -d scratch/pyspy ]] && [[ ! -d /tmp/pyspy ]]; then  # py-spy: where a stuck rank is (stack_dumps.py)
+  python3 -m pip install -q --no-index --no-deps --target /tmp/pyspy scratch/pyspy/*.whl
+fi
+[[ -d /tmp/pyspy/bin ]] && export PATH=$PATH:/tmp/pyspy/bin
+guard="python3 -m executor_service.parallel.stack_dumps"  # a run past its cap leaves every rank's stacks
 budget=${BUDGET_S:-530}
 started=$SECONDS
 
@@ -47,7 +52,7 @@ bench() {  # bench NAME BATCH CAP
 for step in ${steps//,/ }; do
   echo "== $step ($((SECONDS - started)) s of $budget)"
   case $step in
-    nccl) NCCL_DEBUG=INFO NCCL_DEBUG_SUBSYS=INIT,GRAPH,TUNING timeout -s USR1 -k 15 "$(left 45)" python3 tests/executor/tp/tp_greedy_run.py \
+    nccl) NCCL_DEBUG=INFO NCCL_DEBUG_SUBSYS=INIT,GRAPH,TUNING $guard "$(left 45)" python3 tests/executor/tp/tp_greedy_run.py \
         --tp 2 --device cuda --backend TRITON_ATTN --methods none --graphs > "$out/nccl_debug_tp2.log" 2>&1
       echo "exit $?" | tee -a "$out/nccl_debug_tp2.log"; tail -3 "$out/nccl_debug_tp2.log" ;;
     tests | tests2)

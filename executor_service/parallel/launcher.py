@@ -127,19 +127,25 @@ class Followers:
         return None
 
     def stop(self) -> None:
-        """STOP to a healthy group, then wait for the children (SIGKILL to any that do not exit)."""
+        """STOP to a healthy group and leave it with the followers (they destroy theirs on STOP), then wait for
+        the children (SIGKILL to any that do not exit)."""
         self._stopping.set()
         group = self.group
+        stopped = False
         if group is not None and group.failure is None:
             try:
                 with group.lock:
                     protocol.send_header(group, protocol.Op.STOP)
+                stopped = True
             except (RuntimeError, ValueError) as err:
                 log.warning("could not stop the followers cleanly: %s", err)
+        if stopped and not destroy_tensor_parallel(STOP_WAIT_SECONDS):
+            log.warning("the tensor-parallel group did not finalize in %g s; left to the exit", STOP_WAIT_SECONDS)
         for process in self.processes:
             try:
                 process.wait(STOP_WAIT_SECONDS)
             except subprocess.TimeoutExpired:
                 process.kill()
                 process.wait()
-        destroy_tensor_parallel()
+        if not stopped:
+            destroy_tensor_parallel(0.0)  # forget the broken group: its NCCL communicator is aborted at exit

@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import faulthandler
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -59,10 +60,48 @@ def run_or_dump(command: list[str], env: dict[str, str], timeout: float, cwd: st
         stdout, stderr = process.communicate(timeout=timeout)
         return Finished(process.returncode, stdout, stderr)
     except subprocess.TimeoutExpired:
+        native = native_stacks(process.pid)
         with contextlib.suppress(ProcessLookupError):
             os.killpg(process.pid, DUMP_SIGNAL)
         time.sleep(DUMP_GRACE_S)
         with contextlib.suppress(ProcessLookupError):
             os.killpg(process.pid, signal.SIGKILL)
         stdout, stderr = process.communicate()
-        return Finished(None, stdout, stderr)
+        return Finished(None, stdout, stderr + native)
+
+
+def native_stacks(group: int) -> str:
+    """py-spy's dump (Python and native frames) of every process in process group `group`, where py-spy is
+    installed: it reads a process stuck in C code or in the interpreter's teardown, which SIGUSR1 may not."""
+    spy = shutil.which("py-spy")
+    if spy is None:
+        return ""
+    dumps = []
+    for pid in _group_members(group):
+        run = subprocess.run([spy, "dump", "--native", "--pid", str(pid)], capture_output=True, text=True, timeout=60)
+        dumps.append(f"== py-spy dump of pid {pid}\n{run.stdout}{run.stderr}")
+    return "\n".join(dumps)
+
+
+def _group_members(group: int) -> list[int]:
+    members = []
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            with contextlib.suppress(OSError, ValueError):
+                if os.getpgid(int(entry)) == group:
+                    members.append(int(entry))
+    return sorted(members)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """`python -m executor_service.parallel.stack_dumps SECONDS COMMAND...`: COMMAND's output; past SECONDS, with
+    every process's stacks, and exit status 124 (as timeout(1))."""
+    args = sys.argv[1:] if argv is None else argv
+    finished = run_or_dump(args[1:], dict(os.environ), float(args[0]))
+    sys.stdout.write(finished.stdout)
+    sys.stderr.write(finished.stderr)
+    return 124 if finished.returncode is None else finished.returncode
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -116,11 +116,25 @@ def check_ranks_alive() -> None:
         _group.check_alive()
 
 
-def destroy_tensor_parallel() -> None:
+def destroy_tensor_parallel(timeout_s: float = 10.0) -> bool:
+    """Leave the group; True when it was finalized. Every rank destroys it at the same time (STOP: the followers
+    destroy theirs as rank 0 does): NCCL's finalize waits for the peers', so a rank that destroys after its peer
+    has exited waits forever (seen at TP 2 with graphs). A broken group, or one still finalizing after
+    `timeout_s`, is left to the process's exit, which aborts it."""
     global _group
-    if _group is not None and dist.is_initialized():
+    group, _group = _group, None
+    if not dist.is_initialized():
+        return True
+    if group is not None and group.failure is not None:
+        return False
+    done = threading.Event()
+
+    def destroy() -> None:
         dist.destroy_process_group()
-    _group = None
+        done.set()
+
+    threading.Thread(target=destroy, name="specdec-tp-destroy", daemon=True).start()
+    return done.wait(timeout_s)
 
 
 def check_tensor_parallel_size(size: int) -> None:

@@ -29,7 +29,7 @@ from executor_service.parallel.graphs import capture_follower, replay_follower
 from executor_service.parallel.layers import rank_config
 from executor_service.parallel.protocol import NO_LOGITS, Op
 from executor_service.parallel.stack_dumps import dump_on_signal
-from executor_service.parallel.state import TensorParallelGroup, init_tensor_parallel
+from executor_service.parallel.state import TensorParallelGroup, destroy_tensor_parallel, init_tensor_parallel
 from specdec.v1 import executor_pb2
 
 log = logging.getLogger("specdec.executor.follower")
@@ -157,6 +157,7 @@ def main(argv: list[str] | None = None) -> int:
     except Exception as err:  # rank 0 gone (a closed connection) or out of step: nothing left to follow
         log.error("rank %d stops following: %s", args.rank, str(err)[:300])
         return 1
+    destroy_tensor_parallel()  # STOP: rank 0 destroys the group now too (NCCL's finalize waits for every rank)
     return 0
 
 
