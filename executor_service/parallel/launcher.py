@@ -127,7 +127,7 @@ class Followers:
         return None
 
     def stop(self) -> None:
-        """STOP to a healthy group and leave it with the followers (they destroy theirs on STOP), then wait for
+        """STOP to a healthy group and leave it (the followers leave theirs on STOP), then wait for
         the children (SIGKILL to any that do not exit)."""
         self._stopping.set()
         group = self.group
@@ -140,7 +140,7 @@ class Followers:
             except (RuntimeError, ValueError) as err:
                 log.warning("could not stop the followers cleanly: %s", err)
         if stopped and not destroy_tensor_parallel(STOP_WAIT_SECONDS):
-            log.warning("the tensor-parallel group did not finalize in %g s; left to the exit", STOP_WAIT_SECONDS)
+            log.warning("the tensor-parallel group was not torn down in %g s; left to the exit", STOP_WAIT_SECONDS)
         for process in self.processes:
             try:
                 process.wait(STOP_WAIT_SECONDS)

@@ -117,10 +117,10 @@ def check_ranks_alive() -> None:
 
 
 def destroy_tensor_parallel(timeout_s: float = 10.0) -> bool:
-    """Leave the group; True when it was finalized. Every rank destroys it at the same time (STOP: the followers
-    destroy theirs as rank 0 does): NCCL's finalize waits for the peers', so a rank that destroys after its peer
-    has exited waits forever (seen at TP 2 with graphs). A broken group, or one still finalizing after
-    `timeout_s`, is left to the process's exit, which aborts it."""
+    """Leave the group; True when it was torn down within `timeout_s`. On CUDA the communicators are aborted, not
+    finalized: NCCL's finalize waits until the CUDA graphs that captured its collectives are destroyed (and for
+    its peers), so a rank stopping with its graphs alive waited forever (seen at TP 2 with graphs). Every op has
+    finished by then (STOP comes between steps). A broken group is left to the process's exit, which aborts it."""
     global _group
     group, _group = _group, None
     if not dist.is_initialized():
@@ -129,11 +129,17 @@ def destroy_tensor_parallel(timeout_s: float = 10.0) -> bool:
         return False
     done = threading.Event()
 
-    def destroy() -> None:
-        dist.destroy_process_group()
+    def leave() -> None:
+        if group is not None and group.device.type == "cuda":
+            torch.cuda.synchronize(group.device)
+            abort = getattr(dist.distributed_c10d, "_abort_process_group", None)
+            if abort is not None:  # an older torch: the exit aborts them
+                abort()
+        else:
+            dist.destroy_process_group()
         done.set()
 
-    threading.Thread(target=destroy, name="specdec-tp-destroy", daemon=True).start()
+    threading.Thread(target=leave, name="specdec-tp-leave", daemon=True).start()
     return done.wait(timeout_s)
 
 

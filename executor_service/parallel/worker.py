@@ -157,7 +157,7 @@ def main(argv: list[str] | None = None) -> int:
     except Exception as err:  # rank 0 gone (a closed connection) or out of step: nothing left to follow
         log.error("rank %d stops following: %s", args.rank, str(err)[:300])
         return 1
-    destroy_tensor_parallel()  # STOP: rank 0 destroys the group now too (NCCL's finalize waits for every rank)
+    destroy_tensor_parallel()  # STOP: every rank leaves the group (state.py)
     return 0
 
 
