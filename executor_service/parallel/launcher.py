@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import gc
 import logging
 import os
 import signal
@@ -28,6 +29,7 @@ from pathlib import Path
 
 import torch
 
+from executor_service.cuda_graphs import StepGraphs
 from executor_service.parallel import protocol
 from executor_service.parallel.channel import ControlRing
 from executor_service.parallel.stack_dumps import dump_on_signal, dump_ranks
@@ -58,6 +60,17 @@ def rank_device(device: torch.device, rank: int) -> torch.device:
     if device.type == "cpu":
         return device
     return torch.device(device.type, (device.index or 0) + rank)
+
+
+def release_graphs() -> None:
+    """Free the CUDA graphs no one holds any more (a stopped engine's, in a reference cycle), and say which are
+    still held: NCCL cannot tear a communicator down while a graph that captured its collectives lives."""
+    gc.collect()
+    held = sum(type(o) is StepGraphs for o in gc.get_objects())
+    if held:
+        log.warning("%d captured step graphs are still held at stop: the group may not tear down cleanly", held)
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        torch.cuda.synchronize()
 
 
 def _die_with_parent() -> None:
@@ -132,6 +145,7 @@ class Followers:
         self._stopping.set()
         group = self.group
         stopped = False
+        release_graphs()
         if group is not None and group.failure is None:
             try:
                 with group.lock:

@@ -26,6 +26,7 @@ from executor_service.model import DecoderModel
 from executor_service.parallel import protocol
 from executor_service.parallel.channel import ControlRing
 from executor_service.parallel.graphs import capture_follower, replay_follower
+from executor_service.parallel.launcher import release_graphs
 from executor_service.parallel.layers import rank_config
 from executor_service.parallel.protocol import NO_LOGITS, Op
 from executor_service.parallel.stack_dumps import dump_on_signal
@@ -88,54 +89,61 @@ def follow(group: TensorParallelGroup, ring: ControlRing, model_root: Path | Non
         message = ring.receive(idle, spin_s)
         op, values = Op(message[0]), message[1:]
         if op == Op.STOP:
-            return
-        model_id = values[0]
-        if op == Op.LOAD:
-            body = protocol.receive_load(group, values[1])
-            for dropped in set(shards) - set(body["keep"]):  # rank 0 no longer has them
-                del shards[dropped]
-            try:
-                shards[model_id] = load_shard(group, body, model_root)
-            except Exception:
-                log.exception("rank %d could not load the target", group.rank)
-            if protocol.all_loaded(group, model_id in shards):  # some rank failed: nobody keeps it
-                shards.pop(model_id, None)
-        elif op == Op.CACHE:
-            shard = shards[model_id]
-            try:
-                config = rank_config(shard.model.config, group.world_size)
-                shard.kv_cache = KVCache(config, values[1], values[2], shard.dtype, group.device)
-            except (RuntimeError, MemoryError):  # torch.OutOfMemoryError is a RuntimeError
-                log.exception("rank %d could not allocate the KV cache", group.rank)
-            if protocol.all_loaded(group, shard.kv_cache is not None):
-                shards.pop(model_id, None)
-        elif op == Op.UNLOAD:
+            break
+        run_op(group, shards, op, values, model_root)
+    shards.clear()  # their graphs first: NCCL tears down only once no graph holds its collectives
+    release_graphs()
+
+
+def run_op(
+    group: TensorParallelGroup, shards: dict[int, Shard], op: Op, values: list[int], model_root: Path | None
+) -> None:
+    """One of rank 0's ops on this rank's shards (its locals, graphs among them, end with it)."""
+    model_id = values[0]
+    if op == Op.LOAD:
+        body = protocol.receive_load(group, values[1])
+        for dropped in set(shards) - set(body["keep"]):  # rank 0 no longer has them
+            del shards[dropped]
+        try:
+            shards[model_id] = load_shard(group, body, model_root)
+        except Exception:
+            log.exception("rank %d could not load the target", group.rank)
+        if protocol.all_loaded(group, model_id in shards):  # some rank failed: nobody keeps it
             shards.pop(model_id, None)
-        elif op == Op.FORWARD:
-            shard = shards[model_id]
-            assert shard.kv_cache is not None, "a forward call before the KV cache"
-            call = protocol.receive_forward(values, shard.backend, group.device)
-            hidden, _ = shard.model(
-                call.input_ids, call.positions, shard.kv_cache.layers, call.step, call.aux_layer_ids
-            )
-            if call.logits_of != NO_LOGITS:  # the same rows as rank 0's (every rank holds the same hidden states)
-                shard.model.compute_logits(hidden if call.logits_rows is None else hidden[call.logits_rows])
-        elif op == Op.MOVE_KV:
-            shard = shards[model_id]
-            assert shard.kv_cache is not None, "a K/V move before the KV cache"
-            copy_kv_slots(shard.kv_cache.layers, *protocol.receive_move(values, group.device))
-        elif op == Op.CAPTURE:
-            shard = shards[model_id]
-            assert shard.kv_cache is not None, "a capture before the KV cache"
-            kv = shard.kv_cache
-            graph_id, graphs = capture_follower(group, shard.model, kv.layers, shard.backend, kv.block_size, values)
-            shard.graphs[graph_id] = graphs
-        elif op == Op.REPLAY:
-            replay_follower(shards[model_id].graphs[values[1]], values)
-        elif op == Op.LOGITS:
-            shard = shards[model_id]
-            hidden = protocol.receive_logits(values, shard.model.config.hidden_size, shard.dtype, group.device)
-            shard.model.compute_logits(hidden)
+    elif op == Op.CACHE:
+        shard = shards[model_id]
+        try:
+            config = rank_config(shard.model.config, group.world_size)
+            shard.kv_cache = KVCache(config, values[1], values[2], shard.dtype, group.device)
+        except (RuntimeError, MemoryError):  # torch.OutOfMemoryError is a RuntimeError
+            log.exception("rank %d could not allocate the KV cache", group.rank)
+        if protocol.all_loaded(group, shard.kv_cache is not None):
+            shards.pop(model_id, None)
+    elif op == Op.UNLOAD:
+        shards.pop(model_id, None)
+    elif op == Op.FORWARD:
+        shard = shards[model_id]
+        assert shard.kv_cache is not None, "a forward call before the KV cache"
+        call = protocol.receive_forward(values, shard.backend, group.device)
+        hidden, _ = shard.model(call.input_ids, call.positions, shard.kv_cache.layers, call.step, call.aux_layer_ids)
+        if call.logits_of != NO_LOGITS:  # the same rows as rank 0's (every rank holds the same hidden states)
+            shard.model.compute_logits(hidden if call.logits_rows is None else hidden[call.logits_rows])
+    elif op == Op.MOVE_KV:
+        shard = shards[model_id]
+        assert shard.kv_cache is not None, "a K/V move before the KV cache"
+        copy_kv_slots(shard.kv_cache.layers, *protocol.receive_move(values, group.device))
+    elif op == Op.CAPTURE:
+        shard = shards[model_id]
+        assert shard.kv_cache is not None, "a capture before the KV cache"
+        kv = shard.kv_cache
+        graph_id, graphs = capture_follower(group, shard.model, kv.layers, shard.backend, kv.block_size, values)
+        shard.graphs[graph_id] = graphs
+    elif op == Op.REPLAY:
+        replay_follower(shards[model_id].graphs[values[1]], values)
+    elif op == Op.LOGITS:
+        shard = shards[model_id]
+        hidden = protocol.receive_logits(values, shard.model.config.hidden_size, shard.dtype, group.device)
+        shard.model.compute_logits(hidden)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -157,7 +165,10 @@ def main(argv: list[str] | None = None) -> int:
     except Exception as err:  # rank 0 gone (a closed connection) or out of step: nothing left to follow
         log.error("rank %d stops following: %s", args.rank, str(err)[:300])
         return 1
-    destroy_tensor_parallel()  # STOP: every rank leaves the group (state.py)
+    if not destroy_tensor_parallel():  # STOP: every rank leaves the group (state.py)
+        log.warning("rank %d: the group was not torn down; exiting without the interpreter's teardown", args.rank)
+        logging.shutdown()
+        os._exit(0)  # the communicator's threads would end the process with std::terminate
     return 0
 
 

@@ -35,7 +35,8 @@ def run_tp(tp: int, *args: str) -> dict[str, dict[str, list[int]]]:
 
 
 def run_tp_with_replays(tp: int, *args: str) -> tuple[dict[str, dict[str, list[int]]], dict[str, dict[str, int]]]:
-    """Each method's tokens and graph replays (tp_greedy_run.graph_replays) at TP `tp`."""
+    """Each method's tokens and graph replays (tp_greedy_run.graph_replays) at TP `tp`; every rank stops with no
+    graph held (NCCL's teardown waits on graphs that captured its collectives: launcher.release_graphs)."""
     run = subprocess.run(
         [sys.executable, str(RUN), "--tp", str(tp), *args],
         cwd=REPO,
@@ -46,6 +47,7 @@ def run_tp_with_replays(tp: int, *args: str) -> tuple[dict[str, dict[str, list[i
         check=False,
     )
     assert run.returncode == 0, run.stderr[-3000:]
+    assert "still held at stop" not in run.stderr, run.stderr[-3000:]
     *_, replays, tokens = run.stdout.strip().splitlines()
     assert replays.startswith(REPLAYS), run.stdout[-3000:]
     return json.loads(tokens), json.loads(replays.removeprefix(REPLAYS))
