@@ -64,9 +64,11 @@ class SamplingTensors:
 SAMPLING_INPUTS = {"sampling": ((4,), torch.float32, 0), "seed": ((), torch.int64, 0)}
 
 # A device step's variants, each its own captured graph: every request greedy (the argmax alone); some sampled;
-# some sampled with top-k or top-p (every verify row sorted once).
+# some sampled with top-k or top-p (every verify row sorted once); and either of the two with penalties and
+# logprobs (device_penalties.py), for batches where some request sets a penalty or asks for logprobs.
 GREEDY, SAMPLED, SORTED = "greedy", "sampled", "sorted"
-VARIANTS = (GREEDY, SAMPLED, SORTED)
+EXTRAS, EXTRAS_SORTED = "extras", "extras sorted"
+VARIANTS = (GREEDY, SAMPLED, SORTED, EXTRAS, EXTRAS_SORTED)
 
 
 def needs_sort(settings: list[SamplingSettings], vocab: int) -> bool:
@@ -75,9 +77,21 @@ def needs_sort(settings: list[SamplingSettings], vocab: int) -> bool:
 
 
 def step_variant(settings: list[SamplingSettings], vocab: int) -> str:
-    if all(s.greedy for s in settings):
+    if all(s.plain_greedy for s in settings):
         return GREEDY
-    return SORTED if needs_sort(settings, vocab) else SAMPLED
+    sort = needs_sort(settings, vocab)
+    if any(s.has_penalties or s.logprobs is not None for s in settings):
+        return EXTRAS_SORTED if sort else EXTRAS
+    return SORTED if sort else SAMPLED
+
+
+def sorts(variant: str) -> bool:
+    return variant in (SORTED, EXTRAS_SORTED)
+
+
+def has_extras(variant: str) -> bool:
+    """Whether a variant's step penalises its rows and returns logprobs."""
+    return variant in (EXTRAS, EXTRAS_SORTED)
 
 
 def sampling_logprobs(logits: torch.Tensor, params: torch.Tensor, sort: bool) -> torch.Tensor:

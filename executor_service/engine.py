@@ -204,8 +204,8 @@ class Engine:
         return kept
 
     def _step_on_device(self, scheduled: ScheduledStep, inputs: StepInputs, started: float) -> None:
-        """Every request verifies k drafts greedily: verification, acceptance and the next proposal run on
-        the device as one pass (spec_step.py); the host books what it reads back."""
+        """Every request verifies k drafts (greedy, sampled, penalised, with logprobs): verification, acceptance
+        and the next proposal run on the device as one pass (spec_step.py); the host books what it reads back."""
         assert self.spec_step is not None
         self._book_on_device(scheduled.requests, self.spec_step.launch(inputs, scheduled.requests), started)
 
@@ -227,7 +227,9 @@ class Engine:
             request.draft_ids = []
             drafted.append(num_drafts)
             accepted.append(result.accepted[index])
-            generated += self._emit(request, result.emitted(index), num_drafts)
+            logprobs = result.token_logprobs(index, request.settings.logprobs)
+            generated += self._emit(request, result.emitted(index), num_drafts, logprobs)
+            self.spec_step.table.booked(request)  # after _emit: the step counted what it appended
             if request.status is Status.RUNNING:
                 self.proposer.set_drafts(request, result.next_drafts[index])
         self._cache_prefixes(requests)
@@ -350,6 +352,8 @@ class Engine:
         logprobs: list[TokenLogprob] | None = None,
     ) -> None:
         self.scheduler.remove(request)
+        if self.spec_step is not None:
+            self.spec_step.table.release(request.request_id)
         with self._lock:
             self._live.pop(request.request_id, None)
         finish: Finish | None = request.finish(reason) if reason is not None else None

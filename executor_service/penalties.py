@@ -7,7 +7,8 @@ target's logits before temperature, min-p, top-k and top-p (sampling.py):
 - `presence_penalty` p: minus p if the token occurs in the output at all.
 
 Verification scores a request's k drafts in one pass (k + 1 rows). Row j is penalised as if drafts 0..j-1 had
-been emitted: its token is only emitted if they were. So every row is exactly the distribution the target would
+been emitted: its token is only emitted if they were. A tree's row is penalised as if the drafts on its path
+(its ancestors and itself, the root aside) had been emitted. So every row is exactly the distribution the target would
 sample from one token at a time, and rejection sampling stays lossless under the penalties. Greedy requests
 take the argmax of the penalised rows.
 
@@ -54,11 +55,23 @@ class History(Protocol):
     token_counts: TokenCounts | None
 
 
-def counts_per_row(output: torch.Tensor, drafts: list[int]) -> torch.Tensor:
-    """[k + 1, V] output counts of a request's verify rows: row j's add drafts 0..j-1 to the emitted tokens'."""
+def path_drafts(parents: list[int]) -> list[list[int]]:
+    """Per verify row (0: the root, j + 1: draft j), the drafts on its path: its ancestors' and its own."""
+    paths: list[list[int]] = [[]]
+    for j, parent in enumerate(parents):
+        paths.append([*paths[parent + 1], j])
+    return paths
+
+
+def counts_per_row(output: torch.Tensor, drafts: list[int], parents: list[int] | None = None) -> torch.Tensor:
+    """[k + 1, V] output counts of a request's verify rows: row j's add drafts 0..j-1 to the emitted tokens' (a
+    chain), or the drafts on its path (a tree: `parents`, -1 the root)."""
     rows = output.unsqueeze(0).repeat(len(drafts) + 1, 1)
     if drafts:
-        pairs = [(row, draft) for i, draft in enumerate(drafts) for row in range(i + 1, len(drafts) + 1)]
+        if parents is None:
+            pairs = [(row, draft) for i, draft in enumerate(drafts) for row in range(i + 1, len(drafts) + 1)]
+        else:
+            pairs = [(row, drafts[j]) for row, path in enumerate(path_drafts(parents)) for j in path]
         flat = to_device([row * output.shape[0] + draft for row, draft in pairs], torch.int64, output.device)
         # index_add_ rather than index_put_(accumulate=True): torch versions that check its indices on the
         # host (a device sync) exist, and verification must not wait for the device (one host copy a step)
@@ -78,11 +91,24 @@ def penalise(
     of each penalty per row [R]. A logit that a tiny repetition penalty lifts past float32 stays the largest
     finite value, since inf would give no distribution (the model's own inf or NaN is caught on the raw
     logits: rejection_sampler.verify_batch)."""
+    return penalise_values(logits, in_prompt, counts, repetition[:, None], presence[:, None], frequency[:, None])
+
+
+def penalise_values(
+    logits: torch.Tensor,
+    in_prompt: torch.Tensor,
+    counts: torch.Tensor,
+    repetition: torch.Tensor,
+    presence: torch.Tensor,
+    frequency: torch.Tensor,
+) -> torch.Tensor:
+    """`penalise` elementwise, every argument broadcast against the others: the one formula of the host path and
+    the device step (device_penalties.py), so that both give the same float32 values."""
     in_output = counts > 0
     logits = logits.float()
-    repeated = torch.where(logits > 0, logits / repetition[:, None], logits * repetition[:, None])
+    repeated = torch.where(logits > 0, logits / repetition, logits * repetition)
     logits = torch.where(in_prompt | in_output, repeated, logits)
-    logits = logits - frequency[:, None] * counts - presence[:, None] * in_output
+    logits = logits - frequency * counts - presence * in_output
     return logits.clamp(max=torch.finfo(torch.float32).max)
 
 
@@ -91,21 +117,24 @@ def penalised_logits(
     settings: Sequence[SamplingSettings],
     histories: Sequence[History | None],
     drafts: Sequence[list[int]],
+    parents: Sequence[list[int] | None] | None = None,
 ) -> torch.Tensor:
     """The step's logits [N, V] (each request's k + 1 rows in turn) with the rows of every request that sets
-    a penalty penalised: a float32 copy, or `logits` itself when no request does. Requests whose drafts lie
-    outside the vocabulary are left alone (verification fails them)."""
+    a penalty penalised: a float32 copy, or `logits` itself when no request does. `parents`: a request's tree
+    (None, or a None entry: a chain). Requests whose drafts lie outside the vocabulary are left alone
+    (verification fails them)."""
     vocab, device = logits.shape[-1], logits.device
     found: list[Penalised] = []
     start = 0
-    for setting, history, request_drafts in zip(settings, histories, drafts, strict=True):
+    trees = parents if parents is not None else [None] * len(drafts)
+    for setting, history, request_drafts, tree in zip(settings, histories, drafts, trees, strict=True):
         num_rows = len(request_drafts) + 1
         in_vocab = not request_drafts or (min(request_drafts) >= 0 and max(request_drafts) < vocab)
         if setting.has_penalties and history is not None and in_vocab:
             if history.token_counts is None:
                 history.token_counts = TokenCounts(history.prompt_ids, vocab, device)
             history.token_counts.update(history.output_ids)
-            found.append(Penalised(start, setting, history.token_counts, request_drafts))
+            found.append(Penalised(start, setting, history.token_counts, request_drafts, tree))
         start += num_rows
     if not found:
         return logits
@@ -124,12 +153,14 @@ ROWS_PER_PASS = 128  # rows penalised at once: [128, V] counts, masks and tempor
 
 @dataclass(frozen=True)
 class Penalised:
-    """One request's rows to penalise: the first row, its settings, counts and drafts (k + 1 rows)."""
+    """One request's rows to penalise: the first row, its settings, counts, drafts (k + 1 rows) and their
+    parents (None: a chain)."""
 
     start: int
     settings: SamplingSettings
     counts: TokenCounts
     drafts: list[int]
+    parents: list[int] | None = None
 
 
 def _penalise_group(out: torch.Tensor, group: list[Penalised]) -> None:
@@ -142,7 +173,14 @@ def _penalise_group(out: torch.Tensor, group: list[Penalised]) -> None:
         for _ in range(len(e.drafts) + 1)
     ]
     in_prompt = torch.cat([e.counts.in_prompt.expand(len(e.drafts) + 1, vocab) for e in group])
-    counts = torch.cat([counts_per_row(e.counts.output, e.drafts) for e in group])
+    counts = torch.cat([_row_counts(e) for e in group])
     index = to_device(rows, torch.int64, device)
     repetition, presence, frequency = to_device(params, torch.float32, device).t()
     out[index] = penalise(out[index], in_prompt, counts, repetition, presence, frequency)
+
+
+def _row_counts(entry: Penalised) -> torch.Tensor:
+    """counts_per_row of a chain, or of a tree (a chain's call is kept as it was: tests replace it)."""
+    if entry.parents is None:
+        return counts_per_row(entry.counts.output, entry.drafts)
+    return counts_per_row(entry.counts.output, entry.drafts, entry.parents)

@@ -366,10 +366,11 @@ def build_session(
     batch = settings.max_num_batched_tokens, settings.max_num_seqs
     scheduler = Scheduler(kv_cache.allocator, block_size, *batch, lookahead, max_model_len, prefix_cache)
     chain = proposer is not None and not isinstance(proposer, TreeProposer)
-    spec_step = SpecStep(runner, proposer) if chain and settings.device_spec_step else None
+    slots = settings.max_num_seqs  # every running request may set a penalty (device_penalties.py)
+    spec_step = SpecStep(runner, proposer, slots) if chain and settings.device_spec_step else None
     if isinstance(proposer, TreeProposer):
         # Tensor parallelism keeps the host path (the K/V move is an op of every rank there).
-        tree_step = TreeStep(runner, proposer) if settings.device_spec_step and tp_group is None else None
+        tree_step = TreeStep(runner, proposer, slots) if settings.device_spec_step and tp_group is None else None
         engine: Engine = TreeEngine(runner, scheduler, max_model_len, on_step, proposer, on_verify, tree_step=tree_step)
     else:
         engine = Engine(runner, scheduler, max_model_len, on_step, proposer, on_verify, spec_step)

@@ -14,27 +14,31 @@ sampled, nothing between the target's verify pass and the drafter's next proposa
 
 So the three run as one function, captured as CUDA graphs per sampling variant and batch bucket
 (step_variants.py): one replay per step and one read-back of [emitted tokens, accepted count, next drafts] per
-request. The same function runs eagerly on the CPU and for batches larger than the graphs. The engine's host
-path (verify_batch, Proposer.propose) takes requests with penalties, logprobs or q-drawn drafts, and uneven
-batches. CUDA-graph plumbing (static buffers, buckets, capture and replay) is cuda_graphs.StepGraphs'.
+request. Penalties and logprobs run in the step too (the extras variants: device_penalties.py), the logprobs
+read back with the tokens. The same function runs eagerly on the CPU and for batches larger than the graphs.
+The engine's host path (verify_batch, Proposer.propose) takes requests with q-drawn drafts, uneven batches and
+penalised requests past the penalty table's slots. CUDA-graph plumbing (static buffers, buckets, capture and
+replay) is cuda_graphs.StepGraphs'.
 """
 
 from __future__ import annotations
 
 import functools
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
 from executor_service.attention_step import AttentionStep
 from executor_service.cuda_graphs import StepGraphs
-from executor_service.device_sampling import GREEDY, SORTED, SamplingTensors
+from executor_service.device_penalties import unpack_logprobs
+from executor_service.device_sampling import GREEDY, SamplingTensors, has_extras, sorts
+from executor_service.logprobs import TokenLogprob
 from executor_service.model_runner import ModelRunner, StepInputs
 from executor_service.parallel.graphs import lockstep_for
 from executor_service.proposer import Proposer
 from executor_service.request import Request
 from executor_service.step_constants import StepConstants
-from executor_service.step_variants import StepSampling, VariantSteps, capture_variants, takes
+from executor_service.step_variants import DEFAULT_PENALTY_SLOTS, StepSampling, VariantSteps, capture_variants
 from executor_service.verifier import DraftLayout, verify
 
 
@@ -45,6 +49,9 @@ class VerifiedStep:
     target_ids: list[list[int]]  # the emitted tokens: the accepted drafts, then the token after them (k + 1 wide)
     accepted: list[int]  # drafts accepted
     next_drafts: list[list[int]]  # the drafter's k drafts for the next step
+    logprobs: torch.Tensor | None = None  # an extras step's packed logprobs [B, ...] (device_penalties.py)
+    logprob_top: int = 0
+    penalised: list[bool] = field(default_factory=list)
 
     def emitted(self, index: int) -> list[int]:
         """The accepted drafts and the token after them."""
@@ -55,17 +62,30 @@ class VerifiedStep:
         the rejected drafts' K/V is not counted, and the next step writes over it."""
         return self.accepted[index] + 1
 
+    def token_logprobs(self, index: int, n: int | None) -> list[TokenLogprob] | None:
+        """The emitted tokens' logprobs with the top n (None: the request asks for none)."""
+        if n is None or self.logprobs is None:
+            return None
+        return unpack_logprobs(self.logprobs[index], self.emitted(index), self.logprob_top, n)
+
 
 class PendingStep:
     """A launched step's packed result [B, (k + 1) + 1 + k], copied to pinned host memory behind the step;
     its packed result, positions and sampling inputs stay on the device for the step launched after it
-    (`launch_following`)."""
+    (`launch_following`). An extras step's packed logprobs (rows x (1 + 2 top) columns) end each row."""
 
     def __init__(
-        self, packed: torch.Tensor, positions: torch.Tensor, rows: int, sampling: StepSampling | None = None
+        self,
+        packed: torch.Tensor,
+        positions: torch.Tensor,
+        rows: int,
+        sampling: StepSampling | None = None,
+        logprob_top: int = 0,
     ) -> None:
         self.packed, self.positions, self.sampling = packed, positions, sampling or StepSampling()
         self.rows, self.width = rows, packed.shape[1]
+        self.logprob_top = logprob_top if has_extras(self.sampling.variant) else 0
+        self.logprob_width = rows * (1 + 2 * logprob_top) if self.logprob_top else 0
         self.done: torch.cuda.Event | None = None
         if packed.is_cuda:
             self.host = torch.empty(packed.shape, dtype=packed.dtype, pin_memory=True)
@@ -79,26 +99,30 @@ class PendingStep:
         """Waits for the device (CUDA event synchronize releases the GIL: the gRPC loop streams meanwhile)."""
         if self.done is not None:
             self.done.synchronize()
-        per_request = self.host.tolist()
+        end = self.width - self.logprob_width
+        per_request = self.host[:, :end].tolist()
         rows = self.rows
         return VerifiedStep(
             target_ids=[r[:rows] for r in per_request],
             accepted=[r[rows] for r in per_request],
             next_drafts=[r[rows + 1 :] for r in per_request],
+            logprobs=self.host[:, end:] if self.logprob_width else None,
+            logprob_top=self.logprob_top,
         )
 
 
 class SpecStep(VariantSteps):
-    def __init__(self, runner: ModelRunner, proposer: Proposer) -> None:
-        super().__init__()
+    def __init__(self, runner: ModelRunner, proposer: Proposer, penalty_slots: int = DEFAULT_PENALTY_SLOTS) -> None:
+        super().__init__(runner.model.config.vocab_size, runner.device, penalty_slots)
         self.runner, self.proposer, self.k = runner, proposer, proposer.k
         self.constants = StepConstants(runner.device)
 
     def accepts(self, inputs: StepInputs, requests: list[Request]) -> bool:
-        """Every request verifies k drafts (all rows sampled), greedy or sampled with argmax drafts: a request with
-        penalties, logprobs or drafts drawn from q takes the host path, and the whole step with it."""
+        """Every request verifies k drafts (all rows sampled), greedy or sampled with argmax drafts, penalised or
+        not: a request with drafts drawn from q (or a penalty past the table's slots) takes the host path, and the
+        whole step with it."""
         point_masses = all(r.draft_probs is None for r in requests)
-        return inputs.uniform_query_len == self.k + 1 and point_masses and all(takes(r) for r in requests)
+        return inputs.uniform_query_len == self.k + 1 and point_masses and self.fits(requests)
 
     @torch.inference_mode()
     def launch(self, inputs: StepInputs, requests: list[Request]) -> PendingStep:
@@ -106,10 +130,10 @@ class SpecStep(VariantSteps):
         starts = [r.num_computed_tokens for r in requests]  # the first verify row's position
         ahead = self.proposer.slots_ahead(requests, starts, self.proposer.ahead_width)
         step = inputs.attention
-        sampling = StepSampling.of(requests, self.runner.model.config.vocab_size, self.runner.device)
+        sampling = StepSampling.of(requests, self.table)
         x = {"input_ids": inputs.input_ids, "slots_ahead": ahead, **sampling.inputs}
         (packed,) = self.run(sampling.variant, "", step, inputs.positions, x)
-        return PendingStep(packed, inputs.positions, self.k + 1, sampling)
+        return PendingStep(packed, inputs.positions, self.k + 1, sampling, self.logprob_top)
 
     def reach(self, request: Request) -> int:
         """Positions a request must have room for before the step after its current one is launched blind:
@@ -130,7 +154,8 @@ class SpecStep(VariantSteps):
         accepted = packed[:, rows]
         first = previous.positions.view(count, rows)[:, 0] + accepted + 1
         offsets = self.constants.arange(width)[None, :] + (accepted + 1)[:, None]
-        input_ids = torch.cat([packed[:, :rows].gather(1, accepted[:, None]), packed[:, rows + 1 :]], dim=1)
+        next_drafts = packed[:, rows + 1 : rows + 1 + self.k]
+        input_ids = torch.cat([packed[:, :rows].gather(1, accepted[:, None]), next_drafts], dim=1)
         positions = (first[:, None] + self.constants.arange(rows)[None, :]).reshape(-1)
         step = AttentionStep(
             backend=self.runner.backend, block_table=block_table,
@@ -141,7 +166,7 @@ class SpecStep(VariantSteps):
         sampling = previous.sampling
         x = {"input_ids": input_ids.reshape(-1), "slots_ahead": wide.gather(1, offsets), **sampling.inputs}
         (out,) = self.run(sampling.variant, " following", step, positions, x)
-        return PendingStep(out, positions, rows, sampling)
+        return PendingStep(out, positions, rows, sampling, self.logprob_top)
 
     def forward(
         self, step: AttentionStep, positions: torch.Tensor, x: dict[str, torch.Tensor], variant: str = GREEDY
@@ -156,10 +181,12 @@ class SpecStep(VariantSteps):
         drafts = input_ids.view(count, rows)[:, 1:]
         layout = DraftLayout(drafts, parents.expand(count, -1), None, None, self.k, chain=True)
         roots = positions.view(count, rows)[:, 0]
-        verdict = verify(logits, layout, SamplingTensors.from_inputs(x), roots, variant == SORTED, self.constants)
+        sampling, penalties = SamplingTensors.from_inputs(x), self.step_penalties(x)
+        verdict = verify(logits, layout, sampling, roots, sorts(variant), self.constants, penalties)
         accepted = verdict.accepted
+        extras = self.extras(logits, verdict, penalties, self.constants, rows)
         next_drafts = self.proposer.propose_verified(step, positions, verdict.emitted, features, accepted, ahead)
-        return (torch.cat([verdict.emitted, accepted[:, None], next_drafts], dim=1),)
+        return (torch.cat([verdict.emitted, accepted[:, None], next_drafts, *extras], dim=1),)
 
     def capture_graphs(self, max_batch: int, max_model_len: int) -> None:
         """One graph per sampling variant and batch bucket (target and drafter backends both capture-safe: the

@@ -25,9 +25,10 @@ import torch
 from executor_service.attention_step import cache_slot, to_device
 from executor_service.engine import Engine
 from executor_service.kv_cache import copy_kv_slots
-from executor_service.logprobs import batch_logprobs
+from executor_service.logprobs import TokenLogprob, batch_logprobs
 from executor_service.model_runner import StepInputs
 from executor_service.parallel.driver import TensorParallelModel
+from executor_service.penalties import penalised_logits
 from executor_service.rejection_sampler import VerifyError, verify_batch
 from executor_service.request import Request, Status
 from executor_service.scheduler import ScheduledStep
@@ -149,7 +150,9 @@ class TreeEngine(Engine):
             request.draft_ids = []
             drafted.append(len(tree.tokens))
             accepted.append(count)
-            generated += self._emit(request, result.emitted(index), len(tree.tokens))
+            logprobs = result.token_logprobs(index, request.settings.logprobs)
+            generated += self._emit(request, result.emitted(index), len(tree.tokens), logprobs)
+            self.tree_step.table.booked(request)  # after _emit: the step counted what it appended
             if request.status is Status.RUNNING:
                 tree_ids = result.next_drafts[index]  # the next tree's tokens, then its parents
                 self.proposer.set_tree(request, tree_ids[:size], tree_ids[size:])
@@ -189,8 +192,9 @@ class TreeEngine(Engine):
     def _verify(
         self, logits: torch.Tensor, sampled: list[Request], trees: dict[int, DraftTree]
     ) -> tuple[list[TreeVerdict | VerifyError], dict[int, list]]:
-        """Trees through tree verification; requests without drafts through verify_batch (their penalties and
-        logprobs too). Each request's rows of logits: its drafts + 1, in order."""
+        """Trees through tree verification (each row penalised as if its path's drafts had been emitted, the
+        logprobs read along the accepted path); requests without drafts through verify_batch (their penalties
+        and logprobs too). Each request's rows of logits: its drafts + 1, in order."""
         starts, row = [], 0
         for request in sampled:
             starts.append(row)
@@ -210,13 +214,16 @@ class TreeEngine(Engine):
                 logprobs[id(request)] = request_logprobs
         if with_tree:
             requests = [sampled[i] for i in with_tree]
+            tree_list = [trees[id(r)] for r in requests]
             index = [starts[i] + j for i in with_tree for j in range(len(trees[id(sampled[i])].tokens) + 1)]
             rows = logits[to_device(index, torch.int64, logits.device)]
-            found = verify_tree_batch(
-                rows, [r.settings for r in requests], [r.generator for r in requests], [trees[id(r)] for r in requests]
-            )
+            settings = [r.settings for r in requests]
+            tokens, parents = [t.tokens for t in tree_list], [t.parents for t in tree_list]
+            processed = penalised_logits(rows, settings, requests, tokens, parents)
+            found = verify_tree_batch(rows, settings, [r.generator for r in requests], tree_list, processed)
             for i, verdict in zip(with_tree, found, strict=True):
                 verdicts[i] = verdict
+            logprobs |= path_logprobs(rows, requests, tree_list, found)
         return verdicts, logprobs
 
     def _accept(
@@ -278,4 +285,27 @@ class TreeEngine(Engine):
 
     def _finish(self, request: Request, *args: object, **kwargs: object) -> None:
         self.proposer.forget(request)
+        if self.tree_step is not None:
+            self.tree_step.table.release(request.request_id)
         super()._finish(request, *args, **kwargs)  # type: ignore[arg-type]
+
+
+def path_logprobs(
+    rows: torch.Tensor, requests: list[Request], trees: list[DraftTree], verdicts: list[TreeVerdict | VerifyError]
+) -> dict[int, list[TokenLogprob] | None]:
+    """The logprobs of each tree request's emitted tokens, by id(request): token i from the i-th row of its
+    accepted path (the root's first), as batch_logprobs reads a chain's rows."""
+    index, settings, emitted, start = [], [], [], 0
+    for request, tree, verdict in zip(requests, trees, verdicts, strict=True):
+        if isinstance(verdict, TreeVerdict):
+            index += [start, *(start + 1 + node for node in verdict.path)]
+            settings.append(request.settings)
+            emitted.append(verdict.emitted)
+        start += len(tree.tokens) + 1
+    passed = [r for r, v in zip(requests, verdicts, strict=True) if isinstance(v, TreeVerdict)]
+    if not passed:
+        return {}
+    path_rows = rows[to_device(index, torch.int64, rows.device)]
+    drafts = [[0] * (len(tokens) - 1) for tokens in emitted]  # each request's rows: its emitted tokens'
+    found = batch_logprobs(path_rows, settings, drafts, emitted)
+    return {id(r): f for r, f in zip(passed, found, strict=True)}

@@ -72,9 +72,9 @@ class TreeProposer(Proposer):
         return max(self.tree.num_inputs, 1)
 
     def drafts_tree(self, request: Request) -> bool:
-        """Whether the request drafts at all: its own k (0: never) and nothing that reads one chain of rows."""
-        settings = request.settings
-        return self.num_drafts(request) > 0 and not settings.has_penalties and settings.logprobs is None
+        """Whether the request drafts at all: its own k (0: never). Penalties and logprobs read the tree's rows
+        (its path's drafts counted, the accepted path's logprobs), on the host path and the device step alike."""
+        return self.num_drafts(request) > 0
 
     def forget(self, request: Request) -> None:
         self.parents.pop(request.request_id, None)

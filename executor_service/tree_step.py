@@ -1,7 +1,7 @@
 """The tree step on the device: verify a tree of drafts, accept its longest matching path, move that path's K/V
 into place and draft the next trees in one function, read back once (the chain's is spec_step.py).
 
-When every request of a step (greedy or sampled, without penalties or logprobs) verifies a whole tree of the
+When every request of a step (greedy or sampled, penalised or asking for logprobs) verifies a whole tree of the
 loaded shape (N drafts, depth D), nothing between the target's verify pass and the next trees needs the host. Every
 tensor has a fixed shape per tree shape, so the function is captured as one CUDA graph per batch bucket
 (cuda_graphs.StepGraphs) and runs eagerly elsewhere (the CPU, larger batches). The parts, as TreeEngine's host
@@ -20,7 +20,8 @@ path does them:
   newest verified row.
 
 Read back per request, one packed tensor: [emitted (D + 1; the first accepted + 1 count) | accepted |
-next tokens (N) | next parents (N)]. Penalties, logprobs and cut-short trees take the host path.
+next tokens (N) | next parents (N)], and for the extras variants the emitted tokens' logprobs
+(device_penalties.py). Cut-short trees take the host path.
 """
 
 from __future__ import annotations
@@ -32,21 +33,21 @@ import torch
 
 from executor_service.attention_step import AttentionStep
 from executor_service.cuda_graphs import StepGraphs
-from executor_service.device_sampling import GREEDY, SORTED, SamplingTensors
+from executor_service.device_sampling import GREEDY, SamplingTensors, sorts
 from executor_service.model_runner import ModelRunner, StepInputs
 from executor_service.parallel.driver import TensorParallelModel
 from executor_service.request import Request
 from executor_service.spec_step import PendingStep
 from executor_service.step_constants import StepConstants
-from executor_service.step_variants import StepSampling, VariantSteps, capture_variants, takes
+from executor_service.step_variants import DEFAULT_PENALTY_SLOTS, StepSampling, VariantSteps, capture_variants
 from executor_service.tree_proposer import TreeProposer, static_parents
 from executor_service.verifier import DraftLayout, tree_layout, verify
 from kernels.tree_mask import TREE_WINDOW, to_int64
 
 
 class TreeStep(VariantSteps):
-    def __init__(self, runner: ModelRunner, proposer: TreeProposer) -> None:
-        super().__init__()
+    def __init__(self, runner: ModelRunner, proposer: TreeProposer, penalty_slots: int = DEFAULT_PENALTY_SLOTS) -> None:
+        super().__init__(runner.model.config.vocab_size, runner.device, penalty_slots)
         self.runner, self.proposer, self.tree = runner, proposer, proposer.tree
         self.num_drafts, self.depth = self.tree.num_drafts, self.tree.depth
         self.rows = self.num_drafts + 1  # the root and the drafts
@@ -64,13 +65,15 @@ class TreeStep(VariantSteps):
 
     def accepts(self, inputs: StepInputs, requests: list[Request]) -> bool:
         """Every request verifies a whole tree (N drafts, all rows sampled; a static tree in its drafted layout),
-        greedy or sampled without penalties or logprobs; tensor parallelism keeps the host path (its K/V move is
-        an op on every rank)."""
+        greedy or sampled, penalised or not (while the penalty table has slots); tensor parallelism keeps the
+        host path (its K/V move is an op on every rank)."""
         if inputs.uniform_query_len != self.rows or isinstance(self.runner.model, TensorParallelModel):
+            return False
+        if not self.fits(requests):
             return False
         for request in requests:
             parents = self.proposer.tree_of(request)
-            if not takes(request) or len(parents) != self.num_drafts:
+            if len(parents) != self.num_drafts:
                 return False
             if self.static_parents is not None and parents != self.static_parents:
                 return False
@@ -90,10 +93,10 @@ class TreeStep(VariantSteps):
         roots = inputs.positions.view(len(requests), self.rows)[:, 0]
         ahead = self._slots(step.block_table, roots + 1, self.ahead_width)
         parents = self.proposer.tensor([self.proposer.tree_of(r) for r in requests], torch.int64)
-        sampling = StepSampling.of(requests, self.runner.model.config.vocab_size, self.runner.device)
+        sampling = StepSampling.of(requests, self.table)
         x = {"input_ids": inputs.input_ids, "parents": parents, "slots_ahead": ahead, **sampling.inputs}
         (packed,) = self.run(sampling.variant, "", step, inputs.positions, x)
-        return PendingStep(packed, inputs.positions, self.depth + 1, sampling)
+        return PendingStep(packed, inputs.positions, self.depth + 1, sampling, self.logprob_top)
 
     def reach_following(self, request: Request) -> int:
         """Positions a request needs room for before the step after its current one is launched blind: this
@@ -114,7 +117,7 @@ class TreeStep(VariantSteps):
         accepted = packed[:, depth + 1]
         bonus = packed[:, : depth + 1].gather(1, accepted[:, None])
         input_ids = torch.cat([bonus, packed[:, depth + 2 : depth + 2 + size]], dim=1).reshape(-1)
-        parents = packed[:, depth + 2 + size :]
+        parents = packed[:, depth + 2 + size : depth + 2 + 2 * size]
         shift = accepted[:, None] + 1  # the new root's offset from the old one
         root = old_root + accepted + 1
         offsets = self.constants.arange(max(rows, self.ahead_width))[None, :]
@@ -129,7 +132,7 @@ class TreeStep(VariantSteps):
         sampling = previous.sampling
         x = {"input_ids": input_ids, "parents": parents, "slots_ahead": slots_ahead, **sampling.inputs}
         (out,) = self.run(sampling.variant, " following", step, positions, x)
-        return PendingStep(out, positions, depth + 1, sampling)
+        return PendingStep(out, positions, depth + 1, sampling, self.logprob_top)
 
     def _slots(self, block_table: torch.Tensor, first: torch.Tensor, width: int) -> torch.Tensor:
         """[B, width] cache slots of positions first, first + 1, ... of each request, on the device (no host loop
@@ -160,12 +163,14 @@ class TreeStep(VariantSteps):
         logits, features = self.runner.forward(input_ids, tree_positions, verify_step, None)
         assert features is not None, "a drafter reads the target's features"
         layout = DraftLayout(input_ids.view(count, rows)[:, 1:], parents, node_depth, ancestors, self.depth)
-        verdict = verify(logits, layout, SamplingTensors.from_inputs(x), root, variant == SORTED, self.constants)
+        sampling, penalties = SamplingTensors.from_inputs(x), self.step_penalties(x)
+        verdict = verify(logits, layout, sampling, root, sorts(variant), self.constants, penalties)
         path_rows, accepted, emitted = verdict.path_rows, verdict.accepted, verdict.emitted
+        extras = self.extras(logits, verdict, penalties, self.constants, rows)
         slots = step.slot_mapping.view(count, rows)
         self._move_path(slots, path_rows, accepted)
         next_tokens, next_parents = self._propose(step, slots, features, root, path_rows, accepted, emitted, x)
-        return (torch.cat([emitted, accepted[:, None], next_tokens, next_parents], dim=1),)
+        return (torch.cat([emitted, accepted[:, None], next_tokens, next_parents, *extras], dim=1),)
 
     def _masks(self, ancestors: torch.Tensor) -> torch.Tensor:
         """The verify rows' tree masks: every context key, and of the window's last `rows` keys the ancestors."""

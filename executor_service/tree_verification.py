@@ -13,8 +13,9 @@ children are candidates for the token after it.
   rejected, the token is drawn from r; a leaf's bonus token from its p. Each emitted token is then distributed
   exactly as the target's: P(child i) = p(c_i), P(other token t) = p(t).
 
-Penalties and logprobs read the target's rows along one chain; tree verification fails such requests alone
-(`VerifyError`) rather than verify them against the wrong rows.
+Penalties apply to each tree row as if the drafts on its path had been emitted (penalties.penalised_logits
+with the tree's parents: the caller passes the penalised rows as `processed`); logprobs are read from the
+accepted path's rows (TreeEngine._verify).
 """
 
 from __future__ import annotations
@@ -118,12 +119,16 @@ def verify_tree_batch(
     settings: list[SamplingSettings],
     generators: list[torch.Generator | None],
     trees: list[DraftTree],
+    processed: torch.Tensor | None = None,
 ) -> list[TreeVerdict | VerifyError]:
     """Each request's verdict from its N + 1 rows of logits (rows in request order), or the VerifyError that
-    fails it alone. One host copy of the argmax (and finiteness) for the batch."""
+    fails it alone; `processed`: the rows penalised (None: `logits`), what the requests sample from, while
+    finiteness is read on the raw logits. One host copy of the argmax (and finiteness) for the batch."""
     vocab, num_rows = logits.shape[-1], logits.shape[0]
-    argmax = logits.argmax(dim=-1)
-    finite = torch.isfinite(logits.gather(-1, argmax[:, None])[:, 0])
+    raw_argmax = logits.argmax(dim=-1)
+    finite = torch.isfinite(logits.gather(-1, raw_argmax[:, None])[:, 0])
+    processed = logits if processed is None else processed
+    argmax = raw_argmax if processed is logits else processed.argmax(dim=-1)
     host = to_host(torch.cat([argmax, finite.long()]))
     verdicts: list[TreeVerdict | VerifyError] = []
     row = 0
@@ -132,15 +137,13 @@ def verify_tree_batch(
         error = check_drafts(tree.tokens, vocab)
         if error is None and not all(host[num_rows + row : num_rows + row + rows]):
             error = VerifyError("the target's logits are not finite (inf or NaN)")
-        if error is None and (setting.has_penalties or setting.logprobs is not None) and tree.tokens:
-            error = VerifyError("penalties and logprobs are not supported with tree drafting")
         if error is not None:
             verdicts.append(error)
         elif setting.greedy:
             verdicts.append(verify_greedy_tree(tree, host[row : row + rows]))
         else:
             try:
-                verdicts.append(sample_tree(tree, target_probs(logits[row : row + rows], setting), generator))
+                verdicts.append(sample_tree(tree, target_probs(processed[row : row + rows], setting), generator))
             except Exception as err:  # its own numbers fail this request only
                 verdicts.append(err if isinstance(err, VerifyError) else VerifyError(f"sampling failed: {err}"))
         row += rows

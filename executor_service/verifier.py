@@ -17,6 +17,9 @@ the first child that *hits*, and go on from it; where no child hits, the target'
 Both rules reduce to a per-draft `hit` computed for all drafts at once (a child's chance and the mass left
 before it depend only on its earlier siblings), then the same path extraction. The uniforms and the final
 draw are counter-based (device_sampling.py), keyed by the request's seed and its root's position.
+
+With `penalties` (device_penalties.py) both rules read penalised rows: row r as if the drafts on its path had
+been emitted, the distribution the target would have sampled from one token at a time (penalties.py).
 """
 
 from __future__ import annotations
@@ -25,6 +28,7 @@ from dataclasses import dataclass
 
 import torch
 
+from executor_service.device_penalties import PenaltyTable, penalise_rows
 from executor_service.device_sampling import (
     NOISE_STREAM,
     UNIFORM_STREAM,
@@ -55,6 +59,29 @@ class DraftLayout:
 
 
 @dataclass(frozen=True)
+class StepPenalties:
+    """A step's penalties: the table, each request's slot [B] (-1: none) and (repetition, presence, frequency)
+    [B, 3]."""
+
+    table: PenaltyTable
+    slot: torch.Tensor
+    params: torch.Tensor
+
+    def apply(self, logits: torch.Tensor, layout: DraftLayout, constants: StepConstants) -> torch.Tensor:
+        return penalise_rows(logits, layout.tokens, on_path(layout, constants), self.table, self.slot, self.params)
+
+
+def on_path(layout: DraftLayout, constants: StepConstants) -> torch.Tensor:
+    """[B or 1, N + 1, N]: whether draft j is on row r's path (r's ancestors and r itself, the root aside)."""
+    num = layout.tokens.shape[1]
+    index = constants.arange(num + 1)
+    if layout.chain:
+        return constants.get(("chain path", num), lambda: (index[None, :-1] < index[:, None])[None])
+    assert layout.ancestors is not None
+    return ((layout.ancestors[:, :, None] >> index[None, None, 1:]) & 1).bool()
+
+
+@dataclass(frozen=True)
 class Verdict:
     """Per request: drafts accepted [B]; the rows [B, D + 1] of the accepted node at depth 0, 1, ... (past
     the path: row 0); emitted [B, D + 1]: the accepted drafts, then the token after them (the first
@@ -72,11 +99,15 @@ def verify(
     step_key: torch.Tensor,
     sort: bool = False,
     constants: StepConstants | None = None,
+    penalties: StepPenalties | None = None,
 ) -> Verdict:
     """Verify B requests' drafts from their N + 1 rows of logits each ([B * (N + 1), V], request-major).
     `sampling` None: every request is greedy. `step_key` [B]: the root's position (the random numbers' key);
-    `sort`: some request sets top-k or top-p (device_sampling.needs_sort)."""
+    `sort`: some request sets top-k or top-p (device_sampling.needs_sort); `penalties`: the rows are penalised
+    first (requests without penalties are left as they are)."""
     constants = constants or StepConstants(logits.device)
+    if penalties is not None:
+        logits = penalties.apply(logits, layout, constants)
     count, num = layout.tokens.shape
     rows = num + 1
     target_ids = argmax(logits).view(count, rows)

@@ -1,7 +1,7 @@
 """Penalties, min-p and logprobs on CUDA (bf16, Triton kernels, CUDA graphs): greedy EAGLE-3 and DFlash with
-penalties equal the target-only run of the same backend, in a batch with plain greedy requests (which would
-otherwise take the device-resident step) and one asking for logprobs; sampled requests with penalties and
-min-p finish without errors."""
+penalties equal the target-only run of the same backend, in a batch with plain greedy requests and one asking
+for logprobs (the batch runs on the device-resident step's extras variant: test_gpu_device_penalties.py);
+sampled requests with penalties and min-p finish without errors."""
 
 from __future__ import annotations
 

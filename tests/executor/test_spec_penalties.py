@@ -1,8 +1,8 @@
 """Greedy decoding with penalties, and logprobs, through the engine: target-only, EAGLE-3 and DFlash give the
 penalised reference token for token (drafts accepted in full and in part), in batches mixed with plain greedy
 requests, which keep their own reference; the logprobs of every emitted token, accepted drafts included, are
-the target's log-softmax recomputed densely; a batch the device-resident step would take goes to the host
-path when one request asks for logprobs or penalties."""
+the target's log-softmax recomputed densely; a batch where one request asks for logprobs or penalties stays on
+the device-resident step."""
 
 from __future__ import annotations
 
@@ -65,10 +65,14 @@ def check_logprobs(session: ModelSession, sink: Collector, rid: str, prompt: lis
 @pytest.mark.parametrize(
     ("method", "wrong_at"), [(None, None), ("eagle3", None), ("eagle3", 1), ("dflash", None), ("dflash", 2)]
 )
-def test_penalised_greedy_is_the_same_with_every_drafter(method: str | None, wrong_at: int | None) -> None:
+def test_penalised_greedy_is_the_same_with_every_drafter(
+    method: str | None, wrong_at: int | None, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """The drafts replay each request's reference (wrong at `wrong_at`): a verify row that did not count the
-    accepted drafts before it would pick another token than the reference."""
+    accepted drafts before it would pick another token than the reference. With a drafter every verify step
+    runs on the device step (the host path verifies no draft)."""
     session = tiny_session() if method is None else spec_session(method, 3, max_num_batched_tokens=64)
+    host = host_verified_drafts(monkeypatch)
     settings = [PENALISED, greedy(MAX_TOKENS), WITH_LOGPROBS, PENALISED_WITH_LOGPROBS]
     batch = {rid: (prompt, settings[i % 4]) for i, (rid, prompt) in enumerate(prompts(8, seed=3).items())}
     expected = {rid: expected_tokens(session, prompt, s) for rid, (prompt, s) in batch.items()}
@@ -85,22 +89,41 @@ def test_penalised_greedy_is_the_same_with_every_drafter(method: str | None, wro
             assert all(o.logprobs is None for o in sink.outputs[rid])
         finish = sink.outputs[rid][-1].finish
         assert finish is not None and (method is None or finish.accepted_tokens > 0)
+    if method is not None:
+        assert session.engine.spec_step.counts["extras"] > 0 and not any(host), host
 
 
-@pytest.mark.parametrize("settings", [WITH_LOGPROBS, PENALISED])
-def test_one_such_request_sends_the_batch_to_the_host_path(settings: SamplingSettings) -> None:
-    """Plain greedy requests alone take the device-resident step; with one asking for logprobs (or setting a
-    penalty) every step goes through the host path, and each request still gets its own answer."""
+def host_verified_drafts(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """Drafts the host path verifies (engine.verify_batch), recorded step by step: 0 for a prefill."""
+    import executor_service.engine as engine_module
+
+    found: list[int] = []
+    original = engine_module.verify_batch
+
+    def recorded(logits, settings, generators, drafts, *args, **kwargs):  # type: ignore[no-untyped-def]
+        found.append(sum(len(d) for d in drafts))
+        return original(logits, settings, generators, drafts, *args, **kwargs)
+
+    monkeypatch.setattr(engine_module, "verify_batch", recorded)
+    return found
+
+
+@pytest.mark.parametrize("settings", [WITH_LOGPROBS, PENALISED, PENALISED_WITH_LOGPROBS])
+def test_one_such_request_keeps_the_batch_on_the_device_step(
+    settings: SamplingSettings, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A request asking for logprobs or setting penalties joins plain greedy ones on the device step (the extras
+    variant): the host path verifies no draft (it runs the prefills alone), and each request gets its own answer,
+    logprobs included."""
     session = spec_session("eagle3", 3, max_num_batched_tokens=64)
     assert session.engine.spec_step is not None
     counts = session.engine.spec_step.counts
-    plain = {rid: (prompt, greedy(MAX_TOKENS)) for rid, prompt in prompts(3, seed=5).items()}
-    run(session, plain)
-    on_device = sum(counts.values())
-    assert on_device > 0
-    mixed = {**plain, "special": ([1, 1, 2, 1, 3], settings)}
+    host = host_verified_drafts(monkeypatch)
+    mixed = {**{rid: (prompt, greedy(MAX_TOKENS)) for rid, prompt in prompts(3, seed=5).items()}}
+    mixed["special"] = ([1, 1, 2, 1, 3], settings)
     sink = run(session, mixed)
-    assert sum(counts.values()) == on_device
+    assert counts["extras"] > 0 and counts["eager following"] > 0
+    assert host and not any(host), host
     for rid, (prompt, request_settings) in mixed.items():
         assert sink.tokens(rid) == expected_tokens(session, prompt, request_settings), rid
     if settings.logprobs is not None:

@@ -1,8 +1,10 @@
 """Speculative sampling keeps the penalised target distribution (repetition, presence and frequency penalties,
 min-p), measured as test_spec_sampling does: the emitted tokens of many seeded requests against the exact
 marginals, every continuation enumerated with the penalties written out from their definitions
-(penalty_reference.py). A verification that penalises each row without the drafts before it (as if they had
-not been emitted) is caught by the same bound: measured 0.009 to 0.023 right, 0.089 on token 4 wrong.
+(penalty_reference.py). The requests run on the device step (its extras variant: device_penalties.py). A
+verification that penalises each row without the drafts before it (as if they had not been emitted) is caught
+by the same bound: measured 0.009 to 0.023 right, 0.089 on token 4 wrong (host path, before the device step
+took these requests).
 """
 
 from __future__ import annotations
@@ -17,9 +19,12 @@ from test_spec_sampling import BOUND, MAX_TOKENS, PROMPT, REQUESTS, VOCAB, run_r
 from test_spec_sampling import session as session  # the module's fixture, shared
 
 import executor_service.penalties as penalties
+from executor_service import verifier
 from executor_service.model import DecoderModel
 from executor_service.sampling import SamplingSettings
 from executor_service.session import ModelSession
+from executor_service.step_constants import StepConstants
+from executor_service.verifier import DraftLayout
 
 SETTINGS = {
     "penalised": SamplingSettings(
@@ -59,12 +64,20 @@ def counts_without_drafts(output: torch.Tensor, drafts: list[int]) -> torch.Tens
     return output.unsqueeze(0).repeat(len(drafts) + 1, 1)
 
 
+def no_drafts_on_path(layout: DraftLayout, constants: StepConstants) -> torch.Tensor:
+    """The device step's same mistake (verifier.on_path): no draft counted at any row."""
+    num = layout.tokens.shape[1]
+    return torch.zeros(1, num + 1, num, dtype=torch.bool)
+
+
 @pytest.mark.parametrize("name", list(SETTINGS))
 def test_speculative_sampling_keeps_the_penalised_distribution(session: ModelSession, name: str) -> None:
     settings = SETTINGS[name]
     exact = exact_marginals(session.loaded.model, settings)
+    extras = session.engine.spec_step.counts["extras"]
     empirical, drafted, accepted = run_requests(session, settings)
     assert min(accepted, drafted - accepted) > REQUESTS // 10  # both paths of verification, many times
+    assert session.engine.spec_step.counts["extras"] > extras  # on the device step
     distances = total_variations(empirical, exact)
     assert max(distances) < BOUND, distances
 
@@ -75,6 +88,7 @@ def test_the_bound_catches_penalties_that_forget_the_drafts(
     settings = SETTINGS["penalised"]
     exact = exact_marginals(session.loaded.model, settings)
     monkeypatch.setattr(penalties, "counts_per_row", counts_without_drafts)
+    monkeypatch.setattr(verifier, "on_path", no_drafts_on_path)
     empirical, _, _ = run_requests(session, settings)
     distances = total_variations(empirical, exact)
     assert distances[0] < BOUND  # the prefill verifies no drafts

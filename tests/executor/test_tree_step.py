@@ -155,8 +155,8 @@ def test_device_step_equals_the_host_path(method: str, shape: str) -> None:
 
 
 def test_device_step_takes_a_batch_mixing_greedy_and_sampled_requests() -> None:
-    """A sampled request joins the greedy one on the device step (the sampled variant), and a request with a
-    penalty still takes the host path."""
+    """A sampled request joins the greedy one on the device step (the sampled variant), and so does a request
+    with a penalty (the extras variant: test_tree_penalties.py)."""
     from executor_service.sampling import SamplingSettings
 
     tree, k = TREES["static_2_2_1"]
@@ -175,7 +175,7 @@ def test_device_step_takes_a_batch_mixing_greedy_and_sampled_requests() -> None:
     penalised = SamplingSettings(temperature=0.8, seed=1, repetition_penalty=1.3)
     session.engine.add(session.new_request("p", [7, 8], penalised, 6, sink))
     session.engine.run_until_idle()
-    assert len(sink.tokens("p")) == 6 and counts["eager"] == on_device
+    assert len(sink.tokens("p")) == 6 and counts["eager"] > on_device and counts["extras"] > 0
 
 
 class ReplayInDraftTree:
