@@ -13,6 +13,9 @@ from collections import Counter
 from pathlib import Path
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
+README_MAX_LINES = 250
+# The README's two commands: one installs and runs the main job, one installs and runs the tests.
+README_COMMANDS = ("bash scripts/run.sh", "bash scripts/test.sh")
 SKIPPED_DIRS = {".git", ".venv", "node_modules", "__pycache__", ".pytest_cache", ".ruff_cache", "results"}
 
 
@@ -32,20 +35,26 @@ def markdown_files(root: Path) -> list[Path]:
 # ---- links --------------------------------------------------------------------------------------------------------
 
 LINK = re.compile(r"\[[^\]]*\]\(([^)\s]+)\)")
-FENCE = re.compile(r"^(```|~~~)")
+FENCE = re.compile(r"^ {0,3}(`{3,}|~{3,})(.*)$")
 
 
 def _prose(text: str) -> str:
-    """`text` without its fenced code blocks (a link-looking string inside one is code, not a link)."""
-    kept, fence = [], None
+    """`text` without its fenced code blocks (a link-looking string inside one is code, not a link). A block closes
+    at a fence of the same character, at least as long, with nothing after it (CommonMark), so a ```` block may hold
+    ``` lines."""
+    kept: list[str] = []
+    fence = ""
     for line in text.splitlines():
-        marker = FENCE.match(line.lstrip())
-        if marker and fence is None:
-            fence = line.lstrip()[:3]
-        elif fence is not None and line.lstrip().startswith(fence):
-            fence = None
-        elif fence is None:
-            kept.append(line)
+        match = FENCE.match(line)
+        if not fence:
+            if match:
+                fence = match.group(1)
+            else:
+                kept.append(line)
+        elif (
+            match and match.group(1)[0] == fence[0] and len(match.group(1)) >= len(fence) and not match.group(2).strip()
+        ):
+            fence = ""
     return "\n".join(kept)
 
 
@@ -95,10 +104,34 @@ def test_the_link_check_sees_a_missing_file_and_a_missing_anchor(tmp_path: Path)
     (tmp_path / "README.md").write_text(
         "[ok](docs/a.md) [ok](docs/a.md#the-part-in-detail-r2) [web](https://example.com/x.md)\n"
         "[gone](docs/b.md) [no anchor](docs/a.md#nowhere)\n```\n[in code](docs/c.md)\n```\n"
+        "````\n```python\n[in code too](docs/d.md)\n```\n````\n"
     )
     assert broken_links(tmp_path / "README.md", tmp_path) == [
         "README.md: docs/b.md (no such file)",
         "README.md: docs/a.md#nowhere (no heading with that anchor)",
+    ]
+
+
+# ---- README -------------------------------------------------------------------------------------------------------
+
+
+def readme_problems(text: str) -> list[str]:
+    problems = []
+    if len(text.splitlines()) > README_MAX_LINES:
+        problems.append(f"{len(text.splitlines())} lines, more than {README_MAX_LINES}")
+    problems += [f"no `{command}`" for command in README_COMMANDS if command not in text]
+    return problems
+
+
+def test_the_readme_is_a_short_guide_with_the_two_commands() -> None:
+    assert readme_problems((REPO_ROOT / "README.md").read_text()) == []
+
+
+def test_the_readme_check_refuses_a_long_readme_without_its_commands() -> None:
+    assert readme_problems("line\n" * (README_MAX_LINES + 1)) == [
+        f"{README_MAX_LINES + 1} lines, more than {README_MAX_LINES}",
+        "no `bash scripts/run.sh`",
+        "no `bash scripts/test.sh`",
     ]
 
 
