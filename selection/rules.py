@@ -86,7 +86,7 @@ def drafter_uses_tree_attention(method: int, drafts_tree: bool) -> bool:
     return drafts_tree and method in (common_pb2.SPEC_METHOD_EAGLE, common_pb2.SPEC_METHOD_EAGLE3)
 
 
-# ---- R1-R3, R5: one decision per attention stack --------------------------------------------------------------
+# ---- R1, R2, R3, R5: one decision per attention stack ---------------------------------------------------------
 @dataclass(frozen=True)
 class Decision:
     backend: str

@@ -1,5 +1,6 @@
 """The selection entry points: `select_backends`, a pure function of its request, and `Selector`, the same
-behind a cache. The rules they apply (R1-R10) are gathered in rules.py and defined in docs/selection.md.
+behind a cache. The rules they apply (R1 to R8 and R11; R9 and R10 apply at run time) are gathered in rules.py and
+defined in docs/selection.md.
 
 `Selector`'s cache is keyed by the parsed request: bounded (its strings are checked against bounds.py first) and
 only what selection reads (not the device's name or memory), so that neither a caller's large fields nor

@@ -14,7 +14,7 @@ import random
 import pytest
 import torch
 import torch.nn.functional as F
-from test_flex_attn import _emulate_sparse_kernel
+from flex_emulation import emulate_sparse_kernel
 
 from kernels import paged_attention, unavailable_reason
 from kernels.attention import AttentionBatch
@@ -150,7 +150,7 @@ def test_flex_block_lists_with_trees(block_size: int) -> None:
         batch.block_table, batch.query_start_loc, batch.seq_lens, True, batch.k_cache.shape[0], block_size,
         batch.q.shape[0], tree_mask=masks,
     )  # fmt: skip
-    result = _emulate_sparse_kernel(batch, meta, 32**-0.5)
+    result = emulate_sparse_kernel(batch, meta, 32**-0.5)
     torch.testing.assert_close(result, dense_reference(batch, trees, 32**-0.5), atol=1e-5, rtol=1e-5)
 
 

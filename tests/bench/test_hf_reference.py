@@ -15,7 +15,7 @@ from executor_service.config import RopeScaling
 from executor_service.loader import build_synthetic
 
 pytest.importorskip("transformers")
-from test_model_hf import paged_logits  # itself skips without transformers, as this module does above
+from paged_reference import paged_logits  # itself skips without transformers, as this module does above
 
 CPU = torch.device("cpu")
 SCALED = RopeScaling(factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0, original_max_position_embeddings=32)

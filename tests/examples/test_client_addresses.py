@@ -12,7 +12,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 import pytest
-from test_clients import EXAMPLES, REPO_ROOT, build_go_client, run_client
+from example_clients import EXAMPLES, REPO_ROOT, build_go_client, run_client
 
 REFUSED = {"python": "Connection refused", "node": "ECONNREFUSED", "go": "connection refused"}
 

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import ast
 import json
-import os
 import re
 import shutil
 import socket
@@ -27,15 +26,13 @@ from pathlib import Path
 
 import grpc
 import pytest
+from example_clients import EXAMPLES, REPO_ROOT, build_go_client, run_client
 from google.protobuf import json_format
 from server_processes import wait_address_serving
 from toy_model import write_toy_model
 
 from specdec.v1 import common_pb2, executor_pb2, executor_pb2_grpc, selector_pb2, selector_pb2_grpc
 
-REPO_ROOT = Path(__file__).resolve().parents[2]
-EXAMPLES = REPO_ROOT / "examples"
-CLIENT_TIMEOUT_S = 120
 TOKEN = "examples-token.1"
 AUTH = (("authorization", f"Bearer {TOKEN}"),)
 # What the clients load and generate by default (examples/*: TINY_LLAMA, num_speculative_tokens, prompt, max_tokens).
@@ -44,10 +41,6 @@ LAYERS = common_pb2.LayerSpec(
 )
 VOCAB_SIZE, K, PROMPT, MAX_TOKENS = 512, 4, [1, 2, 3, 4, 5], 24
 METHODS = {"dflash": common_pb2.SPEC_METHOD_DFLASH, "eagle3": common_pb2.SPEC_METHOD_EAGLE3}
-GO_PACKAGES = (
-    "golang-go golang-google-grpc-dev golang-github-golang-protobuf-1-5-dev golang-google-protobuf-dev "
-    "protoc-gen-go protoc-gen-go-grpc protobuf-compiler"
-)
 
 
 @dataclass
@@ -237,16 +230,6 @@ def check_chat(
     assert printed.loads[:3] == (0, 0, 0)
 
 
-def run_client(command: list[str], cwd: Path, env: dict[str, str]) -> subprocess.CompletedProcess[str]:
-    base = {k: v for k, v in os.environ.items() if not k.startswith("SPECDEC_")}
-    try:
-        return subprocess.run(
-            command, cwd=cwd, env={**base, **env}, capture_output=True, text=True, timeout=CLIENT_TIMEOUT_S
-        )
-    except subprocess.TimeoutExpired as err:
-        pytest.fail(f"{command} ran past {CLIENT_TIMEOUT_S} s\nstdout:\n{err.stdout}\nstderr:\n{err.stderr}")
-
-
 def check_command_line(client: list[str], cwd: Path) -> None:
     """--help prints the usage naming every flag (exit 0); a bad command line prints it and the error (exit 2)."""
     shown = run_client([*client, "--help"], cwd, {})
@@ -328,26 +311,6 @@ def go_client(tmp_path: Path) -> Path:
     if isinstance(built, str):
         pytest.skip(built)
     return built
-
-
-def build_go_client(out: Path) -> Path | str:
-    """examples/go built into `out`, or why it cannot be (the missing tools and packages)."""
-    sources = Path(os.environ.get("GOPATH_DEPS", "/usr/share/gocode")) / "src"
-    missing = [
-        tool for tool in ("go", "gofmt", "protoc", "protoc-gen-go", "protoc-gen-go-grpc") if not shutil.which(tool)
-    ]
-    missing += [
-        str(sources / p) for p in ("google.golang.org/grpc", "google.golang.org/protobuf") if not (sources / p).is_dir()
-    ]
-    if missing:
-        return f"the Go toolchain is missing {', '.join(missing)}: apt-get install {GO_PACKAGES}"
-    built = subprocess.run(
-        ["bash", str(EXAMPLES / "go" / "build.sh"), str(out)], capture_output=True, text=True, timeout=300
-    )
-    assert built.returncode == 0, f"examples/go/build.sh failed:\n{built.stdout}\n{built.stderr}"
-    unformatted = subprocess.run(["gofmt", "-l", str(EXAMPLES / "go")], capture_output=True, text=True, check=True)
-    assert unformatted.stdout == "", f"gofmt would change: {unformatted.stdout}"
-    return out / "specdec-client"
 
 
 def test_go_client(go_client: Path, launch_server, launch_executor, tmp_path: Path) -> None:

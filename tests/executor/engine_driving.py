@@ -7,6 +7,8 @@ from collections import defaultdict
 
 from executor_service.engine import Engine
 from executor_service.request import RequestOutput
+from executor_service.sampling import SamplingSettings
+from executor_service.session import ModelSession
 
 
 class Outputs:
@@ -43,3 +45,26 @@ def run_bounded(engine: Engine, max_steps: int = 2000) -> int:
     waiting = [r.request_id for r in engine.scheduler.waiting]
     running = [(r.request_id, len(r.output_ids)) for r in engine.scheduler.running]
     raise AssertionError(f"the engine still has work after {max_steps} steps: waiting {waiting}, running {running}")
+
+
+class Collector:
+    """Every output per request id, as the engine handed them out."""
+
+    def __init__(self) -> None:
+        self.outputs: dict[str, list[RequestOutput]] = defaultdict(list)
+
+    def __call__(self, output: RequestOutput) -> None:
+        self.outputs[output.request_id].append(output)
+
+    def tokens(self, request_id: str) -> list[int]:
+        return [t for o in self.outputs[request_id] for t in o.token_ids]
+
+    def finish_reason(self, request_id: str) -> str | None:
+        last = self.outputs[request_id][-1]
+        return last.finish.reason if last.finish else None
+
+
+def add_all(session: ModelSession, batch: dict[str, list[int]], settings: SamplingSettings, sink: Collector) -> None:
+    for rid, prompt in batch.items():
+        max_tokens = settings.max_tokens or 8
+        session.engine.add(session.new_request(rid, prompt, settings, max_tokens, sink))

@@ -4,10 +4,10 @@ in order; a dynamic tree keeps the best paths by summed log-probability."""
 
 from __future__ import annotations
 
+from engine_driving import Collector, add_all
 from executor_builders import greedy
 from spec_builders import spec_session
-from test_engine import Collector, add_all
-from test_tree_decode import VOCAB, prompts, tree_session
+from tree_cases import VOCAB, prompts, tree_session
 
 from executor_service.dflash_tree_proposer import DFlashTreeProposer
 from executor_service.session import ModelSession

@@ -15,10 +15,10 @@ from pathlib import Path
 import pytest
 import torch
 from executor_builders import load_request, tiny_model
+from load_refusals import RPC_TIMEOUT_S, assert_still_serving, generate, refusal, write_drafter
 from rpc_details import violations
 from safetensors.torch import load_file, save_file
 from spec_builders import draft_model
-from test_load_model_robustness import RPC_TIMEOUT_S, assert_still_serving, generate, refusal, write_drafter
 
 from executor_service.draft_models import TargetHeads
 from executor_service.draft_weights import save_drafter, synthetic_drafter

@@ -5,17 +5,16 @@ from __future__ import annotations
 
 import queue
 import random
-from collections import defaultdict
 
 import pytest
 import torch
+from engine_driving import Collector, add_all
 from executor_builders import greedy, tiny_session
 from greedy_reference import dense_logits, greedy_reference
 
 from executor_service.request import RequestOutput
 from executor_service.sampling import SamplingSettings
 from executor_service.scheduler import ScheduledStep
-from executor_service.session import ModelSession
 from kernels import unavailable_reason
 
 VOCAB = 512
@@ -24,29 +23,6 @@ VOCAB = 512
 def prompts(count: int, seed: int, longest: int = 90) -> dict[str, list[int]]:
     rng = random.Random(seed)
     return {f"r{i}": [rng.randrange(VOCAB) for _ in range(rng.randint(1, longest))] for i in range(count)}
-
-
-class Collector:
-    """Every output per request id, as the engine handed them out."""
-
-    def __init__(self) -> None:
-        self.outputs: dict[str, list[RequestOutput]] = defaultdict(list)
-
-    def __call__(self, output: RequestOutput) -> None:
-        self.outputs[output.request_id].append(output)
-
-    def tokens(self, request_id: str) -> list[int]:
-        return [t for o in self.outputs[request_id] for t in o.token_ids]
-
-    def finish_reason(self, request_id: str) -> str | None:
-        last = self.outputs[request_id][-1]
-        return last.finish.reason if last.finish else None
-
-
-def add_all(session: ModelSession, batch: dict[str, list[int]], settings: SamplingSettings, sink: Collector) -> None:
-    for rid, prompt in batch.items():
-        max_tokens = settings.max_tokens or 8
-        session.engine.add(session.new_request(rid, prompt, settings, max_tokens, sink))
 
 
 @pytest.mark.parametrize("architecture", ["llama", "qwen3"])

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 import torch
 from executor_builders import tiny_config
-from test_model_hf import paged_logits
+from paged_reference import paged_logits
 
 from executor_service.config import ModelConfig
 from executor_service.detokenizer import IncrementalDetokenizer

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from test_batched_rejection import (
+from batched_rejection_runs import (
     BOUND,
     alone_and_together,
     counting,

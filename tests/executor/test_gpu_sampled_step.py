@@ -8,9 +8,9 @@ import random
 
 import pytest
 import torch
+from engine_driving import Collector
 from spec_builders import spec_session
-from test_engine import Collector
-from test_tree_decode import tree_session
+from tree_cases import tree_session
 
 from executor_service.sampling import SamplingSettings
 from executor_service.session import ModelSession

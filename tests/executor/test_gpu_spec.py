@@ -4,33 +4,23 @@ exactly what eager drafting drafts."""
 
 from __future__ import annotations
 
-import random
-
 import pytest
 import torch
 from executor_builders import tiny_session
+from gpu_spec_cases import BF16, METHODS, prompts, tokens
 from spec_builders import spec_session
-from test_spec_metadata import BATCHED_TOKENS, MAX_TOKENS, WRONG_AT, K, run_recorded
-from test_spec_metadata import prompts as metadata_prompts
+from spec_metadata_runs import BATCHED_TOKENS, MAX_TOKENS, WRONG_AT, K, run_recorded
+from spec_metadata_runs import prompts as metadata_prompts
 
 from executor_service.rejection_sampler import DraftProbs
 from executor_service.request import Request, RequestOutput
 from executor_service.sampling import SamplingSettings
 from executor_service.session import ModelSession
 from kernels import unavailable_reason
-from specdec.v1 import common_pb2
 
 pytestmark = pytest.mark.gpu
 if not torch.cuda.is_available():
     pytest.skip("needs a CUDA GPU", allow_module_level=True)
-
-BF16 = common_pb2.DTYPE_BFLOAT16
-METHODS = ["eagle", "eagle3", "dflash", "dflash_causal"]
-
-
-def prompts(count: int, seed: int) -> dict[str, list[int]]:
-    rng = random.Random(seed)
-    return {f"r{i}": [rng.randrange(511) for _ in range(rng.randint(1, 60))] for i in range(count)}
 
 
 def run(session: ModelSession, batch: dict[str, list[int]], max_tokens: int) -> dict[str, list[RequestOutput]]:
@@ -41,12 +31,6 @@ def run(session: ModelSession, batch: dict[str, list[int]], max_tokens: int) -> 
     session.engine.run_until_idle()
     assert session.kv_cache.allocator.num_used == 0
     return outputs
-
-
-def tokens(outputs: dict[str, list[RequestOutput]]) -> dict[str, list[int]]:
-    for outs in outputs.values():
-        assert all(o.error is None for o in outs), [o.error for o in outs]
-    return {rid: [t for o in outs for t in o.token_ids] for rid, outs in outputs.items()}
 
 
 @pytest.mark.parametrize("backend", ["TRITON_ATTN", "FLASH_ATTN"])

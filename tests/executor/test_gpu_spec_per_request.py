@@ -8,9 +8,9 @@ from __future__ import annotations
 import pytest
 import torch
 from executor_builders import tiny_session
+from gpu_spec_cases import BF16, METHODS, prompts, tokens
 from spec_builders import spec_session
-from test_gpu_spec import BF16, METHODS, prompts, tokens
-from test_spec_per_request import generate_request
+from spec_checks import generate_request
 
 from executor_service.request import RequestOutput
 from executor_service.sampling import SamplingSettings

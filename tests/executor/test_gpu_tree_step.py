@@ -9,9 +9,9 @@ from __future__ import annotations
 
 import pytest
 import torch
+from engine_driving import Collector, add_all
 from executor_builders import greedy, tiny_session
-from test_engine import Collector, add_all
-from test_tree_decode import TREES, ReplayOnLastBranch, prompts, tree_session
+from tree_cases import TREES, ReplayOnLastBranch, prompts, tree_session
 
 from executor_service.session import ModelSession
 from kernels import unavailable_reason

@@ -12,6 +12,7 @@ import pytest
 import torch
 from executor_builders import load_request, tiny_config
 from greedy_reference import greedy_reference
+from grpc_calls import Samples, generate, sample, scrape
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from rpc_details import violations
 
@@ -27,15 +28,6 @@ async def health(executor: RunningExecutor) -> int:
     async with grpc.aio.insecure_channel(f"127.0.0.1:{executor.server.port}") as channel:
         response = await health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(service=""))
         return response.status
-
-
-async def generate(stub, request_id: str, ids: list[int], **sampling) -> list[executor_pb2.GenerateResponse]:
-    request = executor_pb2.GenerateRequest(
-        request_id=request_id,
-        token_ids=executor_pb2.TokenIds(ids=ids),
-        sampling=executor_pb2.SamplingParams(**sampling),
-    )
-    return [response async for response in stub.Generate(request)]
 
 
 async def test_health_load_info_and_generation(executor: RunningExecutor, stub) -> None:
@@ -228,29 +220,7 @@ async def test_backends_from_a_remote_selector(selector_address: str) -> None:
         await running.stop(0.5)
 
 
-Samples = dict[tuple[str, frozenset[tuple[str, str]]], float]
 METRICS_WAIT_S = 60.0  # a no-hang bound, not a performance bar
-
-
-async def scrape(executor: RunningExecutor) -> Samples:
-    """Every sample of the executor's /metrics, by name and labels."""
-    import urllib.request
-
-    from prometheus_client.parser import text_string_to_metric_families
-
-    url = f"http://127.0.0.1:{executor.server.metrics_port}/metrics"
-    text = await asyncio.to_thread(lambda: urllib.request.urlopen(url).read().decode())
-    return {
-        (sample.name, frozenset(sample.labels.items())): sample.value
-        for family in text_string_to_metric_families(text)
-        for sample in family.samples
-    }
-
-
-def sample(samples: Samples, name: str, **labels: str) -> float:
-    """One sample's value; 0 for a labelled sample not yet created (a missing unlabelled one is an error)."""
-    key = (name, frozenset(labels.items()))
-    return samples[key] if not labels else samples.get(key, 0.0)
 
 
 def rpcs(samples: Samples, method: str, code: str = "OK") -> float:

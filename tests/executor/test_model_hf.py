@@ -10,37 +10,13 @@ from pathlib import Path
 import pytest
 import torch
 from executor_builders import tiny_config
+from paged_reference import CPU, paged_logits
 
-from executor_service.attention_step import AttentionStep
 from executor_service.config import ModelConfig
-from executor_service.kv_cache import KVCache
 from executor_service.loader import build_synthetic, load_directory, save_directory
-from executor_service.model import DecoderModel
 from specdec_runtime.errors import InvalidArgument
 
 transformers = pytest.importorskip("transformers")
-CPU = torch.device("cpu")
-
-
-def paged_logits(model: DecoderModel, ids: list[int], block_size: int = 16) -> torch.Tensor:
-    """One request's logits through the paged path: blocks in reverse order, so paging is exercised."""
-    config = model.config
-    num_blocks = -(-len(ids) // block_size) + 2
-    cache = KVCache(config, num_blocks, block_size, torch.float32, CPU)
-    blocks = list(range(num_blocks - 1, 1, -1))
-    slots = torch.tensor([blocks[p // block_size] * block_size + p % block_size for p in range(len(ids))])
-    step = AttentionStep(
-        "CPU_ATTN",
-        torch.tensor([blocks], dtype=torch.int32),
-        torch.tensor([0, len(ids)], dtype=torch.int32),
-        torch.tensor([len(ids)], dtype=torch.int32),
-        slots,
-        len(ids),
-        len(ids),
-    )
-    with torch.no_grad():
-        hidden, _ = model(torch.tensor(ids), torch.arange(len(ids)), cache.layers, step)
-        return model.compute_logits(hidden)
 
 
 def hf_logits(directory: Path, ids: list[int]) -> torch.Tensor:

@@ -8,8 +8,8 @@ import random
 
 from executor_builders import load_request
 from greedy_reference import greedy_reference
+from grpc_calls import generate, sample, scrape
 from spec_builders import draft_model
-from test_grpc_executor import generate, sample, scrape
 
 from executor_service.main import RunningExecutor
 from specdec.v1 import executor_pb2

@@ -7,14 +7,14 @@ from __future__ import annotations
 import random
 
 import pytest
+from engine_driving import Collector, add_all
 from executor_builders import greedy
 from greedy_reference import greedy_reference
 from spec_builders import ReplayDrafts, spec_session
-from test_engine import Collector, add_all
+from spec_checks import VOCAB, assert_no_leak, scripted_verify_steps
 
 from executor_service.session import ModelSession
 
-VOCAB = 512
 ALL_METHODS = ["eagle", "eagle3", "dflash", "dflash_causal"]
 
 
@@ -25,11 +25,6 @@ def prompts(count: int, seed: int, longest: int = 40, vocab: int = VOCAB) -> dic
 
 def reference(session: ModelSession, batch: dict[str, list[int]], max_tokens: int) -> dict[str, list[int]]:
     return {rid: greedy_reference(session.loaded.model, prompt, max_tokens) for rid, prompt in batch.items()}
-
-
-def assert_no_leak(session: ModelSession) -> None:
-    assert session.kv_cache.allocator.num_used == 0
-    assert not session.engine.scheduler.has_work()
 
 
 @pytest.mark.parametrize("k", [1, 3, 7, 15])
@@ -104,13 +99,6 @@ def test_replayed_drafts_accept_as_scripted(method: str, wrong_at: int | None) -
             rates = finish.acceptance_per_position
             assert all(r == 1.0 for r in rates[:wrong_at]) and all(r == 0.0 for r in rates[wrong_at:])
     assert_no_leak(session)
-
-
-def scripted_verify_steps(max_tokens: int, k: int, wrong_at: int | None) -> int:
-    """Verify steps when each accepts min(wrong_at, k) drafts: the prefill emits the first token, every verify
-    step the accepted drafts and one more (drafts are not cut at max_tokens: the extra tokens are dropped)."""
-    per_step = (k if wrong_at is None else min(wrong_at, k)) + 1
-    return -(-(max_tokens - 1) // per_step)
 
 
 @pytest.mark.parametrize("method", ["eagle", "dflash"])

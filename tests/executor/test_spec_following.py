@@ -10,9 +10,9 @@ import random
 
 import pytest
 import torch
+from engine_driving import Collector
 from greedy_reference import greedy_reference
 from spec_builders import spec_session
-from test_engine import Collector
 
 from executor_service.request import Request, Status
 from executor_service.sampling import SamplingSettings

@@ -7,10 +7,10 @@ from pathlib import Path
 
 import pytest
 import torch
+from engine_driving import Collector, add_all
 from executor_builders import greedy, load_request
 from greedy_reference import greedy_reference
 from spec_builders import draft_model, spec_session
-from test_engine import Collector, add_all
 
 from executor_service.draft_weights import save_drafter
 from executor_service.drafting import check_drafter_backend, resolve_draft

@@ -10,11 +10,11 @@ import random
 
 import pytest
 import torch
+from engine_driving import Collector
 from executor_builders import greedy, tiny_session
 from greedy_reference import dense_logits, greedy_reference
 from penalty_reference import greedy_penalised
 from spec_builders import ReplayDrafts, spec_session
-from test_engine import Collector
 
 from executor_service.sampling import SamplingSettings
 from executor_service.session import ModelSession

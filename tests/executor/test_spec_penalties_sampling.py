@@ -15,8 +15,8 @@ import pytest
 import torch
 from greedy_reference import dense_logits
 from penalty_reference import reference_probs
-from test_spec_sampling import BOUND, MAX_TOKENS, PROMPT, REQUESTS, VOCAB, run_requests, total_variations
-from test_spec_sampling import session as session  # the module's fixture, shared
+from spec_sampling_runs import BOUND, MAX_TOKENS, PROMPT, REQUESTS, VOCAB, run_requests, total_variations
+from spec_sampling_runs import session as session  # the module's fixture, shared
 
 import executor_service.penalties as penalties
 from executor_service import verifier

@@ -12,13 +12,12 @@ from engine_driving import Outputs, run_bounded
 from executor_builders import greedy
 from greedy_reference import greedy_reference
 from spec_builders import ReplayDrafts, spec_session
-from test_spec_decode import VOCAB, assert_no_leak, scripted_verify_steps
+from spec_checks import VOCAB, assert_no_leak, generate_request, scripted_verify_steps
 
 from executor_service.proposer import ProposeBatch
 from executor_service.sampling import SamplingSettings
 from executor_service.session import ModelSession
 from executor_service.validation import check_generate
-from specdec.v1 import executor_pb2
 from specdec_runtime.errors import InvalidArgument
 
 K = 4
@@ -138,15 +137,6 @@ def test_all_at_the_loaded_k_keeps_the_device_step(method: str) -> None:
 
 BLOCKS, BLOCK_SIZE = 8, 16
 CAPACITY = BLOCKS * BLOCK_SIZE
-
-
-def generate_request(prompt: list[int], max_tokens: int | None, k: int | None) -> executor_pb2.GenerateRequest:
-    request = executor_pb2.GenerateRequest(request_id="r", token_ids=executor_pb2.TokenIds(ids=prompt))
-    if max_tokens is not None:
-        request.sampling.max_tokens = max_tokens
-    if k is not None:
-        request.num_speculative_tokens = k
-    return request
 
 
 @pytest.mark.parametrize(("method", "k"), [("eagle", 1), ("eagle", 0), ("eagle3", 3), ("dflash", 2), ("dflash", 0)])

@@ -6,8 +6,8 @@ total-variation bound that a wrong verification fails), with each request's num_
 from __future__ import annotations
 
 import torch
-from test_engine import Collector
-from test_spec_sampling import (
+from engine_driving import Collector
+from spec_sampling_runs import (
     BATCH,
     BOUND,
     MAX_TOKENS,
@@ -18,7 +18,7 @@ from test_spec_sampling import (
     exact_marginals,
     total_variations,
 )
-from test_spec_sampling import session as session  # the module-scoped fixture, shared
+from spec_sampling_runs import session as session  # the module-scoped fixture, shared
 
 from executor_service.sampling import SamplingSettings
 from executor_service.session import ModelSession

@@ -6,8 +6,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-from test_spec_sampling import BATCH, BOUND, SETTINGS, VOCAB, exact_marginals, run_requests, total_variations
-from test_tree_decode import tree_session
+from spec_sampling_runs import BATCH, BOUND, SETTINGS, VOCAB, exact_marginals, run_requests, total_variations
+from tree_cases import tree_session
 
 import executor_service.tree_verification as tree_verification
 import executor_service.verifier as verifier

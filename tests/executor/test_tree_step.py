@@ -11,11 +11,11 @@ from typing import Any
 
 import pytest
 import torch
+from engine_driving import Collector, add_all
 from executor_builders import greedy
 from greedy_reference import greedy_reference
-from test_engine import Collector, add_all
-from test_tree_decode import TREES, VOCAB, check_equals_target_only, prompts, tree_session
 from torch.utils._python_dispatch import TorchDispatchMode
+from tree_cases import TREES, VOCAB, check_equals_target_only, prompts, tree_session
 
 from executor_service import cuda_graphs
 from executor_service.session import ModelSession

@@ -7,7 +7,7 @@ from __future__ import annotations
 import os
 
 import pytest
-from test_tree_decode import TREES, check_equals_target_only, prompts, tree_session
+from tree_cases import TREES, check_equals_target_only, prompts, tree_session
 
 from kernels import triton_topk
 

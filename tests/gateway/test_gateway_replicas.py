@@ -10,7 +10,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import grpc
 import pytest
-from conftest import MODEL, start_executor
+from gateway_stack import MODEL, start_executor
 
 from specdec.v1 import executor_pb2, executor_pb2_grpc
 

@@ -7,7 +7,7 @@ import json
 from http.client import HTTPConnection
 
 import pytest
-from conftest import MODEL, TOKEN, http
+from gateway_stack import MODEL, TOKEN, http
 
 AUTH = {"Authorization": f"Bearer {TOKEN}"}
 CHAT = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4, "temperature": 0}

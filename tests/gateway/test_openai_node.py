@@ -10,7 +10,7 @@ import subprocess
 from pathlib import Path
 
 import pytest
-from conftest import MODEL, TOKEN
+from gateway_stack import MODEL, TOKEN
 
 NODE_DIR = Path(__file__).resolve().parent / "node"
 CHAT = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hello there"}]

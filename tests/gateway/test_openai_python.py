@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import grpc
 import pytest
-from conftest import MODEL, TOKEN
+from gateway_stack import MODEL, TOKEN
 
 from specdec.v1 import executor_pb2, executor_pb2_grpc
 from specdec_runtime.auth import bearer_metadata

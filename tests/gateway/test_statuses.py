@@ -12,9 +12,9 @@ import urllib.request
 
 import pytest
 from certs import make_tls_files
-from conftest import MODEL, TOKEN, http, start_executor
+from gateway_stack import MODEL, TOKEN, http, start_executor
+from gateway_streams import LONG, open_request
 from server_processes import REPO_ROOT
-from test_streams import LONG, open_request
 
 openai = pytest.importorskip("openai", reason="pip install openai (the dev extra)")
 

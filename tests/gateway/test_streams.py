@@ -5,19 +5,16 @@ from __future__ import annotations
 
 import json
 import shutil
-import socket
 import subprocess
 import time
 
 import grpc
 import pytest
-from conftest import MODEL, TOKEN, http
+from gateway_stack import MODEL, TOKEN, http
+from gateway_streams import LONG, NO_HANG_S, open_request
 
 from specdec.v1 import executor_pb2, executor_pb2_grpc
 from specdec_runtime.auth import bearer_metadata
-
-LONG = 4000  # tokens a request asks for: minutes of work for nobody if the abort did not happen
-NO_HANG_S = 120.0
 
 
 def loads(stack) -> executor_pb2.GetLoadsResponse:
@@ -74,18 +71,6 @@ def test_a_deadline_is_an_error_event_once_the_stream_began(stack, launch_gatewa
         error = text["error"]
     assert error["code"] == "deadline_exceeded" and error["type"] == "server_error", error
     wait_running(stack, 0)
-
-
-def open_request(address: str, body: dict) -> socket.socket:
-    """A POST /v1/completions on a plain socket, so that the test can close it mid-answer."""
-    data = json.dumps(body).encode()
-    sock = socket.create_connection(address.split(":"), timeout=NO_HANG_S)
-    head = (
-        f"POST /v1/completions HTTP/1.1\r\nHost: gateway\r\nAuthorization: Bearer {TOKEN}\r\n"
-        f"Content-Type: application/json\r\nContent-Length: {len(data)}\r\n\r\n"
-    )
-    sock.sendall(head.encode() + data)
-    return sock
 
 
 @pytest.mark.parametrize("stream", [True, False])

@@ -1,4 +1,6 @@
-"""The selection rules R1-R8 (defined in docs/selection.md), one group of tests per rule."""
+"""The selection rules R1 to R8 of docs/selection.md's R1-R11, one group of tests per rule (R9: tests/attention/
+test_capability_agreement.py and tests/executor/test_spec_formats.py; R10: tests/executor/test_spec_metadata.py;
+R11: tests/selector/test_tree_selection.py)."""
 
 from __future__ import annotations
 

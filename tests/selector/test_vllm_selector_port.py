@@ -1,4 +1,5 @@
-"""vLLM's tests/kernels/attention/test_attention_selector.py, ported to our rules (R1-R8, docs/selection.md).
+"""vLLM's tests/kernels/attention/test_attention_selector.py, ported to our rules (R1 to R8 of
+docs/selection.md's R1-R11).
 
 vLLM patches its platform object; we describe the platform in the capability report instead, which
 also lets every platform's case run on this CPU-only machine.

@@ -6,9 +6,9 @@ from __future__ import annotations
 
 import pytest
 import torch
+from engine_driving import Collector, add_all
 from executor_builders import tiny_model
 from spec_builders import spec_session
-from test_engine import Collector, add_all
 
 from executor_service.attention_step import build_attention_step
 from executor_service.draft_models import DFlashDrafter

@@ -12,7 +12,6 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from test_training_data import corpus, stdlib  # noqa: F401  (fixtures)
 
 from executor_service.training.corpus import Passage, prose_passages, stdlib_functions
 from executor_service.training.datagen import read_sequences, sequence_row, token_dtype
@@ -20,7 +19,7 @@ from executor_service.training.prompts import Material, build_prompts, prompt_co
 from executor_service.training.system_docs import system_doc_passages
 
 
-def test_copies_under_new_keys_are_duplicates_or_refused_as_held_out(corpus: Path, stdlib: Path) -> None:  # noqa: F811
+def test_copies_under_new_keys_are_duplicates_or_refused_as_held_out(corpus: Path, stdlib: Path) -> None:
     plain = build_prompts(corpus, 0, 2, stdlib)
     held_sources = {p.source for p in plain.held_out}
     functions = [replace(f, key=f"site:{f.key}") for f in stdlib_functions(stdlib)]
@@ -35,7 +34,7 @@ def test_copies_under_new_keys_are_duplicates_or_refused_as_held_out(corpus: Pat
     assert len({p.text for p in wide.train}) == len(wide.train)
 
 
-def test_conversations_are_marked_and_survive_the_file(corpus: Path, stdlib: Path, tmp_path: Path) -> None:  # noqa: F811
+def test_conversations_are_marked_and_survive_the_file(corpus: Path, stdlib: Path, tmp_path: Path) -> None:
     split = build_prompts(corpus, 0, 2, stdlib)
     counts = prompt_counts(split.train)
     assert set(counts["turns"]) == {"1", "2", "3"} and sum(counts["kind"].values()) == len(split.train)

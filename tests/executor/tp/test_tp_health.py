@@ -16,10 +16,10 @@ from pathlib import Path
 
 import grpc
 import pytest
+from executor_streams import RPC_TIMEOUT_S, Stream, generate, wait_serving
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from server_processes import ServerProcess, spawn_server
-from test_fault_kill import RPC_TIMEOUT_S, Stream, generate, wait_serving
-from test_tp_rank_failure import child_pids, spawn_tp_executor
+from tp_executors import child_pids, spawn_tp_executor
 from tp_greedy_run import load_request
 
 from specdec.v1 import executor_pb2_grpc

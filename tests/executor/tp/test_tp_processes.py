@@ -14,9 +14,9 @@ from pathlib import Path
 
 import grpc
 import pytest
+from executor_streams import generate, wait_serving
 from server_processes import REPO_ROOT
-from test_fault_kill import generate, wait_serving
-from test_tp_rank_failure import child_pids, spawn_tp_executor
+from tp_executors import child_pids, spawn_tp_executor
 from tp_greedy_run import greedy_outputs, load_request
 
 from specdec.v1 import executor_pb2_grpc

@@ -4,7 +4,6 @@ server still stops cleanly."""
 
 from __future__ import annotations
 
-import json
 import os
 import signal
 import time
@@ -12,32 +11,14 @@ from pathlib import Path
 
 import grpc
 import pytest
-from google.protobuf import json_format
+from executor_streams import END_AFTER_KILL_S, RPC_TIMEOUT_S, Stream, generate, wait_serving
 from grpc_health.v1 import health_pb2, health_pb2_grpc
-from server_processes import ServerProcess, spawn_server
-from test_fault_kill import END_AFTER_KILL_S, RPC_TIMEOUT_S, Stream, generate, wait_serving
+from tp_executors import child_pids, spawn_tp_executor
 from tp_greedy_run import load_request
 
-from specdec.v1 import executor_pb2, executor_pb2_grpc
+from specdec.v1 import executor_pb2_grpc
 
 NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
-
-
-def child_pids(pid: int) -> list[int]:
-    """Children of `pid` (the followers, started from one of its threads)."""
-    pids = []
-    for task in Path(f"/proc/{pid}/task").iterdir():
-        pids += [int(p) for p in (task / "children").read_text().split()]
-    return pids
-
-
-def spawn_tp_executor(tmp_path: Path, request: executor_pb2.LoadModelRequest, size: int) -> ServerProcess:
-    """A CPU executor at --tensor-parallel-size `size` that loads `request` at start (--load)."""
-    load = tmp_path / "load.json"
-    load.write_text(json.dumps(json_format.MessageToDict(request)))
-    return spawn_server(
-        "executor", "tp", tmp_path, "--device", "cpu", "--tensor-parallel-size", str(size), "--load", str(load)
-    )
 
 
 @pytest.mark.skipif(not Path("/proc/self/task").exists(), reason="reads /proc for the follower's pid")
