@@ -10,10 +10,10 @@ import random
 
 import pytest
 import torch
+from engine_driving import Collector
+from gpu_sampled_cases import session_of, step_of
 from greedy_reference import dense_logits
 from penalty_reference import greedy_penalised
-from test_engine import Collector
-from test_gpu_sampled_step import session_of, step_of
 
 import executor_service.engine as engine_module
 import executor_service.tree_engine as tree_engine

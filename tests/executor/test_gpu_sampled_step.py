@@ -9,38 +9,21 @@ import random
 import pytest
 import torch
 from engine_driving import Collector
-from spec_builders import spec_session
-from tree_cases import tree_session
+from gpu_sampled_cases import session_of, step_of
 
 from executor_service.sampling import SamplingSettings
 from executor_service.session import ModelSession
-from kernels import unavailable_reason
-from specdec.v1 import common_pb2
 
 pytestmark = pytest.mark.gpu
 if not torch.cuda.is_available():
     pytest.skip("needs a CUDA GPU", allow_module_level=True)
 
-BACKEND = "TRITON_ATTN"
-FP32 = common_pb2.DTYPE_FLOAT32
 SEEDED = SamplingSettings(temperature=0.8, top_p=0.9, seed=1234)
 OTHERS = [
     SamplingSettings(),
     SamplingSettings(temperature=0.7),
     SamplingSettings(temperature=1.0, top_k=20, min_p=0.02),
 ]
-
-
-def session_of(shape: str, cuda_graphs: bool = True) -> ModelSession:
-    reason = unavailable_reason(BACKEND, torch.device("cuda"))
-    if reason is not None:
-        pytest.skip(f"{BACKEND}: {reason}")
-    if shape == "chain":
-        return spec_session("eagle3", 5, BACKEND, device="cuda", dtype=FP32, num_kv_blocks=256,
-                            max_num_batched_tokens=512, cuda_graphs=cuda_graphs)  # fmt: skip
-    return tree_session("eagle3", common_pb2.DraftTree(top_k=3, verify_budget=8), 4, BACKEND, vocab_size=512,
-                        num_kv_blocks=256, max_num_batched_tokens=512, device="cuda", dtype=FP32,
-                        cuda_graphs=cuda_graphs)  # fmt: skip
 
 
 def generate(session: ModelSession, companions: int) -> tuple[list[int], Collector]:
@@ -55,10 +38,6 @@ def generate(session: ModelSession, companions: int) -> tuple[list[int], Collect
     for outputs in sink.outputs.values():
         assert all(o.error is None for o in outputs), [o.error for o in outputs]
     return sink.tokens("seeded"), sink
-
-
-def step_of(session: ModelSession):  # type: ignore[no-untyped-def]
-    return session.engine.spec_step or session.engine.tree_step
 
 
 @pytest.mark.parametrize("shape", ["chain", "tree"])

@@ -9,20 +9,17 @@ from __future__ import annotations
 import random
 
 import pytest
-import torch
 from engine_driving import Collector
 from executor_builders import greedy, tiny_session
-from greedy_reference import dense_logits, greedy_reference
+from greedy_reference import greedy_reference
+from penalty_cases import MAX_TOKENS, PENALISED, PENALISED_WITH_LOGPROBS, WITH_LOGPROBS, check_logprobs
 from penalty_reference import greedy_penalised
 from spec_builders import ReplayDrafts, spec_session
 
 from executor_service.sampling import SamplingSettings
 from executor_service.session import ModelSession
 
-VOCAB, MAX_TOKENS = 512, 10
-PENALISED = greedy(MAX_TOKENS, repetition_penalty=1.8, presence_penalty=1.5, frequency_penalty=1.0)
-WITH_LOGPROBS = greedy(MAX_TOKENS, logprobs=4)
-PENALISED_WITH_LOGPROBS = greedy(MAX_TOKENS, repetition_penalty=0.6, frequency_penalty=-0.8, logprobs=0)
+VOCAB = 512
 
 
 def prompts(count: int, seed: int) -> dict[str, list[int]]:
@@ -45,21 +42,6 @@ def expected_tokens(session: ModelSession, prompt: list[int], settings: Sampling
     if settings.has_penalties:
         return greedy_penalised(model, prompt, MAX_TOKENS, settings)
     return greedy_reference(model, prompt, MAX_TOKENS)
-
-
-def check_logprobs(session: ModelSession, sink: Collector, rid: str, prompt: list[int], n: int) -> None:
-    """One TokenLogprob per token of every output, equal to the dense log-softmax of the target's logits."""
-    tokens = sink.tokens(rid)
-    for output in sink.outputs[rid]:
-        assert output.logprobs is not None and len(output.logprobs) == len(output.token_ids)
-    found = [t for o in sink.outputs[rid] for t in o.logprobs or []]
-    dense = torch.log_softmax(dense_logits(session.loaded.model, prompt + tokens)[len(prompt) - 1 : -1], dim=-1)
-    for i, token in enumerate(found):
-        assert token.token_id == tokens[i]
-        assert token.logprob == pytest.approx(float(dense[i, tokens[i]]), abs=1e-4)
-        top = dense[i].topk(n)
-        assert [t for t, _ in token.top] == top.indices.tolist()
-        assert [v for _, v in token.top] == pytest.approx(top.values.tolist(), abs=1e-4)
 
 
 @pytest.mark.parametrize(

@@ -10,21 +10,13 @@ from engine_driving import Collector, add_all
 from executor_builders import greedy, load_request
 from greedy_reference import greedy_reference
 from spec_builders import draft_model
-from tree_cases import TREES, ReplayOnLastBranch, check_equals_target_only, prompts, tree_session
+from tree_cases import TREES, ReplayOnLastBranch, check_equals_target_only, prompts, tree_session, use_device_step
 
 from executor_service.drafting import resolve_draft
 from executor_service.session import ModelSession, resolve_target
 from executor_service.tree_engine import TreeEngine
 from specdec.v1 import common_pb2
 from specdec_runtime.errors import InvalidArgument
-
-
-def use_device_step(session: ModelSession, on_device: bool) -> None:
-    """The device-resident tree step (tree_step.py), or the host path alone."""
-    assert isinstance(session.engine, TreeEngine) and session.engine.tree_step is not None
-    session.engine.tree_step.counts.clear()  # the session's warm-up ran greedy trees
-    if not on_device:
-        session.engine.tree_step = None
 
 
 def check_path_taken(session: ModelSession, on_device: bool) -> None:

@@ -8,12 +8,12 @@ the extras step's op count is guarded."""
 from __future__ import annotations
 
 import pytest
+from engine_driving import Collector
 from greedy_reference import greedy_reference
+from penalty_cases import PENALISED, PENALISED_WITH_LOGPROBS, WITH_LOGPROBS, check_logprobs
 from penalty_reference import greedy_penalised
 from spec_builders import spec_session
-from test_engine import Collector
-from test_spec_penalties import PENALISED, PENALISED_WITH_LOGPROBS, WITH_LOGPROBS, check_logprobs
-from test_tree_decode import TREES, ReplayOnLastBranch, prompts, tree_session, use_device_step
+from tree_cases import TREES, ReplayOnLastBranch, prompts, tree_session, use_device_step
 
 import executor_service.tree_engine as tree_engine
 from executor_service import cuda_graphs
@@ -161,7 +161,7 @@ def test_a_warm_step_keeps_its_op_count(shape: str, name: str, most: int) -> Non
     """The step's own ops at batch 1 (the target's pass left out, views not counted; +4 of slack for other torch
     versions, as test_tree_step's guard): 2026-12 chain greedy 198 (unchanged by the extras variants), chain
     extras 495 (sampled 447), static_2_2_1 extras 539 (sampled 489; greedy 228: test_tree_step)."""
-    from test_tree_step import OpCounter
+    from op_counting import OpCounter
 
     mode = OpCounter(lambda func: not func.is_view)
     if shape == "chain":

@@ -6,15 +6,13 @@ EAGLE-3, with accepted paths on random branches (their K/V moved into place on t
 from __future__ import annotations
 
 import random
-from collections.abc import Callable
-from typing import Any
 
 import pytest
 import torch
 from engine_driving import Collector, add_all
 from executor_builders import greedy
 from greedy_reference import greedy_reference
-from torch.utils._python_dispatch import TorchDispatchMode
+from op_counting import OpCounter
 from tree_cases import TREES, VOCAB, check_equals_target_only, prompts, tree_session
 
 from executor_service import cuda_graphs
@@ -308,29 +306,6 @@ def test_a_static_tree_in_another_layout_takes_the_host_path() -> None:
     sink = check_equals_target_only(session, 8, batch)
     assert sum(outputs[-1].finish.accepted_tokens for outputs in sink.outputs.values()) > 0
     assert not session.engine.tree_step.counts  # no device step, eager or graph
-
-
-class OpCounter(TorchDispatchMode):
-    """Counts the dispatched ops that `counts` selects, except inside functions wrapped by `paused` (the target's
-    and drafter's passes, when only the step's own work is measured)."""
-
-    def __init__(self, counts: Callable[[Any], bool]) -> None:
-        super().__init__()
-        self.counts, self.count, self.is_paused = counts, 0, False
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        self.count += not self.is_paused and self.counts(func)
-        return func(*args, **(kwargs or {}))
-
-    def paused(self, function: Callable[..., Any]) -> Callable[..., Any]:
-        def run(*args: Any, **kwargs: Any) -> Any:
-            self.is_paused = True
-            try:
-                return function(*args, **kwargs)
-            finally:
-                self.is_paused = False
-
-        return run
 
 
 @pytest.mark.parametrize("shape", ["static_2_2_1", "dynamic_3_budget_8_depth_4"])

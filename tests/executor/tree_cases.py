@@ -14,6 +14,7 @@ from spec_builders import draft_model
 
 from executor_service.drafting import resolve_draft
 from executor_service.session import EngineSettings, ModelSession, build_session, resolve_target
+from executor_service.tree_engine import TreeEngine
 from executor_service.tree_verification import DraftTree
 from specdec.v1 import common_pb2
 
@@ -99,3 +100,11 @@ def check_equals_target_only(session: ModelSession, max_tokens: int, batch: dict
     assert session.kv_cache.allocator.num_used == 0 and not session.engine.scheduler.has_work()
     assert not session.proposer.parents
     return sink
+
+
+def use_device_step(session: ModelSession, on_device: bool) -> None:
+    """The device-resident tree step (tree_step.py), or the host path alone."""
+    assert isinstance(session.engine, TreeEngine) and session.engine.tree_step is not None
+    session.engine.tree_step.counts.clear()  # the session's warm-up ran greedy trees
+    if not on_device:
+        session.engine.tree_step = None
