@@ -24,6 +24,7 @@ import time
 from collections import defaultdict
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -46,6 +47,16 @@ from executor_service.validation import DEFAULT_BLOCK_SIZE
 from specdec.v1 import common_pb2, executor_pb2
 
 BACKENDS = {"cuda": "TRITON_ATTN", "cpu": "CPU_ATTN"}
+
+
+# --speedup-temperatures mixed: a batch's request i takes MIXED[i % 16]: 8 greedy, 4 sampled (top-p 0.9 / top-k 50),
+# 2 with a repetition penalty, 2 with logprobs = 5; every kind runs on the device step.
+MIXED = (
+    [SamplingSettings()] * 8
+    + [SamplingSettings(0.7, top_p=0.9), SamplingSettings(0.7, top_k=50)] * 2
+    + [SamplingSettings(repetition_penalty=1.2)] * 2
+    + [SamplingSettings(logprobs=5)] * 2
+)
 
 
 def open_session(
@@ -72,7 +83,7 @@ def open_session(
 
 
 def generate(
-    session: ModelSession, prompts: list[list[int]], settings: SamplingSettings, max_tokens: int, batch: bool,
+    session: ModelSession, prompts: list[list[int]], kinds: list[SamplingSettings], max_tokens: int, batch: bool,
     seeded: bool = True,
 ) -> tuple[list[Finish], float, int]:  # fmt: skip
     """Finish records, seconds and generated tokens; all prompts at once (`batch`) or one after another.
@@ -84,7 +95,7 @@ def generate(
     for group in groups:
         outputs: dict[int, list[RequestOutput]] = {i: [] for i, _ in group}
         for i, prompt in group:
-            own = SamplingSettings(settings.temperature, max_tokens=max_tokens, seed=1000 + i if seeded else None)
+            own = replace(kinds[i % len(kinds)], max_tokens=max_tokens, seed=1000 + i if seeded else None)
             session.engine.add(session.new_request(f"p{i}", prompt, own, max_tokens, outputs[i].append))
         session.engine.run_until_idle()
         for outs in outputs.values():
@@ -134,8 +145,8 @@ def measure_acceptance(
             runs += [(t, False) for t in args.temperatures if t > 0 and args.argmax_drafts_too]
             for temperature, sampled_drafts in runs:
                 session.engine.proposer.sample_drafts = sampled_drafts
-                settings = SamplingSettings(temperature)
-                finishes, seconds, _ = generate(session, everything, settings, args.max_tokens, batch=True)
+                kinds = [SamplingSettings(temperature)]
+                finishes, seconds, _ = generate(session, everything, kinds, args.max_tokens, batch=True)
                 by_kind: dict[str, list[Finish]] = defaultdict(list)
                 for kind, finish in zip(kinds, finishes, strict=True):
                     by_kind[kind].append(finish)
@@ -181,19 +192,19 @@ def measure_speedup(
         configs += [(name, True, True) for name, session in sessions.items() if session.engine.spec_step is not None]
     report: dict[str, Any] = {"prompts": len(chosen), "max_tokens": max_tokens, "repeats": args.repeats}
     for temperature in args.speedup_temperatures:
-        settings = SamplingSettings(temperature)
+        kinds = MIXED if temperature == "mixed" else [SamplingSettings(float(temperature))]
         for batch in args.speedup_batches:
             groups = batch_groups(chosen, batch)
             rounds: dict[str, list[tuple[float, Any]]] = defaultdict(list)
             for round_index in range(args.repeats + 1):  # round 0: untimed
                 for name, device_step, q_drafts in configs:
-                    if q_drafts and settings.greedy:
+                    if q_drafts and all(kind.greedy for kind in kinds):
                         continue
                     with device_steps(sessions[name], on=device_step, q_drafts=q_drafts):
-                        finishes, seconds, tokens = generate_groups(sessions[name], groups, max_tokens, settings)
+                        finishes, seconds, tokens = generate_groups(sessions[name], groups, max_tokens, kinds)
                     if round_index:
                         rounds[label(name, device_step, q_drafts)].append((tokens / seconds, finishes))
-            key = f"batch_{batch}" if settings.greedy else f"batch_{batch}_T{temperature:g}"
+            key = f"batch_{batch}" + ("_mixed" if kinds is MIXED else "" if kinds[0].greedy else f"_T{temperature}")
             report[key] = speedup_report(rounds, args.repeats)
             report[key]["device_step_counts"] = {  # so far: graph / eager replays of each session's step
                 name: dict(step.counts) for name, session in sessions.items() if (step := device_step_of(session))
@@ -258,11 +269,11 @@ def batch_groups(prompts: list[list[int]], batch: int) -> list[list[list[int]]]:
 
 
 def generate_groups(
-    session: ModelSession, groups: list[list[list[int]]], max_tokens: int, settings: SamplingSettings
+    session: ModelSession, groups: list[list[list[int]]], max_tokens: int, kinds: list[SamplingSettings]
 ) -> tuple[list[Finish], float, int]:
     finishes, seconds, tokens = [], 0.0, 0
     for group in groups:
-        group_finishes, group_seconds, group_tokens = generate(session, group, settings, max_tokens, True, False)
+        group_finishes, group_seconds, group_tokens = generate(session, group, kinds, max_tokens, True, False)
         finishes += group_finishes
         seconds += group_seconds
         tokens += group_tokens
@@ -312,7 +323,9 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--speedup-ks", default="3,7")
     parser.add_argument("--speedup-prompts", type=int, default=5, help="of each kind, timed")
     parser.add_argument("--speedup-batches", default="1,16", help="batch sizes of the timed runs")
-    parser.add_argument("--speedup-temperatures", default="0", help="temperatures of the timed runs, e.g. 0,0.7")
+    parser.add_argument(
+        "--speedup-temperatures", default="0", help="temperatures of the timed runs, e.g. 0,0.7; mixed: MIXED's kinds"
+    )
     parser.add_argument("--repeats", type=int, default=3, help="timed rounds; medians and spread are reported")
     parser.add_argument("--hf", default="", help="Hugging Face's batch-1 figure beside ours: static, compiled, or both")
     parser.add_argument("--hf-prompts", type=int, default=3, help="prompts Hugging Face decodes (one of each kind)")
@@ -332,7 +345,9 @@ def parse_args() -> argparse.Namespace:
     if set(args.hf) - {"static", "compiled"}:
         parser.error(f"--hf takes static and/or compiled, not {args.hf}")
     args.temperatures = [float(t) for t in args.temperatures.split(",")]
-    args.speedup_temperatures = [float(t) for t in args.speedup_temperatures.split(",") if t]
+    args.speedup_temperatures = [
+        t if t == "mixed" else f"{float(t):g}" for t in args.speedup_temperatures.split(",") if t
+    ]
     args.trees = [parse_tree_spec(t) for t in args.trees.split(",") if t]
     args.source = target_source(args.target)
     return args
