@@ -83,7 +83,7 @@ def open_session(
 
 
 def generate(
-    session: ModelSession, prompts: list[list[int]], kinds: list[SamplingSettings], max_tokens: int, batch: bool,
+    session: ModelSession, prompts: list[list[int]], mix: list[SamplingSettings], max_tokens: int, batch: bool,
     seeded: bool = True,
 ) -> tuple[list[Finish], float, int]:  # fmt: skip
     """Finish records, seconds and generated tokens; all prompts at once (`batch`) or one after another.
@@ -95,7 +95,7 @@ def generate(
     for group in groups:
         outputs: dict[int, list[RequestOutput]] = {i: [] for i, _ in group}
         for i, prompt in group:
-            own = replace(kinds[i % len(kinds)], max_tokens=max_tokens, seed=1000 + i if seeded else None)
+            own = replace(mix[i % len(mix)], max_tokens=max_tokens, seed=1000 + i if seeded else None)
             session.engine.add(session.new_request(f"p{i}", prompt, own, max_tokens, outputs[i].append))
         session.engine.run_until_idle()
         for outs in outputs.values():
@@ -145,8 +145,8 @@ def measure_acceptance(
             runs += [(t, False) for t in args.temperatures if t > 0 and args.argmax_drafts_too]
             for temperature, sampled_drafts in runs:
                 session.engine.proposer.sample_drafts = sampled_drafts
-                kinds = [SamplingSettings(temperature)]
-                finishes, seconds, _ = generate(session, everything, kinds, args.max_tokens, batch=True)
+                mix = [SamplingSettings(temperature)]
+                finishes, seconds, _ = generate(session, everything, mix, args.max_tokens, batch=True)
                 by_kind: dict[str, list[Finish]] = defaultdict(list)
                 for kind, finish in zip(kinds, finishes, strict=True):
                     by_kind[kind].append(finish)
@@ -192,19 +192,19 @@ def measure_speedup(
         configs += [(name, True, True) for name, session in sessions.items() if session.engine.spec_step is not None]
     report: dict[str, Any] = {"prompts": len(chosen), "max_tokens": max_tokens, "repeats": args.repeats}
     for temperature in args.speedup_temperatures:
-        kinds = MIXED if temperature == "mixed" else [SamplingSettings(float(temperature))]
+        mix = MIXED if temperature == "mixed" else [SamplingSettings(float(temperature))]
         for batch in args.speedup_batches:
             groups = batch_groups(chosen, batch)
             rounds: dict[str, list[tuple[float, Any]]] = defaultdict(list)
             for round_index in range(args.repeats + 1):  # round 0: untimed
                 for name, device_step, q_drafts in configs:
-                    if q_drafts and all(kind.greedy for kind in kinds):
+                    if q_drafts and all(settings.greedy for settings in mix):
                         continue
                     with device_steps(sessions[name], on=device_step, q_drafts=q_drafts):
-                        finishes, seconds, tokens = generate_groups(sessions[name], groups, max_tokens, kinds)
+                        finishes, seconds, tokens = generate_groups(sessions[name], groups, max_tokens, mix)
                     if round_index:
                         rounds[label(name, device_step, q_drafts)].append((tokens / seconds, finishes))
-            key = f"batch_{batch}" + ("_mixed" if kinds is MIXED else "" if kinds[0].greedy else f"_T{temperature}")
+            key = f"batch_{batch}" + ("_mixed" if mix is MIXED else "" if mix[0].greedy else f"_T{temperature}")
             report[key] = speedup_report(rounds, args.repeats)
             report[key]["device_step_counts"] = {  # so far: graph / eager replays of each session's step
                 name: dict(step.counts) for name, session in sessions.items() if (step := device_step_of(session))
@@ -269,11 +269,11 @@ def batch_groups(prompts: list[list[int]], batch: int) -> list[list[list[int]]]:
 
 
 def generate_groups(
-    session: ModelSession, groups: list[list[list[int]]], max_tokens: int, kinds: list[SamplingSettings]
+    session: ModelSession, groups: list[list[list[int]]], max_tokens: int, mix: list[SamplingSettings]
 ) -> tuple[list[Finish], float, int]:
     finishes, seconds, tokens = [], 0.0, 0
     for group in groups:
-        group_finishes, group_seconds, group_tokens = generate(session, group, kinds, max_tokens, True, False)
+        group_finishes, group_seconds, group_tokens = generate(session, group, mix, max_tokens, True, False)
         finishes += group_finishes
         seconds += group_seconds
         tokens += group_tokens
