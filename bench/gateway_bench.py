@@ -67,23 +67,47 @@ class HttpStream:
         self.conn = h11.Connection(h11.CLIENT)
 
     async def completion(self, body: dict[str, Any]) -> tuple[float, list[int]]:
-        """Time to the first token and the tokens of one streamed completion."""
+        """Time to the first token and the tokens of one streamed completion. A kept-alive connection the server
+        closed meanwhile (uvicorn's keep-alive timeout) is reopened and the request sent again, as HTTP clients do
+        for a request nothing was answered to; the time of the first try counts."""
         import h11
 
         started = time.perf_counter()
-        if self.conn is None or self.conn.our_state is not h11.IDLE:
+        reused = self.conn is not None and self.conn.our_state is h11.IDLE
+        if not reused:
             await self._open()
+        try:
+            return await self._exchange(body, started)
+        except _ClosedUnanswered:
+            if not reused:
+                raise
+            await self._open()
+            return await self._exchange(body, started)
+
+    async def _exchange(self, body: dict[str, Any], started: float) -> tuple[float, list[int]]:
+        import h11
+
         conn, data = self.conn, json.dumps(body).encode()
         headers = [("Host", f"{self.host}:{self.port}"), ("Content-Type", "application/json")]
         headers.append(("Content-Length", str(len(data))))
         request = conn.send(h11.Request(method="POST", target="/v1/completions", headers=headers))
         self.writer.write(request + conn.send(h11.Data(data=data)) + conn.send(h11.EndOfMessage()))
-        first, tokens, pending = None, [], b""
+        first, tokens, pending, answered = None, [], b"", False
         while True:
-            event = conn.next_event()
+            try:
+                event = conn.next_event()
+            except h11.RemoteProtocolError:
+                if answered:
+                    raise
+                raise _ClosedUnanswered from None
             if event is h11.NEED_DATA:
-                conn.receive_data(await self.reader.read(1 << 16))
+                try:
+                    received = await self.reader.read(1 << 16)
+                except ConnectionError:
+                    received = b""
+                conn.receive_data(received)
             elif isinstance(event, h11.Response):
+                answered = True
                 if event.status_code != 200:
                     raise RuntimeError(f"the gateway answered {event.status_code}")
             elif isinstance(event, h11.Data):
@@ -102,8 +126,14 @@ class HttpStream:
                 conn.start_next_cycle()
                 return first or float("nan"), tokens
             elif isinstance(event, h11.ConnectionClosed):
+                if not answered:
+                    raise _ClosedUnanswered
                 self.conn = None
                 return first or float("nan"), tokens
+
+
+class _ClosedUnanswered(Exception):
+    """The server closed the connection before answering the request."""
 
 
 async def direct_stream(stub: Any, prompt: list[int], max_tokens: int) -> tuple[float, list[int]]:
