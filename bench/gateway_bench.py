@@ -1,14 +1,27 @@
 """The gateway's cost (issue 35): --streams concurrent greedy streams, straight to an executor over gRPC and through
-`specdec-gateway` (POST /v1/completions, server-sent events) to the same executor, in alternating rounds.
+`specdec-gateway` (POST /v1/completions, server-sent events) to the same executor, in interleaved rounds.
 
-Reports tokens/s of each path (every stream's tokens over the round's wall time), their ratio (the bar: >= 0.95),
-the time to first token p50 of each and the gateway's overhead (the bar: <= 5 ms), and checks that every stream's
-tokens through the gateway equal the direct call's for the same prompt (greedy). The model is synthetic, without a
-tokenizer, so both paths ask for logprobs=0: the gateway then names each token (`token_id:N`), and the direct path
-does the same work on the executor.
+Each path has its own client process, started once and warmed up (its gRPC channel, or its --streams keep-alive
+HTTP/1.1 connections, as an OpenAI SDK client keeps them), then told round by round to run; only one runs at a
+time, the order alternating. The HTTP client is h11 (the parser uvicorn uses) over asyncio streams, so that the
+client costs about what the gRPC client does; each round reports both clients' CPU seconds beside the gateway's
+and the executor's, to show the client is not what is measured.
+
+Reports tokens/s of each path (every stream's tokens over the round's wall time): the median over rounds, the
+spread (min, max) and the ratio (the bar: >= 0.95); the time to first token p50 of each and the gateway's
+overhead, the median of the per-pair differences (the bar: <= 5 ms); and whether every stream's tokens, in every
+round, equal the first direct round's for the same prompt (greedy). Both paths ask for logprobs=0: the gateway
+names each token (`token_id:N`), the direct path reads the same entries.
+
+On the CPU the executor gets one intra-op thread (--executor-threads 1): with torch's default (a thread per core)
+the executor shares its cores with the gateway, both clients and anything else on the host, and each of the
+hundreds of small parallel regions of a step waits for a descheduled worker: steps 20-30x slower while another
+process runs, which is what stalled gateway rounds (more processes busy) in the first CPU run. One thread leaves
+the other cores to the gateway and the clients, as a GPU host does.
 
     python bench/gateway_bench.py                          # tiny synthetic Llama + EAGLE drafter on the CPU
-    python bench/gateway_bench.py --device cuda --preset smollm2
+    python bench/gateway_bench.py --device cuda --target /root/models/smollm2/SmolLM2-135M-Instruct.Q4_1.gguf \\
+        --drafter eagle3=drafters/smollm2-eagle3           # SmolLM2 with its EAGLE-3 drafter on a GPU
 Writes bench/results/gateway_<date>_<device>_<commit>.json.
 """
 
@@ -16,172 +29,409 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
+import os
 import random
+import resource
+import shutil
 import statistics
+import subprocess
+import sys
 import tempfile
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-import common
-import grpc
-import httpx2
-import torch
-from google.protobuf import json_format
-
-from specdec.v1 import common_pb2, executor_pb2, executor_pb2_grpc
-from specdec_cli.local_servers import LocalServer, start_server
-from specdec_runtime.client import BALANCING_OPTIONS
-
-READY_TIMEOUT_S = 300.0
+READY_TIMEOUT_S = 600.0
+ROUND_TIMEOUT_S = 600.0
 
 
-async def wait_serving(address: str) -> None:
-    from grpc_health.v1 import health_pb2, health_pb2_grpc
+# ---- the client processes (no torch: `--client` imports only grpc, h11 and the stubs) --------------------------
+class HttpStream:
+    """One keep-alive HTTP/1.1 connection (h11 over asyncio streams) reading a server-sent event stream."""
 
-    deadline = time.monotonic() + READY_TIMEOUT_S
-    async with grpc.aio.insecure_channel(address) as channel:
-        health = health_pb2_grpc.HealthStub(channel)
-        while (await health.Check(health_pb2.HealthCheckRequest(), timeout=10)).status != 1:
-            if time.monotonic() > deadline:
-                raise TimeoutError(f"{address} not SERVING after {READY_TIMEOUT_S:.0f} s")
-            await asyncio.sleep(0.2)
+    def __init__(self, host: str, port: int) -> None:
+        self.host, self.port = host, port
+        self.reader: asyncio.StreamReader | None = None
+        self.writer: asyncio.StreamWriter | None = None
+        self.conn: Any = None
+
+    async def _open(self) -> None:
+        import h11
+
+        if self.writer is not None:
+            self.writer.close()
+        self.reader, self.writer = await asyncio.open_connection(self.host, self.port)
+        self.conn = h11.Connection(h11.CLIENT)
+
+    async def completion(self, body: dict[str, Any]) -> tuple[float, list[int]]:
+        """Time to the first token and the tokens of one streamed completion. A kept-alive connection the server
+        closed meanwhile (uvicorn's keep-alive timeout) is reopened and the request sent again, as HTTP clients do
+        for a request nothing was answered to; the time of the first try counts."""
+        import h11
+
+        started = time.perf_counter()
+        reused = self.conn is not None and self.conn.our_state is h11.IDLE
+        if not reused:
+            await self._open()
+        try:
+            return await self._exchange(body, started)
+        except _ClosedUnanswered:
+            if not reused:
+                raise
+            await self._open()
+            return await self._exchange(body, started)
+
+    async def _exchange(self, body: dict[str, Any], started: float) -> tuple[float, list[int]]:
+        import h11
+
+        conn, data = self.conn, json.dumps(body).encode()
+        headers = [("Host", f"{self.host}:{self.port}"), ("Content-Type", "application/json")]
+        headers.append(("Content-Length", str(len(data))))
+        request = conn.send(h11.Request(method="POST", target="/v1/completions", headers=headers))
+        self.writer.write(request + conn.send(h11.Data(data=data)) + conn.send(h11.EndOfMessage()))
+        first, tokens, pending, answered = None, [], b"", False
+        while True:
+            try:
+                event = conn.next_event()
+            except h11.RemoteProtocolError:
+                if answered:
+                    raise
+                raise _ClosedUnanswered from None
+            if event is h11.NEED_DATA:
+                try:
+                    received = await self.reader.read(1 << 16)
+                except ConnectionError:
+                    received = b""
+                conn.receive_data(received)
+            elif isinstance(event, h11.Response):
+                answered = True
+                if event.status_code != 200:
+                    raise RuntimeError(f"the gateway answered {event.status_code}")
+            elif isinstance(event, h11.Data):
+                *events, pending = (pending + bytes(event.data)).split(b"\n\n")
+                for line in events:
+                    if not line.startswith(b"data: {"):
+                        continue
+                    chunk = json.loads(line[6:])
+                    if "error" in chunk:
+                        raise RuntimeError(f"error in the stream: {chunk['error']}")
+                    names = chunk["choices"][0]["logprobs"]["tokens"] if chunk["choices"] else []
+                    if first is None and names:
+                        first = time.perf_counter() - started
+                    tokens.extend(int(name.removeprefix("token_id:")) for name in names)
+            elif isinstance(event, h11.EndOfMessage):
+                conn.start_next_cycle()
+                return first or float("nan"), tokens
+            elif isinstance(event, h11.ConnectionClosed):
+                if not answered:
+                    raise _ClosedUnanswered
+                self.conn = None
+                return first or float("nan"), tokens
 
 
-async def direct_stream(stub: Any, index: int, prompt: list[int], max_tokens: int) -> tuple[float, list[int]]:
+class _ClosedUnanswered(Exception):
+    """The server closed the connection before answering the request."""
+
+
+async def direct_stream(stub: Any, prompt: list[int], max_tokens: int) -> tuple[float, list[int]]:
+    from specdec.v1 import executor_pb2
+
     request = executor_pb2.GenerateRequest(
-        request_id=f"direct-{index}-{random.getrandbits(32)}",
+        request_id=f"direct-{random.getrandbits(64):016x}",
         token_ids=executor_pb2.TokenIds(ids=prompt),
         sampling=executor_pb2.SamplingParams(max_tokens=max_tokens, ignore_eos=True, logprobs=0),
     )
     started, first, tokens = time.perf_counter(), None, []
-    async for chunk in stub.Generate(request, timeout=600):
-        if first is None and chunk.token_ids:
+    async for chunk in stub.Generate(request, timeout=ROUND_TIMEOUT_S):
+        if first is None and chunk.logprobs:
             first = time.perf_counter() - started
         tokens.extend(entry.token_id for entry in chunk.logprobs)
     return first or float("nan"), tokens
 
 
-async def gateway_stream(http: Any, url: str, prompt: list[int], max_tokens: int) -> tuple[float, list[int]]:
-    body = {"model": "bench", "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True}
+async def client_main(args: argparse.Namespace) -> None:
+    """One path's client: a line on stdin runs a round (all streams at once), a JSON line on stdout answers it."""
+    import grpc
+
+    from specdec.v1 import executor_pb2_grpc
+    from specdec_runtime.client import BALANCING_OPTIONS
+
+    prompts = json.loads(Path(args.prompts).read_text())
+    channel = grpc.aio.insecure_channel(args.address, options=list(BALANCING_OPTIONS))
+    stub = executor_pb2_grpc.ExecutorStub(channel)
+    host, port = args.address.rsplit(":", 1)
+    connections = [HttpStream(host, int(port)) for _ in prompts]
+    body = {"model": "bench", "max_tokens": args.max_tokens, "temperature": 0, "ignore_eos": True}
     body.update(stream=True, logprobs=0)
-    started, first, tokens = time.perf_counter(), None, []
-    async with http.stream("POST", url, json=body) as answer:
-        answer.raise_for_status()
-        async for line in answer.aiter_lines():
-            if not line.startswith("data: {"):
-                continue
-            chunk = json.loads(line[6:])
-            names = chunk["choices"][0]["logprobs"]["tokens"] if chunk.get("choices") else []
-            if first is None and names:
-                first = time.perf_counter() - started
-            tokens.extend(int(name.removeprefix("token_id:")) for name in names)
-    return first or float("nan"), tokens
+
+    def streams(max_tokens: int) -> list[Any]:
+        if args.client == "direct":
+            return [direct_stream(stub, prompt, max_tokens) for prompt in prompts]
+        asked = {**body, "max_tokens": max_tokens}
+        return [c.completion({**asked, "prompt": p}) for c, p in zip(connections, prompts, strict=True)]
+
+    loop = asyncio.get_running_loop()
+    while line := await loop.run_in_executor(None, sys.stdin.readline):
+        max_tokens = args.max_tokens if line.strip() == "round" else 4  # "warmup": connections, channel, caches
+        cpu = resource.getrusage(resource.RUSAGE_SELF)
+        started = time.perf_counter()
+        results = await asyncio.gather(*streams(max_tokens))
+        wall = time.perf_counter() - started
+        after = resource.getrusage(resource.RUSAGE_SELF)
+        answer = {
+            "wall_s": wall,
+            "client_cpu_s": after.ru_utime + after.ru_stime - cpu.ru_utime - cpu.ru_stime,
+            "ttfts": [first for first, _ in results],
+            "tokens": [tokens for _, tokens in results],
+        }
+        print(json.dumps(answer), flush=True)
+    await channel.close()
 
 
-async def run_round(path: str, streams: list[Any]) -> dict[str, Any]:
-    started = time.perf_counter()
-    results = await asyncio.gather(*streams)
-    wall = time.perf_counter() - started
-    ttfts = sorted(first for first, _ in results)
-    total = sum(len(tokens) for _, tokens in results)
+# ---- the parent: servers, rounds, report ------------------------------------------------------------------------
+class Client:
+    def __init__(self, path: str, address: str, args: argparse.Namespace, prompts: Path) -> None:
+        command = [sys.executable, __file__, "--client", path, "--address", address, "--prompts", str(prompts)]
+        command += ["--max-tokens", str(args.max_tokens)]
+        self.path = path
+        self.process = subprocess.Popen(command, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+
+    def run(self, what: str) -> dict[str, Any]:
+        assert self.process.stdin is not None and self.process.stdout is not None
+        self.process.stdin.write(what + "\n")
+        self.process.stdin.flush()
+        line = self.process.stdout.readline()
+        if not line:
+            raise RuntimeError(f"the {self.path} client exited with {self.process.wait()}")
+        return json.loads(line)
+
+    def close(self) -> None:
+        if self.process.stdin is not None:
+            self.process.stdin.close()
+        try:
+            self.process.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            self.process.kill()
+
+
+def cpu_seconds(pid: int) -> float:
+    """User + system CPU seconds of a process so far (Linux /proc; NaN elsewhere)."""
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except OSError:
+        return float("nan")
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def summarize(path: str, answer: dict[str, Any], servers: dict[str, float]) -> dict[str, Any]:
+    ttfts = sorted(answer["ttfts"])
+    total = sum(len(tokens) for tokens in answer["tokens"])
     return {
         "path": path,
-        "wall_s": round(wall, 4),
+        "wall_s": round(answer["wall_s"], 4),
         "tokens": total,
-        "tokens_per_s": round(total / wall, 1),
+        "tokens_per_s": round(total / answer["wall_s"], 1),
         "ttft_p50_ms": round(statistics.median(ttfts) * 1e3, 2),
         "ttft_p90_ms": round(ttfts[int(0.9 * (len(ttfts) - 1))] * 1e3, 2),
-        "_tokens": [tokens for _, tokens in results],
+        "cpu_s": {"client": round(answer["client_cpu_s"], 3), **{k: round(v, 3) for k, v in servers.items()}},
     }
 
 
-async def measure(args: argparse.Namespace, executor: LocalServer, gateway: LocalServer) -> dict[str, Any]:
+def spread(values: list[float]) -> dict[str, float]:
+    return {"median": round(statistics.median(values), 2), "min": min(values), "max": max(values)}
+
+
+def measure(args: argparse.Namespace, executor: Any, gateway: Any, workdir: Path) -> dict[str, Any]:
+    import common
+
     rng = random.Random(0)
     prompts = [[rng.randrange(1, args.vocab) for _ in range(args.prompt_len)] for _ in range(args.streams)]
-    url = f"http://{gateway.address}/v1/completions"
-    limits = httpx2.Limits(max_connections=args.streams * 2, max_keepalive_connections=args.streams * 2)
-    async with (
-        grpc.aio.insecure_channel(executor.address, options=list(BALANCING_OPTIONS)) as channel,
-        httpx2.AsyncClient(timeout=600, limits=limits) as http,
-    ):
-        stub = executor_pb2_grpc.ExecutorStub(channel)
-
-        def direct() -> list[Any]:
-            return [direct_stream(stub, i, p, args.max_tokens) for i, p in enumerate(prompts)]
-
-        def through() -> list[Any]:
-            return [gateway_stream(http, url, p, args.max_tokens) for p in prompts]
-
-        await run_round("warmup-direct", direct())
-        await run_round("warmup-gateway", through())
-        rounds = []
+    prompts_file = workdir / "prompts.json"
+    prompts_file.write_text(json.dumps(prompts))
+    clients = {
+        "direct": Client("direct", executor.address, args, prompts_file),
+        "gateway": Client("gateway", gateway.address, args, prompts_file),
+    }
+    pids = {"executor": executor.process.pid, "gateway": gateway.process.pid}
+    rounds: list[dict[str, Any]] = []
+    tokens: list[list[list[int]]] = []
+    try:
+        for client in clients.values():
+            client.run("warmup")
+            client.run("warmup")
         for index in range(args.rounds):
-            order = [("direct", direct), ("gateway", through)]
-            for name, make in order if index % 2 == 0 else order[::-1]:
-                rounds.append(await run_round(name, make()))
+            order = ["direct", "gateway"] if index % 2 == 0 else ["gateway", "direct"]
+            for path in order:
+                before = {name: cpu_seconds(pid) for name, pid in pids.items()}
+                answer = clients[path].run("round")
+                servers = {name: cpu_seconds(pid) - before[name] for name, pid in pids.items()}
+                rounds.append({"round": index, **summarize(path, answer, servers)})
+                tokens.append(answer["tokens"])
+                r = rounds[-1]
                 common.log(
-                    f"round {index} {name}: {rounds[-1]['tokens_per_s']} tok/s, ttft p50 {rounds[-1]['ttft_p50_ms']} ms"
+                    f"round {index} {path}: {r['tokens_per_s']} tok/s, ttft p50 {r['ttft_p50_ms']} ms, "
+                    f"cpu s {r['cpu_s']}"
                 )
-    reference = next(r["_tokens"] for r in rounds if r["path"] == "direct")
-    differing = sorted({i for r in rounds for i, tokens in enumerate(r["_tokens"]) if tokens != reference[i]})
-    for r in rounds:
-        del r["_tokens"]
+    finally:
+        for client in clients.values():
+            client.close()
+    reference = tokens[next(i for i, r in enumerate(rounds) if r["path"] == "direct")]
+    differing = sorted({i for got in tokens for i, stream in enumerate(got) if stream != reference[i]})
     by_path = {p: [r for r in rounds if r["path"] == p] for p in ("direct", "gateway")}
-    tps = {p: statistics.median(r["tokens_per_s"] for r in rs) for p, rs in by_path.items()}
-    ttft = {p: statistics.median(r["ttft_p50_ms"] for r in rs) for p, rs in by_path.items()}
+    tps = {p: spread([r["tokens_per_s"] for r in rs]) for p, rs in by_path.items()}
+    ttft = {p: spread([r["ttft_p50_ms"] for r in rs]) for p, rs in by_path.items()}
+    pairs = list(zip(by_path["direct"], by_path["gateway"], strict=True))  # round i of each path
+    ratios = [g["tokens_per_s"] / d["tokens_per_s"] for d, g in pairs]
+    overheads = [g["ttft_p50_ms"] - d["ttft_p50_ms"] for d, g in pairs]
     return {
         "rounds": rounds,
         "tokens_per_s": tps,
-        "throughput_ratio": round(tps["gateway"] / tps["direct"], 4),
+        "throughput_ratio": round(tps["gateway"]["median"] / tps["direct"]["median"], 4),
+        "throughput_ratio_per_round": {**spread(ratios), "values": [round(x, 4) for x in ratios]},
         "ttft_p50_ms": ttft,
-        "ttft_p50_overhead_ms": round(ttft["gateway"] - ttft["direct"], 2),
+        "ttft_p50_overhead_ms": round(statistics.median(overheads), 2),
+        "ttft_p50_overhead_ms_per_round": {**spread(overheads), "values": [round(x, 2) for x in overheads]},
+        "streams": args.streams,
+        "streams_checked": args.streams * len(rounds),
         "streams_with_tokens_differing_from_direct": differing,
+        "tokens_equal": not differing,
         "bars": {"throughput_ratio_min": 0.95, "ttft_p50_overhead_ms_max": 5.0},
+        "met": {
+            "throughput": round(tps["gateway"]["median"] / tps["direct"]["median"], 4) >= 0.95,
+            "ttft": statistics.median(overheads) <= 5.0,
+            "tokens_equal": not differing,
+        },
     }
+
+
+@contextlib.contextmanager
+def executor_environment(threads: int) -> Iterator[None]:
+    """OMP_NUM_THREADS for the executor process started inside (0: torch's default, a thread per core)."""
+    saved = os.environ.get("OMP_NUM_THREADS")
+    if threads > 0:
+        os.environ["OMP_NUM_THREADS"] = str(threads)
+    try:
+        yield
+    finally:
+        if saved is None:
+            os.environ.pop("OMP_NUM_THREADS", None)
+        else:
+            os.environ["OMP_NUM_THREADS"] = saved
+
+
+def default_executor_threads(device: str) -> int:
+    """1 on the CPU (see the module's docstring), torch's default elsewhere."""
+    return 1 if device == "cpu" else 0
+
+
+def load_request(args: argparse.Namespace, workdir: Path) -> tuple[Any, Path | None, dict[str, Any]]:
+    """The LoadModelRequest, the --model-root it needs (None: synthetic) and the report's model description."""
+    import common
+
+    from specdec.v1 import common_pb2, executor_pb2
+
+    dtype = common_pb2.DTYPE_FLOAT32 if args.device == "cpu" else common_pb2.DTYPE_BFLOAT16
+    if args.target is None:
+        shape = common.PRESETS[args.preset]
+        args.vocab = shape["vocab"]
+        load = common.synthetic_eagle_load(shape, args.k, dtype, 2048)
+        return load, None, {"preset": args.preset, **shape, "drafter": f"synthetic EAGLE, 1 layer, k = {args.k}"}
+    root = workdir / "models"  # the GGUF and the drafter copied under one --model-root
+    root.mkdir()
+    shutil.copy(args.target, root / args.target.name)
+    load = executor_pb2.LoadModelRequest(target=executor_pb2.ModelSource(path=args.target.name), dtype=dtype)
+    load.num_kv_blocks = 4096
+    model: dict[str, Any] = {"target": args.target.name}
+    if args.drafter:
+        method, _, directory = args.drafter.partition("=")
+        shutil.copytree(directory, root / Path(directory).name)
+        load.draft.method = common_pb2.SpecMethod.Value(f"SPEC_METHOD_{method.upper()}")
+        load.draft.num_speculative_tokens = args.k
+        load.draft.source.path = Path(directory).name
+        model["drafter"] = f"{method} {directory}, k = {args.k}"
+    args.vocab = args.target_vocab
+    return load, root, model
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--preset", choices=sorted(common.PRESETS), default="tiny")
+    parser.add_argument("--preset", default="tiny", help="synthetic model shape (bench/common.py PRESETS)")
+    parser.add_argument("--target", type=Path, help="a GGUF or checkpoint to serve instead of a synthetic model")
+    parser.add_argument("--drafter", help="METHOD=DIR, the --target's drafter (e.g. eagle3=drafters/smollm2-eagle3)")
+    parser.add_argument("--target-vocab", type=int, default=49152, help="prompt token ids are drawn below this")
     parser.add_argument("--device", default="cpu")
+    parser.add_argument("--executor-threads", type=int, help="the executor's OMP_NUM_THREADS (0: torch's default)")
     parser.add_argument("--streams", type=int, default=64)
     parser.add_argument("--max-tokens", type=int, default=64)
     parser.add_argument("--prompt-len", type=int, default=16)
     parser.add_argument("--rounds", type=int, default=4, help="rounds per path, alternating which goes first")
-    parser.add_argument("--k", type=int, default=3, help="EAGLE drafts per step")
-    parser.add_argument("--out", type=Path, default=common.REPO / "bench" / "results")
+    parser.add_argument("--k", type=int, default=3, help="drafts per step")
+    parser.add_argument("--out", type=Path, default=Path(__file__).resolve().parent / "results")
+    parser.add_argument("--client", choices=("direct", "gateway"), help=argparse.SUPPRESS)
+    parser.add_argument("--address", help=argparse.SUPPRESS)
+    parser.add_argument("--prompts", help=argparse.SUPPRESS)
     args = parser.parse_args()
-    shape = common.PRESETS[args.preset]
-    args.vocab = shape["vocab"]
+    if args.client:
+        asyncio.run(client_main(args))
+        return
+
+    import common
+    import torch
+    from google.protobuf import json_format
+
+    from specdec_cli.local_servers import start_server
+
+    if args.executor_threads is None:
+        args.executor_threads = default_executor_threads(args.device)
     device = torch.device(args.device)
-    dtype = common_pb2.DTYPE_FLOAT32 if device.type == "cpu" else common_pb2.DTYPE_BFLOAT16
-    with tempfile.TemporaryDirectory() as workdir:
-        load = Path(workdir) / "load.json"
-        load.write_text(json_format.MessageToJson(common.synthetic_eagle_load(shape, args.k, dtype, 2048)))
-        executor = start_server("executor", Path(workdir), "--device", args.device, "--load", str(load))
+    with tempfile.TemporaryDirectory() as tmp:
+        workdir = Path(tmp)
+        load, root, model = load_request(args, workdir)
+        (workdir / "load.json").write_text(json_format.MessageToJson(load))
+        executor_args = ["--device", args.device, "--load", str(workdir / "load.json")]
+        executor_args += ["--model-root", str(root)] if root else []
+        with executor_environment(args.executor_threads):
+            executor = start_server("executor", workdir, *executor_args)
         gateway = None
         try:
-            asyncio.run(wait_serving(executor.address))
-            gateway = start_server(
-                "gateway", Path(workdir), "--executor", executor.address, "--served-model-name", "bench"
-            )
-            measured = asyncio.run(measure(args, executor, gateway))
+            wait_serving(executor)
+            gateway = start_server("gateway", workdir, "--executor", executor.address, "--served-model-name", "bench")
+            measured = measure(args, executor, gateway, workdir)
         finally:
             statuses = {"gateway": gateway.stop() if gateway else None, "executor": executor.stop()}
     report = {
         **common.provenance("gateway", device),
         "versions": common.versions(),
-        "settings": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()},
-        "model": {"preset": args.preset, **shape, "drafter": f"synthetic EAGLE, 1 layer, k = {args.k}"},
+        "host": {"cpus": os.cpu_count(), "load_average_at_end": os.getloadavg()},
+        "settings": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items() if v is not None},
+        "model": model,
         **measured,
         "exit_statuses": statuses,
     }
-    common.log(
-        json.dumps({k: report[k] for k in ("tokens_per_s", "throughput_ratio", "ttft_p50_ms", "ttft_p50_overhead_ms")})
-    )
+    keys = ("tokens_per_s", "throughput_ratio", "ttft_p50_ms", "ttft_p50_overhead_ms", "tokens_equal")
+    common.log(json.dumps({k: report[k] for k in keys}))
     common.write_result(args.out, "gateway", device, report["commit"], report)
+
+
+def wait_serving(executor: Any) -> None:
+    import grpc
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+    deadline = time.monotonic() + READY_TIMEOUT_S
+    with grpc.insecure_channel(executor.address) as channel:
+        health = health_pb2_grpc.HealthStub(channel)
+        while True:
+            try:
+                if health.Check(health_pb2.HealthCheckRequest(), timeout=10).status == 1:
+                    return
+            except grpc.RpcError:
+                pass
+            if executor.process.poll() is not None or time.monotonic() > deadline:
+                raise RuntimeError(f"the executor is not SERVING:\n{executor.log_tail()}")
+            time.sleep(0.2)
 
 
 if __name__ == "__main__":

@@ -5,7 +5,9 @@
 #   bash bench/gpu_run.sh run STEPS        later calls on the same machine: FA4 already in /tmp/fa-site
 #   bash bench/gpu_run.sh smol-stash / smol-install   the SmolLM2 GGUF, likewise (to /root/models/smollm2)
 # STEPS: comma-separated from tests, bench, sweep, bench16, executor-tests, gpu-tests, pytest, executor-bench, specdec-bench,
-# acceptance-bench, sampled-profile, profile, prefix-cache-bench. Results and logs go to $OUT.
+# acceptance-bench, sampled-profile, profile, prefix-cache-bench, gateway-bench. Results and logs go to $OUT.
+# gateway-bench: SmolLM2 (smol-install first) behind specdec-gateway vs direct gRPC; needs starlette and uvicorn
+# in the carried .whl (bench/README.md); GATEWAY_ARGS= adds flags (e.g. --streams 128), GATEWAY_TIMEOUT= its limit.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 mode=${1:?stash|install|run}
@@ -70,6 +72,9 @@ for step in ${steps//,/ }; do
     profile) timeout ${PROFILE_TIMEOUT:-300} python3 bench/pass_profile.py ${PROFILE_ARGS:-} --out "$out" 2>&1 | tee "$out/pass_profile.log" | tail -60 ;;
     prefix-cache-bench) timeout ${PREFIX_TIMEOUT:-540} python3 bench/prefix_cache_bench.py ${PREFIX_ARGS:-} --out "$out" 2>&1 | tee "$out/prefix_cache_bench.log" | tail -30 ;;
     executor-bench) timeout 540 python3 bench/executor_bench.py ${BENCH_ARGS:-} --out "$out" 2>&1 | tee "$out/executor_bench.log" | tail -60 ;;
+    gateway-bench) timeout ${GATEWAY_TIMEOUT:-480} python3 bench/gateway_bench.py --device cuda \
+        --target /root/models/smollm2/SmolLM2-135M-Instruct.Q4_1.gguf --drafter eagle3=drafters/smollm2-eagle3 \
+        ${GATEWAY_ARGS:-} --out "$out" 2>&1 | tee "$out/gateway_bench.log" | tail -30 ;;
     none) ;;
     *) echo "unknown step $step" ;;
   esac

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import concurrent.futures
 import json
 import shutil
 import subprocess
@@ -92,3 +93,43 @@ def test_a_caller_that_goes_away_aborts_the_executors_request(stack, stream):
     status, text = http("GET", f"http://{stack.gateway.address}/metrics")
     assert status == 200 and "specdec_gateway_client_disconnects_total" in text
     assert "specdec_gateway_open_generations 0.0" in text
+
+
+CONCURRENT = 32
+
+
+def test_concurrent_streams_all_complete_with_the_direct_calls_tokens(stack):
+    """Many streams through the gateway at once, each on its own connection: every one ends in [DONE] with the
+    tokens a direct gRPC Generate of the same prompt gives (greedy), as in bench/gateway_bench.py's rounds."""
+    prompts = [[1 + (7 * i + j) % 200 for j in range(6 + i % 5)] for i in range(CONCURRENT)]
+
+    def through_gateway(prompt: list[int]) -> list[int]:
+        body = {
+            "model": MODEL, "prompt": prompt, "max_tokens": 24, "temperature": 0, "ignore_eos": True,
+            "stream": True, "logprobs": 0,
+        }  # fmt: skip
+        status, text = http(
+            "POST", f"http://{stack.gateway.address}/v1/completions", body, {"Authorization": f"Bearer {TOKEN}"}
+        )
+        assert status == 200, text
+        events = text.split("\n\n")
+        assert events[-2] == "data: [DONE]", text[-300:]
+        chunks = [json.loads(event.removeprefix("data: ")) for event in events[:-2]]
+        names = [name for chunk in chunks for name in chunk["choices"][0]["logprobs"]["tokens"]]
+        return [int(name.removeprefix("token_id:")) for name in names]
+
+    with concurrent.futures.ThreadPoolExecutor(CONCURRENT) as pool:
+        got = list(pool.map(through_gateway, prompts))
+    with grpc.insecure_channel(stack.executor.address) as channel:
+        stub = executor_pb2_grpc.ExecutorStub(channel)
+        expected = []
+        for index, prompt in enumerate(prompts):
+            request = executor_pb2.GenerateRequest(
+                request_id=f"direct-{index}",
+                token_ids=executor_pb2.TokenIds(ids=prompt),
+                sampling=executor_pb2.SamplingParams(max_tokens=24, ignore_eos=True, logprobs=0),
+            )
+            messages = stub.Generate(request, metadata=bearer_metadata(TOKEN), timeout=NO_HANG_S)
+            expected.append([entry.token_id for message in messages for entry in message.logprobs])
+    assert all(len(tokens) == 24 for tokens in expected)
+    assert got == expected
