@@ -43,7 +43,9 @@ def tree_session(
     device: str = "cpu",
     dtype: int = common_pb2.DTYPE_FLOAT32,
     cuda_graphs: bool = True,
+    adaptive: bool = False,
 ) -> ModelSession:
+    """A warmed-up tree session; `adaptive`: each step's k from measured costs (off: whole trees every step)."""
     request = load_request(backend=backend, num_kv_blocks=num_kv_blocks)
     request.target.synthetic.vocab_size = vocab_size
     request.dtype = dtype
@@ -54,7 +56,7 @@ def tree_session(
     source = resolve_target(request.target, None, "target")
     draft = resolve_draft(request.draft, source.config, None)
     decision = common_pb2.BackendDecision(backend=backend)
-    settings = EngineSettings(max_num_batched_tokens, max_num_seqs, cuda_graphs)
+    settings = EngineSettings(max_num_batched_tokens, max_num_seqs, cuda_graphs, adaptive_speculation=adaptive)
     return build_session(
         source, request, decision, torch.device(device), settings, start=False, draft=draft, draft_decision=decision
     )
