@@ -16,6 +16,12 @@
     (EAGLE-3, a dynamic top-min(8, N) tree 7 deep verifying N drafts: verify, accept, move K/V, draft the next
     tree) beside the chain's device-resident step at k = 7, batch 1, with its graph / eager counts.
 
+(d) With --adaptive-batches: throughput at high batch (e.g. 64,128) with adaptive speculation (each step's k
+    from measured costs: adaptive_k.py) against the fixed k and target-only, --repeats interleaved rounds after an
+    untimed one (adaptive speculation measures its costs there, as a warm server has), for each --e2e-methods
+    drafter as it drafts (the synthetic drafter: acceptance ~0) and replaying the target's own tokens (every
+    draft accepted); only this part runs.
+
     python bench/specdec_bench.py --out bench/results            # H100: synthetic Llama-3-8B, bf16
     python bench/specdec_bench.py --preset tiny --device cpu --backend CPU_ATTN   # a smoke run of the script
     python bench/specdec_bench.py --preset smollm2 --drafter-config dflash=drafters/smollm2-dflash --draft-k dflash=7
@@ -32,7 +38,8 @@ import pstats
 import sys
 import time
 from collections import Counter
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
@@ -59,6 +66,7 @@ from common import (  # noqa: E402
 from spec_builders import ReplayDrafts  # noqa: E402
 from tree_passes import breadth_first_tree, measure_tree_verify  # noqa: E402
 
+from executor_service.adaptive_k import AdaptiveK  # noqa: E402
 from executor_service.draft_config import METHOD_ENUMS  # noqa: E402
 from executor_service.drafting import resolve_draft  # noqa: E402
 from executor_service.loader import LoadedModel, build_synthetic  # noqa: E402
@@ -587,6 +595,81 @@ def tree_step_call(session: ModelSession, args: argparse.Namespace) -> Any:
     return graph_call(tree_step.graphs["greedy"], blocks, context, inputs)
 
 
+# ---- (d) adaptive speculation at high batch ----------------------------------------------------------------------
+def measure_adaptive(sessions: dict[str, ModelSession], args: argparse.Namespace, preset: dict[str, Any]) -> dict:
+    """(d): per batch, target-only, each drafter at its fixed k and adaptive (the session's AdaptiveK on and off),
+    greedy; rounds interleaved, medians and spread. Tokens must equal target-only's wherever the drafts replay
+    nothing (greedy is exact); the chosen k per step is reported."""
+    report: dict[str, Any] = {"prompt_tokens": args.prompt_len, "max_tokens": args.max_tokens, "repeats": args.repeats}
+    for batch in args.adaptive_batches:
+        prompts = make_prompts(batch, args.prompt_len, preset["vocab"] - 1, seed=batch)
+        rates: dict[str, list[float]] = {}
+        notes: dict[str, Any] = {}
+        scripts: dict[str, dict[str, list[int]]] = {}
+        for method in args.e2e_methods:  # the replayed scripts, made once with the fixed k (see self_consistent_script)
+            session = sessions[method]
+            with fixed_k(session):
+                tokens, _ = generate(session, prompts, args.max_tokens)
+                scripts[method], runs = self_consistent_script(session, prompts, args.max_tokens, tokens, preset, None)
+            session.proposer.replay = None  # type: ignore[union-attr]
+            notes[f"{method}_full_script_held_after_runs"] = runs
+        # One cost model per drafter and acceptance, as a server serving that traffic has (a replayed script's
+        # acceptance would otherwise be judged on the synthetic drafter's, and the other way round).
+        kinds = ("synthetic_drafter", "full")
+        models = {(m, a): fresh_speculation(sessions[m]) for m in args.e2e_methods for a in kinds}
+        for round_index in range(args.repeats + 1):  # round 0: untimed (compiles, and adaptive measures)
+            runs = [("target_only", sessions["target-only"], None, None, False)]
+            for method in args.e2e_methods:
+                for acceptance in kinds:
+                    script = scripts[method] if acceptance == "full" else None
+                    for fixed in (True, False):
+                        name = f"{method}_{acceptance}_{'fixed_k' if fixed else 'adaptive'}"
+                        runs.append((name, sessions[method], script, models[method, acceptance], fixed))
+            for name, session, script, model, fixed in runs:
+                if session.proposer is not None:
+                    session.proposer.replay = ReplayDrafts(script, preset["vocab"], None) if script else None
+                session.engine.speculation = model
+                with fixed_k(session, fixed):
+                    tokens, result = generate(session, prompts, args.max_tokens)
+                if session.proposer is not None:
+                    session.proposer.replay = None
+                if round_index:
+                    rates.setdefault(name, []).append(result["tokens_per_s"])
+                    notes.setdefault(name, {"passes": result["passes"], "acceptance": result["mean_acceptance_length"]})
+        entry: dict[str, Any] = {"target_only_tokens_per_s": sorted(rates["target_only"])}
+        for name, values in rates.items():
+            if name == "target_only":
+                continue
+            ratios = sorted(v / b for v, b in zip(values, rates["target_only"], strict=True))
+            entry[name] = {
+                "tokens_per_s": sorted(values), "speedup_median": round(ratios[len(ratios) // 2], 3),
+                "speedup_min": round(ratios[0], 3), "speedup_max": round(ratios[-1], 3), **notes[name],
+            }  # fmt: skip
+        entry["speculation"] = {f"{m}_{a}": model.describe() for (m, a), model in models.items() if model}
+        entry |= {k: v for k, v in notes.items() if k.endswith("_runs")}
+        report[f"batch_{batch}"] = entry
+        log(f"adaptive batch {batch}: {json.dumps(entry)}")
+    return report
+
+
+def fresh_speculation(session: ModelSession) -> AdaptiveK | None:
+    """A new cost model like the session's (its candidates), nothing measured yet; None where adaptive is off."""
+    model = session.engine.speculation
+    return AdaptiveK(model.candidates, model.depths, model.configured) if model is not None else None
+
+
+@contextmanager
+def fixed_k(session: ModelSession, fixed: bool = True) -> Iterator[None]:
+    """Within it, the session's engine verifies its loaded k every step (adaptive speculation off) if `fixed`."""
+    saved = session.engine.speculation
+    if fixed:
+        session.engine.speculation = None
+    try:
+        yield
+    finally:
+        session.engine.speculation = saved
+
+
 def parse_args(description: str | None = __doc__) -> argparse.Namespace:
     """This benchmark's flags; other scripts that replay its passes (pass_profile.py) pass their own description."""
     parser = argparse.ArgumentParser(description=description, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -606,6 +689,8 @@ def parse_args(description: str | None = __doc__) -> argparse.Namespace:
     parser.add_argument("--tree-budget", type=int, default=0, help="time a tree verify pass of N drafts vs the chain")
     parser.add_argument("--trees", default="", help="pass_profile.py: tree specs whose device step to profile")
     parser.add_argument("--tree-method", choices=sorted(DRAFTERS), default="eagle3", help="who drafts --trees")
+    parser.add_argument("--adaptive-batches", default="", help="(d) only: adaptive vs fixed k vs target-only")
+    parser.add_argument("--repeats", type=int, default=3, help="(d): timed rounds, interleaved")
     parser.add_argument("--out", type=Path, default=REPO / "bench" / "results")
     shapes = parser.add_argument_group("drafter shapes (default: DRAFTERS', over the preset's MLP width)")
     for flag, metavar, text in (
@@ -627,6 +712,10 @@ def parse_args(description: str | None = __doc__) -> argparse.Namespace:
     args.methods = [m for m in args.methods.split(",") if m]
     args.e2e_methods = [m for m in args.e2e_methods.split(",") if m]
     args.batches = [int(b) for b in args.batches.split(",")]
+    args.adaptive_batches = [int(b) for b in args.adaptive_batches.split(",") if b]
+    if args.adaptive_batches:  # the sessions' graphs and batch cover (d)'s batches
+        args.batches = sorted(set(args.batches) | set(args.adaptive_batches))
+        args.methods = [m for m in args.methods if m in args.e2e_methods]
     return args
 
 
@@ -644,6 +733,12 @@ def main() -> int:
     report["copy_bandwidth"] = copy_bandwidth(device, preset["copy_mib"], 20)
     bandwidth = report["copy_bandwidth"]["GBps"]
     sessions = open_sessions(args, preset)
+    if args.adaptive_batches:
+        report["adaptive"] = measure_adaptive(sessions, args, preset)
+        for session in sessions.values():
+            session.shutdown()
+        write_result(args.out, "specdec-adaptive", device, report["commit"], report)
+        return 0
     if device.type == "cuda":
         report["passes"] = measure_passes(sessions, args, bandwidth, preset)
         log(json.dumps(report["passes"], indent=1))

@@ -15,6 +15,7 @@ from collections.abc import Callable, Iterable
 
 import torch
 
+from executor_service.adaptive_k import AdaptiveK
 from executor_service.logprobs import TokenLogprob, batch_logprobs
 from executor_service.model_runner import ModelRunner, StepInputs
 from executor_service.proposer import ProposeBatch, ProposeEntry, Proposer
@@ -39,6 +40,7 @@ class Engine:
         proposer: Proposer | None = None,
         on_verify: VerifyObserver | None = None,
         spec_step: SpecStep | None = None,
+        speculation: AdaptiveK | None = None,
     ) -> None:
         self.runner, self.scheduler, self.max_model_len = runner, scheduler, max_model_len
         self.on_step, self.proposer, self.on_verify = on_step, proposer, on_verify
@@ -51,6 +53,9 @@ class Engine:
         self._thread: threading.Thread | None = None
         self._outbox: list[tuple[Sink, RequestOutput]] = []  # in order; see _flush_outbox
         self._in_flight: tuple[list[Request], PendingStep] | None = None  # see _book_on_device
+        # The drafts each step verifies, chosen from measured costs (adaptive_k.py); None: always the loaded k.
+        self.speculation = speculation
+        self._steady: tuple[int, int] | None = None  # this step's (batch, k) when it ran steadily at one k
 
     # ---- called from any thread -------------------------------------------------------------
     def start(self) -> None:
@@ -138,10 +143,17 @@ class Engine:
             command()
 
     def step(self) -> None:
+        """One step (`_step`); a step that ran steadily at one k gives the speculation its wall time."""
+        started = time.perf_counter()
+        self._steady = None
+        self._step(started)
+        if self.speculation is not None and self._steady is not None:
+            self.speculation.record(*self._steady, time.perf_counter() - started)
+
+    def _step(self, started: float) -> None:
         """One step, in the order a reader follows: schedule, run the target once, verify (verify_batch: greedy
         or rejection sampling), accept (roll back rejected drafts' K/V), emit the tokens, propose the next drafts.
         A uniform greedy step does all of it on the device instead (_step_on_device, spec_step.py)."""
-        started = time.perf_counter()
         if self._in_flight is not None:  # a device-resident step launched behind the last one: book it
             requests, pending = self._in_flight
             self._in_flight = None
@@ -180,12 +192,15 @@ class Engine:
         for request, request_drafts, tokens in zip(sampled, drafts, emitted, strict=True):
             generated += self._emit(request, tokens, len(request_drafts), logprobs[id(request)])
         if self.proposer is not None:
-            self._propose(scheduled.requests, inputs.row_starts, scheduled.num_new_tokens, kept, output.features)
+            k_next = self._plan(scheduled.requests)
+            rows = scheduled.num_new_tokens
+            self._propose(scheduled.requests, inputs.row_starts, rows, kept, output.features, k_next)
             self._cache_prefixes(scheduled.requests)  # once the drafter wrote its K/V too
+            if len(sampled) == len(scheduled.requests):
+                self._note_steady(len(sampled), {len(d) for d in drafts}, k_next)
         if self.on_step is not None:
             self.on_step(scheduled.num_tokens, generated, time.perf_counter() - started)
-        if self.on_verify is not None and drafts:
-            self.on_verify([len(d) for d in drafts], [len(t) - 1 for t in emitted])
+        self._observe_verify([len(d) for d in drafts], [len(t) - 1 for t in emitted])
 
     def _accept(
         self, scheduled: ScheduledStep, sampled: list[Request], drafts: list[list[int]], emitted: list[list[int]]
@@ -214,7 +229,8 @@ class Engine:
         its inputs derived on the device, so the device runs it while the host reads this one back and books
         it: one read-back per step, overlapped with the next step."""
         assert self.spec_step is not None and self.proposer is not None
-        following = self._launch_following(requests, pending)
+        k_next = self._plan(requests)
+        following = self._launch_following(requests, pending) if k_next in (None, self.spec_step.k) else None
         self._flush_outbox()  # the previous step's outputs go out while this one runs on the device
         result = pending.result()
         generated, drafted, accepted = 0, [], []
@@ -232,13 +248,36 @@ class Engine:
             self.spec_step.table.booked(request)  # after _emit: the step counted what it appended
             if request.status is Status.RUNNING:
                 self.proposer.set_drafts(request, result.next_drafts[index])
+                cap_drafts(request, k_next)
         self._cache_prefixes(requests)
         if following is not None:
             self._in_flight = (requests, following)
+        self._note_steady(len(drafted), set(drafted), k_next)
         if self.on_step is not None:
             self.on_step(len(requests) * (self.spec_step.k + 1), generated, time.perf_counter() - started)
+        self._observe_verify(drafted, accepted)
+
+    # ---- adaptive speculation (adaptive_k.py) ---------------------------------------------------
+    def _plan(self, requests: list[Request]) -> int | None:
+        """The drafts per request of the next step for these requests' batch; None: the loaded k, always."""
+        if self.speculation is None:
+            return None
+        return self.speculation.plan(sum(r.status is Status.RUNNING for r in requests) or 1)
+
+    def _note_steady(self, batch: int, verified: set[int], k_next: int | None) -> None:
+        """A step whose every request verified k drafts and drafted k for the next step measures k's cost."""
+        if k_next is not None and batch and verified == {k_next}:
+            self._steady = (batch, k_next)
+
+    def _observe_verify(self, drafted: list[int], accepted: list[int], depths: list[int] | None = None) -> None:
+        """Per verified request (drafts, accepted, and for trees the depth reached): metrics and the speculation."""
+        if not any(drafted):
+            return
         if self.on_verify is not None:
             self.on_verify(drafted, accepted)
+        if self.speculation is not None:
+            pairs = [(d, a) for d, a in zip(depths or drafted, accepted, strict=True) if d]
+            self.speculation.observe_verify([d for d, _ in pairs], [a for _, a in pairs])
 
     def _launch_following(self, requests: list[Request], pending: PendingStep) -> PendingStep | None:
         """The step after `pending`, launched before `pending` is read back, when nothing could change the
@@ -279,12 +318,15 @@ class Engine:
         num_new: list[int],
         kept: dict[int, int],
         features: torch.Tensor | None,
+        k_next: int | None = None,
     ) -> None:
         """Draft for the next step from this step's target features. Requests that finished are skipped, and so
-        are those that never draft (num_speculative_tokens 0): the drafter does not run for them at all."""
+        are those that never draft (num_speculative_tokens 0): the drafter does not run for them at all. At
+        `k_next` 0 the drafter runs its context pass alone (its cache follows every token, so drafting can resume
+        at any step); else each request keeps at most `k_next` drafts (None: its own k)."""
         assert self.proposer is not None and features is not None
         entries = [
-            ProposeEntry(r, start, rows, kept[id(r)], propose=r.num_computed_tokens == r.num_tokens - 1)
+            ProposeEntry(r, start, rows, kept[id(r)], propose=r.num_computed_tokens == r.num_tokens - 1 and k_next != 0)
             for r, start, rows in zip(requests, row_starts, num_new, strict=True)
             if r.status is Status.RUNNING and self.proposer.num_drafts(r) > 0
         ]
@@ -293,6 +335,9 @@ class Engine:
             self.proposer.propose(ProposeBatch(entries, features))
         except Exception as err:
             self._fail(running, err)
+            return
+        for request in running:
+            cap_drafts(request, k_next)
 
     def _cache_prefixes(self, requests: list[Request]) -> None:
         """Register the prompt blocks whose K/V this step finished writing (prefix_cache.py). One key stands
@@ -366,3 +411,10 @@ class Engine:
         outbox, self._outbox = self._outbox, []
         for sink, output in outbox:
             sink(output)
+
+
+def cap_drafts(request: Request, k: int | None) -> None:
+    """Keep the request's first `k` drafts (None: all); a chain's or a tree's first drafts are a chain or a tree."""
+    if k is not None and len(request.draft_ids) > k:
+        request.draft_ids = request.draft_ids[:k]
+        request.draft_probs = request.draft_probs.head(k) if request.draft_probs is not None else None

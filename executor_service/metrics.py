@@ -1,7 +1,7 @@
 """The executor's Prometheus metrics, next to the RPC metrics in the same registry: tokens (and tokens/s
 over a sliding window), queue depth, running requests, KV blocks used, step latency, and speculative
-decoding's drafted / accepted tokens, per draft position and as a mean acceptance length, and the prefix
-cache's lookups, hits and hit rate."""
+decoding's drafted / accepted tokens, per draft position and as a mean acceptance length, the k adaptive
+speculation chooses per step, and the prefix cache's lookups, hits and hit rate."""
 
 from __future__ import annotations
 
@@ -76,6 +76,17 @@ class EngineMetrics:
         self.cached_free_blocks = Gauge(
             "specdec_kv_blocks_cached_free", "Free KV blocks still holding reusable prefixes", registry=registry
         )
+        self.speculative_k = Gauge(
+            "specdec_speculative_k",
+            "Drafts per request chosen for the latest step (adaptive speculation)",
+            registry=registry,
+        )
+        self.speculative_k_steps = Counter(
+            "specdec_speculative_k_steps",
+            "Steps planned at each k (0: no drafting; adaptive speculation)",
+            ["k"],
+            registry=registry,
+        )
         self._verify_totals = [0, 0]  # verify steps, accepted drafts: what the gauge divides
         self._window: collections.deque[tuple[float, int]] = collections.deque()
         self._lock = threading.Lock()
@@ -107,6 +118,11 @@ class EngineMetrics:
                 self.position_drafted.labels(str(position)).inc()
                 if position < num_accepted:
                     self.position_accepted.labels(str(position)).inc()
+
+    def on_plan(self, k: int) -> None:
+        """Called by the engine thread for each step's k chosen by adaptive speculation (adaptive_k.py)."""
+        self.speculative_k.set(k)
+        self.speculative_k_steps.labels(str(k)).inc()
 
     def _acceptance_length(self) -> float:
         with self._lock:

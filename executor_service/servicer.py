@@ -174,6 +174,7 @@ class ExecutorServicer(executor_pb2_grpc.ExecutorServicer):
                 draft=draft,
                 draft_decision=decision.drafter if draft is not None else None,
                 on_verify=self.metrics.on_verify,
+                on_plan=self.metrics.on_plan,
                 memory=estimate,
             )
         except LoadCancelled:

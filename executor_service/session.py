@@ -13,6 +13,7 @@ from pathlib import Path
 
 import torch
 
+from executor_service.adaptive_k import AdaptiveK, PlanObserver
 from executor_service.backend_claims import DRAFT_FIELD, TARGET_FIELD, check_backend_claims
 from executor_service.cancellation import check_cancelled
 from executor_service.chat import load_chat_template
@@ -97,6 +98,7 @@ class EngineSettings:
     device_spec_step: bool = True  # greedy verify + accept + propose as one device pass (spec_step.py)
     prefix_caching: bool = True  # for a LoadModel that leaves enable_prefix_caching unset (prefix_cache.py)
     sampled_drafts: str = "auto"  # sampled requests' drafts: "on" drawn from q, "off" argmax, "auto" (proposer.py)
+    adaptive_speculation: bool = True  # each step's k (or none) from measured costs (adaptive_k.py); off: the loaded k
 
 
 def resolve_target(source: executor_pb2.ModelSource, model_root: Path | None, field: str) -> TargetSource:
@@ -304,11 +306,13 @@ def build_session(
     on_verify: VerifyObserver | None = None,
     preloaded: LoadedModel | None = None,
     memory: MemoryEstimate | None = None,
+    on_plan: PlanObserver | None = None,
 ) -> ModelSession:
     """Load weights (and the drafter's), size and allocate the KV caches, warm the kernels up, capture
     graphs, start the engine thread (`start=False`: the caller drives `engine.run_until_idle()` itself,
     as deterministic tests do). `preloaded`: target weights already loaded (benchmarks pairing one target
     with several drafters). `memory`: the estimate it was admitted with (prepare_load), kept on the session.
+    `on_plan(k)`: each step's k chosen by adaptive speculation (metrics).
     Under `cancellation.cancellable`, it stops (LoadCancelled) between tensors, phases and warm-up steps."""
     started = time.perf_counter()
     phases = LoadPhases()
@@ -368,12 +372,19 @@ def build_session(
     chain = proposer is not None and not isinstance(proposer, TreeProposer)
     slots = settings.max_num_seqs  # every running request may set a penalty (device_penalties.py)
     spec_step = SpecStep(runner, proposer, slots) if chain and settings.device_spec_step else None
+    speculation = None
+    if proposer is not None and settings.adaptive_speculation:
+        graphs = settings.cuda_graphs and device.type == "cuda" and decision.backend in GRAPH_BACKENDS
+        speculation = adaptive_speculation(proposer, graphs)
+        speculation.observer = on_plan
     if isinstance(proposer, TreeProposer):
         # Tensor parallelism keeps the host path (the K/V move is an op of every rank there).
         tree_step = TreeStep(runner, proposer, slots) if settings.device_spec_step and tp_group is None else None
-        engine: Engine = TreeEngine(runner, scheduler, max_model_len, on_step, proposer, on_verify, tree_step=tree_step)
+        engine: Engine = TreeEngine(
+            runner, scheduler, max_model_len, on_step, proposer, on_verify, tree_step=tree_step, speculation=speculation
+        )
     else:
-        engine = Engine(runner, scheduler, max_model_len, on_step, proposer, on_verify, spec_step)
+        engine = Engine(runner, scheduler, max_model_len, on_step, proposer, on_verify, spec_step, speculation)
     headroom = speculative_headroom(draft.config.num_speculative_tokens, lookahead) if draft is not None else 0
     chat = load_chat_template(source.path, config, loaded.tokenizer)
     limits = ModelLimits(
@@ -433,6 +444,16 @@ def proposer_class(config: DraftConfig) -> type[Proposer]:
     return DFlashTreeProposer if config.method == "dflash" else TreeProposer
 
 
+def adaptive_speculation(proposer: Proposer, graphs: bool) -> AdaptiveK:
+    """The k values a step may take: none, and the loaded k; every k in between too where no verify graphs are
+    captured (no graph is captured at run time). A tree is verified whole or not at all (its depth is what the
+    acceptance per depth measures)."""
+    k = proposer.k
+    if isinstance(proposer, TreeProposer):
+        return AdaptiveK((0, k), depths={k: proposer.tree.depth}, configured=k)
+    return AdaptiveK((0, k) if graphs else range(k + 1), configured=k)
+
+
 def headroom_by_k(draft: DraftConfig) -> tuple[int, ...]:
     """speculative_headroom of a request drafting 0, 1, ..., k tokens per step (per-request speculation)."""
     return tuple(speculative_headroom(k, draft.lookahead(k)) for k in range(draft.num_speculative_tokens + 1))
@@ -479,13 +500,14 @@ def warm_up(session: ModelSession) -> None:
             raise RuntimeError(f"warm-up did not finish in {max_steps} engine steps")  # an engine bug
 
     # Not served work: its tokens, drafts and steps (kernel compilation included) stay out of the metrics.
+    # Its steps compile kernels: the speculation does not time them (the loaded k serves the warm-up).
     engine = session.engine
-    observers = engine.on_step, engine.on_verify
-    engine.on_step = engine.on_verify = None
+    observers = engine.on_step, engine.on_verify, engine.speculation
+    engine.on_step = engine.on_verify = engine.speculation = None
     try:
         engine.run_until_idle(before_step)
     finally:
-        engine.on_step, engine.on_verify = observers
+        engine.on_step, engine.on_verify, engine.speculation = observers
     errors = [o.error for o in outputs if o.error is not None]
     if errors:
         raise errors[0]

@@ -23,7 +23,7 @@ import time
 import torch
 
 from executor_service.attention_step import cache_slot, to_device
-from executor_service.engine import Engine
+from executor_service.engine import Engine, cap_drafts
 from executor_service.kv_cache import copy_kv_slots
 from executor_service.logprobs import TokenLogprob, batch_logprobs
 from executor_service.model_runner import StepInputs
@@ -48,8 +48,7 @@ class TreeEngine(Engine):
         super().__init__(*args, **kwargs)  # type: ignore[arg-type]
         self.tree_step = tree_step  # verify, accept and propose on the device for greedy steps of whole trees
 
-    def step(self) -> None:
-        started = time.perf_counter()
+    def _step(self, started: float) -> None:
         if self._in_flight is not None:  # a device tree step launched behind the last one: book it
             requests, pending = self._in_flight
             self._in_flight = None
@@ -81,22 +80,28 @@ class TreeEngine(Engine):
         self._fail_alone([(r, v) for r, v in zip(sampled, verdicts, strict=True) if isinstance(v, Exception)])
         passed = {id(r): v for r, v in zip(sampled, verdicts, strict=True) if isinstance(v, TreeVerdict)}
         rows = self._accept(scheduled, inputs, trees, passed)
-        generated, drafted, accepted = 0, [], []
+        generated, drafted, accepted, depths = 0, [], [], []
         for request in sampled:
             verdict = passed.get(id(request))
             if verdict is None:
                 continue
-            num_drafts = len(trees[id(request)].tokens) if id(request) in trees else 0
+            tree = trees.get(id(request))
+            num_drafts = len(tree.tokens) if tree is not None else 0
             generated += self._emit(request, verdict.emitted, num_drafts, logprobs.get(id(request)))
-            if num_drafts:
+            if tree is not None and num_drafts:
                 drafted.append(num_drafts)
                 accepted.append(len(verdict.path))
-        self._propose_trees(scheduled, rows, output.features)
+                depths.append(max(tree.depths()))
+        k_next = self._plan(scheduled.requests)
+        self._propose_trees(scheduled, rows, output.features, k_next)
         self._cache_prefixes(scheduled.requests)  # once the drafter wrote its K/V too
+        if len(sampled) == len(scheduled.requests):
+            self._note_steady(
+                len(sampled), {len(trees[id(r)].tokens) if id(r) in trees else 0 for r in sampled}, k_next
+            )
         if self.on_step is not None:
             self.on_step(scheduled.num_tokens, generated, time.perf_counter() - started)
-        if self.on_verify is not None and drafted:
-            self.on_verify(drafted, accepted)
+        self._observe_verify(drafted, accepted, depths)
 
     def _launch_tree_step(self, inputs: StepInputs, requests: list[Request]) -> PendingStep | None:
         """The step on the device (tree_step.py) when every request verifies a whole tree greedily and has room
@@ -132,14 +137,17 @@ class TreeEngine(Engine):
         and hand each running request its next tree. When the batch can go on, the step after it is launched
         first, its inputs derived on the device: one read-back per step, overlapped with the next step."""
         assert self.tree_step is not None
+        k_next = self._plan(requests)
         try:
-            following = self._launch_following(requests, pending)
+            following = (
+                self._launch_following(requests, pending) if k_next in (None, self.tree_step.num_drafts) else None
+            )
             self._flush_outbox()  # the previous step's outputs go out while this one runs on the device
             result = pending.result()
         except Exception as err:  # a kernel or device failure fails this step's requests, not the server
             self._fail(requests, err)
             return
-        generated, drafted, accepted, size = 0, [], [], self.tree_step.num_drafts
+        generated, drafted, accepted, depths, size = 0, [], [], [], self.tree_step.num_drafts
         for index, request in enumerate(requests):
             if request.status is not Status.RUNNING:  # finished while a following step was in flight
                 continue
@@ -150,19 +158,21 @@ class TreeEngine(Engine):
             request.draft_ids = []
             drafted.append(len(tree.tokens))
             accepted.append(count)
+            depths.append(max(tree.depths()))
             logprobs = result.token_logprobs(index, request.settings.logprobs)
             generated += self._emit(request, result.emitted(index), len(tree.tokens), logprobs)
             self.tree_step.table.booked(request)  # after _emit: the step counted what it appended
             if request.status is Status.RUNNING:
                 tree_ids = result.next_drafts[index]  # the next tree's tokens, then its parents
                 self.proposer.set_tree(request, tree_ids[:size], tree_ids[size:])
+                cap_drafts(request, k_next)
         self._cache_prefixes(requests)  # once the drafter wrote its K/V too
         if following is not None:
             self._in_flight = (requests, following)
+        self._note_steady(len(drafted), set(drafted), k_next)
         if self.on_step is not None:
             self.on_step(len(requests) * self.tree_step.rows, generated, time.perf_counter() - started)
-        if self.on_verify is not None:
-            self.on_verify(drafted, accepted)
+        self._observe_verify(drafted, accepted, depths)
 
     def _tree_inputs(self, scheduled: ScheduledStep, inputs: StepInputs) -> dict[int, DraftTree]:
         """Give the drafts of this step their tree positions and masks; the trees by id(request)."""
@@ -269,12 +279,14 @@ class TreeEngine(Engine):
             copy_kv_slots(self.runner.kv_cache.layers, src, dst)
 
     def _propose_trees(
-        self, scheduled: ScheduledStep, rows: dict[int, list[int]], features: torch.Tensor | None
-    ) -> None:
-        """Draft the next trees from this step's target features; requests that never draft are skipped."""
+        self, scheduled: ScheduledStep, rows: dict[int, list[int]], features: torch.Tensor | None,
+        k_next: int | None = None,
+    ) -> None:  # fmt: skip
+        """Draft the next trees from this step's target features; requests that never draft are skipped. At
+        `k_next` 0 the drafter runs its context pass alone (Engine._propose); else trees keep `k_next` drafts."""
         assert features is not None
         entries = [
-            (r, rows[id(r)], r.num_computed_tokens == r.num_tokens - 1)
+            (r, rows[id(r)], r.num_computed_tokens == r.num_tokens - 1 and k_next != 0)
             for r in scheduled.requests
             if r.status is Status.RUNNING and id(r) in rows and self.proposer.drafts_tree(r)
         ]
@@ -282,6 +294,9 @@ class TreeEngine(Engine):
             self.proposer.propose_tree(entries, features, self.scheduler.reserve)
         except Exception as err:
             self._fail([e[0] for e in entries], err)
+            return
+        for request, _, _ in entries:
+            cap_drafts(request, k_next)
 
     def _finish(self, request: Request, *args: object, **kwargs: object) -> None:
         self.proposer.forget(request)

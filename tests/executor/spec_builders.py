@@ -49,15 +49,17 @@ def spec_session(
     cuda_graphs: bool = True,
     vocab_size: int = TINY["vocab_size"],
     draft_seed: int = 7,
+    adaptive: bool = False,
 ) -> ModelSession:
-    """A warmed-up speculative session, engine thread not started (tests drive run_until_idle)."""
+    """A warmed-up speculative session, engine thread not started (tests drive run_until_idle). `adaptive`:
+    each step's k from measured costs (off: the loaded k every step, what scripted acceptance tests count)."""
     request = load_request(backend=backend, num_kv_blocks=num_kv_blocks)
     request.target.synthetic.vocab_size = vocab_size
     request.dtype = dtype
     request.draft.CopyFrom(draft_model(method, k, draft_seed, vocab_size))
     source = resolve_target(request.target, None, "target")
     draft = resolve_draft(request.draft, source.config, None)
-    settings = EngineSettings(max_num_batched_tokens, max_num_seqs, cuda_graphs)
+    settings = EngineSettings(max_num_batched_tokens, max_num_seqs, cuda_graphs, adaptive_speculation=adaptive)
     return build_session(
         source,
         request,

@@ -4,10 +4,17 @@ on sys.path)."""
 
 from __future__ import annotations
 
+import random
+
 from executor_service.session import ModelSession
 from specdec.v1 import executor_pb2
 
 VOCAB = 512
+
+
+def prompts(count: int, seed: int, longest: int = 40, vocab: int = VOCAB) -> dict[str, list[int]]:
+    rng = random.Random(seed)
+    return {f"r{i}": [rng.randrange(vocab) for _ in range(rng.randint(1, longest))] for i in range(count)}
 
 
 def assert_no_leak(session: ModelSession) -> None:

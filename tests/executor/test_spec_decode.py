@@ -4,23 +4,16 @@ join and leave; stats add up; nothing leaks."""
 
 from __future__ import annotations
 
-import random
-
 import pytest
 from engine_driving import Collector, add_all
 from executor_builders import greedy
 from greedy_reference import greedy_reference
 from spec_builders import ReplayDrafts, spec_session
-from spec_checks import VOCAB, assert_no_leak, scripted_verify_steps
+from spec_checks import VOCAB, assert_no_leak, prompts, scripted_verify_steps
 
 from executor_service.session import ModelSession
 
 ALL_METHODS = ["eagle", "eagle3", "dflash", "dflash_causal"]
-
-
-def prompts(count: int, seed: int, longest: int = 40, vocab: int = VOCAB) -> dict[str, list[int]]:
-    rng = random.Random(seed)
-    return {f"r{i}": [rng.randrange(vocab) for _ in range(rng.randint(1, longest))] for i in range(count)}
 
 
 def reference(session: ModelSession, batch: dict[str, list[int]], max_tokens: int) -> dict[str, list[int]]:

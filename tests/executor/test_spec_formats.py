@@ -49,8 +49,8 @@ def test_saved_checkpoint_loads_back_and_drafts_the_same(method: str, tmp_path: 
     draft = resolve_draft(request.draft, source.config, tmp_path)
     assert draft.config == synthetic.proposer.config
     decision = common_pb2.BackendDecision(backend="CPU_ATTN")
-    session = build_session(source, request, decision, CPU, EngineSettings(64, 16), start=False, draft=draft,
-                            draft_decision=decision)  # fmt: skip
+    fixed = EngineSettings(64, 16, adaptive_speculation=False)  # the same drafts every step: the same stats
+    session = build_session(source, request, decision, CPU, fixed, start=False, draft=draft, draft_decision=decision)
     prompt, sinks = {"a": [3, 1, 4, 1, 5, 9, 2, 6]}, (Collector(), Collector())
     for which, run in zip((synthetic, session), sinks, strict=True):
         add_all(which, prompt, greedy(10), run)

@@ -41,6 +41,7 @@ def tree_session(
     device: str = "cpu",
     dtype: int = common_pb2.DTYPE_FLOAT32,
     cuda_graphs: bool = True,
+    adaptive: bool = False,
 ) -> ModelSession:
     request = load_request(backend=backend, num_kv_blocks=num_kv_blocks)
     request.target.synthetic.vocab_size = vocab_size
@@ -52,7 +53,7 @@ def tree_session(
     source = resolve_target(request.target, None, "target")
     draft = resolve_draft(request.draft, source.config, None)
     decision = common_pb2.BackendDecision(backend=backend)
-    settings = EngineSettings(max_num_batched_tokens, max_num_seqs, cuda_graphs)
+    settings = EngineSettings(max_num_batched_tokens, max_num_seqs, cuda_graphs, adaptive_speculation=adaptive)
     return build_session(
         source, request, decision, torch.device(device), settings, start=False, draft=draft, draft_decision=decision
     )

@@ -1,0 +1,210 @@
+"""Adaptive speculation: per step, how many drafts the batch verifies next (k), or none at all (k = 0).
+
+Drafting pays while the target verifies k + 1 rows per request for about the price of one; at high batch the
+verify rows are no longer free (the pass becomes compute bound, or the speculative step runs eagerly past its
+graphs' batch) and a plain decode step gives more tokens per second. The engine asks `plan(batch)` after each
+step for the next step's k and tells this model what it measured:
+
+- `record(batch, k, seconds)`: the wall time of a steady step (it verified k drafts per request and drafted k for
+  the next one; k = 0: a target decode step and the drafter's context pass over its row). One exponential moving
+  average per (batch bucket, k): the drafter's and the target's times together, measured as served, on the
+  device or the CPU alike.
+- `observe_verify(depths, accepted)`: per verified request, how deep its drafts went and how many were accepted.
+  The acceptance rate per depth d (the share of steps that verified depth d whose accepted drafts reached it) is
+  a decayed count, so it follows the traffic.
+
+The choice maximises expected tokens per second, `batch x (1 + sum of the rates up to depth(k))` over the step's
+measured time, over the candidates (the k values with captured graphs: no capture at run time). A candidate not
+yet measured at a bucket is tried first (the configured k, then 0, then the rest), for a few steps; a losing one
+is measured again after a while, each time later (a doubled interval) while it keeps losing, so a batch whose
+best k is clear pays almost nothing for the check. The choice is a function of these measurements and the step
+count alone (deterministic given the costs), and it changes no token: greedy verification is exact whatever k.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass
+
+ALPHA = 0.3  # weight of a new step time in its bucket's moving average
+DECAY = 0.995  # per observed request-step: the acceptance counts' memory (~200 request-steps)
+MIN_SAMPLES = 2  # steady steps that measure a candidate before it is compared
+MAX_EXPLORE_STEPS = 6  # a candidate under test is given up after this many steps without enough steady samples
+REFRESH_STEPS = 128  # steps at a bucket before a losing candidate is measured again; doubled while it loses
+MAX_REFRESH_STEPS = 8192
+HYSTERESIS = 0.03  # another k must beat the current one by this share to replace it (no flapping on noise)
+
+PlanObserver = Callable[[int], None]  # each planned step's k (metrics)
+
+
+@dataclass
+class StepCost:
+    """The moving average of one (bucket, k)'s steady step time, and when it was last measured."""
+
+    seconds: float
+    samples: int = 1
+    measured_at: int = 0  # the bucket's plan count at its last sample
+    refresh: int = REFRESH_STEPS
+
+
+@dataclass
+class Exploration:
+    k: int
+    until_samples: int
+    steps_left: int
+
+
+class AdaptiveK:
+    """The cost model and the choice of k; one per engine, driven by the engine thread alone."""
+
+    def __init__(self, candidates: Iterable[int], depths: dict[int, int] | None = None, configured: int | None = None):
+        """`candidates`: the k values a step may take (0: no drafting); `depths`: the draft depth each reaches (a
+        chain's k is its depth; a tree's drafts reach its depth), default k itself; `configured`: the loaded k,
+        tried first."""
+        self.candidates = sorted(set(candidates))
+        if not self.candidates or self.candidates[0] < 0:
+            raise ValueError(f"candidates must be k >= 0, got {self.candidates}")
+        self.depths = {k: k for k in self.candidates} | (depths or {})
+        self.configured = configured if configured is not None else self.candidates[-1]
+        self.costs: dict[int, dict[int, StepCost]] = {}  # bucket -> k -> cost
+        self.plans: Counter[int] = Counter()  # bucket -> steps planned there
+        self.chosen: Counter[int] = Counter()  # k -> steps planned with it (stats and metrics)
+        self.last_k: int | None = None
+        self.observer: PlanObserver | None = None
+        self._current: dict[int, int] = {}  # bucket -> the k it exploits
+        self._exploring: dict[int, Exploration] = {}
+        self._retry_at: dict[tuple[int, int], int] = {}  # (bucket, k) given up unmeasured -> plan count to retry
+        max_depth = max(self.depths.values(), default=0)
+        self._reached = [0.0] * (max_depth + 1)  # decayed counts, index d: accepted drafts reached depth d
+        self._tried = [0.0] * (max_depth + 1)  # index d: steps that verified depth d
+
+    @staticmethod
+    def bucket(batch: int) -> int:
+        """Batches share a cost table per power of two (step times move little within one)."""
+        return 1 << max(batch - 1, 0).bit_length()
+
+    # ---- what the engine measured --------------------------------------------------------------
+    def record(self, batch: int, k: int, seconds: float) -> None:
+        """A steady step's wall time: it verified k drafts per request and drafted k for the next step."""
+        if k not in self.depths or seconds <= 0:
+            return
+        bucket = self.bucket(batch)
+        table = self.costs.setdefault(bucket, {})
+        cost = table.get(k)
+        if cost is None:
+            table[k] = StepCost(seconds, measured_at=self.plans[bucket])
+            return
+        cost.seconds += ALPHA * (seconds - cost.seconds)
+        cost.samples += 1
+        cost.measured_at = self.plans[bucket]
+
+    def observe_verify(self, depths: Sequence[int], accepted: Sequence[int]) -> None:
+        """Per verified request: the depth its drafts reached and the drafts (the path's length) accepted."""
+        for depth, count in zip(depths, accepted, strict=True):
+            for d in range(1, min(depth, len(self._tried) - 1) + 1):
+                self._tried[d] = self._tried[d] * DECAY + 1.0
+                self._reached[d] = self._reached[d] * DECAY + (1.0 if count >= d else 0.0)
+
+    # ---- the model ---------------------------------------------------------------------------------
+    def acceptance(self, depth: int) -> float:
+        """The share of verify steps reaching `depth` whose accepted drafts reached it (1.0 until observed:
+        drafting is tried before it is judged)."""
+        tried = self._tried[depth]
+        return self._reached[depth] / tried if tried > 0 else 1.0
+
+    def expected_tokens(self, k: int) -> float:
+        """Tokens a request emits per step at k: the bonus token and each depth's chance to be reached (a depth
+        is reached only if the one before it was: the rates are each depth's own share)."""
+        return 1.0 + sum(self.acceptance(d) for d in range(1, self.depths[k] + 1))
+
+    def throughput(self, batch: int, k: int) -> float | None:
+        """Expected tokens per second at k for this batch, or None where its step time is not measured."""
+        cost = self.costs.get(self.bucket(batch), {}).get(k)
+        if cost is None:
+            return None
+        return batch * self.expected_tokens(k) / cost.seconds
+
+    # ---- the choice --------------------------------------------------------------------------------
+    def plan(self, batch: int) -> int:
+        """The k of the next step for `batch` requests: a candidate under test, else the best measured one."""
+        bucket = self.bucket(batch)
+        self.plans[bucket] += 1
+        k = self._explore(bucket)
+        if k is None:
+            k = self._best(batch, bucket)
+        self.chosen[k] += 1
+        self.last_k = k
+        if self.observer is not None:
+            self.observer(k)
+        return k
+
+    def _order(self) -> list[int]:
+        """Candidates in the order they are first tried: the configured k, no drafting, then the rest, largest first."""
+        first = [k for k in (self.configured, 0) if k in self.depths and k in self.candidates]
+        return first + [k for k in reversed(self.candidates) if k not in first]
+
+    def _explore(self, bucket: int) -> int | None:
+        table = self.costs.setdefault(bucket, {})
+        exploring = self._exploring.get(bucket)
+        if exploring is not None:
+            cost = table.get(exploring.k)
+            if (cost.samples if cost else 0) < exploring.until_samples and exploring.steps_left > 0:
+                exploring.steps_left -= 1
+                return exploring.k
+            del self._exploring[bucket]
+            if (cost.samples if cost else 0) < exploring.until_samples:  # no steady step came: not before a while
+                self._retry_at[bucket, exploring.k] = self.plans[bucket] + REFRESH_STEPS
+            self._judge(bucket, exploring.k)
+        for k in self._order():
+            cost = table.get(k)
+            samples = cost.samples if cost is not None else 0
+            if self.plans[bucket] < self._retry_at.get((bucket, k), 0):
+                continue
+            stale = cost is not None and self.plans[bucket] - cost.measured_at > cost.refresh
+            if samples < MIN_SAMPLES or (stale and k != self._current.get(bucket)):
+                if cost is not None and samples >= MIN_SAMPLES:
+                    cost.measured_at = self.plans[bucket]  # tried now: not stale again before its interval
+                wanted = samples + (MIN_SAMPLES if samples < MIN_SAMPLES else 1)
+                self._exploring[bucket] = Exploration(k, wanted, MAX_EXPLORE_STEPS - 1)
+                return k
+        return None
+
+    def _judge(self, bucket: int, k: int) -> None:
+        """After a test: a candidate that still loses is measured again twice as late; one that wins, as often
+        as at first."""
+        cost = self.costs[bucket].get(k)
+        if cost is None:
+            return
+        best = self._best_measured(bucket)
+        cost.refresh = REFRESH_STEPS if best == k else min(cost.refresh * 2, MAX_REFRESH_STEPS)
+
+    def _best_measured(self, bucket: int) -> int | None:
+        table = self.costs.get(bucket, {})
+        scored = [(self.expected_tokens(k) / c.seconds, k) for k, c in table.items() if c.samples >= MIN_SAMPLES]
+        if not scored:
+            return None
+        return max(scored, key=lambda s: (s[0], s[1]))[1]  # ties: the larger k (the configured behaviour)
+
+    def _best(self, batch: int, bucket: int) -> int:
+        best = self._best_measured(bucket)
+        current = self._current.get(bucket)
+        if best is None:
+            best = self.configured
+        elif current is not None and current != best and current in self.costs[bucket]:
+            kept, other = self.throughput(batch, current), self.throughput(batch, best)
+            if kept is not None and other is not None and other < kept * (1 + HYSTERESIS):
+                best = current
+        self._current[bucket] = best
+        return best
+
+    def describe(self) -> dict[str, object]:
+        """What it measured and chose (benchmarks and logs)."""
+        return {
+            "chosen_k_steps": dict(sorted(self.chosen.items())),
+            "acceptance_per_depth": [round(self.acceptance(d), 4) for d in range(1, len(self._tried))],
+            "step_ms": {
+                bucket: {k: round(c.seconds * 1e3, 4) for k, c in sorted(table.items())}
+                for bucket, table in sorted(self.costs.items())
+            },
+        }

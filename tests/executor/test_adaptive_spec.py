@@ -1,0 +1,153 @@
+"""Adaptive speculation in the engine (CPU): greedy tokens equal target-only while k switches mid-request (none,
+some, all drafts; chains on the device step and the host path, EAGLE-1 / EAGLE-3 / DFlash, and trees), the
+drafter's cache follows every token through steps without drafting, and the chosen k reaches stats and metrics."""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+import torch
+from engine_driving import Collector, add_all
+from executor_builders import greedy
+from greedy_reference import greedy_reference
+from prometheus_client import CollectorRegistry
+from spec_builders import spec_session
+from spec_checks import assert_no_leak, prompts
+from tree_cases import tree_session
+
+from executor_service.adaptive_k import AdaptiveK
+from executor_service.attention_step import cache_slot
+from executor_service.metrics import EngineMetrics
+from executor_service.proposer import ProposeBatch, Proposer
+from executor_service.request import Request
+from executor_service.session import ModelSession
+from specdec.v1 import common_pb2
+
+
+class Scripted(AdaptiveK):
+    """Plans a fixed cycle of k values, whatever it measures (the switches a real model makes, forced)."""
+
+    def __init__(self, cycle: list[int], candidates: list[int]) -> None:
+        super().__init__(candidates)
+        self.cycle = itertools.cycle(cycle)
+
+    def plan(self, batch: int) -> int:
+        k = next(self.cycle)
+        self.chosen[k] += 1
+        self.last_k = k
+        return k
+
+
+def generate(session: ModelSession, batch: dict[str, list[int]], max_tokens: int) -> Collector:
+    sink = Collector()
+    add_all(session, batch, greedy(max_tokens), sink)
+    session.engine.run_until_idle()
+    return sink
+
+
+@pytest.mark.parametrize("method", ["eagle", "eagle3", "dflash"])
+def test_chain_greedy_equals_target_only_as_k_switches(method: str) -> None:
+    k = 4
+    session = spec_session(method, k, max_num_batched_tokens=128)
+    cycle = [k, k, 0, 0, k, 2, 0, k, k, k, 1, 0, 3]
+    session.engine.speculation = scripted = Scripted(cycle, list(range(k + 1)))
+    batch = prompts(4, seed=3)
+    sink = generate(session, batch, 20)
+    for rid, prompt in batch.items():
+        assert sink.tokens(rid) == greedy_reference(session.loaded.model, prompt, 20), rid
+    assert set(scripted.chosen) == set(cycle)
+    assert session.engine.spec_step is not None and session.engine.spec_step.counts["eager"] > 0  # the device step
+    assert_no_leak(session)
+
+
+@pytest.mark.parametrize("method", ["eagle3", "dflash"])
+def test_tree_greedy_equals_target_only_as_k_switches(method: str) -> None:
+    tree = common_pb2.DraftTree(top_k=2, verify_budget=6)
+    session = tree_session(method, tree, k=3)
+    size = session.proposer.k  # type: ignore[union-attr]
+    cycle = [size, size, 0, size, 0, 0, size, 3]
+    session.engine.speculation = Scripted(cycle, [0, size])
+    batch = prompts(3, seed=5, vocab=256)
+    sink = generate(session, batch, 16)
+    for rid, prompt in batch.items():
+        assert sink.tokens(rid) == greedy_reference(session.loaded.model, prompt, 16), rid
+    assert_no_leak(session)
+
+
+def drafter_cache(session: ModelSession, request: Request, positions: int) -> torch.Tensor:
+    """The drafter's K/V of the request's first `positions` positions, every layer."""
+    proposer = session.proposer
+    assert proposer is not None
+    slots = [cache_slot(request.block_ids, p, proposer.block_size) for p in range(positions)]
+    storage = proposer.kv_cache.storage  # [L, 2, N, bs, H, D]
+    flat = storage.reshape(storage.shape[0], 2, -1, *storage.shape[-2:])
+    return flat[:, :, slots].clone()
+
+
+def drafter_caches(method: str) -> list[torch.Tensor]:
+    """The drafter's cache of one request's verified positions after 16 tokens: the loaded k every step, then
+    with stretches of k = 0."""
+    caches = []
+    for cycle in ([3], [0, 0, 0, 3, 0, 3, 3, 0]):
+        session = spec_session(method, 3, max_num_batched_tokens=128)
+        session.engine.speculation = Scripted(cycle, [0, 3])
+        request = session.new_request("r", list(range(5, 25)), greedy(), 24, Collector())
+        session.engine.add(request)
+        session.engine._drain_commands()
+        for _ in range(40):
+            if len(request.output_ids) >= 16:
+                break
+            session.engine.step()
+        verified = request.num_computed_tokens - 1
+        caches.append(drafter_cache(session, request, verified))
+        session.engine.abort(["r"])
+        session.engine.run_until_idle()
+    return caches
+
+
+@pytest.mark.parametrize("method", ["eagle3", "dflash"])
+def test_the_drafter_cache_follows_steps_without_drafting(method: str) -> None:
+    """Every verified position's drafter K/V after stretches of k = 0 equals the K/V of the loaded k throughout:
+    the context pass runs on those steps (drafting resumes from a complete cache)."""
+    fixed, switching = drafter_caches(method)
+    assert fixed.abs().sum() > 0
+    torch.testing.assert_close(switching, fixed, rtol=1e-4, atol=1e-5)
+
+
+def test_the_cache_check_sees_a_skipped_context_pass(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Negative control: a drafter that skips steps without drafting leaves holes the check above finds."""
+    propose = Proposer.propose
+
+    def skipping(self: Proposer, batch: ProposeBatch) -> None:
+        if any(e.propose for e in batch.entries):
+            propose(self, batch)
+
+    monkeypatch.setattr(Proposer, "propose", skipping)
+    fixed, switching = drafter_caches("eagle3")
+    assert not torch.allclose(switching, fixed, rtol=1e-4, atol=1e-5)
+
+
+def test_measured_choice_keeps_tokens_and_reports_k() -> None:
+    """The real model on CPU step times: whatever it picks, the tokens are target-only's; the metrics count a
+    step per planned k."""
+    session = spec_session("eagle3", 3, max_num_batched_tokens=128, adaptive=True)
+    speculation = session.engine.speculation
+    assert speculation is not None and speculation.candidates == [0, 1, 2, 3]  # no graphs on the CPU: every k
+    metrics = EngineMetrics(CollectorRegistry())
+    speculation.observer = metrics.on_plan
+    batch = prompts(6, seed=9)
+    sink = generate(session, batch, 24)
+    for rid, prompt in batch.items():
+        assert sink.tokens(rid) == greedy_reference(session.loaded.model, prompt, 24), rid
+    assert speculation.chosen and sum(speculation.chosen.values()) > 0
+    for k, steps in speculation.chosen.items():
+        assert metrics.speculative_k_steps.labels(str(k))._value.get() == steps
+    assert metrics.speculative_k._value.get() == speculation.last_k
+    assert speculation.describe()["step_ms"]  # steady steps were timed
+    assert_no_leak(session)
+
+
+def test_fixed_speculation_setting() -> None:
+    session = spec_session("eagle", 3)
+    assert session.engine.speculation is None  # adaptive off: the loaded k every step
