@@ -205,7 +205,10 @@ def open_session(
             request.draft.num_speculative_tokens = 0 if tree.branching else depth or default
         draft = resolve_draft(request.draft, source.config, None)
     decision = common_pb2.BackendDecision(backend=args.backend)
-    settings = EngineSettings(max_num_batched_tokens=8192, max_num_seqs=max(args.batches), cuda_graphs=True)
+    settings = EngineSettings(
+        max_num_batched_tokens=8192, max_num_seqs=max(args.batches), cuda_graphs=True,
+        adaptive_speculation=bool(args.adaptive_batches),
+    )  # fmt: skip
     started = time.perf_counter()
     session = build_session(
         source, request, decision, torch.device(args.device), settings, start=False, draft=draft,

@@ -243,10 +243,10 @@ def main(argv: list[str] | None = None) -> int:
         help="verify and propose with host bookkeeping between passes, not as one device pass (for comparison)",
     )
     parser.add_argument(
-        "--fixed-speculation",
+        "--adaptive-speculation",
         action="store_true",
-        help="every step verifies the drafter's k drafts; default: each step's k (or none) from measured step times "
-        "and acceptance (docs/executor.md, adaptive speculation)",
+        help="each step's k (or none) from measured step times and acceptance (docs/executor.md, adaptive "
+        "speculation); default: every step verifies the drafter's k drafts",
     )
     parser.add_argument(
         "--no-prefix-caching",
@@ -277,7 +277,7 @@ def main(argv: list[str] | None = None) -> int:
                 device_spec_step=not args.host_spec_step,
                 prefix_caching=not args.no_prefix_caching,
                 sampled_drafts=args.sampled_drafts,
-                adaptive_speculation=not args.fixed_speculation,
+                adaptive_speculation=args.adaptive_speculation,
             ),
             max_live_requests=int(args.max_live_requests),
             tensor_parallel_size=int(args.tensor_parallel_size),

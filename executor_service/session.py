@@ -98,7 +98,9 @@ class EngineSettings:
     device_spec_step: bool = True  # greedy verify + accept + propose as one device pass (spec_step.py)
     prefix_caching: bool = True  # for a LoadModel that leaves enable_prefix_caching unset (prefix_cache.py)
     sampled_drafts: str = "auto"  # sampled requests' drafts: "on" drawn from q, "off" argmax, "auto" (proposer.py)
-    adaptive_speculation: bool = True  # each step's k (or none) from measured costs (adaptive_k.py); off: the loaded k
+    # Each step's k (or none) from measured costs (adaptive_k.py); off (the default until measured on a GPU): the
+    # loaded k every step.
+    adaptive_speculation: bool = False
 
 
 def resolve_target(source: executor_pb2.ModelSource, model_root: Path | None, field: str) -> TargetSource:
