@@ -4,7 +4,8 @@ much this device has to give.
 LoadModel refuses a model that does not fit (RESOURCE_EXHAUSTED with the estimate and what is available)
 instead of letting the allocator fail halfway, or the host swap and the OOM killer pick a victim. The
 estimate is deliberately on the high side: every weight, RoPE table and KV block, the largest tensor's
-staging copy while loading, one step's activations at the full token budget, and a fixed margin.
+staging copy while loading, one step's activations at the full token budget, the speculative step's penalty
+table, and a fixed margin.
 """
 
 from __future__ import annotations
@@ -29,6 +30,9 @@ CUDA_MARGIN_BYTES = 2 << 30  # CUDA graphs' pools, the caching allocator's slack
 # in passes of ROWS_PER_PASS rows, so its own temporaries stay small).
 LOGITS_COPIES = 3
 ACTIVATION_WIDTHS = 8  # hidden-sized tensors alive at once in a layer (residual, norms, attention out, ...)
+# The device steps' penalty table (device_penalties.PenaltyTable): per slot (one per running request, and a
+# scratch slot) and vocabulary entry, a bool (in the prompt) and an int32 (output count).
+PENALTY_TABLE_BYTES_PER_ENTRY = 1 + 4
 
 
 @dataclass(frozen=True)
@@ -82,6 +86,7 @@ def estimate_memory(
         activations += tokens * (len(draft.target_layer_ids) or 1) * target.hidden_size * element  # features
         rows = max_num_seqs * (draft.block_size if draft.method == "dflash" else 1)  # EAGLE: one row per chain step
         activations += rows * (draft.draft_vocab_size or target.vocab_size) * 4 * LOGITS_COPIES
+        activations += (max_num_seqs + 1) * target.vocab_size * PENALTY_TABLE_BYTES_PER_ENTRY
     activations += CUDA_MARGIN_BYTES if device.type == "cuda" else CPU_MARGIN_BYTES
     return MemoryEstimate(weights, kv_cache, activations)
 

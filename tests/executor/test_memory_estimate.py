@@ -1,0 +1,38 @@
+"""LoadModel's memory estimate covers the speculative step's penalty table (device_penalties.PenaltyTable), which
+graphs allocate at capture: per running request and vocabulary entry, as many bytes as the table really takes."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from executor_builders import load_request
+from spec_builders import draft_model
+
+from executor_service import memory
+from executor_service.device_penalties import PenaltyTable
+from executor_service.drafting import resolve_draft
+from executor_service.memory import PENALTY_TABLE_BYTES_PER_ENTRY, estimate_memory
+from executor_service.session import resolve_target
+
+
+def test_the_penalty_table_takes_what_the_estimate_counts() -> None:
+    table = PenaltyTable(slots=3, vocab=17, device=torch.device("cpu"))
+    table.allocate()
+    assert table.in_prompt is not None and table.output is not None
+    assert table.in_prompt.nbytes + table.output.nbytes == (3 + 1) * 17 * PENALTY_TABLE_BYTES_PER_ENTRY
+
+
+def test_the_estimate_counts_a_table_slot_per_running_request(monkeypatch: pytest.MonkeyPatch) -> None:
+    request = load_request()
+    request.draft.CopyFrom(draft_model("eagle3", 3, 7, 512))
+    request.target.synthetic.vocab_size = 512
+    source = resolve_target(request.target, None, "target")
+    draft = resolve_draft(request.draft, source.config, None).config
+
+    def activations() -> int:
+        args = (source.config, draft, torch.float32, 64, 16, 64, 40, torch.device("cpu"))
+        return estimate_memory(*args).activations
+
+    with_table = activations()
+    monkeypatch.setattr(memory, "PENALTY_TABLE_BYTES_PER_ENTRY", 0)
+    assert with_table - activations() == (40 + 1) * 512 * PENALTY_TABLE_BYTES_PER_ENTRY
