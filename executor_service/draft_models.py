@@ -21,7 +21,7 @@ from torch import nn
 
 from executor_service.attention_step import AttentionStep
 from executor_service.draft_config import DraftConfig
-from executor_service.fused_layer import NormInput, norm_input
+from executor_service.fused_layer import NormInput, linear, norm_input, project
 from executor_service.fused_ops import argmax
 from executor_service.model import MLP, Attention, DecoderLayer, RMSNorm, Rotary
 from executor_service.rope import RotaryEmbedding
@@ -80,7 +80,7 @@ class EagleDrafter(TargetVocabulary, nn.Module):
     ) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
         """(hidden fed to the next chain step, hidden the head reads). `rotary`: the positions' cos and sin when
         the caller looked them up already (a tree's passes, once per step for all of them)."""
-        x = self.fc(torch.cat([self.embed(input_ids), hidden], dim=-1))
+        x = project(NormInput(self.embed(input_ids), x2=hidden), self.fc)  # fc over [embedding | hidden]
         rotary = self.rope.lookup(positions, x.dtype) if rotary is None else rotary
         residual: torch.Tensor | None = None
         for index, layer in enumerate(self.layers):
@@ -103,9 +103,11 @@ class Eagle3Layer(nn.Module):
         self, embeds: torch.Tensor, hidden: torch.Tensor, rotary: Rotary, kv_cache: tuple[torch.Tensor, torch.Tensor],
         step: AttentionStep,
     ) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
-        """(the MLP output, the residual stream it is to be added to), as DecoderLayer's."""
-        x = torch.cat([self.input_layernorm(embeds), self.hidden_norm(hidden)], dim=-1)
-        out, _ = self.self_attn(NormInput(x), rotary, kv_cache, step)  # attention reads [embeds; hidden] normed
+        """(the MLP output, the residual stream it is to be added to), as DecoderLayer's. The attention reads
+        [input_layernorm(embeds) | hidden_norm(hidden)]: in the QKV kernel's prologue where it is fused."""
+        eps = self.input_layernorm.eps
+        inp = NormInput(embeds, None, self.input_layernorm.weight, eps, hidden, self.hidden_norm.weight)
+        out, _ = self.self_attn(inp, rotary, kv_cache, step)
         return self.mlp.fused(norm_input(out, hidden, self.post_attention_layernorm))  # ... and adds to hidden
 
 
@@ -175,9 +177,11 @@ class DFlashDrafter(TargetVocabulary, nn.Module):
         self, features: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor, kv_caches: KVCaches
     ) -> None:
         """Target features [T, n*H] of verified positions -> every layer's context keys and values."""
-        context = self.hidden_norm(self.fc(features))
-        rotary = self.rope.lookup(positions, context.dtype)
-        for index, layer in enumerate(self.layers):
+        context = norm_input(linear(features, self.fc), None, self.hidden_norm)
+        if self.layers[0].self_attn.context_kv_config(context, kv_caches[0]) is None:
+            context = NormInput(context.apply()[0])  # unfused: normed once for every layer
+        rotary = self.rope.lookup(positions, context.x.dtype)
+        for index, layer in enumerate(self.layers):  # fused: each layer's K/V kernel norms in its prologue
             layer.self_attn.store_context_kv(context, rotary, kv_caches[index], slots)
 
     def forward(

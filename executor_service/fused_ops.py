@@ -1,5 +1,6 @@
-"""The small ops around the GEMMs, as one Triton kernel each on GPUs: RMSNorm, residual add + RMSNorm,
-SiLU-and-mul, argmax; and the residual add folded into the GEMM before it (linear_residual).
+"""The small ops around the GEMMs, as one Triton kernel each on GPUs: RMSNorm, residual add + RMSNorm, two
+RMSNorms written side by side (EAGLE-3's attention input), SiLU-and-mul, argmax; and the residual add folded into
+the GEMM before it (linear_residual).
 
 At batch 1 a decode step is bandwidth-bound GEMMs plus about ten small kernels per layer. On an H100 torch's
 RMSNorm took 5.8 µs a row of 4096 (65 per Llama-3-8B step), SiLU and the multiply were two kernels, and an
@@ -42,6 +43,16 @@ def add_rms_norm(
         return triton_add_rms_norm(x, residual, weight, eps)
     stream = x + residual
     return F.rms_norm(stream, weight.shape, weight, eps), stream
+
+
+def concat_rms_norm(
+    x: torch.Tensor, weight: torch.Tensor, x2: torch.Tensor, weight2: torch.Tensor, eps: float
+) -> torch.Tensor:
+    """[rms_norm(x, weight) | rms_norm(x2, weight2)] along the last dimension: one kernel instead of two norms and
+    the concatenation's copy."""
+    if _use_triton(x, x2):
+        return triton_concat_rms_norm(x, weight, x2, weight2, eps)
+    return torch.cat([F.rms_norm(x, weight.shape, weight, eps), F.rms_norm(x2, weight2.shape, weight2, eps)], dim=-1)
 
 
 def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
@@ -95,6 +106,19 @@ def triton_add_rms_norm(
         eps, BLOCK=block, num_warps=min(16, max(1, block // 512)),
     )  # fmt: skip
     return out, stream
+
+
+def triton_concat_rms_norm(
+    x: torch.Tensor, weight: torch.Tensor, x2: torch.Tensor, weight2: torch.Tensor, eps: float
+) -> torch.Tensor:
+    size, size2 = x.shape[1], x2.shape[1]
+    out = torch.empty(x.shape[0], size + size2, dtype=x.dtype, device=x.device)
+    block = _next_power_of_2(max(size, size2))
+    _kernels()["concat_rms_norm"][(x.shape[0], 2)](
+        x, weight, x2, weight2, out, x.stride(0), x2.stride(0), out.stride(0), size, size2, eps, BLOCK=block,
+        num_warps=min(16, max(1, block // 512)),
+    )  # fmt: skip
+    return out
 
 
 def triton_silu_and_mul(gate_up: torch.Tensor, block: int = 1024) -> torch.Tensor:
@@ -157,6 +181,22 @@ def _kernels() -> dict[str, Callable[..., Any]]:
         tl.store(out_ptr + row * stride_o + offs, (hf * rstd * w).to(out_ptr.dtype.element_ty), mask=mask)
 
     @triton.jit
+    def concat_rms_norm_kernel(
+        x_ptr, w_ptr, x2_ptr, w2_ptr, out_ptr, stride_x, stride_x2, stride_o, size, size2, eps, BLOCK: tl.constexpr
+    ):
+        row, side = tl.program_id(0).to(tl.int64), tl.program_id(1)  # side 0: x into out[:size]; 1: x2 after it
+        offs = tl.arange(0, BLOCK)
+        if side == 0:
+            n, src, w, dst = size, x_ptr + row * stride_x, w_ptr, out_ptr + row * stride_o
+        else:
+            n, src, w, dst = size2, x2_ptr + row * stride_x2, w2_ptr, out_ptr + row * stride_o + size
+        mask = offs < n
+        h = tl.load(src + offs, mask=mask, other=0.0).to(tl.float32)
+        rstd = 1.0 / tl.sqrt(tl.sum(h * h, 0) / n + eps)
+        weight = tl.load(w + offs, mask=mask, other=0.0).to(tl.float32)
+        tl.store(dst + offs, (h * rstd * weight).to(out_ptr.dtype.element_ty), mask=mask)
+
+    @triton.jit
     def silu_and_mul_kernel(x_ptr, out_ptr, stride_x, stride_o, half, BLOCK: tl.constexpr):
         row = tl.program_id(0).to(tl.int64)
         offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
@@ -190,6 +230,7 @@ def _kernels() -> dict[str, Callable[..., Any]]:
     return {
         "rms_norm": rms_norm_kernel,
         "add_rms_norm": add_rms_norm_kernel,
+        "concat_rms_norm": concat_rms_norm_kernel,
         "silu_and_mul": silu_and_mul_kernel,
         "argmax_chunks": argmax_chunks_kernel,
         "argmax_combine": argmax_combine_kernel,

@@ -22,6 +22,7 @@ from executor_service.fused_layer import NormInput, fused_config, gate_up_silu, 
 from executor_service.fused_ops import add_rms_norm, linear_residual, rms_norm, silu_and_mul
 from executor_service.rope import RotaryEmbedding
 from executor_service.rotary_cache import rotate_and_store
+from kernels.small_gemm_table import GemmConfig
 
 Rotary = tuple[torch.Tensor, torch.Tensor]  # cos, sin of this step's positions
 
@@ -78,6 +79,7 @@ class Attention(nn.Module):
             return qkv_rope_store(
                 inp.x, self.qkv_proj.weight, self.qkv_proj.bias, inp.residual, inp.weight, inp.eps,
                 self.num_heads, self.num_kv_heads, cos, sin, k_cache, v_cache, slots, qk_norm, config,
+                x2=inp.x2, norm_weight2=inp.weight2,
             )  # fmt: skip
         x, stream = inp.apply()
         tokens = x.shape[0]
@@ -89,13 +91,32 @@ class Attention(nn.Module):
             q, k = self.q_norm(q), self.k_norm(k)
         return rotate_and_store(q, k, v, cos, sin, k_cache, v_cache, slots), stream
 
+    def context_kv_config(self, inp: NormInput, kv_cache: tuple[torch.Tensor, torch.Tensor]) -> GemmConfig | None:
+        """The fused keys-and-values kernel's config for store_context_kv's input, or None (the unfused ops)."""
+        k_cache, v_cache = kv_cache
+        if k_cache.stride() != v_cache.stride() or k_cache.stride(-1) != 1:
+            return None
+        return fused_config("qkv_rope", inp, self.qkv_proj, 2 * self.kv_size)
+
     def store_context_kv(
-        self, x: torch.Tensor, rotary: Rotary, kv_cache: tuple[torch.Tensor, torch.Tensor], slots: torch.Tensor
+        self, inp: NormInput, rotary: Rotary, kv_cache: tuple[torch.Tensor, torch.Tensor], slots: torch.Tensor
     ) -> None:
-        """Project x [T, H] to keys and values only and store them (DFlash's context from target features)."""
-        tokens = x.shape[0]
+        """Project the input [T, H] (still to be normed) to keys and values only and store them (DFlash's context
+        from target features). One kernel where the fused QKV kernel is picked."""
         weight = self.qkv_proj.weight[self.q_size :]
         bias = self.qkv_proj.bias[self.q_size :] if self.qkv_proj.bias is not None else None
+        config = self.context_kv_config(inp, kv_cache)
+        if config is not None:
+            from kernels.qkv_rope_gemm import qkv_rope_store
+
+            qk_norm = (self.q_norm.weight, self.k_norm.weight, self.k_norm.eps) if self.qk_norm else None
+            qkv_rope_store(
+                inp.x, weight, bias, inp.residual, inp.weight, inp.eps, 0, self.num_kv_heads, *rotary, *kv_cache,
+                slots, qk_norm, config,
+            )  # fmt: skip
+            return
+        x, _ = inp.apply()
+        tokens = x.shape[0]
         k, v = F.linear(x, weight, bias).split([self.kv_size, self.kv_size], dim=-1)
         k = k.reshape(tokens, self.num_kv_heads, self.head_size)
         v = v.reshape(tokens, self.num_kv_heads, self.head_size)

@@ -7,7 +7,8 @@ its own accumulator), rounds them to the model's dtype as the GEMM's output woul
 - a query head: (q-norms and) rotates, and stores into q [M, Hq, D];
 - a key head: (k-norms and) rotates, and stores at each row's slot of the key cache;
 - a value head: stores at each row's slot of the value cache.
-Rows whose slot is -1 store no key or value. The prologue (the residual add and the RMSNorm) is small_gemm's.
+Rows whose slot is -1 store no key or value. The prologue (the residual add and the RMSNorm, or two inputs normed
+side by side) is small_gemm's. Without query heads (DFlash's context) it projects and stores keys and values only.
 What it replaces: a norm, a GEMM, and the RoPE + cache-write kernel (kernels in executor_service/rotary_cache.py).
 """
 
@@ -17,18 +18,19 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.small_gemm import BLOCK_M, a_tile, dot_precision, dot_upcast, mma, row_rstd
+from kernels.small_gemm import BLOCK_M, check_concat, dot_precision, dot_upcast, mma, prologue_rstd, prologue_tile
 from kernels.small_gemm_table import DEFAULT_CONFIG, GemmConfig
 
 
 @triton.jit
 def _qkv_rope_kernel(
-    x_ptr, r_ptr, h_ptr, nw_ptr, w_ptr, b_ptr, qn_ptr, kn_ptr, cos_ptr, sin_ptr, q_ptr, k_cache_ptr, v_cache_ptr,
-    slot_ptr, rows, K, eps, head_eps, stride_x, stride_r, stride_h, stride_w, stride_qt, stride_qh, stride_ct,
-    stride_slot, stride_cb, stride_cs, stride_ch, block_size,
+    x_ptr, r_ptr, h_ptr, nw_ptr, x2_ptr, nw2_ptr, w_ptr, b_ptr, qn_ptr, kn_ptr, cos_ptr, sin_ptr, q_ptr, k_cache_ptr,
+    v_cache_ptr, slot_ptr, rows, K1, K, eps, head_eps, stride_x, stride_r, stride_h, stride_x2, stride_w, stride_qt,
+    stride_qh, stride_ct, stride_slot, stride_cb, stride_cs, stride_ch, block_size,
     NUM_Q_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr, HALF: tl.constexpr, NORM: tl.constexpr,
-    HAS_RESIDUAL: tl.constexpr, HAS_BIAS: tl.constexpr, QK_NORM: tl.constexpr, PRECISION: tl.constexpr,
-    UPCAST: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_HALF: tl.constexpr, BLOCK_K: tl.constexpr,
+    HAS_RESIDUAL: tl.constexpr, CONCAT: tl.constexpr, HAS_BIAS: tl.constexpr, QK_NORM: tl.constexpr,
+    PRECISION: tl.constexpr, UPCAST: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_HALF: tl.constexpr,
+    BLOCK_K: tl.constexpr,
 ):  # fmt: skip
     pid_m, head = tl.program_id(0), tl.program_id(1)
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -36,17 +38,18 @@ def _qkv_rope_kernel(
     d_mask = offs_d < HALF
     m_mask = offs_m < rows
     lo_rows = head * 2 * HALF + offs_d  # the head's weight rows: its first half, then (+ HALF) its second
-    rstd = tl.full([BLOCK_M], 1.0, tl.float32)
-    if NORM or HAS_RESIDUAL:
-        rstd = row_rstd(
-            x_ptr, r_ptr, h_ptr, stride_x, stride_r, stride_h, offs_m, rows, K, eps, head == 0,
-            HAS_RESIDUAL, BLOCK_M, BLOCK_K,
-        )  # fmt: skip
+    rstd, rstd2 = prologue_rstd(
+        x_ptr, r_ptr, h_ptr, x2_ptr, stride_x, stride_r, stride_h, stride_x2, offs_m, rows, K1, K, eps, head == 0,
+        NORM, HAS_RESIDUAL, CONCAT, BLOCK_M, BLOCK_K,
+    )  # fmt: skip
     lo = tl.zeros([BLOCK_M, BLOCK_HALF], dtype=tl.float32)
     hi = tl.zeros([BLOCK_M, BLOCK_HALF], dtype=tl.float32)
     for k0 in range(0, K, BLOCK_K):
         offs_k = k0 + tl.arange(0, BLOCK_K)
-        a = a_tile(x_ptr, r_ptr, nw_ptr, stride_x, stride_r, offs_m, offs_k, rows, K, rstd, NORM, HAS_RESIDUAL)
+        a = prologue_tile(
+            x_ptr, r_ptr, nw_ptr, x2_ptr, nw2_ptr, stride_x, stride_r, stride_x2, offs_m, offs_k, rows, K1, K, rstd,
+            rstd2, NORM, HAS_RESIDUAL, CONCAT,
+        )  # fmt: skip
         w_mask = (offs_k[:, None] < K) & d_mask[None, :]
         w_lo = tl.load(w_ptr + lo_rows[None, :] * stride_w + offs_k[:, None], mask=w_mask, other=0.0)
         w_hi = tl.load(w_ptr + (lo_rows + HALF)[None, :] * stride_w + offs_k[:, None], mask=w_mask, other=0.0)
@@ -109,27 +112,33 @@ def qkv_rope_store(
     slot_mapping: torch.Tensor,
     qk_norm: tuple[torch.Tensor, torch.Tensor, float] | None = None,
     config: GemmConfig = DEFAULT_CONFIG,
+    x2: torch.Tensor | None = None,
+    norm_weight2: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(q [M, Hq, D] rotated, stream = x + residual): x [M, K] normed as small_gemm's prologue does, projected by
     weight [(Hq + 2 Hkv) D, K] (q, k, v heads in that order), keys rotated and stored with the values at
     `slot_mapping` in the caches [blocks, block_size, Hkv, D]; cos, sin [M, 1, D/2] (RotaryEmbedding.lookup);
-    `qk_norm`: (q_norm weight, k_norm weight, eps) for Qwen3."""
-    rows, K = x.shape
+    `qk_norm`: (q_norm weight, k_norm weight, eps) for Qwen3. `x2`, `norm_weight2`: a concatenated input, as
+    small_gemm's (EAGLE-3). num_q_heads may be 0 (DFlash's context: keys and values only, weight's k/v rows)."""
+    x2, nw2, k1 = check_concat(x, residual, norm_weight, x2, norm_weight2)
+    rows, K = x.shape[0], weight.shape[1]
     head_size = weight.shape[0] // (num_q_heads + 2 * num_kv_heads)
     half = head_size // 2
     q = torch.empty(rows, num_q_heads, head_size, dtype=x.dtype, device=x.device)
     stream = torch.empty_like(x) if residual is not None else x
     res = residual if residual is not None else x
     q_norm, k_norm, head_eps = qk_norm if qk_norm is not None else (x, x, 0.0)
+    q_strides = (q.stride(0), q.stride(1)) if num_q_heads else (head_size, head_size)
     grid = (triton.cdiv(rows, BLOCK_M), num_q_heads + 2 * num_kv_heads)
     _qkv_rope_kernel[grid](
-        x, res, stream, norm_weight if norm_weight is not None else x, weight, bias if bias is not None else x,
-        q_norm, k_norm, cos, sin, q, k_cache, v_cache, slot_mapping, rows, K, eps, head_eps,
-        x.stride(0), res.stride(0), stream.stride(0), weight.stride(0), q.stride(0), q.stride(1), cos.stride(0),
-        slot_mapping.stride(0), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), k_cache.shape[1],
+        x, res, stream, norm_weight if norm_weight is not None else x, x2, nw2, weight,
+        bias if bias is not None else x, q_norm, k_norm, cos, sin, q if num_q_heads else x, k_cache, v_cache,
+        slot_mapping, rows, k1, K, eps, head_eps, x.stride(0), res.stride(0), stream.stride(0), x2.stride(0),
+        weight.stride(0), *q_strides, cos.stride(0), slot_mapping.stride(0), k_cache.stride(0), k_cache.stride(1),
+        k_cache.stride(2), k_cache.shape[1],
         NUM_Q_HEADS=num_q_heads, NUM_KV_HEADS=num_kv_heads, HALF=half, NORM=norm_weight is not None,
-        HAS_RESIDUAL=residual is not None, HAS_BIAS=bias is not None, QK_NORM=qk_norm is not None,
-        PRECISION=dot_precision(x.dtype), UPCAST=dot_upcast(x), BLOCK_M=BLOCK_M,
+        HAS_RESIDUAL=residual is not None, CONCAT=x2 is not x, HAS_BIAS=bias is not None,
+        QK_NORM=qk_norm is not None, PRECISION=dot_precision(x.dtype), UPCAST=dot_upcast(x), BLOCK_M=BLOCK_M,
         BLOCK_HALF=max(16, triton.next_power_of_2(half)), BLOCK_K=config.block_k, num_warps=config.num_warps,
     )  # fmt: skip
     return q, stream

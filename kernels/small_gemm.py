@@ -8,6 +8,9 @@ These kernels fold those ops into the GEMM itself:
   residual stream, rounded to x's dtype as torch's add rounds it). Every program reads its rows whole once for
   the statistics (fp32), then again, normed and rounded, as the dot's left operand: the same values the
   standalone RMSNorm kernel would have written.
+- concatenated input (CONCAT): the left operand is [rmsnorm(x) | rmsnorm(x2)], two tensors side by side, each
+  normed over its own columns with its own weight (EAGLE-3's attention input) or taken as is (EAGLE-1's fc over
+  [embedding | hidden]); no residual. It replaces the two norms and the concatenation copy.
 - epilogue: the bias, or SiLU-and-mul over [gate | up] (each program computes a gate tile and the matching up
   tile, both rounded to the output dtype first, as the GEMM then the separate kernel would).
 
@@ -76,27 +79,81 @@ def a_tile(
 
 
 @triton.jit
+def concat_a_tile(
+    x_ptr, x2_ptr, nw_ptr, nw2_ptr, stride_x, stride_x2, offs_m, offs_k, rows, K1, K, rstd, rstd2, NORM: tl.constexpr
+):
+    """The left operand of a concatenated input: columns < K1 from x (normed with rstd, nw), the rest from x2
+    (with rstd2, nw2). Each side's out-of-range columns load as 0 and are dropped by the select."""
+    first = a_tile(x_ptr, x_ptr, nw_ptr, stride_x, stride_x, offs_m, offs_k, rows, K1, rstd, NORM, False)
+    offs_k2 = tl.where(offs_k >= K1, offs_k - K1, K - K1)  # the first segment's columns: masked out
+    second = a_tile(x2_ptr, x2_ptr, nw2_ptr, stride_x2, stride_x2, offs_m, offs_k2, rows, K - K1, rstd2, NORM, False)
+    return tl.where((offs_k < K1)[None, :], first, second)
+
+
+@triton.jit
+def prologue_rstd(
+    x_ptr, r_ptr, h_ptr, x2_ptr, stride_x, stride_r, stride_h, stride_x2, offs_m, rows, K1, K, eps, store_h,
+    NORM: tl.constexpr, HAS_RESIDUAL: tl.constexpr, CONCAT: tl.constexpr, BLOCK_M: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+):  # fmt: skip
+    """(rstd of x's rows or of x + residual, rstd of x2's rows): 1 where nothing is normed."""
+    rstd = tl.full([BLOCK_M], 1.0, tl.float32)
+    rstd2 = tl.full([BLOCK_M], 1.0, tl.float32)
+    if CONCAT:
+        if NORM:
+            rstd = row_rstd(
+                x_ptr, x_ptr, x_ptr, stride_x, stride_x, stride_x, offs_m, rows, K1, eps, False, False, BLOCK_M,
+                BLOCK_K,
+            )  # fmt: skip
+            rstd2 = row_rstd(
+                x2_ptr, x2_ptr, x2_ptr, stride_x2, stride_x2, stride_x2, offs_m, rows, K - K1, eps, False, False,
+                BLOCK_M, BLOCK_K,
+            )  # fmt: skip
+    elif NORM or HAS_RESIDUAL:
+        rstd = row_rstd(
+            x_ptr, r_ptr, h_ptr, stride_x, stride_r, stride_h, offs_m, rows, K, eps, store_h, HAS_RESIDUAL,
+            BLOCK_M, BLOCK_K,
+        )  # fmt: skip
+    return rstd, rstd2
+
+
+@triton.jit
+def prologue_tile(
+    x_ptr, r_ptr, nw_ptr, x2_ptr, nw2_ptr, stride_x, stride_r, stride_x2, offs_m, offs_k, rows, K1, K, rstd, rstd2,
+    NORM: tl.constexpr, HAS_RESIDUAL: tl.constexpr, CONCAT: tl.constexpr,
+):  # fmt: skip
+    """The dot's left operand for this K step, whichever prologue the kernel was built with."""
+    if CONCAT:
+        return concat_a_tile(
+            x_ptr, x2_ptr, nw_ptr, nw2_ptr, stride_x, stride_x2, offs_m, offs_k, rows, K1, K, rstd, rstd2, NORM
+        )
+    return a_tile(x_ptr, r_ptr, nw_ptr, stride_x, stride_r, offs_m, offs_k, rows, K, rstd, NORM, HAS_RESIDUAL)
+
+
+@triton.jit
 def _small_gemm_kernel(
-    x_ptr, r_ptr, h_ptr, nw_ptr, w_ptr, b_ptr, out_ptr, rows, N, K, eps, up_offset,
-    stride_x, stride_r, stride_h, stride_w, stride_o,
-    NORM: tl.constexpr, HAS_RESIDUAL: tl.constexpr, HAS_BIAS: tl.constexpr, SILU_MUL: tl.constexpr,
+    x_ptr, r_ptr, h_ptr, nw_ptr, x2_ptr, nw2_ptr, w_ptr, b_ptr, out_ptr, rows, N, K1, K, eps, up_offset,
+    stride_x, stride_r, stride_h, stride_x2, stride_w, stride_o,
+    NORM: tl.constexpr, HAS_RESIDUAL: tl.constexpr, CONCAT: tl.constexpr, HAS_BIAS: tl.constexpr,
+    SILU_MUL: tl.constexpr,
     PRECISION: tl.constexpr, UPCAST: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
 ):  # fmt: skip
     pid_m, pid_n = tl.program_id(0), tl.program_id(1)
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     n_mask = offs_n < N
-    rstd = tl.full([BLOCK_M], 1.0, tl.float32)
-    if NORM or HAS_RESIDUAL:
-        rstd = row_rstd(
-            x_ptr, r_ptr, h_ptr, stride_x, stride_r, stride_h, offs_m, rows, K, eps, pid_n == 0,
-            HAS_RESIDUAL, BLOCK_M, BLOCK_K,
-        )  # fmt: skip
+    rstd, rstd2 = prologue_rstd(
+        x_ptr, r_ptr, h_ptr, x2_ptr, stride_x, stride_r, stride_h, stride_x2, offs_m, rows, K1, K, eps, pid_n == 0,
+        NORM, HAS_RESIDUAL, CONCAT, BLOCK_M, BLOCK_K,
+    )  # fmt: skip
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     acc_up = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     for k0 in range(0, K, BLOCK_K):
         offs_k = k0 + tl.arange(0, BLOCK_K)
-        a = a_tile(x_ptr, r_ptr, nw_ptr, stride_x, stride_r, offs_m, offs_k, rows, K, rstd, NORM, HAS_RESIDUAL)
+        a = prologue_tile(
+            x_ptr, r_ptr, nw_ptr, x2_ptr, nw2_ptr, stride_x, stride_r, stride_x2, offs_m, offs_k, rows, K1, K, rstd,
+            rstd2, NORM, HAS_RESIDUAL, CONCAT,
+        )  # fmt: skip
         w_mask = (offs_k[:, None] < K) & n_mask[None, :]
         w = tl.load(w_ptr + offs_n[None, :] * stride_w + offs_k[:, None], mask=w_mask, other=0.0)  # [BK, BN]
         acc = mma(a, w, acc, PRECISION, UPCAST)
@@ -132,24 +189,47 @@ def small_gemm(
     eps: float = 1e-6,
     silu_mul: bool = False,
     config: GemmConfig = DEFAULT_CONFIG,
+    x2: torch.Tensor | None = None,
+    norm_weight2: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(out, stream): out = epilogue(prologue(x) @ weight.T (+ bias)), where prologue(x) = rmsnorm(x + residual)
     with `norm_weight` (x + residual, or x, without it) and the epilogue is SiLU-and-mul over weight's
     [gate | up] halves when `silu_mul`; stream = x + residual (x itself without a residual). x [M, K] and
-    weight [N, K] with unit inner strides."""
+    weight [N, K] with unit inner strides. With `x2` [M, K2] (and no residual) the input is the concatenation
+    [rmsnorm(x, norm_weight) | rmsnorm(x2, norm_weight2)] (both norms or neither), weight [N, K + K2]."""
     if silu_mul and bias is not None:
         raise ValueError("small_gemm: a bias with SiLU-and-mul is not supported (no model's gate_up has one)")
-    rows, K = x.shape
+    x2, nw2, k1 = check_concat(x, residual, norm_weight, x2, norm_weight2)
+    rows, K = x.shape[0], weight.shape[1]
     n_out = weight.shape[0] // 2 if silu_mul else weight.shape[0]
     out = torch.empty(rows, n_out, dtype=x.dtype, device=x.device)
     stream = torch.empty_like(x) if residual is not None else x
     res = residual if residual is not None else x
+    nw = norm_weight if norm_weight is not None else x
     grid = (triton.cdiv(rows, BLOCK_M), triton.cdiv(n_out, config.block_n))
     _small_gemm_kernel[grid](
-        x, res, stream, norm_weight if norm_weight is not None else x, weight, bias if bias is not None else x, out,
-        rows, n_out, K, eps, n_out, x.stride(0), res.stride(0), stream.stride(0), weight.stride(0), out.stride(0),
-        NORM=norm_weight is not None, HAS_RESIDUAL=residual is not None, HAS_BIAS=bias is not None,
-        SILU_MUL=silu_mul, PRECISION=dot_precision(x.dtype), UPCAST=dot_upcast(x), BLOCK_M=BLOCK_M,
-        BLOCK_N=config.block_n, BLOCK_K=config.block_k, num_warps=config.num_warps,
+        x, res, stream, nw, x2, nw2, weight, bias if bias is not None else x, out,
+        rows, n_out, k1, K, eps, n_out, x.stride(0), res.stride(0), stream.stride(0), x2.stride(0), weight.stride(0),
+        out.stride(0), NORM=norm_weight is not None, HAS_RESIDUAL=residual is not None, CONCAT=x2 is not x,
+        HAS_BIAS=bias is not None, SILU_MUL=silu_mul, PRECISION=dot_precision(x.dtype), UPCAST=dot_upcast(x),
+        BLOCK_M=BLOCK_M, BLOCK_N=config.block_n, BLOCK_K=config.block_k, num_warps=config.num_warps,
     )  # fmt: skip
     return out, stream
+
+
+def check_concat(
+    x: torch.Tensor,
+    residual: torch.Tensor | None,
+    norm_weight: torch.Tensor | None,
+    x2: torch.Tensor | None,
+    norm_weight2: torch.Tensor | None,
+) -> tuple[torch.Tensor, torch.Tensor, int]:
+    """(x2 or x itself, norm_weight2 or a dummy, x's columns): the kernels' arguments for a concatenated input
+    (x2 given) or a single one (x2 is x: CONCAT off)."""
+    if x2 is None:
+        return x, x, x.shape[1]
+    if residual is not None or (norm_weight is None) != (norm_weight2 is None):
+        raise ValueError("a concatenated input takes no residual, and both norms or neither")
+    if x2.shape[0] != x.shape[0] or x2.dtype != x.dtype or x2.stride(-1) != 1:
+        raise ValueError("x2 must have x's rows and dtype and unit inner stride")
+    return x2, norm_weight2 if norm_weight2 is not None else x, x.shape[1]

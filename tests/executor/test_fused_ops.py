@@ -78,6 +78,20 @@ def test_triton_add_rms_norm_writes_the_sum_and_its_norm(rows: int, size: int) -
     _close(normed, rms_norm_reference(expected_stream, weight, 1e-5), 1e-5)
 
 
+@triton_runs
+@pytest.mark.parametrize(("rows", "size", "size2"), [(1, 64, 64), (3, 576, 576), (4, 100, 36)])
+def test_triton_concat_rms_norm_writes_both_norms_side_by_side(rows: int, size: int, size2: int) -> None:
+    """EAGLE-3's attention input [norm(embedding) | norm(hidden)] in one kernel."""
+    generator = torch.Generator().manual_seed(size2)
+    x = (torch.randn(rows, 2 * size, generator=generator) * 3).to(DEVICE)[:, :size]  # a strided row layout
+    x2 = torch.randn(rows, size2, generator=generator).to(DEVICE)
+    weight, weight2 = torch.randn(size, generator=generator).to(DEVICE), torch.randn(size2, generator=generator)
+    got = fused_ops.triton_concat_rms_norm(x, weight, x2, weight2.to(DEVICE), 1e-5)
+    expected = torch.cat([rms_norm_reference(x, weight, 1e-5), rms_norm_reference(x2, weight2, 1e-5)], dim=-1)
+    _close(got, expected, 1e-5)
+    _close(fused_ops.concat_rms_norm(x, weight, x2, weight2.to(DEVICE), 1e-5), expected, 1e-5)
+
+
 def test_add_rms_norm_without_a_residual_is_the_norm_of_x() -> None:
     x, weight = torch.randn(2, 32).to(DEVICE), torch.randn(32).to(DEVICE)
     normed, stream = fused_ops.add_rms_norm(x, None, weight, 1e-6)

@@ -95,7 +95,8 @@ def qkv_reference(x, residual, norm_w, weight, bias, qk_norm, heads, kv_heads, c
     qkv = F.linear(a.float(), weight.float(), None if bias is None else bias.float()).to(x.dtype)
     size = weight.shape[0] // (heads + 2 * kv_heads)
     q, k, v = qkv.split([heads * size, kv_heads * size, kv_heads * size], dim=-1)
-    q, k, v = q.reshape(-1, heads, size), k.reshape(-1, kv_heads, size), v.reshape(-1, kv_heads, size)
+    rows = x.shape[0]
+    q, k, v = q.reshape(rows, heads, size), k.reshape(rows, kv_heads, size), v.reshape(rows, kv_heads, size)
     if qk_norm is not None:
         q, k = (
             F.rms_norm(t.float(), (size,), w.float(), EPS).to(x.dtype) for t, w in zip((q, k), qk_norm[:2], strict=True)
@@ -151,3 +152,88 @@ def test_qkv_rope_store_matches_the_unfused_path(
     untouched = caches[0].clone().view(-1, kv_heads, size)  # slots other than 5 and 9 keep their old contents
     kept = [s for s in range(blocks * block_size) if s not in (5, 9)]
     torch.testing.assert_close(k_cache.view(-1, kv_heads, size)[kept], untouched[kept], rtol=0, atol=0)
+
+
+def concat_reference(x: torch.Tensor, x2: torch.Tensor, norm_w, norm_w2) -> torch.Tensor:
+    """[rmsnorm(x) | rmsnorm(x2)] as the unfused ops write it (each normed and rounded, then concatenated)."""
+    return torch.cat([norm_reference(x, None, norm_w)[0], norm_reference(x2, None, norm_w2)[0]], dim=-1)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize(("rows", "n", "k1", "k2"), [(1, 40, 24, 40), (5, 33, 50, 50)])  # K1 inside a K tile
+@pytest.mark.parametrize("normed", [False, True])
+def test_small_gemm_concatenated_input(dtype: torch.dtype, rows: int, n: int, k1: int, k2: int, normed: bool) -> None:
+    """EAGLE-1's fc over [embedding | hidden] (as is, with a bias), or two separately normed inputs."""
+    from kernels.small_gemm import small_gemm
+
+    x, x2 = randn(rows, k1, dtype=dtype, seed=20), randn(rows, k2, dtype=dtype, seed=21)
+    weight, bias = randn(n, k1 + k2, dtype=dtype, seed=22) / (k1 + k2) ** 0.5, randn(n, dtype=dtype, seed=23)
+    norm_w, norm_w2 = (randn(k1, dtype=dtype, seed=24), randn(k2, dtype=dtype, seed=25)) if normed else (None, None)
+    out, stream = small_gemm(x, weight, bias, None, norm_w, EPS, config=SMALL_TILES, x2=x2, norm_weight2=norm_w2)
+    a = concat_reference(x, x2, norm_w, norm_w2)
+    torch.testing.assert_close(out.float(), F.linear(a.float(), weight.float(), bias.float()), **tolerance(dtype))
+    assert stream is x
+
+
+def test_concatenated_input_refuses_a_residual_or_one_norm() -> None:
+    from kernels.small_gemm import small_gemm
+
+    x, w = randn(2, 8, dtype=torch.float32, seed=1), randn(4, 16, dtype=torch.float32, seed=2)
+    with pytest.raises(ValueError, match="concatenated"):
+        small_gemm(x, w, residual=x, x2=x)
+    with pytest.raises(ValueError, match="concatenated"):
+        small_gemm(x, w, norm_weight=x[0], x2=x)
+
+
+@pytest.mark.parametrize(("dtype", "size", "extras"), [(torch.bfloat16, 64, "bias"), (torch.float32, 32, "qk_norm")])
+def test_qkv_rope_store_concatenated_normed_input(dtype: torch.dtype, size: int, extras: str) -> None:
+    """EAGLE-3's attention input: [rmsnorm(embedding) | rmsnorm(hidden)] in the QKV kernel's prologue."""
+    from kernels.qkv_rope_gemm import qkv_rope_store
+
+    rows, k1, heads, kv_heads, blocks, block_size = 3, 40, 2, 1, 3, 4
+    slots = torch.tensor([5, -1, 9], device=DEVICE)
+    x, x2 = randn(rows, k1, dtype=dtype, seed=30), randn(rows, k1, dtype=dtype, seed=31)
+    norm_w, norm_w2 = randn(k1, dtype=dtype, seed=32), randn(k1, dtype=dtype, seed=33)
+    weight = randn((heads + 2 * kv_heads) * size, 2 * k1, dtype=dtype, seed=34) / (2 * k1) ** 0.5
+    bias = randn(weight.shape[0], dtype=dtype, seed=35) if "bias" in extras else None
+    qk_norm = (randn(size, dtype=dtype, seed=36), randn(size, dtype=dtype, seed=37), EPS) if "qk" in extras else None
+    cos, sin = rotary_tables([3, 0, 77], size, dtype)
+    caches = tuple(randn(blocks, block_size, kv_heads, size, dtype=dtype, seed=38 + i) for i in range(2))
+    a = concat_reference(x, x2, norm_w, norm_w2)
+    expected = qkv_reference(a, None, None, weight, bias, qk_norm, heads, kv_heads, cos, sin, caches, slots)
+    k_cache, v_cache = (c.clone() for c in caches)
+    q, stream = qkv_rope_store(
+        x, weight, bias, None, norm_w, EPS, heads, kv_heads, cos, sin, k_cache, v_cache, slots, qk_norm,
+        GemmConfig(block_k=16), x2=x2, norm_weight2=norm_w2,
+    )  # fmt: skip
+    tol = tolerance(dtype)
+    assert stream is x
+    torch.testing.assert_close(q.float().cpu(), expected[0].float(), **tol)
+    torch.testing.assert_close(k_cache.float().cpu(), expected[2].float(), **tol)
+    torch.testing.assert_close(v_cache.float().cpu(), expected[3].float(), **tol)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("extras", ["", "qk_norm,bias"])
+def test_qkv_rope_store_keys_and_values_only(dtype: torch.dtype, extras: str) -> None:
+    """DFlash's context: no query heads, qkv_proj's k/v rows, the RMSNorm (hidden_norm) in the prologue."""
+    from kernels.qkv_rope_gemm import qkv_rope_store
+
+    rows, k_dim, kv_heads, size, blocks, block_size = 5, 40, 2, 32, 3, 4
+    slots = torch.tensor([0, 1, 2, -1, 11], device=DEVICE)
+    x, norm_w = randn(rows, k_dim, dtype=dtype, seed=40), randn(k_dim, dtype=dtype, seed=41)
+    weight = randn(2 * kv_heads * size, k_dim, dtype=dtype, seed=42) / k_dim**0.5
+    bias = randn(weight.shape[0], dtype=dtype, seed=43) if "bias" in extras else None
+    qk_norm = (randn(size, dtype=dtype, seed=44), randn(size, dtype=dtype, seed=45), EPS) if "qk" in extras else None
+    cos, sin = rotary_tables([0, 1, 2, 3, 4], size, dtype)
+    caches = tuple(randn(blocks, block_size, kv_heads, size, dtype=dtype, seed=46 + i) for i in range(2))
+    expected = qkv_reference(x, None, norm_w, weight, bias, qk_norm, 0, kv_heads, cos, sin, caches, slots)
+    k_cache, v_cache = (c.clone() for c in caches)
+    q, _ = qkv_rope_store(
+        x, weight, bias, None, norm_w, EPS, 0, kv_heads, cos, sin, k_cache, v_cache, slots, qk_norm,
+        GemmConfig(block_k=16),
+    )  # fmt: skip
+    assert q.shape == (rows, 0, size)
+    tol = tolerance(dtype)
+    torch.testing.assert_close(k_cache.float().cpu(), expected[2].float(), **tol)
+    torch.testing.assert_close(v_cache.float().cpu(), expected[3].float(), **tol)
