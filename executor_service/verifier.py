@@ -35,11 +35,11 @@ from executor_service.device_sampling import (
     UNIFORM_STREAM,
     SamplingTensors,
     exponential_race,
-    sampling_logprobs,
     step_keys,
     uniforms,
 )
 from executor_service.fused_ops import argmax
+from executor_service.sampling import target_logprobs
 from executor_service.step_constants import StepConstants
 
 
@@ -104,7 +104,7 @@ def verify(
 ) -> Verdict:
     """Verify B requests' drafts from their N + 1 rows of logits each ([B * (N + 1), V], request-major).
     `sampling` None: every request is greedy. `step_key` [B]: the root's position (the random numbers' key);
-    `sort`: some request sets top-k or top-p (device_sampling.needs_sort); `penalties`: the rows are penalised
+    `sort`: some request sets top-k or top-p (sampling.needs_sort); `penalties`: the rows are penalised
     first (requests without penalties are left as they are)."""
     constants = constants or StepConstants(logits.device)
     if penalties is not None:
@@ -115,7 +115,7 @@ def verify(
     if sampling is None:
         return verify_greedy(target_ids, layout, constants)
     row_params = sampling.params[:, None, :].expand(count, rows, -1).reshape(count * rows, -1)  # no host sync
-    logprobs = sampling_logprobs(logits, row_params, sort).view(count, rows, -1)
+    logprobs = target_logprobs(logits, row_params, sort).view(count, rows, -1)
     sampled_hit = _sampled_hits(logprobs, layout, sampling.seed, step_key, constants)
     hit = torch.where(sampling.greedy[:, None], _greedy_hits(target_ids, layout), sampled_hit)
     if layout.present is not None:

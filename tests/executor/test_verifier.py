@@ -6,11 +6,12 @@ from __future__ import annotations
 
 import pytest
 import torch
+from sampling_reference import reference_probs
 from verify_reference import greedy_walk
 
 from executor_service import verifier
-from executor_service.device_sampling import SamplingTensors, sampling_logprobs
-from executor_service.sampling import SamplingSettings, target_probs
+from executor_service.device_sampling import SamplingTensors
+from executor_service.sampling import SamplingSettings, host_sort, sampling_params, target_logprobs, target_probs
 from executor_service.tree_verification import DraftTree
 from executor_service.verifier import DraftLayout, tree_layout, verify, verify_host_greedy
 
@@ -168,9 +169,20 @@ def test_draws_do_not_depend_on_the_batch() -> None:
         assert alone.emitted[0, :count].tolist() == together.emitted[i, :count].tolist()
 
 
-def test_logprobs_match_target_probs() -> None:
+def test_the_target_distribution_matches_the_reference() -> None:
+    """target_logprobs, sorted (the device steps), by top-k alone (host_sort) and unsorted where it may: the
+    reference's distribution row by row; and each request's rows the same numbers in a batch of all of them."""
     torch.manual_seed(3)
     logits = torch.randn(5, 50) * 3
-    for params in SETTINGS:
-        found = sampling_logprobs(logits, SamplingTensors.build([params] * 5, [0] * 5, logits.device).params, True)
-        torch.testing.assert_close(found.exp(), target_probs(logits, params), atol=1e-6, rtol=1e-5)
+    settings = [*SETTINGS, SamplingSettings(temperature=0.8, min_p=0.1), SamplingSettings(temperature=0.9, top_k=7)]
+    for params in settings:
+        tensors = SamplingTensors.build([params] * 5, [0] * 5, logits.device).params
+        expected = reference_probs(logits, params)
+        for sort in {True, host_sort([params], 50)}:
+            torch.testing.assert_close(target_logprobs(logits, tensors, sort).exp(), expected, atol=1e-6, rtol=1e-5)
+    rows = torch.cat([logits] * len(settings))
+    every = [s for s in settings for _ in range(5)]
+    params = torch.tensor(sampling_params(every))
+    together = target_logprobs(rows, params, True).exp().view(len(settings), 5, -1)
+    for i, setting in enumerate(settings):
+        assert torch.equal(together[i], target_probs(logits, setting))
