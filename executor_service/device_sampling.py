@@ -1,9 +1,9 @@
 """Sampling as tensor work with no host decisions, so that it runs inside a captured step: each request's settings
 as tensors, the distribution it samples from, and counter-based random numbers.
 
-The distribution is vLLM's recipe (sampling.py's order): temperature, min-p, top-k, then top-p, each row with its
-own values read from tensors. Top-k and top-p need each row sorted; a step whose requests set neither skips the
-sort (`needs_sort`, decided on the host per step, a separate captured graph).
+The distribution is sampling.target_logprobs (vLLM's recipe: temperature, min-p, top-k, then top-p), each row
+with its own values read from `SamplingTensors.params`. Top-k and top-p need each row sorted; a step whose
+requests set neither skips the sort (`needs_sort`, decided on the host per step, a separate captured graph).
 
 Random numbers are counter-based: each is a hash of (the request's seed, a per-step key, an index, a stream).
 The step key is the position of the step's root (the newest token before the drafts), which grows every step.
@@ -18,7 +18,7 @@ from dataclasses import dataclass
 
 import torch
 
-from executor_service.sampling import MIN_TEMPERATURE, SamplingSettings
+from executor_service.sampling import MIN_TEMPERATURE, SamplingSettings, needs_sort, sampling_params
 
 MASK32 = 0xFFFFFFFF
 UNIFORM_STREAM, NOISE_STREAM = 1, 2  # the drafts' acceptance uniforms; the final token's exponential noise
@@ -26,16 +26,15 @@ UNIFORM_STREAM, NOISE_STREAM = 1, 2  # the drafts' acceptance uniforms; the fina
 
 @dataclass(frozen=True)
 class SamplingTensors:
-    """The settings of B requests, on the device: `params` [B, 4] fp32 (temperature, top-k, top-p, min-p;
-    temperature 0 is greedy, top-k 0 and top-p 1 are off) and `seed` [B] int64."""
+    """The settings of B requests, on the device: `params` [B, 4] fp32 (sampling.sampling_params: temperature,
+    top-k, top-p, min-p; temperature 0 is greedy) and `seed` [B] int64."""
 
     params: torch.Tensor
     seed: torch.Tensor
 
     @classmethod
     def build(cls, settings: list[SamplingSettings], seeds: list[int], device: torch.device) -> SamplingTensors:
-        rows = [[s.temperature if not s.greedy else 0.0, float(s.top_k), s.top_p, s.min_p] for s in settings]
-        params = torch.tensor(rows, dtype=torch.float32).reshape(len(settings), 4)
+        params = torch.tensor(sampling_params(settings), dtype=torch.float32).reshape(len(settings), 4)
         seed = torch.tensor([s & (2**63 - 1) for s in seeds], dtype=torch.int64)
         if device.type == "cuda":
             return cls(
@@ -71,11 +70,6 @@ EXTRAS, EXTRAS_SORTED = "extras", "extras sorted"
 VARIANTS = (GREEDY, SAMPLED, SORTED, EXTRAS, EXTRAS_SORTED)
 
 
-def needs_sort(settings: list[SamplingSettings], vocab: int) -> bool:
-    """Whether any request sets top-k or top-p (each row is then sorted once)."""
-    return any((0 < s.top_k < vocab or s.top_p < 1.0) and not s.greedy for s in settings)
-
-
 def step_variant(settings: list[SamplingSettings], vocab: int) -> str:
     if all(s.plain_greedy for s in settings):
         return GREEDY
@@ -92,29 +86,6 @@ def sorts(variant: str) -> bool:
 def has_extras(variant: str) -> bool:
     """Whether a variant's step penalises its rows and returns logprobs."""
     return variant in (EXTRAS, EXTRAS_SORTED)
-
-
-def sampling_logprobs(logits: torch.Tensor, params: torch.Tensor, sort: bool) -> torch.Tensor:
-    """Log-probabilities [R, V] each row samples from (-inf outside its min-p / top-k / top-p set), params [R, 4]
-    per row. The same numbers as sampling.target_probs, row by row (ties at the top-p cut aside: both keep the
-    sort's order)."""
-    logits = logits.float()
-    temperature = params[:, :1].clamp(min=MIN_TEMPERATURE)
-    scaled = (logits - logits.amax(dim=-1, keepdim=True)) / temperature
-    # min-p: p >= min_p * p_max, and p / p_max = exp(scaled) (the maximum's scaled logit is 0).
-    scaled = scaled.masked_fill(scaled < torch.log(params[:, 3:4]), float("-inf"))
-    if sort:
-        vocab = scaled.shape[-1]
-        ordered, order = scaled.sort(dim=-1, descending=True)
-        top_k = params[:, 1:2].long()
-        k = torch.where((top_k > 0) & (top_k < vocab), top_k, vocab)
-        kth = ordered.gather(1, k - 1)  # ties with the k-th are kept, as target_probs keeps them
-        ordered = ordered.masked_fill(ordered < kth, float("-inf"))
-        probs = torch.softmax(ordered, dim=-1)
-        before = probs.cumsum(dim=-1) - probs  # mass of strictly earlier tokens in the order
-        ordered = ordered.masked_fill((before >= params[:, 2:3]) & (before > 0.0), float("-inf"))  # the top stays
-        scaled = torch.empty_like(scaled).scatter_(1, order, ordered)
-    return torch.log_softmax(scaled, dim=-1)
 
 
 def mix32(x: torch.Tensor) -> torch.Tensor:

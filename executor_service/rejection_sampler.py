@@ -29,6 +29,7 @@ import torch
 from executor_service.attention_step import to_device
 from executor_service.penalties import ROWS_PER_PASS, History, penalised_logits
 from executor_service.sampling import SamplingSettings, race, sampled_probs, to_host
+from executor_service.verifier import verify_host_greedy
 
 
 class DraftProbs(NamedTuple):
@@ -58,19 +59,6 @@ def check_drafts(draft_tokens: list[int], vocab_size: int) -> VerifyError | None
         bad = [t for t in draft_tokens if not 0 <= t < vocab_size][:4]
         return VerifyError(f"the drafter proposed ids outside the vocabulary [0, {vocab_size}): {bad}")
     return None
-
-
-def verify_greedy(draft_tokens: list[int], target_argmax: list[int]) -> list[int]:
-    """The accepted drafts and then the target's own token: `target_argmax` has k + 1 entries."""
-    if len(target_argmax) != len(draft_tokens) + 1:
-        raise ValueError(f"{len(draft_tokens)} drafts need {len(draft_tokens) + 1} target tokens")
-    emitted = []
-    for draft, target in zip(draft_tokens, target_argmax, strict=False):
-        emitted.append(target)
-        if draft != target:
-            return emitted
-    emitted.append(target_argmax[-1])
-    return emitted
 
 
 class Verdict(NamedTuple):
@@ -223,9 +211,18 @@ def verify_batch(
     requests = [
         SampledRequest(starts[i], settings[i], g, drafts[i], probs[i]) for i, g in zip(sampled, own, strict=True)
     ]
-    host = to_host(torch.cat([argmax, finite.long(), *sample_verdicts(processed, requests)]))
-    tokens, finite_rows, found = host[:num_rows], host[num_rows : 2 * num_rows], host[2 * num_rows :]
+    # Greedy requests with drafts: the one greedy rule (verifier.py) over all of them at once.
+    greedy = [i for i, (s, error) in enumerate(zip(settings, errors, strict=True)) if s.greedy and error is None]
+    greedy_drafts = [drafts[i] for i in greedy]
+    walked: list[torch.Tensor] = []
+    if any(greedy_drafts):
+        verdict = verify_host_greedy(argmax, [starts[i] for i in greedy], greedy_drafts, None)
+        walked = [verdict.accepted, verdict.emitted.reshape(-1)]
+    host = to_host(torch.cat([argmax, finite.long(), *sample_verdicts(processed, requests), *walked]))
+    tokens, finite_rows = host[:num_rows], host[num_rows : 2 * num_rows]
+    found = host[2 * num_rows : 2 * num_rows + 3 * len(sampled)]
     verdicts = {i: found[3 * j : 3 * j + 3] for j, i in enumerate(sampled)}
+    greedy_tokens = greedy_emitted(host[2 * num_rows + 3 * len(sampled) :], greedy, greedy_drafts)
     emitted: list[list[int] | VerifyError] = []
     for i, (setting, request_drafts, error) in enumerate(zip(settings, drafts, errors, strict=True)):
         rows = slice(starts[i], starts[i + 1])
@@ -234,7 +231,7 @@ def verify_batch(
         if error is not None:
             emitted.append(error)
         elif setting.greedy:
-            emitted.append(verify_greedy(request_drafts, tokens[rows]))
+            emitted.append(greedy_tokens.get(i) or [tokens[starts[i]]])
         else:
             num_accepted, token, valid = verdicts[i]
             if not valid:
@@ -242,6 +239,16 @@ def verify_batch(
             else:
                 emitted.append([*request_drafts[:num_accepted], token])
     return emitted
+
+
+def greedy_emitted(host: list[int], requests: list[int], drafts: list[list[int]]) -> dict[int, list[int]]:
+    """Each greedy request's emitted tokens, by its index, from verify_host_greedy's verdict on the host
+    (accepted [G], then emitted [G, N + 1]); {} when none had drafts (each emits its root row's argmax)."""
+    if not host:
+        return {}
+    count = len(requests)
+    width = (len(host) - count) // count
+    return {i: host[count + g * width : count + g * width + host[g] + 1] for g, i in enumerate(requests)}
 
 
 class SampledRequest(NamedTuple):

@@ -1,15 +1,15 @@
 """Per-request sampling: greedy, or temperature / min-p / top-k / top-p with the request's own seeded generator.
 
-`target_probs` is the distribution a sampled request draws from, exposed for the rejection sampler of
-speculative decoding, which must accept and resample against exactly this distribution. The order is vLLM's:
-penalties (penalties.py, on the logits before this), temperature, min-p, top-k, top-p. `sampled_probs` gives
-the same for many rows with different settings in one pass, and `race` draws a token per row from them.
+`target_logprobs` is the one computation of the distribution a sampled request draws from, each row with its own
+settings read from tensors (`sampling_params`): the device steps' verifier, the host path's rejection sampler and
+tree sampling, the host sampler and the drafter's q all read it (`target_probs` / `sampled_probs` are its
+probabilities). The order is vLLM's: penalties (penalties.py, on the logits before this), temperature, min-p,
+top-k, top-p; `race` draws a token per row from the probabilities.
 """
 
 from __future__ import annotations
 
 import random
-from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -80,27 +80,77 @@ def make_generator(settings: SamplingSettings, device: torch.device) -> torch.Ge
     return torch.Generator(device=device).manual_seed(seed)
 
 
-def target_probs(logits: torch.Tensor, settings: SamplingSettings) -> torch.Tensor:
-    """Softmax of logits [..., V] / temperature, restricted to min-p, the top-k and then the top-p nucleus.
-    The row's maximum is subtracted first (softmax does not change): penalised logits may be as large as
-    float32 allows, and dividing those by a small temperature would overflow to inf."""
+# A row's top-p when it sets none (1.0): no token has 2 of mass before it, so nothing is cut (at 1.0 the tail
+# past the point where the float cumulative sum rounds to 1 would be).
+TOP_P_OFF = 2.0
+
+
+def sampling_params(settings: list[SamplingSettings]) -> list[list[float]]:
+    """Each request's [temperature, top-k, top-p, min-p] row of `target_logprobs`' params (greedy: temperature 0;
+    top-k 0 and min-p 0 are off, top-p TOP_P_OFF)."""
+    return [
+        [0.0 if s.greedy else s.temperature, float(s.top_k), s.top_p if s.top_p < 1.0 else TOP_P_OFF, s.min_p]
+        for s in settings
+    ]
+
+
+def needs_sort(settings: list[SamplingSettings], vocab: int) -> bool:
+    """Whether any sampled request sets top-k or top-p (the device steps then sort each row once)."""
+    return any((0 < s.top_k < vocab or s.top_p < 1.0) and not s.greedy for s in settings)
+
+
+def host_sort(settings: list[SamplingSettings], vocab: int) -> bool | int:
+    """`target_logprobs`' `sort` for rows of these settings off the device steps: True (sort each row) only where
+    some request sets top-p; where only top-k is set, the largest k (each row's k largest by torch.topk, far
+    cheaper than a sort on the CPU); False: neither."""
+    if any(s.top_p < 1.0 for s in settings):
+        return True
+    return max((s.top_k for s in settings if 0 < s.top_k < vocab), default=False)
+
+
+def target_logprobs(logits: torch.Tensor, params: torch.Tensor, sort: bool | int) -> torch.Tensor:
+    """Log-probabilities [R, V] that each row of logits [R, V] samples from (-inf outside its min-p / top-k / top-p
+    set) under its own params [R, 4] (sampling_params). The row's maximum is subtracted first: penalised logits may
+    be as large as float32 allows, and dividing those by a small temperature would overflow to inf.
+
+    `sort` True: each row is sorted once for top-k and top-p (needs_sort; the device steps); an int K: top-k only,
+    every k at most K, read from each row's K largest (host_sort); False: no row sets either. Each gives a row the
+    same numbers, so a row's distribution does not depend on its batch."""
     logits = logits.float()
-    scaled = (logits - logits.amax(dim=-1, keepdim=True)) / settings.temperature
+    temperature = params[:, :1].clamp(min=MIN_TEMPERATURE)
+    scaled = (logits - logits.amax(dim=-1, keepdim=True)) / temperature
+    # min-p: p >= min_p * p_max, and p / p_max = exp(scaled) (the maximum's scaled logit is 0).
+    scaled = scaled.masked_fill(scaled < torch.log(params[:, 3:4]), float("-inf"))
     vocab = scaled.shape[-1]
-    if settings.min_p > 0.0:  # vLLM's MinPLogitsProcessor: relative to the top probability
-        probs = torch.softmax(scaled, dim=-1)
-        scaled = scaled.masked_fill(probs < settings.min_p * probs.amax(dim=-1, keepdim=True), float("-inf"))
-    if 0 < settings.top_k < vocab:
-        kth = torch.topk(scaled, settings.top_k, dim=-1).values[..., -1:]
+    if sort is True:
+        ordered, order = scaled.sort(dim=-1, descending=True)
+        top_k = params[:, 1:2].long()
+        k = torch.where((top_k > 0) & (top_k < vocab), top_k, vocab)
+        kth = ordered.gather(1, k - 1)  # ties with the k-th are kept
+        ordered = ordered.masked_fill(ordered < kth, float("-inf"))
+        probs = torch.softmax(ordered, dim=-1)
+        before = probs.cumsum(dim=-1) - probs  # mass of strictly earlier tokens in the order
+        ordered = ordered.masked_fill((before >= params[:, 2:3]) & (before > 0.0), float("-inf"))  # the top stays
+        scaled = torch.empty_like(scaled).scatter_(1, order, ordered)
+    elif sort:
+        top_k = params[:, 1:2].long()
+        largest = torch.topk(scaled, int(sort), dim=-1).values
+        kth = largest.gather(1, top_k.clamp(1, int(sort)) - 1)  # ties with the k-th are kept
+        kth = torch.where((top_k > 0) & (top_k < vocab), kth, float("-inf"))
         scaled = scaled.masked_fill(scaled < kth, float("-inf"))
-    probs = torch.softmax(scaled, dim=-1)
-    if settings.top_p < 1.0:
-        sorted_probs, order = probs.sort(dim=-1, descending=True)
-        before = sorted_probs.cumsum(dim=-1) - sorted_probs  # mass of strictly more likely tokens
-        sorted_probs = sorted_probs.masked_fill(before >= settings.top_p, 0.0)
-        probs = torch.zeros_like(probs).scatter_(-1, order, sorted_probs)
-        probs = probs / probs.sum(dim=-1, keepdim=True)
-    return probs
+    return torch.log_softmax(scaled, dim=-1)
+
+
+def sampled_probs(logits: torch.Tensor, settings: list[SamplingSettings]) -> torch.Tensor:
+    """The probabilities [N, V] each row of logits samples from under its own settings: target_logprobs."""
+    params = to_device(sampling_params(settings), torch.float32, logits.device).view(len(settings), 4)
+    return target_logprobs(logits, params, host_sort(settings, logits.shape[-1])).exp()
+
+
+def target_probs(logits: torch.Tensor, settings: SamplingSettings) -> torch.Tensor:
+    """The probabilities [..., V] of rows of logits [..., V] that share one request's settings: target_logprobs."""
+    rows = logits.reshape(-1, logits.shape[-1])
+    return sampled_probs(rows, [settings] * rows.shape[0]).view(logits.shape)
 
 
 def is_distribution(weights: torch.Tensor) -> torch.Tensor:
@@ -139,58 +189,6 @@ def sample(
         token if ok else SamplingError(f"row {row}: the logits give no distribution (inf or NaN)")
         for row, (token, ok) in enumerate(zip(host[:count], host[count:], strict=True))
     ]
-
-
-def sampled_probs(logits: torch.Tensor, settings: list[SamplingSettings]) -> torch.Tensor:
-    """target_probs of each row [N, V] under its own settings, in one pass over the rows instead of a pass per
-    row: target_probs' steps, each on the rows that set that filter, with their values read from tensors. The
-    same numbers as target_probs row by row, whatever the batch."""
-    logits = logits.float()
-    vocab = logits.shape[-1]
-    temperature = to_device([s.temperature for s in settings], torch.float32, logits.device)[:, None]
-    scaled = (logits - logits.amax(dim=-1, keepdim=True)) / temperature
-    scaled = _on_rows(scaled, settings, lambda s: s.min_p > 0.0, _min_p)
-    scaled = _on_rows(scaled, settings, lambda s: 0 < s.top_k < vocab, _top_k)
-    return _on_rows(torch.softmax(scaled, dim=-1), settings, lambda s: s.top_p < 1.0, _top_p)
-
-
-def _on_rows(
-    values: torch.Tensor,
-    settings: list[SamplingSettings],
-    wanted: Callable[[SamplingSettings], bool],
-    apply: Callable[[torch.Tensor, list[SamplingSettings]], torch.Tensor],
-) -> torch.Tensor:
-    """`apply` on the rows whose settings want it (in place in `values`, a tensor of sampled_probs' own)."""
-    rows = [row for row, s in enumerate(settings) if wanted(s)]
-    if len(rows) == len(settings):
-        return apply(values, settings)
-    if rows:
-        index = to_device(rows, torch.int64, values.device)
-        values[index] = apply(values[index], [settings[row] for row in rows])
-    return values
-
-
-def _min_p(scaled: torch.Tensor, settings: list[SamplingSettings]) -> torch.Tensor:
-    min_p = to_device([s.min_p for s in settings], torch.float32, scaled.device)[:, None]
-    probs = torch.softmax(scaled, dim=-1)
-    return scaled.masked_fill(probs < min_p * probs.amax(dim=-1, keepdim=True), float("-inf"))
-
-
-def _top_k(scaled: torch.Tensor, settings: list[SamplingSettings]) -> torch.Tensor:
-    """Each row keeps the values at least its k-th largest (ties kept, as target_probs)."""
-    top_k = [s.top_k for s in settings]
-    k = to_device(top_k, torch.int64, scaled.device)[:, None]
-    kth = torch.topk(scaled, max(top_k), dim=-1).values.gather(-1, k - 1)
-    return scaled.masked_fill(scaled < kth, float("-inf"))
-
-
-def _top_p(probs: torch.Tensor, settings: list[SamplingSettings]) -> torch.Tensor:
-    top_p = to_device([s.top_p for s in settings], torch.float32, probs.device)[:, None]
-    sorted_probs, order = probs.sort(dim=-1, descending=True)
-    before = sorted_probs.cumsum(dim=-1) - sorted_probs  # mass of strictly more likely tokens
-    sorted_probs = sorted_probs.masked_fill(before >= top_p, 0.0)
-    probs = torch.zeros_like(probs).scatter_(-1, order, sorted_probs)
-    return probs / probs.sum(dim=-1, keepdim=True)
 
 
 def draw_rows(probs: torch.Tensor, generators: list[torch.Generator | None]) -> tuple[torch.Tensor, torch.Tensor]:

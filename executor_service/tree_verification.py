@@ -5,7 +5,7 @@ target's verify pass gives one row of logits per tree token (row 0: the root, ro
 children are candidates for the token after it.
 
 - Greedy: from the root, follow the child equal to the target's argmax while there is one; then emit the argmax
-  (the longest matching path; top-k children are distinct, so at most one matches).
+  (the longest matching path): verifier.py's greedy rule, all of a step's greedy trees at once.
 - Sampled (SpecInfer / EAGLE's multi-candidate speculative sampling): at a node with target distribution p, try
   its children in order. Each draft is a point mass, so child c is accepted with probability r(c) / sum(r) where
   r is p with the children already rejected at this node set to 0 (the residual norm(max(0, r - q)) for q a
@@ -26,6 +26,7 @@ import torch
 
 from executor_service.rejection_sampler import VerifyError, check_drafts
 from executor_service.sampling import SamplingSettings, draw, target_probs, to_host
+from executor_service.verifier import verify_host_greedy
 
 
 @dataclass(frozen=True)
@@ -54,18 +55,6 @@ class DraftTree:
 class TreeVerdict:
     path: list[int]  # the accepted drafts, root's child first
     emitted: list[int]  # their tokens, then the target's next token
-
-
-def verify_greedy_tree(tree: DraftTree, target_argmax: list[int]) -> TreeVerdict:
-    """The longest path whose every draft is the target's argmax after its parent; `target_argmax` per row."""
-    children, path, row = tree.children(), [], 0
-    while True:
-        target = target_argmax[row]
-        match = next((j for j in children[row] if tree.tokens[j] == target), None)
-        if match is None:
-            return TreeVerdict(path, [tree.tokens[j] for j in path] + [target])
-        path.append(match)
-        row = match + 1
 
 
 def sample_tree(tree: DraftTree, probs: torch.Tensor, generator: torch.Generator | None) -> TreeVerdict:
@@ -129,22 +118,47 @@ def verify_tree_batch(
     finite = torch.isfinite(logits.gather(-1, raw_argmax[:, None])[:, 0])
     processed = logits if processed is None else processed
     argmax = raw_argmax if processed is logits else processed.argmax(dim=-1)
-    host = to_host(torch.cat([argmax, finite.long()]))
+    errors = [check_drafts(tree.tokens, vocab) for tree in trees]
+    starts = [0]
+    for tree in trees:
+        starts.append(starts[-1] + len(tree.tokens) + 1)
+    # Greedy trees: the one greedy rule (verifier.py) over all of them at once.
+    greedy = [i for i, (s, error) in enumerate(zip(settings, errors, strict=True)) if s.greedy and error is None]
+    walked: list[torch.Tensor] = []
+    if greedy:
+        tokens, parents = [trees[i].tokens for i in greedy], [trees[i].parents for i in greedy]
+        verdict = verify_host_greedy(argmax, [starts[i] for i in greedy], tokens, parents)
+        walked = [verdict.accepted, verdict.path_rows.reshape(-1), verdict.emitted.reshape(-1)]
+    host = to_host(torch.cat([argmax, finite.long(), *walked]))
+    greedy_verdicts = greedy_tree_verdicts(host[2 * num_rows :], greedy)
     verdicts: list[TreeVerdict | VerifyError] = []
-    row = 0
-    for setting, generator, tree in zip(settings, generators, trees, strict=True):
-        rows = len(tree.tokens) + 1
-        error = check_drafts(tree.tokens, vocab)
+    for i, (setting, generator, tree, error) in enumerate(zip(settings, generators, trees, errors, strict=True)):
+        row, rows = starts[i], len(tree.tokens) + 1
         if error is None and not all(host[num_rows + row : num_rows + row + rows]):
             error = VerifyError("the target's logits are not finite (inf or NaN)")
         if error is not None:
             verdicts.append(error)
         elif setting.greedy:
-            verdicts.append(verify_greedy_tree(tree, host[row : row + rows]))
+            verdicts.append(greedy_verdicts[i])
         else:
             try:
                 verdicts.append(sample_tree(tree, target_probs(processed[row : row + rows], setting), generator))
             except Exception as err:  # its own numbers fail this request only
                 verdicts.append(err if isinstance(err, VerifyError) else VerifyError(f"sampling failed: {err}"))
-        row += rows
     return verdicts
+
+
+def greedy_tree_verdicts(host: list[int], requests: list[int]) -> dict[int, TreeVerdict]:
+    """Each greedy tree's verdict, by its index, from verify_host_greedy's on the host: accepted [G], then the
+    path's rows [G, D + 1], then the emitted tokens [G, D + 1]."""
+    count = len(requests)
+    if not count:
+        return {}
+    width = (len(host) - count) // (2 * count)
+    found = {}
+    for g, i in enumerate(requests):
+        accepted = host[g]
+        path_rows = host[count + g * width : count + g * width + accepted + 1]
+        emitted = host[count + (count + g) * width : count + (count + g) * width + accepted + 1]
+        found[i] = TreeVerdict([r - 1 for r in path_rows[1:]], emitted)
+    return found

@@ -28,17 +28,18 @@ from dataclasses import dataclass
 
 import torch
 
+from executor_service.attention_step import to_device
 from executor_service.device_penalties import PenaltyTable, penalise_rows
 from executor_service.device_sampling import (
     NOISE_STREAM,
     UNIFORM_STREAM,
     SamplingTensors,
     exponential_race,
-    sampling_logprobs,
     step_keys,
     uniforms,
 )
 from executor_service.fused_ops import argmax
+from executor_service.sampling import target_logprobs
 from executor_service.step_constants import StepConstants
 
 
@@ -103,7 +104,7 @@ def verify(
 ) -> Verdict:
     """Verify B requests' drafts from their N + 1 rows of logits each ([B * (N + 1), V], request-major).
     `sampling` None: every request is greedy. `step_key` [B]: the root's position (the random numbers' key);
-    `sort`: some request sets top-k or top-p (device_sampling.needs_sort); `penalties`: the rows are penalised
+    `sort`: some request sets top-k or top-p (sampling.needs_sort); `penalties`: the rows are penalised
     first (requests without penalties are left as they are)."""
     constants = constants or StepConstants(logits.device)
     if penalties is not None:
@@ -111,21 +112,15 @@ def verify(
     count, num = layout.tokens.shape
     rows = num + 1
     target_ids = argmax(logits).view(count, rows)
-    at_parents = target_ids[:, :-1] if layout.chain else target_ids.gather(1, layout.parents + 1)
-    hit = layout.tokens == at_parents
-    logprobs = None
-    if sampling is not None:
-        row_params = sampling.params[:, None, :].expand(count, rows, -1).reshape(count * rows, -1)  # no host sync
-        logprobs = sampling_logprobs(logits, row_params, sort).view(count, rows, -1)
-        sampled_hit = _sampled_hits(logprobs, layout, sampling.seed, step_key, constants)
-        hit = torch.where(sampling.greedy[:, None], hit, sampled_hit)
+    if sampling is None:
+        return verify_greedy(target_ids, layout, constants)
+    row_params = sampling.params[:, None, :].expand(count, rows, -1).reshape(count * rows, -1)  # no host sync
+    logprobs = target_logprobs(logits, row_params, sort).view(count, rows, -1)
+    sampled_hit = _sampled_hits(logprobs, layout, sampling.seed, step_key, constants)
+    hit = torch.where(sampling.greedy[:, None], _greedy_hits(target_ids, layout), sampled_hit)
     if layout.present is not None:
         hit = hit & layout.present
     accepted, path_rows = _walk(hit, layout, constants)
-    if sampling is None:
-        emitted = target_ids if layout.chain else target_ids.gather(1, path_rows)
-        return Verdict(accepted, path_rows, emitted)
-    assert logprobs is not None
     last = path_rows.gather(1, accepted[:, None])[:, 0]
     final = target_ids.gather(1, last[:, None])[:, 0]
     drawn = _final_draws(logprobs, layout, last, sampling.seed, step_key, constants)
@@ -134,6 +129,70 @@ def verify(
     emitted = torch.cat([row_tokens.gather(1, path_rows[:, 1:]), final[:, None]], dim=1)
     emitted = emitted.scatter(1, accepted[:, None], final[:, None])
     return Verdict(accepted, path_rows, emitted)
+
+
+def verify_greedy(target_ids: torch.Tensor, layout: DraftLayout, constants: StepConstants | None = None) -> Verdict:
+    """The greedy rule alone, from the target's argmax at each request's rows [B, N + 1]: the device steps'
+    greedy variant (`verify` with no sampling) and the host path's greedy requests (`verify_host_greedy`)."""
+    constants = constants or StepConstants(target_ids.device)
+    hit = _greedy_hits(target_ids, layout)
+    if layout.present is not None:
+        hit = hit & layout.present
+    accepted, path_rows = _walk(hit, layout, constants)
+    emitted = target_ids if layout.chain else target_ids.gather(1, path_rows)
+    return Verdict(accepted, path_rows, emitted)
+
+
+def _greedy_hits(target_ids: torch.Tensor, layout: DraftLayout) -> torch.Tensor:
+    """[B, N]: whether draft j is the target's argmax at its parent's row."""
+    at_parents = target_ids[:, :-1] if layout.chain else target_ids.gather(1, layout.parents + 1)
+    return layout.tokens == at_parents
+
+
+def host_layout(
+    starts: list[int], tokens: list[list[int]], parents: list[list[int]] | None, device: torch.device
+) -> tuple[DraftLayout, torch.Tensor]:
+    """A host batch's drafts as one layout: B requests with their own number of drafts (0 or more), padded to
+    the longest (`present` False past a request's own); `parents` None: chains. Also each request's rows [B, N + 1]
+    in the step's rows, request i's from starts[i] (past its own rows: its last row again). One copy to the
+    device for all of it."""
+    count, num = len(tokens), max(map(len, tokens), default=0)
+    host: list[int] = []
+    for request_tokens in tokens:
+        host += [*request_tokens, *[0] * (num - len(request_tokens))]
+    for request_tokens in tokens:
+        host += [int(j < len(request_tokens)) for j in range(num)]
+    for start, request_tokens in zip(starts, tokens, strict=True):
+        host += [start + min(r, len(request_tokens)) for r in range(num + 1)]
+    depth = num
+    if parents is None:
+        host += list(range(-1, num - 1)) * count
+    else:
+        depth = 0
+        for request_parents in parents:
+            depths: list[int] = []
+            for parent in request_parents:
+                depths.append(depths[parent] + 1 if parent >= 0 else 1)
+            depth = max(depth, *depths, 0)
+            host += [*request_parents, *[-1] * (num - len(request_parents))]
+    draft_tokens, present, rows, tree = to_device(host, torch.int64, device).split(
+        [count * num, count * num, count * (num + 1), count * num]
+    )
+    draft_tokens, present, tree = draft_tokens.view(count, num), present.view(count, num).bool(), tree.view(count, num)
+    rows = rows.view(count, num + 1)
+    if parents is None:
+        return DraftLayout(draft_tokens, tree, None, None, depth, chain=True, present=present), rows
+    node_depth, ancestors = tree_layout(tree, depth)
+    return DraftLayout(draft_tokens, tree, node_depth, ancestors, depth, present=present), rows
+
+
+def verify_host_greedy(
+    target_ids: torch.Tensor, starts: list[int], tokens: list[list[int]], parents: list[list[int]] | None
+) -> Verdict:
+    """The host path's greedy requests verified together: `target_ids` [R], the argmax of every row of the
+    step's logits; request i's rows (its drafts + 1) start at starts[i]; `parents` None: chains."""
+    layout, rows = host_layout(starts, tokens, parents, target_ids.device)
+    return verify_greedy(target_ids[rows], layout)
 
 
 def _sampled_hits(

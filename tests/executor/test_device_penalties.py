@@ -18,10 +18,9 @@ from executor_service.device_penalties import (
     penalty_params,
     unpack_logprobs,
 )
-from executor_service.device_sampling import sampling_logprobs
 from executor_service.logprobs import batch_logprobs
 from executor_service.penalties import TokenCounts, penalised_logits
-from executor_service.sampling import SamplingSettings
+from executor_service.sampling import SamplingSettings, target_logprobs
 from executor_service.step_constants import StepConstants
 from executor_service.tree_verification import DraftTree
 from executor_service.verifier import DraftLayout, StepPenalties, tree_layout
@@ -87,7 +86,7 @@ def test_penalised_rows_equal_the_host_path(shape: str, seed: int) -> None:
     assert torch.equal(device, host.float())
     rows = len(parents) + 1
     params = torch.tensor([[s.temperature, s.top_k, s.top_p, s.min_p] for s in SETTINGS]).repeat_interleave(rows, 0)
-    assert torch.equal(sampling_logprobs(device, params, True), sampling_logprobs(host, params, True))
+    assert torch.equal(target_logprobs(device, params, True), target_logprobs(host, params, True))
     assert not torch.equal(device[rows : 2 * rows], device[:rows])  # the penalties bite
 
 

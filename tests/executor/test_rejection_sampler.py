@@ -8,7 +8,7 @@ from collections.abc import Callable
 import pytest
 import torch
 
-from executor_service.rejection_sampler import rejection_sample, verify_greedy
+from executor_service.rejection_sampler import rejection_sample
 
 VOCAB = 6
 TRIALS = 12000
@@ -92,11 +92,3 @@ def test_full_and_partial_acceptance() -> None:
     target = torch.eye(VOCAB)[[2, 4, 1, 3]]  # the target is certain: tokens 2, 4, 1, then 3
     assert rejection_sample(torch.tensor([2, 4, 1]), None, target) == [2, 4, 1, 3]
     assert rejection_sample(torch.tensor([2, 5, 1]), None, target) == [2, 4]
-
-
-def test_greedy_verification() -> None:
-    assert verify_greedy([5, 6, 7], [5, 6, 7, 8]) == [5, 6, 7, 8]
-    assert verify_greedy([5, 9, 7], [5, 6, 7, 8]) == [5, 6]
-    assert verify_greedy([], [3]) == [3]
-    with pytest.raises(ValueError):
-        verify_greedy([1, 2], [1, 2])

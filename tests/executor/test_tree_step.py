@@ -14,10 +14,11 @@ from executor_builders import greedy
 from greedy_reference import greedy_reference
 from op_counting import OpCounter
 from tree_cases import TREES, VOCAB, check_equals_target_only, prompts, tree_session
+from verify_reference import greedy_walk
 
 from executor_service import cuda_graphs
 from executor_service.session import ModelSession
-from executor_service.tree_verification import DraftTree, verify_greedy_tree
+from executor_service.tree_verification import DraftTree
 from executor_service.verifier import DraftLayout, tree_layout, verify
 from kernels.tree_mask import tree_masks
 from specdec.v1 import common_pb2
@@ -54,7 +55,7 @@ def device_verdict(trees: list[DraftTree], argmax: list[list[int]], depth: int) 
 @pytest.mark.parametrize("seed", range(4))
 def test_device_verify_takes_the_host_walks_path(seed: int) -> None:
     """Random trees over 3 tokens (many matches, equal siblings too) and random target argmaxes: the device's
-    path and tokens are the host walk's (verify_greedy_tree), batch by batch."""
+    path and tokens are the reference walk's (verify_reference.greedy_walk), batch by batch."""
     rng = random.Random(seed)
     for size, depth in [(1, 1), (5, 3), (10, 4), (20, 6), (63, 16)]:
         trees = []
@@ -64,8 +65,7 @@ def test_device_verify_takes_the_host_walks_path(seed: int) -> None:
         argmax = [[rng.randrange(3) for _ in range(size + 1)] for _ in trees]
         found = device_verdict(trees, argmax, depth)
         for tree, row_argmax, (path, emitted) in zip(trees, argmax, found, strict=True):
-            verdict = verify_greedy_tree(tree, row_argmax)
-            assert (path, emitted) == (verdict.path, verdict.emitted), (tree, row_argmax)
+            assert (path, emitted) == greedy_walk(tree.tokens, tree.parents, row_argmax), (tree, row_argmax)
 
 
 def test_a_child_of_a_rejected_node_is_not_accepted() -> None:
@@ -74,7 +74,7 @@ def test_a_child_of_a_rejected_node_is_not_accepted() -> None:
     tree = DraftTree(tokens=[10, 20, 30, 40], parents=[-1, -1, 0, 1])
     argmax = [20, 30, 7, 99, 5]  # rows: root, a, b, a's child, b's child
     assert device_verdict([tree], [argmax], 2) == [([1], [20, 7])]
-    assert verify_greedy_tree(tree, argmax).path == [1]
+    assert greedy_walk(tree.tokens, tree.parents, argmax)[0] == [1]
 
 
 @pytest.mark.parametrize("seed", range(3))

@@ -6,12 +6,14 @@ from __future__ import annotations
 
 import pytest
 import torch
+from sampling_reference import reference_probs
+from verify_reference import greedy_walk
 
 from executor_service import verifier
-from executor_service.device_sampling import SamplingTensors, sampling_logprobs
-from executor_service.sampling import SamplingSettings, target_probs
-from executor_service.tree_verification import DraftTree, verify_greedy_tree
-from executor_service.verifier import DraftLayout, tree_layout, verify
+from executor_service.device_sampling import SamplingTensors
+from executor_service.sampling import SamplingSettings, host_sort, sampling_params, target_logprobs, target_probs
+from executor_service.tree_verification import DraftTree
+from executor_service.verifier import DraftLayout, tree_layout, verify, verify_host_greedy
 
 VOCAB = 6
 CHAIN = [-1, 0, 1]  # three drafts in a chain
@@ -37,9 +39,45 @@ def test_greedy_rule_walks_as_the_host() -> None:
             tokens[0] = logits[0].argmax()  # so that some paths get long
             layout = layout_of([tokens.tolist()], parents, chain=parents is CHAIN)
             verdict = verify(logits, layout, None, torch.zeros(1, dtype=torch.int64))
-            host = verify_greedy_tree(DraftTree(tokens.tolist(), parents), logits.argmax(-1).tolist())
-            assert verdict.accepted.item() == len(host.path)
-            assert verdict.emitted[0, : len(host.emitted)].tolist() == host.emitted
+            path, emitted = greedy_walk(tokens.tolist(), parents, logits.argmax(-1).tolist())
+            assert verdict.accepted.item() == len(path)
+            assert verdict.emitted[0, : len(emitted)].tolist() == emitted
+
+
+@pytest.mark.parametrize("shape", ["chain", "tree"])
+def test_host_batches_of_uneven_drafts_walk_as_the_reference(shape: str) -> None:
+    """verify_host_greedy: requests with 0 to 8 drafts in one batch (padded to the longest), rows request after
+    request, each request's verdict the reference walk's."""
+    rng = torch.Generator().manual_seed(3)
+    for _ in range(20):
+        sizes = torch.randint(0, 9, (6,), generator=rng).tolist()
+        tokens, parents, argmax, starts = [], [], [], []
+        for size in sizes:
+            request_parents = list(range(-1, size - 1))
+            if shape == "tree":
+                request_parents = [int(torch.randint(-1, j, (1,), generator=rng)) if j else -1 for j in range(size)]
+            starts.append(len(argmax))
+            argmax += torch.randint(0, 3, (size + 1,), generator=rng).tolist()
+            tokens.append(torch.randint(0, 3, (size,), generator=rng).tolist())
+            parents.append(request_parents)
+        verdict = verify_host_greedy(torch.tensor(argmax), starts, tokens, parents if shape == "tree" else None)
+        for i, (request_tokens, request_parents) in enumerate(zip(tokens, parents, strict=True)):
+            rows = argmax[starts[i] : starts[i] + len(request_tokens) + 1]
+            path, emitted = greedy_walk(request_tokens, request_parents, rows)
+            count = int(verdict.accepted[i])
+            assert count == len(path), (request_tokens, request_parents, rows)
+            assert verdict.emitted[i, : count + 1].tolist() == emitted
+            assert [r - 1 for r in verdict.path_rows[i, 1 : count + 1].tolist()] == path
+
+
+def test_greedy_chain_verification() -> None:
+    """A chain accepts while its drafts are the target's argmax, then emits the target's own token."""
+    argmax = [5, 6, 7, 8, 5, 6, 7, 8, 3]
+    verdict = verify_host_greedy(torch.tensor(argmax), [0, 4, 8], [[5, 6, 7], [5, 9, 7], []], None)
+    assert verdict.accepted.tolist() == [3, 1, 0]
+    assert verdict.emitted[0].tolist() == [5, 6, 7, 8]
+    assert verdict.emitted[1, :2].tolist() == [5, 6]
+    assert verdict.emitted[2, :1].tolist() == [3]
 
 
 def sampled_first_tokens(parents: list[int], tokens: list[int], count: int, params: SamplingSettings) -> torch.Tensor:
@@ -131,9 +169,20 @@ def test_draws_do_not_depend_on_the_batch() -> None:
         assert alone.emitted[0, :count].tolist() == together.emitted[i, :count].tolist()
 
 
-def test_logprobs_match_target_probs() -> None:
+def test_the_target_distribution_matches_the_reference() -> None:
+    """target_logprobs, sorted (the device steps), by top-k alone (host_sort) and unsorted where it may: the
+    reference's distribution row by row; and each request's rows the same numbers in a batch of all of them."""
     torch.manual_seed(3)
     logits = torch.randn(5, 50) * 3
-    for params in SETTINGS:
-        found = sampling_logprobs(logits, SamplingTensors.build([params] * 5, [0] * 5, logits.device).params, True)
-        torch.testing.assert_close(found.exp(), target_probs(logits, params), atol=1e-6, rtol=1e-5)
+    settings = [*SETTINGS, SamplingSettings(temperature=0.8, min_p=0.1), SamplingSettings(temperature=0.9, top_k=7)]
+    for params in settings:
+        tensors = SamplingTensors.build([params] * 5, [0] * 5, logits.device).params
+        expected = reference_probs(logits, params)
+        for sort in {True, host_sort([params], 50)}:
+            torch.testing.assert_close(target_logprobs(logits, tensors, sort).exp(), expected, atol=1e-6, rtol=1e-5)
+    rows = torch.cat([logits] * len(settings))
+    every = [s for s in settings for _ in range(5)]
+    params = torch.tensor(sampling_params(every))
+    together = target_logprobs(rows, params, True).exp().view(len(settings), 5, -1)
+    for i, setting in enumerate(settings):
+        assert torch.equal(together[i], target_probs(logits, setting))
