@@ -52,6 +52,7 @@ from specdec.v1 import common_pb2  # noqa: E402
 DEFAULTS = {"preset": "llama3-8b", "device": "cuda", "backend": "TRITON_ATTN", "method": "eagle3", "tp_sizes": "1,2,4",
             "batch": 32, "prompt_len": 128, "decode_tokens": 128}  # fmt: skip
 PROFILED_TOKENS = 16  # the profiled burst's tokens per request (its steps give the collectives' share)
+TOP_KERNELS = 12  # the costliest kernels reported per TP size (GPU)
 TINY = {"preset": "tiny", "device": "cpu", "backend": "CPU_ATTN", "method": "eagle3", "tp_sizes": "1,2", "batch": 4,
         "prompt_len": 16, "decode_tokens": 8}  # fmt: skip
 
@@ -116,20 +117,26 @@ def collective_share(session: ModelSession, args: argparse.Namespace) -> dict[st
             torch.cuda.synchronize()
     steps = max(sum(step_replays(session).values()) - before, 1)
     events = prof.key_averages()
+    kernels: list[tuple[str, float]] = []
     if cuda:
-        kernels = [(e.key, e.self_device_time_total) for e in events]
+        kernels = sorted(((e.key, e.self_device_time_total) for e in events), key=lambda kt: -kt[1])
         total = sum(t for _, t in kernels)
         collective_us = sum(t for key, t in kernels if "nccl" in key.lower())
         share = collective_us / total if total else None
     else:
         collective_us = sum(e.cpu_time_total for e in events if e.key.startswith("gloo:"))
         share = collective_us / 1e6 / seconds
-    return {
+    report = {
         "share": round(share, 4) if share is not None else None,
         "per_step_ms": round(collective_us / 1000 / steps, 4),
         "profiled_steps": steps,
         "profiled_seconds": round(seconds, 3),
     }
+    if cuda:  # where a step's time goes: the GPU busy (kernels) against the wall, and the costliest kernels
+        report["kernel_ms_per_step"] = round(total / 1000 / steps, 4)
+        report["wall_ms_per_step"] = round(seconds * 1000 / steps, 4)
+        report["top_kernels_us_per_step"] = {key[:80]: round(t / steps, 1) for key, t in kernels[:TOP_KERNELS]}
+    return report
 
 
 def first_divergence(tokens: list[list[int]], reference: list[list[int]]) -> dict[str, Any] | None:
