@@ -115,19 +115,20 @@ class Generation:
     async def events(self, first: executor_pb2.GenerateResponse) -> AsyncIterator[bytes]:
         """Server-sent events: a chunk per message, the usage chunk if asked for, then [DONE]. An error after the
         first chunk (the status is sent by then) is an `error` object in the stream, as vLLM and OpenAI do. The
-        caller gone: the events just end (there is nobody to send [DONE] to)."""
-        message: executor_pb2.GenerateResponse | None = first
-        is_first = True
+        caller gone: the events just end (there is nobody to send [DONE] to).
+
+        Messages that came while the last chunk was being sent (a caller reading slower than the executor
+        writes) go out as one chunk: their text joined, their log probabilities one entry per token, in order.
+        Nothing waits to be batched: a message that finds the sender idle is sent at once."""
         try:
-            while message is not None:
-                yield self.shaper.chunk([message], is_first)
-                is_first = False
-                if message.HasField("finished"):
-                    self._finished(message.finished)
+            async for messages in self._ready(first):
+                last = messages[-1]
+                yield self.shaper.chunk(messages, messages[0] is first)
+                if last.HasField("finished"):
+                    self._finished(last.finished)
                     if self.parsed.include_usage:
-                        yield _event(self.shaper.usage_chunk(message.finished))
+                        yield _event(self.shaper.usage_chunk(last.finished))
                     break
-                message = await self.read()
         except ApiError as err:
             yield _event(err.body())
         except Disconnected:
@@ -135,6 +136,50 @@ class Generation:
         finally:
             self.cancel()  # the caller went away (this generator was closed early), or the stream broke
         yield DONE
+
+    async def _ready(self, first: executor_pb2.GenerateResponse) -> AsyncIterator[list[executor_pb2.GenerateResponse]]:
+        """The messages in order, in lists of those already read when the consumer asks: a reader task keeps
+        one read in flight while the consumer sends, so that what piled up meanwhile comes as one list."""
+        loop = asyncio.get_running_loop()
+        ready: list[Any] = [first]  # messages, then None at the end or the exception that ended the reading
+        waiting: list[asyncio.Future[None]] = []
+
+        async def reader() -> None:
+            try:
+                while True:
+                    message = await self.read()
+                    ready.append(message)
+                    if waiting and not waiting[0].done():
+                        waiting[0].set_result(None)
+                    if message is None or message.HasField("finished"):
+                        return
+            except BaseException as err:  # ApiError, Disconnected, or anything else: the consumer raises it
+                ready.append(err)
+                if waiting and not waiting[0].done():
+                    waiting[0].set_result(None)
+                if not isinstance(err, Exception):
+                    raise  # cancelled (the consumer stopped early)
+
+        task = loop.create_task(reader()) if not first.HasField("finished") else None
+        try:
+            while True:
+                if not ready:
+                    waiting[:] = [loop.create_future()]
+                    await waiting[0]
+                batch, ready[:] = ready[:], []
+                messages = [m for m in batch if isinstance(m, executor_pb2.GenerateResponse)]
+                if messages:
+                    yield messages
+                if len(messages) < len(batch):
+                    end = batch[len(messages)]
+                    if end is None:
+                        return
+                    raise end
+                if messages[-1].HasField("finished"):
+                    return
+        finally:
+            if task is not None:
+                task.cancel()
 
 
 def _event(data: dict[str, Any]) -> bytes:

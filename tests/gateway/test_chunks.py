@@ -1,16 +1,20 @@
 """The streamed chunks, rendered from a per-request template (gateway_service.responses.Shaper.chunk), read
 exactly as json.dumps of the chunk object: ids, model and creation time fixed per stream, the delta's text
-escaped as JSON, log probabilities one entry per token when several messages share one chunk. In-process, no
-servers."""
+escaped as JSON, log probabilities one entry per token when several messages share one chunk; and the events of a
+stream (Generation.events): messages that came while a chunk was sent share the next one, none waits to be
+batched. In-process, no servers."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 from typing import Any
 
 import pytest
 
 from gateway_service.errors import ApiError
+from gateway_service.generation import DONE, Generation
+from gateway_service.metrics import GatewayMetrics
 from gateway_service.requests import parse_chat, parse_completion
 from gateway_service.responses import Shaper
 from specdec.v1 import executor_pb2
@@ -87,3 +91,79 @@ def test_an_aborted_finish_is_an_error_not_a_chunk():
     with pytest.raises(ApiError) as raised:
         shaper.chunk([message("a", [(1, -0.5)], "abort")], True)
     assert raised.value.status == 503
+
+
+class FakeCall:
+    """A Generate call whose messages the test hands over one by one (grpc.aio's read(), done(), cancel())."""
+
+    def __init__(self) -> None:
+        self.queue: asyncio.Queue[Any] = asyncio.Queue()
+        self.reads = 0
+        self.cancelled = False
+
+    async def read(self) -> Any:
+        self.reads += 1
+        return await self.queue.get()
+
+    def done(self) -> bool:
+        return self.cancelled
+
+    def cancel(self) -> bool:
+        self.cancelled = True
+        return True
+
+
+def generation(call: FakeCall) -> Generation:
+    parsed = parse_completion({"prompt": "x", "stream": True, "logprobs": 0})
+    return Generation(call, parsed, Shaper(parsed, "bench"), GatewayMetrics(), "completion", 0.0)  # type: ignore[arg-type]
+
+
+def payload(event: bytes) -> dict[str, Any]:
+    return json.loads(event.removeprefix(b"data: "))
+
+
+def test_messages_that_came_while_a_chunk_was_sent_share_the_next_chunk():
+    async def run() -> None:
+        call = FakeCall()
+        events = generation(call).events(message("a", [(1, -0.5)]))
+        first = await anext(events)  # nothing else has come: sent alone, at once
+        assert payload(first)["choices"][0]["text"] == "a"
+        for text, token in (("b", 2), ("c", 3)):  # the caller was slow: two more came meanwhile
+            call.queue.put_nowait(message(text, [(token, -1.0)]))
+        await asyncio.sleep(0.01)
+        merged = payload(await anext(events))["choices"][0]
+        assert merged["text"] == "bc" and merged["logprobs"]["tokens"] == ["token_id:2", "token_id:3"]
+        waiting = asyncio.ensure_future(anext(events))  # nothing ready: the next chunk waits for the next message
+        await asyncio.sleep(0.01)
+        assert not waiting.done()
+        call.queue.put_nowait(message("d", [(4, -2.0)], "length"))
+        last = payload(await waiting)["choices"][0]
+        assert last["text"] == "d" and last["finish_reason"] == "length"
+        assert await anext(events) == DONE
+        assert not call.cancelled  # it ended: nothing to abort
+
+    asyncio.run(run())
+
+
+def test_a_stream_closed_early_cancels_the_call():
+    async def run() -> None:
+        call = FakeCall()
+        events = generation(call).events(message("a", [(1, -0.5)]))
+        await anext(events)
+        await asyncio.sleep(0.01)  # the reader waits for the next message
+        await events.aclose()  # type: ignore[attr-defined]
+        assert call.cancelled
+
+    asyncio.run(run())
+
+
+def test_an_error_after_the_first_chunk_is_an_error_event_then_done():
+    async def run() -> None:
+        call = FakeCall()
+        events = generation(call).events(message("a", [(1, -0.5)]))
+        await anext(events)
+        call.queue.put_nowait(message("b", [(2, -0.5)], "abort"))  # the executor shut down mid-stream
+        error = payload(await anext(events))["error"]
+        assert error["code"] == "aborted" and await anext(events) == DONE
+
+    asyncio.run(run())
