@@ -175,7 +175,10 @@ async def client_main(args: argparse.Namespace) -> None:
 
     loop = asyncio.get_running_loop()
     while line := await loop.run_in_executor(None, sys.stdin.readline):
-        max_tokens = args.max_tokens if line.strip() == "round" else 4  # "warmup": connections, channel, caches
+        what = line.split()
+        max_tokens = args.max_tokens if what == ["round"] else 4  # "warmup": connections, channel, caches
+        if what[0] == "tokens":  # "tokens N" (gateway_cpu_bench.py): N tokens a stream
+            max_tokens = int(what[1])
         cpu = resource.getrusage(resource.RUSAGE_SELF)
         started = time.perf_counter()
         results = await asyncio.gather(*streams(max_tokens))

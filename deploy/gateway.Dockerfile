@@ -1,5 +1,5 @@
 # The gateway image: the OpenAI-compatible HTTP front (`specdec-gateway`), a gRPC client of the executors; no torch,
-# no model (`pip install .[gateway]`).
+# no model (`pip install .[gateway-fast]`: the gateway with uvloop and httptools).
 #   docker build -f deploy/gateway.Dockerfile -t specdec-gateway .
 # docker-compose.yml builds it this way; the server reads every flag from SPECDEC_<FLAG> (--executor: SPECDEC_EXECUTOR).
 
@@ -20,7 +20,7 @@ COPY specdec_cli specdec_cli
 COPY gateway_service gateway_service
 RUN python -m venv /opt/venv \
  && /opt/venv/bin/pip wheel --no-deps --wheel-dir /dist . \
- && /opt/venv/bin/pip install "$(ls /dist/specdec-*.whl)[gateway]"
+ && /opt/venv/bin/pip install "$(ls /dist/specdec-*.whl)[gateway-fast]"
 
 # --- runtime: the virtual environment, run as an unprivileged user -------------------------------------------
 FROM ${PYTHON_IMAGE}

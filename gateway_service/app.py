@@ -4,6 +4,7 @@ credentials, and neither reveals anything a caller sent); the /v1 routes need th
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import logging
 import time
@@ -14,13 +15,14 @@ from typing import Any
 import grpc
 from starlette.applications import Starlette
 from starlette.requests import Request
-from starlette.responses import JSONResponse, Response, StreamingResponse
+from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
+from starlette.types import Receive, Scope, Send
 
 from gateway_service.body import read_json_object
 from gateway_service.caller_auth import CallerAuth
 from gateway_service.errors import ApiError, from_rpc_error
-from gateway_service.generation import Disconnected, Generation, unless_disconnected
+from gateway_service.generation import Disconnected, Generation, watch_disconnect
 from gateway_service.metrics import GatewayMetrics
 from gateway_service.requests import ParsedRequest, model_error, parse_chat, parse_completion
 from gateway_service.responses import Shaper
@@ -77,8 +79,7 @@ class Gateway:
             except Exception:
                 log.exception("unexpected error", extra={"route": name})
                 response = ApiError(500, "internal error in the gateway", code="internal_error").response()
-            self.metrics.requests.labels(name, str(response.status_code)).inc()
-            self.metrics.latency.labels(name).observe(time.perf_counter() - started)
+            self.metrics.answered(name, response.status_code, time.perf_counter() - started)
             return response
 
         return endpoint
@@ -90,29 +91,25 @@ class Gateway:
         if (wrong_model := model_error(parsed.model, self.config.model_name)) is not None:
             raise wrong_model
         assert self.upstream is not None
+        call = self.upstream.generate(parsed.generate, token)  # sent as soon as this task yields
         generation = Generation(
-            self.upstream.generate(parsed.generate, token),
-            parsed,
-            Shaper(parsed, self.config.model_name),
-            self.metrics,
-            route,
-            time.perf_counter(),
+            call, parsed, Shaper(parsed, self.config.model_name), self.metrics, route, time.perf_counter()
         )
+        watcher = watch_disconnect(request.receive, generation)
         self.metrics.open.inc()
         streaming = False
         try:
-            first = await unless_disconnected(request.receive, generation.first())
+            first = await generation.first()
             if parsed.stream:
-                streaming = True  # the stream leaves the gauge when it ends
-                events = _counted(generation.events(first), self.metrics)
-                headers = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
-                return StreamingResponse(events, media_type="text/event-stream", headers=headers)
-            return JSONResponse(await unless_disconnected(request.receive, generation.whole(first)))
+                streaming = True  # the stream leaves the gauge, and stops the watcher, when it ends
+                return EventStream(generation.events(first), watcher, self.metrics)
+            return JSONResponse(await generation.whole(first))
         except BaseException:
             generation.cancel()
             raise
         finally:
             if not streaming:
+                watcher.cancel()
                 self.metrics.open.dec()
 
     async def models(self, request: Request, route: str) -> Response:
@@ -145,14 +142,31 @@ class Gateway:
         return self.metrics.response()
 
 
-async def _counted(events: AsyncIterator[bytes], metrics: GatewayMetrics) -> AsyncIterator[bytes]:
-    """The stream, leaving the open-generations gauge when it ends however it ends."""
-    try:
-        async for event in events:
-            yield event
-    finally:
-        await events.aclose()  # type: ignore[attr-defined]
-        metrics.open.dec()
+class EventStream(Response):
+    """A server-sent event stream, each event sent as it comes (starlette's StreamingResponse, minus its task
+    group per request and its disconnect listener: `watcher` already cancels the generation when the caller goes
+    away, which ends `events`). Leaves the open-generations gauge when it ends however it ends."""
+
+    media_type = "text/event-stream"
+
+    def __init__(self, events: AsyncIterator[bytes], watcher: asyncio.Task[None], metrics: GatewayMetrics) -> None:
+        self.events, self.watcher, self.metrics = events, watcher, metrics
+        self.status_code = 200
+        self.background = None
+        self.init_headers({"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        try:
+            await send({"type": "http.response.start", "status": 200, "headers": self.raw_headers})
+            message = {"type": "http.response.body", "body": b"", "more_body": True}
+            async for event in self.events:
+                message["body"] = event  # one message object for every event: send() is done with it
+                await send(message)
+            await send({"type": "http.response.body", "body": b"", "more_body": False})
+        finally:
+            await self.events.aclose()  # type: ignore[attr-defined]
+            self.watcher.cancel()
+            self.metrics.open.dec()
 
 
 def _model_details(info: executor_pb2.GetServerInfoResponse) -> dict[str, Any]:

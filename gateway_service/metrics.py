@@ -3,11 +3,15 @@ their latency, time to first token, tokens, open generations and callers that we
 
 from __future__ import annotations
 
+from typing import Any
+
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 from starlette.responses import Response
 
 from specdec_runtime.observability import LATENCY_BUCKETS
+
+ROUTES = ("chat", "completion", "models", "health", "metrics")
 
 
 class GatewayMetrics:
@@ -35,6 +39,23 @@ class GatewayMetrics:
             "Generations whose caller went away before the end (the executor's request was aborted)",
             registry=self.registry,
         )
+
+        self._answered: dict[tuple[str, int], Any] = {}
+        self._latency = {route: self.latency.labels(route) for route in ROUTES}
+        self._first_token = {route: self.first_token.labels(route) for route in ROUTES}
+        self.prompt_tokens, self.completion_tokens = self.tokens.labels("prompt"), self.tokens.labels("completion")
+
+    def answered(self, route: str, status: int, seconds: float) -> None:
+        """One request answered: its status and latency (each label set's child looked up once, not per request:
+        prometheus_client's labels() validates and locks on every call)."""
+        counter = self._answered.get((route, status))
+        if counter is None:
+            counter = self._answered[route, status] = self.requests.labels(route, str(status))
+        counter.inc()
+        self._latency[route].observe(seconds)
+
+    def first_token_after(self, route: str, seconds: float) -> None:
+        self._first_token[route].observe(seconds)
 
     def response(self) -> Response:
         return Response(generate_latest(self.registry), media_type=CONTENT_TYPE_LATEST)

@@ -6,6 +6,7 @@ The gateway holds no tokenizer, so a log probability names its token as vLLM doe
 
 from __future__ import annotations
 
+import json
 import time
 from dataclasses import dataclass, field
 from typing import Any
@@ -13,6 +14,11 @@ from typing import Any
 from gateway_service.errors import ApiError
 from gateway_service.requests import ParsedRequest
 from specdec.v1 import executor_pb2
+
+# json.dumps(value, separators=(",", ":")) without building an encoder per call (json.dumps does, for any
+# non-default argument); ensure_ascii and allow_nan stay json's defaults, so the bytes are json.dumps's.
+encode = json.JSONEncoder(separators=(",", ":")).encode
+_NULL_LOGPROBS = ',"logprobs":null,"finish_reason":'
 
 
 def token_name(token_id: int) -> str:
@@ -101,20 +107,33 @@ class Shaper:
         choice["logprobs"] = self._logprobs(entries)
         return {**self._base(False), "choices": [choice], "usage": usage(finished)}
 
-    def chunk(self, response: executor_pb2.GenerateResponse, first: bool) -> dict[str, Any]:
-        """One streamed chunk; the first chat chunk carries the assistant's role."""
-        reason = finish_reason(response.finished) if response.HasField("finished") else None
-        choice: dict[str, Any] = {"index": 0}
+    def __post_init__(self) -> None:
+        """The streamed chunk's fixed text (id, object, created, model, and what wraps the delta), rendered once
+        per request: `chunk` puts the delta's text, log probabilities and finish reason between these, so that
+        the event reads exactly as json.dumps(chunk, separators=(",", ":")) would write the chunk object."""
+        head = "data: " + encode(self._base(True))[:-1] + ',"choices":[{"index":0,'
         if self.chat:
-            choice["delta"] = {"role": "assistant", "content": response.text} if first else {"content": response.text}
+            self._head, self._first_head = head + '"delta":{"content":', head + '"delta":{"role":"assistant","content":'
         else:
-            choice["text"] = response.text
-        choice["logprobs"] = self._logprobs(list(response.logprobs))
-        choice["finish_reason"] = reason
-        chunk = {**self._base(True), "choices": [choice]}
-        if self.parsed.include_usage:
-            chunk["usage"] = None
-        return chunk
+            self._head = self._first_head = head + '"text":'
+        self._close_delta = "}" if self.chat else ""
+        self._tail = "}]" + (',"usage":null' if self.parsed.include_usage else "") + "}\n\n"
+
+    def chunk(self, messages: list[executor_pb2.GenerateResponse], first: bool) -> bytes:
+        """One server-sent event for one or more consecutive messages (one delta may carry several tokens'
+        text; the log probabilities stay one entry per token, in order); the first chat chunk carries the
+        assistant's role, the last message's finish reason is the chunk's."""
+        last = messages[-1]
+        reason = encode(finish_reason(last.finished)) if last.HasField("finished") else "null"
+        text = last.text if len(messages) == 1 else "".join(m.text for m in messages)
+        if self.parsed.logprobs:
+            entries = list(last.logprobs) if len(messages) == 1 else [e for m in messages for e in m.logprobs]
+            logprobs = f',"logprobs":{encode(self._logprobs(entries))},"finish_reason":'
+        else:
+            logprobs = _NULL_LOGPROBS
+        head = self._first_head if first else self._head
+        event = f"{head}{encode(text)}{self._close_delta}{logprobs}{reason}{self._tail}"
+        return event.encode()
 
     def usage_chunk(self, finished: executor_pb2.Finished) -> dict[str, Any]:
         """stream_options.include_usage: the last chunk, with no choices."""

@@ -1,0 +1,136 @@
+"""The gateway's own CPU per streamed token and per request (issue 35), against a stand-in executor.
+
+bench/gateway_bench.py measures the gateway beside a real executor, whose steps take most of the two cores of the
+CPU host and make the gateway's share hard to read. Here a stand-in executor (a grpc.aio server in this process,
+no model) answers Generate with one message of one token (text and log probability) per stream every --step-ms,
+as the executor does at one token per step, and the gateway's CPU seconds (/proc) are read over many messages:
+
+- per token: --streams concurrent streams of --tokens tokens each (logprobs=0, as gateway_bench asks), the
+  gateway's CPU over the tokens streamed (its per-request work included, spread over --tokens);
+- per request: --streams concurrent requests of one token each, repeated --request-rounds times, the gateway's CPU
+  over the requests.
+
+The client is gateway_bench's (its own process, h11 keep-alive connections). Pass gateway flags after `--`:
+
+    python bench/gateway_cpu_bench.py                                  # the gateway as installed
+    python bench/gateway_cpu_bench.py -- --event-loop asyncio --http-parser h11
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import random
+import statistics
+import sys
+import tempfile
+import threading
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import contextlib
+
+import gateway_bench
+
+
+def stand_in_executor(step_s: float) -> tuple[str, Any]:
+    """A grpc.aio Executor server (Generate only) on a free port, in a thread of this process: its address and a
+    function that stops it."""
+    import grpc
+
+    from specdec.v1 import executor_pb2, executor_pb2_grpc
+
+    class Executor(executor_pb2_grpc.ExecutorServicer):
+        async def Generate(self, request: Any, context: Any) -> AsyncIterator[Any]:
+            n = request.sampling.max_tokens
+            prompt = len(request.token_ids.ids) or 1
+            for index in range(n):
+                await asyncio.sleep(step_s)
+                token = 1 + (index * 7919 + prompt) % 1000
+                message = executor_pb2.GenerateResponse(request_id=request.request_id, token_ids=[token], text=" tok")
+                message.logprobs.add(token_id=token, logprob=-0.5)
+                if index == n - 1:
+                    message.finished.finish_reason = "length"
+                    message.finished.prompt_tokens, message.finished.completion_tokens = prompt, n
+                yield message
+
+    loop = asyncio.new_event_loop()
+    ready = threading.Event()
+    state: dict[str, Any] = {}
+
+    async def serve() -> None:
+        server = grpc.aio.server()
+        executor_pb2_grpc.add_ExecutorServicer_to_server(Executor(), server)
+        state["port"] = server.add_insecure_port("127.0.0.1:0")
+        await server.start()
+        state["server"] = server
+        ready.set()
+        await server.wait_for_termination()
+
+    thread = threading.Thread(target=lambda: loop.run_until_complete(serve()), daemon=True)
+    thread.start()
+    ready.wait(30)
+
+    def stop() -> None:
+        """Stop it if it stops in time; its thread is a daemon, so a server slow to stop keeps nothing alive."""
+        with contextlib.suppress(TimeoutError):
+            asyncio.run_coroutine_threadsafe(state["server"].stop(None), loop).result(10)
+
+    return f"127.0.0.1:{state['port']}", stop
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--streams", type=int, default=64)
+    parser.add_argument("--tokens", type=int, default=256, help="tokens per stream in a per-token round")
+    parser.add_argument("--rounds", type=int, default=3, help="per-token rounds")
+    parser.add_argument("--request-rounds", type=int, default=20, help="rounds of one-token requests")
+    parser.add_argument("--step-ms", type=float, default=20.0, help="the stand-in executor's time per token")
+    parser.add_argument("gateway_args", nargs="*", help="flags for specdec-gateway (after --)")
+    args = parser.parse_args()
+
+    from specdec_cli.local_servers import start_server
+
+    address, stop_executor = stand_in_executor(args.step_ms / 1e3)
+    with tempfile.TemporaryDirectory() as tmp:
+        workdir = Path(tmp)
+        gateway_args = ["--executor", address, "--served-model-name", "bench", *args.gateway_args]
+        gateway = start_server("gateway", workdir, *gateway_args)
+        rng = random.Random(0)
+        prompts = [[rng.randrange(1, 1000) for _ in range(16)] for _ in range(args.streams)]
+        (workdir / "prompts.json").write_text(json.dumps(prompts))
+        client_args = argparse.Namespace(max_tokens=args.tokens)
+        client = gateway_bench.Client("gateway", gateway.address, client_args, workdir / "prompts.json")
+        pid = gateway.process.pid
+        try:
+            client.run("warmup")
+            per_token, per_request = [], []
+            for _ in range(args.rounds):
+                before = gateway_bench.cpu_seconds(pid)
+                answer = client.run("round")
+                tokens = sum(len(t) for t in answer["tokens"])
+                assert tokens == args.streams * args.tokens, tokens
+                per_token.append((gateway_bench.cpu_seconds(pid) - before) / tokens * 1e6)
+            before = gateway_bench.cpu_seconds(pid)
+            for _ in range(args.request_rounds):
+                client.run("tokens 1")
+            per_request.append((gateway_bench.cpu_seconds(pid) - before) / (args.request_rounds * args.streams) * 1e3)
+        finally:
+            client.close()
+            status = gateway.stop()
+            stop_executor()
+    result = {
+        "gateway_args": args.gateway_args,
+        "us_per_token": round(statistics.median(per_token), 1),
+        "us_per_token_rounds": [round(x, 1) for x in per_token],
+        "ms_per_request_one_token": round(per_request[0], 3),
+        "gateway_exit": status,
+    }
+    print(json.dumps(result), flush=True)
+
+
+if __name__ == "__main__":
+    main()
