@@ -15,7 +15,6 @@ from dataclasses import dataclass, field
 import torch
 
 from executor_service.attention_step import to_device
-from specdec.v1 import executor_pb2
 
 # Below this a temperature is greedy: logits / 1e-38 overflow float32 to inf and softmax turns them into
 # NaN, while at 1e-5 the distribution is already the argmax's point mass (validation and docs/api.md).
@@ -53,23 +52,6 @@ class SamplingSettings:
     def plain_greedy(self) -> bool:
         """Greedy with nothing else read from the logits: the argmax alone decides (the device-resident step)."""
         return self.greedy and not self.has_penalties and self.logprobs is None
-
-    @classmethod
-    def from_proto(cls, params: executor_pb2.SamplingParams) -> SamplingSettings:
-        return cls(
-            temperature=params.temperature,
-            top_p=params.top_p if params.HasField("top_p") else 1.0,
-            top_k=params.top_k,
-            max_tokens=params.max_tokens if params.HasField("max_tokens") else None,
-            seed=params.seed if params.HasField("seed") else None,
-            stop_token_ids=frozenset(params.stop_token_ids),
-            ignore_eos=params.ignore_eos,
-            min_p=params.min_p,
-            repetition_penalty=params.repetition_penalty if params.HasField("repetition_penalty") else 1.0,
-            presence_penalty=params.presence_penalty,
-            frequency_penalty=params.frequency_penalty,
-            logprobs=params.logprobs if params.HasField("logprobs") else None,
-        )
 
 
 def make_generator(settings: SamplingSettings, device: torch.device) -> torch.Generator | None:

@@ -8,11 +8,14 @@ from pathlib import Path
 from typing import Any
 
 from executor_service.chat import ChatTemplate, chat_prompt
+from executor_service.config import ModelConfig
 from executor_service.draft_config import METHODS
 from executor_service.limits import MAX_BLOCK_SIZE, MAX_NUM_KV_BLOCKS, short_repr
+from executor_service.parallel.state import FLAG as TP_FLAG
 from executor_service.sampling import MIN_TEMPERATURE, SamplingSettings
 from executor_service.sampling_checks import sampling_violations
 from executor_service.stop_strings import stop_violations
+from executor_service.wire import sampling_settings
 from specdec.v1 import common_pb2, executor_pb2
 from specdec_runtime.errors import FailedPrecondition, FieldViolation, ResourceExhausted, invalid_fields
 
@@ -235,7 +238,7 @@ def check_generate(
         )
     if request.HasField("num_speculative_tokens"):  # admission counts the request's own drafts and lookahead
         limits = limits.for_request(request.num_speculative_tokens)
-    settings = SamplingSettings.from_proto(params)
+    settings = sampling_settings(params)
     max_tokens = settings.max_tokens if settings.max_tokens is not None else _room(len(prompt), limits)
     if max_tokens <= 0 or _kv_tokens(len(prompt), max_tokens, limits) > limits.capacity_tokens:
         headroom = f" + {limits.headroom_tokens} for the speculative step" if limits.headroom_tokens else ""
@@ -279,3 +282,21 @@ def _room(prompt_len: int, limits: ModelLimits) -> int:
     if limits.max_model_len <= limits.capacity_tokens:
         return limits.max_model_len - prompt_len
     return limits.capacity_tokens - limits.headroom_tokens - prompt_len
+
+
+def shard_violations(config: ModelConfig, size: int, field: str) -> list[FieldViolation]:
+    """What of the target cannot be split `size` ways: heads, KV heads and the MLP's width must divide."""
+    if size == 1:
+        return []
+    counts = (
+        ("attention heads", config.num_heads),
+        ("KV heads", config.num_kv_heads),
+        ("MLP intermediate size", config.intermediate_size),
+    )
+    return [
+        FieldViolation(
+            field, f"the target's {count} {name} do not divide by {TP_FLAG} {size}: each rank needs whole ones"
+        )
+        for name, count in counts
+        if count % size
+    ]
