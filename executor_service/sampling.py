@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import random
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 import torch
 
@@ -23,6 +24,24 @@ MIN_TEMPERATURE = 1e-5
 
 class SamplingError(RuntimeError):
     """One request's numbers gave no distribution to draw from; the engine fails that request alone."""
+
+
+class DraftProbs(NamedTuple):
+    """The distributions a request's drafts were drawn from, each on a few ids (draft_sampling.py; verified by
+    rejection_sampler.py): ids [k, K] (target ids, distinct in a row) and their probabilities [k, K], summing to
+    1 in each row."""
+
+    ids: torch.Tensor
+    probs: torch.Tensor
+
+    def head(self, count: int) -> DraftProbs:
+        """The first `count` drafts' rows (the drafts a step keeps)."""
+        return DraftProbs(self.ids[:count], self.probs[:count])
+
+    def dense(self, vocab: int, device: torch.device) -> torch.Tensor:
+        """[k, V] fp32 rows, 0 off the ids."""
+        rows = torch.zeros(self.ids.shape[0], vocab, device=device)
+        return rows.scatter_(1, self.ids.to(device), self.probs.to(device=device, dtype=torch.float32))
 
 
 @dataclass(frozen=True)
