@@ -12,7 +12,7 @@ from __future__ import annotations
 from collections import OrderedDict, deque
 from collections.abc import Iterable
 
-from specdec_runtime.errors import ResourceExhausted
+from executor_service.errors import KVCacheFull
 
 BlockHash = bytes
 
@@ -52,7 +52,7 @@ class BlockPool:
     def allocate(self, count: int) -> list[int]:
         """`count` blocks held once each; evicts the least recently freed cached blocks when it must."""
         if count > self.num_free:
-            raise ResourceExhausted(f"KV cache full: {count} blocks asked, {self.num_free} free")
+            raise KVCacheFull(f"KV cache full: {count} blocks asked, {self.num_free} free")
         blocks = []
         for _ in range(count):
             if self._free_plain:

@@ -21,9 +21,8 @@ import torch
 
 from executor_service.attention_step import to_device
 from executor_service.fused_ops import argmax
-from executor_service.rejection_sampler import DraftProbs
 from executor_service.request import Request
-from executor_service.sampling import exponential_noise, race, sampled_probs
+from executor_service.sampling import DraftProbs, exponential_noise, race, sampled_probs
 
 # Ids each drawn draft's q keeps: the drafter's most likely ones, renormalised. The draft is drawn from exactly
 # that q, so verification stays exact; what the drafter puts past them is rarely drawn at T <= 1 anyway. A

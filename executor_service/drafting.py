@@ -17,7 +17,7 @@ from executor_service.draft_models import Drafter, TargetHeads
 from executor_service.draft_weights import load_drafter, synthetic_drafter
 from executor_service.loader import read_config_json
 from executor_service.model import DecoderModel
-from executor_service.validation import resolve_model_path
+from executor_service.model_paths import resolve_model_path
 from kernels.capabilities import BACKENDS
 from selection.rules import drafter_uses_tree_attention
 from specdec.v1 import common_pb2, executor_pb2

@@ -11,9 +11,9 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-from executor_service.logprobs import logprobs_message
 from executor_service.request import Finish, RequestOutput
 from executor_service.stop_strings import StreamedOutput
+from executor_service.wire import logprobs_message
 from specdec.v1 import executor_pb2
 
 

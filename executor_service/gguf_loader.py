@@ -23,7 +23,7 @@ from executor_service.cancellation import check_cancelled
 from executor_service.config import ModelConfig
 from executor_service.gguf_tokenizer import gguf_tokenizer
 from executor_service.loader import LoadedModel, check_tensors
-from executor_service.validation import resolve_model_path, resolve_quietly, root_name
+from executor_service.model_paths import resolve_model_path, resolve_quietly, root_name
 from executor_service.weights import empty_model, hf_layout, place
 from specdec_runtime.errors import FailedPrecondition, FieldViolation, invalid_fields
 

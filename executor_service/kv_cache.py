@@ -10,7 +10,7 @@ import torch
 
 from executor_service.block_pool import BlockPool
 from executor_service.config import ModelConfig
-from specdec_runtime.errors import ResourceExhausted
+from executor_service.errors import NoRoomForKVCache
 
 
 def blocks_needed(num_tokens: int, block_size: int) -> int:
@@ -34,7 +34,7 @@ def blocks_for_memory_fraction(
     budget = int(total * fraction) - used - activations
     count = budget // sum(bytes_per_block(config, block_size, dtype) for config in configs)
     if count <= 0:
-        raise ResourceExhausted(
+        raise NoRoomForKVCache(
             f"gpu_memory_utilization {fraction} leaves no room for the KV cache "
             f"({used / 2**30:.1f} GiB in use of {total / 2**30:.1f} GiB)"
         )

@@ -15,7 +15,6 @@ import torch
 
 from executor_service.attention_step import to_device
 from executor_service.sampling import SamplingSettings, to_host
-from specdec.v1 import executor_pb2
 
 MAX_LOGPROBS = 20  # top alternatives per token, as vLLM's default max_logprobs
 
@@ -66,8 +65,3 @@ def batch_logprobs(
         found[index] = per_token
         row += num_tokens
     return found
-
-
-def logprobs_message(found: TokenLogprob) -> executor_pb2.TokenLogprob:
-    top = [executor_pb2.TopLogprob(token_id=token, logprob=value) for token, value in found.top]
-    return executor_pb2.TokenLogprob(token_id=found.token_id, logprob=found.logprob, top_logprobs=top)

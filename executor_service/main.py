@@ -22,12 +22,12 @@ import torch
 from executor_service import daemon_thread
 from executor_service.capabilities import default_device
 from executor_service.metrics import EngineMetrics
+from executor_service.model_paths import check_model_root
 from executor_service.parallel.state import check_tensor_parallel_size
 from executor_service.prompt_intake import MAX_REQUEST_BYTES
 from executor_service.selection import BackendChooser, SelectorClientSettings
 from executor_service.servicer import SERVICE_NAME, ExecutorServicer
 from executor_service.session import SAMPLED_DRAFTS, EngineSettings
-from executor_service.validation import check_model_root
 from specdec.v1 import executor_pb2, executor_pb2_grpc
 from specdec_runtime.auth import resolve_token
 from specdec_runtime.client import load_message, server_address

@@ -37,9 +37,8 @@ from executor_service.cuda_graphs import RequestInputs, StepGraphs, TokenInputs
 from executor_service.draft_models import DFlashDrafter, Drafter, Eagle3Drafter
 from executor_service.draft_sampling import DRAFT_SUPPORT, DraftSampler
 from executor_service.kv_cache import KVCache
-from executor_service.rejection_sampler import DraftProbs
 from executor_service.request import Request
-from executor_service.sampling import to_host
+from executor_service.sampling import DraftProbs, to_host
 
 Replay = Callable[[Request, list[int]], list[int]]  # test drafters: rewrite a request's drafts
 PassForward = Callable[[AttentionStep, torch.Tensor, dict[str, torch.Tensor]], tuple[torch.Tensor, ...]]

@@ -28,25 +28,8 @@ import torch
 
 from executor_service.attention_step import to_device
 from executor_service.penalties import ROWS_PER_PASS, History, penalised_logits
-from executor_service.sampling import SamplingSettings, race, sampled_probs, to_host
+from executor_service.sampling import DraftProbs, SamplingSettings, race, sampled_probs, to_host
 from executor_service.verifier import verify_host_greedy
-
-
-class DraftProbs(NamedTuple):
-    """The distributions a request's drafts were drawn from, each on a few ids (draft_sampling.py): ids [k, K]
-    (target ids, distinct in a row) and their probabilities [k, K], summing to 1 in each row."""
-
-    ids: torch.Tensor
-    probs: torch.Tensor
-
-    def head(self, count: int) -> DraftProbs:
-        """The first `count` drafts' rows (the drafts a step keeps)."""
-        return DraftProbs(self.ids[:count], self.probs[:count])
-
-    def dense(self, vocab: int, device: torch.device) -> torch.Tensor:
-        """[k, V] fp32 rows, 0 off the ids."""
-        rows = torch.zeros(self.ids.shape[0], vocab, device=device)
-        return rows.scatter_(1, self.ids.to(device), self.probs.to(device=device, dtype=torch.float32))
 
 
 class VerifyError(RuntimeError):

@@ -7,16 +7,12 @@ import random
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
 
 import torch
 
 from executor_service.logprobs import TokenLogprob
 from executor_service.penalties import TokenCounts
-from executor_service.sampling import SamplingSettings
-
-if TYPE_CHECKING:  # annotations only: rejection_sampler imports the verifier, which imports requests
-    from executor_service.rejection_sampler import DraftProbs
+from executor_service.sampling import DraftProbs, SamplingSettings
 
 
 class Status(enum.Enum):

@@ -11,11 +11,11 @@ from __future__ import annotations
 
 import random
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 import torch
 
 from executor_service.attention_step import to_device
-from specdec.v1 import executor_pb2
 
 # Below this a temperature is greedy: logits / 1e-38 overflow float32 to inf and softmax turns them into
 # NaN, while at 1e-5 the distribution is already the argmax's point mass (validation and docs/api.md).
@@ -24,6 +24,24 @@ MIN_TEMPERATURE = 1e-5
 
 class SamplingError(RuntimeError):
     """One request's numbers gave no distribution to draw from; the engine fails that request alone."""
+
+
+class DraftProbs(NamedTuple):
+    """The distributions a request's drafts were drawn from, each on a few ids (draft_sampling.py; verified by
+    rejection_sampler.py): ids [k, K] (target ids, distinct in a row) and their probabilities [k, K], summing to
+    1 in each row."""
+
+    ids: torch.Tensor
+    probs: torch.Tensor
+
+    def head(self, count: int) -> DraftProbs:
+        """The first `count` drafts' rows (the drafts a step keeps)."""
+        return DraftProbs(self.ids[:count], self.probs[:count])
+
+    def dense(self, vocab: int, device: torch.device) -> torch.Tensor:
+        """[k, V] fp32 rows, 0 off the ids."""
+        rows = torch.zeros(self.ids.shape[0], vocab, device=device)
+        return rows.scatter_(1, self.ids.to(device), self.probs.to(device=device, dtype=torch.float32))
 
 
 @dataclass(frozen=True)
@@ -53,23 +71,6 @@ class SamplingSettings:
     def plain_greedy(self) -> bool:
         """Greedy with nothing else read from the logits: the argmax alone decides (the device-resident step)."""
         return self.greedy and not self.has_penalties and self.logprobs is None
-
-    @classmethod
-    def from_proto(cls, params: executor_pb2.SamplingParams) -> SamplingSettings:
-        return cls(
-            temperature=params.temperature,
-            top_p=params.top_p if params.HasField("top_p") else 1.0,
-            top_k=params.top_k,
-            max_tokens=params.max_tokens if params.HasField("max_tokens") else None,
-            seed=params.seed if params.HasField("seed") else None,
-            stop_token_ids=frozenset(params.stop_token_ids),
-            ignore_eos=params.ignore_eos,
-            min_p=params.min_p,
-            repetition_penalty=params.repetition_penalty if params.HasField("repetition_penalty") else 1.0,
-            presence_penalty=params.presence_penalty,
-            frequency_penalty=params.frequency_penalty,
-            logprobs=params.logprobs if params.HasField("logprobs") else None,
-        )
 
 
 def make_generator(settings: SamplingSettings, device: torch.device) -> torch.Generator | None:

@@ -16,10 +16,10 @@ from collections import deque
 from dataclasses import dataclass, field
 
 from executor_service.block_pool import BlockPool
+from executor_service.errors import RequestTooLarge
 from executor_service.kv_cache import blocks_needed
 from executor_service.prefix_cache import PrefixCache
 from executor_service.request import Request, Status
-from specdec_runtime.errors import FieldViolation, ResourceExhausted
 
 
 def speculative_headroom(num_speculative_tokens: int, num_lookahead_tokens: int) -> int:
@@ -155,10 +155,11 @@ class Scheduler:
         needed = min(needed, self.max_model_len) if self.max_model_len is not None else needed
         capacity = self.allocator.num_blocks * self.block_size
         ahead = f" ({lookahead} of them the speculative step's lookahead)" if lookahead else ""
-        error = ResourceExhausted(
+        error = RequestTooLarge(
             f"request {request.request_id[:64]!r} needs KV slots for {needed} tokens{ahead}; the whole cache holds "
             f"{capacity}",
-            field_violations=(FieldViolation("sampling.max_tokens", "more tokens than the whole KV cache holds"),),
+            field="sampling.max_tokens",
+            description="more tokens than the whole KV cache holds",
         )
         step.failed.append((request, error))
 

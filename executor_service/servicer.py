@@ -23,6 +23,7 @@ from executor_service.cancellation import LoadCancelled, cancellable
 from executor_service.capabilities import probe
 from executor_service.daemon_thread import in_daemon_thread
 from executor_service.drafting import check_drafter_backend, resolve_draft
+from executor_service.errors import EngineError
 from executor_service.generate_stream import GenerateStream
 from executor_service.mailbox import Mailbox
 from executor_service.metrics import EngineMetrics
@@ -45,6 +46,7 @@ from executor_service.session import (
     selection_request,
 )
 from executor_service.validation import check_load_request, has_drafter
+from executor_service.wire import Unavailable, status_error
 from specdec.v1 import common_pb2, executor_pb2, executor_pb2_grpc
 from specdec_runtime.errors import (
     AlreadyExists,
@@ -58,10 +60,6 @@ STREAM_FLUSH_SECONDS = 5.0
 LOAD_CANCEL_WAIT_S = 2.0  # how long shutdown waits for a LoadModel under way to notice it is cancelled (then: os._exit)
 SERVICE_NAME = executor_pb2.DESCRIPTOR.services_by_name["Executor"].full_name
 log = logging.getLogger("specdec.executor")
-
-
-class Unavailable(SpecdecError):
-    code = grpc.StatusCode.UNAVAILABLE
 
 
 class ExecutorServicer(executor_pb2_grpc.ExecutorServicer):
@@ -123,7 +121,14 @@ class ExecutorServicer(executor_pb2_grpc.ExecutorServicer):
         The loaded model serves until the new one is ready, so a load that fails leaves it serving. Only when
         the new model fits in memory just in place of the old one is the old one released first, after every
         check that allocates nothing has passed. At the swap, the old model's streams still running end with
-        finish_reason "abort" (as they always have when a model is replaced)."""
+        finish_reason "abort" (as they always have when a model is replaced). An engine error (no room for the
+        KV cache, a tensor-parallel rank gone) leaves as its status error."""
+        try:
+            return await self._checked_load(request)
+        except EngineError as err:
+            raise status_error(err) from err
+
+    async def _checked_load(self, request: executor_pb2.LoadModelRequest) -> executor_pb2.LoadModelResponse:
         check_load_request(request)
         check_ranks_alive()
         if self.draining:
@@ -237,8 +242,8 @@ class ExecutorServicer(executor_pb2_grpc.ExecutorServicer):
     ) -> AsyncIterator[executor_pb2.GenerateResponse]:
         try:
             session, outputs = await self._admit(request)
-        except SpecdecError as err:
-            await context.abort_with_status(err.to_status())
+        except (SpecdecError, EngineError) as err:
+            await context.abort_with_status(status_error(err).to_status())
             return
         stream = GenerateStream(request.request_id, session.loaded.tokenizer, request.sampling.stop)
         finished = stopping = False
@@ -251,7 +256,7 @@ class ExecutorServicer(executor_pb2_grpc.ExecutorServicer):
                     chunk.append(outputs.get_nowait())
                 error = next((o.error for o in chunk if o.error is not None), None)
                 if isinstance(error, RankUnavailable):  # a tensor-parallel rank is gone: UNAVAILABLE, as health says
-                    await context.abort_with_status(error.to_status())
+                    await context.abort_with_status(status_error(error).to_status())
                 if error is not None:
                     await context.abort(grpc.StatusCode.INTERNAL, f"generation failed: {error}")
                 response = stream.response(chunk)

@@ -45,12 +45,13 @@ from executor_service.loader import (
     read_config,
 )
 from executor_service.memory import MemoryEstimate, estimate_memory
+from executor_service.model_paths import check_path_text, resolve_model_path
 from executor_service.model_runner import ModelRunner
 from executor_service.parallel.driver import TensorParallelModel, allocate_on_all_ranks, load_on_all_ranks
 from executor_service.parallel.estimate import rank_zero_estimate
 from executor_service.parallel.layers import rank_config
 from executor_service.parallel.loading import load_target_shard
-from executor_service.parallel.state import get_tp_group, shard_violations, tensor_parallel_size
+from executor_service.parallel.state import get_tp_group, tensor_parallel_size
 from executor_service.prefix_cache import PrefixCache, PrefixCacheStats, tokens_after_block
 from executor_service.proposer import Proposer
 from executor_service.request import Request, RequestOutput, Sink
@@ -60,7 +61,7 @@ from executor_service.spec_step import SpecStep
 from executor_service.tree_engine import TreeEngine
 from executor_service.tree_proposer import TreeProposer
 from executor_service.tree_step import TreeStep
-from executor_service.validation import DEFAULT_BLOCK_SIZE, ModelLimits, check_path_text, resolve_model_path
+from executor_service.validation import DEFAULT_BLOCK_SIZE, ModelLimits, shard_violations
 from executor_service.weights import hf_layout
 from specdec.v1 import common_pb2, executor_pb2, selector_pb2
 from specdec_runtime.errors import FieldViolation, ResourceExhausted, invalid_fields

@@ -4,91 +4,21 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, replace
-from pathlib import Path
 from typing import Any
 
 from executor_service.chat import ChatTemplate, chat_prompt
+from executor_service.config import ModelConfig
 from executor_service.draft_config import METHODS
-from executor_service.limits import MAX_BLOCK_SIZE, MAX_NUM_KV_BLOCKS, short_repr
+from executor_service.limits import MAX_BLOCK_SIZE, MAX_NUM_KV_BLOCKS
+from executor_service.parallel.state import FLAG as TP_FLAG
 from executor_service.sampling import MIN_TEMPERATURE, SamplingSettings
 from executor_service.sampling_checks import sampling_violations
 from executor_service.stop_strings import stop_violations
+from executor_service.wire import sampling_settings
 from specdec.v1 import common_pb2, executor_pb2
 from specdec_runtime.errors import FailedPrecondition, FieldViolation, ResourceExhausted, invalid_fields
 
 DEFAULT_BLOCK_SIZE = 16
-MAX_PATH_BYTES = 4096  # PATH_MAX
-MAX_NAME_BYTES = 255  # NAME_MAX
-
-
-def resolve_model_path(raw: str, model_root: Path | None, field: str) -> Path:
-    """A directory strictly under --model-root; anything else (absolute elsewhere, `..`, links out) is refused."""
-    if model_root is None:
-        raise invalid_fields(
-            [FieldViolation(field, "loading from a path is off: start the executor with --model-root")]
-        )
-    if not raw:
-        raise invalid_fields([FieldViolation(field, "required: a directory under the model root")])
-    check_path_text(raw, field)
-    if ".." in Path(raw).parts:
-        raise invalid_fields([FieldViolation(field, "'..' is not allowed in model paths")])
-    root = model_root.resolve()
-    candidate = resolve_quietly(root / raw, raw, field)  # an absolute `raw` replaces root; links are followed
-    if candidate != root and root not in candidate.parents:
-        raise invalid_fields([FieldViolation(field, f"{short_repr(raw)} is outside the model root {root_name(root)}")])
-    if not _is_dir(candidate):
-        problem = f"{short_repr(raw)} is not a directory under the model root {root_name(root)}"
-        raise invalid_fields([FieldViolation(field, problem)])
-    return candidate
-
-
-def root_name(root: Path) -> str:
-    """The model root as path errors name it, quoted: the caller learns where its paths are looked up (the
-    operator's own setting, so not clipped like the caller's input; the status clips the whole text)."""
-    return repr(str(root))
-
-
-def check_model_root(raw: str) -> Path:
-    """--model-root at start: an existing directory, or a ValueError naming it (the executor refuses to start,
-    rather than refusing every later LoadModel)."""
-    root = Path(raw)
-    if not _is_dir(root):
-        problem = "does not exist" if not root.exists() else "is not a directory"
-        raise ValueError(f"--model-root {raw}: {problem}")
-    return root
-
-
-def check_path_text(raw: str, field: str) -> None:
-    """What no file system accepts, refused before one is asked: a NUL byte, an over-long path or name."""
-    encoded = raw.encode("utf-8", "surrogateescape")
-    if "\0" in raw:
-        problem = "contains a NUL byte"
-    elif len(encoded) > MAX_PATH_BYTES:
-        problem = f"is {len(encoded)} bytes long; at most {MAX_PATH_BYTES}"
-    elif any(len(part) > MAX_NAME_BYTES for part in encoded.split(b"/")):
-        problem = f"has a name longer than {MAX_NAME_BYTES} bytes"
-    else:
-        return
-    raise invalid_fields([FieldViolation(field, f"{short_repr(raw)} {problem}")])
-
-
-def resolve_quietly(path: Path, raw: str, field: str) -> Path:
-    """`path` with its links followed; a link loop or an unreadable component is INVALID_ARGUMENT on `field`
-    (Path.resolve raises RuntimeError for a loop, OSError or ValueError for the rest)."""
-    try:
-        return path.resolve()
-    except RuntimeError:
-        problem = "is a loop of symbolic links"
-    except (OSError, ValueError) as err:
-        problem = f"cannot be resolved ({err.strerror if isinstance(err, OSError) else err})"
-    raise invalid_fields([FieldViolation(field, f"{short_repr(raw)} {problem}")])
-
-
-def _is_dir(path: Path) -> bool:
-    try:
-        return path.is_dir()
-    except (OSError, ValueError):
-        return False
 
 
 def check_load_request(request: executor_pb2.LoadModelRequest) -> None:
@@ -235,7 +165,7 @@ def check_generate(
         )
     if request.HasField("num_speculative_tokens"):  # admission counts the request's own drafts and lookahead
         limits = limits.for_request(request.num_speculative_tokens)
-    settings = SamplingSettings.from_proto(params)
+    settings = sampling_settings(params)
     max_tokens = settings.max_tokens if settings.max_tokens is not None else _room(len(prompt), limits)
     if max_tokens <= 0 or _kv_tokens(len(prompt), max_tokens, limits) > limits.capacity_tokens:
         headroom = f" + {limits.headroom_tokens} for the speculative step" if limits.headroom_tokens else ""
@@ -279,3 +209,21 @@ def _room(prompt_len: int, limits: ModelLimits) -> int:
     if limits.max_model_len <= limits.capacity_tokens:
         return limits.max_model_len - prompt_len
     return limits.capacity_tokens - limits.headroom_tokens - prompt_len
+
+
+def shard_violations(config: ModelConfig, size: int, field: str) -> list[FieldViolation]:
+    """What of the target cannot be split `size` ways: heads, KV heads and the MLP's width must divide."""
+    if size == 1:
+        return []
+    counts = (
+        ("attention heads", config.num_heads),
+        ("KV heads", config.num_kv_heads),
+        ("MLP intermediate size", config.intermediate_size),
+    )
+    return [
+        FieldViolation(
+            field, f"the target's {count} {name} do not divide by {TP_FLAG} {size}: each rank needs whole ones"
+        )
+        for name, count in counts
+        if count % size
+    ]

@@ -3,11 +3,33 @@
 The services stand apart: the selector, the executor and the gateway each build on the shared packages (specdec_runtime,
 selection, kernels, the specdec stubs) and never import the other service or the CLI; the shared packages import
 no service. The selector's side stays torch-free, so that its image runs without torch.
+
+Inside the executor, every module belongs to one layer of EXECUTOR_LAYERS, bottom to top, and imports only
+modules of its own layer or of lower ones (imports for annotations alone, under `if TYPE_CHECKING:`, included):
+
+- base: what every layer uses (the engine's plain errors, device helpers, cancellation, the TP shared-memory ring);
+- models: model shapes and code, checkpoint and GGUF loading, drafter shapes and weights, TP sharding;
+- sampling: the target distribution, penalties, logprobs, sampling settings as tensors;
+- engine core: requests and their KV-cache bookkeeping (block pool, prefix cache, KV cache, scheduler);
+- runner: the model runner, CUDA graphs, the tensor-parallel driver;
+- spec decode: drafting, verification and the device step (its sampling variants and penalty table);
+- engine: the engine thread's loops (chain and tree);
+- server: the gRPC shell, request checks, the wire conversions (wire.py), the composition root (session.py);
+- training: the drafter trainer, an offline tool on top of everything.
+
+Protobuf stops in the server layer: base, sampling, engine core, runner, spec decode and engine ("wire-free")
+never import the stubs, grpc, google.rpc or specdec_runtime (whose errors are gRPC statuses); they raise the
+engine's own errors (executor_service/errors.py), which wire.status_error maps to a status once, in the server.
+The models layer still reads some request messages (config.py, draft_config.py, chat.py) and raises status
+errors for bad LoadModel fields: allowed there for now. And no executor module imports another in a circle (at
+run time: annotation-only imports cannot circle).
 """
 
 from __future__ import annotations
 
 import ast
+from dataclasses import dataclass
+from fnmatch import fnmatch
 from pathlib import Path
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
@@ -64,3 +86,264 @@ def test_the_check_sees_imports_anywhere_in_a_module(tmp_path: Path) -> None:
         "executor_service/late.py imports selector_service",
         "selection/top.py imports torch",
     ]
+
+
+# ---- layers inside the executor -------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Layer:
+    name: str
+    wire_free: bool  # True: never imports WIRE
+    modules: str  # module names under the package, space-separated; "pkg.*": every module of a sub-package
+
+
+# Imports that carry the wire: the protobuf stubs and gRPC (specdec_runtime's errors are gRPC statuses).
+WIRE = ("specdec", "specdec_runtime", "grpc", "grpc_status", "google.rpc", "google.protobuf")
+EXECUTOR_LAYERS: tuple[Layer, ...] = (
+    Layer(
+        "base",
+        wire_free=True,
+        modules=(
+            "__init__ errors attention_step fused_ops step_constants cancellation daemon_thread load_phases "
+            "detokenizer parallel.__init__ parallel.channel parallel.stack_dumps"
+        ),
+    ),
+    Layer(
+        "models",
+        wire_free=False,
+        modules=(
+            "config json_fields limits rope rotary_cache fused_layer model weights loader model_paths gguf_loader "
+            "gguf_tokenizer chat draft_config draft_models draft_weights draft_id_tables parallel.state parallel.layers"
+        ),
+    ),
+    Layer("sampling", wire_free=True, modules="sampling penalties logprobs device_sampling"),
+    Layer("engine core", wire_free=True, modules="request block_pool prefix_cache kv_cache scheduler"),
+    Layer(
+        "runner",
+        wire_free=True,
+        modules="model_runner cuda_graphs parallel.driver parallel.graphs parallel.protocol parallel.loading",
+    ),
+    Layer(
+        "spec decode",
+        wire_free=True,
+        modules=(
+            "device_penalties step_variants verifier rejection_sampler draft_sampling proposer tree_proposer "
+            "dflash_tree_proposer tree_verification adaptive_k spec_step tree_step"
+        ),
+    ),
+    Layer("engine", wire_free=True, modules="engine tree_engine"),
+    Layer(
+        "server",
+        wire_free=False,
+        modules=(
+            "servicer main validation wire prompt_intake sampling_checks stop_strings generate_stream server_info "
+            "mailbox metrics selection capabilities session drafting backend_claims memory parallel.estimate "
+            "parallel.launcher parallel.worker"
+        ),
+    ),
+    Layer("training", wire_free=False, modules="training.*"),
+)
+
+
+@dataclass(frozen=True)
+class Import:
+    name: str  # dotted, relative imports resolved: `import a.b` and `from a.b import c` give a.b
+    annotations_only: bool  # under `if TYPE_CHECKING:`
+    members: tuple[str, ...] = ()  # `from a.b import c, d`: c and d (modules or attributes)
+
+
+def module_imports(source: str, module: str, is_package: bool = False) -> list[Import]:
+    """Every import of `module` (dotted; `is_package`: its source is the package's __init__), those inside
+    functions included."""
+    found: list[Import] = []
+    package = module if is_package else module.rpartition(".")[0]
+
+    def visit(node: ast.AST, annotations_only: bool) -> None:
+        if isinstance(node, ast.If) and _is_type_checking(node.test):
+            for child in node.body:
+                visit(child, True)
+            for child in node.orelse:
+                visit(child, annotations_only)
+            return
+        if isinstance(node, ast.Import):
+            found.extend(Import(alias.name, annotations_only) for alias in node.names)
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:
+                parts = package.split(".")
+                base = ".".join(parts[: len(parts) - node.level + 1])
+                name = f"{base}.{node.module}" if node.module else base
+            else:
+                name = node.module or ""
+            found.append(Import(name, annotations_only, tuple(alias.name for alias in node.names)))
+        for child in ast.iter_child_nodes(node):
+            visit(child, annotations_only)
+
+    visit(ast.parse(source), False)
+    return found
+
+
+def _is_type_checking(test: ast.expr) -> bool:
+    return (isinstance(test, ast.Name) and test.id == "TYPE_CHECKING") or (
+        isinstance(test, ast.Attribute) and test.attr == "TYPE_CHECKING"
+    )
+
+
+def package_modules(root: Path, package: str) -> dict[str, Path]:
+    """Module name (relative to `package`, e.g. "parallel.state"; "__init__" for the package itself) -> file."""
+    found = {}
+    for path in sorted((root / package).rglob("*.py")):
+        found[".".join(path.relative_to(root / package).with_suffix("").parts)] = path
+    return found
+
+
+def package_graph(root: Path, package: str, annotations: bool = True) -> dict[str, set[str]]:
+    """Which of the package's modules each one imports (relative names, as package_modules); `annotations`:
+    imports under `if TYPE_CHECKING:` count too."""
+    modules = package_modules(root, package)
+    graph: dict[str, set[str]] = {}
+    for name, path in modules.items():
+        dotted = package if name == "__init__" else f"{package}.{name.removesuffix('.__init__')}"
+        imported = set()
+        for found in module_imports(path.read_text(), dotted, is_package=path.name == "__init__.py"):
+            if found.annotations_only and not annotations:
+                continue
+            # `from a import b`: module a.b if there is one, else a (b is an attribute of a)
+            members = [f"{found.name}.{m}" for m in found.members]
+            targets = [m for m in members if _module(m, package, modules)]
+            if len(targets) < len(members) or not members:
+                targets.append(found.name)
+            imported.update(t for t in map(lambda t: _module(t, package, modules), targets) if t and t != name)
+        graph[name] = imported
+    return graph
+
+
+def _module(dotted: str, package: str, modules: dict[str, Path]) -> str | None:
+    """The package's module (relative name) that `dotted` names, a sub-package as its __init__; else None."""
+    if dotted != package and not dotted.startswith(f"{package}."):
+        return None
+    relative = dotted.removeprefix(package).removeprefix(".")
+    for candidate in (relative, f"{relative}.__init__" if relative else "__init__"):
+        if candidate in modules:
+            return candidate
+    return None
+
+
+def layer_of(layers: tuple[Layer, ...], module: str) -> list[int]:
+    return [i for i, layer in enumerate(layers) if any(fnmatch(module, p) for p in layer.modules.split())]
+
+
+def layer_violations(root: Path, package: str, layers: tuple[Layer, ...]) -> list[str]:
+    """Every module in no layer or in several; every import of a higher layer's module; every wire import
+    (WIRE) of a wire-free layer's module."""
+    found = []
+    modules = package_modules(root, package)
+    graph = package_graph(root, package)
+    for name, path in modules.items():
+        where = layer_of(layers, name)
+        if len(where) != 1:
+            found.append(f"{name} is in {len(where)} layers")
+            continue
+        layer = layers[where[0]]
+        for imported in sorted(graph[name]):
+            their = layer_of(layers, imported)
+            if len(their) == 1 and their[0] > where[0]:
+                found.append(f"{name} ({layer.name}) imports {imported} ({layers[their[0]].name})")
+        if layer.wire_free:
+            dotted = f"{package}.{name}"
+            names = {i.name for i in module_imports(path.read_text(), dotted, path.name == "__init__.py")}
+            for wire in sorted(n for n in names if any(n == w or n.startswith(f"{w}.") for w in WIRE)):
+                found.append(f"{name} ({layer.name}) imports {wire}")
+    return found
+
+
+def import_cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """The graph's circles: each strongly connected component of more than one module, sorted."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    cycles = []
+
+    def connect(node: str) -> None:  # Tarjan's algorithm
+        index[node] = low[node] = len(index)
+        stack.append(node)
+        for other in sorted(graph.get(node, ())):
+            if other not in index:
+                connect(other)
+                low[node] = min(low[node], low[other])
+            elif other in stack:
+                low[node] = min(low[node], index[other])
+        if low[node] == index[node]:
+            component = []
+            while True:
+                member = stack.pop()
+                component.append(member)
+                if member == node:
+                    break
+            if len(component) > 1:
+                cycles.append(sorted(component))
+
+    for node in sorted(graph):
+        if node not in index:
+            connect(node)
+    return sorted(cycles)
+
+
+def test_the_executor_layers_hold() -> None:
+    assert layer_violations(REPO_ROOT, "executor_service", EXECUTOR_LAYERS) == []
+
+
+def test_no_executor_module_imports_another_in_a_circle() -> None:
+    graph = package_graph(REPO_ROOT, "executor_service", annotations=False)
+    assert len(graph) > 50, "the executor's modules were not found"
+    assert import_cycles(graph) == []
+
+
+LAYERS_OF_THE_CONTROL = (
+    Layer("low", wire_free=True, modules="plain fixed"),
+    Layer("sub", wire_free=True, modules="sub.*"),
+    Layer("high", wire_free=False, modules="__init__ shell"),
+)
+
+
+def test_the_layer_check_sees_upward_and_wire_imports(tmp_path: Path) -> None:
+    """Negative control: an upward import (relative, in a function, or for annotations only), a stub and a gRPC
+    import in a wire-free layer, and a module in no layer are all found; the allowed ones are not."""
+    package = tmp_path / "made_up"
+    (package / "sub").mkdir(parents=True)
+    (package / "__init__.py").write_text("")
+    (package / "shell.py").write_text("import grpc\nfrom made_up import plain\nfrom specdec.v1 import executor_pb2\n")
+    (package / "plain.py").write_text(
+        "from typing import TYPE_CHECKING\n\nif TYPE_CHECKING:\n    from made_up.sub import deep\n"
+        "def f():\n    from . import shell\n    return shell\n"
+    )
+    (package / "fixed.py").write_text("from made_up import plain\nfrom specdec_runtime.errors import FieldViolation\n")
+    (package / "sub" / "__init__.py").write_text("")
+    (package / "sub" / "deep.py").write_text("from .. import fixed\nimport grpc.aio\n")
+    (package / "stray.py").write_text("")
+    assert layer_violations(tmp_path, "made_up", LAYERS_OF_THE_CONTROL) == [
+        "fixed (low) imports specdec_runtime.errors",
+        "plain (low) imports shell (high)",
+        "plain (low) imports sub.deep (sub)",
+        "stray is in 0 layers",
+        "sub.deep (sub) imports grpc.aio",
+    ]
+
+
+def test_the_cycle_check_sees_circles(tmp_path: Path) -> None:
+    """Negative control: a circle of three (one arrow inside a function), one of two through a package's
+    __init__; an annotation-only arrow closes no circle at run time but does in the full graph."""
+    package = tmp_path / "made_up"
+    (package / "pkg").mkdir(parents=True)
+    (package / "a.py").write_text("from made_up import b\n")
+    (package / "b.py").write_text("def f():\n    from made_up.c import g\n    return g\n")
+    (package / "c.py").write_text("import made_up.a\n")
+    (package / "pkg" / "__init__.py").write_text("from made_up.pkg.inner import x\n")
+    (package / "pkg" / "inner.py").write_text("from made_up import pkg\n")
+    (package / "d.py").write_text("from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from made_up import e\n")
+    (package / "e.py").write_text("from made_up import d\n")
+    assert import_cycles(package_graph(tmp_path, "made_up", annotations=False)) == [
+        ["a", "b", "c"],
+        ["pkg.__init__", "pkg.inner"],
+    ]
+    assert ["d", "e"] in import_cycles(package_graph(tmp_path, "made_up"))

@@ -15,13 +15,11 @@ import time
 from dataclasses import dataclass, field
 from datetime import timedelta
 
-import grpc
 import torch
 import torch.distributed as dist
 
-from executor_service.config import ModelConfig
+from executor_service.errors import EngineUnavailable
 from executor_service.parallel.channel import ControlRing
-from specdec_runtime.errors import FieldViolation, SpecdecError
 
 FLAG = "--tensor-parallel-size"
 MAX_TENSOR_PARALLEL_SIZE = 64
@@ -47,10 +45,8 @@ STEP_WATCHDOG_ENV, HEARTBEAT_ENV = "SPECDEC_TP_STEP_WATCHDOG_S", "SPECDEC_TP_HEA
 STEP_WATCHDOG_S, HEARTBEAT_TIMEOUT_S = 60.0, 5.0
 
 
-class RankUnavailable(SpecdecError):
+class RankUnavailable(EngineUnavailable):
     """A tensor-parallel rank is gone: no step can run again until the server is restarted."""
-
-    code = grpc.StatusCode.UNAVAILABLE
 
 
 @dataclass
@@ -147,19 +143,3 @@ def check_tensor_parallel_size(size: int) -> None:
     """The flag itself, at start: ValueError (the CLI's bad-setup exit) naming it."""
     if not 1 <= size <= MAX_TENSOR_PARALLEL_SIZE:
         raise ValueError(f"{FLAG} must be between 1 and {MAX_TENSOR_PARALLEL_SIZE}, not {size}")
-
-
-def shard_violations(config: ModelConfig, size: int, field: str) -> list[FieldViolation]:
-    """What of the target cannot be split `size` ways: heads, KV heads and the MLP's width must divide."""
-    if size == 1:
-        return []
-    counts = (
-        ("attention heads", config.num_heads),
-        ("KV heads", config.num_kv_heads),
-        ("MLP intermediate size", config.intermediate_size),
-    )
-    return [
-        FieldViolation(field, f"the target's {count} {name} do not divide by {FLAG} {size}: each rank needs whole ones")
-        for name, count in counts
-        if count % size
-    ]

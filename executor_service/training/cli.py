@@ -25,6 +25,7 @@ from typing import Any
 import torch
 
 from executor_service.draft_weights import empty_drafter, save_drafter
+from executor_service.errors import EngineError
 from executor_service.training import datagen
 from executor_service.training.init import (
     pretrained_config,
@@ -234,7 +235,7 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         log = run(args, shlex.join(["specdec", "train-drafter", *argv]))
-    except (ValueError, FileNotFoundError, SpecdecError) as err:
+    except (ValueError, FileNotFoundError, SpecdecError, EngineError) as err:
         details = [f"{v.field}: {v.description}" for v in getattr(err, "field_violations", ())]
         print("; ".join([f"error: {err}", *(d for d in details if d not in str(err))]), file=sys.stderr)
         return 1

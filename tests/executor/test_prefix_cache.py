@@ -6,10 +6,10 @@ from __future__ import annotations
 import pytest
 
 from executor_service.block_pool import BlockPool
+from executor_service.errors import KVCacheFull
 from executor_service.prefix_cache import PrefixCache, hash_block_tokens, tokens_after_block
 from executor_service.request import Request
 from executor_service.sampling import SamplingSettings
-from specdec_runtime.errors import ResourceExhausted
 
 BLOCK = 4
 
@@ -45,7 +45,7 @@ def test_pool_counts_holds_and_refuses_a_double_free() -> None:
     assert pool.num_used == 0
     with pytest.raises(RuntimeError, match="freed more often"):
         pool.free(blocks[:1])
-    with pytest.raises(ResourceExhausted):
+    with pytest.raises(KVCacheFull):
         pool.allocate(5)
 
 
@@ -65,7 +65,7 @@ def test_free_cached_blocks_are_kept_then_evicted_least_recent_first() -> None:
     assert pool.num_free == 1 and pool.num_free_among([a, c]) == 1
     assert pool.allocate(1) == [a] and pool.lookup(b"a") is None
     assert pool.lookup(b"c") == c  # held: never handed out, never evicted
-    with pytest.raises(ResourceExhausted):
+    with pytest.raises(KVCacheFull):
         pool.allocate(1)
 
 

@@ -18,9 +18,11 @@ from greedy_reference import greedy_reference
 from rpc_details import violations
 from spec_builders import draft_model, spec_session
 
+from executor_service.errors import RequestTooLarge
 from executor_service.main import ExecutorOptions, start_executor
 from executor_service.session import EngineSettings, ModelSession
 from executor_service.validation import check_generate
+from executor_service.wire import status_error
 from specdec.v1 import executor_pb2, executor_pb2_grpc
 from specdec_runtime.errors import ResourceExhausted
 from specdec_runtime.grpc_runtime import ServerSettings
@@ -99,8 +101,11 @@ def test_a_request_that_can_never_fit_fails_instead_of_spinning(method: str, k: 
     run_bounded(session.engine)
     for rid in ("outgrows", "never-admitted"):
         error = outputs.error(rid)
-        assert isinstance(error, ResourceExhausted), (rid, error)
-        assert "lookahead" in error.message and error.field_violations[0].field == "sampling.max_tokens"
+        assert isinstance(error, RequestTooLarge), (rid, error)
+        assert "lookahead" in error.message and error.field == "sampling.max_tokens"
+        status = status_error(error)  # what the server answers it with
+        assert isinstance(status, ResourceExhausted) and status.message == error.message
+        assert [v.field for v in status.field_violations] == ["sampling.max_tokens"]
     assert session.kv_cache.allocator.num_used == 0 and session.engine.num_live == 0
     add(session, "after", [1, 2, 3], 6, outputs)
     run_bounded(session.engine)
