@@ -255,7 +255,9 @@ class ExecutorServicer(executor_pb2_grpc.ExecutorServicer):
                 while not outputs.empty():  # coalesce what piled up while we were sending
                     chunk.append(outputs.get_nowait())
                 error = next((o.error for o in chunk if o.error is not None), None)
-                if isinstance(error, RankUnavailable):  # a tensor-parallel rank is gone: UNAVAILABLE, as health says
+                # The engine's own failures (a request the cache can never hold, a tensor-parallel rank gone) end
+                # the stream with their kind's status and field; anything else is a bug: INTERNAL.
+                if isinstance(error, EngineError):
                     await context.abort_with_status(status_error(error).to_status())
                 if error is not None:
                     await context.abort(grpc.StatusCode.INTERNAL, f"generation failed: {error}")

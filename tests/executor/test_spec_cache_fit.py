@@ -7,6 +7,7 @@ executor at 20 tokens."""
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import random
 
 import grpc
@@ -139,6 +140,35 @@ async def test_the_reported_request_is_refused_and_the_largest_one_finishes_over
             assert len(await generate("unset", [7] * 1000, None)) == 16
             assert len(await generate("later", [1, 2, 3], 8)) == 8
             session = running.servicer.session
+            assert session.kv_cache.allocator.num_used == 0 and session.engine.num_live == 0
+    finally:
+        await running.stop(0.5)
+
+
+async def test_a_request_failed_mid_stream_for_the_cache_is_resource_exhausted_over_grpc() -> None:
+    """A request that outgrows the whole cache while decoding (admission told it could fit: here its limits are
+    loosened, as for a request that skipped admission) ends its stream RESOURCE_EXHAUSTED, naming
+    sampling.max_tokens, not INTERNAL; the next request is served."""
+    running = await start_executor(
+        ServerSettings(port=0), ExecutorOptions(device=torch.device("cpu"), engine=EngineSettings(64, 8))
+    )
+    try:
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{running.server.port}") as channel:
+            stub = executor_pb2_grpc.ExecutorStub(channel)
+            await stub.LoadModel(load_request(num_kv_blocks=BLOCKS, block_size=BLOCK_SIZE))
+            session = running.servicer.session
+            session.limits = dataclasses.replace(session.limits, capacity_tokens=10 * CAPACITY)
+            message = generate_request(ids(100, seed=3), CAPACITY)
+            message.request_id = "outgrows"
+            with pytest.raises(grpc.aio.AioRpcError) as err:
+                await asyncio.wait_for(_collect(stub.Generate(message)), WAIT_S)
+            assert err.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED, err.value.details()
+            assert f"the whole cache holds {CAPACITY}" in err.value.details()
+            assert violations(err.value) == {"sampling.max_tokens": "more tokens than the whole KV cache holds"}
+            after = generate_request([1, 2, 3], 4)
+            after.request_id = "after"
+            responses = await asyncio.wait_for(_collect(stub.Generate(after)), WAIT_S)
+            assert [t for r in responses for t in r.token_ids] == greedy_reference(session.loaded.model, [1, 2, 3], 4)
             assert session.kv_cache.allocator.num_used == 0 and session.engine.num_live == 0
     finally:
         await running.stop(0.5)
