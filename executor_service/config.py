@@ -8,10 +8,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from executor_service.errors import FieldProblem, invalid_fields
 from executor_service.json_fields import FieldReader
 from executor_service.limits import MAX_POSITION_EMBEDDINGS, MAX_VOCAB_SIZE, MODEL_BOUNDS, model_violations, short_repr
-from specdec.v1 import executor_pb2
-from specdec_runtime.errors import FieldViolation, invalid_fields
 
 # Hugging Face `architectures` / `model_type` -> our architecture name.
 ARCHITECTURES = {
@@ -79,7 +78,7 @@ class ModelConfig:
 
     @classmethod
     def from_hf(cls, raw: dict[str, Any], prefix: str = "config") -> ModelConfig:
-        """From a parsed config.json; InvalidArgument naming each missing, mistyped, out-of-bounds or
+        """From a parsed config.json; InvalidField naming each missing, mistyped, out-of-bounds or
         unsupported key as `<prefix>.<key>` (the request field that named the directory, or "config")."""
         read = FieldReader(raw, prefix)
         names = [*read.strings("architectures"), read.string("model_type")]
@@ -125,24 +124,35 @@ class ModelConfig:
         return config
 
     @classmethod
-    def from_synthetic(cls, spec: executor_pb2.SyntheticModel, field_prefix: str) -> ModelConfig:
-        """From a SyntheticModel request; InvalidArgument naming each bad field under `field_prefix`."""
-        violations: list[FieldViolation] = []
-        if spec.architecture not in ("llama", "qwen3"):
+    def synthetic(
+        cls,
+        *,
+        architecture: str,
+        vocab_size: int,
+        hidden_size: int,
+        intermediate_size: int,
+        num_layers: int,
+        num_heads: int,
+        num_kv_heads: int,
+        head_size: int,
+        field_prefix: str,
+    ) -> ModelConfig:
+        """A synthetic model's shape (a SyntheticModel request's sizes); InvalidField naming each bad field
+        under `field_prefix`."""
+        violations: list[FieldProblem] = []
+        if architecture not in ("llama", "qwen3"):
             violations.append(
-                FieldViolation(
-                    f"{field_prefix}.architecture", f"'llama' or 'qwen3', got {short_repr(spec.architecture)}"
-                )
+                FieldProblem(f"{field_prefix}.architecture", f"'llama' or 'qwen3', got {short_repr(architecture)}")
             )
         config = cls(
-            architecture=spec.architecture,
-            vocab_size=spec.vocab_size,
-            hidden_size=spec.hidden_size,
-            intermediate_size=spec.intermediate_size,
-            num_layers=spec.num_layers,
-            num_heads=spec.num_heads,
-            num_kv_heads=spec.num_kv_heads,
-            head_size=spec.head_size,
+            architecture=architecture,
+            vocab_size=vocab_size,
+            hidden_size=hidden_size,
+            intermediate_size=intermediate_size,
+            num_layers=num_layers,
+            num_heads=num_heads,
+            num_kv_heads=num_kv_heads,
+            head_size=head_size,
             rope_theta=500000.0,
         )
         violations += model_violations(config, lambda attr: f"{field_prefix}.{attr}")

@@ -11,6 +11,7 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 from executor_service.config import ModelConfig
+from executor_service.errors import FieldProblem, InvalidField, invalid_fields
 from executor_service.json_fields import FieldReader, in_file
 from executor_service.limits import (
     MAX_DFLASH_BLOCK_SIZE,
@@ -21,7 +22,6 @@ from executor_service.limits import (
 )
 from selection.draft_tree import TreeShape, parse_draft_tree
 from specdec.v1 import common_pb2, executor_pb2
-from specdec_runtime.errors import FieldViolation, InvalidArgument, invalid_fields
 
 METHODS = {
     common_pb2.SPEC_METHOD_EAGLE: "eagle",
@@ -99,11 +99,11 @@ def draft_from_hf(
     shape.setdefault("vocab_size", target.vocab_size)
     hidden = raw.get("hidden_size")
     shape.setdefault("intermediate_size", 4 * hidden if type(hidden) is int and 0 < hidden <= MAX_HIDDEN_SIZE else 1)
-    violations: list[FieldViolation] = []
+    violations: list[FieldProblem] = []
     try:
         model = ModelConfig.from_hf(shape, field)
-    except InvalidArgument as err:  # reported with what follows, all at once
-        violations += err.field_violations
+    except InvalidField as err:  # reported with what follows, all at once
+        violations += err.problems
         model = ModelConfig("llama", 1, 1, 1, 1, 1, 1, 2)
     model = replace(model, vocab_size=target.vocab_size, max_position_embeddings=target.max_position_embeddings)
     dflash = FieldReader(read.object("dflash_config"), read.name("dflash_config"))
@@ -150,7 +150,17 @@ def draft_from_synthetic(
     """From a SyntheticModel (vocab_size 0: the target's). EAGLE-1 synthetic drafters have an fc bias."""
     if spec.vocab_size == 0:  # a copy: the request itself stays as the caller sent it
         spec = executor_pb2.SyntheticModel(vocab_size=target.vocab_size, **_set_fields(spec))
-    model = ModelConfig.from_synthetic(spec, field)
+    model = ModelConfig.synthetic(
+        architecture=spec.architecture,
+        vocab_size=spec.vocab_size,
+        hidden_size=spec.hidden_size,
+        intermediate_size=spec.intermediate_size,
+        num_layers=spec.num_layers,
+        num_heads=spec.num_heads,
+        num_kv_heads=spec.num_kv_heads,
+        head_size=spec.head_size,
+        field_prefix=field,
+    )
     model = replace(
         model,
         architecture="qwen3" if method == "dflash" else spec.architecture,
@@ -176,7 +186,7 @@ def finish_draft_config(
     config: DraftConfig, target: ModelConfig, request: executor_pb2.DraftModel, field: str
 ) -> DraftConfig:
     """Apply the request's overrides and defaults, then check the drafter against the target."""
-    violations: list[FieldViolation] = []
+    violations: list[FieldProblem] = []
     method = config.method
     layers = config.target_layer_ids
     layers_field = f"{field}.target_layer_ids"
@@ -191,11 +201,11 @@ def finish_draft_config(
         causal = override.causal or causal
         if not 0 <= mask < target.vocab_size:
             violations.append(
-                FieldViolation("draft.dflash_config.mask_token_id", f"required: an id in [0, {target.vocab_size})")
+                FieldProblem("draft.dflash_config.mask_token_id", f"required: an id in [0, {target.vocab_size})")
             )
         if not 2 <= block_size <= MAX_DFLASH_BLOCK_SIZE:
             violations.append(
-                FieldViolation("draft.dflash_config.block_size", f"must be in [2, {MAX_DFLASH_BLOCK_SIZE}]")
+                FieldProblem("draft.dflash_config.block_size", f"must be in [2, {MAX_DFLASH_BLOCK_SIZE}]")
             )
     elif method == "eagle3":
         layers = layers or default_eagle3_layers(target.num_layers)
@@ -204,7 +214,7 @@ def finish_draft_config(
     if request.tree.branching and not request.num_speculative_tokens:
         k = len(request.tree.branching)  # a static tree's depth
     if not 0 < k <= limit:
-        violations.append(FieldViolation("draft.num_speculative_tokens", f"must be in [1, {limit}] for {method}"))
+        violations.append(FieldProblem("draft.num_speculative_tokens", f"must be in [1, {limit}] for {method}"))
     tree, tree_violations = parse_draft_tree(
         request.tree, method == "dflash", k, "draft.tree", "draft.num_speculative_tokens"
     )
@@ -212,24 +222,22 @@ def finish_draft_config(
     bad_layers = [i for i in layers if not 0 <= i < target.num_layers]
     if bad_layers:
         violations.append(
-            FieldViolation(
-                layers_field, f"{short_repr(bad_layers, 80)} outside the target's {target.num_layers} layers"
-            )
+            FieldProblem(layers_field, f"{short_repr(bad_layers, 80)} outside the target's {target.num_layers} layers")
         )
     elif len(set(layers)) != len(layers):
-        violations.append(FieldViolation(layers_field, f"duplicate layers in {short_repr(list(layers), 80)}"))
+        violations.append(FieldProblem(layers_field, f"duplicate layers in {short_repr(list(layers), 80)}"))
     if config.model.hidden_size != target.hidden_size:
         violations.append(
-            FieldViolation(
+            FieldProblem(
                 f"{field}.hidden_size",
                 f"{config.model.hidden_size} differs from the target's {target.hidden_size} "
                 "(the drafter embeds tokens with the target's embedding)",
             )
         )
     if method == "eagle3" and not 0 <= config.draft_vocab_size <= target.vocab_size:
-        violations.append(FieldViolation(f"{field}.draft_vocab_size", f"must be in [0, {target.vocab_size}]"))
+        violations.append(FieldProblem(f"{field}.draft_vocab_size", f"must be in [0, {target.vocab_size}]"))
     if method == "eagle3" and config.model.num_layers != 1:
-        violations.append(FieldViolation(f"{field}.num_layers", "EAGLE-3 drafters have exactly one layer"))
+        violations.append(FieldProblem(f"{field}.num_layers", "EAGLE-3 drafters have exactly one layer"))
     if violations:
         raise invalid_fields(violations)
     return replace(

@@ -11,8 +11,8 @@ from pathlib import Path
 import torch
 
 from executor_service.draft_config import DraftConfig
+from executor_service.errors import FieldProblem, invalid_fields
 from executor_service.loader import _unreadable_as
-from specdec_runtime.errors import FieldViolation, invalid_fields
 
 LISTED = 3  # bad entries named per table
 
@@ -29,7 +29,7 @@ def check_id_tables(located: dict[str, Path], config: DraftConfig, field: str, r
         if bad.numel():
             shown = ", ".join(f"{i} -> {targets[i]}" for i in bad[:LISTED].tolist())
             violations.append(
-                FieldViolation(
+                FieldProblem(
                     field,
                     f"tensor d2t maps {bad.numel()} of {d2t.shape[0]} draft ids outside the target's vocabulary "
                     f"[0, {vocab}) (draft id -> target id: {shown})",
@@ -41,21 +41,21 @@ def check_id_tables(located: dict[str, Path], config: DraftConfig, field: str, r
         raise invalid_fields(violations)
 
 
-def _t2d_violations(t2d: torch.Tensor, vocab: int, draft_vocab: int, field: str) -> list[FieldViolation]:
+def _t2d_violations(t2d: torch.Tensor, vocab: int, draft_vocab: int, field: str) -> list[FieldProblem]:
     """t2d holds one entry per target id: a boolean mask (SafeAILab's EAGLE-3) or a draft id, -1 for none."""
     if t2d.dim() != 1 or t2d.shape[0] != vocab:
-        return [FieldViolation(field, f"tensor t2d has shape {list(t2d.shape)}, expected [{vocab}] (the target's)")]
+        return [FieldProblem(field, f"tensor t2d has shape {list(t2d.shape)}, expected [{vocab}] (the target's)")]
     if t2d.dtype == torch.bool:
         return []
     if t2d.is_floating_point() or t2d.is_complex():
-        return [FieldViolation(field, f"tensor t2d is {t2d.dtype}: expected booleans or integer draft ids")]
+        return [FieldProblem(field, f"tensor t2d is {t2d.dtype}: expected booleans or integer draft ids")]
     values = t2d.to(torch.int64)
     bad = ((values < -1) | (values >= draft_vocab)).nonzero().flatten()
     if not bad.numel():
         return []
     shown = ", ".join(f"{i} -> {values[i]}" for i in bad[:LISTED].tolist())
     return [
-        FieldViolation(
+        FieldProblem(
             field,
             f"tensor t2d maps {bad.numel()} target ids outside the draft vocabulary [0, {draft_vocab}) or -1 "
             f"(target id -> draft id: {shown})",

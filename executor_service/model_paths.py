@@ -8,8 +8,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from executor_service.errors import FieldProblem, invalid_fields
 from executor_service.limits import short_repr
-from specdec_runtime.errors import FieldViolation, invalid_fields
 
 MAX_PATH_BYTES = 4096  # PATH_MAX
 MAX_NAME_BYTES = 255  # NAME_MAX
@@ -18,21 +18,19 @@ MAX_NAME_BYTES = 255  # NAME_MAX
 def resolve_model_path(raw: str, model_root: Path | None, field: str) -> Path:
     """A directory strictly under --model-root; anything else (absolute elsewhere, `..`, links out) is refused."""
     if model_root is None:
-        raise invalid_fields(
-            [FieldViolation(field, "loading from a path is off: start the executor with --model-root")]
-        )
+        raise invalid_fields([FieldProblem(field, "loading from a path is off: start the executor with --model-root")])
     if not raw:
-        raise invalid_fields([FieldViolation(field, "required: a directory under the model root")])
+        raise invalid_fields([FieldProblem(field, "required: a directory under the model root")])
     check_path_text(raw, field)
     if ".." in Path(raw).parts:
-        raise invalid_fields([FieldViolation(field, "'..' is not allowed in model paths")])
+        raise invalid_fields([FieldProblem(field, "'..' is not allowed in model paths")])
     root = model_root.resolve()
     candidate = resolve_quietly(root / raw, raw, field)  # an absolute `raw` replaces root; links are followed
     if candidate != root and root not in candidate.parents:
-        raise invalid_fields([FieldViolation(field, f"{short_repr(raw)} is outside the model root {root_name(root)}")])
+        raise invalid_fields([FieldProblem(field, f"{short_repr(raw)} is outside the model root {root_name(root)}")])
     if not _is_dir(candidate):
         problem = f"{short_repr(raw)} is not a directory under the model root {root_name(root)}"
-        raise invalid_fields([FieldViolation(field, problem)])
+        raise invalid_fields([FieldProblem(field, problem)])
     return candidate
 
 
@@ -63,7 +61,7 @@ def check_path_text(raw: str, field: str) -> None:
         problem = f"has a name longer than {MAX_NAME_BYTES} bytes"
     else:
         return
-    raise invalid_fields([FieldViolation(field, f"{short_repr(raw)} {problem}")])
+    raise invalid_fields([FieldProblem(field, f"{short_repr(raw)} {problem}")])
 
 
 def resolve_quietly(path: Path, raw: str, field: str) -> Path:
@@ -75,7 +73,7 @@ def resolve_quietly(path: Path, raw: str, field: str) -> Path:
         problem = "is a loop of symbolic links"
     except (OSError, ValueError) as err:
         problem = f"cannot be resolved ({err.strerror if isinstance(err, OSError) else err})"
-    raise invalid_fields([FieldViolation(field, f"{short_repr(raw)} {problem}")])
+    raise invalid_fields([FieldProblem(field, f"{short_repr(raw)} {problem}")])
 
 
 def _is_dir(path: Path) -> bool:

@@ -63,6 +63,7 @@ from executor_service.tree_proposer import TreeProposer
 from executor_service.tree_step import TreeStep
 from executor_service.validation import DEFAULT_BLOCK_SIZE, ModelLimits, shard_violations
 from executor_service.weights import hf_layout
+from executor_service.wire import field_violations, synthetic_config
 from specdec.v1 import common_pb2, executor_pb2, selector_pb2
 from specdec_runtime.errors import FieldViolation, ResourceExhausted, invalid_fields
 
@@ -107,16 +108,14 @@ class EngineSettings:
 def resolve_target(source: executor_pb2.ModelSource, model_root: Path | None, field: str) -> TargetSource:
     """The target's config (config.json is read; weights are not yet)."""
     if source.WhichOneof("source") == "synthetic":
-        return TargetSource(
-            ModelConfig.from_synthetic(source.synthetic, f"{field}.synthetic"), None, source.synthetic.seed
-        )
+        return TargetSource(synthetic_config(source.synthetic, f"{field}.synthetic"), None, source.synthetic.seed)
     check_path_text(source.path, f"{field}.path")
     gguf = resolve_gguf_path(source.path, model_root, f"{field}.path")
     if gguf is not None:
         config = read_gguf_config(gguf, f"{field}.path")
-        violations = model_violations(config, lambda attr: f"{field}.path.{attr}")
-        if violations:
-            raise invalid_fields(violations)
+        problems = model_violations(config, lambda attr: f"{field}.path.{attr}")
+        if problems:
+            raise invalid_fields(field_violations(problems))
         return TargetSource(config, gguf)
     path = resolve_model_path(source.path, model_root, f"{field}.path")
     return TargetSource(read_config(path, f"{field}.path"), path)

