@@ -1,4 +1,5 @@
-"""Chat on the server: GenerateRequest.messages rendered with the model's own chat template, then tokenized.
+"""Chat templates: a model's own, with which GenerateRequest.messages are rendered, then tokenized (the
+request's messages are read and checked in validation.py: `chat_prompt`).
 
 The template comes with the model (GGUF `tokenizer.chat_template`; a Hugging Face directory's
 tokenizer_config.json `chat_template`, or its chat_template.jinja) and runs in Jinja's immutable sandbox, as
@@ -18,8 +19,6 @@ from typing import Any
 
 from executor_service.config import ModelConfig
 from executor_service.json_fields import read_json_object
-from specdec.v1 import executor_pb2
-from specdec_runtime.errors import FailedPrecondition, FieldViolation, InvalidArgument, echo
 
 log = logging.getLogger("specdec.executor")
 
@@ -28,7 +27,6 @@ MAX_CHAT_MESSAGES = 4096
 MAX_CHAT_BYTES = 8 << 20  # all contents together: as much as a text prompt (prompt_intake.MAX_PROMPT_TEXT_BYTES)
 MAX_TEMPLATE_BYTES = 1 << 20  # real templates are a few kilobytes
 TEMPLATE_FILE = "chat_template.jinja"
-FIELD = "messages"
 
 
 @dataclass(frozen=True)
@@ -129,47 +127,3 @@ def _token(tokenizer: Any, token_id: int | None) -> str:
 
 def _eos(config: ModelConfig) -> int | None:
     return config.eos_token_ids[0] if config.eos_token_ids else None
-
-
-def size_violations(chat: executor_pb2.ChatMessages) -> list[FieldViolation]:
-    """The message count and the contents' bytes over their bounds (read before anything else)."""
-    count = len(chat.messages)
-    if count > MAX_CHAT_MESSAGES:
-        return [FieldViolation(f"{FIELD}.messages", f"{count} messages; at most {MAX_CHAT_MESSAGES}")]
-    size = sum(len(m.content) + len(m.role) for m in chat.messages)  # characters: at most as many as bytes
-    if size > MAX_CHAT_BYTES:
-        return [FieldViolation(f"{FIELD}.messages", f"{size} characters in all; at most {MAX_CHAT_BYTES} bytes")]
-    return []
-
-
-def chat_prompt(
-    chat: executor_pb2.ChatMessages, template: ChatTemplate | None, tokenizer: Any, violations: list[FieldViolation]
-) -> list[int]:
-    """The prompt's token ids; FAILED_PRECONDITION without a usable template; bad roles added to `violations`
-    (nothing rendered then); a conversation the template refuses is INVALID_ARGUMENT."""
-    if template is None or template.compiled is None:
-        why = "the loaded model has no chat template" if template is None else "the model's chat template is broken"
-        detail = f"{why}: send text or token_ids" + (f" ({template.error})" if template is not None else "")
-        raise FailedPrecondition(why, field_violations=(FieldViolation(FIELD, detail),))
-    if not chat.messages:
-        violations.append(FieldViolation(f"{FIELD}.messages", "at least one message is required"))
-        return []
-    bad = [
-        FieldViolation(f"{FIELD}.messages[{i}].role", f"unknown role {echo(m.role)}; one of {', '.join(ROLES)}")
-        for i, m in enumerate(chat.messages)
-        if m.role not in ROLES
-    ]
-    if bad:
-        violations += bad
-        return []
-    messages = [{"role": m.role, "content": m.content} for m in chat.messages]
-    add_generation_prompt = chat.add_generation_prompt if chat.HasField("add_generation_prompt") else True
-    try:
-        text = template.render(messages, add_generation_prompt)
-    except Exception as err:  # the template's raise_exception, a sandbox refusal, a type error in the template
-        refusal = f"the model's chat template refused these messages: {type(err).__name__}: {err}"
-        raise InvalidArgument(refusal, field_violations=(FieldViolation(FIELD, refusal),)) from None
-    if len(text) > MAX_CHAT_BYTES:
-        violations.append(FieldViolation(FIELD, f"renders to {len(text)} characters; at most {MAX_CHAT_BYTES}"))
-        return []
-    return list(tokenizer.encode(text, add_special_tokens=False).ids)

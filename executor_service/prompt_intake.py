@@ -15,11 +15,10 @@ import concurrent.futures
 from typing import Any
 
 from executor_service.chat import MAX_CHAT_BYTES, MAX_CHAT_MESSAGES
-from executor_service.chat import size_violations as chat_size_violations
 from executor_service.limits import MAX_POSITION_EMBEDDINGS, MAX_VOCAB_SIZE
 from executor_service.sampling import SamplingSettings
 from executor_service.stop_strings import MAX_STOP_STRING_CHARS, MAX_STOP_STRINGS
-from executor_service.validation import ModelLimits, check_generate
+from executor_service.validation import ModelLimits, chat_size_violations, check_generate
 from specdec.v1 import executor_pb2
 from specdec_runtime.bounds import largest_message
 from specdec_runtime.errors import FieldViolation, invalid_fields

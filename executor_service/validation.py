@@ -6,7 +6,7 @@ import math
 from dataclasses import dataclass, replace
 from typing import Any
 
-from executor_service.chat import ChatTemplate, chat_prompt
+from executor_service.chat import MAX_CHAT_BYTES, MAX_CHAT_MESSAGES, ROLES, ChatTemplate
 from executor_service.config import ModelConfig
 from executor_service.draft_config import METHODS
 from executor_service.limits import MAX_BLOCK_SIZE, MAX_NUM_KV_BLOCKS
@@ -16,7 +16,14 @@ from executor_service.sampling_checks import sampling_violations
 from executor_service.stop_strings import stop_violations
 from executor_service.wire import sampling_settings
 from specdec.v1 import common_pb2, executor_pb2
-from specdec_runtime.errors import FailedPrecondition, FieldViolation, ResourceExhausted, invalid_fields
+from specdec_runtime.errors import (
+    FailedPrecondition,
+    FieldViolation,
+    InvalidArgument,
+    ResourceExhausted,
+    echo,
+    invalid_fields,
+)
 
 DEFAULT_BLOCK_SIZE = 16
 
@@ -227,3 +234,50 @@ def shard_violations(config: ModelConfig, size: int, field: str) -> list[FieldVi
         for name, count in counts
         if count % size
     ]
+
+
+CHAT_FIELD = "messages"  # GenerateRequest.messages
+
+
+def chat_size_violations(chat: executor_pb2.ChatMessages) -> list[FieldViolation]:
+    """The message count and the contents' bytes over their bounds (read before anything else)."""
+    count = len(chat.messages)
+    if count > MAX_CHAT_MESSAGES:
+        return [FieldViolation(f"{CHAT_FIELD}.messages", f"{count} messages; at most {MAX_CHAT_MESSAGES}")]
+    size = sum(len(m.content) + len(m.role) for m in chat.messages)  # characters: at most as many as bytes
+    if size > MAX_CHAT_BYTES:
+        return [FieldViolation(f"{CHAT_FIELD}.messages", f"{size} characters in all; at most {MAX_CHAT_BYTES} bytes")]
+    return []
+
+
+def chat_prompt(
+    chat: executor_pb2.ChatMessages, template: ChatTemplate | None, tokenizer: Any, violations: list[FieldViolation]
+) -> list[int]:
+    """The prompt's token ids; FAILED_PRECONDITION without a usable template; bad roles added to `violations`
+    (nothing rendered then); a conversation the template refuses is INVALID_ARGUMENT."""
+    if template is None or template.compiled is None:
+        why = "the loaded model has no chat template" if template is None else "the model's chat template is broken"
+        detail = f"{why}: send text or token_ids" + (f" ({template.error})" if template is not None else "")
+        raise FailedPrecondition(why, field_violations=(FieldViolation(CHAT_FIELD, detail),))
+    if not chat.messages:
+        violations.append(FieldViolation(f"{CHAT_FIELD}.messages", "at least one message is required"))
+        return []
+    bad = [
+        FieldViolation(f"{CHAT_FIELD}.messages[{i}].role", f"unknown role {echo(m.role)}; one of {', '.join(ROLES)}")
+        for i, m in enumerate(chat.messages)
+        if m.role not in ROLES
+    ]
+    if bad:
+        violations += bad
+        return []
+    messages = [{"role": m.role, "content": m.content} for m in chat.messages]
+    add_generation_prompt = chat.add_generation_prompt if chat.HasField("add_generation_prompt") else True
+    try:
+        text = template.render(messages, add_generation_prompt)
+    except Exception as err:  # the template's raise_exception, a sandbox refusal, a type error in the template
+        refusal = f"the model's chat template refused these messages: {type(err).__name__}: {err}"
+        raise InvalidArgument(refusal, field_violations=(FieldViolation(CHAT_FIELD, refusal),)) from None
+    if len(text) > MAX_CHAT_BYTES:
+        violations.append(FieldViolation(CHAT_FIELD, f"renders to {len(text)} characters; at most {MAX_CHAT_BYTES}"))
+        return []
+    return list(tokenizer.encode(text, add_special_tokens=False).ids)
