@@ -69,6 +69,7 @@ from tree_passes import breadth_first_tree, measure_tree_verify  # noqa: E402
 from executor_service.adaptive_k import AdaptiveK  # noqa: E402
 from executor_service.draft_config import METHOD_ENUMS  # noqa: E402
 from executor_service.drafting import resolve_draft  # noqa: E402
+from executor_service.errors import EngineError  # noqa: E402
 from executor_service.loader import LoadedModel, build_synthetic  # noqa: E402
 from executor_service.request import RequestOutput  # noqa: E402
 from executor_service.sampling import SamplingSettings  # noqa: E402
@@ -80,6 +81,7 @@ from executor_service.session import (  # noqa: E402
     resolve_target,
 )
 from executor_service.validation import DEFAULT_BLOCK_SIZE  # noqa: E402
+from executor_service.wire import status_error  # noqa: E402
 from specdec.v1 import common_pb2, executor_pb2  # noqa: E402
 from specdec_runtime.errors import InvalidArgument  # noqa: E402
 
@@ -155,8 +157,11 @@ def draft_shape(
             block=k + 1 if dflash else 0, mask_token_id=preset["vocab"] - 1 if dflash else -1,
         )  # fmt: skip
     shape = replace(shape, layers=layers or shape.layers)
-    target = resolve_target(target_request(preset, 0, "", 0).target, None, "target").config
-    resolved = resolve_draft(draft_request(method, preset, shape), target, None).config
+    try:
+        target = resolve_target(target_request(preset, 0, "", 0).target, None, "target").config
+        resolved = resolve_draft(draft_request(method, preset, shape), target, None).config
+    except EngineError as err:  # the models' plain error (a bad field): as the executor would answer it
+        raise status_error(err) from err
     return replace(
         shape, k=resolved.num_speculative_tokens, draft_vocab=resolved.draft_vocab_size, block=resolved.block_size,
         mask_token_id=resolved.mask_token_id, target_layer_ids=resolved.target_layer_ids,

@@ -35,7 +35,7 @@ class DraftSource:
 
 def resolve_draft(draft: executor_pb2.DraftModel, target: ModelConfig, model_root: Path | None) -> DraftSource:
     """The drafter's config from its checkpoint's config.json or its synthetic spec, with the request's
-    overrides; InvalidArgument naming each bad field."""
+    overrides; InvalidField naming each bad field."""
     method = METHODS[draft.method]
     if draft.source.WhichOneof("source") == "synthetic":
         spec = draft.source.synthetic

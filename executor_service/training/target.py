@@ -27,7 +27,7 @@ PRESETS = {
 
 
 def target_source(spec: str) -> TargetSource:
-    """What `--target` names; InvalidArgument / FailedPrecondition naming the field when it cannot be used."""
+    """What `--target` names; InvalidField / UnmetPrecondition (errors.py) naming the field when it cannot be used."""
     if spec.startswith(SYNTHETIC_PREFIX):
         return resolve_target(executor_pb2.ModelSource(synthetic=synthetic_spec(spec)), None, FIELD)
     if spec.startswith(PACKAGE_PREFIX):
