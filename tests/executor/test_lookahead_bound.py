@@ -10,8 +10,10 @@ from spec_builders import draft_model
 from executor_service.cuda_graphs import MAX_LOOKAHEAD
 from executor_service.draft_config import MAX_SPECULATIVE_TOKENS
 from executor_service.drafting import resolve_draft
+from executor_service.errors import InvalidField
 from executor_service.limits import MAX_DFLASH_BLOCK_SIZE
 from executor_service.session import resolve_target
+from executor_service.wire import status_error
 from specdec_runtime.errors import InvalidArgument
 
 
@@ -34,5 +36,6 @@ def test_the_largest_drafters_fit_the_reserved_lookahead() -> None:
     [("eagle", MAX_SPECULATIVE_TOKENS + 1, None), ("dflash", 3, MAX_LOOKAHEAD + 1)],
 )
 def test_a_drafter_writing_further_ahead_is_refused(method: str, k: int, block: int | None) -> None:
-    with pytest.raises(InvalidArgument):
+    with pytest.raises(InvalidField) as err:  # INVALID_ARGUMENT at the server's edge
         lookahead(method, k, block)
+    assert isinstance(status_error(err.value), InvalidArgument)

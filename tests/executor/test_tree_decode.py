@@ -13,8 +13,10 @@ from spec_builders import draft_model
 from tree_cases import TREES, ReplayOnLastBranch, check_equals_target_only, prompts, tree_session, use_device_step
 
 from executor_service.drafting import resolve_draft
+from executor_service.errors import InvalidField
 from executor_service.session import ModelSession, resolve_target
 from executor_service.tree_engine import TreeEngine
+from executor_service.wire import status_error
 from specdec.v1 import common_pb2
 from specdec_runtime.errors import InvalidArgument
 
@@ -119,9 +121,10 @@ def test_bad_trees_are_refused_at_load(method: str, tree: common_pb2.DraftTree, 
     request.draft.num_speculative_tokens = k
     request.draft.tree.CopyFrom(tree)
     source = resolve_target(request.target, None, "target")
-    with pytest.raises(InvalidArgument) as err:
+    with pytest.raises(InvalidField) as err:
         resolve_draft(request.draft, source.config, None)
-    assert field in [v.field for v in err.value.field_violations]
+    status = status_error(err.value)
+    assert isinstance(status, InvalidArgument) and field in [v.field for v in status.field_violations]
 
 
 def test_tree_config() -> None:
