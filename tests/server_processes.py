@@ -13,7 +13,6 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -79,10 +78,19 @@ class ServerProcess:
         return f"{self.service} did not exit 0 within {SHUTDOWN_TIMEOUT_S} s of SIGTERM ({outcome}):\n{self.log()}"
 
 
+# Sets the address-space limit, then becomes the server (exec keeps the limit and the pid). A preexec_fn would do
+# it in the forked child instead, but a fork (no vfork with a preexec_fn) runs gRPC's fork handlers, which abort
+# the child when this process's gRPC threads are busy (seen under xdist: "epoll_wait error: Bad file descriptor").
+LIMITED_LAUNCH = (
+    "import os, resource, sys; n = int(sys.argv[1]); resource.setrlimit(resource.RLIMIT_AS, (n, n)); "
+    "os.execv(sys.argv[2], sys.argv[2:])"
+)
+
+
 def spawn_server(
-    service: str, name: str, directory: Path, *args: str, preexec_fn: Callable[[], None] | None = None
+    service: str, name: str, directory: Path, *args: str, address_space_limit: int | None = None
 ) -> ServerProcess:
-    """Start a server and wait for its port file; `preexec_fn` runs in the child before exec (e.g. rlimits)."""
+    """Start a server and wait for its port file; `address_space_limit`: its RLIMIT_AS in bytes."""
     port_file, log_path = directory / f"{name}.port", directory / f"{name}.log"
     port_file.unlink(missing_ok=True)  # a restarted server of the same name must not find the old port
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
@@ -90,10 +98,10 @@ def spawn_server(
         sys.executable, "-m", SERVER_MODULES[service],
         "--host", HOST, "--port", "0", "--port-file", str(port_file), "--log-format", "text", *args,
     ]  # fmt: skip
+    if address_space_limit is not None:
+        command = [sys.executable, "-c", LIMITED_LAUNCH, str(address_space_limit), *command]
     with log_path.open("wb") as log:
-        process = subprocess.Popen(
-            command, cwd=REPO_ROOT, env=env, stdout=log, stderr=subprocess.STDOUT, preexec_fn=preexec_fn
-        )
+        process = subprocess.Popen(command, cwd=REPO_ROOT, env=env, stdout=log, stderr=subprocess.STDOUT)
     try:
         port = _wait_for_port(name, process, port_file, log_path)
     except BaseException:

@@ -10,7 +10,6 @@ that swaps or an OOM kill.
 
 from __future__ import annotations
 
-import resource
 import signal
 from collections.abc import Callable
 from pathlib import Path
@@ -19,11 +18,6 @@ import grpc
 from server_processes import ServerProcess, spawn_server, wait_or_kill
 
 ADDRESS_SPACE_LIMIT_BYTES = 6 << 30  # an idle executor maps about 1.6 GB
-
-
-def limit_address_space() -> None:
-    """Runs in the child before exec."""
-    resource.setrlimit(resource.RLIMIT_AS, (ADDRESS_SPACE_LIMIT_BYTES, ADDRESS_SPACE_LIMIT_BYTES))
 
 
 class FuzzedServer:
@@ -48,8 +42,8 @@ class FuzzedServer:
 
     def start(self) -> None:
         name = f"{self.service}-{len(self.restarts)}"
-        preexec = limit_address_space if self.limit_memory else None
-        self.process = spawn_server(self.service, name, self.directory, *self.args, preexec_fn=preexec)
+        limit = ADDRESS_SPACE_LIMIT_BYTES if self.limit_memory else None
+        self.process = spawn_server(self.service, name, self.directory, *self.args, address_space_limit=limit)
         self.channel = grpc.insecure_channel(self.process.address)
         self._prepare(self)
 

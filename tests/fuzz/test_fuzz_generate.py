@@ -32,7 +32,7 @@ from fuzz_executor import (
     stub,
     unique_id,
 )
-from fuzz_servers import FuzzedServer
+from fuzz_servers import ADDRESS_SPACE_LIMIT_BYTES, FuzzedServer
 from hypothesis import example, given
 from hypothesis import strategies as st
 from proto_strategies import int32s, int64s, messages, oversize, strings
@@ -259,3 +259,13 @@ def test_any_bytes(executor: Executor, method: str, payload: bytes) -> None:
         if not (err.code() == grpc.StatusCode.INVALID_ARGUMENT and "does not parse" in (err.details() or "")):
             check_refusal(err, EXECUTOR_METHODS[method].FromString(payload), method)
     settle(executor.server, f"after {method} bytes {payload!r}")
+
+
+@pytest.mark.skipif(not Path("/proc/self/limits").exists(), reason="reads /proc")
+def test_the_fuzzed_executor_runs_under_its_address_space_limit(executor: Executor) -> None:
+    """The limit is set by a launcher that execs the server (server_processes.LIMITED_LAUNCH), not in a forked
+    child: what the executor itself runs under must still be it."""
+    assert executor.server.process is not None
+    limits = Path(f"/proc/{executor.server.process.process.pid}/limits").read_text()
+    (line,) = [line for line in limits.splitlines() if line.startswith("Max address space")]
+    assert line.split()[3:5] == [str(ADDRESS_SPACE_LIMIT_BYTES)] * 2, line
