@@ -29,3 +29,18 @@ class OpCounter(TorchDispatchMode):
                 self.is_paused = False
 
         return run
+
+
+def count_each_call(mode: OpCounter, owner: Any, name: str = "forward") -> list[int]:
+    """Wraps `owner.name` so that each call counts its ops under `mode`: the list fills as it is called."""
+    function, counts = getattr(owner, name), []
+
+    def counted(*args: Any, **kwargs: Any) -> Any:
+        start = mode.count
+        with mode:
+            out = function(*args, **kwargs)
+        counts.append(mode.count - start)
+        return out
+
+    setattr(owner, name, counted)
+    return counts

@@ -12,11 +12,9 @@ from collections.abc import Callable
 
 import pytest
 import torch
-from torch.autograd import DeviceType
-from torch.profiler import ProfilerActivity, profile
+from kernel_counting import CONTEXT, MAX_KERNELS_PER_LAYER, kernels_in, smollm2
 
 from executor_service.attention_step import AttentionStep, build_attention_step
-from executor_service.config import ModelConfig
 from executor_service.draft_config import DraftConfig
 from executor_service.draft_models import Drafter, TargetHeads
 from executor_service.draft_weights import synthetic_drafter
@@ -29,19 +27,9 @@ if not torch.cuda.is_available():
     pytest.skip("needs a CUDA GPU", allow_module_level=True)
 
 CUDA = torch.device("cuda")
-MAX_KERNELS_PER_LAYER = 6
 MAX_KERNELS_PER_STEP = 12  # embedding, fc, rotary lookup, final add (+ norm), LM head, argmax (2), d2t, ...
-CONTEXT = 300  # long enough for split-KV attention (two kernels)
 BLOCK_SIZE = 16
 DFLASH_BLOCK = 16
-
-
-def smollm2(num_layers: int) -> ModelConfig:
-    return ModelConfig(
-        architecture="llama", vocab_size=49152, hidden_size=576, intermediate_size=1536, num_layers=num_layers,
-        num_heads=9, num_kv_heads=3, head_size=64, max_position_embeddings=2048, rope_theta=100000.0,
-        tie_word_embeddings=True,
-    )  # fmt: skip
 
 
 def drafter_of(method: str, num_layers: int) -> Drafter:
@@ -57,21 +45,6 @@ def drafter_of(method: str, num_layers: int) -> Drafter:
         )  # fmt: skip
     target = build_synthetic(smollm2(2), 0, torch.bfloat16, CUDA).model
     return synthetic_drafter(config, TargetHeads(target.embed_tokens, target.lm_head), 0, torch.bfloat16, CUDA)
-
-
-def kernels_in(run: Callable[[], object]) -> int:
-    def once() -> None:
-        with torch.inference_mode():
-            run()
-
-    for _ in range(2):  # compile the Triton kernels, warm cuBLAS
-        once()
-    torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        once()
-        torch.cuda.synchronize()
-    names = [e.name for e in prof.events() if e.device_type == DeviceType.CUDA]
-    return sum(1 for name in names if not name.startswith(("Memcpy", "Memset")))
 
 
 def step_of(query_len: int, causal: bool = True) -> tuple[AttentionStep, torch.Tensor, list[int]]:

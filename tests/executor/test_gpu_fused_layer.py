@@ -9,11 +9,9 @@ from __future__ import annotations
 
 import pytest
 import torch
-from torch.autograd import DeviceType
-from torch.profiler import ProfilerActivity, profile
+from kernel_counting import CONTEXT, MAX_KERNELS_PER_LAYER, kernels_in, smollm2
 
 from executor_service.attention_step import build_attention_step
-from executor_service.config import ModelConfig
 from executor_service.kv_cache import KVCache
 from executor_service.loader import build_synthetic
 from kernels.small_gemm_table import POLICY_ENV
@@ -23,17 +21,7 @@ if not torch.cuda.is_available():
     pytest.skip("needs a CUDA GPU", allow_module_level=True)
 
 CUDA = torch.device("cuda")
-MAX_KERNELS_PER_LAYER = 6
 MAX_KERNELS_PER_STEP = 12  # embedding, rotary lookup (cos, sin), final add + norm, LM head, fp32 logits, ...
-CONTEXT = 300  # long enough for split-KV attention (two kernels)
-
-
-def smollm2(num_layers: int) -> ModelConfig:
-    return ModelConfig(
-        architecture="llama", vocab_size=49152, hidden_size=576, intermediate_size=1536, num_layers=num_layers,
-        num_heads=9, num_kv_heads=3, head_size=64, max_position_embeddings=2048, rope_theta=100000.0,
-        tie_word_embeddings=True,
-    )  # fmt: skip
 
 
 def kernels_in_step(num_layers: int, query_len: int) -> int:
@@ -49,18 +37,10 @@ def kernels_in_step(num_layers: int, query_len: int) -> int:
     pos = torch.tensor(positions, device=CUDA)
 
     def forward() -> None:
-        with torch.inference_mode():
-            hidden, _ = model(ids, pos, cache.layers, step)
-            model.compute_logits(hidden)
+        hidden, _ = model(ids, pos, cache.layers, step)
+        model.compute_logits(hidden)
 
-    for _ in range(2):  # compile the Triton kernels, warm cuBLAS
-        forward()
-    torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        forward()
-        torch.cuda.synchronize()
-    names = [e.name for e in prof.events() if e.device_type == DeviceType.CUDA]
-    return sum(1 for name in names if not name.startswith(("Memcpy", "Memset")))
+    return kernels_in(forward)
 
 
 @pytest.mark.parametrize("query_len", [1, 8])  # decode; verify of 7 drafts

@@ -7,6 +7,8 @@ the extras step's op count is guarded."""
 
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
 from engine_driving import Collector
 from greedy_reference import greedy_reference
@@ -114,16 +116,20 @@ MIXED = [
 ]
 
 
+def session_and_step(shape: str) -> tuple[ModelSession, Any]:
+    """An EAGLE-3 session of `shape` ("chain" or a TREES name) and its device step."""
+    if shape == "chain":
+        session = spec_session("eagle3", 3, max_num_batched_tokens=64)
+        return session, session.engine.spec_step
+    tree, k = TREES[shape]
+    session = tree_session("eagle3", tree, k)
+    return session, session.engine.tree_step
+
+
 def mixed_run(shape: str, graph_batch: int) -> tuple[ModelSession, Collector, dict[str, list[int]]]:
     """The MIXED batch, on the device step eagerly or through its graph buffers (StepGraphs reruns the forward
     from its static buffers on the CPU: padded requests hold slot -1 and penalties 0)."""
-    if shape == "chain":
-        session = spec_session("eagle3", 3, max_num_batched_tokens=64)
-        step = session.engine.spec_step
-    else:
-        tree, k = TREES[shape]
-        session = tree_session("eagle3", tree, k)
-        step = session.engine.tree_step
+    session, step = session_and_step(shape)
     if graph_batch:
         step.capture_graphs(graph_batch, session.engine.max_model_len)
     step.counts.clear()
@@ -161,27 +167,12 @@ def test_a_warm_step_keeps_its_op_count(shape: str, name: str, most: int) -> Non
     """The step's own ops at batch 1 (the target's pass left out, views not counted; +4 of slack for other torch
     versions, as test_tree_step's guard): 2026-12 chain greedy 198 (unchanged by the extras variants), chain
     extras 495 (sampled 447), static_2_2_1 extras 539 (sampled 489; greedy 228: test_tree_step)."""
-    from op_counting import OpCounter
+    from op_counting import OpCounter, count_each_call
 
     mode = OpCounter(lambda func: not func.is_view)
-    if shape == "chain":
-        session = spec_session("eagle3", 3, max_num_batched_tokens=64)
-        step = session.engine.spec_step
-    else:
-        tree, k = TREES[shape]
-        session = tree_session("eagle3", tree, k)
-        step = session.engine.tree_step
+    session, step = session_and_step(shape)
     session.engine.runner.forward = mode.paused(session.engine.runner.forward)
-    forward, counts = step.forward, []
-
-    def counted(*args, **kwargs):  # type: ignore[no-untyped-def]
-        start = mode.count
-        with mode:
-            out = forward(*args, **kwargs)
-        counts.append(mode.count - start)
-        return out
-
-    step.forward = counted
+    counts = count_each_call(mode, step)
     settings = GREEDY if name == "greedy" else SamplingSettings(repetition_penalty=1.3)
     sink = Collector()
     session.engine.add(session.new_request("a", [3, 4, 5, 6], settings, 8, sink))

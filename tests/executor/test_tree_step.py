@@ -12,7 +12,7 @@ import torch
 from engine_driving import Collector, add_all
 from executor_builders import greedy
 from greedy_reference import greedy_reference
-from op_counting import OpCounter
+from op_counting import OpCounter, count_each_call
 from tree_cases import TREES, VOCAB, check_equals_target_only, prompts, tree_session
 from verify_reference import greedy_walk
 
@@ -374,16 +374,7 @@ def test_a_warm_tree_step_keeps_its_op_count(shape: str, most: int) -> None:
     session = tree_session("eagle3", tree, k)
     tree_step = session.engine.tree_step
     session.engine.runner.forward = mode.paused(session.engine.runner.forward)
-    forward, counts = tree_step.forward, []
-
-    def counted(*args, **kwargs):
-        start = mode.count
-        with mode:
-            out = forward(*args, **kwargs)
-        counts.append(mode.count - start)
-        return out
-
-    tree_step.forward = counted
+    counts = count_each_call(mode, tree_step)
     check_equals_target_only(session, 8, prompts(1, seed=23))
     assert len(counts) >= 3 and max(counts[1:]) <= most, counts
 
