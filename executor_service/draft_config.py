@@ -145,25 +145,18 @@ def draft_from_hf(
 
 
 def draft_from_synthetic(
-    spec: executor_pb2.SyntheticModel, method: str, target: ModelConfig, request: executor_pb2.DraftModel, field: str
+    model: ModelConfig,
+    draft_vocab_size: int,
+    method: str,
+    target: ModelConfig,
+    request: executor_pb2.DraftModel,
+    field: str,
 ) -> DraftConfig:
-    """From a SyntheticModel (vocab_size 0: the target's). EAGLE-1 synthetic drafters have an fc bias."""
-    if spec.vocab_size == 0:  # a copy: the request itself stays as the caller sent it
-        spec = executor_pb2.SyntheticModel(vocab_size=target.vocab_size, **_set_fields(spec))
-    model = ModelConfig.synthetic(
-        architecture=spec.architecture,
-        vocab_size=spec.vocab_size,
-        hidden_size=spec.hidden_size,
-        intermediate_size=spec.intermediate_size,
-        num_layers=spec.num_layers,
-        num_heads=spec.num_heads,
-        num_kv_heads=spec.num_kv_heads,
-        head_size=spec.head_size,
-        field_prefix=field,
-    )
+    """From a SyntheticModel's shape (wire.synthetic_config, its vocabulary the target's where it names none).
+    EAGLE-1 synthetic drafters have an fc bias."""
     model = replace(
         model,
-        architecture="qwen3" if method == "dflash" else spec.architecture,
+        architecture="qwen3" if method == "dflash" else model.architecture,
         max_position_embeddings=target.max_position_embeddings,
         rope_theta=target.rope_theta,
         rope_scaling=target.rope_scaling,
@@ -172,14 +165,10 @@ def draft_from_synthetic(
         method=method,
         model=model,
         num_speculative_tokens=0,
-        draft_vocab_size=spec.draft_vocab_size,
+        draft_vocab_size=draft_vocab_size,
         fc_bias=method == "eagle",
     )
     return finish_draft_config(config, target, request, field)
-
-
-def _set_fields(message: executor_pb2.SyntheticModel) -> dict[str, Any]:
-    return {field.name: value for field, value in message.ListFields() if field.name != "vocab_size"}
 
 
 def finish_draft_config(

@@ -18,6 +18,7 @@ from executor_service.draft_weights import load_drafter, synthetic_drafter
 from executor_service.loader import read_config_json
 from executor_service.model import DecoderModel
 from executor_service.model_paths import resolve_model_path
+from executor_service.wire import synthetic_config
 from kernels.capabilities import BACKENDS
 from selection.rules import drafter_uses_tree_attention
 from specdec.v1 import common_pb2, executor_pb2
@@ -39,7 +40,9 @@ def resolve_draft(draft: executor_pb2.DraftModel, target: ModelConfig, model_roo
     method = METHODS[draft.method]
     if draft.source.WhichOneof("source") == "synthetic":
         spec = draft.source.synthetic
-        config = draft_from_synthetic(spec, method, target, draft, f"{FIELD}.synthetic")
+        field = f"{FIELD}.synthetic"
+        model = synthetic_config(spec, field, default_vocab_size=target.vocab_size)
+        config = draft_from_synthetic(model, spec.draft_vocab_size, method, target, draft, field)
         return DraftSource(config, None, spec.seed)
     path = resolve_model_path(draft.source.path, model_root, f"{FIELD}.path")
     raw = read_config_json(path, f"{FIELD}.path")

@@ -88,11 +88,12 @@ def field_violations(problems: Iterable[FieldProblem]) -> list[FieldViolation]:
     return [FieldViolation(p.field, p.description) for p in problems]
 
 
-def synthetic_config(spec: executor_pb2.SyntheticModel, field_prefix: str) -> ModelConfig:
-    """A SyntheticModel request's model shape; InvalidField naming each bad field under `field_prefix`."""
+def synthetic_config(spec: executor_pb2.SyntheticModel, field_prefix: str, default_vocab_size: int = 0) -> ModelConfig:
+    """A SyntheticModel request's model shape (a vocab_size of 0 takes `default_vocab_size`: a drafter's, the
+    target's); InvalidField naming each bad field under `field_prefix`."""
     return ModelConfig.synthetic(
         architecture=spec.architecture,
-        vocab_size=spec.vocab_size,
+        vocab_size=spec.vocab_size or default_vocab_size,
         hidden_size=spec.hidden_size,
         intermediate_size=spec.intermediate_size,
         num_layers=spec.num_layers,

@@ -17,6 +17,7 @@ from executor_service.config import ModelConfig
 from executor_service.draft_config import METHOD_ENUMS, draft_from_synthetic
 from executor_service.draft_models import TargetHeads
 from executor_service.draft_weights import save_drafter, synthetic_drafter
+from executor_service.wire import synthetic_config
 from specdec.v1 import executor_pb2
 from specdec_cli.demo_model import SMOLLM2
 
@@ -62,7 +63,8 @@ def write_stand_in(root: Path, method: str, seed: int = SEED) -> Path:
     if method == "dflash":
         request.dflash_config.block_size = DFLASH_BLOCK
         request.dflash_config.mask_token_id = DFLASH_MASK_TOKEN_ID
-    config = draft_from_synthetic(spec, method, target, request, "stand-in")
+    model = synthetic_config(spec, "stand-in", default_vocab_size=target.vocab_size)
+    config = draft_from_synthetic(model, spec.draft_vocab_size, method, target, request, "stand-in")
     # save_drafter writes the drafter's own tensors only; the target's embedding and head are not needed.
     heads = TargetHeads(nn.Embedding(1, 1), nn.Linear(1, 1))
     drafter = synthetic_drafter(config, heads, seed, torch.bfloat16, torch.device("cpu"))
