@@ -33,10 +33,6 @@ MiB = 1 << 20
 DEFAULT_MAX_MESSAGE_BYTES = 64 * MiB
 # Exit status of a server that cannot start: a bad flag, an unusable certificate, an address in use.
 EXIT_BAD_SETUP = 2
-# After NOT_SERVING is set, the time (within the grace) its Health/Watch streams get to send it before the server
-# stops: a stop right after the status change could end a watcher's stream before its writer ran (seen once in
-# ~7 suite runs on a loaded 2-core machine: the stream ended cleanly without NOT_SERVING).
-HEALTH_DRAIN_S = 0.1
 
 
 def env_name(flag: str) -> str:
@@ -297,7 +293,6 @@ class RunningServer:
     async def stop(self, grace: float) -> None:
         """NOT_SERVING first (load balancers drain), then finish in-flight RPCs within `grace`."""
         await self.health.enter_graceful_shutdown()
-        await asyncio.sleep(min(grace, HEALTH_DRAIN_S))
         await self.server.stop(grace)
 
 

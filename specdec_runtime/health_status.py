@@ -70,6 +70,7 @@ class HealthServicer(health_pb2_grpc.HealthServicer):
             if status != last:
                 yield health_pb2.HealthCheckResponse(status=status)
                 last = status
+                continue  # look again: the status may have changed (shutdown too) while the message was sent
             if self._shutting_down:
                 return
             await changed.wait()

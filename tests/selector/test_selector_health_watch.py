@@ -13,6 +13,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from selector_service.main import start_selector
 from specdec_runtime.auth import bearer_metadata
 from specdec_runtime.grpc_runtime import ServerSettings, create_server, start_server
+from specdec_runtime.health_status import HealthServicer
 
 SERVING = health_pb2.HealthCheckResponse.SERVING
 NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
@@ -99,3 +100,16 @@ async def test_streaming_handlers_that_write_pass_the_interceptor() -> None:
         assert metrics.registry.get_sample_value("specdec_rpc_requests_total", ok) == 1.0
     finally:
         await running.stop(0)
+
+
+async def test_a_shutdown_while_a_status_is_being_sent_still_sends_not_serving() -> None:
+    """The Watch generator is suspended in its `yield` until gRPC has sent the message; a shutdown that
+    lands then must still reach the watcher (it ended the stream without NOT_SERVING once in a CI run)."""
+    servicer = HealthServicer()
+    await servicer.set("svc", SERVING)
+    stream = servicer.Watch(health_pb2.HealthCheckRequest(service="svc"), context=None)  # type: ignore[arg-type]
+    assert (await anext(stream)).status == SERVING  # suspended in the yield: the send has not completed
+    await servicer.enter_graceful_shutdown()
+    assert (await anext(stream)).status == NOT_SERVING
+    with pytest.raises(StopAsyncIteration):
+        await anext(stream)
