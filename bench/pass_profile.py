@@ -65,7 +65,7 @@ def torch_top_k(session: ModelSession) -> None:
     """The tree step as before the fused top-k: torch's log-softmax, top-k and id gather at every depth (the
     step's graphs captured again with them)."""
     session.proposer.fused_top_k = False
-    tree_step = session.engine.tree_step
+    tree_step = session.engine.spec_step
     if tree_step is not None and tree_step.graphs:
         tree_step.capture_graphs(tree_step.graphs["greedy"].max_batch, session.engine.max_model_len)
 

@@ -567,7 +567,7 @@ def tree_step_times(sessions: dict[str, ModelSession], args: argparse.Namespace,
         if call is None:
             return {"refused": f"no tree step graphs with {args.backend}"}
         tree_ms = time_back_to_back(call, args.iters)
-        report = {"shape": session.engine.tree_step.tree.describe(), "tree_step_ms": round(tree_ms, 4)}  # type: ignore[attr-defined]
+        report = {"shape": session.engine.spec_step.tree.describe(), "tree_step_ms": round(tree_ms, 4)}  # type: ignore[attr-defined]
         device, context = torch.device(args.device), args.context
         chain = sessions["eagle3"]
         if chain.engine.spec_step is not None and chain.engine.spec_step.graphs:

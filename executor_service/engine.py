@@ -11,18 +11,23 @@ import logging
 import queue
 import threading
 import time
+from collections import Counter
 from collections.abc import Callable, Iterable
 
 import torch
 
 from executor_service.adaptive_k import AdaptiveK
-from executor_service.logprobs import TokenLogprob, batch_logprobs
+from executor_service.attention_step import to_device
+from executor_service.host_step import Trees, draft_inputs, path_moves, verify_drafts
+from executor_service.logprobs import TokenLogprob
 from executor_service.model_runner import ModelRunner, StepInputs
 from executor_service.proposer import ProposeBatch, ProposeEntry, Proposer
-from executor_service.rejection_sampler import check_drafts, verify_batch
+from executor_service.rejection_sampler import check_drafts
 from executor_service.request import Finish, Request, RequestOutput, Sink, Status
 from executor_service.scheduler import ScheduledStep, Scheduler
 from executor_service.spec_step import PendingStep, SpecStep
+from executor_service.tree_step import TreeStep
+from executor_service.tree_verification import DraftTree, TreeVerdict
 
 log = logging.getLogger("specdec.engine")
 
@@ -39,12 +44,12 @@ class Engine:
         on_step: StepObserver | None = None,
         proposer: Proposer | None = None,
         on_verify: VerifyObserver | None = None,
-        spec_step: SpecStep | None = None,
+        spec_step: SpecStep | TreeStep | None = None,
         speculation: AdaptiveK | None = None,
     ) -> None:
         self.runner, self.scheduler, self.max_model_len = runner, scheduler, max_model_len
         self.on_step, self.proposer, self.on_verify = on_step, proposer, on_verify
-        self.spec_step = spec_step  # verify + accept + propose on the device, for uniform greedy steps
+        self.spec_step = spec_step  # verify + accept + propose on the device, for steps of whole drafts
         self._commands: queue.SimpleQueue[Callable[[], None]] = queue.SimpleQueue()
         self._wake = threading.Event()
         self._stop = threading.Event()
@@ -56,6 +61,9 @@ class Engine:
         # The drafts each step verifies, chosen from measured costs (adaptive_k.py); None: always the loaded k.
         self.speculation = speculation
         self._steady: tuple[int, int] | None = None  # this step's (batch, k) when it ran steadily at one k
+        # Steps by path ("host", "device") and the drafts the host path verified ("host drafts"): tests assert a
+        # batch stays on the device step; benchmarks report it.
+        self.step_counts: Counter[str] = Counter()
 
     # ---- called from any thread -------------------------------------------------------------
     def start(self) -> None:
@@ -151,16 +159,13 @@ class Engine:
             self.speculation.record(*self._steady, time.perf_counter() - started)
 
     def _step(self, started: float) -> None:
-        """One step, in the order a reader follows: schedule, run the target once, verify (verify_batch: greedy
-        or rejection sampling), accept (roll back rejected drafts' K/V), emit the tokens, propose the next drafts.
-        A uniform greedy step does all of it on the device instead (_step_on_device, spec_step.py)."""
-        if self._in_flight is not None:  # a device-resident step launched behind the last one: book it
+        """One step, in the order a reader follows: schedule, run the target once, verify, accept (roll back
+        rejected drafts' K/V), emit the tokens, propose the next drafts. When every request verifies a whole
+        draft of the loaded shape, the device step (spec_step.py) does all of it as one pass instead."""
+        if self._in_flight is not None:  # a device step launched behind the last one: book it
             requests, pending = self._in_flight
             self._in_flight = None
-            try:
-                self._book_on_device(requests, pending, started)
-            except Exception as err:
-                self._fail(requests, err)
+            self._book_on_device(requests, pending, started)
             return
         self._fail_alone(self._bad_drafts())
         scheduled = self.scheduler.schedule()
@@ -169,93 +174,141 @@ class Engine:
             return
         try:
             inputs = self.runner.prepare(scheduled)
-            if self.spec_step is not None and self.spec_step.accepts(inputs, scheduled.requests):
-                self._step_on_device(scheduled, inputs, started)
-                return
-            output = self.runner.execute(inputs)
-            self._flush_outbox()  # the previous step's outputs go out while this one runs on the device
-            sampled = [scheduled.requests[i] for i in inputs.sampled]
-            drafts = [r.draft_ids for r in sampled]
-            settings = [r.settings for r in sampled]
-            generators, draft_probs = [r.generator for r in sampled], [r.draft_probs for r in sampled]
-            emitted = verify_batch(output.logits, settings, generators, drafts, sampled, draft_probs)
-            found = batch_logprobs(output.logits, settings, drafts, emitted)  # the target's, for who asks
-            logprobs = {id(r): request_logprobs for r, request_logprobs in zip(sampled, found, strict=True)}
+            pending = self._launch_on_device(inputs, scheduled.requests)
         except Exception as err:  # a kernel or device failure fails this step's requests, not the server
             self._fail(scheduled.requests, err)
             return
-        sampled, drafts, emitted = self._drop_failed(sampled, drafts, emitted)
-        kept = self._accept(scheduled, sampled, drafts, emitted)
+        if pending is not None:
+            self._book_on_device(scheduled.requests, pending, started)
+            return
+        try:
+            parents = {id(r): self.proposer.tree_of(r) for r in scheduled.requests} if self.proposer else {}
+            trees = draft_inputs(scheduled, inputs, parents)
+            output = self.runner.execute(inputs)
+            self._flush_outbox()  # the previous step's outputs go out while this one runs on the device
+            sampled = [scheduled.requests[i] for i in inputs.sampled]
+            verdicts, logprobs = verify_drafts(output.logits, sampled, trees)
+        except Exception as err:  # a kernel or device failure fails this step's requests, not the server
+            self._fail(scheduled.requests, err)
+            return
+        self.step_counts["host"] += 1
+        self.step_counts["host drafts"] += sum(len(tree.tokens) for tree in trees.values())
+        self._fail_alone([(r, v) for r, v in zip(sampled, verdicts, strict=True) if isinstance(v, Exception)])
+        passed = {id(r): v for r, v in zip(sampled, verdicts, strict=True) if isinstance(v, TreeVerdict)}
+        rows = self._accept(scheduled, inputs, trees, passed)
         if self.proposer is None:  # the K/V is all written: register before a finish frees the blocks
             self._cache_prefixes(scheduled.requests)
-        generated = 0
-        for request, request_drafts, tokens in zip(sampled, drafts, emitted, strict=True):
-            generated += self._emit(request, tokens, len(request_drafts), logprobs[id(request)])
+        generated, drafted, accepted, depths = 0, [], [], []
+        for request in sampled:
+            verdict = passed.get(id(request))
+            if verdict is None:
+                continue
+            tree = trees.get(id(request))
+            num_drafts = len(tree.tokens) if tree is not None else 0
+            generated += self._emit(request, verdict.emitted, num_drafts, logprobs.get(id(request)))
+            if tree is not None:
+                drafted.append(num_drafts)
+                accepted.append(len(verdict.path))
+                depths.append(max(tree.depths()))
         if self.proposer is not None:
             k_next = self._plan(scheduled.requests)
-            rows = scheduled.num_new_tokens
-            self._propose(scheduled.requests, inputs.row_starts, rows, kept, output.features, k_next)
+            self._propose(scheduled, inputs, rows, output.features, k_next)
             self._cache_prefixes(scheduled.requests)  # once the drafter wrote its K/V too
             if len(sampled) == len(scheduled.requests):
-                self._note_steady(len(sampled), {len(d) for d in drafts}, k_next)
+                self._note_steady(
+                    len(sampled), {len(trees[id(r)].tokens) if id(r) in trees else 0 for r in sampled}, k_next
+                )
         if self.on_step is not None:
             self.on_step(scheduled.num_tokens, generated, time.perf_counter() - started)
-        self._observe_verify([len(d) for d in drafts], [len(t) - 1 for t in emitted])
+        self._observe_verify(drafted, accepted, depths)
 
     def _accept(
-        self, scheduled: ScheduledStep, sampled: list[Request], drafts: list[list[int]], emitted: list[list[int]]
-    ) -> dict[int, int]:
-        """Book the verification: each request keeps its computed rows up to its last accepted draft (the
-        rejected drafts' K/V are rolled back by not counting them). Returns the rows kept, by id(request)."""
-        kept = {id(r): n for r, n in zip(scheduled.requests, scheduled.num_new_tokens, strict=True)}
-        for request, request_drafts, tokens in zip(sampled, drafts, emitted, strict=True):
-            accepted = len(tokens) - 1
-            kept[id(request)] -= len(request_drafts) - accepted
-            if request_drafts:
-                request.record_verification(len(request_drafts), accepted)
+        self, scheduled: ScheduledStep, inputs: StepInputs, trees: Trees, passed: dict[int, TreeVerdict]
+    ) -> dict[int, list[int]]:
+        """Book the verification: each request keeps its computed rows up to its accepted path (the rejected
+        drafts' K/V are rolled back by not counting them; a tree's path is moved into place first). Returns each
+        running request's verified rows of this step (the drafter's context pass reads them), by id(request)."""
+        block_size = self.runner.kv_cache.block_size
+        sources, targets, rows = [], [], {}
+        for request, row_start, num_new in zip(
+            scheduled.requests, inputs.row_starts, scheduled.num_new_tokens, strict=True
+        ):
+            tree = trees.get(id(request))
             request.draft_ids, request.draft_probs = [], None
-        for request in scheduled.requests:
-            request.num_computed_tokens += kept[id(request)]
-        return kept
+            if request.status is not Status.RUNNING:  # its verification failed: finished above
+                continue
+            if tree is None:
+                rows[id(request)] = list(range(row_start, row_start + num_new))
+                request.num_computed_tokens += num_new
+                continue
+            path = passed[id(request)].path
+            root_row = row_start + num_new - 1 - len(tree.tokens)
+            root = request.num_computed_tokens + root_row - row_start  # the root's position (and slot index)
+            moves = path_moves(request, root, path, block_size)
+            sources += moves[0]
+            targets += moves[1]
+            rows[id(request)] = [*range(row_start, root_row + 1), *(root_row + 1 + node for node in path)]
+            request.num_computed_tokens = root + 1 + len(path)
+            request.record_verification(len(tree.tokens), len(path), positions=max(tree.depths()))
+        if sources:
+            device = self.runner.kv_cache.layers[0][0].device
+            self.runner.move_kv(to_device(sources, torch.int64, device), to_device(targets, torch.int64, device))
+        return rows
 
-    def _step_on_device(self, scheduled: ScheduledStep, inputs: StepInputs, started: float) -> None:
-        """Every request verifies k drafts (greedy, sampled, penalised, with logprobs): verification, acceptance
-        and the next proposal run on the device as one pass (spec_step.py); the host books what it reads back."""
-        assert self.spec_step is not None
-        self._book_on_device(scheduled.requests, self.spec_step.launch(inputs, scheduled.requests), started)
+    def _launch_on_device(self, inputs: StepInputs, requests: list[Request]) -> PendingStep | None:
+        """The step on the device (spec_step.py) when every request verifies a whole draft of the loaded shape
+        and has room for what the step may write; None: the host path runs it."""
+        spec_step = self.spec_step
+        if spec_step is None or not spec_step.accepts(inputs, requests):
+            return None
+        if any(spec_step.reach(r) > self.max_model_len for r in requests):
+            return None
+        if not all(self.scheduler.reserve(r, spec_step.reach(r)) for r in requests):
+            return None
+        return spec_step.launch(inputs, requests)
 
     def _book_on_device(self, requests: list[Request], pending: PendingStep, started: float) -> None:
-        """Book a device-resident step. When the same batch can go on, the step after it is launched first,
-        its inputs derived on the device, so the device runs it while the host reads this one back and books
-        it: one read-back per step, overlapped with the next step."""
+        """Book a device step: its accepted path's K/V is in place; count the kept rows, emit the tokens and hand
+        each running request its next drafts. When the same batch can go on, the step after it is launched
+        first, its inputs derived on the device, so the device runs it while the host reads this one back and
+        books it: one read-back per step, overlapped with the next step."""
         assert self.spec_step is not None and self.proposer is not None
         k_next = self._plan(requests)
-        following = self._launch_following(requests, pending) if k_next in (None, self.spec_step.k) else None
-        self._flush_outbox()  # the previous step's outputs go out while this one runs on the device
-        result = pending.result()
-        generated, drafted, accepted = 0, [], []
+        try:
+            following = (
+                self._launch_following(requests, pending) if k_next in (None, self.spec_step.num_drafts) else None
+            )
+            self._flush_outbox()  # the previous step's outputs go out while this one runs on the device
+            result = pending.result()
+        except Exception as err:  # a kernel or device failure fails this step's requests, not the server
+            self._fail(requests, err)
+            return
+        self.step_counts["device"] += 1
+        generated, drafted, accepted, depths = 0, [], [], []
         for index, request in enumerate(requests):
             if request.status is not Status.RUNNING:  # finished while a following step was in flight
                 continue
-            num_drafts = len(request.draft_ids)
+            tree = DraftTree(request.draft_ids, self.proposer.tree_of(request))
+            count, depth = result.accepted[index], max(tree.depths())
             request.num_computed_tokens += result.kept_rows(index)  # roll back: rejected drafts' K/V not kept
-            request.record_verification(num_drafts, result.accepted[index])
+            request.record_verification(len(tree.tokens), count, positions=depth)
             request.draft_ids = []
-            drafted.append(num_drafts)
-            accepted.append(result.accepted[index])
+            drafted.append(len(tree.tokens))
+            accepted.append(count)
+            depths.append(depth)
             logprobs = result.token_logprobs(index, request.settings.logprobs)
-            generated += self._emit(request, result.emitted(index), num_drafts, logprobs)
+            generated += self._emit(request, result.emitted(index), len(tree.tokens), logprobs)
             self.spec_step.table.booked(request)  # after _emit: the step counted what it appended
             if request.status is Status.RUNNING:
-                self.proposer.set_drafts(request, result.next_drafts[index])
+                self.proposer.set_tree(request, *self.spec_step.next_tree(result, index))
                 cap_drafts(request, k_next)
-        self._cache_prefixes(requests)
+        self._cache_prefixes(requests)  # once the drafter wrote its K/V too
         if following is not None:
             self._in_flight = (requests, following)
         self._note_steady(len(drafted), set(drafted), k_next)
         if self.on_step is not None:
-            self.on_step(len(requests) * (self.spec_step.k + 1), generated, time.perf_counter() - started)
-        self._observe_verify(drafted, accepted)
+            self.on_step(len(requests) * self.spec_step.rows, generated, time.perf_counter() - started)
+        self._observe_verify(drafted, accepted, depths)
 
     # ---- adaptive speculation (adaptive_k.py) ---------------------------------------------------
     def _plan(self, requests: list[Request]) -> int | None:
@@ -281,16 +334,20 @@ class Engine:
 
     def _launch_following(self, requests: list[Request], pending: PendingStep) -> PendingStep | None:
         """The step after `pending`, launched before `pending` is read back, when nothing could change the
-        batch in between: no command or waiting request, nobody finished, every request's blocks reserved
-        far enough ahead and its context long enough. Scripted drafts (`proposer.replay`) need the host."""
-        assert self.spec_step is not None and self.proposer is not None
-        if self.proposer.replay is not None or self.scheduler.waiting or not self._commands.empty():
+        batch in between: no command or waiting request, nobody finished, every request keeps drafting whole
+        drafts of the loaded shape with room for them. Scripted drafts (the proposer's replay) need the host."""
+        spec_step = self.spec_step
+        assert spec_step is not None and self.proposer is not None
+        if self.proposer.scripted or self.scheduler.waiting or not self._commands.empty():
             return None
-        if any(r.status is not Status.RUNNING or self.spec_step.reach(r) > self.max_model_len for r in requests):
+        for request in requests:
+            if request.status is not Status.RUNNING or self.proposer.num_drafts(request) != spec_step.num_drafts:
+                return None
+            if spec_step.reach_following(request) > self.max_model_len:
+                return None
+        if not all(self.scheduler.reserve(r, spec_step.reach_following(r)) for r in requests):
             return None
-        if not all(self.scheduler.reserve(r, self.spec_step.reach(r)) for r in requests):
-            return None
-        return self.spec_step.launch_following(pending, requests)
+        return spec_step.launch_following(pending, requests)
 
     def _emit(
         self, request: Request, tokens: list[int], num_drafted: int, logprobs: list[TokenLogprob] | None = None
@@ -313,31 +370,29 @@ class Engine:
 
     def _propose(
         self,
-        requests: list[Request],
-        row_starts: list[int],
-        num_new: list[int],
-        kept: dict[int, int],
+        scheduled: ScheduledStep,
+        inputs: StepInputs,
+        rows: dict[int, list[int]],
         features: torch.Tensor | None,
         k_next: int | None = None,
     ) -> None:
-        """Draft for the next step from this step's target features. Requests that finished are skipped, and so
-        are those that never draft (num_speculative_tokens 0): the drafter does not run for them at all. At
-        `k_next` 0 the drafter runs its context pass alone (its cache follows every token, so drafting can resume
-        at any step); else each request keeps at most `k_next` drafts (None: its own k)."""
+        """Draft for the next step from this step's target features (`rows`: each running request's verified
+        rows). Requests that finished are skipped, and so are those that never draft (num_speculative_tokens 0):
+        the drafter does not run for them at all. At `k_next` 0 the drafter runs its context pass alone (its cache
+        follows every token, so drafting can resume at any step); else each keeps at most `k_next` drafts."""
         assert self.proposer is not None and features is not None
         entries = [
-            ProposeEntry(r, start, rows, kept[id(r)], propose=r.num_computed_tokens == r.num_tokens - 1 and k_next != 0)
-            for r, start, rows in zip(requests, row_starts, num_new, strict=True)
-            if r.status is Status.RUNNING and self.proposer.num_drafts(r) > 0
+            ProposeEntry(r, start, rows_run, rows[id(r)], r.num_computed_tokens == r.num_tokens - 1 and k_next != 0)
+            for r, start, rows_run in zip(scheduled.requests, inputs.row_starts, scheduled.num_new_tokens, strict=True)
+            if r.status is Status.RUNNING and id(r) in rows and self.proposer.num_drafts(r) > 0
         ]
-        running = [e.request for e in entries]
         try:
-            self.proposer.propose(ProposeBatch(entries, features))
+            self.proposer.propose(ProposeBatch(entries, features, self.scheduler.reserve))
         except Exception as err:
-            self._fail(running, err)
+            self._fail([e.request for e in entries], err)
             return
-        for request in running:
-            cap_drafts(request, k_next)
+        for entry in entries:
+            cap_drafts(entry.request, k_next)
 
     def _cache_prefixes(self, requests: list[Request]) -> None:
         """Register the prompt blocks whose K/V this step finished writing (prefix_cache.py). One key stands
@@ -358,14 +413,6 @@ class Engine:
         vocab = self.runner.model.config.vocab_size
         found = [(r, check_drafts(r.draft_ids, vocab)) for r in self.scheduler.running if r.draft_ids]
         return [(r, err) for r, err in found if err is not None]
-
-    def _drop_failed(
-        self, sampled: list[Request], drafts: list[list[int]], emitted: list
-    ) -> tuple[list[Request], list[list[int]], list[list[int]]]:
-        """Fail the requests whose own verification failed (a VerifyError in `emitted`); keep the others."""
-        self._fail_alone([(r, e) for r, e in zip(sampled, emitted, strict=True) if isinstance(e, Exception)])
-        keep = [i for i, e in enumerate(emitted) if not isinstance(e, Exception)]
-        return [sampled[i] for i in keep], [drafts[i] for i in keep], [emitted[i] for i in keep]
 
     def _fail_alone(self, failures: list[tuple[Request, BaseException]]) -> None:
         """Finish each request with its own error; the rest of the batch goes on."""
@@ -397,6 +444,8 @@ class Engine:
         logprobs: list[TokenLogprob] | None = None,
     ) -> None:
         self.scheduler.remove(request)
+        if self.proposer is not None:
+            self.proposer.forget(request)
         if self.spec_step is not None:
             self.spec_step.table.release(request.request_id)
         with self._lock:

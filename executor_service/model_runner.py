@@ -16,7 +16,7 @@ from executor_service.attention_step import AttentionStep, build_attention_step,
 from executor_service.cuda_graphs import StepGraphs
 from executor_service.kv_cache import KVCache
 from executor_service.model import DecoderModel
-from executor_service.parallel.driver import forward_with_logits
+from executor_service.parallel.driver import forward_with_logits, move_kv_slots
 from executor_service.parallel.graphs import lockstep_for
 from executor_service.scheduler import ScheduledStep
 
@@ -131,6 +131,11 @@ class ModelRunner:
         if self.feature_layers is None:
             return logits, None
         return logits, torch.cat(aux, dim=-1) if aux else hidden
+
+    def move_kv(self, sources: torch.Tensor, targets: torch.Tensor) -> None:
+        """Copy the K/V of cache slots `sources` to `targets` in every layer (gathered first, so a slot both read
+        and written is read before it is overwritten)."""
+        move_kv_slots(self.model, self.kv_cache.layers, sources, targets)
 
     def _tensor(self, values: list, dtype: torch.dtype) -> torch.Tensor:
         return to_device(values, dtype, self.device)

@@ -54,8 +54,12 @@ class ProposeEntry:
     request: Request
     row_start: int  # its first row among the target step's rows (into the features)
     num_rows: int  # rows the target computed for it
-    num_valid: int  # of which verified (prefill chunk: all; verify: accepted drafts + 1)
+    verified_rows: list[int]  # of which verified, in order (prefill chunk: all; verify: the root and its path)
     propose: bool  # has a new last token: draft for the next step (not a prefill chunk mid-prompt)
+
+    @property
+    def num_valid(self) -> int:
+        return len(self.verified_rows)
 
     @property
     def first_position(self) -> int:
@@ -66,6 +70,9 @@ class ProposeEntry:
 class ProposeBatch:
     entries: list[ProposeEntry]
     features: torch.Tensor  # [T, F] what the drafter reads of every target row
+    # reserve(request, positions): secures the cache slots a proposal writes past the request's tokens (trees);
+    # None: the scheduler reserved them with the step.
+    reserve: Callable[[Request, int], bool] | None = None
 
 
 @dataclass(frozen=True)
@@ -119,6 +126,22 @@ class Proposer:
             for r, s, w in zip(requests, starts, own, strict=True)
         ]
         return self.tensor(rows, torch.int64)
+
+    @property
+    def scripted(self) -> bool:
+        """Whether tests script the drafts (`replay`): they need the host, so no step is launched ahead."""
+        return self.replay is not None
+
+    def tree_of(self, request: Request) -> list[int]:
+        """The parents of the request's drafts: a chain's, draft j's is j - 1 (trees: tree_proposer.py)."""
+        return list(range(-1, len(request.draft_ids) - 1))
+
+    def set_tree(self, request: Request, tokens: list[int], parents: list[int] | None) -> None:
+        """The drafts a device step proposed (a chain's parents are implied)."""
+        self.set_drafts(request, tokens)
+
+    def forget(self, request: Request) -> None:
+        """A finished request: nothing kept per request here (a tree proposer keeps its parents)."""
 
     def num_drafts(self, request: Request) -> int:
         """Drafts per step for this request: its own number (GenerateRequest.num_speculative_tokens, at most

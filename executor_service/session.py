@@ -58,7 +58,6 @@ from executor_service.request import Request, RequestOutput, Sink
 from executor_service.sampling import SamplingSettings, make_generator
 from executor_service.scheduler import Scheduler, speculative_headroom
 from executor_service.spec_step import SpecStep
-from executor_service.tree_engine import TreeEngine
 from executor_service.tree_proposer import TreeProposer
 from executor_service.tree_step import TreeStep
 from executor_service.validation import DEFAULT_BLOCK_SIZE, ModelLimits, shard_violations
@@ -371,22 +370,14 @@ def build_session(
         prefix_cache = PrefixCache(kv_cache.allocator, block_size, after)
     batch = settings.max_num_batched_tokens, settings.max_num_seqs
     scheduler = Scheduler(kv_cache.allocator, block_size, *batch, lookahead, max_model_len, prefix_cache)
-    chain = proposer is not None and not isinstance(proposer, TreeProposer)
     slots = settings.max_num_seqs  # every running request may set a penalty (device_penalties.py)
-    spec_step = SpecStep(runner, proposer, slots) if chain and settings.device_spec_step else None
     speculation = None
     if proposer is not None and settings.adaptive_speculation:
         graphs = settings.cuda_graphs and device.type == "cuda" and decision.backend in GRAPH_BACKENDS
         speculation = adaptive_speculation(proposer, graphs)
         speculation.observer = on_plan
-    if isinstance(proposer, TreeProposer):
-        # Tensor parallelism keeps the host path (the K/V move is an op of every rank there).
-        tree_step = TreeStep(runner, proposer, slots) if settings.device_spec_step and tp_group is None else None
-        engine: Engine = TreeEngine(
-            runner, scheduler, max_model_len, on_step, proposer, on_verify, tree_step=tree_step, speculation=speculation
-        )
-    else:
-        engine = Engine(runner, scheduler, max_model_len, on_step, proposer, on_verify, spec_step, speculation)
+    spec_step = device_step(runner, proposer, slots, settings.device_spec_step, tp_group is not None)
+    engine = Engine(runner, scheduler, max_model_len, on_step, proposer, on_verify, spec_step, speculation)
     headroom = speculative_headroom(draft.config.num_speculative_tokens, lookahead) if draft is not None else 0
     chat = load_chat_template(source.path, config, loaded.tokenizer)
     limits = ModelLimits(
@@ -446,6 +437,18 @@ def proposer_class(config: DraftConfig) -> type[Proposer]:
     return DFlashTreeProposer if config.method == "dflash" else TreeProposer
 
 
+def device_step(
+    runner: ModelRunner, proposer: Proposer | None, penalty_slots: int, wanted: bool, tensor_parallel: bool
+) -> SpecStep | TreeStep | None:
+    """The speculative step on the device for the proposer's drafts, chains or trees (None: the host path runs
+    every step). Tensor parallelism keeps trees on the host path (their K/V move is an op of every rank there)."""
+    if proposer is None or not wanted:
+        return None
+    if isinstance(proposer, TreeProposer):
+        return None if tensor_parallel else TreeStep(runner, proposer, penalty_slots)
+    return SpecStep(runner, proposer, penalty_slots)
+
+
 def adaptive_speculation(proposer: Proposer, graphs: bool) -> AdaptiveK:
     """The k values a step may take: none, and the loaded k; every k in between too where no verify graphs are
     captured (no graph is captured at run time). A tree is verified whole or not at all (its depth is what the
@@ -467,7 +470,6 @@ def capture_graphs(session: ModelSession, settings: EngineSettings, max_model_le
     the drafter's on rank 0 alone (it involves no other rank)."""
     runner, proposer = session.engine.runner, session.proposer
     spec_batch = min(settings.max_num_seqs, MAX_SPEC_GRAPH_BATCH)
-    tree_step = session.engine.tree_step if isinstance(session.engine, TreeEngine) else None
     if isinstance(proposer, TreeProposer):  # the host path's tree steps run eagerly: decode graphs, the tree step's
         proposer = None
     if session.decision.backend in GRAPH_BACKENDS:
@@ -479,8 +481,6 @@ def capture_graphs(session: ModelSession, settings: EngineSettings, max_model_le
     spec_step = session.engine.spec_step
     if spec_step is not None and {session.decision.backend, spec_step.proposer.backend} <= GRAPH_BACKENDS:
         spec_step.capture_graphs(spec_batch, max_model_len)
-    if tree_step is not None and {session.decision.backend, tree_step.proposer.backend} <= GRAPH_BACKENDS:
-        tree_step.capture_graphs(spec_batch, max_model_len)
 
 
 def warm_up(session: ModelSession) -> None:

@@ -115,6 +115,7 @@ class SpecStep(VariantSteps):
     def __init__(self, runner: ModelRunner, proposer: Proposer, penalty_slots: int = DEFAULT_PENALTY_SLOTS) -> None:
         super().__init__(runner.model.config.vocab_size, runner.device, penalty_slots)
         self.runner, self.proposer, self.k = runner, proposer, proposer.k
+        self.num_drafts, self.rows = self.k, self.k + 1  # drafts verified per request, and its verify rows
         self.constants = StepConstants(runner.device)
 
     def accepts(self, inputs: StepInputs, requests: list[Request]) -> bool:
@@ -136,15 +137,23 @@ class SpecStep(VariantSteps):
         return PendingStep(packed, inputs.positions, self.k + 1, sampling, self.logprob_top)
 
     def reach(self, request: Request) -> int:
+        """Positions a request needs room for: its k + 1 verify rows and the drafter's lookahead."""
+        return request.num_computed_tokens + self.k + 1 + self.proposer.config.positions_ahead
+
+    def reach_following(self, request: Request) -> int:
         """Positions a request must have room for before the step after its current one is launched blind:
         this step may accept all k drafts, and the next one writes k + 1 rows and the drafter's lookahead."""
-        return request.num_computed_tokens + 2 * (self.k + 1) + self.proposer.config.positions_ahead
+        return self.reach(request) + self.k + 1
+
+    def next_tree(self, result: VerifiedStep, index: int) -> tuple[list[int], list[int] | None]:
+        """Request `index`'s next drafts as the proposer takes them (a chain's parents are implied)."""
+        return result.next_drafts[index], None
 
     @torch.inference_mode()
     def launch_following(self, previous: PendingStep, requests: list[Request]) -> PendingStep:
         """Queue the step after `previous` for the same requests before the host has read `previous` back: its
         inputs (the bonus token and the next drafts), positions, sequence lengths and slots follow on the device
-        from `previous`'s accepted counts. The caller has reserved every request's blocks up to `reach`."""
+        from `previous`'s accepted counts. The caller has reserved every request's blocks up to `reach_following`."""
         rows, width = self.k + 1, self.proposer.ahead_width
         count = len(requests)
         starts = [r.num_computed_tokens for r in requests]  # `previous`'s first verify row (not yet booked)

@@ -25,7 +25,7 @@ import torch
 
 from executor_service.attention_step import AttentionStep
 from executor_service.draft_models import Eagle3Drafter
-from executor_service.proposer import Proposer
+from executor_service.proposer import ProposeBatch, Proposer
 from executor_service.request import Request
 from executor_service.sampling import to_host
 from executor_service.step_constants import StepConstants
@@ -71,10 +71,9 @@ class TreeProposer(Proposer):
         """Keys a proposal's drafter passes write past the newest verified token: one per expanded node."""
         return max(self.tree.num_inputs, 1)
 
-    def drafts_tree(self, request: Request) -> bool:
-        """Whether the request drafts at all: its own k (0: never). Penalties and logprobs read the tree's rows
-        (its path's drafts counted, the accepted path's logprobs), on the host path and the device step alike."""
-        return self.num_drafts(request) > 0
+    @property
+    def scripted(self) -> bool:
+        return self.replay_tree is not None or self.replay is not None
 
     def forget(self, request: Request) -> None:
         self.parents.pop(request.request_id, None)
@@ -84,18 +83,15 @@ class TreeProposer(Proposer):
         return self.parents.get(request.request_id, [])[: len(request.draft_ids)]
 
     @torch.inference_mode()
-    def propose_tree(
-        self,
-        entries: list[tuple[Request, list[int], bool]],
-        features: torch.Tensor,
-        reserve: Callable[[Request, int], bool],
-    ) -> None:
-        """Per entry (request, the verified rows of the target step in order, whether it drafts now): run the
-        context pass, then draft the trees. `reserve(request, positions)` secures the slots the drafter writes."""
+    def propose(self, batch: ProposeBatch) -> None:
+        """Per entry, the context pass over its verified rows of the target step (in order), then the trees of
+        those that draft now; `batch.reserve(request, positions)` secures the slots the drafter writes."""
+        entries, features = batch.entries, batch.features
         if not entries:
             return
         rows, positions, next_ids, slots, seq_lens, query_lens = [], [], [], [], [], []
-        for request, request_rows, _ in entries:
+        for entry in entries:
+            request, request_rows = entry.request, entry.verified_rows
             first = request.num_computed_tokens - len(request_rows)
             rows += request_rows
             positions += range(first, first + len(request_rows))
@@ -103,7 +99,7 @@ class TreeProposer(Proposer):
             slots += [self.slot(request, p) for p in range(first, first + len(request_rows))]
             seq_lens.append(first + len(request_rows))
             query_lens.append(len(request_rows))
-        requests = [e[0] for e in entries]
+        requests = [e.request for e in entries]
         step = self.attention(requests, query_lens, seq_lens, slots, causal=True)
         self.pass_counts["tree_context eager"] += 1
         feedback, head = self.context_pass_rows(
@@ -111,14 +107,14 @@ class TreeProposer(Proposer):
             features[self.tensor(rows, torch.int64)],
         )  # fmt: skip
         picked, proposing, offset = [], [], 0
-        for (request, _, propose), count in zip(entries, query_lens, strict=True):
+        for entry, count in zip(entries, query_lens, strict=True):
             offset += count
-            if not propose:
+            if not entry.propose:
                 continue
-            last = request.num_computed_tokens - 1
-            ahead = last + 1 + self.scratch_width
-            if ahead > self.max_model_len or not reserve(request, ahead):  # no room: decode without drafts
-                self.set_tree(request, [], [])
+            request = entry.request
+            ahead = request.num_computed_tokens + self.scratch_width
+            if ahead > self.max_model_len or (batch.reserve is not None and not batch.reserve(request, ahead)):
+                self.set_tree(request, [], [])  # no room: decode without drafts
                 continue
             picked.append(offset - 1)  # the newest verified row
             proposing.append(request)
@@ -135,7 +131,7 @@ class TreeProposer(Proposer):
         feedback and head per row, which `draft_tree` reads at the newest verified row."""
         return self._eagle_context(step, positions, {"input_ids": next_ids, "features": features})
 
-    def set_tree(self, request: Request, tokens: list[int], parents: list[int]) -> None:
+    def set_tree(self, request: Request, tokens: list[int], parents: list[int] | None) -> None:
         """As set_drafts: the request's own number of drafts, never past the context (a topological prefix of
         the tree is a tree)."""
         if self.replay_tree is not None:

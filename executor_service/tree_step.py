@@ -4,7 +4,7 @@ into place and draft the next trees in one function, read back once (the chain's
 When every request of a step (greedy or sampled, penalised or asking for logprobs) verifies a whole tree of the
 loaded shape (N drafts, depth D), nothing between the target's verify pass and the next trees needs the host. Every
 tensor has a fixed shape per tree shape, so the function is captured as one CUDA graph per batch bucket
-(cuda_graphs.StepGraphs) and runs eagerly elsewhere (the CPU, larger batches). The parts, as TreeEngine's host
+(cuda_graphs.StepGraphs) and runs eagerly elsewhere (the CPU, larger batches). The parts, as the engine's host
 path does them:
 
 - layout (`tree_layout`): each row's depth and ancestor bits from the drafts' parents [B, N] (D rounds of
@@ -37,7 +37,7 @@ from executor_service.device_sampling import GREEDY, SamplingTensors, sorts
 from executor_service.model_runner import ModelRunner, StepInputs
 from executor_service.parallel.driver import TensorParallelModel
 from executor_service.request import Request
-from executor_service.spec_step import PendingStep
+from executor_service.spec_step import PendingStep, VerifiedStep
 from executor_service.step_constants import StepConstants
 from executor_service.step_variants import DEFAULT_PENALTY_SLOTS, StepSampling, VariantSteps, capture_variants
 from executor_service.tree_proposer import TreeProposer, static_parents
@@ -97,6 +97,11 @@ class TreeStep(VariantSteps):
         x = {"input_ids": inputs.input_ids, "parents": parents, "slots_ahead": ahead, **sampling.inputs}
         (packed,) = self.run(sampling.variant, "", step, inputs.positions, x)
         return PendingStep(packed, inputs.positions, self.depth + 1, sampling, self.logprob_top)
+
+    def next_tree(self, result: VerifiedStep, index: int) -> tuple[list[int], list[int] | None]:
+        """Request `index`'s next tree as the proposer takes it: its tokens, then its parents."""
+        tree_ids = result.next_drafts[index]
+        return tree_ids[: self.num_drafts], tree_ids[self.num_drafts :]
 
     def reach_following(self, request: Request) -> int:
         """Positions a request needs room for before the step after its current one is launched blind: this

@@ -15,7 +15,7 @@ children are candidates for the token after it.
 
 Penalties apply to each tree row as if the drafts on its path had been emitted (penalties.penalised_logits
 with the tree's parents: the caller passes the penalised rows as `processed`); logprobs are read from the
-accepted path's rows (TreeEngine._verify).
+accepted path's rows (host_step.verify_drafts).
 """
 
 from __future__ import annotations

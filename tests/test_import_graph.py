@@ -133,7 +133,7 @@ EXECUTOR_LAYERS: tuple[Layer, ...] = (
             "dflash_tree_proposer tree_verification adaptive_k spec_step tree_step"
         ),
     ),
-    Layer("engine", wire_free=True, modules="engine tree_engine"),
+    Layer("engine", wire_free=True, modules="engine host_step"),
     Layer(
         "server",
         wire_free=False,

@@ -113,7 +113,7 @@ class TensorParallelModel(nn.Module):
             return self.model.compute_logits(hidden)
 
     def move_kv(self, src: torch.Tensor, dst: torch.Tensor, layers: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
-        """Every rank copies the K/V of cache slots `src` to `dst` in its own cache (tree_engine.py)."""
+        """Every rank copies the K/V of cache slots `src` to `dst` in its own cache (a tree's accepted path)."""
         with on_all_ranks(self.group, step=True):
             protocol.send_move(self.group, self.model_id, src, dst)
             copy_kv_slots(layers, src, dst)
@@ -123,6 +123,17 @@ class TensorParallelModel(nn.Module):
         if self.group.failure is None:
             with on_all_ranks(self.group):
                 protocol.send_header(self.group, Op.UNLOAD, self.model_id)
+
+
+def move_kv_slots(
+    model: nn.Module, layers: list[tuple[torch.Tensor, torch.Tensor]], src: torch.Tensor, dst: torch.Tensor
+) -> None:
+    """Copy the K/V of cache slots `src` to `dst` in every layer: under tensor parallelism every rank moves its
+    own heads' K/V (one op on every rank), else the local cache's copy."""
+    if isinstance(model, TensorParallelModel):
+        model.move_kv(src, dst, layers)
+    else:
+        copy_kv_slots(layers, src, dst)
 
 
 def forward_with_logits(

@@ -28,4 +28,4 @@ def session_of(shape: str, cuda_graphs: bool = True) -> ModelSession:
 
 
 def step_of(session: ModelSession):  # type: ignore[no-untyped-def]
-    return session.engine.spec_step or session.engine.tree_step
+    return session.engine.spec_step

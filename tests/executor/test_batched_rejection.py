@@ -23,7 +23,7 @@ from batched_rejection_runs import (
 from engine_driving import Collector
 from spec_builders import spec_session
 
-import executor_service.engine as engine
+import executor_service.host_step as host_step
 import executor_service.rejection_sampler as rejection_sampler
 import executor_service.sampling as sampling
 from executor_service.rejection_sampler import verify_batch
@@ -114,7 +114,7 @@ def test_an_engine_step_of_sampled_requests_verifies_with_one_host_copy(monkeypa
     verified: list[int] = []
     monkeypatch.setattr(rejection_sampler, "to_host", counting(copies, to_host))
     monkeypatch.setattr(sampling, "to_host", counting(copies, to_host))
-    monkeypatch.setattr(engine, "verify_batch", counting(verified, verify_batch))
+    monkeypatch.setattr(host_step, "verify_batch", counting(verified, verify_batch))
     sink = Collector()
     settings = [
         SamplingSettings(0.8, seed=1, ignore_eos=True),

@@ -32,7 +32,7 @@ def cuda_tree_session(method: str, shape: str, cuda_graphs: bool = True) -> Mode
         method, tree, k, backend=BACKEND, num_kv_blocks=256, max_num_batched_tokens=512, device="cuda", dtype=BF16,
         cuda_graphs=cuda_graphs,
     )  # fmt: skip
-    tree_step = session.engine.tree_step
+    tree_step = session.engine.spec_step
     assert tree_step is not None and bool(tree_step.graphs) == cuda_graphs
     tree_step.counts.clear()  # the warm-up's steps
     return session
@@ -83,7 +83,7 @@ def test_graph_tree_step_equals_target_only(expected: dict, method: str, shape: 
         replay = ReplayOnLastBranch(expected)
         session.proposer.replay_tree = replay
     assert run(session, prompts(8, seed=21)) == expected
-    counts = session.engine.tree_step.counts
+    counts = session.engine.spec_step.counts
     assert counts["graph"] > 0 and counts["eager"] == 0 and counts["eager following"] == 0
     assert (counts["graph following"] > 0) == (not replayed)  # scripted trees need the host: no step launched ahead
     if replayed:
@@ -105,7 +105,7 @@ def test_graph_replays_give_what_eager_steps_give(expected: dict, shape: str) ->
 
         session.proposer.set_tree = record
         found[graphs] = ({size: run(session, prompts(size, seed=size)) for size in (1, 2, 4)}, drafted)
-        assert session.engine.tree_step.counts["graph" if graphs else "eager"] > 0
+        assert session.engine.spec_step.counts["graph" if graphs else "eager"] > 0
     assert found[True] == found[False]
 
 
@@ -129,5 +129,5 @@ def test_shared_rotary_lookup_drafts_the_same_trees(shape: str) -> None:
 
         session.proposer.set_tree = record
         found.append(({size: run(session, prompts(size, seed=size)) for size in (1, 2)}, drafted))
-        assert session.engine.tree_step.counts["eager"] > 0
+        assert session.engine.spec_step.counts["eager"] > 0
     assert len(found[0][1]) > 4 and found[0] == found[1]

@@ -47,14 +47,12 @@ def expected_tokens(session: ModelSession, prompt: list[int], settings: Sampling
 @pytest.mark.parametrize(
     ("method", "wrong_at"), [(None, None), ("eagle3", None), ("eagle3", 1), ("dflash", None), ("dflash", 2)]
 )
-def test_penalised_greedy_is_the_same_with_every_drafter(
-    method: str | None, wrong_at: int | None, monkeypatch: pytest.MonkeyPatch
-) -> None:
+def test_penalised_greedy_is_the_same_with_every_drafter(method: str | None, wrong_at: int | None) -> None:
     """The drafts replay each request's reference (wrong at `wrong_at`): a verify row that did not count the
     accepted drafts before it would pick another token than the reference. With a drafter every verify step
     runs on the device step (the host path verifies no draft)."""
     session = tiny_session() if method is None else spec_session(method, 3, max_num_batched_tokens=64)
-    host = host_verified_drafts(monkeypatch)
+    session.engine.step_counts.clear()  # the warm-up's steps
     settings = [PENALISED, greedy(MAX_TOKENS), WITH_LOGPROBS, PENALISED_WITH_LOGPROBS]
     batch = {rid: (prompt, settings[i % 4]) for i, (rid, prompt) in enumerate(prompts(8, seed=3).items())}
     expected = {rid: expected_tokens(session, prompt, s) for rid, (prompt, s) in batch.items()}
@@ -72,40 +70,25 @@ def test_penalised_greedy_is_the_same_with_every_drafter(
         finish = sink.outputs[rid][-1].finish
         assert finish is not None and (method is None or finish.accepted_tokens > 0)
     if method is not None:
-        assert session.engine.spec_step.counts["extras"] > 0 and not any(host), host
-
-
-def host_verified_drafts(monkeypatch: pytest.MonkeyPatch) -> list[int]:
-    """Drafts the host path verifies (engine.verify_batch), recorded step by step: 0 for a prefill."""
-    import executor_service.engine as engine_module
-
-    found: list[int] = []
-    original = engine_module.verify_batch
-
-    def recorded(logits, settings, generators, drafts, *args, **kwargs):  # type: ignore[no-untyped-def]
-        found.append(sum(len(d) for d in drafts))
-        return original(logits, settings, generators, drafts, *args, **kwargs)
-
-    monkeypatch.setattr(engine_module, "verify_batch", recorded)
-    return found
+        host = session.engine.step_counts
+        assert session.engine.spec_step.counts["extras"] > 0 and host["host drafts"] == 0, host
 
 
 @pytest.mark.parametrize("settings", [WITH_LOGPROBS, PENALISED, PENALISED_WITH_LOGPROBS])
-def test_one_such_request_keeps_the_batch_on_the_device_step(
-    settings: SamplingSettings, monkeypatch: pytest.MonkeyPatch
-) -> None:
+def test_one_such_request_keeps_the_batch_on_the_device_step(settings: SamplingSettings) -> None:
     """A request asking for logprobs or setting penalties joins plain greedy ones on the device step (the extras
     variant): the host path verifies no draft (it runs the prefills alone), and each request gets its own answer,
     logprobs included."""
     session = spec_session("eagle3", 3, max_num_batched_tokens=64)
     assert session.engine.spec_step is not None
     counts = session.engine.spec_step.counts
-    host = host_verified_drafts(monkeypatch)
+    session.engine.step_counts.clear()  # the warm-up's steps
     mixed = {**{rid: (prompt, greedy(MAX_TOKENS)) for rid, prompt in prompts(3, seed=5).items()}}
     mixed["special"] = ([1, 1, 2, 1, 3], settings)
     sink = run(session, mixed)
     assert counts["extras"] > 0 and counts["eager following"] > 0
-    assert host and not any(host), host
+    host = session.engine.step_counts
+    assert host["host"] > 0 and host["host drafts"] == 0, host  # the prefills alone
     for rid, (prompt, request_settings) in mixed.items():
         assert sink.tokens(rid) == expected_tokens(session, prompt, request_settings), rid
     if settings.logprobs is not None:

@@ -12,10 +12,11 @@ from greedy_reference import greedy_reference
 from spec_builders import draft_model
 from tree_cases import TREES, ReplayOnLastBranch, check_equals_target_only, prompts, tree_session, use_device_step
 
+import executor_service.engine as engine_module
 from executor_service.drafting import resolve_draft
 from executor_service.errors import InvalidField
 from executor_service.session import ModelSession, resolve_target
-from executor_service.tree_engine import TreeEngine
+from executor_service.tree_step import TreeStep
 from executor_service.wire import status_error
 from specdec.v1 import common_pb2
 from specdec_runtime.errors import InvalidArgument
@@ -23,7 +24,7 @@ from specdec_runtime.errors import InvalidArgument
 
 def check_path_taken(session: ModelSession, on_device: bool) -> None:
     if on_device:
-        assert session.engine.tree_step.counts["eager"] > 0
+        assert session.engine.spec_step.counts["eager"] > 0
 
 
 @pytest.mark.parametrize("on_device", [True, False], ids=["device", "host"])
@@ -32,7 +33,7 @@ def check_path_taken(session: ModelSession, on_device: bool) -> None:
 def test_greedy_tree_equals_target_only(method: str, shape: str, on_device: bool) -> None:
     tree, k = TREES[shape]
     session = tree_session(method, tree, k)
-    assert isinstance(session.engine, TreeEngine) and session.engine.spec_step is None
+    assert isinstance(session.engine.spec_step, TreeStep)
     use_device_step(session, on_device)
     check_equals_target_only(session, 10, prompts(4, seed=len(shape)))
     check_path_taken(session, on_device)
@@ -81,7 +82,7 @@ def test_tree_steps_on_the_other_tree_backends(backend: str) -> None:
     check_equals_target_only(session, 6, batch)
 
 
-def test_a_causal_verify_pass_fails() -> None:
+def test_a_causal_verify_pass_fails(monkeypatch: pytest.MonkeyPatch) -> None:
     """The tree mask matters: verifying the tree with a causal mask (siblings and cousins visible) changes the
     accepted drafts' K/V and the target's rows, and the output leaves the target's."""
     tree, _ = TREES["static_3_2"]
@@ -90,14 +91,14 @@ def test_a_causal_verify_pass_fails() -> None:
     batch = prompts(3, seed=9)
     references = {rid: greedy_reference(session.loaded.model, p, 12) for rid, p in batch.items()}
     session.proposer.replay_tree = ReplayOnLastBranch(references)
-    original = session.engine._tree_inputs
+    original = engine_module.draft_inputs
 
-    def causal_inputs(scheduled, inputs):
-        trees = original(scheduled, inputs)
+    def causal_inputs(scheduled, inputs, parents):  # type: ignore[no-untyped-def]
+        trees = original(scheduled, inputs, parents)
         inputs.attention.tree_mask = None
         return trees
 
-    session.engine._tree_inputs = causal_inputs
+    monkeypatch.setattr(engine_module, "draft_inputs", causal_inputs)
     sink = Collector()
     add_all(session, batch, greedy(12), sink)
     session.engine.run_until_idle()

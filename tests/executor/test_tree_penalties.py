@@ -17,7 +17,6 @@ from penalty_reference import greedy_penalised
 from spec_builders import spec_session
 from tree_cases import TREES, ReplayOnLastBranch, prompts, tree_session, use_device_step
 
-import executor_service.tree_engine as tree_engine
 from executor_service import cuda_graphs
 from executor_service.sampling import SamplingSettings
 from executor_service.session import ModelSession
@@ -25,19 +24,6 @@ from executor_service.session import ModelSession
 MAX_TOKENS = 10
 SAMPLED = SamplingSettings(temperature=0.9, top_p=0.9, seed=3, repetition_penalty=1.2, logprobs=2)
 GREEDY = SamplingSettings()
-
-
-def host_verified_trees(monkeypatch: pytest.MonkeyPatch) -> list[int]:
-    """Trees the host path verifies (tree_engine.verify_tree_batch), per call."""
-    found: list[int] = []
-    original = tree_engine.verify_tree_batch
-
-    def recorded(logits, settings, generators, trees, *args, **kwargs):  # type: ignore[no-untyped-def]
-        found.append(len(trees))
-        return original(logits, settings, generators, trees, *args, **kwargs)
-
-    monkeypatch.setattr(tree_engine, "verify_tree_batch", recorded)
-    return found
 
 
 def expected(session: ModelSession, prompt: list[int], settings: SamplingSettings) -> list[int]:
@@ -48,13 +34,10 @@ def expected(session: ModelSession, prompt: list[int], settings: SamplingSetting
 
 @pytest.mark.parametrize("on_device", [True, False], ids=["device", "host"])
 @pytest.mark.parametrize("shape", ["static_2_2_1", "dynamic_3_budget_8_depth_4"])
-def test_penalised_trees_equal_the_penalised_reference(
-    shape: str, on_device: bool, monkeypatch: pytest.MonkeyPatch
-) -> None:
+def test_penalised_trees_equal_the_penalised_reference(shape: str, on_device: bool) -> None:
     tree, k = TREES[shape]
     session = tree_session("eagle3", tree, k)
     use_device_step(session, on_device)
-    host = host_verified_trees(monkeypatch)
     kinds = [PENALISED, GREEDY, WITH_LOGPROBS, PENALISED_WITH_LOGPROBS]
     batch = {rid: (prompt, kinds[i % 4]) for i, (rid, prompt) in enumerate(prompts(4, seed=11, longest=12).items())}
     references = {rid: expected(session, prompt, s) for rid, (prompt, s) in batch.items()}
@@ -73,27 +56,27 @@ def test_penalised_trees_equal_the_penalised_reference(
         if settings.logprobs is not None:
             check_logprobs(session, sink, rid, prompt, settings.logprobs)
     if on_device:
-        assert session.engine.tree_step.counts["extras"] > 0 and not host, host
+        assert session.engine.spec_step.counts["extras"] > 0 and not session.engine.step_counts["host drafts"]
     else:
-        assert host
+        assert session.engine.step_counts["host drafts"] > 0
     assert session.kv_cache.allocator.num_used == 0
 
 
-def test_a_batch_mixing_every_kind_stays_on_the_device_step(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_a_batch_mixing_every_kind_stays_on_the_device_step() -> None:
     """Greedy, sampled, penalised and logprob requests (and one that is all of them) in one batch: every tree is
     verified on the device step (its extras variant; steps launched ahead of the read-back too), and each
     greedy request keeps its reference."""
     tree, k = TREES["dynamic_3_budget_8_depth_4"]
     session = tree_session("eagle3", tree, k)
     use_device_step(session, True)
-    host = host_verified_trees(monkeypatch)
     kinds = [GREEDY, SamplingSettings(temperature=0.7, top_k=50), PENALISED, WITH_LOGPROBS, SAMPLED]
     batch = {rid: (prompt, kinds[i]) for i, (rid, prompt) in enumerate(prompts(5, seed=2, longest=12).items())}
     sink = Collector()
     for rid, (prompt, settings) in batch.items():
         session.engine.add(session.new_request(rid, prompt, settings, MAX_TOKENS, sink))
     session.engine.run_until_idle()
-    counts = session.engine.tree_step.counts
+    counts = session.engine.spec_step.counts
+    host = session.engine.step_counts["host drafts"]
     assert counts["extras sorted"] > 0 and counts["eager following"] > 0 and not host, (counts, host)
     assert counts["greedy"] == counts["sampled"] == counts["sorted"] == counts["extras"] == 0
     for rid, (prompt, settings) in batch.items():
@@ -104,7 +87,7 @@ def test_a_batch_mixing_every_kind_stays_on_the_device_step(monkeypatch: pytest.
             check_logprobs(session, sink, rid, prompt, settings.logprobs)
         else:
             assert all(o.logprobs is None for o in sink.outputs[rid])
-    assert not session.engine.tree_step.table.assigned  # every slot given back
+    assert not session.engine.spec_step.table.assigned  # every slot given back
 
 
 MIXED = [
@@ -123,7 +106,7 @@ def session_and_step(shape: str) -> tuple[ModelSession, Any]:
         return session, session.engine.spec_step
     tree, k = TREES[shape]
     session = tree_session("eagle3", tree, k)
-    return session, session.engine.tree_step
+    return session, session.engine.spec_step
 
 
 def mixed_run(shape: str, graph_batch: int) -> tuple[ModelSession, Collector, dict[str, list[int]]]:
@@ -147,7 +130,7 @@ def test_graph_buffers_of_the_extras_variant(shape: str) -> None:
     """Five requests in the bucket of eight (three padded: they count nothing and move nothing), steps launched
     ahead through the same buffers: the same tokens and logprobs as the eager device step."""
     session, sink, batch = mixed_run(shape, graph_batch=8)
-    step = session.engine.spec_step or session.engine.tree_step
+    step = session.engine.spec_step
     counts = step.counts
     assert counts["extras sorted"] > 0 and counts["graph"] > 0 and counts["graph following"] > 0, counts
     assert counts["eager"] == counts["eager following"] == 0 and not step.table.assigned

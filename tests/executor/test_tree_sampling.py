@@ -71,7 +71,7 @@ def test_the_bound_catches_a_wrong_tree_sampler(path: str, monkeypatch: pytest.M
     spec = session("static_2_2")
     settings = SETTINGS["temperature"]
     if path == "host":
-        monkeypatch.setattr(spec.engine, "tree_step", None)
+        monkeypatch.setattr(spec.engine, "spec_step", None)
         monkeypatch.setattr(tree_verification, "sample_tree", no_residual)
     else:
         monkeypatch.setattr(verifier, "_final_draws", without_residual)

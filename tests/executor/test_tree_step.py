@@ -125,9 +125,9 @@ def down_a_random_branch(tokens: list[int], parents: list[int], upcoming: list[i
 def replayed_run(method: str, shape: str, on_device: bool) -> tuple[ReplayOnRandomBranch, Collector, ModelSession]:
     tree, k = TREES[shape]
     session = tree_session(method, tree, k)
-    session.engine.tree_step.counts.clear()  # the session's warm-up ran greedy trees
+    session.engine.spec_step.counts.clear()  # the session's warm-up ran greedy trees
     if not on_device:
-        session.engine.tree_step = None
+        session.engine.spec_step = None
     batch = prompts(3, seed=11)
     references = {rid: greedy_reference(session.loaded.model, p, 14) for rid, p in batch.items()}
     replay = ReplayOnRandomBranch(references, seed=len(shape))
@@ -143,7 +143,7 @@ def test_device_step_equals_the_host_path(method: str, shape: str) -> None:
     parents, before the rewrite) and books the same stats per request and per depth."""
     device, device_sink, session = replayed_run(method, shape, on_device=True)
     host, host_sink, _ = replayed_run(method, shape, on_device=False)
-    assert session.engine.tree_step.counts["eager"] > 0
+    assert session.engine.spec_step.counts["eager"] > 0
     assert device.trees == host.trees
     for rid, outputs in device_sink.outputs.items():
         assert [(o.token_ids, o.num_drafted, o.num_accepted) for o in outputs] == [
@@ -159,7 +159,7 @@ def test_device_step_takes_a_batch_mixing_greedy_and_sampled_requests() -> None:
 
     tree, k = TREES["static_2_2_1"]
     session = tree_session("eagle3", tree, k)
-    counts = session.engine.tree_step.counts
+    counts = session.engine.spec_step.counts
     warm_up = counts["eager"]  # the session's warm-up steps ran greedy trees
     sink = Collector()
     add_all(session, {"g": [3, 4, 5]}, greedy(8), sink)
@@ -215,10 +215,10 @@ def drafted_run(
     tree, k = TREES[shape]
     session = tree_session(method, tree, k)
     if graph_batch:
-        session.engine.tree_step.capture_graphs(graph_batch, session.engine.max_model_len)
-    session.engine.tree_step.counts.clear()  # the session's warm-up ran greedy trees
+        session.engine.spec_step.capture_graphs(graph_batch, session.engine.max_model_len)
+    session.engine.spec_step.counts.clear()  # the session's warm-up ran greedy trees
     if not on_device:
-        session.engine.tree_step = None
+        session.engine.spec_step = None
     batch = prompts(3, seed=13)
     sequences = {rid: p + greedy_reference(session.loaded.model, p, 16) for rid, p in batch.items()}
     replay = ReplayInDraftTree(session, sequences, seed=len(shape))
@@ -233,7 +233,7 @@ def test_steps_launched_ahead_equal_the_host_path(method: str, shape: str) -> No
     inputs derived on the device (launch_following): the same trees, tokens and stats as the host path."""
     device, device_sink, session = drafted_run(method, shape, on_device=True)
     host, host_sink, _ = drafted_run(method, shape, on_device=False)
-    assert session.engine.tree_step.counts["eager following"] > 0
+    assert session.engine.spec_step.counts["eager following"] > 0
     assert device.trees == host.trees
     assert sum(o[-1].finish.accepted_tokens for o in host_sink.outputs.values()) > 0
     for rid, outputs in device_sink.outputs.items():
@@ -253,7 +253,7 @@ def test_graph_buffers_and_padded_buckets(method: str, shape: str) -> None:
     ahead through the same buffers; the host path's trees, tokens and stats."""
     device, device_sink, session = drafted_run(method, shape, on_device=True, graph_batch=4)
     host, host_sink, _ = drafted_run(method, shape, on_device=False)
-    counts = session.engine.tree_step.counts
+    counts = session.engine.spec_step.counts
     assert counts["graph"] > 0 and counts["graph following"] > 0 and not counts["eager"] + counts["eager following"]
     assert device.trees == host.trees
     for rid, outputs in device_sink.outputs.items():
@@ -294,7 +294,7 @@ def test_a_static_tree_in_another_layout_takes_the_host_path() -> None:
     drafts children of the root, the right token last) goes to the host path and still gives the target's."""
     tree, k = TREES["static_2_2_1"]
     session = tree_session("eagle3", tree, k)
-    session.engine.tree_step.counts.clear()
+    session.engine.spec_step.counts.clear()
     batch = prompts(2, seed=17)
     references = {rid: greedy_reference(session.loaded.model, p, 8) for rid, p in batch.items()}
 
@@ -305,7 +305,7 @@ def test_a_static_tree_in_another_layout_takes_the_host_path() -> None:
     session.proposer.replay_tree = flat
     sink = check_equals_target_only(session, 8, batch)
     assert sum(outputs[-1].finish.accepted_tokens for outputs in sink.outputs.values()) > 0
-    assert not session.engine.tree_step.counts  # no device step, eager or graph
+    assert not session.engine.spec_step.counts  # no device step, eager or graph
 
 
 @pytest.mark.parametrize("shape", ["static_2_2_1", "dynamic_3_budget_8_depth_4"])
@@ -315,7 +315,7 @@ def test_a_warm_tree_step_builds_no_index_tensors(shape: str) -> None:
     mode = OpCounter(lambda func: func.overloadpacket.__name__ == "arange")
     tree, k = TREES[shape]
     session = tree_session("eagle3", tree, k)
-    tree_step, proposer = session.engine.tree_step, session.proposer
+    tree_step, proposer = session.engine.spec_step, session.proposer
     session.engine.runner.forward = mode.paused(session.engine.runner.forward)
     proposer.drafter.forward = mode.paused(proposer.drafter.forward)
     forward, steps = tree_step.forward, []
@@ -372,7 +372,7 @@ def test_a_warm_tree_step_keeps_its_op_count(shape: str, most: int) -> None:
     mode = OpCounter(lambda func: not func.is_view)
     tree, k = TREES[shape]
     session = tree_session("eagle3", tree, k)
-    tree_step = session.engine.tree_step
+    tree_step = session.engine.spec_step
     session.engine.runner.forward = mode.paused(session.engine.runner.forward)
     counts = count_each_call(mode, tree_step)
     check_equals_target_only(session, 8, prompts(1, seed=23))

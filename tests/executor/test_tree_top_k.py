@@ -49,9 +49,9 @@ def test_fused_top_k_drafts_the_torch_trees(method: str, shape: str, monkeypatch
             set_tree(request, tokens, parents)
 
         proposer.set_tree = record
-        session.engine.tree_step.counts.clear()
+        session.engine.spec_step.counts.clear()
         check_equals_target_only(session, 10, prompts(2, seed=31))
-        assert session.engine.tree_step.counts["eager"] + session.engine.tree_step.counts["eager following"] > 0
+        assert session.engine.spec_step.counts["eager"] + session.engine.spec_step.counts["eager following"] > 0
         drafted.append(trees)
         assert bool(calls) == fused
     assert set(calls) == {"dynamic" in shape}  # log-probabilities for dynamic trees only

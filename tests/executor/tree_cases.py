@@ -14,7 +14,7 @@ from spec_builders import draft_model
 
 from executor_service.drafting import resolve_draft
 from executor_service.session import EngineSettings, ModelSession, build_session, resolve_target
-from executor_service.tree_engine import TreeEngine
+from executor_service.tree_step import TreeStep
 from executor_service.tree_verification import DraftTree
 from specdec.v1 import common_pb2
 
@@ -105,7 +105,8 @@ def check_equals_target_only(session: ModelSession, max_tokens: int, batch: dict
 
 def use_device_step(session: ModelSession, on_device: bool) -> None:
     """The device-resident tree step (tree_step.py), or the host path alone."""
-    assert isinstance(session.engine, TreeEngine) and session.engine.tree_step is not None
-    session.engine.tree_step.counts.clear()  # the session's warm-up ran greedy trees
+    assert isinstance(session.engine.spec_step, TreeStep)
+    session.engine.spec_step.counts.clear()  # the session's warm-up ran greedy trees
+    session.engine.step_counts.clear()
     if not on_device:
-        session.engine.tree_step = None
+        session.engine.spec_step = None
