@@ -232,11 +232,11 @@ def method_of(name: str) -> str:
 
 @contextmanager
 def device_steps(session: ModelSession, on: bool, q_drafts: bool = False) -> Iterator[None]:
-    """Runs with the session's device-resident steps (the chain's spec_step, a TreeEngine's tree_step) as they
+    """Runs with the session's device-resident steps (engine.spec_step, chains or trees) as they
     are, or with both off when not `on` (the host path), and sampled requests' drafts drawn from q when
     `q_drafts` (verified on the host path) instead of the argmax; restored after."""
     engine = session.engine
-    saved = {name: getattr(engine, name) for name in ("spec_step", "tree_step") if hasattr(engine, name)}
+    saved = {"spec_step": engine.spec_step}
     drafts = engine.proposer.sample_drafts if engine.proposer is not None else None
     if not on:
         for name in saved:
@@ -253,8 +253,8 @@ def device_steps(session: ModelSession, on: bool, q_drafts: bool = False) -> Ite
 
 
 def device_step_of(session: ModelSession) -> Any:
-    """The session's device-resident step: the chain's (spec_step.py) or the tree's (tree_step.py); None."""
-    return session.engine.spec_step or getattr(session.engine, "tree_step", None)
+    """The session's device-resident step (spec_step.py), chains or trees; None."""
+    return session.engine.spec_step
 
 
 def label(name: str, device_step: bool, q_drafts: bool = False) -> str:

@@ -444,9 +444,6 @@ def pass_counts(session: ModelSession) -> Counter[str]:
     counts = Counter({f"target {how}": n for how, n in session.engine.runner.step_counts.items()})
     if session.engine.spec_step is not None:
         counts.update({f"spec_step {how}": n for how, n in session.engine.spec_step.counts.items()})
-    tree_step = getattr(session.engine, "tree_step", None)
-    if tree_step is not None:
-        counts.update({f"tree_step {how}": n for how, n in tree_step.counts.items()})
     if session.proposer is not None:
         counts.update(session.proposer.pass_counts)
     return counts
@@ -589,17 +586,17 @@ def tree_step_times(sessions: dict[str, ModelSession], args: argparse.Namespace,
 def tree_step_call(session: ModelSession, args: argparse.Namespace) -> Any:
     """A batch-1 replay of the session's device-resident tree step after --context cached tokens (its tree in
     the drafted layout for a static shape, else breadth first); None without tree step graphs."""
-    tree_step = getattr(session.engine, "tree_step", None)
-    if tree_step is None or not tree_step.graphs:
+    tree_step = session.engine.spec_step
+    if tree_step is None or tree_step.tree is None or not tree_step.graphs:
         return None
     device, context, size = torch.device(args.device), args.context, tree_step.num_drafts
-    blocks = session.kv_cache.allocator.allocate(-(-(context + 1 + tree_step.ahead_width + 64) // DEFAULT_BLOCK_SIZE))
-    layout = tree_step.static_parents or breadth_first_tree(size, min(8, size))
+    blocks = session.kv_cache.allocator.allocate(-(-(context + tree_step.ahead_width + 64) // DEFAULT_BLOCK_SIZE))
     inputs = {
         "input_ids": torch.zeros(tree_step.rows, dtype=torch.int64, device=device),
-        "parents": torch.tensor([layout], device=device),
-        "slots_ahead": slots_ahead(blocks, context + 1, tree_step.ahead_width, device),
+        "slots_ahead": slots_ahead(blocks, context, tree_step.ahead_width, device),  # from the root on
     }
+    if tree_step.dynamic:  # a static tree's layout is the step's constant
+        inputs["parents"] = torch.tensor([breadth_first_tree(size, min(8, size))], device=device)
     return graph_call(tree_step.graphs["greedy"], blocks, context, inputs)
 
 

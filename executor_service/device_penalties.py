@@ -1,4 +1,4 @@
-"""Penalties and logprobs inside the device step (spec_step.py, tree_step.py), the same numbers as the host path's
+"""Penalties and logprobs inside the device step (spec_step.py), the same numbers as the host path's
 (penalties.py, logprobs.py) with no host work per step.
 
 Each penalised request owns a slot of a `PenaltyTable` for as long as it is live: which tokens its prompt holds

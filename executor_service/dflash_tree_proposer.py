@@ -12,7 +12,7 @@ keeps the runners-up as siblings, as Medusa does with its independent heads:
 
 The tree costs no more drafter passes than the chain (one block pass); the target verifies more rows. The
 context pass stores the verified rows' K/V as the chain's does; the block opens at the token after the newest
-verified row. Verification, the device-resident step and sampled walks are shared with EAGLE's trees (tree_proposer.py, engine.py).
+verified row. Verification and the device step are every tree's and chain's (engine.py, spec_step.py).
 """
 
 from __future__ import annotations

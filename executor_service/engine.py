@@ -26,7 +26,6 @@ from executor_service.rejection_sampler import check_drafts
 from executor_service.request import Finish, Request, RequestOutput, Sink, Status
 from executor_service.scheduler import ScheduledStep, Scheduler
 from executor_service.spec_step import PendingStep, SpecStep
-from executor_service.tree_step import TreeStep
 from executor_service.tree_verification import DraftTree, TreeVerdict
 
 log = logging.getLogger("specdec.engine")
@@ -44,7 +43,7 @@ class Engine:
         on_step: StepObserver | None = None,
         proposer: Proposer | None = None,
         on_verify: VerifyObserver | None = None,
-        spec_step: SpecStep | TreeStep | None = None,
+        spec_step: SpecStep | None = None,
         speculation: AdaptiveK | None = None,
     ) -> None:
         self.runner, self.scheduler, self.max_model_len = runner, scheduler, max_model_len

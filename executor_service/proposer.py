@@ -39,6 +39,8 @@ from executor_service.draft_sampling import DRAFT_SUPPORT, DraftSampler
 from executor_service.kv_cache import KVCache
 from executor_service.request import Request
 from executor_service.sampling import DraftProbs, to_host
+from executor_service.verifier import Verdict
+from selection.draft_tree import TreeShape
 
 Replay = Callable[[Request, list[int]], list[int]]  # test drafters: rewrite a request's drafts
 PassForward = Callable[[AttentionStep, torch.Tensor, dict[str, torch.Tensor]], tuple[torch.Tensor, ...]]
@@ -96,8 +98,7 @@ class Proposer:
         self.dflash = isinstance(drafter, DFlashDrafter)
         self.block_size = kv_cache.block_size
         self.max_model_len, self.device = max_model_len, device
-        # Slots of the positions a proposal may write, from the first verified row on (see propose_verified).
-        self.ahead_width = self.k + 1 + self.config.positions_ahead
+        self.tree: TreeShape | None = None  # a chain (tree_proposer.py: trees)
         self.replay: Replay | None = None
         # Sampled requests' drafts: True drawn from q (draft_sampling.py: verified on the host path, the chain run
         # eagerly), False or None (auto) the argmax, verified as point masses on the device step (verifier.py)
@@ -107,6 +108,12 @@ class Proposer:
         self.pass_counts: Counter[str] = Counter()  # "<pass> graph" / "<pass> eager" (benchmarks read it)
         self.graphs: dict[str, StepGraphs] = {}  # by pass name; see capture_graphs
         self.passes = self._passes()
+
+    @property
+    def ahead_width(self) -> int:
+        """Slots of the positions a device step's proposal may write, from the root (the first verify row) on:
+        the k + 1 verify rows and the drafter's lookahead (see propose_verified)."""
+        return self.k + 1 + self.config.positions_ahead
 
     # ---- metadata from host lists -----------------------------------------------------------
     def slot(self, request: Request, position: int) -> int:
@@ -299,15 +306,15 @@ class Proposer:
         self,
         step: AttentionStep,
         positions: torch.Tensor,
-        target_ids: torch.Tensor,
         features: torch.Tensor,
-        accepted: torch.Tensor,
+        verdict: Verdict,
         slots_ahead: torch.Tensor,
-    ) -> torch.Tensor:
-        """Drafts [B, k] after a uniform verify step, without the host: `step` and `positions` are the verify
-        pass's (B requests x k + 1 rows), `target_ids` [B, k + 1] the target's greedy tokens (row i's is the
-        token after it, wherever the drafts were accepted), `accepted` [B] the accepted drafts and
-        `slots_ahead` [B, ahead_width] the slots of positions first, first + 1, ... of each request."""
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Drafts [B, k] after a verify step on the device, without the host (parents None: a chain's): `step`
+        and `positions` are the verify pass's (B requests x k + 1 rows), `verdict.emitted` [B, k + 1] the
+        target's tokens (row i's is the token after it, wherever the drafts were accepted), `verdict.accepted` [B]
+        the accepted drafts and `slots_ahead` [B, ahead_width] the slots of positions root, root + 1, ..."""
+        target_ids, accepted = verdict.emitted, verdict.accepted
         count, rows = target_ids.shape
         context_step = replace(step, backend=self.backend, _flex=None)  # the verify rows, the drafter's kernels
         first = positions.view(count, rows)[:, 0]
@@ -316,7 +323,7 @@ class Proposer:
             newest = target_ids.gather(1, accepted[:, None])[:, 0]  # the bonus token opens the block
             starts = first + accepted + 1
             ahead = slots_ahead.gather(1, (accepted + 1)[:, None] + self._offsets(self.config.block_size))
-            return self._dflash_block(step.block_table, starts, {"input_ids": newest, "ahead_slots": ahead})[0]
+            return self._dflash_block(step.block_table, starts, {"input_ids": newest, "ahead_slots": ahead})[0], None
         context = {"input_ids": target_ids.reshape(-1), "features": features}
         feedback, head = self._eagle_context(context_step, positions, context)
         picked = torch.arange(count, device=accepted.device) * rows + accepted  # the newest verified row
@@ -324,7 +331,7 @@ class Proposer:
         ahead = slots_ahead.gather(1, accepted[:, None] + self._offsets(self.k))
         chain = {"input_ids": tokens, "hidden": hidden, "ahead_slots": ahead}
         (rest,) = self._eagle_chain(step.block_table, first + accepted, chain)
-        return torch.cat([tokens[:, None], rest], dim=1)
+        return torch.cat([tokens[:, None], rest], dim=1), None
 
     def _offsets(self, width: int) -> torch.Tensor:
         return torch.arange(width, device=self.device)[None, :]

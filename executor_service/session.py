@@ -59,7 +59,6 @@ from executor_service.sampling import SamplingSettings, make_generator
 from executor_service.scheduler import Scheduler, speculative_headroom
 from executor_service.spec_step import SpecStep
 from executor_service.tree_proposer import TreeProposer
-from executor_service.tree_step import TreeStep
 from executor_service.validation import DEFAULT_BLOCK_SIZE, ModelLimits, shard_violations
 from executor_service.weights import hf_layout
 from executor_service.wire import field_violations, synthetic_config
@@ -439,13 +438,13 @@ def proposer_class(config: DraftConfig) -> type[Proposer]:
 
 def device_step(
     runner: ModelRunner, proposer: Proposer | None, penalty_slots: int, wanted: bool, tensor_parallel: bool
-) -> SpecStep | TreeStep | None:
+) -> SpecStep | None:
     """The speculative step on the device for the proposer's drafts, chains or trees (None: the host path runs
     every step). Tensor parallelism keeps trees on the host path (their K/V move is an op of every rank there)."""
     if proposer is None or not wanted:
         return None
     if isinstance(proposer, TreeProposer):
-        return None if tensor_parallel else TreeStep(runner, proposer, penalty_slots)
+        return None if tensor_parallel else SpecStep(runner, proposer, penalty_slots)
     return SpecStep(runner, proposer, penalty_slots)
 
 

@@ -76,7 +76,7 @@ def capture_variants(build: Callable[[str, dict], StepGraphs], base_inputs: dict
 
 
 class VariantSteps:
-    """The run of a device step (SpecStep, TreeStep): its variant's graph when the batch fits one, else its
+    """The run of a device step (spec_step.py): its variant's graph when the batch fits one, else its
     `forward` eagerly; `counts` by variant and by graph / eager (benchmarks and tests read them)."""
 
     def __init__(self, vocab: int, device: torch.device, penalty_slots: int = DEFAULT_PENALTY_SLOTS) -> None:

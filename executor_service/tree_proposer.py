@@ -29,6 +29,7 @@ from executor_service.proposer import ProposeBatch, Proposer
 from executor_service.request import Request
 from executor_service.sampling import to_host
 from executor_service.step_constants import StepConstants
+from executor_service.verifier import Verdict
 from kernels.tree_mask import TREE_WINDOW, to_int64
 from selection.draft_tree import TreeShape
 
@@ -65,6 +66,12 @@ class TreeProposer(Proposer):
         # Each depth's top candidates in one Triton launch on GPUs (kernels/triton_topk.py), torch's softmax and
         # top-k elsewhere; tests turn it on on the CPU under TRITON_INTERPRET=1.
         self.fused_top_k = torch.device(self.device).type == "cuda"
+
+    @property
+    def ahead_width(self) -> int:
+        """Slots of positions root, root + 1, ... a device step's proposal may write: the path, then the
+        drafter's scratch keys past the newest verified token."""
+        return 1 + self.tree.depth + self.scratch_width
 
     @property
     def scratch_width(self) -> int:
@@ -123,6 +130,39 @@ class TreeProposer(Proposer):
             trees = self.draft(proposing, head[index], feedback[index])
             for request, (tokens, parents) in zip(proposing, trees, strict=True):
                 self.set_tree(request, tokens, parents)
+
+    def propose_verified(
+        self,
+        step: AttentionStep,
+        positions: torch.Tensor,
+        features: torch.Tensor,
+        verdict: Verdict,
+        slots_ahead: torch.Tensor,
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The next trees (tokens, parents [B, N]) after a verify step on the device: the context pass over the
+        root and the path rows at root, root + 1, ... (row i pairs with emitted token i), then the tree drafted
+        from the newest verified row. `step` and `positions` are the verify pass's (consecutive slots and
+        positions from each root); `slots_ahead` [B, ahead_width] the slots of positions root, root + 1, ..."""
+        constants, tree = self.constants, self.tree
+        count, rows, width = slots_ahead.shape[0], tree.num_drafts + 1, tree.depth + 1
+        root = positions.view(count, rows)[:, 0]
+        path_slots = step.slot_mapping.view(count, rows)[:, :width].reshape(-1)  # root + depth: the path's slots
+        context = AttentionStep(
+            backend=self.backend, block_table=step.block_table, query_start_loc=constants.starts(count, width),
+            seq_lens=step.seq_lens - (rows - width), slot_mapping=path_slots, max_query_len=width,
+            max_seq_len=self.max_model_len,
+        )  # fmt: skip
+        path_rows = (constants.strided(count, rows)[:, None] + verdict.path_rows).reshape(-1)
+        context_positions = (root[:, None] + constants.arange(width)).reshape(-1)
+        feedback, head = self.context_pass_rows(
+            context, context_positions, verdict.emitted.reshape(-1), features[path_rows]
+        )
+        picked = constants.strided(count, width) + verdict.accepted  # the newest verified row
+        past_root = constants.get(
+            ("scratch offsets", self.scratch_width), lambda: constants.arange(self.scratch_width) + 1
+        )
+        scratch = slots_ahead.gather(1, verdict.accepted[:, None] + past_root[None, :])  # past the newest
+        return self.draft_tree(step.block_table, root + verdict.accepted, scratch, head[picked], feedback[picked])
 
     def context_pass_rows(
         self, step: AttentionStep, positions: torch.Tensor, next_ids: torch.Tensor, features: torch.Tensor

@@ -130,7 +130,7 @@ EXECUTOR_LAYERS: tuple[Layer, ...] = (
         wire_free=True,
         modules=(
             "device_penalties step_variants verifier rejection_sampler draft_sampling proposer tree_proposer "
-            "dflash_tree_proposer tree_verification adaptive_k spec_step tree_step"
+            "dflash_tree_proposer tree_verification adaptive_k spec_step"
         ),
     ),
     Layer("engine", wire_free=True, modules="engine host_step"),

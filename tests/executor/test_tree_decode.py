@@ -16,7 +16,7 @@ import executor_service.engine as engine_module
 from executor_service.drafting import resolve_draft
 from executor_service.errors import InvalidField
 from executor_service.session import ModelSession, resolve_target
-from executor_service.tree_step import TreeStep
+from executor_service.spec_step import SpecStep
 from executor_service.wire import status_error
 from specdec.v1 import common_pb2
 from specdec_runtime.errors import InvalidArgument
@@ -33,7 +33,7 @@ def check_path_taken(session: ModelSession, on_device: bool) -> None:
 def test_greedy_tree_equals_target_only(method: str, shape: str, on_device: bool) -> None:
     tree, k = TREES[shape]
     session = tree_session(method, tree, k)
-    assert isinstance(session.engine.spec_step, TreeStep)
+    assert isinstance(session.engine.spec_step, SpecStep) and session.engine.spec_step.tree is not None
     use_device_step(session, on_device)
     check_equals_target_only(session, 10, prompts(4, seed=len(shape)))
     check_path_taken(session, on_device)

@@ -14,7 +14,7 @@ from spec_builders import draft_model
 
 from executor_service.drafting import resolve_draft
 from executor_service.session import EngineSettings, ModelSession, build_session, resolve_target
-from executor_service.tree_step import TreeStep
+from executor_service.spec_step import SpecStep
 from executor_service.tree_verification import DraftTree
 from specdec.v1 import common_pb2
 
@@ -104,8 +104,8 @@ def check_equals_target_only(session: ModelSession, max_tokens: int, batch: dict
 
 
 def use_device_step(session: ModelSession, on_device: bool) -> None:
-    """The device-resident tree step (tree_step.py), or the host path alone."""
-    assert isinstance(session.engine.spec_step, TreeStep)
+    """The device-resident tree step (spec_step.py), or the host path alone."""
+    assert isinstance(session.engine.spec_step, SpecStep) and session.engine.spec_step.tree is not None
     session.engine.spec_step.counts.clear()  # the session's warm-up ran greedy trees
     session.engine.step_counts.clear()
     if not on_device:
