@@ -16,10 +16,10 @@ from collections.abc import Callable, Iterable
 import torch
 
 from executor_service.adaptive_k import AdaptiveK
+from executor_service.host_verify import VerifyError, check_drafts, verify_on_host
 from executor_service.logprobs import TokenLogprob, batch_logprobs
 from executor_service.model_runner import ModelRunner, StepInputs
 from executor_service.proposer import ProposeBatch, ProposeEntry, Proposer
-from executor_service.rejection_sampler import check_drafts, verify_batch
 from executor_service.request import Finish, Request, RequestOutput, Sink, Status
 from executor_service.scheduler import ScheduledStep, Scheduler
 from executor_service.spec_step import PendingStep, SpecStep
@@ -151,7 +151,7 @@ class Engine:
             self.speculation.record(*self._steady, time.perf_counter() - started)
 
     def _step(self, started: float) -> None:
-        """One step, in the order a reader follows: schedule, run the target once, verify (verify_batch: greedy
+        """One step, in the order a reader follows: schedule, run the target once, verify (verify_on_host: greedy
         or rejection sampling), accept (roll back rejected drafts' K/V), emit the tokens, propose the next drafts.
         A uniform greedy step does all of it on the device instead (_step_on_device, spec_step.py)."""
         if self._in_flight is not None:  # a device-resident step launched behind the last one: book it
@@ -177,8 +177,8 @@ class Engine:
             sampled = [scheduled.requests[i] for i in inputs.sampled]
             drafts = [r.draft_ids for r in sampled]
             settings = [r.settings for r in sampled]
-            generators, draft_probs = [r.generator for r in sampled], [r.draft_probs for r in sampled]
-            emitted = verify_batch(output.logits, settings, generators, drafts, sampled, draft_probs)
+            verdicts = verify_on_host(output.logits, sampled, drafts, [r.draft_probs for r in sampled])
+            emitted = [v if isinstance(v, VerifyError) else v.emitted for v in verdicts]
             found = batch_logprobs(output.logits, settings, drafts, emitted)  # the target's, for who asks
             logprobs = {id(r): request_logprobs for r, request_logprobs in zip(sampled, found, strict=True)}
         except Exception as err:  # a kernel or device failure fails this step's requests, not the server

@@ -16,7 +16,7 @@ So the three run as one function, captured as CUDA graphs per sampling variant a
 (step_variants.py): one replay per step and one read-back of [emitted tokens, accepted count, next drafts] per
 request. Penalties and logprobs run in the step too (the extras variants: device_penalties.py), the logprobs
 read back with the tokens. The same function runs eagerly on the CPU and for batches larger than the graphs.
-The engine's host path (verify_batch, Proposer.propose) takes requests with q-drawn drafts, uneven batches and
+The engine's host path (verify_on_host, Proposer.propose) takes requests with q-drawn drafts, uneven batches and
 penalised requests past the penalty table's slots. CUDA-graph plumbing (static buffers, buckets, capture and
 replay) is cuda_graphs.StepGraphs'.
 """

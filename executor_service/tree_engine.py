@@ -7,8 +7,8 @@ schedule, target, verify, accept, emit, propose).
   consecutive slots after the root, but each draft's position (RoPE) is the root's plus its depth, and a tree mask
   lets it see the context, its ancestors and itself (kernels/tree_mask.py). Other requests of the batch (prefill
   chunks, requests without drafts) attend causally in the same pass.
-- Verify: tree_verification.py (the longest matching path for greedy requests, multi-candidate rejection sampling
-  along the tree for sampled ones).
+- Verify: host_verify.py (the longest matching path for greedy requests, multi-candidate rejection sampling
+  along the tree for sampled ones: verifier.py's rules).
 - Accept: the accepted drafts' K/V move to the slots of their positions (depth d: root + d), in every target
   layer; the rest past them is rolled back by not counting it. The drafter's cache needs no such move: its
   context pass writes the accepted path at its final positions.
@@ -24,18 +24,16 @@ import torch
 
 from executor_service.attention_step import cache_slot, to_device
 from executor_service.engine import Engine, cap_drafts
+from executor_service.host_verify import DraftTree, TreeVerdict, VerifyError, verify_on_host
 from executor_service.kv_cache import copy_kv_slots
 from executor_service.logprobs import TokenLogprob, batch_logprobs
 from executor_service.model_runner import StepInputs
 from executor_service.parallel.driver import TensorParallelModel
-from executor_service.penalties import penalised_logits
-from executor_service.rejection_sampler import VerifyError, verify_batch
 from executor_service.request import Request, Status
 from executor_service.scheduler import ScheduledStep
 from executor_service.spec_step import PendingStep
 from executor_service.tree_proposer import TreeProposer
 from executor_service.tree_step import TreeStep
-from executor_service.tree_verification import DraftTree, TreeVerdict, verify_tree_batch
 from kernels.tree_mask import CAUSAL, tree_masks
 
 
@@ -202,39 +200,12 @@ class TreeEngine(Engine):
     def _verify(
         self, logits: torch.Tensor, sampled: list[Request], trees: dict[int, DraftTree]
     ) -> tuple[list[TreeVerdict | VerifyError], dict[int, list]]:
-        """Trees through tree verification (each row penalised as if its path's drafts had been emitted, the
-        logprobs read along the accepted path); requests without drafts through verify_batch (their penalties
-        and logprobs too). Each request's rows of logits: its drafts + 1, in order."""
-        starts, row = [], 0
-        for request in sampled:
-            starts.append(row)
-            row += len(trees[id(request)].tokens) + 1 if id(request) in trees else 1
-        plain = [i for i, r in enumerate(sampled) if id(r) not in trees]
-        with_tree = [i for i, r in enumerate(sampled) if id(r) in trees]
-        verdicts: list[TreeVerdict | VerifyError] = [VerifyError("not verified")] * len(sampled)
-        logprobs: dict[int, list] = {}
-        if plain:
-            requests = [sampled[i] for i in plain]
-            rows = logits[to_device([starts[i] for i in plain], torch.int64, logits.device)]
-            settings, drafts = [r.settings for r in requests], [[] for _ in requests]
-            emitted = verify_batch(rows, settings, [r.generator for r in requests], drafts, histories=requests)
-            found = batch_logprobs(rows, settings, drafts, emitted)
-            for i, request, tokens, request_logprobs in zip(plain, requests, emitted, found, strict=True):
-                verdicts[i] = tokens if isinstance(tokens, Exception) else TreeVerdict([], tokens)
-                logprobs[id(request)] = request_logprobs
-        if with_tree:
-            requests = [sampled[i] for i in with_tree]
-            tree_list = [trees[id(r)] for r in requests]
-            index = [starts[i] + j for i in with_tree for j in range(len(trees[id(sampled[i])].tokens) + 1)]
-            rows = logits[to_device(index, torch.int64, logits.device)]
-            settings = [r.settings for r in requests]
-            tokens, parents = [t.tokens for t in tree_list], [t.parents for t in tree_list]
-            processed = penalised_logits(rows, settings, requests, tokens, parents)
-            found = verify_tree_batch(rows, settings, [r.generator for r in requests], tree_list, processed)
-            for i, verdict in zip(with_tree, found, strict=True):
-                verdicts[i] = verdict
-            logprobs |= path_logprobs(rows, requests, tree_list, found)
-        return verdicts, logprobs
+        """Every request through the host verifier at once (a request without drafts: a tree of its root alone;
+        each row penalised as if its path's drafts had been emitted), the logprobs read along the accepted path.
+        Each request's rows of logits: its drafts + 1, in order."""
+        request_trees = [trees.get(id(r), DraftTree([], [])) for r in sampled]
+        verdicts = verify_on_host(logits, sampled, request_trees)
+        return verdicts, path_logprobs(logits, sampled, request_trees, verdicts)
 
     def _accept(
         self, scheduled: ScheduledStep, inputs: StepInputs, trees: dict[int, DraftTree], passed: dict[int, TreeVerdict]

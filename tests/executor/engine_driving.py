@@ -4,8 +4,14 @@ so that a regression that stalls the engine fails the test instead of hanging it
 from __future__ import annotations
 
 from collections import defaultdict
+from typing import Any
 
+import pytest
+
+import executor_service.engine as engine_module
+import executor_service.tree_engine as tree_engine
 from executor_service.engine import Engine
+from executor_service.host_verify import DraftTree
 from executor_service.request import RequestOutput
 from executor_service.sampling import SamplingSettings
 from executor_service.session import ModelSession
@@ -68,3 +74,20 @@ def add_all(session: ModelSession, batch: dict[str, list[int]], settings: Sampli
     for rid, prompt in batch.items():
         max_tokens = settings.max_tokens or 8
         session.engine.add(session.new_request(rid, prompt, settings, max_tokens, sink))
+
+
+def host_verified_drafts(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """Drafts the host path verifies (verify_on_host, in the chain engine and the tree engine), per call: 0 for a
+    step of prefills alone."""
+    found: list[int] = []
+
+    def recording(original: Any) -> Any:
+        def recorded(logits, requests, drafts, *args, **kwargs):  # type: ignore[no-untyped-def]
+            found.append(sum(len(d.tokens if isinstance(d, DraftTree) else d) for d in drafts))
+            return original(logits, requests, drafts, *args, **kwargs)
+
+        return recorded
+
+    monkeypatch.setattr(engine_module, "verify_on_host", recording(engine_module.verify_on_host))
+    monkeypatch.setattr(tree_engine, "verify_on_host", recording(tree_engine.verify_on_host))
+    return found

@@ -10,13 +10,11 @@ import random
 
 import pytest
 import torch
-from engine_driving import Collector
+from engine_driving import Collector, host_verified_drafts
 from gpu_sampled_cases import session_of, step_of
 from greedy_reference import dense_logits
 from penalty_reference import greedy_penalised
 
-import executor_service.engine as engine_module
-import executor_service.tree_engine as tree_engine
 from executor_service.sampling import SamplingSettings
 from executor_service.session import ModelSession
 
@@ -33,24 +31,6 @@ KINDS = (
     + [SamplingSettings(repetition_penalty=1.3), SamplingSettings(temperature=0.7, repetition_penalty=1.2, seed=30)]
     + [SamplingSettings(logprobs=5), SamplingSettings(temperature=0.7, logprobs=5, seed=40)]
 )
-
-
-def record_host_drafts(monkeypatch: pytest.MonkeyPatch) -> list[int]:
-    """Drafts the host path verifies (chains: verify_batch; trees: verify_tree_batch)."""
-    found: list[int] = []
-    chain, tree = engine_module.verify_batch, tree_engine.verify_tree_batch
-
-    def on_chain(logits, settings, generators, drafts, *args, **kwargs):  # type: ignore[no-untyped-def]
-        found.append(sum(len(d) for d in drafts))
-        return chain(logits, settings, generators, drafts, *args, **kwargs)
-
-    def on_tree(logits, settings, generators, trees, *args, **kwargs):  # type: ignore[no-untyped-def]
-        found.append(sum(len(t.tokens) for t in trees))
-        return tree(logits, settings, generators, trees, *args, **kwargs)
-
-    monkeypatch.setattr(engine_module, "verify_batch", on_chain)
-    monkeypatch.setattr(tree_engine, "verify_tree_batch", on_tree)
-    return found
 
 
 def generate(session: ModelSession, kinds: list[SamplingSettings]) -> tuple[dict[str, list[int]], Collector]:
@@ -75,7 +55,7 @@ def test_a_mixed_batch_of_16_replays_the_extras_graph(shape: str, monkeypatch: p
     session = session_of(shape)
     counts = step_of(session).counts
     counts.clear()  # the warm-up's steps (greedy, eager)
-    host = record_host_drafts(monkeypatch)
+    host = host_verified_drafts(monkeypatch)
     prompts, sink = generate(session, KINDS)
     assert counts["extras sorted"] > 0 and counts["graph"] > 0 and counts["graph following"] > 0, counts
     assert counts["eager"] == 0 and counts["eager following"] == 0, counts

@@ -9,7 +9,7 @@ from __future__ import annotations
 import random
 
 import pytest
-from engine_driving import Collector
+from engine_driving import Collector, host_verified_drafts
 from executor_builders import greedy, tiny_session
 from greedy_reference import greedy_reference
 from penalty_cases import MAX_TOKENS, PENALISED, PENALISED_WITH_LOGPROBS, WITH_LOGPROBS, check_logprobs
@@ -73,21 +73,6 @@ def test_penalised_greedy_is_the_same_with_every_drafter(
         assert finish is not None and (method is None or finish.accepted_tokens > 0)
     if method is not None:
         assert session.engine.spec_step.counts["extras"] > 0 and not any(host), host
-
-
-def host_verified_drafts(monkeypatch: pytest.MonkeyPatch) -> list[int]:
-    """Drafts the host path verifies (engine.verify_batch), recorded step by step: 0 for a prefill."""
-    import executor_service.engine as engine_module
-
-    found: list[int] = []
-    original = engine_module.verify_batch
-
-    def recorded(logits, settings, generators, drafts, *args, **kwargs):  # type: ignore[no-untyped-def]
-        found.append(sum(len(d) for d in drafts))
-        return original(logits, settings, generators, drafts, *args, **kwargs)
-
-    monkeypatch.setattr(engine_module, "verify_batch", recorded)
-    return found
 
 
 @pytest.mark.parametrize("settings", [WITH_LOGPROBS, PENALISED, PENALISED_WITH_LOGPROBS])

@@ -18,7 +18,7 @@ from verify_reference import greedy_walk
 
 from executor_service import cuda_graphs
 from executor_service.session import ModelSession
-from executor_service.tree_verification import DraftTree
+from executor_service.host_verify import DraftTree
 from executor_service.verifier import DraftLayout, tree_layout, verify
 from kernels.tree_mask import tree_masks
 from specdec.v1 import common_pb2

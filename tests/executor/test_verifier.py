@@ -12,7 +12,7 @@ from verify_reference import greedy_walk
 from executor_service import verifier
 from executor_service.device_sampling import SamplingTensors
 from executor_service.sampling import SamplingSettings, host_sort, sampling_params, target_logprobs, target_probs
-from executor_service.tree_verification import DraftTree
+from executor_service.host_verify import DraftTree
 from executor_service.verifier import DraftLayout, tree_layout, verify, verify_host_greedy
 
 VOCAB = 6

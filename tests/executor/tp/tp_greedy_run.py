@@ -39,7 +39,7 @@ from executor_service.session import (
     resolve_target,
     selection_request,
 )
-from executor_service.tree_verification import DraftTree
+from executor_service.host_verify import DraftTree
 from selection.selector import select_backends
 from specdec.v1 import common_pb2, executor_pb2, selector_pb2
 
