@@ -92,9 +92,9 @@ def verify_on_host(
     finite = torch.isfinite(logits.gather(-1, raw_argmax[:, None])[:, 0])  # argmax finds a NaN or +inf if any
     kept = [[] if e is not None else t for t, e in zip(tokens, errors, strict=True)]  # a bad request: its root
     verdict = _verify_batch(processed, requests, kept, trees, starts, draft_probs)
-    host = to_host(
-        torch.cat([finite.long(), verdict.accepted, verdict.path_rows.reshape(-1), verdict.emitted.reshape(-1)])
-    )
+    valid = verdict.valid if verdict.valid is not None else torch.ones_like(verdict.accepted, dtype=torch.bool)
+    per_request = torch.cat([valid[:, None].long(), verdict.accepted[:, None], verdict.path_rows, verdict.emitted], 1)
+    host = to_host(torch.cat([finite.long(), per_request.reshape(-1)]))
     return _verdicts(host, starts, errors)
 
 
@@ -112,7 +112,8 @@ def _verify_batch(
     as_trees = [list(range(-1, len(d) - 1)) if p is None else p[: len(d)] for p, d in zip(trees, tokens, strict=True)]
     parents = None if chain else as_trees
     layout, rows = host_layout(starts[:-1], tokens, parents, logits.device)
-    if rows.numel() != starts[-1]:  # uneven (or a failed request's drafts dropped): its rows, padded with its last
+    width = layout.tokens.shape[1] + 1
+    if starts != list(range(0, width * len(tokens) + 1, width)):  # uneven: each one's rows, padded with its last
         logits = logits[rows.reshape(-1)]
     settings, device = [r.settings for r in requests], logits.device
     sampling = None
@@ -122,26 +123,24 @@ def _verify_batch(
     q = None
     if draft_probs is not None and any(p is not None for p in draft_probs) and layout.tokens.shape[1]:
         q = DraftQ.build(layout.tokens, draft_probs)
-    return verify(logits, layout, sampling, step_key, host_sort(settings, logits.shape[-1]), q=q)
+    return verify(logits, layout, sampling, step_key, host_sort(settings, logits.shape[-1]), q=q, check=True)
 
 
 def _verdicts(host: list[int], starts: list[int], errors: list[VerifyError | None]) -> list[TreeVerdict | VerifyError]:
-    """Each request's verdict from the host copy: finite rows [R], accepted [B], path rows [B, D + 1], emitted
-    [B, D + 1]."""
+    """Each request's verdict from the host copy: whether each row is finite [R], then per request: whether its
+    last token came from a distribution, drafts accepted, path rows [D + 1] and emitted tokens [D + 1]."""
     count, num_rows = len(errors), starts[-1]
-    finite, accepted = host[:num_rows], host[num_rows : num_rows + count]
-    width = (len(host) - num_rows - count) // (2 * count) if count else 0
-    path_rows, emitted = (
-        host[num_rows + count : num_rows + count + count * width],
-        host[num_rows + count * (1 + width) :],
-    )
+    finite, width = host[:num_rows], (len(host) - num_rows) // count
     found: list[TreeVerdict | VerifyError] = []
     for i, error in enumerate(errors):
+        valid, accepted, *rest = host[num_rows + i * width : num_rows + (i + 1) * width]
         if error is None and not all(finite[starts[i] : starts[i + 1]]):
             error = VerifyError("the target's logits are not finite (inf or NaN)")
+        elif error is None and not valid:
+            error = VerifyError("the target's probabilities are not a distribution (inf or NaN)")
         if error is not None:
             found.append(error)
             continue
-        path = [row - 1 for row in path_rows[i * width + 1 : i * width + accepted[i] + 1]]
-        found.append(TreeVerdict(path, emitted[i * width : i * width + accepted[i] + 1]))
+        path_rows, emitted = rest[: len(rest) // 2], rest[len(rest) // 2 :]
+        found.append(TreeVerdict([row - 1 for row in path_rows[1 : accepted + 1]], emitted[: accepted + 1]))
     return found

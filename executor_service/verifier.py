@@ -44,7 +44,7 @@ from executor_service.device_sampling import (
     uniforms,
 )
 from executor_service.fused_ops import argmax
-from executor_service.sampling import DraftProbs, target_logprobs
+from executor_service.sampling import DraftProbs, is_distribution, target_logprobs
 from executor_service.step_constants import StepConstants
 
 
@@ -121,11 +121,13 @@ def on_path(layout: DraftLayout, constants: StepConstants) -> torch.Tensor:
 class Verdict:
     """Per request: drafts accepted [B]; the rows [B, D + 1] of the accepted node at depth 0, 1, ... (past
     the path: row 0); emitted [B, D + 1]: the accepted drafts, then the token after them (the first
-    accepted + 1 count; past them, unspecified)."""
+    accepted + 1 count; past them, unspecified); `valid` [B] (asked for by `check`): whether each request's
+    last token came from a distribution (greedy requests: True)."""
 
     accepted: torch.Tensor
     path_rows: torch.Tensor
     emitted: torch.Tensor
+    valid: torch.Tensor | None = None
 
 
 def verify(
@@ -137,12 +139,14 @@ def verify(
     constants: StepConstants | None = None,
     penalties: StepPenalties | None = None,
     q: DraftQ | None = None,
+    check: bool = False,
 ) -> Verdict:
     """Verify B requests' drafts from their N + 1 rows of logits each ([B * (N + 1), V], request-major).
     `sampling` None: every request is greedy. `step_key` [B]: the root's position (the random numbers' key);
     `sort`: target_logprobs' (the device steps: needs_sort; the host: host_sort); `penalties`: the rows are
     penalised first (requests without penalties are left as they are); `q`: a chain's drafts were drawn
-    from these distributions (None: point masses; trees always are)."""
+    from these distributions (None: point masses; trees always are); `check`: the verdict says which requests'
+    last weights were a distribution (the host path, whose requests' settings no graph has vetted)."""
     if q is not None and not layout.chain:
         raise ValueError("drafts drawn from q are verified as a chain: a tree's drafts are point masses")
     constants = constants or StepConstants(logits.device)
@@ -162,12 +166,13 @@ def verify(
     accepted, path_rows = _walk(hit, layout, constants)
     last = path_rows.gather(1, accepted[:, None])[:, 0]
     final = target_ids.gather(1, last[:, None])[:, 0]
-    drawn = _final_draws(logprobs, layout, last, sampling.seed, step_key, constants, q)
+    drawn, weights = _final_draws(logprobs, layout, last, sampling.seed, step_key, constants, q)
     final = torch.where(sampling.greedy, final, drawn)
     row_tokens = torch.cat([layout.tokens[:, :1], layout.tokens], dim=1)  # row r's token is draft r - 1's
     emitted = torch.cat([row_tokens.gather(1, path_rows[:, 1:]), final[:, None]], dim=1)
     emitted = emitted.scatter(1, accepted[:, None], final[:, None])
-    return Verdict(accepted, path_rows, emitted)
+    valid = is_distribution(weights) | sampling.greedy if check else None
+    return Verdict(accepted, path_rows, emitted, valid)
 
 
 def verify_greedy(target_ids: torch.Tensor, layout: DraftLayout, constants: StepConstants | None = None) -> Verdict:
@@ -292,17 +297,17 @@ def _final_draws(
     step_key: torch.Tensor,
     constants: StepConstants,
     q: DraftQ | None = None,
-) -> torch.Tensor:
+) -> tuple[torch.Tensor, torch.Tensor]:
     """[B] the token after each path, drawn from its last row's max(0, p - the rejected children's q): p less the
     children's tokens for point masses; from p itself where nothing is left (rounding only: a child holding all
-    the rest is accepted)."""
+    the rest is accepted). Also those weights [B, V]."""
     count, rows, vocab = logprobs.shape
     probs = logprobs.view(count * rows, vocab)[constants.strided(count, rows) + last].exp()
     ids, weights = _rejected_mass(layout, last, q)
     removed = torch.zeros_like(probs).scatter_add_(1, ids, weights)
     residual = (probs - removed).clamp_min(0.0)
     residual = torch.where(residual.sum(dim=1, keepdim=True) > 0.0, residual, probs)
-    return exponential_race(residual, step_keys(seed, step_key, NOISE_STREAM))
+    return exponential_race(residual, step_keys(seed, step_key, NOISE_STREAM)), residual
 
 
 def _rejected_mass(layout: DraftLayout, last: torch.Tensor, q: DraftQ | None) -> tuple[torch.Tensor, torch.Tensor]:

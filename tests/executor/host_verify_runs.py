@@ -36,10 +36,12 @@ SETTINGS = [
 LENGTHS = [2, 2, 3, 1, 2, 0, 3]
 
 
-def request_of(settings: SamplingSettings, seed: int, name: str = "r") -> Request:
-    """A request whose newest token is at position len(PROMPT + OUTPUT) - 1 (the key of its draws), with `seed`
+def request_of(
+    settings: SamplingSettings, seed: int, name: str = "r", prompt: list[int] = PROMPT, output: list[int] = OUTPUT
+) -> Request:
+    """A request whose newest token is at position len(prompt + output) - 1 (the key of its draws), with `seed`
     where its settings set none."""
-    return Request(name, list(PROMPT), settings, 8, frozenset(), lambda _: None, seed=seed, output_ids=list(OUTPUT))
+    return Request(name, list(prompt), settings, 8, frozenset(), lambda _: None, seed=seed, output_ids=list(output))
 
 
 @dataclass

@@ -26,6 +26,7 @@ from host_verify_runs import (
 )
 from spec_builders import spec_session
 from tree_cases import TREES, tree_session
+from verify_reference import without_residual
 
 import executor_service.engine as engine
 import executor_service.host_verify as host_verify
@@ -52,9 +53,7 @@ def test_a_mixed_batch_keeps_every_target_distribution() -> None:
 
 def test_the_bound_catches_a_wrong_residual(monkeypatch: pytest.MonkeyPatch) -> None:
     """The final token from p, the rejected draft not removed."""
-    monkeypatch.setattr(
-        verifier, "_rejected_mass", lambda layout, *_: (layout.tokens, torch.zeros(layout.tokens.shape))
-    )
+    monkeypatch.setattr(verifier, "_rejected_mass", without_residual)
     distances, _, _ = mixed_distances(CPU)
     assert max(distances) > 2 * BOUND, distances
 
