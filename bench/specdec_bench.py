@@ -505,7 +505,7 @@ def measure_end_to_end(
                     # The ideal counts decoding steps only, as the decode speedup does (no prefill).
                     share = result["decode_speedup"] / ideal[f"{method}_acceptance_{label}"]
                     result["share_of_ideal"] = round(share, 3)
-                if args.host_step_too:  # the same script through the host path: verify_batch, then propose
+                if args.host_step_too:  # the same script through the host path: verify_on_host, then propose
                     spec_step, session.engine.spec_step = session.engine.spec_step, None
                     _, host = generate(session, prompts, args.max_tokens)
                     session.engine.spec_step = spec_step

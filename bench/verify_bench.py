@@ -1,9 +1,8 @@
-"""Sampled verification: one verify step of sampled requests with drafts (rejection_sampler.verify_batch, one
-batched pass and one host copy) against the same requests verified one at a time (target_probs and
-rejection_sample per request: a softmax, a draw and a host copy each, as the engine did before the batched
-pass). Random bf16 logits of the preset's vocabulary; each request k drafts, half of them seeded; the settings
-cycle through temperature only, top-p, top-k with min-p, and penalties. Reported per batch size: the
-median ms of a step each way and their ratio.
+"""Sampled verification: one verify step of sampled requests with drafts (host_verify.verify_on_host: the one
+verifier over the batch, one host copy) against the same requests verified one at a time (verify_on_host with a
+batch of one: a pass and a host copy per request). Random bf16 logits of the preset's vocabulary; each request k
+drafts, half of them seeded; the settings cycle through temperature only, top-p, top-k with min-p, and
+penalties. Reported per batch size: the median ms of a step each way and their ratio.
 
     python bench/verify_bench.py --out bench/results             # H100: Llama-3-8B's vocabulary, k = 3
     python bench/verify_bench.py --tiny --out /tmp                # a CPU smoke run of the script
@@ -13,7 +12,6 @@ from __future__ import annotations
 
 import argparse
 import sys
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -25,9 +23,9 @@ for _path in (REPO, REPO / "bench", REPO / "protos"):
 import torch  # noqa: E402
 from common import PRESETS, commit_id, log, time_graph, versions, write_result  # noqa: E402
 
-from executor_service.penalties import TokenCounts, penalised_logits  # noqa: E402
-from executor_service.rejection_sampler import rejection_sample, verify_batch  # noqa: E402
-from executor_service.sampling import SamplingSettings, make_generator, target_probs, to_host  # noqa: E402
+from executor_service.host_verify import verify_on_host  # noqa: E402
+from executor_service.request import Request  # noqa: E402
+from executor_service.sampling import SamplingSettings  # noqa: E402
 
 SETTINGS = [
     SamplingSettings(0.8),
@@ -37,29 +35,14 @@ SETTINGS = [
 ]
 
 
-@dataclass
-class History:
-    prompt_ids: list[int]
-    output_ids: list[int] = field(default_factory=list)
-    token_counts: TokenCounts | None = None
-
-
-def one_at_a_time(logits: torch.Tensor, settings: list[SamplingSettings], generators: list, drafts: list,
-                  histories: list[History]) -> list[list[int]]:  # fmt: skip
-    """The per-request verification the engine ran before the batched pass: the argmax and finite check of
-    every row and the penalties in one pass with one host copy, then each request's own softmax, draw and copy."""
-    argmax = logits.argmax(dim=-1)
-    finite = torch.isfinite(logits.gather(-1, argmax[:, None])[:, 0])
-    processed = penalised_logits(logits, settings, histories, drafts)
-    to_host(torch.cat([processed.argmax(dim=-1), finite.long()]))
-    emitted, row = [], 0
-    for setting, generator, request_drafts in zip(settings, generators, drafts, strict=True):
+def one_at_a_time(logits: torch.Tensor, requests: list[Request], drafts: list[list[int]]) -> list:
+    """Each request verified alone: its own pass over its rows and its own host copy."""
+    found, row = [], 0
+    for request, request_drafts in zip(requests, drafts, strict=True):
         rows = len(request_drafts) + 1
-        probs = target_probs(processed[row : row + rows], setting)
-        tokens = torch.tensor(request_drafts, dtype=torch.int64, device=logits.device)
-        emitted.append(rejection_sample(tokens, None, probs, generator))
+        found += verify_on_host(logits[row : row + rows], [request], [request_drafts])
         row += rows
-    return emitted
+    return found
 
 
 def measure(batch: int, k: int, vocab: int, device: torch.device, iters: int) -> dict[str, Any]:
@@ -68,10 +51,10 @@ def measure(batch: int, k: int, vocab: int, device: torch.device, iters: int) ->
     settings = [SETTINGS[i % len(SETTINGS)] for i in range(batch)]
     settings = [SamplingSettings(**{**s.__dict__, "seed": i if i % 2 else None}) for i, s in enumerate(settings)]
     drafts = [torch.randint(vocab, (k,), generator=generator).tolist() for _ in range(batch)]
-    histories = [History(torch.randint(vocab, (64,), generator=generator).tolist()) for _ in range(batch)]
-    generators = [make_generator(s, device) for s in settings]
-    batched = time_graph(lambda: verify_batch(logits, settings, generators, drafts, histories), device, iters, 2)
-    alone = time_graph(lambda: one_at_a_time(logits, settings, generators, drafts, histories), device, iters, 2)
+    prompts = [torch.randint(vocab, (64,), generator=generator).tolist() for _ in range(batch)]
+    requests = [Request(f"r{i}", prompts[i], s, 16, frozenset(), lambda _: None) for i, s in enumerate(settings)]
+    batched = time_graph(lambda: verify_on_host(logits, requests, drafts), device, iters, 2)
+    alone = time_graph(lambda: one_at_a_time(logits, requests, drafts), device, iters, 2)
     log(f"batch {batch:4d}: batched {batched:8.2f} ms, one at a time {alone:8.2f} ms ({alone / batched:.1f}x)")
     return {"batch": batch, "batched_ms": batched, "one_at_a_time_ms": alone, "speedup": alone / batched}
 

@@ -21,7 +21,9 @@ import torch
 from executor_service.sampling import MIN_TEMPERATURE, SamplingSettings, needs_sort, sampling_params
 
 MASK32 = 0xFFFFFFFF
-UNIFORM_STREAM, NOISE_STREAM = 1, 2  # the drafts' acceptance uniforms; the final token's exponential noise
+# The drafts' acceptance uniforms and the final token's exponential noise (keyed by the root's position), and a
+# sampled draft's noise (keyed by the position the draft is for: draft_sampling.py).
+UNIFORM_STREAM, NOISE_STREAM, DRAFT_STREAM = 1, 2, 3
 
 
 @dataclass(frozen=True)
@@ -118,8 +120,12 @@ def uniforms(keys: torch.Tensor, count: int) -> torch.Tensor:
     return (bits.float() + 0.5) * (1.0 / (1 << 24))
 
 
+def exponential_noise(keys: torch.Tensor, count: int) -> torch.Tensor:
+    """[B, count] Exp(1) noise from keys [B]."""
+    return -torch.log(uniforms(keys, count))
+
+
 def exponential_race(weights: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
     """One token per row of unnormalised weights [B, V]: the argmax of w / E with E ~ Exp(1) (from keys [B]) is
     token i with probability w_i / sum(w)."""
-    noise = -torch.log(uniforms(keys, weights.shape[-1]))
-    return (weights / noise).argmax(dim=-1)
+    return (weights / exponential_noise(keys, weights.shape[-1])).argmax(dim=-1)

@@ -10,9 +10,9 @@ target's distribution whatever q is. q is the drafter's logits under the request
 top-k and top-p (`sampled_probs`, the target's recipe), so it spreads its mass where p does, kept on the
 drafter's DRAFT_SUPPORT most likely ids.
 
-Greedy requests keep their argmax drafts. A seeded request draws its drafts' noise from its own generator
-(after the drafts, its verification draws from it too: reproducible run to run); the others share the
-device's default generator: one launch per pick for all of them (a chain step, or DFlash's whole block).
+Greedy requests keep their argmax drafts. A draft's noise is counter-based (device_sampling.py), keyed by the
+request's seed and the position the draft is for (a stream of its own): a seeded request draws the same drafts
+run to run and in any batch, with a few launches per pick for all requests (a chain step, or DFlash's block).
 """
 
 from __future__ import annotations
@@ -20,9 +20,10 @@ from __future__ import annotations
 import torch
 
 from executor_service.attention_step import to_device
+from executor_service.device_sampling import DRAFT_STREAM, exponential_noise, step_keys
 from executor_service.fused_ops import argmax
 from executor_service.request import Request
-from executor_service.sampling import DraftProbs, exponential_noise, race, sampled_probs
+from executor_service.sampling import DraftProbs, race, sampled_probs
 
 # Ids each drawn draft's q keeps: the drafter's most likely ones, renormalised. The draft is drawn from exactly
 # that q, so verification stays exact; what the drafter puts past them is rarely drawn at T <= 1 anyway. A
@@ -38,7 +39,9 @@ class DraftSampler:
     def __init__(self, requests: list[Request], vocab_ids: torch.Tensor | None, support: int = DRAFT_SUPPORT) -> None:
         self.rows = [i for i, r in enumerate(requests) if not r.settings.greedy]
         self.settings = [requests[i].settings for i in self.rows]
-        self.generators = [requests[i].generator if requests[i].settings.seed is not None else None for i in self.rows]
+        self.seeds = [requests[i].seed for i in self.rows]
+        self.first = [requests[i].num_tokens for i in self.rows]  # the position of each one's first draft
+        self.picked = 0  # positions drawn so far
         self.vocab_ids, self.support = vocab_ids, support  # vocab_ids: the draft vocabulary's target ids
         self.index: torch.Tensor | None = None
         self.probs: list[DraftProbs] = []  # per pick, [S, positions, K] each
@@ -61,15 +64,22 @@ class DraftSampler:
         positions = logits.shape[1] if logits.dim() == 3 else 1
         rows = logits[self.index].reshape(len(self.rows) * positions, -1)  # request-major: its positions in turn
         settings = [s for s in self.settings for _ in range(positions)]
-        generators = [g for g in self.generators for _ in range(positions)]
         q, kept = sampled_probs(rows, settings).topk(min(self.support, rows.shape[-1]), dim=-1)
-        slot, valid = race(q, exponential_noise(generators, q.shape[-1], q.device))
+        slot, valid = race(q, exponential_noise(self._keys(positions, q.device), q.shape[-1]))
         q = torch.where(valid[:, None], q / q.sum(dim=-1, keepdim=True), torch.full_like(q, 1.0 / q.shape[-1]))
         kept_ids = kept if self.vocab_ids is None else self.vocab_ids[kept]  # the target's ids
         shape = (len(self.rows), positions, q.shape[-1])
         self.probs.append(DraftProbs(kept_ids.view(shape), q.view(shape)))
         ids[self.index] = kept.gather(1, slot[:, None]).view(len(self.rows), *ids.shape[1:])
         return ids
+
+    def _keys(self, positions: int, device: torch.device) -> torch.Tensor:
+        """[S * positions] the noise keys of this pick's rows (request-major): seed and each draft's position."""
+        at = [first + self.picked + j for first in self.first for j in range(positions)]
+        seeds = [seed for seed in self.seeds for _ in range(positions)]
+        self.picked += positions
+        keys = to_device([*seeds, *at], torch.int64, device)
+        return step_keys(keys[: len(at)], keys[len(at) :], DRAFT_STREAM)
 
     def probs_of(self, count: int) -> list[DraftProbs | None]:
         """Each proposing request's q of its k drafts (None: greedy, a point mass)."""

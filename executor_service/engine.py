@@ -19,14 +19,13 @@ import torch
 from executor_service.adaptive_k import AdaptiveK
 from executor_service.attention_step import to_device
 from executor_service.host_step import Trees, draft_inputs, path_moves, verify_drafts
+from executor_service.host_verify import DraftTree, TreeVerdict, check_drafts
 from executor_service.logprobs import TokenLogprob
 from executor_service.model_runner import ModelRunner, StepInputs
 from executor_service.proposer import ProposeBatch, ProposeEntry, Proposer
-from executor_service.rejection_sampler import check_drafts
 from executor_service.request import Finish, Request, RequestOutput, Sink, Status
 from executor_service.scheduler import ScheduledStep, Scheduler
 from executor_service.spec_step import PendingStep, SpecStep
-from executor_service.tree_verification import DraftTree, TreeVerdict
 
 log = logging.getLogger("specdec.engine")
 

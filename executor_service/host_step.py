@@ -19,13 +19,11 @@ from __future__ import annotations
 import torch
 
 from executor_service.attention_step import cache_slot, to_device
+from executor_service.host_verify import DraftTree, TreeVerdict, VerifyError, verify_on_host
 from executor_service.logprobs import TokenLogprob, batch_logprobs
 from executor_service.model_runner import StepInputs
-from executor_service.penalties import penalised_logits
-from executor_service.rejection_sampler import VerifyError, verify_batch
 from executor_service.request import Request
 from executor_service.scheduler import ScheduledStep
-from executor_service.tree_verification import DraftTree, TreeVerdict, verify_tree_batch
 from kernels.tree_mask import CAUSAL, tree_masks
 
 Trees = dict[int, DraftTree]  # each verifying request's drafts, by id(request)
@@ -75,42 +73,13 @@ def verify_drafts(
     logits: torch.Tensor, sampled: list[Request], trees: Trees
 ) -> tuple[list[TreeVerdict | VerifyError], dict[int, list[TokenLogprob] | None]]:
     """Each sampled request's verdict (or the VerifyError that fails it alone) and its emitted tokens' logprobs
-    (by id(request)) from its rows of logits (its drafts + 1, in order). Chains, with their q when the drafts were
-    drawn from the drafter's distribution, and requests without drafts verify together (verify_batch); trees by
-    tree verification."""
-    starts, row = [], 0
-    for request in sampled:
-        starts.append(row)
-        row += len(trees[id(request)].tokens) + 1 if id(request) in trees else 1
-    as_chain = [i for i, r in enumerate(sampled) if id(r) not in trees or is_chain(trees[id(r)])]
-    as_tree = [i for i, r in enumerate(sampled) if id(r) in trees and not is_chain(trees[id(r)])]
-    verdicts: list[TreeVerdict | VerifyError] = [VerifyError("not verified")] * len(sampled)
-    logprobs: dict[int, list[TokenLogprob] | None] = {}
-    if as_chain:
-        requests = [sampled[i] for i in as_chain]
-        drafts = [trees[id(r)].tokens if id(r) in trees else [] for r in requests]
-        index = [starts[i] + j for i, d in zip(as_chain, drafts, strict=True) for j in range(len(d) + 1)]
-        rows = logits if len(index) == logits.shape[0] else logits[to_device(index, torch.int64, logits.device)]
-        settings, generators = [r.settings for r in requests], [r.generator for r in requests]
-        probs = [r.draft_probs for r in requests]
-        emitted = verify_batch(rows, settings, generators, drafts, requests, probs)
-        found = batch_logprobs(rows, settings, drafts, emitted)
-        for i, request, tokens, request_logprobs in zip(as_chain, requests, emitted, found, strict=True):
-            verdicts[i] = tokens if isinstance(tokens, Exception) else TreeVerdict(list(range(len(tokens) - 1)), tokens)
-            logprobs[id(request)] = request_logprobs
-    if as_tree:
-        requests = [sampled[i] for i in as_tree]
-        tree_list = [trees[id(r)] for r in requests]
-        index = [starts[i] + j for i, t in zip(as_tree, tree_list, strict=True) for j in range(len(t.tokens) + 1)]
-        rows = logits[to_device(index, torch.int64, logits.device)]
-        settings = [r.settings for r in requests]
-        tokens, parents = [t.tokens for t in tree_list], [t.parents for t in tree_list]
-        processed = penalised_logits(rows, settings, requests, tokens, parents)
-        found_trees = verify_tree_batch(rows, settings, [r.generator for r in requests], tree_list, processed)
-        for i, verdict in zip(as_tree, found_trees, strict=True):
-            verdicts[i] = verdict
-        logprobs |= path_logprobs(rows, requests, tree_list, found_trees)
-    return verdicts, logprobs
+    (by id(request)) from its rows of logits (its drafts + 1, in order): every request through the one host
+    verifier at once (a chain with its q when its drafts were drawn from the drafter's distribution; a request
+    without drafts is a tree of its root alone), the logprobs read along the accepted path."""
+    drafts = [trees.get(id(r), DraftTree([], [])) for r in sampled]
+    given = [tree.tokens if is_chain(tree) else tree for tree in drafts]  # a chain's list: its q applies
+    verdicts = verify_on_host(logits, sampled, given, [r.draft_probs for r in sampled])
+    return verdicts, path_logprobs(logits, sampled, drafts, verdicts)
 
 
 def path_logprobs(

@@ -34,7 +34,7 @@ def batch_logprobs(
     drafts: Sequence[list[int]],
     emitted: Sequence[list[int] | BaseException],
 ) -> list[list[TokenLogprob] | None]:
-    """Per request of a verified step (verify_batch's order: k + 1 rows each), the TokenLogprob of every
+    """Per request of a verified step (verify_on_host's order: k + 1 rows each), the TokenLogprob of every
     emitted token, or None for requests that ask for none or failed. Emitted token i comes from row i of its
     request. One log-softmax over the rows asked for, one host copy."""
     found: list[list[TokenLogprob] | None] = [None] * len(settings)

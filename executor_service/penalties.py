@@ -90,7 +90,7 @@ def penalise(
     """Penalised float32 logits [R, V] from the prompt's tokens [R, V] (bool), the output counts [R, V] and one
     of each penalty per row [R]. A logit that a tiny repetition penalty lifts past float32 stays the largest
     finite value, since inf would give no distribution (the model's own inf or NaN is caught on the raw
-    logits: rejection_sampler.verify_batch)."""
+    logits: host_verify.verify_on_host)."""
     return penalise_values(logits, in_prompt, counts, repetition[:, None], presence[:, None], frequency[:, None])
 
 

@@ -273,7 +273,7 @@ class Proposer:
         ahead = self.slots_ahead(proposing, last, self.k, own)
         chain_inputs = {"input_ids": tokens, "hidden": hidden, "ahead_slots": ahead}
         block_table, positions = self.block_table(proposing), self.tensor(last, torch.int64)
-        if sampler is not None:  # draws on the host's schedule (seeded generators): eager
+        if sampler is not None:  # each pick's noise keyed from the host (draft_sampling.py): eager
             self.pass_counts["eagle_chain sampled"] += 1
             (rest,) = self._eagle_chain(block_table, positions, chain_inputs, pick)
         else:

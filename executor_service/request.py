@@ -8,8 +8,6 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-import torch
-
 from executor_service.logprobs import TokenLogprob
 from executor_service.penalties import TokenCounts
 from executor_service.sampling import DraftProbs, SamplingSettings
@@ -57,7 +55,6 @@ class Request:
     max_tokens: int  # resolved: the request's own, or what is left of the context
     eos_token_ids: frozenset[int]
     sink: Sink
-    generator: torch.Generator | None = None
     # The key of its counter-based draws (device_sampling.py): its own seed, else a random one (63 bits: int64).
     seed: int = field(default_factory=lambda: random.getrandbits(63))
     output_ids: list[int] = field(default_factory=list)

@@ -1,15 +1,14 @@
-"""Per-request sampling: greedy, or temperature / min-p / top-k / top-p with the request's own seeded generator.
+"""Per-request sampling settings and the distribution they give: greedy, or temperature / min-p / top-k / top-p.
 
 `target_logprobs` is the one computation of the distribution a sampled request draws from, each row with its own
-settings read from tensors (`sampling_params`): the device steps' verifier, the host path's rejection sampler and
-tree sampling, the host sampler and the drafter's q all read it (`target_probs` / `sampled_probs` are its
-probabilities). The order is vLLM's: penalties (penalties.py, on the logits before this), temperature, min-p,
-top-k, top-p; `race` draws a token per row from the probabilities.
+settings read from tensors (`sampling_params`): the verifier (verifier.py, on the device steps and the host path)
+and the drafter's q both read it (`target_probs` / `sampled_probs` are its probabilities). The order is vLLM's:
+penalties (penalties.py, on the logits before this), temperature, min-p, top-k, top-p; `race` draws a token per
+row from the probabilities.
 """
 
 from __future__ import annotations
 
-import random
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
@@ -22,13 +21,9 @@ from executor_service.attention_step import to_device
 MIN_TEMPERATURE = 1e-5
 
 
-class SamplingError(RuntimeError):
-    """One request's numbers gave no distribution to draw from; the engine fails that request alone."""
-
-
 class DraftProbs(NamedTuple):
     """The distributions a request's drafts were drawn from, each on a few ids (draft_sampling.py; verified by
-    rejection_sampler.py): ids [k, K] (target ids, distinct in a row) and their probabilities [k, K], summing to
+    verifier.DraftQ): ids [k, K] (target ids, distinct in a row) and their probabilities [k, K], summing to
     1 in each row."""
 
     ids: torch.Tensor
@@ -71,14 +66,6 @@ class SamplingSettings:
     def plain_greedy(self) -> bool:
         """Greedy with nothing else read from the logits: the argmax alone decides (the device-resident step)."""
         return self.greedy and not self.has_penalties and self.logprobs is None
-
-
-def make_generator(settings: SamplingSettings, device: torch.device) -> torch.Generator | None:
-    """The request's own random stream: seeded requests replay exactly, whatever else is batched."""
-    if settings.greedy:
-        return None
-    seed = settings.seed if settings.seed is not None else random.getrandbits(63)
-    return torch.Generator(device=device).manual_seed(seed)
 
 
 # A row's top-p when it sets none (1.0): no token has 2 of mass before it, so nothing is cut (at 1.0 the tail
@@ -158,61 +145,6 @@ def is_distribution(weights: torch.Tensor) -> torch.Tensor:
     """Per row of weights [..., V]: finite, >= 0 and a finite, positive sum (what a draw needs)."""
     total = weights.sum(dim=-1)
     return torch.isfinite(weights).all(dim=-1) & (weights >= 0).all(dim=-1) & (total > 0) & torch.isfinite(total)
-
-
-def draw(weights: torch.Tensor, generator: torch.Generator | None) -> tuple[torch.Tensor, torch.Tensor]:
-    """One token from unnormalized weights [V] and whether they were a distribution (finite, >= 0, sum > 0),
-    both still on the device. Weights that are not are swapped for uniform ones before the draw, because
-    multinomial's own check raises on the CPU and is a device-side assert on CUDA (which poisons every
-    request); the caller reads the flag with the token in the copy it makes anyway."""
-    valid = is_distribution(weights)
-    safe = torch.where(valid, weights, torch.ones_like(weights))
-    return torch.multinomial(safe, 1, generator=generator)[0], valid
-
-
-def sample(
-    logits: torch.Tensor, settings: list[SamplingSettings], generators: list[torch.Generator | None]
-) -> list[int | SamplingError]:
-    """One token per row of logits [N, V]; greedy rows in one argmax, sampled rows drawn together (each row's
-    noise from its own generator). A row whose logits are not finite (or give no distribution) gets a
-    SamplingError in its place, so only its request fails; one host copy for the whole batch."""
-    tokens = logits.argmax(dim=-1)
-    valid = torch.isfinite(logits.gather(-1, tokens[:, None])[:, 0])  # argmax finds a NaN or +inf if any
-    rows = [row for row, setting in enumerate(settings) if not setting.greedy]
-    if rows:
-        index = to_device(rows, torch.int64, logits.device)
-        drawn, ok = draw_rows(sampled_probs(logits[index], [settings[r] for r in rows]), [generators[r] for r in rows])
-        tokens[index] = drawn
-        valid[index] &= ok
-    count = tokens.shape[0]
-    host = to_host(torch.cat([tokens, valid.long()]))
-    return [
-        token if ok else SamplingError(f"row {row}: the logits give no distribution (inf or NaN)")
-        for row, (token, ok) in enumerate(zip(host[:count], host[count:], strict=True))
-    ]
-
-
-def draw_rows(probs: torch.Tensor, generators: list[torch.Generator | None]) -> tuple[torch.Tensor, torch.Tensor]:
-    """One token per row of probabilities [N, V] by an exponential race: the argmax of p / E with E ~ Exp(1)
-    is token i with probability p_i. Each row's noise comes from its own generator, so a seeded request does
-    not depend on its batch. Also whether each row was a distribution (finite, >= 0, sum > 0); rows that are
-    not draw from uniform weights, as `draw` does."""
-    return race(probs, exponential_noise(generators, probs.shape[-1], probs.device))
-
-
-def exponential_noise(generators: list[torch.Generator | None], vocab: int, device: torch.device) -> torch.Tensor:
-    """Exp(1) noise [N, V], row i from generators[i]: one launch per generator (torch has no batched draw over
-    many), and one for all the rows without one (None: the device's default generator)."""
-    shared = [i for i, g in enumerate(generators) if g is None]
-    noise = torch.empty(len(generators), vocab, device=device)
-    if len(shared) == len(generators):
-        return noise.exponential_()
-    if shared:
-        noise[to_device(shared, torch.int64, device)] = torch.empty(len(shared), vocab, device=device).exponential_()
-    for i, generator in enumerate(generators):
-        if generator is not None:
-            noise[i].exponential_(generator=generator)
-    return noise
 
 
 def race(weights: torch.Tensor, noise: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -55,7 +55,7 @@ from executor_service.parallel.state import get_tp_group, tensor_parallel_size
 from executor_service.prefix_cache import PrefixCache, PrefixCacheStats, tokens_after_block
 from executor_service.proposer import Proposer
 from executor_service.request import Request, RequestOutput, Sink
-from executor_service.sampling import SamplingSettings, make_generator
+from executor_service.sampling import SamplingSettings
 from executor_service.scheduler import Scheduler, speculative_headroom
 from executor_service.spec_step import SpecStep
 from executor_service.tree_proposer import TreeProposer
@@ -199,7 +199,6 @@ class ModelSession:
             max_tokens=max_tokens,
             eos_token_ids=frozenset(self.loaded.config.eos_token_ids),
             sink=sink,
-            generator=make_generator(settings, self.kv_cache.storage.device),
             num_speculative_tokens=k,
             num_lookahead_tokens=proposer.config.lookahead(k) if proposer is not None else 0,
         )

@@ -13,6 +13,10 @@ the first child that *hits*, and go on from it; where no child hits, the target'
   r(c) / sum(r), r being p less the children already rejected there (a repeated child has r(c) = 0). When
   none hits, the token is drawn from r (a leaf's: from p). Every emitted token is then distributed exactly as
   the target's (chains: Leviathan et al.; trees: Miao et al.).
+- A chain's drafts drawn from the drafter's q (`DraftQ`, draft_sampling.py): draft j hits when
+  u_j * q_j(d_j) < p_j(d_j) (accepted with min(1, p / q)); after a rejected draft a the token is drawn from
+  norm(max(0, p_a - q_a)) (from p_a if nothing is left). A point mass q is exactly the rule above, so a batch
+  mixes requests with q and without (their rows one-hot at the draft).
 
 Both rules reduce to a per-draft `hit` computed for all drafts at once (a child's chance and the mass left
 before it depend only on its earlier siblings), then the same path extraction. The uniforms and the final
@@ -24,6 +28,7 @@ been emitted, the distribution the target would have sampled from one token at a
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -39,7 +44,7 @@ from executor_service.device_sampling import (
     uniforms,
 )
 from executor_service.fused_ops import argmax
-from executor_service.sampling import target_logprobs
+from executor_service.sampling import DraftProbs, is_distribution, target_logprobs
 from executor_service.step_constants import StepConstants
 
 
@@ -57,6 +62,36 @@ class DraftLayout:
     depth: int
     chain: bool = False
     present: torch.Tensor | None = None
+
+
+@dataclass(frozen=True)
+class DraftQ:
+    """The distributions a chain's drafts were drawn from, on a few ids each: ids and probs [B, N, K] (an id may
+    repeat: its probabilities add up). A request without one has each row one-hot at its draft (`build`)."""
+
+    ids: torch.Tensor
+    probs: torch.Tensor
+
+    @classmethod
+    def build(cls, tokens: torch.Tensor, found: Sequence[DraftProbs | None]) -> DraftQ:
+        """From the drafts [B, N] and each request's DraftProbs (at least its own drafts' rows; None: point
+        masses). A few copies per request with a q, all on the device."""
+        count, num = tokens.shape
+        width = max((q.ids.shape[-1] for q in found if q is not None), default=1)
+        ids = tokens[:, :, None].expand(count, num, width).clone()
+        probs = torch.zeros(count, num, width, device=tokens.device)
+        probs[:, :, 0] = 1.0
+        for i, q in enumerate(found):
+            if q is not None and num:
+                rows = min(num, q.ids.shape[0])
+                ids[i, :rows, : q.ids.shape[-1]] = q.ids[:rows].to(tokens.device)
+                probs[i, :rows] = 0.0
+                probs[i, :rows, : q.ids.shape[-1]] = q.probs[:rows].to(tokens.device, torch.float32)
+        return cls(ids, probs)
+
+    def at(self, tokens: torch.Tensor) -> torch.Tensor:
+        """[B, N]: q_j(d_j) of each draft."""
+        return ((self.ids == tokens[:, :, None]) * self.probs).sum(dim=2)
 
 
 @dataclass(frozen=True)
@@ -86,11 +121,13 @@ def on_path(layout: DraftLayout, constants: StepConstants) -> torch.Tensor:
 class Verdict:
     """Per request: drafts accepted [B]; the rows [B, D + 1] of the accepted node at depth 0, 1, ... (past
     the path: row 0); emitted [B, D + 1]: the accepted drafts, then the token after them (the first
-    accepted + 1 count; past them, unspecified)."""
+    accepted + 1 count; past them, unspecified); `valid` [B] (asked for by `check`): whether each request's
+    last token came from a distribution (greedy requests: True)."""
 
     accepted: torch.Tensor
     path_rows: torch.Tensor
     emitted: torch.Tensor
+    valid: torch.Tensor | None = None
 
 
 def verify(
@@ -98,14 +135,20 @@ def verify(
     layout: DraftLayout,
     sampling: SamplingTensors | None,
     step_key: torch.Tensor,
-    sort: bool = False,
+    sort: bool | int = False,
     constants: StepConstants | None = None,
     penalties: StepPenalties | None = None,
+    q: DraftQ | None = None,
+    check: bool = False,
 ) -> Verdict:
     """Verify B requests' drafts from their N + 1 rows of logits each ([B * (N + 1), V], request-major).
     `sampling` None: every request is greedy. `step_key` [B]: the root's position (the random numbers' key);
-    `sort`: some request sets top-k or top-p (sampling.needs_sort); `penalties`: the rows are penalised
-    first (requests without penalties are left as they are)."""
+    `sort`: target_logprobs' (the device steps: needs_sort; the host: host_sort); `penalties`: the rows are
+    penalised first (requests without penalties are left as they are); `q`: a chain's drafts were drawn
+    from these distributions (None: point masses; trees always are); `check`: the verdict says which requests'
+    last weights were a distribution (the host path, whose requests' settings no graph has vetted)."""
+    if q is not None and not layout.chain:
+        raise ValueError("drafts drawn from q are verified as a chain: a tree's drafts are point masses")
     constants = constants or StepConstants(logits.device)
     if penalties is not None:
         logits = penalties.apply(logits, layout, constants)
@@ -116,19 +159,20 @@ def verify(
         return verify_greedy(target_ids, layout, constants)
     row_params = sampling.params[:, None, :].expand(count, rows, -1).reshape(count * rows, -1)  # no host sync
     logprobs = target_logprobs(logits, row_params, sort).view(count, rows, -1)
-    sampled_hit = _sampled_hits(logprobs, layout, sampling.seed, step_key, constants)
+    sampled_hit = _sampled_hits(logprobs, layout, sampling.seed, step_key, constants, q)
     hit = torch.where(sampling.greedy[:, None], _greedy_hits(target_ids, layout), sampled_hit)
     if layout.present is not None:
         hit = hit & layout.present
     accepted, path_rows = _walk(hit, layout, constants)
     last = path_rows.gather(1, accepted[:, None])[:, 0]
     final = target_ids.gather(1, last[:, None])[:, 0]
-    drawn = _final_draws(logprobs, layout, last, sampling.seed, step_key, constants)
+    drawn, weights = _final_draws(logprobs, layout, last, sampling.seed, step_key, constants, q)
     final = torch.where(sampling.greedy, final, drawn)
     row_tokens = torch.cat([layout.tokens[:, :1], layout.tokens], dim=1)  # row r's token is draft r - 1's
     emitted = torch.cat([row_tokens.gather(1, path_rows[:, 1:]), final[:, None]], dim=1)
     emitted = emitted.scatter(1, accepted[:, None], final[:, None])
-    return Verdict(accepted, path_rows, emitted)
+    valid = is_distribution(weights) | sampling.greedy if check else None
+    return Verdict(accepted, path_rows, emitted, valid)
 
 
 def verify_greedy(target_ids: torch.Tensor, layout: DraftLayout, constants: StepConstants | None = None) -> Verdict:
@@ -196,14 +240,21 @@ def verify_host_greedy(
 
 
 def _sampled_hits(
-    logprobs: torch.Tensor, layout: DraftLayout, seed: torch.Tensor, step_key: torch.Tensor, constants: StepConstants
+    logprobs: torch.Tensor,
+    layout: DraftLayout,
+    seed: torch.Tensor,
+    step_key: torch.Tensor,
+    constants: StepConstants,
+    q: DraftQ | None = None,
 ) -> torch.Tensor:
     """[B, N]: whether draft j is accepted when it is tried (its parent reached, its earlier siblings rejected):
-    u_j * (1 - mass of its earlier siblings) < p(j), p read at its parent's row."""
+    u_j * (1 - mass of its earlier siblings) < p(j), p read at its parent's row; drawn from q: u_j * q(j) < p(j)."""
     count, rows, vocab = logprobs.shape
     parent_rows = constants.strided(count, rows)[:, None] + layout.parents + 1  # flat rows
     chance = logprobs.view(-1)[parent_rows * vocab + layout.tokens].exp()  # [B, N]
     draws = uniforms(step_keys(seed, step_key, UNIFORM_STREAM), chance.shape[1])
+    if q is not None:
+        return draws * q.at(layout.tokens) < chance
     if layout.chain:
         return draws < chance
     num = chance.shape[1]
@@ -245,19 +296,32 @@ def _final_draws(
     seed: torch.Tensor,
     step_key: torch.Tensor,
     constants: StepConstants,
-) -> torch.Tensor:
-    """[B] the token after each path, drawn from its last row's p less that node's children (all rejected);
-    from p itself where nothing is left (rounding only: a child holding all the rest is accepted)."""
+    q: DraftQ | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """[B] the token after each path, drawn from its last row's max(0, p - the rejected children's q): p less the
+    children's tokens for point masses; from p itself where nothing is left (rounding only: a child holding all
+    the rest is accepted). Also those weights [B, V]."""
     count, rows, vocab = logprobs.shape
     probs = logprobs.view(count * rows, vocab)[constants.strided(count, rows) + last].exp()
+    ids, weights = _rejected_mass(layout, last, q)
+    removed = torch.zeros_like(probs).scatter_add_(1, ids, weights)
+    residual = (probs - removed).clamp_min(0.0)
+    residual = torch.where(residual.sum(dim=1, keepdim=True) > 0.0, residual, probs)
+    return exponential_race(residual, step_keys(seed, step_key, NOISE_STREAM)), residual
+
+
+def _rejected_mass(layout: DraftLayout, last: torch.Tensor, q: DraftQ | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Ids and weights [B, *] of the mass the last row's children (all rejected) take from p: each child's token
+    whole (point masses; p - 1 <= 0), or the rejected draft's q (a chain's one child: draft `last`)."""
     children = layout.parents + 1 == last[:, None]
     if layout.present is not None:
         children = children & layout.present
-    rejected = torch.zeros(count, vocab, dtype=torch.int64, device=probs.device)
-    rejected.scatter_add_(1, layout.tokens, children.long())
-    residual = torch.where(rejected > 0, 0.0, probs)
-    residual = torch.where(residual.sum(dim=1, keepdim=True) > 0.0, residual, probs)
-    return exponential_race(residual, step_keys(seed, step_key, NOISE_STREAM))
+    if q is None:
+        return layout.tokens, children.float()
+    width = q.ids.shape[2]
+    child = last.clamp(max=max(layout.tokens.shape[1] - 1, 0))[:, None, None].expand(-1, 1, width)
+    present = children.any(dim=1, keepdim=True)
+    return q.ids.gather(1, child)[:, 0], q.probs.gather(1, child)[:, 0] * present
 
 
 def tree_layout(

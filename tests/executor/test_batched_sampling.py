@@ -1,30 +1,31 @@
-"""Sampled rows drawn together (sampling.sample, and verify_batch for requests without drafts) draw from each
-row's own distribution, with each row's own seed, whatever else is in the batch."""
+"""Sampled requests without drafts (host_verify.verify_on_host, a batch of roots alone) draw from each row's own
+distribution, with each request's own seed, whatever else is in the batch."""
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import torch
+from host_verify_runs import request_of
 
-from executor_service.rejection_sampler import verify_batch
-from executor_service.sampling import (
-    SamplingError,
-    SamplingSettings,
-    make_generator,
-    sample,
-    sampled_probs,
-    target_probs,
-)
+from executor_service.host_verify import TreeVerdict, VerifyError, verify_on_host
+from executor_service.sampling import SamplingSettings, sampled_probs, target_probs
 
-CPU = torch.device("cpu")
+
+def sample(logits: torch.Tensor, settings: list[SamplingSettings], draw: int = 0) -> list[TreeVerdict | VerifyError]:
+    """One token per row: each row a request without drafts; `draw` picks the requests' seeds (0: their own)."""
+    requests = [
+        request_of(replace(s, seed=s.seed + draw) if s.seed is not None else s, i) for i, s in enumerate(settings)
+    ]
+    return verify_on_host(logits, requests, [[] for _ in settings])
 
 
 def _histogram(rows: torch.Tensor, settings: list[SamplingSettings], draws: int) -> torch.Tensor:
     counts = torch.zeros(rows.shape)
-    generators = [make_generator(s, CPU) for s in settings]
-    for _ in range(draws):
-        for row, token in enumerate(sample(rows, settings, generators)):
-            assert isinstance(token, int)
-            counts[row, token] += 1
+    for draw in range(draws):
+        for row, verdict in enumerate(sample(rows, settings, 1000 * draw)):
+            assert isinstance(verdict, TreeVerdict)
+            counts[row, verdict.emitted[0]] += 1
     return counts / draws
 
 
@@ -52,21 +53,18 @@ def test_a_wrong_temperature_is_caught() -> None:
 def test_a_seeded_row_does_not_depend_on_its_batch() -> None:
     torch.manual_seed(2)
     logits = torch.randn(3, 50)
-    alone = [sample(logits[1:2], [SamplingSettings(0.9, seed=7)], [make_generator(SamplingSettings(0.9, seed=7), CPU)])]
+    alone = sample(logits[1:2], [SamplingSettings(0.9, seed=7)])
     settings = [SamplingSettings(0.8, seed=5), SamplingSettings(0.9, seed=7), SamplingSettings(0.0)]
-    generators = [make_generator(s, CPU) for s in settings]
-    together = sample(logits, settings, generators)
-    assert together[1] == alone[0][0]
+    together = sample(logits, settings)
+    assert together[1] == alone[0]
 
 
 def test_a_row_without_a_distribution_fails_alone() -> None:
     logits = torch.randn(2, 8)
     logits[0, 3] = float("nan")
     settings = [SamplingSettings(0.7, seed=1), SamplingSettings(0.7, seed=2)]
-    out = sample(logits, settings, [make_generator(s, CPU) for s in settings])
-    assert isinstance(out[0], SamplingError) and isinstance(out[1], int)
-    emitted = verify_batch(logits, settings, [make_generator(s, CPU) for s in settings], [[], []])
-    assert not isinstance(emitted[0], list) and isinstance(emitted[1], list) and len(emitted[1]) == 1
+    out = sample(logits, settings)
+    assert isinstance(out[0], VerifyError) and isinstance(out[1], TreeVerdict) and len(out[1].emitted) == 1
 
 
 def test_mixed_filters_in_one_pass_equal_each_rows_own() -> None:

@@ -18,11 +18,11 @@ from executor_service.device_penalties import (
     penalty_params,
     unpack_logprobs,
 )
+from executor_service.host_verify import DraftTree
 from executor_service.logprobs import batch_logprobs
 from executor_service.penalties import TokenCounts, penalised_logits
 from executor_service.sampling import SamplingSettings, target_logprobs
 from executor_service.step_constants import StepConstants
-from executor_service.tree_verification import DraftTree
 from executor_service.verifier import DraftLayout, StepPenalties, tree_layout
 
 VOCAB = 11

@@ -10,8 +10,8 @@ from spec_builders import spec_session
 from tree_cases import VOCAB, prompts, tree_session
 
 from executor_service.dflash_tree_proposer import DFlashTreeProposer
+from executor_service.host_verify import DraftTree
 from executor_service.session import ModelSession
-from executor_service.tree_verification import DraftTree
 from specdec.v1 import common_pb2
 
 BLOCK = 8  # tree_session's DFlash block (draft_model with k = 7)

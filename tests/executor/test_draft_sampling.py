@@ -1,7 +1,8 @@
 """Sampled drafting (executor_service/draft_sampling.py): greedy rows keep the argmax, sampled rows draw from q
 (the drafter's logits under the request's settings, on its most likely ids) and keep q, in the target's ids,
 for verification.
-The engine-level proof that verification against q keeps the target's distribution is test_spec_sampling."""
+Their noise is counter-based, keyed by the request's seed and the draft's position. The engine-level proof that
+verification against q keeps the target's distribution is test_spec_sampling."""
 
 from __future__ import annotations
 
@@ -10,15 +11,14 @@ import torch
 from spec_builders import spec_session
 
 from executor_service.draft_sampling import DraftSampler
-from executor_service.rejection_sampler import DraftProbs, rejection_sample_batch
 from executor_service.request import Request
-from executor_service.sampling import SamplingSettings, make_generator, sampled_probs
+from executor_service.sampling import DraftProbs, SamplingSettings, sampled_probs
 
 VOCAB = 5
 
 
-def request(settings: SamplingSettings) -> Request:
-    return Request("r", [1], settings, 8, frozenset(), lambda _: None, make_generator(settings, torch.device("cpu")))
+def request(settings: SamplingSettings, prompt: tuple[int, ...] = (1,)) -> Request:
+    return Request("r", list(prompt), settings, 8, frozenset(), lambda _: None)
 
 
 def dense(probs: DraftProbs | None, vocab: int = VOCAB) -> torch.Tensor:
@@ -91,6 +91,23 @@ def test_seeded_requests_draw_the_same_drafts() -> None:
     assert len(set(draws())) > 1
 
 
+def test_a_drafts_noise_is_keyed_by_its_seed_and_position_not_its_batch() -> None:
+    """A seeded request draws the same drafts alone and beside others; one a token further along draws at its
+    first position what the other drew at its second (the same position), and another seed draws otherwise."""
+    settings = SamplingSettings(temperature=1.0, seed=7)
+    logits = torch.zeros(3, 1000)
+
+    def draws(requests: list[Request], row: int, picks: int = 3) -> list[int]:
+        sampler = DraftSampler(requests, None)
+        return [int(sampler.pick(logits[: len(requests)])[row]) for _ in range(picks)]
+
+    alone = draws([request(settings)], 0)
+    others = [request(SamplingSettings(temperature=0.8)), request(SamplingSettings())]
+    assert draws([others[0], request(settings), others[1]], 1) == alone
+    assert draws([request(settings, (1, 5))], 0, 2) == alone[1:]
+    assert draws([request(SamplingSettings(temperature=1.0, seed=8))], 0) != alone
+
+
 def test_logits_without_a_distribution_draw_from_uniform_and_keep_it() -> None:
     """A faulty drafter's NaN row draws uniformly among the ids it kept, and uniform is the q kept:
     verification against it stays exact, where q = NaN would reject every draft and q = point mass would
@@ -99,18 +116,6 @@ def test_logits_without_a_distribution_draw_from_uniform_and_keep_it() -> None:
     sampler.pick(torch.full((1, VOCAB), float("nan")))
     (q,) = sampler.probs_of(1)
     torch.testing.assert_close(dense(q), torch.full((1, VOCAB), 1.0 / VOCAB))
-
-
-def test_a_drafter_that_knows_the_target_has_every_draft_accepted() -> None:
-    """q == p: every sampled draft passes u * q <= p, where point masses accept each draft with p(d) only."""
-    generator = torch.Generator().manual_seed(3)
-    p = torch.softmax(torch.randn(64 * 4, VOCAB, generator=generator), dim=-1)  # 64 requests x (3 drafts + bonus)
-    rows = p.view(64, 4, VOCAB)[:, :3].reshape(-1, VOCAB)
-    drafts = torch.multinomial(rows, 1, generator=generator).view(64, 3).tolist()
-    sampled = rejection_sample_batch(p, drafts, rows, [None] * 64)
-    assert sampled.num_accepted.tolist() == [3] * 64
-    point_mass = rejection_sample_batch(p, drafts, None, [None] * 64)
-    assert point_mass.num_accepted.float().mean() < 2.0
 
 
 @pytest.mark.parametrize(

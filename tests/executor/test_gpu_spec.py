@@ -12,9 +12,8 @@ from spec_builders import spec_session
 from spec_metadata_runs import BATCHED_TOKENS, MAX_TOKENS, WRONG_AT, K, run_recorded
 from spec_metadata_runs import prompts as metadata_prompts
 
-from executor_service.rejection_sampler import DraftProbs
 from executor_service.request import Request, RequestOutput
-from executor_service.sampling import SamplingSettings
+from executor_service.sampling import DraftProbs, SamplingSettings
 from executor_service.session import ModelSession
 from kernels import unavailable_reason
 

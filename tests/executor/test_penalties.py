@@ -8,12 +8,13 @@ from dataclasses import dataclass, field
 
 import pytest
 import torch
+from host_verify_runs import request_of
 from penalty_reference import reference_logits
 
 import executor_service.penalties as penalties
+from executor_service.host_verify import TreeVerdict, verify_on_host
 from executor_service.logprobs import batch_logprobs
 from executor_service.penalties import TokenCounts, penalised_logits
-from executor_service.rejection_sampler import verify_batch
 from executor_service.sampling import SamplingSettings, target_probs
 
 VOCAB = 40
@@ -62,8 +63,11 @@ def test_greedy_verification_takes_the_argmax_of_the_penalised_rows() -> None:
     logits = torch.zeros(3, VOCAB)
     logits[:, 1], logits[:, 2] = 5.0, 4.0
     settings = SamplingSettings(presence_penalty=2.0)
-    assert verify_batch(logits, [settings], [None], [[1, 1]], histories=[History([7])]) == [[1, 2]]
-    assert verify_batch(logits, [settings], [None], [[1, 1]]) == [[1, 1, 1]]  # no history: no penalty
+    assert verify_on_host(logits, [request_of(settings, 0, prompt=[7], output=[])], [[1, 1]]) == [
+        TreeVerdict([0], [1, 2])
+    ]
+    unpenalised = request_of(SamplingSettings(), 0, prompt=[7], output=[])
+    assert verify_on_host(logits, [unpenalised], [[1, 1]]) == [TreeVerdict([0, 1], [1, 1, 1])]
 
 
 def test_sampled_verification_draws_from_the_penalised_rows() -> None:
@@ -72,9 +76,11 @@ def test_sampled_verification_draws_from_the_penalised_rows() -> None:
     logits = torch.zeros(3, VOCAB)
     logits[:, 3], logits[:, 5] = 1.0, 0.5
     settings = SamplingSettings(temperature=1e-3, frequency_penalty=2.0)
-    generator = torch.Generator().manual_seed(0)
-    assert verify_batch(logits, [settings], [generator], [[3, 3]], histories=[History([0])]) == [[3, 5]]
-    assert verify_batch(logits, [settings], [generator], [[3, 3]]) == [[3, 3, 3]]
+    assert verify_on_host(logits, [request_of(settings, 0, prompt=[0], output=[])], [[3, 3]]) == [
+        TreeVerdict([0], [3, 5])
+    ]
+    unpenalised = request_of(SamplingSettings(temperature=1e-3), 0, prompt=[0], output=[])
+    assert verify_on_host(logits, [unpenalised], [[3, 3]]) == [TreeVerdict([0, 1], [3, 3, 3])]
 
 
 def test_min_p_keeps_tokens_within_a_fraction_of_the_top_one() -> None:

@@ -11,11 +11,12 @@ import torch
 from engine_driving import Outputs, run_bounded
 from executor_builders import TINY, greedy, tiny_session
 from greedy_reference import greedy_reference
+from host_verify_runs import request_of
 from spec_builders import spec_session
 
+from executor_service.host_verify import TreeVerdict, VerifyError, verify_on_host
 from executor_service.model_runner import StepInputs, StepOutput
-from executor_service.rejection_sampler import VerifyError, rejection_sample, verify_batch
-from executor_service.sampling import SamplingError, SamplingSettings, sample
+from executor_service.sampling import DraftProbs, SamplingSettings
 from executor_service.scheduler import ScheduledStep
 from executor_service.session import ModelSession
 from executor_service.validation import ModelLimits, check_generate
@@ -100,40 +101,33 @@ def test_logits_that_are_not_finite_fail_their_greedy_request_alone() -> None:
     assert session.kv_cache.allocator.num_used == 0
 
 
-def test_sample_gives_a_bad_row_its_own_error() -> None:
-    logits = torch.randn(4, VOCAB, generator=torch.Generator().manual_seed(0))
-    logits[1, 7] = math.nan
-    logits[2, 9] = math.inf
-    settings = [greedy(), SamplingSettings(temperature=0.7), greedy(), SamplingSettings(temperature=0.7)]
-    generators = [None, torch.Generator().manual_seed(1), None, torch.Generator().manual_seed(2)]
-    tokens = sample(logits, settings, generators)
-    assert tokens[0] == int(logits[0].argmax())
-    assert isinstance(tokens[1], SamplingError) and isinstance(tokens[2], SamplingError)
-    assert isinstance(tokens[3], int) and 0 <= tokens[3] < VOCAB
-
-
 @pytest.mark.parametrize("bad", [-1, VOCAB, 2**40])
 @pytest.mark.parametrize("with_draft_probs", [False, True])
-def test_rejection_sample_never_emits_a_draft_outside_the_vocabulary(bad: int, with_draft_probs: bool) -> None:
-    """The target is sure of the last id, which a raw index of -1 read: the draft was accepted and emitted."""
-    target = torch.zeros(3, VOCAB)
-    target[:, VOCAB - 1] = 1.0
-    drafts = torch.tensor([VOCAB - 1, bad])
-    draft_probs = torch.full((2, VOCAB), 1.0 / VOCAB) if with_draft_probs else None
-    with pytest.raises(VerifyError, match="outside the vocabulary"):
-        rejection_sample(drafts, draft_probs, target, torch.Generator().manual_seed(0))
+def test_a_draft_outside_the_vocabulary_is_never_emitted(bad: int, with_draft_probs: bool) -> None:
+    """The target is sure of the last id, which a raw index of -1 would read: the draft would be accepted and
+    emitted. Its request fails alone; the request beside it is verified as usual."""
+    logits = torch.full((6, VOCAB), -30.0)
+    logits[:, VOCAB - 1] = 0.0
+    settings = SamplingSettings(temperature=0.9)
+    requests = [request_of(settings, 1), request_of(settings, 2)]
+    uniform = DraftProbs(torch.arange(VOCAB).expand(2, VOCAB), torch.full((2, VOCAB), 1.0 / VOCAB))
+    probs = [uniform, uniform] if with_draft_probs else None
+    found = verify_on_host(logits, requests, [[VOCAB - 1, bad], [VOCAB - 1, VOCAB - 1]], probs)
+    assert isinstance(found[0], VerifyError) and "outside the vocabulary" in str(found[0])
+    assert found[1] == TreeVerdict([0, 1], [VOCAB - 1] * 3)
 
 
-def test_verify_batch_fails_only_the_request_with_bad_drafts() -> None:
-    logits = torch.randn(8, VOCAB, generator=torch.Generator().manual_seed(3))  # 2 rows per request
-    settings = [greedy(), greedy(), SamplingSettings(temperature=0.9), SamplingSettings(temperature=0.9)]
-    generators = [None, None, torch.Generator().manual_seed(4), torch.Generator().manual_seed(5)]
-    drafts = [[int(logits[0].argmax())], [-3], [VOCAB + 1], [2]]
-    emitted = verify_batch(logits, settings, generators, drafts)
-    assert emitted[0] == [int(logits[0].argmax()), int(logits[1].argmax())]
+def test_verify_on_host_fails_only_the_requests_with_bad_drafts_or_logits() -> None:
+    logits = torch.randn(10, VOCAB, generator=torch.Generator().manual_seed(3))  # 2 rows per request
+    logits[9, 4] = math.nan
+    settings = [greedy(), greedy(), SamplingSettings(temperature=0.9), SamplingSettings(temperature=0.9), greedy()]
+    drafts = [[int(logits[0].argmax())], [-3], [VOCAB + 1], [2], [5]]
+    found = verify_on_host(logits, [request_of(s, i) for i, s in enumerate(settings)], drafts)
+    assert found[0] == TreeVerdict([0], [int(logits[0].argmax()), int(logits[1].argmax())])
     for index in (1, 2):
-        assert isinstance(emitted[index], VerifyError) and "outside the vocabulary" in str(emitted[index])
-    assert isinstance(emitted[3], list) and all(0 <= t < VOCAB for t in emitted[3])
+        assert isinstance(found[index], VerifyError) and "outside the vocabulary" in str(found[index])
+    assert isinstance(found[3], TreeVerdict) and all(0 <= t < VOCAB for t in found[3].emitted)
+    assert isinstance(found[4], VerifyError) and "not finite" in str(found[4])
 
 
 @pytest.mark.parametrize(("method", "bad"), [("eagle", -1), ("dflash", VOCAB), ("eagle3", -7)])

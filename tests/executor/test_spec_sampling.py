@@ -12,7 +12,7 @@ vocabulary: q is 0 on the target's other ids) and DFlash (every position drawn a
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 
 import pytest
 import torch
@@ -27,31 +27,12 @@ from spec_sampling_runs import (
     total_variations,
 )
 from spec_sampling_runs import session as session  # the module-scoped fixture
+from verify_reference import accepts_all, without_residual
 
-import executor_service.rejection_sampler as rejection_sampler
 import executor_service.verifier as verifier
 from executor_service.draft_sampling import DraftSampler
-from executor_service.rejection_sampler import DraftProbs, Verdict
+from executor_service.sampling import DraftProbs
 from executor_service.session import ModelSession
-
-
-def always_accept(
-    probs: torch.Tensor,
-    drafts: Sequence[list[int]],
-    draft_probs: torch.Tensor | None,
-    generators: Sequence[torch.Generator | None],
-) -> Verdict:
-    """In place of rejection_sample_batch, accepts every draft: the greedy drafter's choices leak through."""
-    lengths = torch.tensor([len(d) for d in drafts])
-    bonus_rows = (lengths.cumsum(0) + torch.arange(len(drafts))).tolist()  # each request's row k
-    tokens = [torch.multinomial(probs[row], 1, generator=g) for row, g in zip(bonus_rows, generators, strict=True)]
-    return Verdict(lengths, torch.cat(tokens), torch.ones(len(drafts), dtype=torch.bool))
-
-
-def resample_from_target(final: torch.Tensor, *_: torch.Tensor | None) -> torch.Tensor:
-    """In place of residual_weights: right acceptance test, wrong correction (p instead of
-    norm(max(0, p - q))), so drafts are favoured."""
-    return final
 
 
 @pytest.mark.parametrize("name", list(SETTINGS))
@@ -91,45 +72,29 @@ def uniform_q(self: DraftSampler, count: int) -> list[DraftProbs | None]:
     return [None if q is None else DraftProbs(q.ids, torch.full_like(q.probs, 1.0 / VOCAB)) for q in found]
 
 
-def device_accepts_all(logprobs: torch.Tensor, layout: verifier.DraftLayout, *_: object) -> torch.Tensor:
-    """In place of the verifier's sampled rule: every draft hits."""
-    return torch.ones_like(layout.tokens, dtype=torch.bool)
-
-
-def device_without_residual(logprobs, layout, last, seed, step_key, constants):  # type: ignore[no-untyped-def]
-    """In place of the verifier's final draw: from p, the rejected draft not removed."""
-    kept = verifier.DraftLayout(**{**layout.__dict__, "present": torch.zeros_like(layout.tokens, dtype=torch.bool)})
-    return TRUE_FINAL_DRAWS(logprobs, kept, last, seed, step_key, constants)
-
-
-TRUE_FINAL_DRAWS = verifier._final_draws
-
-
 @pytest.mark.parametrize(
-    ("part", "broken"),
+    ("path", "part", "broken"),
     [
-        ("rejection_sample_batch", always_accept),
-        ("residual_weights", resample_from_target),
-        ("DraftSampler.probs_of", uniform_q),
-        ("verifier._sampled_hits", device_accepts_all),
-        ("verifier._final_draws", device_without_residual),
+        ("host", "_sampled_hits", accepts_all),
+        ("host", "_rejected_mass", without_residual),
+        ("host", "DraftSampler.probs_of", uniform_q),
+        ("device", "_sampled_hits", accepts_all),
+        ("device", "_rejected_mass", without_residual),
     ],
 )
 def test_the_bound_catches_a_wrong_verification(
-    session: ModelSession, part: str, broken: Callable[..., object], monkeypatch: pytest.MonkeyPatch
+    session: ModelSession, path: str, part: str, broken: Callable[..., object], monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """The host path's parts with drafts drawn from q; the device step's (verifier.py) with argmax drafts."""
+    """The one verifier's parts on the host path with drafts drawn from q, and on the device step with argmax
+    drafts."""
     settings = SETTINGS["temperature"]
     exact = exact_marginals(session.loaded.model, settings)
     assert session.proposer is not None
-    on_device = part.startswith("verifier.")
-    monkeypatch.setattr(session.proposer, "sample_drafts", not on_device)
+    monkeypatch.setattr(session.proposer, "sample_drafts", path == "host")
     if part == "DraftSampler.probs_of":
         monkeypatch.setattr(DraftSampler, "probs_of", broken)
-    elif on_device:
-        monkeypatch.setattr(verifier, part.split(".")[1], broken)
     else:
-        monkeypatch.setattr(rejection_sampler, part, broken)
+        monkeypatch.setattr(verifier, part, broken)
     empirical, _, _ = run_requests(session, settings)
     distances = total_variations(empirical, exact)
     assert distances[0] < BOUND  # the prefill verifies no drafts: the broken samplers get token 1 right

@@ -17,8 +17,8 @@ from tree_cases import TREES, VOCAB, check_equals_target_only, prompts, tree_ses
 from verify_reference import greedy_walk
 
 from executor_service import cuda_graphs
+from executor_service.host_verify import DraftTree
 from executor_service.session import ModelSession
-from executor_service.tree_verification import DraftTree
 from executor_service.verifier import DraftLayout, tree_layout, verify
 from kernels.tree_mask import tree_masks
 from specdec.v1 import common_pb2

@@ -1,29 +1,22 @@
-"""sample_tree on its own: the emitted tokens follow the target's rows exactly (counted over many seeded walks of
-small trees, repeated siblings included), a residual that rounding left empty falls back to the row itself, and a
-final row that is not a distribution fails the request with VerifyError."""
+"""Trees on the host path (host_verify.verify_on_host, the verifier's multi-candidate rule): the emitted tokens
+follow the target's rows exactly (counted over many seeded requests of small trees, repeated siblings included),
+a residual that rounding left empty falls back to the row itself, and a request whose logits are not finite
+fails alone."""
 
 from __future__ import annotations
 
 import pytest
 import torch
+from host_verify_runs import request_of
+from verify_reference import rejects_all
 
-from executor_service.rejection_sampler import VerifyError
-from executor_service.tree_verification import DraftTree, _final_token, sample_tree
+import executor_service.verifier as verifier
+from executor_service.host_verify import DraftTree, TreeVerdict, VerifyError, verify_on_host
+from executor_service.sampling import SamplingSettings
 
-WALKS = 20_000
-TOLERANCE = 0.015  # about 5 standard deviations of a frequency near 0.5 over WALKS walks
-
-
-def frequencies(tree: DraftTree, probs: torch.Tensor, position: int, after: list[int]) -> torch.Tensor:
-    """How often each token is emitted at `position`, among the walks that emitted `after` before it."""
-    generator = torch.Generator().manual_seed(7)
-    counts = torch.zeros(probs.shape[1])
-    for _ in range(WALKS):
-        emitted = sample_tree(tree, probs, generator).emitted
-        if len(emitted) > position and emitted[:position] == after:
-            counts[emitted[position]] += 1
-    return counts / counts.sum()
-
+REQUESTS = 20_000
+TOLERANCE = 0.015  # about 5 standard deviations of a frequency near 0.5 over REQUESTS requests
+SAMPLED = SamplingSettings(temperature=1.0)
 
 ROWS = torch.tensor(
     [
@@ -35,29 +28,57 @@ ROWS = torch.tensor(
 )
 
 
+def verdicts(tree: DraftTree, rows: torch.Tensor, count: int) -> list[TreeVerdict]:
+    """`count` requests with the same tree and rows of probabilities, each with its own seed, in one batch."""
+    requests = [request_of(SAMPLED, seed) for seed in range(count)]
+    found = verify_on_host(rows.log().repeat(count, 1), requests, [tree] * count)
+    assert all(isinstance(v, TreeVerdict) for v in found)
+    return [v for v in found if isinstance(v, TreeVerdict)]
+
+
+def frequencies(found: list[TreeVerdict], position: int, after: list[int]) -> torch.Tensor:
+    """How often each token is emitted at `position`, among the requests that emitted `after` before it."""
+    counts = torch.zeros(ROWS.shape[1])
+    for verdict in found:
+        if len(verdict.emitted) > position and verdict.emitted[:position] == after:
+            counts[verdict.emitted[position]] += 1
+    return counts / counts.sum()
+
+
 @pytest.mark.parametrize(
     ("tokens", "parents"),
     [([0, 1, 2], [-1, -1, 0]), ([1, 1, 2], [-1, -1, 1])],
     ids=["two children, one grandchild", "a repeated sibling"],
 )
 def test_emitted_tokens_follow_the_target_rows(tokens: list[int], parents: list[int]) -> None:
-    tree = DraftTree(tokens, parents)
-    first = frequencies(tree, ROWS, 0, [])
+    found = verdicts(DraftTree(tokens, parents), ROWS, REQUESTS)
+    first = frequencies(found, 0, [])
     assert torch.allclose(first, ROWS[0], atol=TOLERANCE), first
-    second = frequencies(tree, ROWS, 1, [tokens[0]])  # after the first draft's token: that draft's row
+    second = frequencies(found, 1, [tokens[0]])  # after the first draft's token: that draft's row
     assert torch.allclose(second, ROWS[1], atol=TOLERANCE), second
+    for verdict in found:  # the path is the emitted drafts'
+        assert [tokens[j] for j in verdict.path] == verdict.emitted[: len(verdict.path)]
 
 
-def test_an_empty_residual_falls_back_to_the_row() -> None:
-    row = torch.tensor([0.6, 0.4, 0.0])
-    drawn = {_final_token(row, [0, 1], torch.Generator().manual_seed(seed)) for seed in range(40)}
+def test_an_empty_residual_falls_back_to_the_row(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Both children rejected (rounding only: here every draft misses) leaves nothing of [0.6, 0.4, 0]: the
+    token is drawn from the row itself."""
+    monkeypatch.setattr(verifier, "_sampled_hits", rejects_all)
+    rows = torch.tensor([[0.6, 0.4, 0.0]] * 3)
+    drawn = {v.emitted[0] for v in verdicts(DraftTree([0, 1], [-1, -1]), rows, 40)}
     assert drawn == {0, 1}
 
 
-def test_a_row_that_is_not_a_distribution_fails() -> None:
-    """The final token's row is checked where it is drawn (rows with non-finite logits fail before the walk)."""
-    probs = ROWS.clone()
-    probs[0] = torch.tensor([1.0, 0.0, 0.0, 0.0])  # draft 0 (token 0) is accepted for sure
-    probs[1, 3] = float("nan")  # its row, which the bonus token is drawn from
-    with pytest.raises(VerifyError, match="not a distribution"):
-        sample_tree(DraftTree([0, 1], [-1, -1]), probs, torch.Generator().manual_seed(1))
+@pytest.mark.parametrize("bad", [float("nan"), float("inf")])
+def test_a_request_whose_logits_are_not_finite_fails_alone(bad: float) -> None:
+    """Also beside a request whose drafts are outside the vocabulary (verified as its root alone)."""
+    tree = DraftTree([0, 1], [-1, -1])
+    logits = ROWS[:3].log().repeat(3, 1)
+    logits[4, 2] = bad  # the second request's draft 0 row
+    requests = [request_of(SAMPLED, seed) for seed in range(3)] + [request_of(SamplingSettings(), 0)]
+    trees = [tree, tree, DraftTree([1, 9], [-1, 0]), tree]
+    found = verify_on_host(torch.cat([logits, ROWS[:3].log()]), requests, trees)
+    assert isinstance(found[1], VerifyError) and "not finite" in str(found[1])
+    assert isinstance(found[2], VerifyError) and "outside the vocabulary" in str(found[2])
+    assert isinstance(found[0], TreeVerdict) and isinstance(found[3], TreeVerdict)
+    assert found[3].emitted[0] == 0  # greedy: the root row's argmax

@@ -7,12 +7,12 @@ from __future__ import annotations
 import pytest
 import torch
 from sampling_reference import reference_probs
-from verify_reference import greedy_walk
+from verify_reference import accepts_all, greedy_walk, without_residual
 
 from executor_service import verifier
 from executor_service.device_sampling import SamplingTensors
+from executor_service.host_verify import DraftTree
 from executor_service.sampling import SamplingSettings, host_sort, sampling_params, target_logprobs, target_probs
-from executor_service.tree_verification import DraftTree
 from executor_service.verifier import DraftLayout, tree_layout, verify, verify_host_greedy
 
 VOCAB = 6
@@ -116,21 +116,13 @@ def test_sampled_rule_emits_the_target_distribution(shape: str, params: Sampling
 
 def test_the_bound_catches_a_wrong_residual(monkeypatch: pytest.MonkeyPatch) -> None:
     """Negative control: drawing the final token from p without removing the rejected children."""
-
-    def without_removal(logprobs, layout, last, seed, step_key, constants):  # type: ignore[no-untyped-def]
-        present = torch.zeros_like(layout.tokens, dtype=torch.bool)
-        return original(
-            logprobs, DraftLayout(**{**layout.__dict__, "present": present}), last, seed, step_key, constants
-        )
-
-    original = verifier._final_draws
-    monkeypatch.setattr(verifier, "_final_draws", without_removal)
+    monkeypatch.setattr(verifier, "_rejected_mass", without_residual)
     first, rows = sampled_first_tokens(TREE, TREE_TOKENS, COUNT, SETTINGS[0])
     assert total_variation(first, target_probs(rows[0], SETTINGS[0])) > BOUND
 
 
 def test_the_bound_catches_accept_all(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(verifier, "_sampled_hits", lambda logprobs, layout, *rest: torch.ones_like(layout.tokens) > 0)
+    monkeypatch.setattr(verifier, "_sampled_hits", accepts_all)
     first, rows = sampled_first_tokens(CHAIN, [2, 3, 1], COUNT, SETTINGS[0])
     assert total_variation(first, target_probs(rows[0], SETTINGS[0])) > BOUND
 

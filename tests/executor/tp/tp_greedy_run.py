@@ -26,6 +26,7 @@ from executor_service.capabilities import probe
 from executor_service.config import ModelConfig
 from executor_service.cuda_graphs import GRAPH_BACKENDS
 from executor_service.drafting import DraftSource, resolve_draft
+from executor_service.host_verify import DraftTree
 from executor_service.loader import build_synthetic, save_directory
 from executor_service.request import Request
 from executor_service.sampling import SamplingSettings
@@ -39,7 +40,6 @@ from executor_service.session import (
     resolve_target,
     selection_request,
 )
-from executor_service.tree_verification import DraftTree
 from selection.selector import select_backends
 from specdec.v1 import common_pb2, executor_pb2, selector_pb2
 
