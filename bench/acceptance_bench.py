@@ -38,9 +38,10 @@ from tree_passes import parse_tree_spec
 from executor_service.draft_config import METHOD_ENUMS
 from executor_service.drafting import resolve_draft
 from executor_service.loader import LoadedModel
+from executor_service.model_loading import TargetSource
 from executor_service.request import Finish, RequestOutput
 from executor_service.sampling import SamplingSettings
-from executor_service.session import EngineSettings, ModelSession, TargetSource, build_session
+from executor_service.session import EngineSettings, ModelSession, build_session
 from executor_service.training.prompts import KINDS, read_prompts
 from executor_service.training.target import chat_renderer, load_target, target_source
 from executor_service.validation import DEFAULT_BLOCK_SIZE

@@ -114,7 +114,8 @@ EXECUTOR_LAYERS: tuple[Layer, ...] = (
         "models",
         wire_free=False,
         modules=(
-            "config json_fields limits rope rotary_cache fused_layer model weights loader model_paths gguf_loader "
+            "config json_fields limits rope rotary_cache fused_layer model weights loader model_loading model_paths "
+            "gguf_loader "
             "gguf_tokenizer chat draft_config draft_models draft_weights draft_id_tables parallel.state parallel.layers"
         ),
     ),

@@ -13,8 +13,7 @@ from dataclasses import dataclass
 
 import torch
 
-from executor_service.draft_config import DraftConfig
-from executor_service.drafting import feature_layers
+from executor_service.draft_config import DraftConfig, feature_layers
 from executor_service.model import DecoderModel
 from executor_service.training.dense import target_forward
 

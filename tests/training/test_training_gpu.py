@@ -10,8 +10,8 @@ import torch
 from toy_target import VOCAB, save_toy_target
 
 from executor_service.attention_step import build_attention_step
-from executor_service.draft_config import METHOD_ENUMS
-from executor_service.drafting import feature_layers, resolve_draft
+from executor_service.draft_config import METHOD_ENUMS, feature_layers
+from executor_service.drafting import resolve_draft
 from executor_service.kv_cache import KVCache
 from executor_service.loader import load_directory
 from executor_service.model_runner import ModelRunner
