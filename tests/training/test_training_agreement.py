@@ -17,8 +17,8 @@ from executor_service.kv_cache import KVCache
 from executor_service.model_runner import ModelRunner
 from executor_service.request import Request
 from executor_service.sampling import SamplingSettings
-from executor_service.training.features import Sequence, collate, target_view
-from executor_service.training.unroll import dflash_blocks, eagle_unroll
+from specdec_training.features import Sequence, collate, target_view
+from specdec_training.unroll import dflash_blocks, eagle_unroll
 
 CPU = torch.device("cpu")
 METHODS = ["eagle", "eagle3", "dflash", "dflash_causal"]

@@ -18,10 +18,10 @@ from executor_service.model_runner import ModelRunner
 from executor_service.request import RequestOutput
 from executor_service.sampling import SamplingSettings
 from executor_service.session import EngineSettings, TargetSource, build_session
-from executor_service.training.cli import build_parser, run
-from executor_service.training.features import Sequence, collate, target_view
-from executor_service.training.recipes import RECIPES, draft_config, with_overrides
 from specdec.v1 import common_pb2, executor_pb2
+from specdec_training.cli import build_parser, run
+from specdec_training.features import Sequence, collate, target_view
+from specdec_training.recipes import RECIPES, draft_config, with_overrides
 
 pytestmark = pytest.mark.gpu
 if not torch.cuda.is_available():
