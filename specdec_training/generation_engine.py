@@ -74,8 +74,10 @@ class TargetEngine:
         self.engine.shutdown()
 
 
-def target_backend(config: ModelConfig, dtype: torch.dtype, device: torch.device) -> str:
-    """The attention backend the selector picks for the target's layers on `device`."""
+def backend_request(
+    config: ModelConfig, dtype: torch.dtype, device: torch.device
+) -> selector_pb2.SelectBackendsRequest:
+    """What LoadModel asks the selector for this target alone: this machine's report and the target's layers."""
     layers = common_pb2.LayerSpec(
         head_size=config.head_size,
         num_heads=config.num_heads,
@@ -84,11 +86,17 @@ def target_backend(config: ModelConfig, dtype: torch.dtype, device: torch.device
         kv_cache_dtype="auto",
         block_size=BLOCK_SIZE,
     )
-    request = selector_pb2.SelectBackendsRequest(hardware=probe(device), target_layers=layers)
-    return Selector().select(request).target.backend
+    no_preference = common_pb2.AttentionConfig()  # as a LoadModel that names no backend
+    return selector_pb2.SelectBackendsRequest(hardware=probe(device), target_layers=layers, attention=no_preference)
+
+
+def target_backend(config: ModelConfig, dtype: torch.dtype, device: torch.device) -> str:
+    """The attention backend the selector picks for the target's layers on `device`."""
+    return Selector().select(backend_request(config, dtype, device)).target.backend
 
 
 def kv_blocks(config: ModelConfig, dtype: torch.dtype, device: torch.device, sizes: EngineSizes) -> int:
+    """The KV cache's blocks: as `sizes` names them, else as LoadModel sizes a cache the request leaves unsized."""
     if sizes.num_kv_blocks > 0:
         return sizes.num_kv_blocks
     if device.type != "cuda":
