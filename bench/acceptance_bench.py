@@ -38,13 +38,14 @@ from tree_passes import parse_tree_spec
 from executor_service.draft_config import METHOD_ENUMS
 from executor_service.drafting import resolve_draft
 from executor_service.loader import LoadedModel
+from executor_service.model_loading import TargetSource
 from executor_service.request import Finish, RequestOutput
 from executor_service.sampling import SamplingSettings
-from executor_service.session import EngineSettings, ModelSession, TargetSource, build_session
-from executor_service.training.prompts import KINDS, read_prompts
-from executor_service.training.target import chat_renderer, load_target, target_source
+from executor_service.session import EngineSettings, ModelSession, build_session
 from executor_service.validation import DEFAULT_BLOCK_SIZE
 from specdec.v1 import common_pb2, executor_pb2
+from specdec_training.prompts import KINDS, read_prompts
+from specdec_training.target import chat_renderer, load_target, target_source
 
 BACKENDS = {"cuda": "TRITON_ATTN", "cpu": "CPU_ATTN"}
 

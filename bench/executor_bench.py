@@ -70,15 +70,9 @@ from executor_service.main import ExecutorOptions, start_executor  # noqa: E402
 from executor_service.request import RequestOutput, Sink  # noqa: E402
 from executor_service.sampling import SamplingSettings  # noqa: E402
 from executor_service.selection import BackendChooser  # noqa: E402
-from executor_service.session import (  # noqa: E402
-    EngineSettings,
-    ModelSession,
-    build_session,
-    resolve_dtype,
-    resolve_target,
-    selection_request,
-)
+from executor_service.session import EngineSettings, ModelSession, build_session, selection_request  # noqa: E402
 from executor_service.validation import DEFAULT_BLOCK_SIZE  # noqa: E402
+from executor_service.wire import resolve_dtype, resolve_target  # noqa: E402
 from specdec.v1 import common_pb2, executor_pb2, executor_pb2_grpc  # noqa: E402
 from specdec_runtime.grpc_runtime import ServerSettings  # noqa: E402
 

@@ -50,15 +50,9 @@ from executor_service.kv_cache import blocks_needed  # noqa: E402
 from executor_service.loader import LoadedModel, build_synthetic  # noqa: E402
 from executor_service.request import RequestOutput  # noqa: E402
 from executor_service.sampling import SamplingSettings  # noqa: E402
-from executor_service.session import (  # noqa: E402
-    DTYPE_ENUMS,
-    EngineSettings,
-    ModelSession,
-    build_session,
-    resolve_dtype,
-    resolve_target,
-)
+from executor_service.session import EngineSettings, ModelSession, build_session  # noqa: E402
 from executor_service.validation import DEFAULT_BLOCK_SIZE  # noqa: E402
+from executor_service.wire import DTYPE_ENUMS, resolve_dtype, resolve_target  # noqa: E402
 from specdec.v1 import common_pb2  # noqa: E402
 
 TTFT_BAR = 0.3  # issue 17: TTFT with caching at most 0.3x of without

@@ -22,8 +22,8 @@ from common import log, median, provenance, write_result
 from torch.profiler import ProfilerActivity, profile
 
 from executor_service.sampling import SamplingSettings
-from executor_service.training.prompts import read_prompts
-from executor_service.training.target import chat_renderer, load_target, target_source
+from specdec_training.prompts import read_prompts
+from specdec_training.target import chat_renderer, load_target, target_source
 
 DRAFTERS = {"eagle3": "drafters/smollm2-eagle3", "dflash": "drafters/smollm2-dflash"}
 MODES = [("greedy", 0.0, None), ("T0.7_argmax_drafts", 0.7, False), ("T0.7_drawn_drafts", 0.7, True)]

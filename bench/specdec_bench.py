@@ -73,15 +73,13 @@ from executor_service.errors import EngineError  # noqa: E402
 from executor_service.loader import LoadedModel, build_synthetic  # noqa: E402
 from executor_service.request import RequestOutput  # noqa: E402
 from executor_service.sampling import SamplingSettings  # noqa: E402
-from executor_service.session import (  # noqa: E402
-    EngineSettings,
-    ModelSession,
-    build_session,
+from executor_service.session import EngineSettings, ModelSession, build_session  # noqa: E402
+from executor_service.validation import DEFAULT_BLOCK_SIZE  # noqa: E402
+from executor_service.wire import (  # noqa: E402
     resolve_dtype,
     resolve_target,
+    status_error,
 )
-from executor_service.validation import DEFAULT_BLOCK_SIZE  # noqa: E402
-from executor_service.wire import status_error  # noqa: E402
 from specdec.v1 import common_pb2, executor_pb2  # noqa: E402
 from specdec_runtime.errors import InvalidArgument  # noqa: E402
 

@@ -45,8 +45,9 @@ from specdec_bench import draft_request, target_request  # noqa: E402
 from executor_service.drafting import resolve_draft  # noqa: E402
 from executor_service.kv_cache import blocks_needed  # noqa: E402
 from executor_service.sampling import SamplingSettings  # noqa: E402
-from executor_service.session import EngineSettings, ModelSession, build_session, resolve_target  # noqa: E402
+from executor_service.session import EngineSettings, ModelSession, build_session  # noqa: E402
 from executor_service.validation import DEFAULT_BLOCK_SIZE  # noqa: E402
+from executor_service.wire import resolve_target  # noqa: E402
 from specdec.v1 import common_pb2  # noqa: E402
 
 DEFAULTS = {"preset": "llama3-8b", "device": "cuda", "backend": "TRITON_ATTN", "method": "eagle3", "tp_sizes": "1,2,4",

@@ -24,13 +24,13 @@ import torch
 from common import provenance, versions, write_result
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-from executor_service.training.cli import pick_device
-from executor_service.training.dense_generate import BACKENDS
-from executor_service.training.features import Sequence
-from executor_service.training.init import pretrained_config, pretrained_drafter, trainable_drafter
-from executor_service.training.recipes import RECIPES, draft_config, with_overrides
-from executor_service.training.target import load_target, target_source
-from executor_service.training.trainer import PAD_MULTIPLE, Trainer
+from specdec_training.cli import pick_device
+from specdec_training.dense_generate import BACKENDS
+from specdec_training.features import Sequence
+from specdec_training.init import pretrained_config, pretrained_drafter, trainable_drafter
+from specdec_training.recipes import RECIPES, draft_config, with_overrides
+from specdec_training.target import load_target, target_source
+from specdec_training.trainer import PAD_MULTIPLE, Trainer
 
 
 def random_sequences(

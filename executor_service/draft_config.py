@@ -73,6 +73,11 @@ class DraftConfig:
         return num_speculative_tokens + 1
 
 
+def feature_layers(config: DraftConfig) -> tuple[int, ...]:
+    """What the target hands the drafter: () is its final normed hidden state (EAGLE-1)."""
+    return () if config.method == "eagle" else config.target_layer_ids
+
+
 def default_eagle3_layers(num_target_layers: int) -> tuple[int, ...]:
     """EAGLE-3's low / middle / high features: inputs of layers 2, L/2 and L-3, i.e. outputs of the layers before."""
     return tuple(sorted({max(i - 1, 0) for i in (2, num_target_layers // 2, num_target_layers - 3)}))

@@ -101,8 +101,3 @@ def build_drafter(source: DraftSource, target: DecoderModel, dtype: torch.dtype,
     if source.path is None:
         return synthetic_drafter(source.config, heads, source.seed, dtype, device)
     return load_drafter(source.path, source.config, heads, dtype, device, f"{FIELD}.path")
-
-
-def feature_layers(config: DraftConfig) -> tuple[int, ...]:
-    """What the target hands the drafter: () is its final normed hidden state (EAGLE-1)."""
-    return () if config.method == "eagle" else config.target_layer_ids

@@ -41,12 +41,10 @@ from executor_service.session import (
     build_session,
     prepare_load,
     requested_kv_blocks,
-    resolve_dtype,
-    resolve_target,
     selection_request,
 )
 from executor_service.validation import check_load_request, has_drafter
-from executor_service.wire import Unavailable, status_error
+from executor_service.wire import Unavailable, resolve_dtype, resolve_target, status_error
 from specdec.v1 import common_pb2, executor_pb2, executor_pb2_grpc
 from specdec_runtime.errors import (
     AlreadyExists,

@@ -9,7 +9,6 @@ import logging
 import time
 from dataclasses import dataclass
 from functools import partial
-from pathlib import Path
 
 import torch
 
@@ -20,32 +19,17 @@ from executor_service.chat import load_chat_template
 from executor_service.config import ModelConfig
 from executor_service.cuda_graphs import GRAPH_BACKENDS
 from executor_service.dflash_tree_proposer import DFlashTreeProposer
-from executor_service.draft_config import METHOD_ENUMS, DraftConfig
+from executor_service.draft_config import METHOD_ENUMS, DraftConfig, feature_layers
 from executor_service.draft_weights import check_drafter_checkpoint
-from executor_service.drafting import DraftSource, build_drafter, feature_layers, speculative_config
+from executor_service.drafting import DraftSource, build_drafter, speculative_config
 from executor_service.engine import Engine, StepObserver, VerifyObserver
-from executor_service.gguf_loader import (
-    hf_name,
-    is_gguf,
-    load_gguf,
-    open_gguf,
-    read_gguf_config,
-    resolve_gguf_path,
-    tensor_shapes,
-)
+from executor_service.gguf_loader import hf_name, is_gguf, open_gguf, tensor_shapes
 from executor_service.kv_cache import KVCache, blocks_for_memory_fraction, blocks_needed
-from executor_service.limits import MAX_NUM_KV_BLOCKS, model_violations
+from executor_service.limits import MAX_NUM_KV_BLOCKS
 from executor_service.load_phases import LoadPhases
-from executor_service.loader import (
-    LoadedModel,
-    build_synthetic,
-    check_directory,
-    check_tensors,
-    load_directory,
-    read_config,
-)
+from executor_service.loader import LoadedModel, check_directory, check_tensors
 from executor_service.memory import MemoryEstimate, estimate_memory
-from executor_service.model_paths import check_path_text, resolve_model_path
+from executor_service.model_loading import TargetSource, load_target
 from executor_service.model_runner import ModelRunner
 from executor_service.parallel.driver import TensorParallelModel, allocate_on_all_ranks, load_on_all_ranks
 from executor_service.parallel.estimate import rank_zero_estimate
@@ -61,32 +45,17 @@ from executor_service.spec_step import SpecStep
 from executor_service.tree_proposer import TreeProposer
 from executor_service.validation import DEFAULT_BLOCK_SIZE, ModelLimits, shard_violations
 from executor_service.weights import hf_layout
-from executor_service.wire import field_violations, synthetic_config
+from executor_service.wire import DTYPE_ENUMS, resolve_dtype
 from specdec.v1 import common_pb2, executor_pb2, selector_pb2
 from specdec_runtime.errors import FieldViolation, ResourceExhausted, invalid_fields
 
 log = logging.getLogger("specdec.executor")
 
-TORCH_DTYPES = {
-    common_pb2.DTYPE_FLOAT16: torch.float16,
-    common_pb2.DTYPE_BFLOAT16: torch.bfloat16,
-    common_pb2.DTYPE_FLOAT32: torch.float32,
-}
-DTYPE_ENUMS = {dtype: enum for enum, dtype in TORCH_DTYPES.items()}
 CPU_DEFAULT_KV_TOKENS = 16384
 MAX_SPEC_GRAPH_BATCH = 32  # verify/draft graphs hold logits for batch x (k + 1) rows per bucket
 DEFAULT_GPU_MEMORY_UTILIZATION = 0.9
 WARM_UP_PROMPT_TOKENS = 32
 WARM_UP_MAX_TOKENS = 3
-
-
-@dataclass(frozen=True)
-class TargetSource:
-    config: ModelConfig
-    path: Path | None  # None: synthetic
-    seed: int = 0
-
-
 SAMPLED_DRAFTS: dict[str, bool | None] = {"auto": None, "on": True, "off": False}
 
 
@@ -101,28 +70,6 @@ class EngineSettings:
     # Each step's k (or none) from measured costs (adaptive_k.py); off (the default until measured on a GPU): the
     # loaded k every step.
     adaptive_speculation: bool = False
-
-
-def resolve_target(source: executor_pb2.ModelSource, model_root: Path | None, field: str) -> TargetSource:
-    """The target's config (config.json is read; weights are not yet)."""
-    if source.WhichOneof("source") == "synthetic":
-        return TargetSource(synthetic_config(source.synthetic, f"{field}.synthetic"), None, source.synthetic.seed)
-    check_path_text(source.path, f"{field}.path")
-    gguf = resolve_gguf_path(source.path, model_root, f"{field}.path")
-    if gguf is not None:
-        config = read_gguf_config(gguf, f"{field}.path")
-        problems = model_violations(config, lambda attr: f"{field}.path.{attr}")
-        if problems:
-            raise invalid_fields(field_violations(problems))
-        return TargetSource(config, gguf)
-    path = resolve_model_path(source.path, model_root, f"{field}.path")
-    return TargetSource(read_config(path, f"{field}.path"), path)
-
-
-def resolve_dtype(requested: int, device: torch.device) -> torch.dtype:
-    if requested == common_pb2.DTYPE_UNSPECIFIED:
-        return torch.bfloat16 if device.type == "cuda" else torch.float32
-    return TORCH_DTYPES[requested]
 
 
 def selection_request(
@@ -417,15 +364,6 @@ def build_session(
     phases.finish()
     session.load_seconds = time.perf_counter() - started
     return session
-
-
-def load_target(source: TargetSource, dtype: torch.dtype, device: torch.device) -> LoadedModel:
-    """The target's full weights on `device` (every tensor-parallel rank runs this, then keeps its shard)."""
-    if source.path is None:
-        return build_synthetic(source.config, source.seed, dtype, device)
-    if is_gguf(source.path):
-        return load_gguf(source.path, dtype, device, "target.path")
-    return load_directory(source.path, dtype, device, "target.path")
 
 
 def proposer_class(config: DraftConfig) -> type[Proposer]:

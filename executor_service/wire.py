@@ -9,8 +9,10 @@ tests/test_import_graph.py).
 from __future__ import annotations
 
 from collections.abc import Iterable
+from pathlib import Path
 
 import grpc
+import torch
 
 from executor_service.config import ModelConfig
 from executor_service.errors import (
@@ -23,8 +25,9 @@ from executor_service.errors import (
     UnmetPrecondition,
 )
 from executor_service.logprobs import TokenLogprob
+from executor_service.model_loading import TargetSource, default_dtype, resolve_target_path
 from executor_service.sampling import SamplingSettings
-from specdec.v1 import executor_pb2
+from specdec.v1 import common_pb2, executor_pb2
 from specdec_runtime.errors import (
     FailedPrecondition,
     FieldViolation,
@@ -33,6 +36,13 @@ from specdec_runtime.errors import (
     SpecdecError,
     invalid_fields,
 )
+
+TORCH_DTYPES = {
+    common_pb2.DTYPE_FLOAT16: torch.float16,
+    common_pb2.DTYPE_BFLOAT16: torch.bfloat16,
+    common_pb2.DTYPE_FLOAT32: torch.float32,
+}
+DTYPE_ENUMS = {dtype: enum for enum, dtype in TORCH_DTYPES.items()}
 
 
 class Unavailable(SpecdecError):
@@ -102,3 +112,17 @@ def synthetic_config(spec: executor_pb2.SyntheticModel, field_prefix: str, defau
         head_size=spec.head_size,
         field_prefix=field_prefix,
     )
+
+
+def resolve_target(source: executor_pb2.ModelSource, model_root: Path | None, field: str) -> TargetSource:
+    """A request's ModelSource as the target to load: its config (config.json is read; weights are not yet)."""
+    if source.WhichOneof("source") == "synthetic":
+        return TargetSource(synthetic_config(source.synthetic, f"{field}.synthetic"), None, source.synthetic.seed)
+    return resolve_target_path(source.path, model_root, f"{field}.path")
+
+
+def resolve_dtype(requested: int, device: torch.device) -> torch.dtype:
+    """A request's DType as the weights' dtype (unspecified: model_loading.default_dtype)."""
+    if requested == common_pb2.DTYPE_UNSPECIFIED:
+        return default_dtype(device)
+    return TORCH_DTYPES[requested]

@@ -64,7 +64,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     add_demo_arguments(demo)
     add_executor_commands(commands)
-    # Parsed by executor_service.training.cli (main hands it the arguments): listed here for --help.
+    # Parsed by specdec_training.cli (main hands it the arguments): listed here for --help.
     commands.add_parser("train-drafter", help="train an EAGLE / EAGLE-3 / DFlash drafter for a target", add_help=False)
     return parser
 
@@ -103,7 +103,7 @@ def _wrong_service(args: argparse.Namespace) -> str | None:
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if argv[:1] == ["train-drafter"]:  # torch is imported only for this command
-        from executor_service.training.cli import main as train_drafter
+        from specdec_training.cli import main as train_drafter
 
         return train_drafter(argv[1:])
     args = build_parser().parse_args(argv)

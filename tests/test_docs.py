@@ -1,6 +1,7 @@
 """The documentation against the tree: README.md stays a short user's guide with the two commands, every relative
 link in the Markdown files resolves (files and #anchors), docs/executor.md's code layout lists every module of
-executor_service/ once, and the selection rules are numbered as docs/selection.md numbers them.
+executor_service/ once (docs/training.md's, of specdec_training/), and the selection rules are numbered as
+docs/selection.md numbers them.
 
 Each check is a function over text and a folder, so the negative controls below feed it made-up input.
 """
@@ -175,6 +176,11 @@ def layout_problems(layout: str, package: Path) -> list[str]:
 def test_the_executor_layout_lists_every_module_once() -> None:
     layout = section((REPO_ROOT / "docs" / "executor.md").read_text(), "Code layout")
     assert layout_problems(layout, REPO_ROOT / "executor_service") == []
+
+
+def test_the_trainer_layout_lists_every_module_once() -> None:
+    layout = section((REPO_ROOT / "docs" / "training.md").read_text(), "Code layout")
+    assert layout_problems(layout, REPO_ROOT / "specdec_training") == []
 
 
 def test_the_layout_check_refuses_a_made_up_list(tmp_path: Path) -> None:

@@ -14,8 +14,13 @@ modules of its own layer or of lower ones (imports for annotations alone, under 
 - runner: the model runner, CUDA graphs, the tensor-parallel driver;
 - spec decode: drafting, verification and the device step (its sampling variants and penalty table);
 - engine: the engine thread's loops (chain and tree);
-- server: the gRPC shell, request checks, the wire conversions (wire.py), the composition root (session.py);
-- training: the drafter trainer, an offline tool on top of everything.
+- server: the gRPC shell, request checks, the wire conversions (wire.py), the composition root (session.py).
+
+The drafter trainer, specdec_training, is an offline tool beside the services: it builds on the executor's layers
+below the server (models to load and train against, the engine to generate with) and on the capability report the
+selector decides from, never on the gRPC shell or the composition root; of the stubs it reads only what
+TRAINING_READING_THE_WIRE grants, and no executor module imports it. No module of executor_service.parallel imports
+the composition root (a rank loads through model_loading.py and wire.py).
 
 Protobuf stops in the server layer: base, sampling, engine core, runner, spec decode and engine ("wire-free")
 never import the stubs, grpc, google.rpc or specdec_runtime (whose errors are gRPC statuses); they raise the
@@ -36,15 +41,21 @@ from pathlib import Path
 REPO_ROOT = Path(__file__).resolve().parents[1]
 SERVICES = ("selector_service", "executor_service", "gateway_service")
 CLI = "specdec_cli"
+TRAINING = "specdec_training"
+GRPC = {"grpc", "grpc_status"}
 # package -> the top-level modules it must not import
 FORBIDDEN = {
-    "selector_service": {"executor_service", "gateway_service", CLI, "torch", "triton"},
-    "executor_service": {"selector_service", "gateway_service", CLI},
+    "selector_service": {"executor_service", "gateway_service", CLI, TRAINING, "torch", "triton"},
+    "executor_service": {"selector_service", "gateway_service", CLI, TRAINING},
     # The gateway is a client of the executors over gRPC only: the protos and the shared runtime, no model code.
-    "gateway_service": {"executor_service", "selector_service", CLI, "selection", "kernels", "torch", "triton"},
-    "specdec_runtime": {*SERVICES, CLI, "selection", "torch", "triton"},
-    "selection": {*SERVICES, CLI, "torch", "triton"},
-    "kernels": {*SERVICES, CLI, "specdec_runtime", "selection"},
+    "gateway_service": {
+        *("executor_service", "selector_service", CLI, TRAINING, "selection", "kernels", "torch", "triton")
+    },
+    "specdec_runtime": {*SERVICES, CLI, TRAINING, "selection", "torch", "triton"},
+    "selection": {*SERVICES, CLI, TRAINING, "torch", "triton"},
+    "kernels": {*SERVICES, CLI, TRAINING, "specdec_runtime", "selection"},
+    # An offline tool: no other service, no gRPC (the executor's modules it may use: training_violations).
+    TRAINING: {"selector_service", "gateway_service", CLI, *GRPC},
 }
 
 
@@ -114,7 +125,8 @@ EXECUTOR_LAYERS: tuple[Layer, ...] = (
         "models",
         wire_free=False,
         modules=(
-            "config json_fields limits rope rotary_cache fused_layer model weights loader model_paths gguf_loader "
+            "config json_fields limits rope rotary_cache fused_layer model weights loader model_loading model_paths "
+            "gguf_loader "
             "gguf_tokenizer chat draft_config draft_models draft_weights draft_id_tables parallel.state parallel.layers"
         ),
     ),
@@ -143,7 +155,6 @@ EXECUTOR_LAYERS: tuple[Layer, ...] = (
             "parallel.launcher parallel.worker"
         ),
     ),
-    Layer("training", wire_free=False, modules="training.*"),
 )
 
 
@@ -198,25 +209,31 @@ def package_modules(root: Path, package: str) -> dict[str, Path]:
     return found
 
 
-def package_graph(root: Path, package: str, annotations: bool = True) -> dict[str, set[str]]:
-    """Which of the package's modules each one imports (relative names, as package_modules); `annotations`:
-    imports under `if TYPE_CHECKING:` count too."""
+def package_graph(root: Path, package: str, annotations: bool = True, of: str | None = None) -> dict[str, set[str]]:
+    """Which of the package's modules (or, with `of`, of that other package's) each one imports (relative names,
+    as package_modules); `annotations`: imports under `if TYPE_CHECKING:` count too."""
     modules = package_modules(root, package)
+    imported_package = of or package
+    targets_of = package_modules(root, imported_package) if of else modules
     graph: dict[str, set[str]] = {}
     for name, path in modules.items():
-        dotted = package if name == "__init__" else f"{package}.{name.removesuffix('.__init__')}"
         imported = set()
-        for found in module_imports(path.read_text(), dotted, is_package=path.name == "__init__.py"):
+        for found in module_imports(path.read_text(), _dotted(package, name), is_package=path.name == "__init__.py"):
             if found.annotations_only and not annotations:
                 continue
             # `from a import b`: module a.b if there is one, else a (b is an attribute of a)
             members = [f"{found.name}.{m}" for m in found.members]
-            targets = [m for m in members if _module(m, package, modules)]
+            targets = [m for m in members if _module(m, imported_package, targets_of)]
             if len(targets) < len(members) or not members:
                 targets.append(found.name)
-            imported.update(t for t in map(lambda t: _module(t, package, modules), targets) if t and t != name)
+            resolved = (_module(t, imported_package, targets_of) for t in targets)
+            imported.update(t for t in resolved if t and (of or t != name))
         graph[name] = imported
     return graph
+
+
+def _dotted(package: str, name: str) -> str:
+    return package if name == "__init__" else f"{package}.{name.removesuffix('.__init__')}"
 
 
 def _module(dotted: str, package: str, modules: dict[str, Path]) -> str | None:
@@ -364,3 +381,133 @@ def test_the_cycle_check_sees_circles(tmp_path: Path) -> None:
         ["pkg.__init__", "pkg.inner"],
     ]
     assert ["d", "e"] in import_cycles(package_graph(tmp_path, "made_up"))
+
+
+# ---- who may use the executor's modules ------------------------------------------------------------------------------
+
+# The executor's server-layer modules the trainer may use: the capability report the selection code decides from.
+TRAINING_USES_OF_THE_SERVER = {"capabilities"}
+STUBS = "specdec.v1"
+# The trainer's modules that read the wire, and what each may import of it (dotted; `from specdec.v1 import x` is
+# specdec.v1.x):
+# - generation_engine: the selection library's request, built from this machine's capability report (datagen asks
+#   the same selection code LoadModel does in-process for the target's attention backend);
+# - init, recipes: draft_config's API takes a DraftModel of request overrides (an empty one: none), as long as
+#   draft_config reads the wire (MODELS_READING_THE_WIRE);
+# - cli: specdec_runtime's SpecdecError, which the selection code raises, reported as the command's error.
+TRAINING_READING_THE_WIRE = {
+    "generation_engine": {"specdec.v1.common_pb2", "specdec.v1.selector_pb2"},
+    "init": {"specdec.v1.executor_pb2"},
+    "recipes": {"specdec.v1.executor_pb2"},
+    "cli": {"specdec_runtime.errors"},
+}
+
+
+def client_violations(
+    root: Path,
+    client: str,
+    package: str,
+    layers: tuple[Layer, ...],
+    below: str,
+    also: set[str],
+    wire: dict[str, set[str]],
+) -> list[str]:
+    """What `client` imports of `package` beyond the modules of the layers below the layer named `below` and the
+    modules in `also`; and every wire import (WIRE) of its modules beyond what `wire` grants each one."""
+    top = next(i for i, layer in enumerate(layers) if layer.name == below)
+    found = []
+    for name, imported in package_graph(root, client, of=package).items():
+        for module in sorted(imported):
+            where = layer_of(layers, module)
+            if module not in also and not (len(where) == 1 and where[0] < top):
+                found.append(f"{name} imports {package}.{module}")
+    for name, path in package_modules(root, client).items():
+        granted = wire.get(name, set())
+        for found_import in module_imports(path.read_text(), _dotted(client, name), path.name == "__init__.py"):
+            names = [found_import.name]
+            if found_import.name == STUBS:  # the stubs are modules of one package: each one is named
+                names = [f"{STUBS}.{m}" for m in found_import.members] or names
+            for dotted in names:
+                wired = any(dotted == w or dotted.startswith(f"{w}.") for w in WIRE)
+                if wired and not any(dotted == g or dotted.startswith(f"{g}.") for g in granted):
+                    found.append(f"{name} imports {dotted}")
+    return found
+
+
+def test_the_trainer_uses_the_executor_below_its_server_and_the_wire_only_where_granted() -> None:
+    assert len(package_modules(REPO_ROOT, TRAINING)) > 15, "the trainer's modules were not found"
+    found = client_violations(
+        REPO_ROOT,
+        TRAINING,
+        "executor_service",
+        EXECUTOR_LAYERS,
+        "server",
+        TRAINING_USES_OF_THE_SERVER,
+        TRAINING_READING_THE_WIRE,
+    )
+    assert found == []
+
+
+def test_the_trainer_check_sees_the_composition_root_the_wire_and_the_shell(tmp_path: Path) -> None:
+    """Negative control: the composition root (in a function), the wire module, a stub and a status error beyond
+    the grant, and a module in no layer are all found; a model module, the engine, the one server module allowed
+    and a granted stub are not."""
+    executor = tmp_path / "made_up"
+    executor.mkdir()
+    for name in ("__init__", "model", "engine", "capabilities", "session", "wire", "stray"):
+        (executor / f"{name}.py").write_text("")
+    layers = (
+        Layer("models", wire_free=False, modules="__init__ model"),
+        Layer("engine", wire_free=True, modules="engine"),
+        Layer("server", wire_free=False, modules="capabilities session wire"),
+    )
+    client = tmp_path / "tool"
+    client.mkdir()
+    (client / "__init__.py").write_text("")
+    (client / "build.py").write_text(
+        "from made_up import engine, model\nfrom made_up.capabilities import probe\n"
+        "from specdec.v1 import common_pb2, executor_pb2\n"
+        "def f():\n    from made_up.session import build_session\n    return build_session\n"
+    )
+    (client / "cli.py").write_text(
+        "from made_up import wire\nfrom made_up.stray import x\nfrom specdec_runtime.errors import SpecdecError\n"
+    )
+    grant = {"build": {"specdec.v1.common_pb2"}}
+    assert client_violations(tmp_path, "tool", "made_up", layers, "server", {"capabilities"}, grant) == [
+        "build imports made_up.session",
+        "cli imports made_up.stray",
+        "cli imports made_up.wire",
+        "build imports specdec.v1.executor_pb2",
+        "cli imports specdec_runtime.errors",
+    ]
+
+
+def importers_of(root: Path, package: str, importers: str, imported: str) -> list[str]:
+    """'a imports b' for every module of `package` matching the pattern `importers` that imports a module matching
+    `imported` (relative names, fnmatch patterns; imports for annotations alone included)."""
+    graph = package_graph(root, package)
+    return [
+        f"{name} imports {other}"
+        for name in sorted(graph)
+        if fnmatch(name, importers)
+        for other in sorted(graph[name])
+        if fnmatch(other, imported)
+    ]
+
+
+def test_no_tensor_parallel_module_imports_the_composition_root() -> None:
+    assert "parallel.worker" in package_modules(REPO_ROOT, "executor_service"), "the ranks' module was not found"
+    assert importers_of(REPO_ROOT, "executor_service", "parallel.*", "session") == []
+
+
+def test_the_importer_check_sees_a_late_import_of_the_root(tmp_path: Path) -> None:
+    """Negative control: a sub-package's module importing the root inside a function is found; the root importing
+    the sub-package, and a module outside it importing the root, are not."""
+    package = tmp_path / "made_up"
+    (package / "sub").mkdir(parents=True)
+    (package / "__init__.py").write_text("")
+    (package / "sub" / "__init__.py").write_text("")
+    (package / "sub" / "rank.py").write_text("def load():\n    from made_up.root import load\n    return load()\n")
+    (package / "root.py").write_text("from made_up.sub import rank\n")
+    (package / "servicer.py").write_text("from made_up import root\n")
+    assert importers_of(tmp_path, "made_up", "sub.*", "root") == ["sub.rank imports root"]

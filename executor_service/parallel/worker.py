@@ -23,14 +23,17 @@ import torch
 from executor_service.cuda_graphs import StepGraphs
 from executor_service.kv_cache import KVCache, copy_kv_slots
 from executor_service.model import DecoderModel
+from executor_service.model_loading import load_target
 from executor_service.parallel import protocol
 from executor_service.parallel.channel import ControlRing
 from executor_service.parallel.graphs import capture_follower, replay_follower
 from executor_service.parallel.launcher import release_graphs
 from executor_service.parallel.layers import rank_config
+from executor_service.parallel.loading import load_target_shard
 from executor_service.parallel.protocol import NO_LOGITS, Op
 from executor_service.parallel.stack_dumps import dump_on_signal
 from executor_service.parallel.state import TensorParallelGroup, destroy_tensor_parallel, init_tensor_parallel
+from executor_service.wire import resolve_dtype, resolve_target
 from specdec.v1 import executor_pb2
 
 log = logging.getLogger("specdec.executor.follower")
@@ -69,9 +72,6 @@ class Shard:
 
 
 def load_shard(group: TensorParallelGroup, body: dict, model_root: Path | None) -> Shard:
-    from executor_service.parallel.loading import load_target_shard
-    from executor_service.session import load_target, resolve_dtype, resolve_target
-
     request = executor_pb2.LoadModelRequest.FromString(bytes.fromhex(body["request"]))
     source = resolve_target(request.target, model_root, "target")
     dtype = resolve_dtype(request.dtype, group.device)

@@ -7,7 +7,8 @@ import torch
 from executor_service.config import ModelConfig
 from executor_service.loader import LoadedModel, build_synthetic
 from executor_service.sampling import SamplingSettings
-from executor_service.session import EngineSettings, ModelSession, build_session, resolve_target
+from executor_service.session import EngineSettings, ModelSession, build_session
+from executor_service.wire import resolve_target
 from specdec.v1 import common_pb2, executor_pb2
 
 TINY = {

@@ -7,7 +7,8 @@ from executor_builders import TINY, load_request
 
 from executor_service.drafting import resolve_draft
 from executor_service.request import Request
-from executor_service.session import EngineSettings, ModelSession, build_session, resolve_target
+from executor_service.session import EngineSettings, ModelSession, build_session
+from executor_service.wire import resolve_target
 from specdec.v1 import common_pb2, executor_pb2
 
 METHODS = {

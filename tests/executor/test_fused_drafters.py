@@ -1,7 +1,7 @@
 """The drafters (EAGLE-1, EAGLE-3's midlayer, DFlash) on the fused path (kernels/small_gemm.py and
 kernels/qkv_rope_gemm.py under the Triton interpreter on the CPU, SPECDEC_SMALL_GEMM=triton) and on the unfused
 one (the plain ops), both against the same weights in float64 run through the drafters' dense training passes
-(executor_service/training/unroll.py: no cache, no paging): EAGLE's context pass over a few rows then one chain
+(specdec_training/unroll.py: no cache, no paging): EAGLE's context pass over a few rows then one chain
 step, DFlash's context K/V then its block pass; fp32 and bf16."""
 
 from __future__ import annotations
@@ -21,9 +21,9 @@ from executor_service.draft_models import DFlashDrafter, Drafter, TargetHeads
 from executor_service.draft_weights import synthetic_drafter
 from executor_service.kv_cache import KVCache
 from executor_service.loader import build_synthetic
-from executor_service.training.unroll import dflash_blocks, eagle_unroll
 from kernels import qkv_rope_gemm, small_gemm
 from kernels.small_gemm_table import POLICY_ENV
+from specdec_training.unroll import dflash_blocks, eagle_unroll
 
 pytestmark = pytest.mark.skipif(
     not torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1",

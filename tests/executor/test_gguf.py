@@ -19,9 +19,10 @@ from executor_service.gguf_loader import load_gguf, packaged_smollm2_path, resol
 from executor_service.gguf_tokenizer import CONTROL, USER_DEFINED, chat_template, gguf_tokenizer, render_chat
 from executor_service.loader import LoadedModel, build_synthetic
 from executor_service.request import RequestOutput
-from executor_service.session import EngineSettings, build_session, resolve_target
+from executor_service.session import EngineSettings, build_session
 from executor_service.validation import check_generate
 from executor_service.weights import export_hf_state
+from executor_service.wire import resolve_target
 from specdec.v1 import common_pb2, executor_pb2
 
 gguf = pytest.importorskip("gguf", reason="reading GGUF files needs the `gguf` package (extra `smollm2`)")

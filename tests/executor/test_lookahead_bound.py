@@ -12,8 +12,7 @@ from executor_service.draft_config import MAX_SPECULATIVE_TOKENS
 from executor_service.drafting import resolve_draft
 from executor_service.errors import InvalidField
 from executor_service.limits import MAX_DFLASH_BLOCK_SIZE
-from executor_service.session import resolve_target
-from executor_service.wire import status_error
+from executor_service.wire import resolve_target, status_error
 from specdec_runtime.errors import InvalidArgument
 
 

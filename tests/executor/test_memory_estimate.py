@@ -12,7 +12,7 @@ from executor_service import memory
 from executor_service.device_penalties import PenaltyTable
 from executor_service.drafting import resolve_draft
 from executor_service.memory import PENALTY_TABLE_BYTES_PER_ENTRY, estimate_memory
-from executor_service.session import resolve_target
+from executor_service.wire import resolve_target
 
 
 def test_the_penalty_table_takes_what_the_estimate_counts() -> None:

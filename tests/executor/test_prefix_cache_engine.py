@@ -17,7 +17,8 @@ from spec_builders import draft_model
 import executor_service.prefix_cache as prefix_cache_module
 from executor_service.drafting import resolve_draft
 from executor_service.request import Request
-from executor_service.session import EngineSettings, ModelSession, build_session, resolve_target
+from executor_service.session import EngineSettings, ModelSession, build_session
+from executor_service.wire import resolve_target
 from specdec.v1 import common_pb2
 
 BLOCK = 16

@@ -15,8 +15,8 @@ from spec_builders import draft_model, spec_session
 from executor_service.draft_weights import save_drafter
 from executor_service.drafting import check_drafter_backend, resolve_draft
 from executor_service.errors import InvalidField
-from executor_service.session import EngineSettings, build_session, resolve_target
-from executor_service.wire import status_error
+from executor_service.session import EngineSettings, build_session
+from executor_service.wire import resolve_target, status_error
 from specdec.v1 import common_pb2
 from specdec_runtime.errors import FailedPrecondition, InvalidArgument
 

@@ -15,9 +15,9 @@ from tree_cases import TREES, ReplayOnLastBranch, check_equals_target_only, prom
 import executor_service.engine as engine_module
 from executor_service.drafting import resolve_draft
 from executor_service.errors import InvalidField
-from executor_service.session import ModelSession, resolve_target
+from executor_service.session import ModelSession
 from executor_service.spec_step import SpecStep
-from executor_service.wire import status_error
+from executor_service.wire import resolve_target, status_error
 from specdec.v1 import common_pb2
 from specdec_runtime.errors import InvalidArgument
 

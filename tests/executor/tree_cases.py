@@ -14,8 +14,9 @@ from spec_builders import draft_model
 
 from executor_service.drafting import resolve_draft
 from executor_service.host_verify import DraftTree
-from executor_service.session import EngineSettings, ModelSession, build_session, resolve_target
+from executor_service.session import EngineSettings, ModelSession, build_session
 from executor_service.spec_step import SpecStep
+from executor_service.wire import resolve_target
 from specdec.v1 import common_pb2
 
 VOCAB = 512

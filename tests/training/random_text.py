@@ -9,7 +9,7 @@ import torch
 from executor_builders import tiny_model
 
 from executor_service.model import DecoderModel
-from executor_service.training.features import Sequence
+from specdec_training.features import Sequence
 
 
 def tiny_target_and_text(seed: int, response_lengths: tuple[int, ...]) -> tuple[DecoderModel, list[Sequence]]:

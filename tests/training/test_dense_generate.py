@@ -10,9 +10,9 @@ import pytest
 import torch
 
 from executor_service.loader import LoadedModel
-from executor_service.training import datagen, dense_generate
-from executor_service.training.dense_generate import _sample, generate_dense
-from executor_service.training.target import load_target, target_source
+from specdec_training import datagen, dense_generate
+from specdec_training.dense_generate import _sample, generate_dense
+from specdec_training.target import load_target, target_source
 
 CPU = torch.device("cpu")
 

@@ -10,8 +10,8 @@ from pathlib import Path
 import pytest
 from tokenizers import Tokenizer, models, pre_tokenizers
 
-from executor_service.training.corpus import PASSAGE_CHARS, find_archives, prose_passages, stdlib_functions
-from executor_service.training.prompts import KINDS, ChatRenderer, build_prompts, read_prompts, write_prompts
+from specdec_training.corpus import PASSAGE_CHARS, find_archives, prose_passages, stdlib_functions
+from specdec_training.prompts import KINDS, ChatRenderer, build_prompts, read_prompts, write_prompts
 
 
 def test_passages_are_whole_paragraphs_of_the_right_size_without_boilerplate(corpus: Path) -> None:

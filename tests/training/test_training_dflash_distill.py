@@ -13,12 +13,12 @@ from random_text import tiny_target_and_text
 
 from executor_service.draft_models import DFlashDrafter
 from executor_service.model import DecoderModel
-from executor_service.training.features import TEACHER_TOP_K, Sequence, TargetView, collate, target_view
-from executor_service.training.init import trainable_drafter, with_mask_token
-from executor_service.training.losses import LossOutput, LossSettings, dflash_loss, sample_anchors
-from executor_service.training.recipes import RECIPES, draft_config, with_overrides
-from executor_service.training.trainer import Trainer
-from executor_service.training.unroll import dflash_blocks
+from specdec_training.features import TEACHER_TOP_K, Sequence, TargetView, collate, target_view
+from specdec_training.init import trainable_drafter, with_mask_token
+from specdec_training.losses import LossOutput, LossSettings, dflash_loss, sample_anchors
+from specdec_training.recipes import RECIPES, draft_config, with_overrides
+from specdec_training.trainer import Trainer
+from specdec_training.unroll import dflash_blocks
 
 CPU = torch.device("cpu")
 ANCHOR_SEED = 5

@@ -13,11 +13,11 @@ from random_text import tiny_target_and_text
 
 from executor_service.draft_models import Eagle3Drafter
 from executor_service.model import DecoderModel
-from executor_service.training.features import Sequence, collate, shifted, target_view
-from executor_service.training.init import trainable_drafter
-from executor_service.training.losses import LossSettings, eagle_loss
-from executor_service.training.recipes import RECIPES, draft_config, with_overrides
-from executor_service.training.unroll import eagle_unroll
+from specdec_training.features import Sequence, collate, shifted, target_view
+from specdec_training.init import trainable_drafter
+from specdec_training.losses import LossSettings, eagle_loss
+from specdec_training.recipes import RECIPES, draft_config, with_overrides
+from specdec_training.unroll import eagle_unroll
 
 CPU = torch.device("cpu")
 
@@ -122,7 +122,7 @@ def test_distillation_trains_towards_the_targets_distribution_over_the_draft_voc
     (["--distill", "0.5", "--method", "eagle"], "--distill is for eagle3 and dflash, not eagle"),
 ])  # fmt: skip
 def test_distill_is_checked(argv: list[str], message: str) -> None:
-    from executor_service.training.cli import build_parser, recipe_from
+    from specdec_training.cli import build_parser, recipe_from
 
     base = ["--method", "eagle3", "--target", "synthetic:tiny", "--out", "x"]
     with pytest.raises(ValueError, match=message):
@@ -131,7 +131,7 @@ def test_distill_is_checked(argv: list[str], message: str) -> None:
 
 @pytest.mark.parametrize("method", ["eagle3", "dflash"])
 def test_distill_is_taken_by_eagle3_and_dflash(method: str) -> None:
-    from executor_service.training.cli import build_parser, recipe_from
+    from specdec_training.cli import build_parser, recipe_from
 
     argv = ["--method", method, "--target", "synthetic:tiny", "--out", "x", "--distill", "0.5"]
     assert recipe_from(build_parser().parse_args(argv)).loss.distill == 0.5

@@ -20,9 +20,9 @@ from executor_service.loader import LoadedModel
 from executor_service.request import RequestOutput
 from executor_service.sampling import SamplingSettings
 from executor_service.session import EngineSettings, TargetSource, build_session
-from executor_service.training.cli import build_parser, run
-from executor_service.training.init import trainable_drafter
 from specdec.v1 import common_pb2, executor_pb2
+from specdec_training.cli import build_parser, run
+from specdec_training.init import trainable_drafter
 
 CPU = torch.device("cpu")
 DATA = ["--random-prompts", "48", "--max-new-tokens", "24", "--temperatures", "0", "--no-progress", "--device", "cpu"]

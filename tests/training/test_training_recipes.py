@@ -9,17 +9,17 @@ from executor_builders import tiny_model
 
 from executor_service.draft_models import TargetHeads
 from executor_service.draft_weights import draft_layout, synthetic_drafter
-from executor_service.training.features import Sequence
-from executor_service.training.init import (
+from executor_service.weights import export_state
+from specdec_training.features import Sequence
+from specdec_training.init import (
     draft_vocabulary,
     least_used_token,
     token_counts,
     trainable_drafter,
     vocab_maps,
 )
-from executor_service.training.recipes import RECIPES, draft_config, published_bytes, with_overrides
-from executor_service.training.target import synthetic_spec, target_source
-from executor_service.weights import export_state
+from specdec_training.recipes import RECIPES, draft_config, published_bytes, with_overrides
+from specdec_training.target import synthetic_spec, target_source
 
 SMOLLM2 = target_source("synthetic:smollm2").config
 
@@ -74,6 +74,6 @@ def test_a_trainable_eagle3_starts_from_the_targets_head_rows() -> None:
 
 def test_synthetic_target_specs() -> None:
     spec = synthetic_spec("synthetic:tiny,seed=3,num_layers=4")
-    assert (spec.seed, spec.num_layers, spec.vocab_size, spec.architecture) == (3, 4, 512, "llama")
+    assert (spec["seed"], spec["num_layers"], spec["vocab_size"], spec["architecture"]) == (3, 4, 512, "llama")
     with pytest.raises(ValueError, match="unknown synthetic preset 'huge'"):
         synthetic_spec("synthetic:huge")

@@ -12,16 +12,16 @@ from executor_service.config import ModelConfig
 from executor_service.gguf_loader import open_gguf, packaged_smollm2_path, read_metadata
 from executor_service.gguf_tokenizer import chat_template, gguf_tokenizer
 from executor_service.loader import LoadedModel, build_synthetic
-from executor_service.training import datagen
-from executor_service.training.prompts import ChatRenderer, Prompt
-from executor_service.training.rounds import (
+from specdec_training import datagen
+from specdec_training.prompts import ChatRenderer, Prompt
+from specdec_training.rounds import (
     RoundsPlan,
     answered_prompts,
     generate_rounds,
     read_rounds,
     round_path,
 )
-from executor_service.training.self_instruct import STYLES, TOPICS, parse_request, seed_requests, unique_requests
+from specdec_training.self_instruct import STYLES, TOPICS, parse_request, seed_requests, unique_requests
 
 
 def test_parse_request_keeps_requests_and_drops_the_rest() -> None:
@@ -76,14 +76,22 @@ def test_rounds_answer_follow_ups_with_the_earlier_turns_and_resume(
     assert outcome.counts["turn2"] == 2 and outcome.counts["turn3"] == 1
     assert len(outcome.sequences) == 6 + 3 + extra + 2 + 1
     by_text = {p.text: s for p, s in zip(outcome.prompts, outcome.sequences[6 : 6 + len(outcome.prompts)], strict=True)}
-    jonah = by_text[prompts[0].text]
-    turn2 = outcome.sequences[6 + len(outcome.prompts)]  # the first conversation's second turn
-    expected = renderer.messages([
-        {"role": "user", "content": prompts[0].text},
-        {"role": "assistant", "content": loaded.tokenizer.decode(jonah.response, skip_special_tokens=True)},
-        {"role": "user", "content": prompts[0].followups[0]},
-    ])  # fmt: skip
-    assert turn2.prompt == expected and len(turn2.response) > 0
+
+    # The second turns, in the (shuffled) order of their conversations: each the first turn, its answer, the
+    # follow-up.
+    def second_turn(prompt: Prompt) -> list[int]:
+        answer = loaded.tokenizer.decode(by_text[prompt.text].response, skip_special_tokens=True)
+        return renderer.messages([
+            {"role": "user", "content": prompt.text},
+            {"role": "assistant", "content": answer},
+            {"role": "user", "content": prompt.followups[0]},
+        ])  # fmt: skip
+
+    expected = {prompt.text: second_turn(prompt) for prompt in prompts[:2]}
+    second_turns = outcome.sequences[6 + len(outcome.prompts) : 6 + len(outcome.prompts) + 2]
+    assert sorted(t.prompt for t in second_turns) == sorted(expected.values())
+    assert all(len(t.response) > 0 for t in second_turns)
+    turn2 = next(t for t in second_turns if t.prompt == expected[prompts[0].text])  # Jonah's, which goes on
     turn3 = outcome.sequences[-1]
     assert turn3.prompt[: len(turn2.prompt)] == turn2.prompt  # the conversation grows turn by turn
     assert "Why?" in loaded.tokenizer.decode(turn3.prompt)
@@ -115,7 +123,7 @@ def test_prompts_another_run_answered_are_skipped(
 
 
 def test_long_sequences_lose_their_prompt_start_first() -> None:
-    from executor_service.training.features import Sequence, collate
+    from specdec_training.features import Sequence, collate
 
     short = Sequence([1, 2, 3], [4, 5])
     long_prompt = Sequence(list(range(10, 20)), [7, 8, 9])  # 13 tokens, max 6: keep the prompt's last 3
@@ -141,7 +149,7 @@ def test_a_passed_generation_deadline_keeps_what_is_done(
 
 
 def test_a_time_budget_shortens_the_run_to_what_fits() -> None:
-    from executor_service.training.trainer import Trainer
+    from specdec_training.trainer import Trainer
 
     trainer = Trainer.__new__(Trainer)  # only the step arithmetic: no model needed
     trainer.step, trainer.total_steps, trainer.time_budget, trainer.step_cap = 30, 1000, 60.0, None
@@ -155,7 +163,7 @@ def test_a_time_budget_shortens_the_run_to_what_fits() -> None:
 def test_a_time_budget_is_fitted_again_as_the_pace_changes() -> None:
     """Runs sharing a GPU speed up when the others finish: a later fit lengthens the run again, up to the cap
     that the recipe (or --max-steps) set, never past it."""
-    from executor_service.training.trainer import Trainer
+    from specdec_training.trainer import Trainer
 
     trainer = Trainer.__new__(Trainer)
     trainer.step, trainer.total_steps, trainer.time_budget, trainer.step_cap = 30, 1000, 100.0, None
@@ -168,9 +176,9 @@ def test_a_time_budget_is_fitted_again_as_the_pace_changes() -> None:
 
 def grouping_trainer(lengths: list[int], batch_size: int, seed: int = 0):
     """A Trainer with only what `batch` reads: sequences of the given lengths, the batch size and max_len."""
-    from executor_service.training.features import Sequence
-    from executor_service.training.recipes import RECIPES, with_overrides
-    from executor_service.training.trainer import Trainer
+    from specdec_training.features import Sequence
+    from specdec_training.recipes import RECIPES, with_overrides
+    from specdec_training.trainer import Trainer
 
     trainer = Trainer.__new__(Trainer)
     trainer.sequences = [Sequence([1], [2] * (n - 1)) for n in lengths]

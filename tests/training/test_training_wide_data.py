@@ -13,10 +13,10 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from executor_service.training.corpus import Passage, prose_passages, stdlib_functions
-from executor_service.training.datagen import read_sequences, sequence_row, token_dtype
-from executor_service.training.prompts import Material, build_prompts, prompt_counts, read_prompts, write_prompts
-from executor_service.training.system_docs import system_doc_passages
+from specdec_training.corpus import Passage, prose_passages, stdlib_functions
+from specdec_training.datagen import read_sequences, sequence_row, token_dtype
+from specdec_training.prompts import Material, build_prompts, prompt_counts, read_prompts, write_prompts
+from specdec_training.system_docs import system_doc_passages
 
 
 def test_copies_under_new_keys_are_duplicates_or_refused_as_held_out(corpus: Path, stdlib: Path) -> None:

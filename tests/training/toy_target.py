@@ -13,8 +13,8 @@ import torch.nn.functional as F
 from executor_service.config import ModelConfig
 from executor_service.loader import save_directory
 from executor_service.model import DecoderModel
-from executor_service.training.dense import target_forward
 from executor_service.weights import synthetic_model
+from specdec_training.dense import target_forward
 
 VOCAB = 64
 CONFIG = ModelConfig(

@@ -14,8 +14,9 @@ from executor_service.capabilities import probe
 from executor_service.drafting import resolve_draft
 from executor_service.kv_cache import bytes_per_block
 from executor_service.parallel import state
-from executor_service.session import EngineSettings, prepare_load, resolve_target, selection_request
+from executor_service.session import EngineSettings, prepare_load, selection_request
 from executor_service.weights import hf_layout
+from executor_service.wire import resolve_target
 from selection.selector import select_backends
 from specdec.v1 import common_pb2
 from specdec_runtime.errors import InvalidArgument

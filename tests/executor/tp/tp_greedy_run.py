@@ -28,18 +28,11 @@ from executor_service.cuda_graphs import GRAPH_BACKENDS
 from executor_service.drafting import DraftSource, resolve_draft
 from executor_service.host_verify import DraftTree
 from executor_service.loader import build_synthetic, save_directory
+from executor_service.model_loading import TargetSource
 from executor_service.request import Request
 from executor_service.sampling import SamplingSettings
-from executor_service.session import (
-    TORCH_DTYPES,
-    EngineSettings,
-    ModelSession,
-    TargetSource,
-    build_session,
-    capture_graphs,
-    resolve_target,
-    selection_request,
-)
+from executor_service.session import EngineSettings, ModelSession, build_session, capture_graphs, selection_request
+from executor_service.wire import TORCH_DTYPES, resolve_target
 from selection.selector import select_backends
 from specdec.v1 import common_pb2, executor_pb2, selector_pb2
 

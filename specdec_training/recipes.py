@@ -18,8 +18,8 @@ from executor_service.draft_config import (
     default_eagle3_layers,
     finish_draft_config,
 )
-from executor_service.training.losses import LossSettings
 from specdec.v1 import executor_pb2
+from specdec_training.losses import LossSettings
 
 
 @dataclass(frozen=True)

@@ -22,10 +22,10 @@ import torch
 
 from executor_service.draft_models import DFlashDrafter, Drafter, Eagle3Drafter
 from executor_service.model import DecoderModel
-from executor_service.training.features import TEACHER_TOP_K, Sequence, collate, target_view
-from executor_service.training.losses import drafter_loss, read_metrics
-from executor_service.training.progress import Progress
-from executor_service.training.recipes import Recipe
+from specdec_training.features import TEACHER_TOP_K, Sequence, collate, target_view
+from specdec_training.losses import drafter_loss, read_metrics
+from specdec_training.progress import Progress
+from specdec_training.recipes import Recipe
 
 WARMUP_STEPS, TIMING_STEPS = 10, 20  # a time budget first fixes the run's length from steps 10-30's pace
 REFIT_STEPS = 100  # then fits it again every this many steps, at their pace (runs sharing a GPU speed up as

@@ -13,10 +13,9 @@ from dataclasses import dataclass
 
 import torch
 
-from executor_service.draft_config import DraftConfig
-from executor_service.drafting import feature_layers
+from executor_service.draft_config import DraftConfig, feature_layers
 from executor_service.model import DecoderModel
-from executor_service.training.dense import target_forward
+from specdec_training.dense import target_forward
 
 LABEL_CHUNK_ROWS = 4096  # rows of logits [rows, V] computed at once for the labels
 # DFlash distills against the target's K most likely next tokens at every position, not its whole distribution:

@@ -19,10 +19,10 @@ from pathlib import Path
 import torch
 
 from executor_service.loader import LoadedModel
-from executor_service.training import datagen
-from executor_service.training.features import Sequence
-from executor_service.training.prompts import ChatRenderer, Prompt
-from executor_service.training.self_instruct import parse_request, seed_requests, unique_requests
+from specdec_training import datagen
+from specdec_training.features import Sequence
+from specdec_training.prompts import ChatRenderer, Prompt
+from specdec_training.self_instruct import parse_request, seed_requests, unique_requests
 
 WRITER_TEMPERATURE, WRITER_MAX_TOKENS = 1.0, 96  # self-instruct: varied, short requests
 

@@ -23,8 +23,8 @@ import torch
 import torch.nn.functional as F
 
 from executor_service.draft_models import DFlashDrafter, Drafter, Eagle3Drafter, EagleDrafter
-from executor_service.training.features import TargetView, shifted
-from executor_service.training.unroll import dflash_blocks, eagle_unroll
+from specdec_training.features import TargetView, shifted
+from specdec_training.unroll import dflash_blocks, eagle_unroll
 
 IGNORE = -100
 

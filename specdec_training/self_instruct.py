@@ -13,7 +13,7 @@ from __future__ import annotations
 import random
 import re
 
-from executor_service.training.separation import normalized_hash
+from specdec_training.separation import normalized_hash
 
 TOPICS = (
     "volcanoes", "the water cycle", "photosynthesis", "black holes", "the French Revolution", "the Roman Empire",

@@ -9,12 +9,13 @@ from pathlib import Path
 
 import torch
 
-from executor_service.gguf_loader import PACKAGE_PREFIX, is_gguf, load_gguf, open_gguf, read_metadata
+from executor_service import model_loading
+from executor_service.config import ModelConfig
+from executor_service.gguf_loader import PACKAGE_PREFIX, is_gguf, open_gguf, read_metadata
 from executor_service.gguf_tokenizer import chat_template
-from executor_service.loader import LoadedModel, build_synthetic, load_directory
-from executor_service.session import TargetSource, resolve_target
-from executor_service.training.prompts import ChatRenderer
-from specdec.v1 import executor_pb2
+from executor_service.loader import LoadedModel
+from executor_service.model_loading import TargetSource, resolve_target_path
+from specdec_training.prompts import ChatRenderer
 
 FIELD = "--target"
 SYNTHETIC_PREFIX = "synthetic:"
@@ -29,32 +30,35 @@ PRESETS = {
 def target_source(spec: str) -> TargetSource:
     """What `--target` names; InvalidField / UnmetPrecondition (errors.py) naming the field when it cannot be used."""
     if spec.startswith(SYNTHETIC_PREFIX):
-        return resolve_target(executor_pb2.ModelSource(synthetic=synthetic_spec(spec)), None, FIELD)
+        shape = synthetic_spec(spec)
+        seed = int(shape.pop("seed", 0))
+        config = ModelConfig.synthetic(**shape, field_prefix=f"{FIELD}.synthetic")  # type: ignore[arg-type]
+        return TargetSource(config, None, seed)
     if spec.startswith(PACKAGE_PREFIX):
-        return resolve_target(executor_pb2.ModelSource(path=spec), None, FIELD)
+        return resolve_target_path(spec, None, f"{FIELD}.path")
     path = Path(spec).resolve()  # a local path: its own parent is the model root
-    return resolve_target(executor_pb2.ModelSource(path=str(path)), path.parent, FIELD)
+    return resolve_target_path(str(path), path.parent, f"{FIELD}.path")
 
 
-def synthetic_spec(spec: str) -> executor_pb2.SyntheticModel:
-    """`synthetic:tiny` or `synthetic:smollm2`, then `,field=value` overrides (e.g. `,seed=3`)."""
+def synthetic_spec(spec: str) -> dict[str, int | str]:
+    """`synthetic:tiny` or `synthetic:smollm2`, then `,field=value` overrides (e.g. `,seed=3`): the model's shape
+    (ModelConfig.synthetic's fields) and its weights' seed."""
     preset, *overrides = spec.removeprefix(SYNTHETIC_PREFIX).split(",")
     if preset not in PRESETS:
         raise ValueError(f"{FIELD}: unknown synthetic preset {preset!r}; known: {sorted(PRESETS)}")
     fields: dict[str, int | str] = {"architecture": "llama", **PRESETS[preset]}
+    known = [*fields, "seed"]
     for item in overrides:
         name, _, value = item.partition("=")
+        if name not in known:
+            raise ValueError(f"{FIELD}: unknown synthetic field {name!r}; known: {known}")
         fields[name] = value if name == "architecture" else int(value)
-    return executor_pb2.SyntheticModel(**fields)  # type: ignore[arg-type]
+    return fields
 
 
 def load_target(source: TargetSource, dtype: torch.dtype, device: torch.device) -> LoadedModel:
-    """Weights in `dtype` on `device`, as build_session loads them."""
-    if source.path is None:
-        return build_synthetic(source.config, source.seed, dtype, device)
-    if is_gguf(source.path):
-        return load_gguf(source.path, dtype, device, FIELD)
-    return load_directory(source.path, dtype, device, FIELD)
+    """Weights in `dtype` on `device`, as LoadModel loads them; errors name `--target`."""
+    return model_loading.load_target(source, dtype, device, FIELD)
 
 
 def chat_renderer(source: TargetSource, loaded: LoadedModel) -> ChatRenderer | None:

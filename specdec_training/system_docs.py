@@ -14,7 +14,7 @@ import re
 from collections.abc import Iterator
 from pathlib import Path
 
-from executor_service.training.corpus import Passage, _chunk, _readable
+from specdec_training.corpus import Passage, _chunk, _readable
 
 DOC_ROOTS = (Path("/usr/share/doc"), Path("/usr/share/common-licenses"), Path("/usr/share/info"))
 NAMES = re.compile(

@@ -27,9 +27,9 @@ from pathlib import Path
 from typing import Any
 
 from executor_service.gguf_tokenizer import render_chat
-from executor_service.training.corpus import Function, Passage, prose_passages, python_sources, stdlib_functions
-from executor_service.training.separation import HeldOutGuard, function_request, normalized_hash
-from executor_service.training.system_docs import system_doc_passages
+from specdec_training.corpus import Function, Passage, prose_passages, python_sources, stdlib_functions
+from specdec_training.separation import HeldOutGuard, function_request, normalized_hash
+from specdec_training.system_docs import system_doc_passages
 
 KINDS = ("instruction", "prose", "code")
 HELD_OUT_PERCENT = 5

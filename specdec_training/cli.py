@@ -26,20 +26,20 @@ import torch
 
 from executor_service.draft_weights import empty_drafter, save_drafter
 from executor_service.errors import EngineError
-from executor_service.training import datagen
-from executor_service.training.init import (
+from specdec_runtime.errors import SpecdecError
+from specdec_training import datagen
+from specdec_training.init import (
     pretrained_config,
     pretrained_drafter,
     published_config,
     trainable_drafter,
     with_mask_token,
 )
-from executor_service.training.prompts import MATERIAL_SOURCES
-from executor_service.training.recipes import RECIPES, Recipe, draft_config, published_bytes, with_overrides
-from executor_service.training.sources import extra_sequences, generate_data, split_validation
-from executor_service.training.target import chat_renderer, load_target, target_source
-from executor_service.training.trainer import Trainer
-from specdec_runtime.errors import SpecdecError
+from specdec_training.prompts import MATERIAL_SOURCES
+from specdec_training.recipes import RECIPES, Recipe, draft_config, published_bytes, with_overrides
+from specdec_training.sources import extra_sequences, generate_data, split_validation
+from specdec_training.target import chat_renderer, load_target, target_source
+from specdec_training.trainer import Trainer
 
 PUBLISHED_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 # Recipe and LossSettings fields settable on the command line, with their types.

@@ -12,9 +12,9 @@ from typing import Any
 
 import torch
 
-from executor_service.training import datagen
-from executor_service.training.features import Sequence
-from executor_service.training.prompts import (
+from specdec_training import datagen
+from specdec_training.features import Sequence
+from specdec_training.prompts import (
     Prompt,
     build_prompts,
     offline_material,
@@ -22,7 +22,7 @@ from executor_service.training.prompts import (
     read_prompts,
     write_prompts,
 )
-from executor_service.training.rounds import RoundsPlan, answered_prompts, generate_rounds, read_rounds
+from specdec_training.rounds import RoundsPlan, answered_prompts, generate_rounds, read_rounds
 
 VALIDATION_SHARE, VALIDATION_MAX = 0.02, 256  # generated sequences kept out of training, for the log
 

@@ -22,24 +22,14 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from executor_service.capabilities import probe
 from executor_service.engine import StepObserver
 from executor_service.loader import LoadedModel
 from executor_service.request import RequestOutput
 from executor_service.sampling import SamplingSettings
-from executor_service.session import (
-    DTYPE_ENUMS,
-    EngineSettings,
-    ModelSession,
-    TargetSource,
-    build_session,
-    selection_request,
-)
-from executor_service.training.dense_generate import generate_dense
-from executor_service.training.features import Sequence
-from executor_service.training.progress import Progress
-from selection.selector import Selector
-from specdec.v1 import executor_pb2
+from specdec_training.dense_generate import generate_dense
+from specdec_training.features import Sequence
+from specdec_training.generation_engine import EngineSizes, TargetEngine, build_target_engine
+from specdec_training.progress import Progress
 
 
 @dataclass(frozen=True)
@@ -50,7 +40,7 @@ class GenerationSettings:
     chunk: int = 1024  # prompts per engine run and per append to the file
     max_num_seqs: int = 256
     max_num_batched_tokens: int = 8192
-    num_kv_blocks: int = 0  # 0: the session's default (GPU: gpu_memory_utilization; CPU: 16k tokens)
+    num_kv_blocks: int = 0  # 0: LoadModel's default (GPU: gpu_memory_utilization; CPU: 16k tokens)
     gpu_memory_utilization: float = 0.4  # leaves the rest for training, which follows in the same process
     dense_batch: int = 0  # > 0: dense_generate.py in batches of this many (bulk text, no engine); 0: the engine
     progress: bool = True
@@ -123,9 +113,9 @@ def generate(
     total = sum(min(settings.max_new_tokens, loaded.config.max_position_embeddings - len(p.ids)) for p in prompts)
     bar = Progress(total, "generating", "tok", enabled=settings.progress)
     bar.update(sum(len(s.response) for s in done))
-    session = None
+    engine = None
     if not settings.dense_batch:
-        session = _session(loaded, settings, device, lambda _computed, generated, _seconds: bar.update(generated))
+        engine = _engine(loaded, settings, device, lambda _computed, generated, _seconds: bar.update(generated))
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
         with path.open("a") as file:
@@ -133,11 +123,11 @@ def generate(
                 if past(settings.deadline):
                     break
                 chunk = list(enumerate(prompts[start : start + settings.chunk], start=start))
-                if session is None:
+                if engine is None:
                     responses = _run_dense(loaded, chunk, settings)
                     bar.update(sum(len(r) for r in responses))
                 else:
-                    responses = _run(session, chunk, settings)
+                    responses = _run(engine, chunk, settings)
                 for (index, prompt), response in zip(chunk, responses, strict=True):
                     row = sequence_row(index, prompt.kind, prompt.ids, response, loaded.config.vocab_size)
                     file.write(json.dumps(row))
@@ -146,9 +136,9 @@ def generate(
                 file.flush()
     finally:
         bar.close()
-        if session is not None:
-            session.shutdown()
-        del session  # its KV cache and CUDA graphs: given back before training allocates
+        if engine is not None:
+            engine.shutdown()
+        del engine  # its KV cache and CUDA graphs: given back before training allocates
         gc.collect()
         if device.type == "cuda":
             torch.cuda.empty_cache()
@@ -159,20 +149,14 @@ def past(deadline: float | None) -> bool:
     return deadline is not None and time.time() >= deadline
 
 
-def _session(
+def _engine(
     loaded: LoadedModel, settings: GenerationSettings, device: torch.device, on_step: StepObserver
-) -> ModelSession:
-    dtype = loaded.model.embed_tokens.weight.dtype
-    request = executor_pb2.LoadModelRequest(
-        dtype=DTYPE_ENUMS[dtype],
-        num_kv_blocks=settings.num_kv_blocks,
-        gpu_memory_utilization=settings.gpu_memory_utilization,
+) -> TargetEngine:
+    sizes = EngineSizes(
+        settings.max_num_batched_tokens, settings.max_num_seqs, settings.num_kv_blocks, settings.gpu_memory_utilization
     )
-    selection = Selector().select(selection_request(request, loaded.config, probe(device), dtype))
-    engine = EngineSettings(settings.max_num_batched_tokens, settings.max_num_seqs, cuda_graphs=True)
-    source = TargetSource(loaded.config, None)
     ids_only = dataclasses.replace(loaded, tokenizer=None)  # no detokenizing of every generated token
-    return build_session(source, request, selection.target, device, engine, on_step, start=False, preloaded=ids_only)
+    return build_target_engine(ids_only, sizes, device, on_step)
 
 
 def _run_dense(
@@ -189,7 +173,7 @@ def _run_dense(
     return generate_dense(loaded.model, prompts, temperatures, budgets, stops, seed, settings.dense_batch)
 
 
-def _run(session: ModelSession, chunk: list[tuple[int, PromptIds]], settings: GenerationSettings) -> list[list[int]]:
+def _run(target: TargetEngine, chunk: list[tuple[int, PromptIds]], settings: GenerationSettings) -> list[list[int]]:
     outputs: dict[str, list[int]] = {}
     errors: list[BaseException] = []
 
@@ -198,13 +182,13 @@ def _run(session: ModelSession, chunk: list[tuple[int, PromptIds]], settings: Ge
         if output.error is not None:
             errors.append(output.error)
 
-    max_len = session.limits.max_model_len
+    max_len = target.max_model_len
     for index, prompt in chunk:
         temperature = settings.temperatures[index % len(settings.temperatures)]
         sampling = SamplingSettings(temperature=temperature, seed=settings.seed + index if temperature > 0 else None)
         max_tokens = min(settings.max_new_tokens, max_len - len(prompt.ids))
-        session.engine.add(session.new_request(str(index), prompt.ids, sampling, max_tokens, sink))
-    session.engine.run_until_idle()
+        target.engine.add(target.new_request(str(index), prompt.ids, sampling, max_tokens, sink))
+    target.engine.run_until_idle()
     if errors:
         raise errors[0]
     return [outputs.get(str(index), []) for index, _ in chunk]

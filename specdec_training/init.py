@@ -30,8 +30,8 @@ from executor_service.draft_models import Drafter, Eagle3Drafter, TargetHeads
 from executor_service.draft_weights import load_drafter, synthetic_drafter
 from executor_service.loader import read_config_json
 from executor_service.model import DecoderModel
-from executor_service.training.features import Sequence
 from specdec.v1 import executor_pb2
+from specdec_training.features import Sequence
 
 
 def token_counts(sequences: list[Sequence], vocab_size: int) -> torch.Tensor:
