@@ -64,7 +64,7 @@ def kernel_profile(call: Any, replays: int) -> dict[str, Any]:
 def torch_top_k(session: ModelSession) -> None:
     """The tree step as before the fused top-k: torch's log-softmax, top-k and id gather at every depth (the
     step's graphs captured again with them)."""
-    session.proposer.fused_top_k = False
+    session.proposer.candidates.fused = False
     tree_step = session.engine.spec_step
     if tree_step is not None and tree_step.graphs:
         tree_step.capture_graphs(tree_step.graphs["greedy"].max_batch, session.engine.max_model_len)

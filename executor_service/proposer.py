@@ -1,28 +1,31 @@
-"""Proposers: after each target step, the drafter turns the target's features into the next drafts.
+"""Proposers: after each target step, the drafter turns the target's features into the next drafts, a chain or a
+tree (a chain is the tree whose every node has one child). One proposer per drafting method, over this base:
+EAGLE and EAGLE-3 (eagle_proposer.py), DFlash (dflash_proposer.py).
 
-The drafter has its own paged cache (its own layers, the target's block ids). Each proposal first runs
-the drafter over every row the target just computed (the "context pass": EAGLE's first step, DFlash's
-context K/V). Rows the verification rejected are run too, so that steps have a fixed shape for CUDA
-graphs; their cache entries lie past the verified tokens and are overwritten before anything reads
-them. Then:
+The drafter has its own paged cache (its own layers, the target's block ids). Each proposal first runs the
+drafter over the rows the target just computed (the "context pass": EAGLE's first step, DFlash's context K/V),
+then drafts from the newest verified row:
 
-- EAGLE / EAGLE-3: k - 1 more chain steps, one token per request. Each step's attention metadata
-  (positions, seq_lens, slot_mapping) is rebuilt before it runs (R10), on the device, from the newest
-  verified position and the slots ahead of it, so the whole chain replays as one CUDA graph.
-- DFlash: one pass over the block [last token, MASK x (B-1)], non-causal unless configured causal (R9),
-  its metadata built on the device the same way.
+- chains: k drafts, one per position (EAGLE: k - 1 more chain steps, one token per request; DFlash: one block
+  pass). A chain's context pass runs every computed row, rejected ones too, so that steps have a fixed shape for
+  CUDA graphs; their cache entries lie past the verified tokens and are overwritten before anything reads them.
+  Each pass's attention metadata is rebuilt on the device (R10) from the newest verified position and the slots
+  ahead of it, so a chain replays as CUDA graphs.
+- trees: the context pass runs the verified rows at their final positions (the accepted path's, gathered), then
+  the method drafts the tree (`draft_tree`: EAGLE pass by pass over the nodes it expands, DFlash from one block
+  pass), its candidates and a dynamic tree's choice shared (tree_drafting.py).
 
-Two entry points share these passes: `propose` (the host knows which rows were verified: after a prefill
-chunk, a sampled request, an uneven batch) and `propose_verified` (greedy verification computed on the
-device, inside the speculative step's graph: see spec_step.py). `propose` drafts the argmax for greedy
-requests and draws from the drafter's distribution for sampled ones (draft_sampling.py), eagerly.
+Two entry points: `propose` (the host knows which rows were verified: after a prefill chunk, an uneven batch, q-
+drawn drafts) and `propose_verified` (verification computed on the device, inside the speculative step: see
+spec_step.py). On the host path a chain drafts the argmax for greedy requests and, where `sample_drafts` is on,
+draws from the drafter's distribution for sampled ones (draft_sampling.py), eagerly.
 """
 
 from __future__ import annotations
 
 from collections import Counter
 from collections.abc import Callable
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 import torch
 
@@ -34,15 +37,17 @@ from executor_service.attention_step import (
     to_device,
 )
 from executor_service.cuda_graphs import RequestInputs, StepGraphs, TokenInputs
-from executor_service.draft_models import DFlashDrafter, Drafter, Eagle3Drafter
+from executor_service.draft_models import Drafter, Eagle3Drafter
 from executor_service.draft_sampling import DRAFT_SUPPORT, DraftSampler
 from executor_service.kv_cache import KVCache
 from executor_service.request import Request
 from executor_service.sampling import DraftProbs, to_host
+from executor_service.step_constants import StepConstants
+from executor_service.tree_drafting import TreeCandidates
 from executor_service.verifier import Verdict
-from selection.draft_tree import TreeShape
 
 Replay = Callable[[Request, list[int]], list[int]]  # test drafters: rewrite a request's drafts
+TreeReplay = Callable[[Request, list[int], list[int]], tuple[list[int], list[int]]]  # test drafters: rewrite a tree
 PassForward = Callable[[AttentionStep, torch.Tensor, dict[str, torch.Tensor]], tuple[torch.Tensor, ...]]
 # (block table, one position per request, inputs) -> outputs: a pass that builds its metadata on the device
 OwnMetadataForward = Callable[[torch.Tensor, torch.Tensor, dict[str, torch.Tensor]], tuple[torch.Tensor, ...]]
@@ -89,17 +94,23 @@ class DraftPass:
 
 
 class Proposer:
+    """What every drafting method shares; a method supplies its passes (`_passes`), its chain (`_draft_chain`,
+    `_propose_verified_chain`), its tree (`context_pass_rows`, `draft_tree`, `scratch_width`)."""
+
     def __init__(
         self, drafter: Drafter, kv_cache: KVCache, backend: str, max_model_len: int, device: torch.device
     ) -> None:
         self.drafter, self.kv_cache, self.backend = drafter, kv_cache, backend
         self.config = drafter.config
         self.k = self.config.num_speculative_tokens
-        self.dflash = isinstance(drafter, DFlashDrafter)
+        self.tree = self.config.tree  # None: a chain
         self.block_size = kv_cache.block_size
         self.max_model_len, self.device = max_model_len, device
-        self.tree: TreeShape | None = None  # a chain (tree_proposer.py: trees)
+        self.constants = StepConstants(device)
+        self.candidates = None if self.tree is None else TreeCandidates(self.tree, drafter, self.constants, device)
+        self.parents: dict[str, list[int]] = {}  # a tree's drafts' parents, by request id
         self.replay: Replay | None = None
+        self.replay_tree: TreeReplay | None = None  # scripted trees need the host: no step launched ahead
         # Sampled requests' drafts: True drawn from q (draft_sampling.py: verified on the host path, the chain run
         # eagerly), False or None (auto) the argmax, verified as point masses on the device step (verifier.py)
         # with or without CUDA graphs. docs/executor.md has both timed at T = 0.7.
@@ -111,11 +122,17 @@ class Proposer:
 
     @property
     def ahead_width(self) -> int:
-        """Slots of the positions a device step's proposal may write, from the root (the first verify row) on:
-        the k + 1 verify rows and the drafter's lookahead (see propose_verified)."""
-        return self.k + 1 + self.config.positions_ahead
+        """Slots of the positions a device step's proposal may write, from the root (the first verify row) on: a
+        chain's k + 1 verify rows and the drafter's lookahead; a tree's path, then its scratch keys."""
+        if self.tree is None:
+            return self.k + 1 + self.config.positions_ahead
+        return 1 + self.tree.depth + self.scratch_width
 
-    # ---- metadata from host lists -----------------------------------------------------------
+    @property
+    def scratch_width(self) -> int:
+        """Keys a tree proposal's drafter passes write past the newest verified token."""
+        raise NotImplementedError
+
     def slot(self, request: Request, position: int) -> int:
         """Cache slot of `position`, -1 past the context or the request's blocks (written nowhere)."""
         if position >= self.max_model_len:
@@ -136,19 +153,32 @@ class Proposer:
 
     @property
     def scripted(self) -> bool:
-        """Whether tests script the drafts (`replay`): they need the host, so no step is launched ahead."""
-        return self.replay is not None
+        """Whether tests script the drafts (`replay`, `replay_tree`): they need the host, so no step is launched
+        ahead."""
+        return self.replay is not None or self.replay_tree is not None
 
     def tree_of(self, request: Request) -> list[int]:
-        """The parents of the request's drafts: a chain's, draft j's is j - 1 (trees: tree_proposer.py)."""
-        return list(range(-1, len(request.draft_ids) - 1))
+        """The parents of the request's drafts: a chain's draft j's is j - 1; a tree's as drafted (the scheduler
+        may have cut the drafts short: a prefix)."""
+        if self.tree is None:
+            return list(range(-1, len(request.draft_ids) - 1))
+        return self.parents.get(request.request_id, [])[: len(request.draft_ids)]
 
     def set_tree(self, request: Request, tokens: list[int], parents: list[int] | None) -> None:
-        """The drafts a device step proposed (a chain's parents are implied)."""
-        self.set_drafts(request, tokens)
+        """The request's drafts for its next step (a chain's parents are implied): its own number of drafts,
+        never past the context (a topological prefix of a tree is a tree)."""
+        if self.tree is None:
+            self.set_drafts(request, tokens)
+            return
+        assert parents is not None
+        if self.replay_tree is not None:
+            tokens, parents = self.replay_tree(request, tokens, parents)
+        count = min(self.num_drafts(request), max(self.max_model_len - request.num_tokens, 0))
+        request.draft_ids = tokens[:count]
+        self.parents[request.request_id] = parents[:count]
 
     def forget(self, request: Request) -> None:
-        """A finished request: nothing kept per request here (a tree proposer keeps its parents)."""
+        self.parents.pop(request.request_id, None)
 
     def num_drafts(self, request: Request) -> int:
         """Drafts per step for this request: its own number (GenerateRequest.num_speculative_tokens, at most
@@ -184,53 +214,21 @@ class Proposer:
         features = batch.features[self.tensor(rows, torch.int64)]
         return features, self.tensor(positions, torch.int64), self.tensor(next_ids, torch.int64), step
 
-    # ---- metadata advanced on the device (R10: rebuilt for every pass, no host list) ----------
-    def chain_step(
-        self, block_table: torch.Tensor, query_start_loc: torch.Tensor, positions: torch.Tensor,
-        seq_lens: torch.Tensor, slots: torch.Tensor,
-    ) -> AttentionStep:  # fmt: skip
-        """One chain step: one query per request at `positions`, written to `slots`."""
-        return AttentionStep(
-            backend=self.backend,
-            block_table=block_table,
-            query_start_loc=query_start_loc,
-            seq_lens=seq_lens,
-            slot_mapping=slots,
-            max_query_len=1,
-            max_seq_len=self.max_model_len,
-        )
-
-    def block_step(
-        self, block_table: torch.Tensor, starts: torch.Tensor, slots: torch.Tensor
-    ) -> tuple[AttentionStep, torch.Tensor]:
-        """DFlash's block pass: B queries per request from `starts` on, and their positions."""
-        count, size = starts.shape[0], self.config.block_size
-        offsets = torch.arange(size, device=starts.device)
-        step = AttentionStep(
-            backend=self.backend,
-            block_table=block_table,
-            query_start_loc=torch.arange(count + 1, dtype=torch.int32, device=starts.device) * size,
-            seq_lens=(starts + size).clamp(max=self.max_model_len).to(torch.int32),
-            slot_mapping=slots.reshape(-1),
-            max_query_len=size,
-            max_seq_len=self.max_model_len,
-            causal=self.config.causal,
-        )
-        return step, (starts[:, None] + offsets).clamp(max=self.max_model_len - 1).reshape(-1)
-
-    # ---- proposing from host bookkeeping ----------------------------------------------------
     @torch.inference_mode()
     def propose(self, batch: ProposeBatch) -> None:
-        """Run the drafter and set `draft_ids` of every proposing request in the batch: greedy drafts, or, when
-        a sampled request proposes, drafts drawn from the drafter's distribution for it (draft_sampling.py)."""
+        """Run the drafter and set the drafts of every proposing request in the batch (a tree's with their
+        parents)."""
         if not batch.entries:
+            return
+        if self.tree is not None:
+            self._propose_trees(batch)
             return
         proposing = [e.request for e in batch.entries if e.propose]
         sampler = None
         if self.samples_drafts() and DraftSampler.wanted(proposing):
             vocab_ids = self.drafter.target_ids() if isinstance(self.drafter, Eagle3Drafter) else None
             sampler = DraftSampler(proposing, vocab_ids, self.draft_support)
-        drafts = self._propose_dflash(batch, sampler) if self.dflash else self._propose_eagle(batch, sampler)
+        drafts = self._draft_chain(batch, sampler)
         probs = sampler.probs_of(len(proposing)) if sampler is not None else [None] * len(proposing)
         for request, ids, q in zip(proposing, _rows(drafts) if proposing else [], probs, strict=True):
             self.set_drafts(request, ids, q)
@@ -253,55 +251,80 @@ class Proposer:
     def _picker(self, sampler: DraftSampler) -> Pick:
         return lambda hidden: self.drafter.to_target(sampler.pick(self.drafter.draft_logits(hidden)))
 
-    def _propose_eagle(self, batch: ProposeBatch, sampler: DraftSampler | None = None) -> torch.Tensor:
-        features, positions, next_ids, step = self.context_pass(batch)
-        uniform = all(e.propose and e.num_rows == self.k + 1 for e in batch.entries)
-        feedback, head = self._run("eagle_context", uniform, step, positions, input_ids=next_ids, features=features)
-        sample_rows, proposing, offset = [], [], 0
-        for entry in batch.entries:
-            if entry.propose:
-                sample_rows.append(offset + entry.num_valid - 1)  # the newest verified row
-                proposing.append(entry.request)
-            offset += entry.num_rows
-        if not proposing:
-            return torch.empty(0)
-        picked = self.tensor(sample_rows, torch.int64)
-        pick = self._picker(sampler) if sampler is not None else self.drafter.draft_tokens
-        tokens, hidden = pick(head[picked]), feedback[picked]
-        last = [r.num_computed_tokens - 1 for r in proposing]  # position of each request's newest verified row
-        own = [self.num_drafts(r) for r in proposing]  # the chain runs k - 1 steps; each keeps its own drafts
-        ahead = self.slots_ahead(proposing, last, self.k, own)
-        chain_inputs = {"input_ids": tokens, "hidden": hidden, "ahead_slots": ahead}
-        block_table, positions = self.block_table(proposing), self.tensor(last, torch.int64)
-        if sampler is not None:  # each pick's noise keyed from the host (draft_sampling.py): eager
-            self.pass_counts["eagle_chain sampled"] += 1
-            (rest,) = self._eagle_chain(block_table, positions, chain_inputs, pick)
-        else:
-            (rest,) = self._run_device_metadata("eagle_chain", block_table, positions, chain_inputs)
-        return torch.cat([tokens[:, None], rest], dim=1)
+    def _draft_chain(self, batch: ProposeBatch, sampler: DraftSampler | None) -> torch.Tensor:
+        """The proposing requests' chains [B, k] after the context pass over the batch (the method's)."""
+        raise NotImplementedError
 
-    def _propose_dflash(self, batch: ProposeBatch, sampler: DraftSampler | None = None) -> torch.Tensor:
-        features, positions, _, step = self.context_pass(batch)
-        uniform = all(e.propose and e.num_rows == self.k + 1 for e in batch.entries)
-        self._run("dflash_context", uniform, step, positions, features=features)
-        proposing = [e.request for e in batch.entries if e.propose]
-        if not proposing:
-            return torch.empty(0)
-        starts = [r.num_tokens - 1 for r in proposing]  # the newest token opens the block
-        newest = [r.token_ids(s, s + 1)[0] for r, s in zip(proposing, starts, strict=True)]
-        size = self.config.block_size
-        inputs = {
-            "input_ids": self.tensor(newest, torch.int64),
-            "ahead_slots": self.slots_ahead(proposing, starts, size),
-        }
-        block_table, positions = self.block_table(proposing), self.tensor(starts, torch.int64)
-        if sampler is not None:
-            self.pass_counts["dflash_block sampled"] += 1
-            return self._dflash_block(block_table, positions, inputs, self._picker(sampler))[0]
-        (tokens,) = self._run_device_metadata("dflash_block", block_table, positions, inputs)
-        return tokens
+    def _propose_trees(self, batch: ProposeBatch) -> None:
+        """Per entry, the context pass over its verified rows of the target step (in order), then the trees of
+        those that draft now; `batch.reserve(request, positions)` secures the slots the drafter writes."""
+        entries, features = batch.entries, batch.features
+        if not entries:
+            return
+        rows, positions, next_ids, slots, seq_lens, query_lens = [], [], [], [], [], []
+        for entry in entries:
+            request, request_rows = entry.request, entry.verified_rows
+            first = request.num_computed_tokens - len(request_rows)
+            rows += request_rows
+            positions += range(first, first + len(request_rows))
+            next_ids += request.token_ids(first + 1, first + len(request_rows) + 1)  # row p pairs with token p + 1
+            slots += [self.slot(request, p) for p in range(first, first + len(request_rows))]
+            seq_lens.append(first + len(request_rows))
+            query_lens.append(len(request_rows))
+        requests = [e.request for e in entries]
+        step = self.attention(requests, query_lens, seq_lens, slots, causal=True)
+        self.pass_counts["tree_context eager"] += 1
+        feedback, head = self.context_pass_rows(
+            step, self.tensor(positions, torch.int64), self.tensor(next_ids, torch.int64),
+            features[self.tensor(rows, torch.int64)],
+        )  # fmt: skip
+        picked, proposing, offset = [], [], 0
+        for entry, count in zip(entries, query_lens, strict=True):
+            offset += count
+            if not entry.propose:
+                continue
+            request = entry.request
+            ahead = request.num_computed_tokens + self.scratch_width
+            if ahead > self.max_model_len or (batch.reserve is not None and not batch.reserve(request, ahead)):
+                self.set_tree(request, [], [])  # no room: decode without drafts
+                continue
+            picked.append(offset - 1)  # the newest verified row
+            proposing.append(request)
+        if proposing:
+            index = self.tensor(picked, torch.int64)
+            trees = self.draft(proposing, head[index], feedback[index])
+            for request, (tokens, parents) in zip(proposing, trees, strict=True):
+                self.set_tree(request, tokens, parents)
 
-    # ---- proposing from a verification done on the device -----------------------------------
+    def draft(
+        self, requests: list[Request], head: torch.Tensor, hidden: torch.Tensor
+    ) -> list[tuple[list[int], list[int]]]:
+        """The trees (tokens, parents) of `requests` from the newest verified row's head and feedback [B, H]."""
+        last = self.tensor([r.num_computed_tokens - 1 for r in requests], torch.int64)
+        starts = [r.num_computed_tokens for r in requests]
+        scratch = self.slots_ahead(requests, starts, self.scratch_width)  # [B, scratch_width]
+        tokens, parents = self.draft_tree(self.block_table(requests), last, scratch, head, hidden)
+        flat, size = to_host(torch.cat([tokens, parents], dim=1).reshape(-1)), tokens.shape[1]
+        return [(flat[i : i + size], flat[i + size : i + 2 * size]) for i in range(0, len(flat), 2 * size)]
+
+    def context_pass_rows(
+        self, step: AttentionStep, positions: torch.Tensor, next_ids: torch.Tensor, features: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The drafter over verified target rows (`features`, each paired with the token after it): its
+        feedback and head per row, which `draft_tree` reads at the newest verified row."""
+        raise NotImplementedError
+
+    def draft_tree(
+        self, block_table: torch.Tensor, last: torch.Tensor, scratch: torch.Tensor, head: torch.Tensor,
+        hidden: torch.Tensor,
+    ) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+        """The trees on the device, no host sync (the device-resident tree step captures it): tokens and parents
+        [B, drafts] (-1: the root) from the newest verified row's head and feedback [B, H] at positions `last`;
+        `scratch` [B, num_inputs] the slots of positions last + 1, ... that the drafter's passes write.
+        A static tree's layout (parents, which node expands which, the masks) is constant: only its tokens and
+        hidden states move; a dynamic tree also carries its scores, parents and frontier."""
+        raise NotImplementedError
+
     def propose_verified(
         self,
         step: AttentionStep,
@@ -310,33 +333,48 @@ class Proposer:
         verdict: Verdict,
         slots_ahead: torch.Tensor,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """Drafts [B, k] after a verify step on the device, without the host (parents None: a chain's): `step`
-        and `positions` are the verify pass's (B requests x k + 1 rows), `verdict.emitted` [B, k + 1] the
-        target's tokens (row i's is the token after it, wherever the drafts were accepted), `verdict.accepted` [B]
-        the accepted drafts and `slots_ahead` [B, ahead_width] the slots of positions root, root + 1, ..."""
-        target_ids, accepted = verdict.emitted, verdict.accepted
-        count, rows = target_ids.shape
-        context_step = replace(step, backend=self.backend, _flex=None)  # the verify rows, the drafter's kernels
-        first = positions.view(count, rows)[:, 0]
-        if self.dflash:
-            self._dflash_context(context_step, positions, {"features": features})
-            newest = target_ids.gather(1, accepted[:, None])[:, 0]  # the bonus token opens the block
-            starts = first + accepted + 1
-            ahead = slots_ahead.gather(1, (accepted + 1)[:, None] + self._offsets(self.config.block_size))
-            return self._dflash_block(step.block_table, starts, {"input_ids": newest, "ahead_slots": ahead})[0], None
-        context = {"input_ids": target_ids.reshape(-1), "features": features}
-        feedback, head = self._eagle_context(context_step, positions, context)
-        picked = torch.arange(count, device=accepted.device) * rows + accepted  # the newest verified row
-        tokens, hidden = self.drafter.draft_tokens(head[picked]), feedback[picked]
-        ahead = slots_ahead.gather(1, accepted[:, None] + self._offsets(self.k))
-        chain = {"input_ids": tokens, "hidden": hidden, "ahead_slots": ahead}
-        (rest,) = self._eagle_chain(step.block_table, first + accepted, chain)
-        return torch.cat([tokens[:, None], rest], dim=1), None
+        """The next drafts after a verify step on the device, without the host: a chain's [B, k] (parents None),
+        or a tree's tokens and parents [B, N]: the context pass over the root and the path rows at root, root + 1,
+        ... (row i pairs with emitted token i), then the tree drafted from the newest verified row. `step` and
+        `positions` are the verify pass's (consecutive slots and positions from each root); `slots_ahead`
+        [B, ahead_width] the slots of positions root, root + 1, ..."""
+        constants, tree = self.constants, self.tree
+        if tree is None:
+            return self._propose_verified_chain(step, positions, features, verdict, slots_ahead), None
+        count, rows, width = slots_ahead.shape[0], tree.num_drafts + 1, tree.depth + 1
+        root = positions.view(count, rows)[:, 0]
+        path_slots = step.slot_mapping.view(count, rows)[:, :width].reshape(-1)  # root + depth: the path's slots
+        context = AttentionStep(
+            backend=self.backend, block_table=step.block_table, query_start_loc=constants.starts(count, width),
+            seq_lens=step.seq_lens - (rows - width), slot_mapping=path_slots, max_query_len=width,
+            max_seq_len=self.max_model_len,
+        )  # fmt: skip
+        path_rows = (constants.strided(count, rows)[:, None] + verdict.path_rows).reshape(-1)
+        context_positions = (root[:, None] + constants.arange(width)).reshape(-1)
+        feedback, head = self.context_pass_rows(
+            context, context_positions, verdict.emitted.reshape(-1), features[path_rows]
+        )
+        picked = constants.strided(count, width) + verdict.accepted  # the newest verified row
+        past_root = constants.get(
+            ("scratch offsets", self.scratch_width), lambda: constants.arange(self.scratch_width) + 1
+        )
+        scratch = slots_ahead.gather(1, verdict.accepted[:, None] + past_root[None, :])  # past the newest
+        return self.draft_tree(step.block_table, root + verdict.accepted, scratch, head[picked], feedback[picked])
+
+    def _propose_verified_chain(
+        self,
+        step: AttentionStep,
+        positions: torch.Tensor,
+        features: torch.Tensor,
+        verdict: Verdict,
+        slots_ahead: torch.Tensor,
+    ) -> torch.Tensor:
+        """A chain's drafts [B, k] after a verify step on the device (the method's)."""
+        raise NotImplementedError
 
     def _offsets(self, width: int) -> torch.Tensor:
         return torch.arange(width, device=self.device)[None, :]
 
-    # ---- the drafter's passes: eager, or replayed from a graph ---------------------------------
     def _run(
         self, name: str, uniform: bool, step: AttentionStep, positions: torch.Tensor, **inputs: torch.Tensor
     ) -> tuple[torch.Tensor, ...]:
@@ -357,86 +395,15 @@ class Proposer:
             self.pass_counts[f"{name} graph"] += 1
             return graphs.replay(block_table, positions, **inputs)
         self.pass_counts[f"{name} eager"] += 1
-        forward = {"eagle_chain": self._eagle_chain, "dflash_block": self._dflash_block}[name]
-        return forward(block_table, positions, inputs)
+        return self._metadata_forward(name)(block_table, positions, inputs)
+
+    def _metadata_forward(self, name: str) -> OwnMetadataForward:
+        """The eager forward of a pass that builds its own metadata (the method's)."""
+        raise NotImplementedError
 
     def _passes(self) -> dict[str, DraftPass]:
-        """Each pass a graph can replay, by name."""
-        hidden = self.config.model.hidden_size
-        features = len(self.config.target_layer_ids) * hidden or hidden
-        dtype, ids = self.kv_cache.storage.dtype, ((), torch.int64)
-        if self.dflash:
-            size = self.config.block_size
-            return {
-                "dflash_context": DraftPass(self._dflash_context, self.k + 1, {"features": ((features,), dtype)}),
-                "dflash_block": DraftPass(
-                    _reads_block_table(self._dflash_block), 1, {"input_ids": ids},
-                    {"ahead_slots": ((size,), torch.int64, -1)},
-                ),
-            }  # fmt: skip
-        context_inputs = {"input_ids": ids, "features": ((features,), dtype)}
-        return {
-            "eagle_context": DraftPass(self._eagle_context, self.k + 1, context_inputs),
-            "eagle_chain": DraftPass(
-                _reads_block_table(self._eagle_chain),
-                1,
-                {"input_ids": ids, "hidden": ((hidden,), dtype)},
-                {"ahead_slots": ((self.k,), torch.int64, -1)},
-            ),
-        }
-
-    def _eagle_context(self, step: AttentionStep, positions: torch.Tensor, x: dict[str, torch.Tensor]) -> tuple:
-        hidden = self.drafter.combine(x["features"])
-        return self.drafter(x["input_ids"], positions, hidden, self.kv_cache.layers, step)
-
-    def _eagle_chain(
-        self, block_table: torch.Tensor, positions: torch.Tensor, x: dict[str, torch.Tensor], pick: Pick | None = None
-    ) -> tuple:
-        """Drafts 2..k [B, k - 1] from draft 1 (`input_ids`, `hidden`) at the newest verified `positions`;
-        `ahead_slots` [B, k]: slots of positions + 0..k-1. `pick`: how a step's drafts are chosen (the argmax)."""
-        pick = pick or self.drafter.draft_tokens
-        tokens, hidden, drafted = x["input_ids"], x["hidden"], []
-        # Every chain step's metadata at once, one row per step (a few kernels instead of a few per step).
-        steps = torch.arange(1, self.k, device=positions.device)[:, None]
-        # A request whose slots end early (fewer drafts of its own, the context's end) repeats its last
-        # writable position, written nowhere (slot -1): no step reads past its blocks. -1 only at the tail.
-        writable = (x["ahead_slots"] >= 0).sum(dim=1)
-        steps = torch.minimum(steps, (writable - 1).clamp(min=0)[None, :])
-        chain_positions = (positions[None, :] + steps).clamp(max=self.max_model_len - 1)  # [k - 1, B]
-        chain_seq_lens = (chain_positions + 1).to(torch.int32)
-        chain_slots = x["ahead_slots"][:, 1:].t().contiguous()
-        query_start_loc = torch.arange(positions.shape[0] + 1, dtype=torch.int32, device=positions.device)
-        for j in range(self.k - 1):
-            step = self.chain_step(block_table, query_start_loc, chain_positions[j], chain_seq_lens[j], chain_slots[j])
-            hidden, head = self.drafter(tokens, chain_positions[j], hidden, self.kv_cache.layers, step)
-            tokens = pick(head)
-            drafted.append(tokens)
-        if not drafted:
-            return (torch.empty(tokens.shape[0], 0, dtype=torch.int64, device=tokens.device),)
-        return (torch.stack(drafted, dim=1),)
-
-    def _dflash_context(self, step: AttentionStep, positions: torch.Tensor, x: dict[str, torch.Tensor]) -> tuple:
-        self.drafter.store_context(x["features"], positions, step.slot_mapping, self.kv_cache.layers)
-        return ()
-
-    def _dflash_block(
-        self, block_table: torch.Tensor, starts: torch.Tensor, x: dict[str, torch.Tensor], pick: Pick | None = None
-    ) -> tuple:
-        """Drafts [B, k] from the block opened by `input_ids` at `starts`; `ahead_slots` [B, block]. `pick`: how
-        the drafts of all positions are chosen at once (the argmax)."""
-        hidden = self.dflash_block_hidden(block_table, starts, x)[:, 1 : self.k + 1]  # slot i: token i
-        return ((pick or self.drafter.draft_tokens)(hidden),)
-
-    def dflash_block_hidden(
-        self, block_table: torch.Tensor, starts: torch.Tensor, x: dict[str, torch.Tensor]
-    ) -> torch.Tensor:
-        """The block pass's normed hidden states [B, block, H]: slot i reads as the draft of the block's token i."""
-        size, count = self.config.block_size, starts.shape[0]
-        block_step, positions = self.block_step(block_table, starts, x["ahead_slots"])
-        block_ids = torch.full((count, size), self.config.mask_token_id, dtype=torch.int64, device=starts.device)
-        block_ids[:, 0] = x["input_ids"]
-        hidden = self.drafter(block_ids.reshape(-1), positions, self.kv_cache.layers, block_step)
-        return hidden.view(count, size, hidden.shape[-1])
+        """Each pass a graph can replay, by name (the method's)."""
+        raise NotImplementedError
 
     def capture_graphs(self, max_batch: int) -> None:
         """One graph set per pass (CUDA, capture-safe drafter backend); larger batches, and context passes

@@ -18,10 +18,11 @@ from executor_service.cancellation import check_cancelled
 from executor_service.chat import load_chat_template
 from executor_service.config import ModelConfig
 from executor_service.cuda_graphs import GRAPH_BACKENDS
-from executor_service.dflash_tree_proposer import DFlashTreeProposer
+from executor_service.dflash_proposer import DFlashProposer
 from executor_service.draft_config import METHOD_ENUMS, DraftConfig, feature_layers
 from executor_service.draft_weights import check_drafter_checkpoint
 from executor_service.drafting import DraftSource, build_drafter, speculative_config
+from executor_service.eagle_proposer import EagleProposer
 from executor_service.engine import Engine, StepObserver, VerifyObserver
 from executor_service.gguf_loader import hf_name, is_gguf, open_gguf, tensor_shapes
 from executor_service.kv_cache import KVCache, blocks_for_memory_fraction, blocks_needed
@@ -42,7 +43,6 @@ from executor_service.request import Request, RequestOutput, Sink
 from executor_service.sampling import SamplingSettings
 from executor_service.scheduler import Scheduler, speculative_headroom
 from executor_service.spec_step import SpecStep
-from executor_service.tree_proposer import TreeProposer
 from executor_service.validation import DEFAULT_BLOCK_SIZE, ModelLimits, shard_violations
 from executor_service.weights import hf_layout
 from executor_service.wire import DTYPE_ENUMS, resolve_dtype
@@ -367,10 +367,8 @@ def build_session(
 
 
 def proposer_class(config: DraftConfig) -> type[Proposer]:
-    """Chains, EAGLE trees and DFlash trees each have their proposer (tree drafting: its own engine step too)."""
-    if config.tree is None:
-        return Proposer
-    return DFlashTreeProposer if config.method == "dflash" else TreeProposer
+    """One proposer per drafting method, for its chains and trees alike."""
+    return DFlashProposer if config.method == "dflash" else EagleProposer
 
 
 def device_step(
@@ -380,8 +378,8 @@ def device_step(
     every step). Tensor parallelism keeps trees on the host path (their K/V move is an op of every rank there)."""
     if proposer is None or not wanted:
         return None
-    if isinstance(proposer, TreeProposer):
-        return None if tensor_parallel else SpecStep(runner, proposer, penalty_slots)
+    if proposer.tree is not None and tensor_parallel:
+        return None
     return SpecStep(runner, proposer, penalty_slots)
 
 
@@ -390,7 +388,7 @@ def adaptive_speculation(proposer: Proposer, graphs: bool) -> AdaptiveK:
     captured (no graph is captured at run time). A tree is verified whole or not at all (its depth is what the
     acceptance per depth measures)."""
     k = proposer.k
-    if isinstance(proposer, TreeProposer):
+    if proposer.tree is not None:
         return AdaptiveK((0, k), depths={k: proposer.tree.depth}, configured=k)
     return AdaptiveK((0, k) if graphs else range(k + 1), configured=k)
 
@@ -406,7 +404,8 @@ def capture_graphs(session: ModelSession, settings: EngineSettings, max_model_le
     the drafter's on rank 0 alone (it involves no other rank)."""
     runner, proposer = session.engine.runner, session.proposer
     spec_batch = min(settings.max_num_seqs, MAX_SPEC_GRAPH_BATCH)
-    if isinstance(proposer, TreeProposer):  # the host path's tree steps run eagerly: decode graphs, the tree step's
+    # The host path's tree steps run eagerly: decode graphs, and the device step's (spec_step.capture_graphs).
+    if proposer is not None and proposer.tree is not None:
         proposer = None
     if session.decision.backend in GRAPH_BACKENDS:
         runner.capture_graphs([1], settings.max_num_seqs, max_model_len)

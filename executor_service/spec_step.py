@@ -43,7 +43,7 @@ from executor_service.proposer import Proposer
 from executor_service.request import Request
 from executor_service.step_constants import StepConstants
 from executor_service.step_variants import DEFAULT_PENALTY_SLOTS, StepSampling, VariantSteps, capture_variants
-from executor_service.tree_proposer import static_parents
+from executor_service.tree_drafting import static_parents
 from executor_service.verifier import DraftLayout, tree_layout, verify
 from kernels.tree_mask import TREE_WINDOW, to_int64
 

@@ -1,6 +1,6 @@
 """A DFlash dynamic tree from its block's candidates in one Triton launch (one program per request).
 
-DFlashTreeProposer drafts a dynamic tree from each block position's top_k candidates (tokens and log-probabilities,
+DFlashProposer drafts a dynamic tree from each block position's top_k candidates (tokens and log-probabilities,
 [D, K]). In torch the tree costs about forty small kernels per step: per depth an expand, a sum and a top-k of the
 K x K children (the K best go on), then the pool's parents, the verify_budget best of the pool, a sort and a search
 to renumber the parents. At batch 1 on an H100 those launches cost more than the block pass itself. Here:
@@ -16,7 +16,7 @@ to renumber the parents. At batch 1 on an H100 those launches cost more than the
 - each taken node's place is the count of taken nodes before it in pool order (a prefix sum), and its parent's
   place is read back from a per-request scratch row after a barrier.
 
-The same trees as the torch code (DFlashTreeProposer.draft_tree) where no two candidates score the same; of equal
+The same trees as the torch code (DFlashProposer.draft_tree) where no two candidates score the same; of equal
 scores the lower pool index goes first (torch.topk's order among equals is unspecified on CUDA). Fixed shapes,
 no host sync: CUDA-graph capturable. Runs on GPUs, or on the CPU under TRITON_INTERPRET=1 (the tests).
 """

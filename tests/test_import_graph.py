@@ -141,8 +141,8 @@ EXECUTOR_LAYERS: tuple[Layer, ...] = (
         "spec decode",
         wire_free=True,
         modules=(
-            "device_penalties step_variants verifier host_verify draft_sampling proposer tree_proposer "
-            "dflash_tree_proposer adaptive_k spec_step"
+            "device_penalties step_variants verifier host_verify draft_sampling tree_drafting proposer "
+            "eagle_proposer dflash_proposer adaptive_k spec_step"
         ),
     ),
     Layer("engine", wire_free=True, modules="engine host_step"),

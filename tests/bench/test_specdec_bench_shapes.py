@@ -78,7 +78,7 @@ def test_trees_open_for_the_chosen_drafter(monkeypatch: pytest.MonkeyPatch) -> N
     from specdec_bench import open_session, open_sessions
     from tree_passes import parse_tree_spec
 
-    from executor_service.dflash_tree_proposer import DFlashTreeProposer
+    from executor_service.dflash_proposer import DFlashProposer
 
     argv = ["--preset", "tiny", "--device", "cpu", "--backend", "CPU_ATTN", "--methods", "dflash", "--batches", "1"]
     monkeypatch.setattr(sys, "argv", ["pass_profile.py", *argv, "--kv-blocks", "64", "--tree-method", "dflash"])
@@ -86,7 +86,7 @@ def test_trees_open_for_the_chosen_drafter(monkeypatch: pytest.MonkeyPatch) -> N
     sessions = open_sessions(args, PRESETS["tiny"])
     _, tree, depth = parse_tree_spec("dynamic:4:8:5")
     session = open_session(args, sessions["target-only"].loaded, args.tree_method, PRESETS["tiny"], tree, depth)
-    assert isinstance(session.proposer, DFlashTreeProposer)
+    assert isinstance(session.proposer, DFlashProposer) and session.proposer.tree is not None
     assert (session.proposer.tree.depth, session.proposer.tree.num_drafts) == (5, 8)
     for opened in [*sessions.values(), session]:
         opened.shutdown()

@@ -1,4 +1,4 @@
-"""DFlash trees (dflash_tree_proposer.py): each depth's candidates are the block position's most likely tokens.
+"""DFlash trees (dflash_proposer.py): each depth's candidates are the block position's most likely tokens.
 The tree's first path is the chain's drafts from the same drafter and context; the siblings are the runners-up
 in order; a dynamic tree keeps the best paths by summed log-probability."""
 
@@ -9,7 +9,7 @@ from executor_builders import greedy
 from spec_builders import spec_session
 from tree_cases import VOCAB, prompts, tree_session
 
-from executor_service.dflash_tree_proposer import DFlashTreeProposer
+from executor_service.dflash_proposer import DFlashProposer
 from executor_service.host_verify import DraftTree
 from executor_service.session import ModelSession
 from specdec.v1 import common_pb2
@@ -40,7 +40,7 @@ def first_proposals(session: ModelSession, batch: dict[str, list[int]], tree: bo
 
 def test_the_first_path_is_the_chains_drafts_and_siblings_differ() -> None:
     session = tree_session("dflash", common_pb2.DraftTree(branching=[3, 2, 1]))
-    assert isinstance(session.proposer, DFlashTreeProposer)
+    assert isinstance(session.proposer, DFlashProposer) and session.proposer.tree is not None
     batch = prompts(3, seed=11)
     trees = first_proposals(session, batch, tree=True)
     chain = first_proposals(spec_session("dflash", BLOCK - 1, vocab_size=VOCAB), batch, tree=False)

@@ -177,7 +177,7 @@ def test_device_step_takes_a_batch_mixing_greedy_and_sampled_requests() -> None:
 
 
 class ReplayInDraftTree:
-    """Rewrites the trees where they are drafted (TreeProposer.draft_tree: in the host path's proposal, in the
+    """Rewrites the trees where they are drafted (Proposer.draft_tree: in the host path's proposal, in the
     device step and in the steps launched ahead of the read-back alike): the target's own continuation down a
     random branch to a random depth, seeded by request and position, a wrong token everywhere else."""
 
@@ -264,7 +264,7 @@ def test_graph_buffers_and_padded_buckets(method: str, shape: str) -> None:
 def test_static_layouts_are_the_drafted_ones(branching: list[int]) -> None:
     """A static tree's constants (parents; each drafter pass's masks over the scratch keys, where every node
     of depth < D is expanded in pool order) against a walk of the definition."""
-    from executor_service.tree_proposer import static_parents
+    from executor_service.tree_drafting import static_parents
     from selection.draft_tree import TreeShape
 
     shape = TreeShape(depth=len(branching), branching=tuple(branching))
@@ -332,7 +332,7 @@ def test_a_warm_tree_step_builds_no_index_tensors(shape: str) -> None:
 
 @pytest.mark.parametrize("seed", range(3))
 def test_select_keeps_the_best_drafts_with_their_parents_renumbered(seed: int) -> None:
-    """A dynamic tree's verified drafts (TreeProposer._select) against the definition: the verify_budget best
+    """A dynamic tree's verified drafts (TreeCandidates.select) against the definition: the verify_budget best
     of the pool (a child's score never above its parent's, equal ones too: ties go to the shallower), in pool
     order, each parent renumbered to its index among them (-1: the root)."""
     tree, k = TREES["dynamic_3_budget_8_depth_4"]
@@ -352,7 +352,7 @@ def test_select_keeps_the_best_drafts_with_their_parents_renumbered(seed: int) -
             start += sizes[level - 1]
         batch.append((rng.sample(range(100), len(parents)), scores, parents))
     tokens, scores, parents = (torch.tensor([row[i] for row in batch]) for i in range(3))
-    got_tokens, got_parents = proposer._select(tokens, scores.float(), parents)
+    got_tokens, got_parents = proposer.candidates.select(tokens, scores.float(), parents)
     ranked = (scores.float() - 1e-6 * torch.tensor(depths, dtype=torch.float32)).tolist()
     for row, (row_tokens, _, row_parents) in enumerate(batch):
         chosen = sorted(sorted(range(len(row_parents)), key=lambda i: -ranked[row][i])[:budget])

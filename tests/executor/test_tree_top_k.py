@@ -41,7 +41,7 @@ def test_fused_top_k_drafts_the_torch_trees(method: str, shape: str, monkeypatch
         tree, k = TREES[shape]
         session = tree_session(method, tree, k)
         proposer, trees = session.proposer, []
-        proposer.fused_top_k = fused
+        proposer.candidates.fused = fused
         set_tree = proposer.set_tree
 
         def record(request, tokens: list[int], parents: list[int], trees=trees, set_tree=set_tree) -> None:
