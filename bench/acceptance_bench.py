@@ -35,14 +35,14 @@ from common import default_dtype, log, provenance, write_result
 from hf_reference import hf_greedy_tokens_per_s
 from tree_passes import parse_tree_spec
 
-from executor_service.draft_config import METHOD_ENUMS
-from executor_service.drafting import resolve_draft
-from executor_service.loader import LoadedModel
-from executor_service.model_loading import TargetSource
-from executor_service.request import Finish, RequestOutput
-from executor_service.sampling import SamplingSettings
-from executor_service.session import EngineSettings, ModelSession, build_session
-from executor_service.validation import DEFAULT_BLOCK_SIZE
+from executor_service.engine.request import Finish, RequestOutput
+from executor_service.models.draft_config import METHOD_ENUMS
+from executor_service.models.loader import LoadedModel
+from executor_service.models.model_loading import TargetSource
+from executor_service.sample.sampling import SamplingSettings
+from executor_service.server.drafting import resolve_draft
+from executor_service.server.session import EngineSettings, ModelSession, build_session
+from executor_service.server.validation import DEFAULT_BLOCK_SIZE
 from specdec.v1 import common_pb2, executor_pb2
 from specdec_training.prompts import KINDS, read_prompts
 from specdec_training.target import chat_renderer, load_target, target_source

@@ -21,7 +21,7 @@ from typing import Any
 import grpc
 import torch
 
-from executor_service.wire import DTYPE_ENUMS, TORCH_DTYPES, resolve_dtype
+from executor_service.server.wire import DTYPE_ENUMS, TORCH_DTYPES, resolve_dtype
 from specdec.v1 import common_pb2, executor_pb2
 
 REPO = Path(__file__).resolve().parent.parent
@@ -44,7 +44,7 @@ PRESETS: dict[str, dict[str, Any]] = {
         "prefill_batches": "1,2", "repeats": 2, "copy_mib": 64,
     },
 }  # fmt: skip
-# --dtype names: the product's dtypes (executor_service.wire.TORCH_DTYPES), by torch's name
+# --dtype names: the product's dtypes (executor_service.server.wire.TORCH_DTYPES), by torch's name
 DTYPES = {str(t).removeprefix("torch."): enum for enum, t in sorted(TORCH_DTYPES.items(), key=lambda e: str(e[1]))}
 
 

@@ -63,16 +63,16 @@ from common import (  # noqa: E402
     versions,
 )
 
-from executor_service.attention_step import AttentionStep  # noqa: E402
-from executor_service.capabilities import probe  # noqa: E402
-from executor_service.kv_cache import blocks_needed  # noqa: E402
-from executor_service.main import ExecutorOptions, start_executor  # noqa: E402
-from executor_service.request import RequestOutput, Sink  # noqa: E402
-from executor_service.sampling import SamplingSettings  # noqa: E402
-from executor_service.selection import BackendChooser  # noqa: E402
-from executor_service.session import EngineSettings, ModelSession, build_session, selection_request  # noqa: E402
-from executor_service.validation import DEFAULT_BLOCK_SIZE  # noqa: E402
-from executor_service.wire import resolve_dtype, resolve_target  # noqa: E402
+from executor_service.engine.kv_cache import blocks_needed  # noqa: E402
+from executor_service.engine.request import RequestOutput, Sink  # noqa: E402
+from executor_service.models.attention_step import AttentionStep  # noqa: E402
+from executor_service.sample.sampling import SamplingSettings  # noqa: E402
+from executor_service.server.capabilities import probe  # noqa: E402
+from executor_service.server.main import ExecutorOptions, start_executor  # noqa: E402
+from executor_service.server.selection import BackendChooser  # noqa: E402
+from executor_service.server.session import EngineSettings, ModelSession, build_session, selection_request  # noqa: E402
+from executor_service.server.validation import DEFAULT_BLOCK_SIZE  # noqa: E402
+from executor_service.server.wire import resolve_dtype, resolve_target  # noqa: E402
 from specdec.v1 import common_pb2, executor_pb2, executor_pb2_grpc  # noqa: E402
 from specdec_runtime.grpc_runtime import ServerSettings  # noqa: E402
 

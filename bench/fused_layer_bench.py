@@ -27,12 +27,12 @@ from common import PRESETS, log, provenance, time_graph, write_result
 from torch.autograd import DeviceType
 from torch.profiler import ProfilerActivity, profile
 
-from executor_service.attention_step import build_attention_step
-from executor_service.config import ModelConfig
-from executor_service.fused_layer import NormInput, gate_up_silu
-from executor_service.kv_cache import KVCache
-from executor_service.loader import build_synthetic
-from executor_service.model import Attention
+from executor_service.engine.kv_cache import KVCache
+from executor_service.models.attention_step import build_attention_step
+from executor_service.models.config import ModelConfig
+from executor_service.models.fused_layer import NormInput, gate_up_silu
+from executor_service.models.loader import build_synthetic
+from executor_service.models.model import Attention
 from kernels.qkv_rope_gemm import qkv_rope_store
 from kernels.small_gemm import small_gemm
 from kernels.small_gemm_table import POLICY_ENV, GemmConfig, dtype_name, merge_winners, table_key

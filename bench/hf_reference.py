@@ -20,9 +20,9 @@ from typing import Any
 
 import torch
 
-from executor_service.config import ModelConfig
-from executor_service.loader import LoadedModel
-from executor_service.weights import export_hf_state
+from executor_service.models.config import ModelConfig
+from executor_service.models.loader import LoadedModel
+from executor_service.models.weights import export_hf_state
 
 # Our architecture -> transformers' config and model classes (same tensor names; Qwen3 adds q/k norms).
 HF_CLASSES = {"llama": ("LlamaConfig", "LlamaForCausalLM"), "qwen3": ("Qwen3Config", "Qwen3ForCausalLM")}

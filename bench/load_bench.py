@@ -1,6 +1,6 @@
 """Load bench (CPU; not a test): N concurrent Generate streams against a real executor process.
 
-The executor runs as its own process on the CPU (`python -m executor_service.main --device cpu`) with a tiny
+The executor runs as its own process on the CPU (`python -m executor_service.server.main --device cpu`) with a tiny
 synthetic target and a synthetic drafter (EAGLE-3 k=3 by default); an asyncio client opens --streams Generate
 streams at once over a few channels, greedy, each with --max-tokens (ignore_eos; every --stop-every-th stream
 also gets stop tokens, every 16th id). Reported:
@@ -50,8 +50,8 @@ from executor_builders import TINY as TINY_TARGET  # noqa: E402  (the CPU tests'
 from server_processes import ServerProcess, spawn_server  # noqa: E402
 from spec_builders import draft_model  # noqa: E402
 
-from executor_service.draft_config import METHOD_ENUMS  # noqa: E402
-from executor_service.kv_cache import blocks_needed  # noqa: E402
+from executor_service.engine.kv_cache import blocks_needed  # noqa: E402
+from executor_service.models.draft_config import METHOD_ENUMS  # noqa: E402
 from specdec.v1 import common_pb2, executor_pb2, executor_pb2_grpc  # noqa: E402
 
 BLOCK_SIZE = 16

@@ -32,7 +32,7 @@ from specdec_bench import open_session, open_sessions, parse_args, pass_calls, t
 from torch.profiler import ProfilerActivity, profile
 from tree_passes import parse_tree_spec
 
-from executor_service.session import ModelSession
+from executor_service.server.session import ModelSession
 
 REPLAYS = 20
 TOP_KERNELS = 40  # enough to see a tree step's small kernels, not only the target's GEMMs

@@ -45,14 +45,14 @@ from prefix_cache_controls import (  # noqa: E402
 )
 from specdec_bench import draft_request, target_request  # noqa: E402
 
-from executor_service.drafting import resolve_draft  # noqa: E402
-from executor_service.kv_cache import blocks_needed  # noqa: E402
-from executor_service.loader import LoadedModel, build_synthetic  # noqa: E402
-from executor_service.request import RequestOutput  # noqa: E402
-from executor_service.sampling import SamplingSettings  # noqa: E402
-from executor_service.session import EngineSettings, ModelSession, build_session  # noqa: E402
-from executor_service.validation import DEFAULT_BLOCK_SIZE  # noqa: E402
-from executor_service.wire import DTYPE_ENUMS, resolve_dtype, resolve_target  # noqa: E402
+from executor_service.engine.kv_cache import blocks_needed  # noqa: E402
+from executor_service.engine.request import RequestOutput  # noqa: E402
+from executor_service.models.loader import LoadedModel, build_synthetic  # noqa: E402
+from executor_service.sample.sampling import SamplingSettings  # noqa: E402
+from executor_service.server.drafting import resolve_draft  # noqa: E402
+from executor_service.server.session import EngineSettings, ModelSession, build_session  # noqa: E402
+from executor_service.server.validation import DEFAULT_BLOCK_SIZE  # noqa: E402
+from executor_service.server.wire import DTYPE_ENUMS, resolve_dtype, resolve_target  # noqa: E402
 from specdec.v1 import common_pb2  # noqa: E402
 
 TTFT_BAR = 0.3  # issue 17: TTFT with caching at most 0.3x of without

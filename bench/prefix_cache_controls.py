@@ -23,11 +23,11 @@ from typing import Any
 
 import torch
 
-from executor_service.logprobs import TokenLogprob
-from executor_service.prefix_cache import tokens_after_block
-from executor_service.request import RequestOutput
-from executor_service.sampling import SamplingSettings
-from executor_service.session import ModelSession
+from executor_service.engine.prefix_cache import tokens_after_block
+from executor_service.engine.request import RequestOutput
+from executor_service.sample.logprobs import TokenLogprob
+from executor_service.sample.sampling import SamplingSettings
+from executor_service.server.session import ModelSession
 
 _ids = itertools.count()
 TYPICAL_GAP_PROBES = 8  # identical requests probed at their first token, for the typical top-2 gap

@@ -21,7 +21,7 @@ from acceptance_bench import generate, open_session
 from common import log, median, provenance, write_result
 from torch.profiler import ProfilerActivity, profile
 
-from executor_service.sampling import SamplingSettings
+from executor_service.sample.sampling import SamplingSettings
 from specdec_training.prompts import read_prompts
 from specdec_training.target import chat_renderer, load_target, target_source
 

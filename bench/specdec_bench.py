@@ -66,20 +66,20 @@ from common import (  # noqa: E402
 from spec_builders import ReplayDrafts  # noqa: E402
 from tree_passes import breadth_first_tree, measure_tree_verify  # noqa: E402
 
-from executor_service.adaptive_k import AdaptiveK  # noqa: E402
-from executor_service.draft_config import METHOD_ENUMS  # noqa: E402
-from executor_service.drafting import resolve_draft  # noqa: E402
+from executor_service.engine.request import RequestOutput  # noqa: E402
 from executor_service.errors import EngineError  # noqa: E402
-from executor_service.loader import LoadedModel, build_synthetic  # noqa: E402
-from executor_service.request import RequestOutput  # noqa: E402
-from executor_service.sampling import SamplingSettings  # noqa: E402
-from executor_service.session import EngineSettings, ModelSession, build_session  # noqa: E402
-from executor_service.validation import DEFAULT_BLOCK_SIZE  # noqa: E402
-from executor_service.wire import (  # noqa: E402
+from executor_service.models.draft_config import METHOD_ENUMS  # noqa: E402
+from executor_service.models.loader import LoadedModel, build_synthetic  # noqa: E402
+from executor_service.sample.sampling import SamplingSettings  # noqa: E402
+from executor_service.server.drafting import resolve_draft  # noqa: E402
+from executor_service.server.session import EngineSettings, ModelSession, build_session  # noqa: E402
+from executor_service.server.validation import DEFAULT_BLOCK_SIZE  # noqa: E402
+from executor_service.server.wire import (  # noqa: E402
     resolve_dtype,
     resolve_target,
     status_error,
 )
+from executor_service.spec_decode.adaptive_k import AdaptiveK  # noqa: E402
 from specdec.v1 import common_pb2, executor_pb2  # noqa: E402
 from specdec_runtime.errors import InvalidArgument  # noqa: E402
 

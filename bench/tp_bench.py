@@ -42,12 +42,12 @@ from common import PRESETS, commit_id, default_dtype, log, make_prompts, version
 from engine_driving import Outputs  # noqa: E402
 from specdec_bench import draft_request, target_request  # noqa: E402
 
-from executor_service.drafting import resolve_draft  # noqa: E402
-from executor_service.kv_cache import blocks_needed  # noqa: E402
-from executor_service.sampling import SamplingSettings  # noqa: E402
-from executor_service.session import EngineSettings, ModelSession, build_session  # noqa: E402
-from executor_service.validation import DEFAULT_BLOCK_SIZE  # noqa: E402
-from executor_service.wire import resolve_target  # noqa: E402
+from executor_service.engine.kv_cache import blocks_needed  # noqa: E402
+from executor_service.sample.sampling import SamplingSettings  # noqa: E402
+from executor_service.server.drafting import resolve_draft  # noqa: E402
+from executor_service.server.session import EngineSettings, ModelSession, build_session  # noqa: E402
+from executor_service.server.validation import DEFAULT_BLOCK_SIZE  # noqa: E402
+from executor_service.server.wire import resolve_target  # noqa: E402
 from specdec.v1 import common_pb2  # noqa: E402
 
 DEFAULTS = {"preset": "llama3-8b", "device": "cuda", "backend": "TRITON_ATTN", "method": "eagle3", "tp_sizes": "1,2,4",

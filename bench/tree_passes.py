@@ -18,9 +18,9 @@ from typing import Any
 import torch
 from common import time_graph
 
-from executor_service.attention_step import build_attention_step, cache_slot, to_device
-from executor_service.host_verify import DraftTree
-from executor_service.session import ModelSession
+from executor_service.models.attention_step import build_attention_step, cache_slot, to_device
+from executor_service.server.session import ModelSession
+from executor_service.spec_decode.host_verify import DraftTree
 from kernels.tree_mask import tree_masks
 from selection.draft_tree import tree_from_text
 from specdec.v1 import common_pb2

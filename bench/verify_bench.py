@@ -23,9 +23,9 @@ for _path in (REPO, REPO / "bench", REPO / "protos"):
 import torch  # noqa: E402
 from common import PRESETS, commit_id, log, time_graph, versions, write_result  # noqa: E402
 
-from executor_service.host_verify import verify_on_host  # noqa: E402
-from executor_service.request import Request  # noqa: E402
-from executor_service.sampling import SamplingSettings  # noqa: E402
+from executor_service.engine.request import Request  # noqa: E402
+from executor_service.sample.sampling import SamplingSettings  # noqa: E402
+from executor_service.spec_decode.host_verify import verify_on_host  # noqa: E402
 
 SETTINGS = [
     SamplingSettings(0.8),

@@ -9,7 +9,8 @@ its own accumulator), rounds them to the model's dtype as the GEMM's output woul
 - a value head: stores at each row's slot of the value cache.
 Rows whose slot is -1 store no key or value. The prologue (the residual add and the RMSNorm, or two inputs normed
 side by side) is small_gemm's. Without query heads (DFlash's context) it projects and stores keys and values only.
-What it replaces: a norm, a GEMM, and the RoPE + cache-write kernel (kernels in executor_service/rotary_cache.py).
+What it replaces: a norm, a GEMM, and the RoPE + cache-write kernel (kernels in
+executor_service/models/rotary_cache.py).
 """
 
 from __future__ import annotations

@@ -11,8 +11,8 @@ written in this module; the others are named with where they live.
 - R7 non-causal support is declared per backend, R8 a backend whose library is missing is invalid:
   kernels/capabilities.py (`supports_non_causal`, `required_library`), checked by `validate`.
 - R9 causality is chosen per call and checked at run time: kernels/attention.py `check_claimed`, and
-  executor_service/drafting.py `check_drafter_backend` at load time.
-- R10 every draft pass gets fresh attention metadata: executor_service/proposer.py.
+  executor_service/server/drafting.py `check_drafter_backend` at load time.
+- R10 every draft pass gets fresh attention metadata: executor_service/spec_decode/proposer.py.
 - R11 tree drafting needs tree attention, for the target (it verifies the tree) and for an EAGLE / EAGLE-3
   drafter (its passes expand the tree's nodes): `target_uses_tree_attention`, `drafter_uses_tree_attention`;
   declared per backend (kernels/capabilities.py `supports_tree_attention`), checked by `validate`.
@@ -82,7 +82,7 @@ def target_uses_tree_attention(spec: common_pb2.SpeculativeConfig) -> bool:
 def drafter_uses_tree_attention(method: int, drafts_tree: bool) -> bool:
     """R11: an EAGLE or EAGLE-3 drafter expands the tree's nodes with the same masks. DFlash drafts every depth
     in its one block pass (the block's own attention) and needs none. Also checked at load time
-    (executor_service/drafting.py)."""
+    (executor_service/server/drafting.py)."""
     return drafts_tree and method in (common_pb2.SPEC_METHOD_EAGLE, common_pb2.SPEC_METHOD_EAGLE3)
 
 

@@ -2,7 +2,7 @@
 
 A drafter is a published-format directory (config.json + model.safetensors, training_log.json when we trained
 it) under the executor's --model-root. The demo reads its config.json to describe its attention to the
-selector, as the executor does from the same file (executor_service/draft_config.py: the keys read here are
+selector, as the executor does from the same file (executor_service/models/draft_config.py: the keys read here are
 the ones it reads, with the same defaults).
 """
 

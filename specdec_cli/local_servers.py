@@ -20,7 +20,7 @@ START_TIMEOUT_S = 60.0  # the executor imports torch before it binds
 STOP_TIMEOUT_S = 20.0
 COMMANDS = {
     "selector": ("specdec-selector", "selector_service.main"),
-    "executor": ("specdec-executor", "executor_service.main"),
+    "executor": ("specdec-executor", "executor_service.server.main"),
     "gateway": ("specdec-gateway", "gateway_service.main"),
 }
 

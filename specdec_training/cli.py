@@ -24,8 +24,8 @@ from typing import Any
 
 import torch
 
-from executor_service.draft_weights import empty_drafter, save_drafter
 from executor_service.errors import EngineError
+from executor_service.models.draft_weights import empty_drafter, save_drafter
 from specdec_runtime.errors import SpecdecError
 from specdec_training import datagen
 from specdec_training.init import (

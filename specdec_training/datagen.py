@@ -22,10 +22,10 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from executor_service.engine import StepObserver
-from executor_service.loader import LoadedModel
-from executor_service.request import RequestOutput
-from executor_service.sampling import SamplingSettings
+from executor_service.engine.engine import StepObserver
+from executor_service.engine.request import RequestOutput
+from executor_service.models.loader import LoadedModel
+from executor_service.sample.sampling import SamplingSettings
 from specdec_training.dense_generate import generate_dense
 from specdec_training.features import Sequence
 from specdec_training.generation_engine import EngineSizes, TargetEngine, build_target_engine

@@ -15,8 +15,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from executor_service.model import MLP, Attention, DecoderLayer, DecoderModel, RMSNorm
-from executor_service.rope import RotaryEmbedding
+from executor_service.models.model import MLP, Attention, DecoderLayer, DecoderModel, RMSNorm
+from executor_service.models.rope import RotaryEmbedding
 
 Rotary = tuple[torch.Tensor, torch.Tensor]  # cos, sin [B, L, 1, D] (fp32; cast to the activations' dtype)
 KV = tuple[torch.Tensor, torch.Tensor]  # keys, values [B, S, Hkv, D]

@@ -19,7 +19,7 @@ import torch
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-from executor_service.model import DecoderModel
+from executor_service.models.model import DecoderModel
 from specdec_training.dense import decoder_layer, mlp, norm, project_qkv, rotary
 
 COMPACT_EVERY = 32  # decode steps between drops of finished rows (each drop copies the cache once)

@@ -13,8 +13,8 @@ from dataclasses import dataclass
 
 import torch
 
-from executor_service.draft_config import DraftConfig, feature_layers
-from executor_service.model import DecoderModel
+from executor_service.models.draft_config import DraftConfig, feature_layers
+from executor_service.models.model import DecoderModel
 from specdec_training.dense import target_forward
 
 LABEL_CHUNK_ROWS = 4096  # rows of logits [rows, V] computed at once for the labels

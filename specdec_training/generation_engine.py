@@ -13,18 +13,18 @@ from dataclasses import dataclass
 
 import torch
 
-from executor_service.capabilities import probe
-from executor_service.config import ModelConfig
-from executor_service.cuda_graphs import GRAPH_BACKENDS
-from executor_service.engine import Engine, StepObserver
-from executor_service.kv_cache import KVCache, blocks_for_memory_fraction, blocks_needed
-from executor_service.limits import MAX_NUM_KV_BLOCKS
-from executor_service.loader import LoadedModel
-from executor_service.model_runner import ModelRunner
-from executor_service.prefix_cache import PrefixCache, tokens_after_block
-from executor_service.request import Request, Sink
-from executor_service.sampling import SamplingSettings
-from executor_service.scheduler import Scheduler
+from executor_service.engine.engine import Engine, StepObserver
+from executor_service.engine.kv_cache import KVCache, blocks_for_memory_fraction, blocks_needed
+from executor_service.engine.prefix_cache import PrefixCache, tokens_after_block
+from executor_service.engine.request import Request, Sink
+from executor_service.engine.scheduler import Scheduler
+from executor_service.models.config import ModelConfig
+from executor_service.models.limits import MAX_NUM_KV_BLOCKS
+from executor_service.models.loader import LoadedModel
+from executor_service.runner.cuda_graphs import GRAPH_BACKENDS
+from executor_service.runner.model_runner import ModelRunner
+from executor_service.sample.sampling import SamplingSettings
+from executor_service.server.capabilities import probe
 from selection.selector import Selector
 from specdec.v1 import common_pb2, selector_pb2
 

@@ -24,12 +24,12 @@ from pathlib import Path
 
 import torch
 
-from executor_service.config import ModelConfig
-from executor_service.draft_config import DraftConfig, draft_from_hf
-from executor_service.draft_models import Drafter, Eagle3Drafter, TargetHeads
-from executor_service.draft_weights import load_drafter, synthetic_drafter
-from executor_service.loader import read_config_json
-from executor_service.model import DecoderModel
+from executor_service.models.config import ModelConfig
+from executor_service.models.draft_config import DraftConfig, draft_from_hf
+from executor_service.models.draft_models import Drafter, Eagle3Drafter, TargetHeads
+from executor_service.models.draft_weights import load_drafter, synthetic_drafter
+from executor_service.models.loader import read_config_json
+from executor_service.models.model import DecoderModel
 from specdec.v1 import executor_pb2
 from specdec_training.features import Sequence
 

@@ -22,7 +22,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from executor_service.draft_models import DFlashDrafter, Drafter, Eagle3Drafter, EagleDrafter
+from executor_service.models.draft_models import DFlashDrafter, Drafter, Eagle3Drafter, EagleDrafter
 from specdec_training.features import TargetView, shifted
 from specdec_training.unroll import dflash_blocks, eagle_unroll
 

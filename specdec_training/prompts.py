@@ -26,7 +26,7 @@ from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
 
-from executor_service.gguf_tokenizer import render_chat
+from executor_service.models.gguf_tokenizer import render_chat
 from specdec_training.corpus import Function, Passage, prose_passages, python_sources, stdlib_functions
 from specdec_training.separation import HeldOutGuard, function_request, normalized_hash
 from specdec_training.system_docs import system_doc_passages

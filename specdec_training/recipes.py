@@ -11,8 +11,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
 
-from executor_service.config import ModelConfig
-from executor_service.draft_config import (
+from executor_service.models.config import ModelConfig
+from executor_service.models.draft_config import (
     DraftConfig,
     default_dflash_layers,
     default_eagle3_layers,

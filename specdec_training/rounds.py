@@ -18,7 +18,7 @@ from pathlib import Path
 
 import torch
 
-from executor_service.loader import LoadedModel
+from executor_service.models.loader import LoadedModel
 from specdec_training import datagen
 from specdec_training.features import Sequence
 from specdec_training.prompts import ChatRenderer, Prompt

@@ -9,12 +9,12 @@ from pathlib import Path
 
 import torch
 
-from executor_service import model_loading
-from executor_service.config import ModelConfig
-from executor_service.gguf_loader import PACKAGE_PREFIX, is_gguf, open_gguf, read_metadata
-from executor_service.gguf_tokenizer import chat_template
-from executor_service.loader import LoadedModel
-from executor_service.model_loading import TargetSource, resolve_target_path
+from executor_service.models import model_loading
+from executor_service.models.config import ModelConfig
+from executor_service.models.gguf_loader import PACKAGE_PREFIX, is_gguf, open_gguf, read_metadata
+from executor_service.models.gguf_tokenizer import chat_template
+from executor_service.models.loader import LoadedModel
+from executor_service.models.model_loading import TargetSource, resolve_target_path
 from specdec_training.prompts import ChatRenderer
 
 FIELD = "--target"

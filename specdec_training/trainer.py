@@ -20,8 +20,8 @@ from typing import Any
 
 import torch
 
-from executor_service.draft_models import DFlashDrafter, Drafter, Eagle3Drafter
-from executor_service.model import DecoderModel
+from executor_service.models.draft_models import DFlashDrafter, Drafter, Eagle3Drafter
+from executor_service.models.model import DecoderModel
 from specdec_training.features import TEACHER_TOP_K, Sequence, collate, target_view
 from specdec_training.losses import drafter_loss, read_metrics
 from specdec_training.progress import Progress

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 
 import torch
 
-from executor_service.draft_models import DFlashDrafter, Eagle3Drafter, EagleDrafter
+from executor_service.models.draft_models import DFlashDrafter, Eagle3Drafter, EagleDrafter
 from specdec_training.dense import KV, Rotary, attention, context_kv, decoder_layer, mlp, norm, rotary
 from specdec_training.features import shifted
 

@@ -22,7 +22,7 @@ SHUTDOWN_TIMEOUT_S = 60.0
 HOST = "127.0.0.1"
 SERVER_MODULES = {
     "selector": "selector_service.main",
-    "executor": "executor_service.main",
+    "executor": "executor_service.server.main",
     "gateway": "gateway_service.main",
 }
 

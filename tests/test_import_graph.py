@@ -13,7 +13,7 @@ modules of its own layer or of lower ones (imports for annotations alone, under 
 - engine core: requests and their KV-cache bookkeeping (block pool, prefix cache, KV cache, scheduler);
 - runner: the model runner, CUDA graphs, the tensor-parallel driver;
 - spec decode: drafting, verification and the device step (its sampling variants and penalty table);
-- engine: the engine thread's loops (chain and tree);
+- engine: the engine thread and its one step (chains and trees alike);
 - server: the gRPC shell, request checks, the wire conversions (wire.py), the composition root (session.py).
 
 The drafter trainer, specdec_training, is an offline tool beside the services: it builds on the executor's layers
@@ -117,42 +117,61 @@ EXECUTOR_LAYERS: tuple[Layer, ...] = (
         "base",
         wire_free=True,
         modules=(
-            "__init__ errors attention_step fused_ops step_constants cancellation daemon_thread load_phases "
-            "detokenizer parallel.__init__ parallel.channel parallel.stack_dumps"
+            "__init__ errors cancellation daemon_thread load_phases models.__init__ models.attention_step "
+            "models.fused_ops models.detokenizer runner.__init__ runner.step_constants sample.__init__ "
+            "engine.__init__ spec_decode.__init__ server.__init__ parallel.__init__ parallel.channel "
+            "parallel.stack_dumps"
         ),
     ),
     Layer(
         "models",
         wire_free=False,
         modules=(
-            "config json_fields limits rope rotary_cache fused_layer model weights loader model_loading model_paths "
-            "gguf_loader "
-            "gguf_tokenizer chat draft_config draft_models draft_weights draft_id_tables parallel.state parallel.layers"
+            "models.config models.json_fields models.limits models.rope models.rotary_cache models.fused_layer "
+            "models.model models.weights models.loader models.model_loading models.model_paths models.gguf_loader "
+            "models.gguf_tokenizer models.chat models.draft_config models.draft_models models.draft_weights "
+            "models.draft_id_tables parallel.state parallel.layers"
         ),
     ),
-    Layer("sampling", wire_free=True, modules="sampling penalties logprobs device_sampling"),
-    Layer("engine core", wire_free=True, modules="request block_pool prefix_cache kv_cache scheduler"),
+    Layer(
+        "sampling",
+        wire_free=True,
+        modules=("sample.sampling sample.penalties sample.logprobs sample.device_sampling"),
+    ),
+    Layer(
+        "engine core",
+        wire_free=True,
+        modules=("engine.request engine.block_pool engine.prefix_cache engine.kv_cache engine.scheduler"),
+    ),
     Layer(
         "runner",
         wire_free=True,
-        modules="model_runner cuda_graphs parallel.driver parallel.graphs parallel.protocol parallel.loading",
+        modules=(
+            "runner.model_runner runner.cuda_graphs parallel.driver parallel.graphs parallel.protocol parallel.loading"
+        ),
     ),
     Layer(
         "spec decode",
         wire_free=True,
         modules=(
-            "device_penalties step_variants verifier host_verify draft_sampling tree_drafting proposer "
-            "eagle_proposer dflash_proposer adaptive_k spec_step"
+            "spec_decode.device_penalties spec_decode.step_variants spec_decode.verifier spec_decode.host_verify "
+            "spec_decode.draft_sampling spec_decode.tree_drafting spec_decode.proposer spec_decode.eagle_proposer "
+            "spec_decode.dflash_proposer spec_decode.adaptive_k spec_decode.spec_step"
         ),
     ),
-    Layer("engine", wire_free=True, modules="engine host_step"),
+    Layer(
+        "engine",
+        wire_free=True,
+        modules=("engine.engine engine.host_step"),
+    ),
     Layer(
         "server",
         wire_free=False,
         modules=(
-            "servicer main validation wire prompt_intake sampling_checks stop_strings generate_stream server_info "
-            "mailbox metrics selection capabilities session drafting backend_claims memory parallel.estimate "
-            "parallel.launcher parallel.worker"
+            "server.servicer server.main server.validation server.wire server.prompt_intake "
+            "server.sampling_checks server.stop_strings server.generate_stream server.server_info server.mailbox "
+            "server.metrics server.selection server.capabilities server.session server.drafting "
+            "server.backend_claims server.memory parallel.estimate parallel.launcher parallel.worker"
         ),
     ),
 )
@@ -318,7 +337,7 @@ def test_no_executor_module_imports_another_in_a_circle() -> None:
 
 
 # The models layer's modules that still import the wire (see the module's docstring); the others may not.
-MODELS_READING_THE_WIRE = {"draft_config"}
+MODELS_READING_THE_WIRE = {"models.draft_config"}
 
 
 def test_only_draft_config_reads_the_wire_in_the_models_layer() -> None:
@@ -386,7 +405,7 @@ def test_the_cycle_check_sees_circles(tmp_path: Path) -> None:
 # ---- who may use the executor's modules ------------------------------------------------------------------------------
 
 # The executor's server-layer modules the trainer may use: the capability report the selection code decides from.
-TRAINING_USES_OF_THE_SERVER = {"capabilities"}
+TRAINING_USES_OF_THE_SERVER = {"server.capabilities"}
 STUBS = "specdec.v1"
 # The trainer's modules that read the wire, and what each may import of it (dotted; `from specdec.v1 import x` is
 # specdec.v1.x):
@@ -497,7 +516,7 @@ def importers_of(root: Path, package: str, importers: str, imported: str) -> lis
 
 def test_no_tensor_parallel_module_imports_the_composition_root() -> None:
     assert "parallel.worker" in package_modules(REPO_ROOT, "executor_service"), "the ranks' module was not found"
-    assert importers_of(REPO_ROOT, "executor_service", "parallel.*", "session") == []
+    assert importers_of(REPO_ROOT, "executor_service", "parallel.*", "server.session") == []
 
 
 def test_the_importer_check_sees_a_late_import_of_the_root(tmp_path: Path) -> None:

@@ -46,8 +46,8 @@ def write_toy_model(directory: Path, chat_template: str | None = None, seed: int
     context is `context` tokens."""
     import torch
 
-    from executor_service.config import ModelConfig
-    from executor_service.loader import build_synthetic, save_directory
+    from executor_service.models.config import ModelConfig
+    from executor_service.models.loader import build_synthetic, save_directory
 
     config = ModelConfig(architecture="llama", max_position_embeddings=context, rope_theta=10000.0, **TINY_SHAPE)
     save_directory(build_synthetic(config, seed, torch.float32, torch.device("cpu")).model, directory)

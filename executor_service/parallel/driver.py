@@ -22,10 +22,10 @@ from dataclasses import replace
 import torch
 from torch import nn
 
-from executor_service.attention_step import AttentionStep
-from executor_service.kv_cache import copy_kv_slots
-from executor_service.loader import LoadedModel
-from executor_service.model import DecoderModel
+from executor_service.engine.kv_cache import copy_kv_slots
+from executor_service.models.attention_step import AttentionStep
+from executor_service.models.loader import LoadedModel
+from executor_service.models.model import DecoderModel
 from executor_service.parallel import protocol
 from executor_service.parallel.protocol import ForwardCall, Op
 from executor_service.parallel.state import RankUnavailable, TensorParallelGroup

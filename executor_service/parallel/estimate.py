@@ -12,10 +12,10 @@ import math
 
 import torch
 
-from executor_service.config import ModelConfig
-from executor_service.kv_cache import bytes_per_block
-from executor_service.memory import MemoryEstimate
-from executor_service.weights import hf_layout
+from executor_service.engine.kv_cache import bytes_per_block
+from executor_service.models.config import ModelConfig
+from executor_service.models.weights import hf_layout
+from executor_service.server.memory import MemoryEstimate
 
 
 def rank_zero_estimate(

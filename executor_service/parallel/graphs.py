@@ -35,12 +35,12 @@ from contextlib import AbstractContextManager, contextmanager, nullcontext
 import torch
 import torch.distributed as dist
 
-from executor_service.attention_step import AttentionStep
-from executor_service.cuda_graphs import StepGraphs
-from executor_service.model import DecoderModel
+from executor_service.models.attention_step import AttentionStep
+from executor_service.models.model import DecoderModel
 from executor_service.parallel import protocol
 from executor_service.parallel.driver import TensorParallelModel, on_all_ranks
 from executor_service.parallel.state import TensorParallelGroup
+from executor_service.runner.cuda_graphs import StepGraphs
 
 _graph_ids = itertools.count(1)
 

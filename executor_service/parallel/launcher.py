@@ -29,7 +29,6 @@ from pathlib import Path
 
 import torch
 
-from executor_service.cuda_graphs import StepGraphs
 from executor_service.parallel import protocol
 from executor_service.parallel.channel import ControlRing
 from executor_service.parallel.stack_dumps import dump_on_signal, dump_ranks
@@ -43,6 +42,7 @@ from executor_service.parallel.state import (
     env_seconds,
     init_tensor_parallel,
 )
+from executor_service.runner.cuda_graphs import StepGraphs
 from specdec_runtime.grpc_runtime import EXIT_BAD_SETUP
 
 log = logging.getLogger("specdec.executor")

@@ -16,8 +16,8 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from executor_service.config import ModelConfig
-from executor_service.model import Attention, DecoderModel
+from executor_service.models.config import ModelConfig
+from executor_service.models.model import Attention, DecoderModel
 
 
 def vocab_shard(vocab_size: int, rank: int, world_size: int) -> tuple[int, int, int]:

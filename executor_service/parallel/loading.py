@@ -14,13 +14,13 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from executor_service.config import ModelConfig
-from executor_service.gguf_loader import is_gguf
-from executor_service.loader import LoadedModel, _unreadable_as, check_directory, load_tokenizer, read_config
-from executor_service.model import DecoderModel
+from executor_service.models.config import ModelConfig
+from executor_service.models.gguf_loader import is_gguf
+from executor_service.models.loader import LoadedModel, _unreadable_as, check_directory, load_tokenizer, read_config
+from executor_service.models.model import DecoderModel
+from executor_service.models.weights import Placement, hf_layout, materialize
 from executor_service.parallel.driver import FullHeads
 from executor_service.parallel.layers import shard_model, vocab_shard
-from executor_service.weights import Placement, hf_layout, materialize
 
 FIELD = "target.path"
 ROWS = ("qkv_proj.weight", "qkv_proj.bias", "gate_up_proj.weight")  # column-parallel: a slice of the rows

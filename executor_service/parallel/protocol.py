@@ -33,7 +33,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from executor_service.attention_step import AttentionStep
+from executor_service.models.attention_step import AttentionStep
 from executor_service.parallel.state import TensorParallelGroup
 
 HEADER = 12

@@ -20,10 +20,9 @@ from pathlib import Path
 
 import torch
 
-from executor_service.cuda_graphs import StepGraphs
-from executor_service.kv_cache import KVCache, copy_kv_slots
-from executor_service.model import DecoderModel
-from executor_service.model_loading import load_target
+from executor_service.engine.kv_cache import KVCache, copy_kv_slots
+from executor_service.models.model import DecoderModel
+from executor_service.models.model_loading import load_target
 from executor_service.parallel import protocol
 from executor_service.parallel.channel import ControlRing
 from executor_service.parallel.graphs import capture_follower, replay_follower
@@ -33,7 +32,8 @@ from executor_service.parallel.loading import load_target_shard
 from executor_service.parallel.protocol import NO_LOGITS, Op
 from executor_service.parallel.stack_dumps import dump_on_signal
 from executor_service.parallel.state import TensorParallelGroup, destroy_tensor_parallel, init_tensor_parallel
-from executor_service.wire import resolve_dtype, resolve_target
+from executor_service.runner.cuda_graphs import StepGraphs
+from executor_service.server.wire import resolve_dtype, resolve_target
 from specdec.v1 import executor_pb2
 
 log = logging.getLogger("specdec.executor.follower")

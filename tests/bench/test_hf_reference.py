@@ -11,8 +11,8 @@ from executor_builders import greedy, tiny_config, tiny_session
 from greedy_reference import greedy_reference
 from hf_reference import build_hf_model, hf_greedy_tokens_per_s
 
-from executor_service.config import RopeScaling
-from executor_service.loader import build_synthetic
+from executor_service.models.config import RopeScaling
+from executor_service.models.loader import build_synthetic
 
 pytest.importorskip("transformers")
 from paged_reference import paged_logits  # itself skips without transformers, as this module does above

@@ -11,8 +11,8 @@ import prefix_cache_bench
 import pytest
 from prefix_cache_controls import verdict
 
-from executor_service.prefix_cache import PrefixCache
-from executor_service.request import Request
+from executor_service.engine.prefix_cache import PrefixCache
+from executor_service.engine.request import Request
 
 
 def test_tiny_run_reports_hits_and_identical_outputs(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:

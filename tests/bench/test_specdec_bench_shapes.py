@@ -78,7 +78,7 @@ def test_trees_open_for_the_chosen_drafter(monkeypatch: pytest.MonkeyPatch) -> N
     from specdec_bench import open_session, open_sessions
     from tree_passes import parse_tree_spec
 
-    from executor_service.dflash_proposer import DFlashProposer
+    from executor_service.spec_decode.dflash_proposer import DFlashProposer
 
     argv = ["--preset", "tiny", "--device", "cpu", "--backend", "CPU_ATTN", "--methods", "dflash", "--batches", "1"]
     monkeypatch.setattr(sys, "argv", ["pass_profile.py", *argv, "--kv-blocks", "64", "--tree-method", "dflash"])

@@ -178,8 +178,8 @@ def started(tmp_path: Path) -> Iterator[list[Started]]:
 def write_tiny_checkpoint(directory: Path) -> None:
     """A Hugging Face directory (config.json + safetensors) for the executor to load from its model root."""
     torch = pytest.importorskip("torch", reason="the executor needs torch")
-    from executor_service.config import ModelConfig
-    from executor_service.loader import build_synthetic, save_directory
+    from executor_service.models.config import ModelConfig
+    from executor_service.models.loader import build_synthetic, save_directory
 
     config = ModelConfig(architecture="llama", head_size=HEAD_SIZE, max_position_embeddings=512, **TINY)
     save_directory(build_synthetic(config, 0, torch.float32, torch.device("cpu")).model, directory)

@@ -10,8 +10,8 @@ import grpc
 import pytest
 import torch
 
-from executor_service.main import ExecutorOptions, RunningExecutor, start_executor
-from executor_service.session import EngineSettings
+from executor_service.server.main import ExecutorOptions, RunningExecutor, start_executor
+from executor_service.server.session import EngineSettings
 from specdec.v1 import executor_pb2_grpc
 from specdec_runtime.grpc_runtime import ServerSettings
 

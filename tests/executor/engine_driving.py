@@ -5,10 +5,10 @@ from __future__ import annotations
 
 from collections import defaultdict
 
-from executor_service.engine import Engine
-from executor_service.request import RequestOutput
-from executor_service.sampling import SamplingSettings
-from executor_service.session import ModelSession
+from executor_service.engine.engine import Engine
+from executor_service.engine.request import RequestOutput
+from executor_service.sample.sampling import SamplingSettings
+from executor_service.server.session import ModelSession
 
 
 class Outputs:

@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import torch
 
-from executor_service.config import ModelConfig
-from executor_service.loader import LoadedModel, build_synthetic
-from executor_service.sampling import SamplingSettings
-from executor_service.session import EngineSettings, ModelSession, build_session
-from executor_service.wire import resolve_target
+from executor_service.models.config import ModelConfig
+from executor_service.models.loader import LoadedModel, build_synthetic
+from executor_service.sample.sampling import SamplingSettings
+from executor_service.server.session import EngineSettings, ModelSession, build_session
+from executor_service.server.wire import resolve_target
 from specdec.v1 import common_pb2, executor_pb2
 
 TINY = {

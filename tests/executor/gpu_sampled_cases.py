@@ -7,7 +7,7 @@ import torch
 from spec_builders import spec_session
 from tree_cases import tree_session
 
-from executor_service.session import ModelSession
+from executor_service.server.session import ModelSession
 from kernels import unavailable_reason
 from specdec.v1 import common_pb2
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import random
 
-from executor_service.request import RequestOutput
+from executor_service.engine.request import RequestOutput
 from specdec.v1 import common_pb2
 
 BF16 = common_pb2.DTYPE_BFLOAT16

@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from executor_service.model import DecoderModel
+from executor_service.models.model import DecoderModel
 
 
 @torch.no_grad()

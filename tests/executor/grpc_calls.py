@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import asyncio
 
-from executor_service.main import RunningExecutor
+from executor_service.server.main import RunningExecutor
 from specdec.v1 import executor_pb2
 
 

@@ -11,9 +11,9 @@ from typing import Any
 import torch
 from penalty_reference import reference_logits
 
-from executor_service.host_verify import TreeVerdict, VerifyError, verify_on_host
-from executor_service.request import Request
-from executor_service.sampling import DraftProbs, SamplingSettings, target_probs
+from executor_service.engine.request import Request
+from executor_service.sample.sampling import DraftProbs, SamplingSettings, target_probs
+from executor_service.spec_decode.host_verify import TreeVerdict, VerifyError, verify_on_host
 
 VOCAB = 8
 TRIALS = 2000

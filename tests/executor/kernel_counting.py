@@ -10,7 +10,7 @@ import torch
 from torch.autograd import DeviceType
 from torch.profiler import ProfilerActivity, profile
 
-from executor_service.config import ModelConfig
+from executor_service.models.config import ModelConfig
 
 MAX_KERNELS_PER_LAYER = 6
 CONTEXT = 300  # long enough for split-KV attention (two kernels)

@@ -12,10 +12,10 @@ from executor_builders import tiny_model
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from spec_builders import draft_model
 
-from executor_service.draft_models import TargetHeads
-from executor_service.draft_weights import save_drafter, synthetic_drafter
-from executor_service.drafting import resolve_draft
-from executor_service.main import RunningExecutor
+from executor_service.models.draft_models import TargetHeads
+from executor_service.models.draft_weights import save_drafter, synthetic_drafter
+from executor_service.server.drafting import resolve_draft
+from executor_service.server.main import RunningExecutor
 from specdec.v1 import executor_pb2, executor_pb2_grpc
 
 CPU = torch.device("cpu")

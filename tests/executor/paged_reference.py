@@ -5,9 +5,9 @@ from __future__ import annotations
 
 import torch
 
-from executor_service.attention_step import AttentionStep
-from executor_service.kv_cache import KVCache
-from executor_service.model import DecoderModel
+from executor_service.engine.kv_cache import KVCache
+from executor_service.models.attention_step import AttentionStep
+from executor_service.models.model import DecoderModel
 
 CPU = torch.device("cpu")
 

@@ -8,7 +8,7 @@ from engine_driving import Collector
 from executor_builders import greedy
 from greedy_reference import dense_logits
 
-from executor_service.session import ModelSession
+from executor_service.server.session import ModelSession
 
 MAX_TOKENS = 10
 PENALISED = greedy(MAX_TOKENS, repetition_penalty=1.8, presence_penalty=1.5, frequency_penalty=1.0)

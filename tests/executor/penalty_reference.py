@@ -6,8 +6,8 @@ from __future__ import annotations
 import torch
 from greedy_reference import dense_logits
 
-from executor_service.model import DecoderModel
-from executor_service.sampling import SamplingSettings
+from executor_service.models.model import DecoderModel
+from executor_service.sample.sampling import SamplingSettings
 
 
 def reference_logits(

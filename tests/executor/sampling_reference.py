@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import torch
 
-from executor_service.sampling import SamplingSettings
+from executor_service.sample.sampling import SamplingSettings
 
 
 def reference_probs(logits: torch.Tensor, settings: SamplingSettings) -> torch.Tensor:

@@ -5,10 +5,10 @@ from __future__ import annotations
 import torch
 from executor_builders import TINY, load_request
 
-from executor_service.drafting import resolve_draft
-from executor_service.request import Request
-from executor_service.session import EngineSettings, ModelSession, build_session
-from executor_service.wire import resolve_target
+from executor_service.engine.request import Request
+from executor_service.server.drafting import resolve_draft
+from executor_service.server.session import EngineSettings, ModelSession, build_session
+from executor_service.server.wire import resolve_target
 from specdec.v1 import common_pb2, executor_pb2
 
 METHODS = {

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import random
 
-from executor_service.session import ModelSession
+from executor_service.server.session import ModelSession
 from specdec.v1 import executor_pb2
 
 VOCAB = 512

@@ -11,9 +11,9 @@ from engine_driving import Collector
 from greedy_reference import greedy_reference
 from spec_builders import ReplayDrafts
 
-from executor_service.request import Finish, Request
-from executor_service.sampling import SamplingSettings
-from executor_service.session import ModelSession
+from executor_service.engine.request import Finish, Request
+from executor_service.sample.sampling import SamplingSettings
+from executor_service.server.session import ModelSession
 
 K = 4
 VOCAB = 512

@@ -12,9 +12,9 @@ from engine_driving import Collector
 from greedy_reference import dense_logits
 from spec_builders import spec_session
 
-from executor_service.model import DecoderModel
-from executor_service.sampling import SamplingSettings, target_probs
-from executor_service.session import ModelSession
+from executor_service.models.model import DecoderModel
+from executor_service.sample.sampling import SamplingSettings, target_probs
+from executor_service.server.session import ModelSession
 
 VOCAB = 6
 PROMPT = [3, 0, 3]  # spread-out next-token distributions at these temperatures

@@ -13,11 +13,11 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from executor_service.config import ModelConfig
-from executor_service.draft_config import METHOD_ENUMS, draft_from_synthetic
-from executor_service.draft_models import TargetHeads
-from executor_service.draft_weights import save_drafter, synthetic_drafter
-from executor_service.wire import synthetic_config
+from executor_service.models.config import ModelConfig
+from executor_service.models.draft_config import METHOD_ENUMS, draft_from_synthetic
+from executor_service.models.draft_models import TargetHeads
+from executor_service.models.draft_weights import save_drafter, synthetic_drafter
+from executor_service.server.wire import synthetic_config
 from specdec.v1 import executor_pb2
 from specdec_cli.demo_model import SMOLLM2
 

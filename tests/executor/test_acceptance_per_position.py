@@ -9,8 +9,8 @@ import random
 
 import pytest
 
-from executor_service.request import Request
-from executor_service.sampling import SamplingSettings
+from executor_service.engine.request import Request
+from executor_service.sample.sampling import SamplingSettings
 
 
 def request_with(steps: list[tuple[int, int, int]]) -> Request:

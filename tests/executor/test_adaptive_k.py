@@ -8,7 +8,7 @@ from collections.abc import Callable
 
 import pytest
 
-from executor_service.adaptive_k import MAX_REFRESH_STEPS, REFRESH_STEPS, AdaptiveK
+from executor_service.spec_decode.adaptive_k import MAX_REFRESH_STEPS, REFRESH_STEPS, AdaptiveK
 
 K = 7
 

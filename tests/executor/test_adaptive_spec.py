@@ -16,12 +16,12 @@ from spec_builders import spec_session
 from spec_checks import assert_no_leak, prompts
 from tree_cases import tree_session
 
-from executor_service.adaptive_k import AdaptiveK
-from executor_service.attention_step import cache_slot
-from executor_service.metrics import EngineMetrics
-from executor_service.proposer import ProposeBatch, Proposer
-from executor_service.request import Request
-from executor_service.session import ModelSession
+from executor_service.engine.request import Request
+from executor_service.models.attention_step import cache_slot
+from executor_service.server.metrics import EngineMetrics
+from executor_service.server.session import ModelSession
+from executor_service.spec_decode.adaptive_k import AdaptiveK
+from executor_service.spec_decode.proposer import ProposeBatch, Proposer
 from specdec.v1 import common_pb2
 
 

@@ -11,10 +11,10 @@ import torch
 from executor_builders import load_request
 from spec_builders import draft_model
 
-from executor_service import session as session_module
-from executor_service.drafting import resolve_draft
-from executor_service.session import EngineSettings, build_session
-from executor_service.wire import resolve_target
+from executor_service.server import session as session_module
+from executor_service.server.drafting import resolve_draft
+from executor_service.server.session import EngineSettings, build_session
+from executor_service.server.wire import resolve_target
 from specdec.v1 import common_pb2, executor_pb2
 from specdec_runtime.errors import FailedPrecondition
 

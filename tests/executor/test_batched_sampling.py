@@ -8,8 +8,8 @@ from dataclasses import replace
 import torch
 from host_verify_runs import request_of
 
-from executor_service.host_verify import TreeVerdict, VerifyError, verify_on_host
-from executor_service.sampling import SamplingSettings, sampled_probs, target_probs
+from executor_service.sample.sampling import SamplingSettings, sampled_probs, target_probs
+from executor_service.spec_decode.host_verify import TreeVerdict, VerifyError, verify_on_host
 
 
 def sample(logits: torch.Tensor, settings: list[SamplingSettings], draw: int = 0) -> list[TreeVerdict | VerifyError]:

@@ -16,8 +16,8 @@ import torch
 from executor_builders import load_request
 from rpc_details import violated_fields
 
-from executor_service.main import ExecutorOptions, RunningExecutor, start_executor
-from executor_service.session import EngineSettings
+from executor_service.server.main import ExecutorOptions, RunningExecutor, start_executor
+from executor_service.server.session import EngineSettings
 from specdec.v1 import executor_pb2, executor_pb2_grpc
 from specdec_runtime.grpc_runtime import ServerSettings
 

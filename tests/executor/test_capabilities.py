@@ -8,7 +8,7 @@ from importlib import metadata
 import pytest
 import torch
 
-from executor_service.capabilities import probe, runnable_libraries
+from executor_service.server.capabilities import probe, runnable_libraries
 from kernels import unavailable_reason
 from kernels.attention import IMPLEMENTATIONS
 from selection.selector import select_backends

@@ -14,8 +14,8 @@ from greedy_reference import greedy_reference
 from rpc_details import violations
 from toy_model import toy_tokenizer, write_toy_model
 
-from executor_service.chat import MAX_CHAT_BYTES, MAX_CHAT_MESSAGES, load_chat_template
-from executor_service.main import RunningExecutor
+from executor_service.models.chat import MAX_CHAT_BYTES, MAX_CHAT_MESSAGES, load_chat_template
+from executor_service.server.main import RunningExecutor
 from specdec.v1 import common_pb2, executor_pb2
 
 pytest.importorskip("tokenizers")

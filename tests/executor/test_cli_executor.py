@@ -10,7 +10,7 @@ import socket
 import pytest
 from toy_model import write_toy_model
 
-from executor_service.main import RunningExecutor
+from executor_service.server.main import RunningExecutor
 from specdec.v1 import common_pb2, executor_pb2
 from specdec_cli.cli import EXIT_RPC_ERROR, main
 

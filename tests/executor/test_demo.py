@@ -22,10 +22,10 @@ import pytest
 import torch
 from stand_in_drafters import write_stand_in
 
-from executor_service.capabilities import probe
-from executor_service.drafting import resolve_draft
-from executor_service.session import selection_request as executor_selection_request
-from executor_service.wire import resolve_target
+from executor_service.server.capabilities import probe
+from executor_service.server.drafting import resolve_draft
+from executor_service.server.session import selection_request as executor_selection_request
+from executor_service.server.wire import resolve_target
 from selection.draft_tree import tree_from_text
 from selection.selector import Selector
 from specdec.v1 import common_pb2, executor_pb2, executor_pb2_grpc

@@ -11,19 +11,19 @@ from dataclasses import dataclass, field
 import pytest
 import torch
 
-from executor_service.device_penalties import (
+from executor_service.runner.step_constants import StepConstants
+from executor_service.sample.logprobs import batch_logprobs
+from executor_service.sample.penalties import TokenCounts, penalised_logits
+from executor_service.sample.sampling import SamplingSettings, target_logprobs
+from executor_service.spec_decode.device_penalties import (
     PenaltyTable,
     count_emitted,
     emitted_logprobs,
     penalty_params,
     unpack_logprobs,
 )
-from executor_service.host_verify import DraftTree
-from executor_service.logprobs import batch_logprobs
-from executor_service.penalties import TokenCounts, penalised_logits
-from executor_service.sampling import SamplingSettings, target_logprobs
-from executor_service.step_constants import StepConstants
-from executor_service.verifier import DraftLayout, StepPenalties, tree_layout
+from executor_service.spec_decode.host_verify import DraftTree
+from executor_service.spec_decode.verifier import DraftLayout, StepPenalties, tree_layout
 
 VOCAB = 11
 TREE = [-1, -1, 0, 0, 1, 2, 5]  # drafts 0, 1 under the root; 2, 3 under 0; 4 under 1; 5 under 2; 6 under 5

@@ -9,9 +9,9 @@ from executor_builders import greedy
 from spec_builders import spec_session
 from tree_cases import VOCAB, prompts, tree_session
 
-from executor_service.dflash_proposer import DFlashProposer
-from executor_service.host_verify import DraftTree
-from executor_service.session import ModelSession
+from executor_service.server.session import ModelSession
+from executor_service.spec_decode.dflash_proposer import DFlashProposer
+from executor_service.spec_decode.host_verify import DraftTree
 from specdec.v1 import common_pb2
 
 BLOCK = 8  # tree_session's DFlash block (draft_model with k = 7)

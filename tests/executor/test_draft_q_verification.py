@@ -10,11 +10,11 @@ import torch
 from host_verify_runs import request_of
 from verify_reference import accepts_all, without_residual
 
-from executor_service import verifier
-from executor_service.device_sampling import SamplingTensors
-from executor_service.host_verify import TreeVerdict, verify_on_host
-from executor_service.sampling import DraftProbs, SamplingSettings
-from executor_service.verifier import DraftLayout, DraftQ, tree_layout, verify
+from executor_service.sample.device_sampling import SamplingTensors
+from executor_service.sample.sampling import DraftProbs, SamplingSettings
+from executor_service.spec_decode import verifier
+from executor_service.spec_decode.host_verify import TreeVerdict, verify_on_host
+from executor_service.spec_decode.verifier import DraftLayout, DraftQ, tree_layout, verify
 
 VOCAB = 6
 COUNT = 12_000

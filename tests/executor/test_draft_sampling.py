@@ -1,5 +1,5 @@
-"""Sampled drafting (executor_service/draft_sampling.py): greedy rows keep the argmax, sampled rows draw from q
-(the drafter's logits under the request's settings, on its most likely ids) and keep q, in the target's ids,
+"""Sampled drafting (executor_service/spec_decode/draft_sampling.py): greedy rows keep the argmax, sampled rows
+draw from q (the drafter's logits under the request's settings, on its most likely ids) and keep q, in the target's ids,
 for verification.
 Their noise is counter-based, keyed by the request's seed and the draft's position. The engine-level proof that
 verification against q keeps the target's distribution is test_spec_sampling."""
@@ -10,9 +10,9 @@ import pytest
 import torch
 from spec_builders import spec_session
 
-from executor_service.draft_sampling import DraftSampler
-from executor_service.request import Request
-from executor_service.sampling import DraftProbs, SamplingSettings, sampled_probs
+from executor_service.engine.request import Request
+from executor_service.sample.sampling import DraftProbs, SamplingSettings, sampled_probs
+from executor_service.spec_decode.draft_sampling import DraftSampler
 
 VOCAB = 5
 

@@ -20,10 +20,10 @@ from rpc_details import violations
 from safetensors.torch import load_file, save_file
 from spec_builders import draft_model
 
-from executor_service.draft_models import TargetHeads
-from executor_service.draft_weights import save_drafter, synthetic_drafter
-from executor_service.drafting import resolve_draft
-from executor_service.main import RunningExecutor
+from executor_service.models.draft_models import TargetHeads
+from executor_service.models.draft_weights import save_drafter, synthetic_drafter
+from executor_service.server.drafting import resolve_draft
+from executor_service.server.main import RunningExecutor
 from specdec.v1 import executor_pb2, executor_pb2_grpc
 
 VOCAB = 512  # the tiny target's

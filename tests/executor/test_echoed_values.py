@@ -12,7 +12,7 @@ import pytest
 import torch
 from executor_builders import load_request
 
-from executor_service.main import ExecutorOptions, start_executor
+from executor_service.server.main import ExecutorOptions, start_executor
 from specdec.v1 import executor_pb2, executor_pb2_grpc
 from specdec_runtime.grpc_runtime import ServerSettings
 

@@ -12,9 +12,9 @@ from engine_driving import Collector, add_all
 from executor_builders import greedy, tiny_session
 from greedy_reference import dense_logits, greedy_reference
 
-from executor_service.request import RequestOutput
-from executor_service.sampling import SamplingSettings
-from executor_service.scheduler import ScheduledStep
+from executor_service.engine.request import RequestOutput
+from executor_service.engine.scheduler import ScheduledStep
+from executor_service.sample.sampling import SamplingSettings
 from kernels import unavailable_reason
 
 VOCAB = 512

@@ -15,8 +15,8 @@ from certs import TlsFiles, make_tls_files
 from executor_builders import load_request
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from executor_service.main import ExecutorOptions, RunningExecutor, start_executor
-from executor_service.session import EngineSettings
+from executor_service.server.main import ExecutorOptions, RunningExecutor, start_executor
+from executor_service.server.session import EngineSettings
 from specdec.v1 import common_pb2, executor_pb2, executor_pb2_grpc
 from specdec_runtime.auth import bearer_metadata
 from specdec_runtime.client import open_channel

@@ -1,6 +1,6 @@
-"""`python -m executor_service.main` as a process on the CPU: --load at start, health, and SIGTERM, which refuses new
-generations, aborts the running ones after --grace-seconds (their streams end cleanly with finish_reason "abort")
-and exits 0."""
+"""`python -m executor_service.server.main` as a process on the CPU: --load at start, health, and SIGTERM, which
+refuses new generations, aborts the running ones after --grace-seconds (their streams end cleanly with
+finish_reason "abort") and exits 0."""
 
 from __future__ import annotations
 

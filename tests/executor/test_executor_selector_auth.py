@@ -16,15 +16,15 @@ from certs import TlsFiles, make_tls_files
 from executor_builders import load_request
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from executor_service.main import (
+from executor_service.server.main import (
     ExecutorOptions,
     RunningExecutor,
     add_selector_client_arguments,
     selector_client_settings,
     start_executor,
 )
-from executor_service.selection import BackendChooser, SelectorClientSettings
-from executor_service.session import EngineSettings
+from executor_service.server.selection import BackendChooser, SelectorClientSettings
+from executor_service.server.session import EngineSettings
 from selector_service.main import start_selector
 from specdec.v1 import common_pb2, executor_pb2, executor_pb2_grpc
 from specdec_runtime.client import open_aio_channel

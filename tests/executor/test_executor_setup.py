@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 from certs import make_tls_files
 
-import executor_service.main as executor_main
+import executor_service.server.main as executor_main
 
 
 @pytest.fixture

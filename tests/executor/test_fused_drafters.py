@@ -13,14 +13,14 @@ from unittest import mock
 import pytest
 import torch
 
-from executor_service import fused_ops
-from executor_service.attention_step import build_attention_step
-from executor_service.config import ModelConfig
-from executor_service.draft_config import DraftConfig
-from executor_service.draft_models import DFlashDrafter, Drafter, TargetHeads
-from executor_service.draft_weights import synthetic_drafter
-from executor_service.kv_cache import KVCache
-from executor_service.loader import build_synthetic
+from executor_service.engine.kv_cache import KVCache
+from executor_service.models import fused_ops
+from executor_service.models.attention_step import build_attention_step
+from executor_service.models.config import ModelConfig
+from executor_service.models.draft_config import DraftConfig
+from executor_service.models.draft_models import DFlashDrafter, Drafter, TargetHeads
+from executor_service.models.draft_weights import synthetic_drafter
+from executor_service.models.loader import build_synthetic
 from kernels import qkv_rope_gemm, small_gemm
 from kernels.small_gemm_table import POLICY_ENV
 from specdec_training.unroll import dflash_blocks, eagle_unroll
@@ -144,7 +144,7 @@ def test_fused_and_unfused_drafters_match_float64(
             mock.patch.object(small_gemm, "small_gemm", wraps=small_gemm.small_gemm) as gemms,
             mock.patch.object(qkv_rope_gemm, "qkv_rope_store", wraps=qkv_rope_gemm.qkv_rope_store) as qkv,
             mock.patch.object(fused_ops, "concat_rms_norm", wraps=fused_ops.concat_rms_norm) as concat_norm,
-            mock.patch("executor_service.fused_layer.concat_rms_norm", concat_norm),
+            mock.patch("executor_service.models.fused_layer.concat_rms_norm", concat_norm),
         ):
             fused = head_logits(drafter, run(drafter, feats))
     layers = drafter.config.model.num_layers

@@ -12,11 +12,11 @@ import pytest
 import torch
 from greedy_reference import dense_logits
 
-from executor_service.attention_step import build_attention_step
-from executor_service.config import ModelConfig
-from executor_service.kv_cache import KVCache
-from executor_service.loader import build_synthetic
-from executor_service.model import DecoderModel
+from executor_service.engine.kv_cache import KVCache
+from executor_service.models.attention_step import build_attention_step
+from executor_service.models.config import ModelConfig
+from executor_service.models.loader import build_synthetic
+from executor_service.models.model import DecoderModel
 from kernels import qkv_rope_gemm, small_gemm
 from kernels.small_gemm_table import POLICY_ENV
 

@@ -12,7 +12,7 @@ import pytest
 import torch
 from torch import nn
 
-from executor_service import fused_ops
+from executor_service.models import fused_ops
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 triton_runs = pytest.mark.skipif(

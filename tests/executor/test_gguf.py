@@ -12,17 +12,17 @@ import torch
 from executor_builders import tiny_config
 from paged_reference import paged_logits
 
-from executor_service.config import ModelConfig
-from executor_service.detokenizer import IncrementalDetokenizer
+from executor_service.engine.request import RequestOutput
 from executor_service.errors import InvalidField, UnmetPrecondition
-from executor_service.gguf_loader import load_gguf, packaged_smollm2_path, resolve_gguf_path
-from executor_service.gguf_tokenizer import CONTROL, USER_DEFINED, chat_template, gguf_tokenizer, render_chat
-from executor_service.loader import LoadedModel, build_synthetic
-from executor_service.request import RequestOutput
-from executor_service.session import EngineSettings, build_session
-from executor_service.validation import check_generate
-from executor_service.weights import export_hf_state
-from executor_service.wire import resolve_target
+from executor_service.models.config import ModelConfig
+from executor_service.models.detokenizer import IncrementalDetokenizer
+from executor_service.models.gguf_loader import load_gguf, packaged_smollm2_path, resolve_gguf_path
+from executor_service.models.gguf_tokenizer import CONTROL, USER_DEFINED, chat_template, gguf_tokenizer, render_chat
+from executor_service.models.loader import LoadedModel, build_synthetic
+from executor_service.models.weights import export_hf_state
+from executor_service.server.session import EngineSettings, build_session
+from executor_service.server.validation import check_generate
+from executor_service.server.wire import resolve_target
 from specdec.v1 import common_pb2, executor_pb2
 
 gguf = pytest.importorskip("gguf", reason="reading GGUF files needs the `gguf` package (extra `smollm2`)")

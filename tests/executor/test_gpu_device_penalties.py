@@ -15,8 +15,8 @@ from gpu_sampled_cases import session_of, step_of
 from greedy_reference import dense_logits
 from penalty_reference import greedy_penalised
 
-from executor_service.sampling import SamplingSettings
-from executor_service.session import ModelSession
+from executor_service.sample.sampling import SamplingSettings
+from executor_service.server.session import ModelSession
 
 pytestmark = pytest.mark.gpu
 if not torch.cuda.is_available():

@@ -14,12 +14,12 @@ import pytest
 import torch
 from kernel_counting import CONTEXT, MAX_KERNELS_PER_LAYER, kernels_in, smollm2
 
-from executor_service.attention_step import AttentionStep, build_attention_step
-from executor_service.draft_config import DraftConfig
-from executor_service.draft_models import Drafter, TargetHeads
-from executor_service.draft_weights import synthetic_drafter
-from executor_service.kv_cache import KVCache
-from executor_service.loader import build_synthetic
+from executor_service.engine.kv_cache import KVCache
+from executor_service.models.attention_step import AttentionStep, build_attention_step
+from executor_service.models.draft_config import DraftConfig
+from executor_service.models.draft_models import Drafter, TargetHeads
+from executor_service.models.draft_weights import synthetic_drafter
+from executor_service.models.loader import build_synthetic
 from kernels.small_gemm_table import POLICY_ENV
 
 pytestmark = pytest.mark.gpu

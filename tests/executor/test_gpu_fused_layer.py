@@ -11,9 +11,9 @@ import pytest
 import torch
 from kernel_counting import CONTEXT, MAX_KERNELS_PER_LAYER, kernels_in, smollm2
 
-from executor_service.attention_step import build_attention_step
-from executor_service.kv_cache import KVCache
-from executor_service.loader import build_synthetic
+from executor_service.engine.kv_cache import KVCache
+from executor_service.models.attention_step import build_attention_step
+from executor_service.models.loader import build_synthetic
 from kernels.small_gemm_table import POLICY_ENV
 
 pytestmark = pytest.mark.gpu

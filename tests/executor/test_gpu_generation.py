@@ -15,14 +15,14 @@ import pytest
 import torch
 from greedy_reference import dense_logits, greedy_reference
 
-from executor_service.config import ModelConfig
-from executor_service.engine import Engine
-from executor_service.kv_cache import KVCache
-from executor_service.loader import build_synthetic
-from executor_service.model_runner import ModelRunner
-from executor_service.request import RequestOutput
-from executor_service.sampling import SamplingSettings
-from executor_service.scheduler import Scheduler
+from executor_service.engine.engine import Engine
+from executor_service.engine.kv_cache import KVCache
+from executor_service.engine.request import RequestOutput
+from executor_service.engine.scheduler import Scheduler
+from executor_service.models.config import ModelConfig
+from executor_service.models.loader import build_synthetic
+from executor_service.runner.model_runner import ModelRunner
+from executor_service.sample.sampling import SamplingSettings
 from kernels import unavailable_reason
 
 pytestmark = pytest.mark.gpu
@@ -50,7 +50,7 @@ def run_engine(backend: str, dtype: torch.dtype, batch: dict[str, list[int]], ma
         assert output.error is None, output.error
         outputs[output.request_id] += output.token_ids
 
-    from executor_service.request import Request
+    from executor_service.engine.request import Request
 
     for rid, prompt in batch.items():
         engine.add(Request(rid, prompt, SamplingSettings(), max_tokens, frozenset(), sink))
@@ -93,7 +93,7 @@ def test_bf16_tokens_are_the_reference_argmax_up_to_rounding(backend: str) -> No
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_rotary_kernel_matches_the_torch_expression(dtype: torch.dtype) -> None:
-    from executor_service.rope import RotaryEmbedding, _rotate, apply_rotary
+    from executor_service.models.rope import RotaryEmbedding, _rotate, apply_rotary
 
     rope = RotaryEmbedding(CONFIG).to(CUDA)
     qkv = torch.randn(37, (8 + 2 + 2) * 64, device=CUDA, dtype=dtype)
@@ -112,7 +112,7 @@ def test_decode_graphs_give_the_eager_tokens(backend: str) -> None:
     """The same batch through the session's CUDA-graph decode and through eager steps: same tokens."""
     from executor_builders import tiny_session
 
-    from executor_service.sampling import SamplingSettings as Settings
+    from executor_service.sample.sampling import SamplingSettings as Settings
     from specdec.v1 import common_pb2
 
     reason = unavailable_reason(backend, CUDA)

@@ -9,8 +9,8 @@ import host_verify_runs as runs
 import pytest
 import torch
 
-import executor_service.host_verify as host_verify
-from executor_service.sampling import to_host
+import executor_service.spec_decode.host_verify as host_verify
+from executor_service.sample.sampling import to_host
 
 pytestmark = pytest.mark.gpu
 if not torch.cuda.is_available():

@@ -12,9 +12,9 @@ import torch
 from executor_builders import tiny_session
 from spec_builders import spec_session
 
-from executor_service.request import RequestOutput
-from executor_service.sampling import SamplingSettings
-from executor_service.session import ModelSession
+from executor_service.engine.request import RequestOutput
+from executor_service.sample.sampling import SamplingSettings
+from executor_service.server.session import ModelSession
 from kernels import unavailable_reason
 from specdec.v1 import common_pb2
 

@@ -11,8 +11,8 @@ import torch
 from engine_driving import Collector
 from gpu_sampled_cases import session_of, step_of
 
-from executor_service.sampling import SamplingSettings
-from executor_service.session import ModelSession
+from executor_service.sample.sampling import SamplingSettings
+from executor_service.server.session import ModelSession
 
 pytestmark = pytest.mark.gpu
 if not torch.cuda.is_available():

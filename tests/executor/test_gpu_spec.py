@@ -12,9 +12,9 @@ from spec_builders import spec_session
 from spec_metadata_runs import BATCHED_TOKENS, MAX_TOKENS, WRONG_AT, K, run_recorded
 from spec_metadata_runs import prompts as metadata_prompts
 
-from executor_service.request import Request, RequestOutput
-from executor_service.sampling import DraftProbs, SamplingSettings
-from executor_service.session import ModelSession
+from executor_service.engine.request import Request, RequestOutput
+from executor_service.sample.sampling import DraftProbs, SamplingSettings
+from executor_service.server.session import ModelSession
 from kernels import unavailable_reason
 
 pytestmark = pytest.mark.gpu

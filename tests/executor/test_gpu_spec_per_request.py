@@ -12,10 +12,10 @@ from gpu_spec_cases import BF16, METHODS, prompts, tokens
 from spec_builders import spec_session
 from spec_checks import generate_request
 
-from executor_service.request import RequestOutput
-from executor_service.sampling import SamplingSettings
-from executor_service.session import ModelSession
-from executor_service.validation import check_generate
+from executor_service.engine.request import RequestOutput
+from executor_service.sample.sampling import SamplingSettings
+from executor_service.server.session import ModelSession
+from executor_service.server.validation import check_generate
 
 pytestmark = pytest.mark.gpu
 if not torch.cuda.is_available():

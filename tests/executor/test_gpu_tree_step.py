@@ -13,7 +13,7 @@ from engine_driving import Collector, add_all
 from executor_builders import greedy, tiny_session
 from tree_cases import TREES, ReplayOnLastBranch, prompts, tree_session
 
-from executor_service.session import ModelSession
+from executor_service.server.session import ModelSession
 from kernels import unavailable_reason
 from specdec.v1 import common_pb2
 

@@ -16,8 +16,8 @@ from grpc_calls import Samples, generate, sample, scrape
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from rpc_details import violations
 
-from executor_service.loader import build_synthetic, save_directory
-from executor_service.main import ExecutorOptions, RunningExecutor, start_executor
+from executor_service.models.loader import build_synthetic, save_directory
+from executor_service.server.main import ExecutorOptions, RunningExecutor, start_executor
 from specdec.v1 import common_pb2, executor_pb2, executor_pb2_grpc
 from specdec_runtime.grpc_runtime import ServerSettings
 

@@ -11,8 +11,8 @@ import torch
 from executor_builders import load_request
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from executor_service.main import ExecutorOptions, start_executor
-from executor_service.session import EngineSettings
+from executor_service.server.main import ExecutorOptions, start_executor
+from executor_service.server.session import EngineSettings
 from specdec.v1 import executor_pb2_grpc
 from specdec_runtime.grpc_runtime import ServerSettings
 

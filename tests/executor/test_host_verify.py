@@ -28,11 +28,11 @@ from spec_builders import spec_session
 from tree_cases import TREES, tree_session
 from verify_reference import without_residual
 
-import executor_service.host_step as host_step
-import executor_service.host_verify as host_verify
-import executor_service.verifier as verifier
-from executor_service.sampling import SamplingSettings, to_host
-from executor_service.session import ModelSession
+import executor_service.engine.host_step as host_step
+import executor_service.spec_decode.host_verify as host_verify
+import executor_service.spec_decode.verifier as verifier
+from executor_service.sample.sampling import SamplingSettings, to_host
+from executor_service.server.session import ModelSession
 
 CPU = torch.device("cpu")
 

@@ -25,9 +25,9 @@ from load_refusals import CPU, RPC_TIMEOUT_S, SERVING, assert_still_serving, gen
 from rpc_details import violations
 from spec_builders import draft_model
 
-import executor_service.servicer as servicer_module
-from executor_service.loader import save_directory
-from executor_service.main import RunningExecutor
+import executor_service.server.servicer as servicer_module
+from executor_service.models.loader import save_directory
+from executor_service.server.main import RunningExecutor
 from specdec.v1 import executor_pb2, executor_pb2_grpc
 
 WAIT_S = 60.0
@@ -110,7 +110,7 @@ async def test_memory_is_estimated_before_allocating(
 ) -> None:
     """RESOURCE_EXHAUSTED with the estimate and what is available; a model that fits only in place of the
     loaded one replaces it; what the estimate counts is at least what the session holds."""
-    from executor_service import memory
+    from executor_service.server import memory
 
     loaded = await stub.LoadModel(load_request(), timeout=RPC_TIMEOUT_S)
     session = executor.servicer.session
@@ -244,7 +244,7 @@ def test_sigterm_stops_an_executor_that_is_building_a_model(
 def test_a_cancelled_build_stops_between_tensors(tmp_path: Path) -> None:
     """Shutdown's cancellation reaches the tensor copy loops as LoadCancelled, not as a checkpoint read error."""
     from executor_service.cancellation import LoadCancelled, cancellable
-    from executor_service.loader import load_directory
+    from executor_service.models.loader import load_directory
 
     save_directory(tiny_model().model, tmp_path / "target")
     cancel = threading.Event()

@@ -11,7 +11,7 @@ import pytest
 from executor_builders import load_request
 
 from executor_service.load_phases import PHASE_PREFIX, SUMMARY_PREFIX
-from executor_service.main import RunningExecutor
+from executor_service.server.main import RunningExecutor
 from specdec.v1 import executor_pb2_grpc
 from specdec_cli.local_servers import last_logged
 

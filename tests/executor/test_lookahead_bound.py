@@ -7,12 +7,12 @@ import pytest
 from executor_builders import load_request
 from spec_builders import draft_model
 
-from executor_service.cuda_graphs import MAX_LOOKAHEAD
-from executor_service.draft_config import MAX_SPECULATIVE_TOKENS
-from executor_service.drafting import resolve_draft
 from executor_service.errors import InvalidField
-from executor_service.limits import MAX_DFLASH_BLOCK_SIZE
-from executor_service.wire import resolve_target, status_error
+from executor_service.models.draft_config import MAX_SPECULATIVE_TOKENS
+from executor_service.models.limits import MAX_DFLASH_BLOCK_SIZE
+from executor_service.runner.cuda_graphs import MAX_LOOKAHEAD
+from executor_service.server.drafting import resolve_draft
+from executor_service.server.wire import resolve_target, status_error
 from specdec_runtime.errors import InvalidArgument
 
 

@@ -8,11 +8,11 @@ import torch
 from executor_builders import load_request
 from spec_builders import draft_model
 
-from executor_service import memory
-from executor_service.device_penalties import PenaltyTable
-from executor_service.drafting import resolve_draft
-from executor_service.memory import PENALTY_TABLE_BYTES_PER_ENTRY, estimate_memory
-from executor_service.wire import resolve_target
+from executor_service.server import memory
+from executor_service.server.drafting import resolve_draft
+from executor_service.server.memory import PENALTY_TABLE_BYTES_PER_ENTRY, estimate_memory
+from executor_service.server.wire import resolve_target
+from executor_service.spec_decode.device_penalties import PenaltyTable
 
 
 def test_the_penalty_table_takes_what_the_estimate_counts() -> None:

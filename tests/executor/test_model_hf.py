@@ -12,9 +12,9 @@ import torch
 from executor_builders import tiny_config
 from paged_reference import CPU, paged_logits
 
-from executor_service.config import ModelConfig
 from executor_service.errors import InvalidField
-from executor_service.loader import build_synthetic, load_directory, save_directory
+from executor_service.models.config import ModelConfig
+from executor_service.models.loader import build_synthetic, load_directory, save_directory
 
 transformers = pytest.importorskip("transformers")
 

@@ -11,11 +11,11 @@ import torch
 from host_verify_runs import request_of
 from penalty_reference import reference_logits
 
-import executor_service.penalties as penalties
-from executor_service.host_verify import TreeVerdict, verify_on_host
-from executor_service.logprobs import batch_logprobs
-from executor_service.penalties import TokenCounts, penalised_logits
-from executor_service.sampling import SamplingSettings, target_probs
+import executor_service.sample.penalties as penalties
+from executor_service.sample.logprobs import batch_logprobs
+from executor_service.sample.penalties import TokenCounts, penalised_logits
+from executor_service.sample.sampling import SamplingSettings, target_probs
+from executor_service.spec_decode.host_verify import TreeVerdict, verify_on_host
 
 VOCAB = 40
 PENALTIES = SamplingSettings(repetition_penalty=1.7, presence_penalty=0.6, frequency_penalty=0.9)

@@ -5,11 +5,11 @@ from __future__ import annotations
 
 import pytest
 
-from executor_service.block_pool import BlockPool
+from executor_service.engine.block_pool import BlockPool
+from executor_service.engine.prefix_cache import PrefixCache, hash_block_tokens, tokens_after_block
+from executor_service.engine.request import Request
 from executor_service.errors import KVCacheFull
-from executor_service.prefix_cache import PrefixCache, hash_block_tokens, tokens_after_block
-from executor_service.request import Request
-from executor_service.sampling import SamplingSettings
+from executor_service.sample.sampling import SamplingSettings
 
 BLOCK = 4
 

@@ -14,11 +14,11 @@ from engine_driving import Outputs, run_bounded
 from executor_builders import greedy, load_request
 from spec_builders import draft_model
 
-import executor_service.prefix_cache as prefix_cache_module
-from executor_service.drafting import resolve_draft
-from executor_service.request import Request
-from executor_service.session import EngineSettings, ModelSession, build_session
-from executor_service.wire import resolve_target
+import executor_service.engine.prefix_cache as prefix_cache_module
+from executor_service.engine.request import Request
+from executor_service.server.drafting import resolve_draft
+from executor_service.server.session import EngineSettings, ModelSession, build_session
+from executor_service.server.wire import resolve_target
 from specdec.v1 import common_pb2
 
 BLOCK = 16

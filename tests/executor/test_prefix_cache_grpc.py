@@ -11,7 +11,7 @@ from greedy_reference import greedy_reference
 from grpc_calls import generate, sample, scrape
 from spec_builders import draft_model
 
-from executor_service.main import RunningExecutor
+from executor_service.server.main import RunningExecutor
 from specdec.v1 import executor_pb2
 
 BLOCK = 16

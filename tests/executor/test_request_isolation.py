@@ -14,12 +14,12 @@ from greedy_reference import greedy_reference
 from host_verify_runs import request_of
 from spec_builders import spec_session
 
-from executor_service.host_verify import TreeVerdict, VerifyError, verify_on_host
-from executor_service.model_runner import StepInputs, StepOutput
-from executor_service.sampling import DraftProbs, SamplingSettings
-from executor_service.scheduler import ScheduledStep
-from executor_service.session import ModelSession
-from executor_service.validation import ModelLimits, check_generate
+from executor_service.engine.scheduler import ScheduledStep
+from executor_service.runner.model_runner import StepInputs, StepOutput
+from executor_service.sample.sampling import DraftProbs, SamplingSettings
+from executor_service.server.session import ModelSession
+from executor_service.server.validation import ModelLimits, check_generate
+from executor_service.spec_decode.host_verify import TreeVerdict, VerifyError, verify_on_host
 from specdec.v1 import executor_pb2
 from specdec_runtime.errors import InvalidArgument
 

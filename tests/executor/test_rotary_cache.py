@@ -1,4 +1,4 @@
-"""RoPE and the KV write fused (executor_service/rotary_cache.py), under the interpreter on the CPU or on the
+"""RoPE and the KV write fused (executor_service/models/rotary_cache.py), under the interpreter on the CPU or on the
 GPU, against an independent reference: Hugging Face's rotate-half rotation in torch and a loop that puts each
 token's key and value at its slot. q, k, v are views of one fused projection, as in the model."""
 
@@ -9,7 +9,7 @@ import os
 import pytest
 import torch
 
-from executor_service import rotary_cache
+from executor_service.models import rotary_cache
 
 pytestmark = pytest.mark.skipif(
     not torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1",

@@ -17,8 +17,8 @@ from penalty_reference import greedy_penalised
 from rpc_details import violations
 from spec_builders import ReplayDrafts, draft_model
 
-from executor_service.main import RunningExecutor
-from executor_service.sampling import SamplingSettings
+from executor_service.sample.sampling import SamplingSettings
+from executor_service.server.main import RunningExecutor
 from specdec.v1 import executor_pb2
 
 PROMPT = [5, 9, 5, 5, 17, 9, 2]

@@ -14,8 +14,8 @@ from executor_builders import load_request
 from rpc_details import violated_fields
 from spec_builders import draft_model
 
-from executor_service.main import ExecutorOptions, start_executor
-from executor_service.selection import load_request_field
+from executor_service.server.main import ExecutorOptions, start_executor
+from executor_service.server.selection import load_request_field
 from selector_service.main import start_selector
 from specdec.v1 import executor_pb2_grpc
 from specdec_runtime.grpc_runtime import ServerSettings

@@ -14,7 +14,7 @@ import torch
 from executor_builders import load_request
 from spec_builders import draft_model
 
-from executor_service.main import RunningExecutor
+from executor_service.server.main import RunningExecutor
 from specdec.v1 import executor_pb2
 
 

@@ -11,7 +11,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from executor_service.rope import apply_rotary
+from executor_service.models.rope import apply_rotary
 from kernels.kv_cache import write_kv
 from kernels.small_gemm_table import GemmConfig
 

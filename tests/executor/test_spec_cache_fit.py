@@ -20,10 +20,10 @@ from rpc_details import violations
 from spec_builders import draft_model, spec_session
 
 from executor_service.errors import RequestTooLarge
-from executor_service.main import ExecutorOptions, start_executor
-from executor_service.session import EngineSettings, ModelSession
-from executor_service.validation import check_generate
-from executor_service.wire import status_error
+from executor_service.server.main import ExecutorOptions, start_executor
+from executor_service.server.session import EngineSettings, ModelSession
+from executor_service.server.validation import check_generate
+from executor_service.server.wire import status_error
 from specdec.v1 import executor_pb2, executor_pb2_grpc
 from specdec_runtime.errors import ResourceExhausted
 from specdec_runtime.grpc_runtime import ServerSettings

@@ -11,7 +11,7 @@ from greedy_reference import greedy_reference
 from spec_builders import ReplayDrafts, spec_session
 from spec_checks import VOCAB, assert_no_leak, prompts, scripted_verify_steps
 
-from executor_service.session import ModelSession
+from executor_service.server.session import ModelSession
 
 ALL_METHODS = ["eagle", "eagle3", "dflash", "dflash_causal"]
 

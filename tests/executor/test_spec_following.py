@@ -14,9 +14,9 @@ from engine_driving import Collector
 from greedy_reference import greedy_reference
 from spec_builders import spec_session
 
-from executor_service.request import Request, Status
-from executor_service.sampling import SamplingSettings
-from executor_service.scheduler import ScheduledStep
+from executor_service.engine.request import Request, Status
+from executor_service.engine.scheduler import ScheduledStep
+from executor_service.sample.sampling import SamplingSettings
 
 K = 4
 METHODS = ["eagle", "eagle3", "dflash", "dflash_causal"]

@@ -12,11 +12,11 @@ from executor_builders import greedy, load_request
 from greedy_reference import greedy_reference
 from spec_builders import draft_model, spec_session
 
-from executor_service.draft_weights import save_drafter
-from executor_service.drafting import check_drafter_backend, resolve_draft
 from executor_service.errors import InvalidField
-from executor_service.session import EngineSettings, build_session
-from executor_service.wire import resolve_target, status_error
+from executor_service.models.draft_weights import save_drafter
+from executor_service.server.drafting import check_drafter_backend, resolve_draft
+from executor_service.server.session import EngineSettings, build_session
+from executor_service.server.wire import resolve_target, status_error
 from specdec.v1 import common_pb2
 from specdec_runtime.errors import FailedPrecondition, InvalidArgument
 

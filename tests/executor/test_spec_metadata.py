@@ -31,11 +31,11 @@ from spec_metadata_runs import (
     run_recorded,
 )
 
-from executor_service.attention_step import AttentionStep
-from executor_service.draft_models import DFlashDrafter, Drafter
-from executor_service.kv_cache import KVCache, blocks_needed
-from executor_service.proposer import Proposer
-from executor_service.session import ModelSession
+from executor_service.engine.kv_cache import KVCache, blocks_needed
+from executor_service.models.attention_step import AttentionStep
+from executor_service.models.draft_models import DFlashDrafter, Drafter
+from executor_service.server.session import ModelSession
+from executor_service.spec_decode.proposer import Proposer
 
 METHODS = ["eagle", "eagle3", "dflash", "dflash_causal"]
 

@@ -16,8 +16,8 @@ from penalty_cases import MAX_TOKENS, PENALISED, PENALISED_WITH_LOGPROBS, WITH_L
 from penalty_reference import greedy_penalised
 from spec_builders import ReplayDrafts, spec_session
 
-from executor_service.sampling import SamplingSettings
-from executor_service.session import ModelSession
+from executor_service.sample.sampling import SamplingSettings
+from executor_service.server.session import ModelSession
 
 VOCAB = 512
 

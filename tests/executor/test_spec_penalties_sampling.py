@@ -18,13 +18,13 @@ from penalty_reference import reference_probs
 from spec_sampling_runs import BOUND, MAX_TOKENS, PROMPT, REQUESTS, VOCAB, run_requests, total_variations
 from spec_sampling_runs import session as session  # the module's fixture, shared
 
-import executor_service.penalties as penalties
-from executor_service import verifier
-from executor_service.model import DecoderModel
-from executor_service.sampling import SamplingSettings
-from executor_service.session import ModelSession
-from executor_service.step_constants import StepConstants
-from executor_service.verifier import DraftLayout
+import executor_service.sample.penalties as penalties
+from executor_service.models.model import DecoderModel
+from executor_service.runner.step_constants import StepConstants
+from executor_service.sample.sampling import SamplingSettings
+from executor_service.server.session import ModelSession
+from executor_service.spec_decode import verifier
+from executor_service.spec_decode.verifier import DraftLayout
 
 SETTINGS = {
     "penalised": SamplingSettings(

@@ -14,10 +14,10 @@ from greedy_reference import greedy_reference
 from spec_builders import ReplayDrafts, spec_session
 from spec_checks import VOCAB, assert_no_leak, generate_request, scripted_verify_steps
 
-from executor_service.proposer import ProposeBatch
-from executor_service.sampling import SamplingSettings
-from executor_service.session import ModelSession
-from executor_service.validation import check_generate
+from executor_service.sample.sampling import SamplingSettings
+from executor_service.server.session import ModelSession
+from executor_service.server.validation import check_generate
+from executor_service.spec_decode.proposer import ProposeBatch
 from specdec_runtime.errors import InvalidArgument
 
 K = 4

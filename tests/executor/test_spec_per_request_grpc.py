@@ -13,7 +13,7 @@ from greedy_reference import greedy_reference
 from rpc_details import violations
 from spec_builders import draft_model
 
-from executor_service.main import RunningExecutor
+from executor_service.server.main import RunningExecutor
 from specdec.v1 import executor_pb2
 
 WAIT_S = 300  # only so that a regression fails instead of hanging; no test asserts a duration

@@ -20,8 +20,8 @@ from spec_sampling_runs import (
 )
 from spec_sampling_runs import session as session  # the module-scoped fixture, shared
 
-from executor_service.sampling import SamplingSettings
-from executor_service.session import ModelSession
+from executor_service.sample.sampling import SamplingSettings
+from executor_service.server.session import ModelSession
 
 K = 3
 

@@ -29,10 +29,10 @@ from spec_sampling_runs import (
 from spec_sampling_runs import session as session  # the module-scoped fixture
 from verify_reference import accepts_all, without_residual
 
-import executor_service.verifier as verifier
-from executor_service.draft_sampling import DraftSampler
-from executor_service.sampling import DraftProbs
-from executor_service.session import ModelSession
+import executor_service.spec_decode.verifier as verifier
+from executor_service.sample.sampling import DraftProbs
+from executor_service.server.session import ModelSession
+from executor_service.spec_decode.draft_sampling import DraftSampler
 
 
 @pytest.mark.parametrize("name", list(SETTINGS))

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import torch
 
-from executor_service.spec_step import VerifiedStep
-from executor_service.verifier import DraftLayout, verify
+from executor_service.spec_decode.spec_step import VerifiedStep
+from executor_service.spec_decode.verifier import DraftLayout, verify
 
 
 def chain_verdict(logits: torch.Tensor, drafts: torch.Tensor):  # type: ignore[no-untyped-def]

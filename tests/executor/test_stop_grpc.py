@@ -12,8 +12,8 @@ from rpc_details import violations
 from spec_builders import ReplayDrafts, draft_model
 from toy_model import VOCAB_SIZE, token_text, write_toy_model
 
-from executor_service.main import RunningExecutor
-from executor_service.stop_strings import MAX_STOP_STRING_CHARS, MAX_STOP_STRINGS
+from executor_service.server.main import RunningExecutor
+from executor_service.server.stop_strings import MAX_STOP_STRING_CHARS, MAX_STOP_STRINGS
 from specdec.v1 import common_pb2, executor_pb2
 
 pytest.importorskip("tokenizers")

@@ -17,9 +17,9 @@ import pytest
 import torch
 from grpc._cython import cygrpc  # channelz: how many calls gRPC's core has taken in, seen without the event loop
 
-from executor_service import main as executor_main
-from executor_service.main import ExecutorOptions, start_executor
-from executor_service.session import EngineSettings
+from executor_service.server import main as executor_main
+from executor_service.server.main import ExecutorOptions, start_executor
+from executor_service.server.session import EngineSettings
 from specdec.v1 import executor_pb2, executor_pb2_grpc
 from specdec_runtime.grpc_runtime import ServerSettings
 

@@ -9,8 +9,13 @@ import random
 import pytest
 from toy_model import ALPHABET, token_text, toy_tokenizer
 
-from executor_service.detokenizer import IncrementalDetokenizer
-from executor_service.stop_strings import MAX_STOP_STRING_CHARS, MAX_STOP_STRINGS, StreamedOutput, stop_violations
+from executor_service.models.detokenizer import IncrementalDetokenizer
+from executor_service.server.stop_strings import (
+    MAX_STOP_STRING_CHARS,
+    MAX_STOP_STRINGS,
+    StreamedOutput,
+    stop_violations,
+)
 
 tokenizers = pytest.importorskip("tokenizers")
 

@@ -12,12 +12,12 @@ from greedy_reference import greedy_reference
 from spec_builders import draft_model
 from tree_cases import TREES, ReplayOnLastBranch, check_equals_target_only, prompts, tree_session, use_device_step
 
-import executor_service.engine as engine_module
-from executor_service.drafting import resolve_draft
+import executor_service.engine.engine as engine_module
 from executor_service.errors import InvalidField
-from executor_service.session import ModelSession
-from executor_service.spec_step import SpecStep
-from executor_service.wire import resolve_target, status_error
+from executor_service.server.drafting import resolve_draft
+from executor_service.server.session import ModelSession
+from executor_service.server.wire import resolve_target, status_error
+from executor_service.spec_decode.spec_step import SpecStep
 from specdec.v1 import common_pb2
 from specdec_runtime.errors import InvalidArgument
 

@@ -17,9 +17,9 @@ from penalty_reference import greedy_penalised
 from spec_builders import spec_session
 from tree_cases import TREES, ReplayOnLastBranch, prompts, tree_session, use_device_step
 
-from executor_service import cuda_graphs
-from executor_service.sampling import SamplingSettings
-from executor_service.session import ModelSession
+from executor_service.runner import cuda_graphs
+from executor_service.sample.sampling import SamplingSettings
+from executor_service.server.session import ModelSession
 
 MAX_TOKENS = 10
 SAMPLED = SamplingSettings(temperature=0.9, top_p=0.9, seed=3, repetition_penalty=1.2, logprobs=2)

@@ -10,8 +10,8 @@ from spec_sampling_runs import BATCH, BOUND, SETTINGS, VOCAB, exact_marginals, r
 from tree_cases import tree_session
 from verify_reference import without_residual
 
-import executor_service.verifier as verifier
-from executor_service.session import ModelSession
+import executor_service.spec_decode.verifier as verifier
+from executor_service.server.session import ModelSession
 from specdec.v1 import common_pb2
 
 SHAPES = {

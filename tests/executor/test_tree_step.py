@@ -16,10 +16,10 @@ from op_counting import OpCounter, count_each_call
 from tree_cases import TREES, VOCAB, check_equals_target_only, prompts, tree_session
 from verify_reference import greedy_walk
 
-from executor_service import cuda_graphs
-from executor_service.host_verify import DraftTree
-from executor_service.session import ModelSession
-from executor_service.verifier import DraftLayout, tree_layout, verify
+from executor_service.runner import cuda_graphs
+from executor_service.server.session import ModelSession
+from executor_service.spec_decode.host_verify import DraftTree
+from executor_service.spec_decode.verifier import DraftLayout, tree_layout, verify
 from kernels.tree_mask import tree_masks
 from specdec.v1 import common_pb2
 
@@ -155,7 +155,7 @@ def test_device_step_equals_the_host_path(method: str, shape: str) -> None:
 def test_device_step_takes_a_batch_mixing_greedy_and_sampled_requests() -> None:
     """A sampled request joins the greedy one on the device step (the sampled variant), and so does a request
     with a penalty (the extras variant: test_tree_penalties.py)."""
-    from executor_service.sampling import SamplingSettings
+    from executor_service.sample.sampling import SamplingSettings
 
     tree, k = TREES["static_2_2_1"]
     session = tree_session("eagle3", tree, k)
@@ -264,7 +264,7 @@ def test_graph_buffers_and_padded_buckets(method: str, shape: str) -> None:
 def test_static_layouts_are_the_drafted_ones(branching: list[int]) -> None:
     """A static tree's constants (parents; each drafter pass's masks over the scratch keys, where every node
     of depth < D is expanded in pool order) against a walk of the definition."""
-    from executor_service.tree_drafting import static_parents
+    from executor_service.spec_decode.tree_drafting import static_parents
     from selection.draft_tree import TreeShape
 
     shape = TreeShape(depth=len(branching), branching=tuple(branching))

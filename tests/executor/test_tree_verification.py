@@ -10,9 +10,9 @@ import torch
 from host_verify_runs import request_of
 from verify_reference import rejects_all
 
-import executor_service.verifier as verifier
-from executor_service.host_verify import DraftTree, TreeVerdict, VerifyError, verify_on_host
-from executor_service.sampling import SamplingSettings
+import executor_service.spec_decode.verifier as verifier
+from executor_service.sample.sampling import SamplingSettings
+from executor_service.spec_decode.host_verify import DraftTree, TreeVerdict, VerifyError, verify_on_host
 
 REQUESTS = 20_000
 TOLERANCE = 0.015  # about 5 standard deviations of a frequency near 0.5 over REQUESTS requests

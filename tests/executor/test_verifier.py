@@ -9,11 +9,11 @@ import torch
 from sampling_reference import reference_probs
 from verify_reference import accepts_all, greedy_walk, without_residual
 
-from executor_service import verifier
-from executor_service.device_sampling import SamplingTensors
-from executor_service.host_verify import DraftTree
-from executor_service.sampling import SamplingSettings, host_sort, sampling_params, target_logprobs, target_probs
-from executor_service.verifier import DraftLayout, tree_layout, verify, verify_host_greedy
+from executor_service.sample.device_sampling import SamplingTensors
+from executor_service.sample.sampling import SamplingSettings, host_sort, sampling_params, target_logprobs, target_probs
+from executor_service.spec_decode import verifier
+from executor_service.spec_decode.host_verify import DraftTree
+from executor_service.spec_decode.verifier import DraftLayout, tree_layout, verify, verify_host_greedy
 
 VOCAB = 6
 CHAIN = [-1, 0, 1]  # three drafts in a chain

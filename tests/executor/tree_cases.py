@@ -12,11 +12,11 @@ from executor_builders import greedy, load_request
 from greedy_reference import greedy_reference
 from spec_builders import draft_model
 
-from executor_service.drafting import resolve_draft
-from executor_service.host_verify import DraftTree
-from executor_service.session import EngineSettings, ModelSession, build_session
-from executor_service.spec_step import SpecStep
-from executor_service.wire import resolve_target
+from executor_service.server.drafting import resolve_draft
+from executor_service.server.session import EngineSettings, ModelSession, build_session
+from executor_service.server.wire import resolve_target
+from executor_service.spec_decode.host_verify import DraftTree
+from executor_service.spec_decode.spec_step import SpecStep
 from specdec.v1 import common_pb2
 
 VOCAB = 512

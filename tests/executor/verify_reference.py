@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import torch
 
-from executor_service.verifier import DraftLayout
+from executor_service.spec_decode.verifier import DraftLayout
 
 
 def without_residual(layout: DraftLayout, *_: object) -> tuple[torch.Tensor, torch.Tensor]:

@@ -39,10 +39,10 @@ from hypothesis import strategies as st
 from proto_strategies import BACKEND_NAMES, messages, near, strings
 from spec_builders import draft_model
 
-from executor_service.draft_models import TargetHeads
-from executor_service.draft_weights import save_drafter, synthetic_drafter
-from executor_service.drafting import resolve_draft
-from executor_service.loader import save_directory
+from executor_service.models.draft_models import TargetHeads
+from executor_service.models.draft_weights import save_drafter, synthetic_drafter
+from executor_service.models.loader import save_directory
+from executor_service.server.drafting import resolve_draft
 from specdec.v1 import common_pb2, executor_pb2
 
 NUM_KV_BLOCKS = 64

@@ -12,7 +12,7 @@ COMMANDS = {
     "specdec demo": ["-m", "specdec_cli.cli", "demo", "--help"],
     "specdec select": ["-m", "specdec_cli.cli", "select", "--help"],
     "specdec-selector": ["-m", "selector_service.main", "--help"],
-    "specdec-executor": ["-m", "executor_service.main", "--help"],
+    "specdec-executor": ["-m", "executor_service.server.main", "--help"],
 }
 # An option of each whose default the help must show.
 EXPECTED = {

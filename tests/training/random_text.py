@@ -8,7 +8,7 @@ import random
 import torch
 from executor_builders import tiny_model
 
-from executor_service.model import DecoderModel
+from executor_service.models.model import DecoderModel
 from specdec_training.features import Sequence
 
 

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from executor_service.loader import LoadedModel
+from executor_service.models.loader import LoadedModel
 from specdec_training import datagen, dense_generate
 from specdec_training.dense_generate import _sample, generate_dense
 from specdec_training.target import load_target, target_source

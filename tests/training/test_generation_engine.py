@@ -6,10 +6,10 @@ from __future__ import annotations
 
 import torch
 
-from executor_service.capabilities import probe
-from executor_service.session import requested_kv_blocks, selection_request
-from executor_service.validation import DEFAULT_BLOCK_SIZE
-from executor_service.wire import DTYPE_ENUMS
+from executor_service.server.capabilities import probe
+from executor_service.server.session import requested_kv_blocks, selection_request
+from executor_service.server.validation import DEFAULT_BLOCK_SIZE
+from executor_service.server.wire import DTYPE_ENUMS
 from specdec.v1 import executor_pb2
 from specdec_training.generation_engine import BLOCK_SIZE, EngineSizes, backend_request, kv_blocks
 from specdec_training.target import target_source

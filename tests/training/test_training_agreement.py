@@ -10,13 +10,13 @@ from engine_driving import Collector, add_all
 from executor_builders import tiny_model
 from spec_builders import spec_session
 
-from executor_service.attention_step import build_attention_step
-from executor_service.draft_config import feature_layers
-from executor_service.draft_models import DFlashDrafter
-from executor_service.kv_cache import KVCache
-from executor_service.model_runner import ModelRunner
-from executor_service.request import Request
-from executor_service.sampling import SamplingSettings
+from executor_service.engine.kv_cache import KVCache
+from executor_service.engine.request import Request
+from executor_service.models.attention_step import build_attention_step
+from executor_service.models.draft_config import feature_layers
+from executor_service.models.draft_models import DFlashDrafter
+from executor_service.runner.model_runner import ModelRunner
+from executor_service.sample.sampling import SamplingSettings
 from specdec_training.features import Sequence, collate, target_view
 from specdec_training.unroll import dflash_blocks, eagle_unroll
 

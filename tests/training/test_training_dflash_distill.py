@@ -11,8 +11,8 @@ import torch
 import torch.nn.functional as F
 from random_text import tiny_target_and_text
 
-from executor_service.draft_models import DFlashDrafter
-from executor_service.model import DecoderModel
+from executor_service.models.draft_models import DFlashDrafter
+from executor_service.models.model import DecoderModel
 from specdec_training.features import TEACHER_TOP_K, Sequence, TargetView, collate, target_view
 from specdec_training.init import trainable_drafter, with_mask_token
 from specdec_training.losses import LossOutput, LossSettings, dflash_loss, sample_anchors

@@ -9,15 +9,15 @@ import pytest
 import torch
 from toy_target import VOCAB, save_toy_target
 
-from executor_service.attention_step import build_attention_step
-from executor_service.draft_config import METHOD_ENUMS, feature_layers
-from executor_service.drafting import resolve_draft
-from executor_service.kv_cache import KVCache
-from executor_service.loader import load_directory
-from executor_service.model_runner import ModelRunner
-from executor_service.request import RequestOutput
-from executor_service.sampling import SamplingSettings
-from executor_service.session import EngineSettings, TargetSource, build_session
+from executor_service.engine.kv_cache import KVCache
+from executor_service.engine.request import RequestOutput
+from executor_service.models.attention_step import build_attention_step
+from executor_service.models.draft_config import METHOD_ENUMS, feature_layers
+from executor_service.models.loader import load_directory
+from executor_service.runner.model_runner import ModelRunner
+from executor_service.sample.sampling import SamplingSettings
+from executor_service.server.drafting import resolve_draft
+from executor_service.server.session import EngineSettings, TargetSource, build_session
 from specdec.v1 import common_pb2, executor_pb2
 from specdec_training.cli import build_parser, run
 from specdec_training.features import Sequence, collate, target_view

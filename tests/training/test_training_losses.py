@@ -11,8 +11,8 @@ import torch.nn.functional as F
 from executor_builders import tiny_model
 from random_text import tiny_target_and_text
 
-from executor_service.draft_models import Eagle3Drafter
-from executor_service.model import DecoderModel
+from executor_service.models.draft_models import Eagle3Drafter
+from executor_service.models.model import DecoderModel
 from specdec_training.features import Sequence, collate, shifted, target_view
 from specdec_training.init import trainable_drafter
 from specdec_training.losses import LossSettings, eagle_loss

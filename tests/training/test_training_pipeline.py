@@ -13,13 +13,13 @@ import torch
 from greedy_reference import greedy_reference
 from toy_target import VOCAB, save_toy_target, toy_target
 
-from executor_service.draft_config import METHOD_ENUMS
-from executor_service.draft_weights import save_drafter
-from executor_service.drafting import DraftSource, resolve_draft
-from executor_service.loader import LoadedModel
-from executor_service.request import RequestOutput
-from executor_service.sampling import SamplingSettings
-from executor_service.session import EngineSettings, TargetSource, build_session
+from executor_service.engine.request import RequestOutput
+from executor_service.models.draft_config import METHOD_ENUMS
+from executor_service.models.draft_weights import save_drafter
+from executor_service.models.loader import LoadedModel
+from executor_service.sample.sampling import SamplingSettings
+from executor_service.server.drafting import DraftSource, resolve_draft
+from executor_service.server.session import EngineSettings, TargetSource, build_session
 from specdec.v1 import common_pb2, executor_pb2
 from specdec_training.cli import build_parser, run
 from specdec_training.init import trainable_drafter

@@ -7,9 +7,9 @@ import pytest
 import torch
 from executor_builders import tiny_model
 
-from executor_service.draft_models import TargetHeads
-from executor_service.draft_weights import draft_layout, synthetic_drafter
-from executor_service.weights import export_state
+from executor_service.models.draft_models import TargetHeads
+from executor_service.models.draft_weights import draft_layout, synthetic_drafter
+from executor_service.models.weights import export_state
 from specdec_training.features import Sequence
 from specdec_training.init import (
     draft_vocabulary,

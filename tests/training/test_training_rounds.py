@@ -8,10 +8,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from executor_service.config import ModelConfig
-from executor_service.gguf_loader import open_gguf, packaged_smollm2_path, read_metadata
-from executor_service.gguf_tokenizer import chat_template, gguf_tokenizer
-from executor_service.loader import LoadedModel, build_synthetic
+from executor_service.models.config import ModelConfig
+from executor_service.models.gguf_loader import open_gguf, packaged_smollm2_path, read_metadata
+from executor_service.models.gguf_tokenizer import chat_template, gguf_tokenizer
+from executor_service.models.loader import LoadedModel, build_synthetic
 from specdec_training import datagen
 from specdec_training.prompts import ChatRenderer, Prompt
 from specdec_training.rounds import (

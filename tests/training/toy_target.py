@@ -10,10 +10,10 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from executor_service.config import ModelConfig
-from executor_service.loader import save_directory
-from executor_service.model import DecoderModel
-from executor_service.weights import synthetic_model
+from executor_service.models.config import ModelConfig
+from executor_service.models.loader import save_directory
+from executor_service.models.model import DecoderModel
+from executor_service.models.weights import synthetic_model
 from specdec_training.dense import target_forward
 
 VOCAB = 64

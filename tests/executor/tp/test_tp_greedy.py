@@ -14,12 +14,12 @@ import pytest
 import torch
 from tp_greedy_run import METHODS, PROMPTS, REPLAYS, SIZES, greedy_outputs, write_checkpoint
 
-from executor_service.config import ModelConfig
-from executor_service.loader import LoadedModel, load_directory
+from executor_service.models.config import ModelConfig
+from executor_service.models.loader import LoadedModel, load_directory
 from executor_service.parallel.layers import shard_model, vocab_shard
 from executor_service.parallel.loading import load_target_shard
 from executor_service.parallel.state import check_tensor_parallel_size
-from executor_service.validation import shard_violations
+from executor_service.server.validation import shard_violations
 
 RUN = Path(__file__).with_name("tp_greedy_run.py")
 REPO = Path(__file__).resolve().parents[3]

@@ -98,7 +98,7 @@ LOAD_FAILING_ON_RANK_0 = """
 import json, sys, torch
 sys.path[:0] = ["tests/executor/tp", "tests/executor"]
 import tp_greedy_run
-from executor_service import session
+from executor_service.server import session
 from executor_service.parallel import state
 from executor_service.parallel.launcher import Followers
 

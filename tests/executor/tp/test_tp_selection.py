@@ -10,13 +10,13 @@ import pytest
 import torch
 from tp_greedy_run import METHODS, load_request, select_forced
 
-from executor_service.capabilities import probe
-from executor_service.drafting import resolve_draft
-from executor_service.kv_cache import bytes_per_block
+from executor_service.engine.kv_cache import bytes_per_block
+from executor_service.models.weights import hf_layout
 from executor_service.parallel import state
-from executor_service.session import EngineSettings, prepare_load, selection_request
-from executor_service.weights import hf_layout
-from executor_service.wire import resolve_target
+from executor_service.server.capabilities import probe
+from executor_service.server.drafting import resolve_draft
+from executor_service.server.session import EngineSettings, prepare_load, selection_request
+from executor_service.server.wire import resolve_target
 from selection.selector import select_backends
 from specdec.v1 import common_pb2
 from specdec_runtime.errors import InvalidArgument
@@ -86,7 +86,7 @@ def test_one_rank_sends_no_tensor_parallel_fields() -> None:
 
 @pytest.mark.parametrize("size", ["0", "65"])
 def test_a_bad_flag_stops_the_executor_naming_it(size: str, capsys: pytest.CaptureFixture[str]) -> None:
-    from executor_service.main import main
+    from executor_service.server.main import main
     from specdec_runtime.grpc_runtime import EXIT_BAD_SETUP
 
     assert main(["--device", "cpu", "--port", "0", "--tensor-parallel-size", size]) == EXIT_BAD_SETUP

@@ -21,18 +21,24 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/executor: 
 
 from engine_driving import Outputs, run_bounded
 
-from executor_service import session as session_module
-from executor_service.capabilities import probe
-from executor_service.config import ModelConfig
-from executor_service.cuda_graphs import GRAPH_BACKENDS
-from executor_service.drafting import DraftSource, resolve_draft
-from executor_service.host_verify import DraftTree
-from executor_service.loader import build_synthetic, save_directory
-from executor_service.model_loading import TargetSource
-from executor_service.request import Request
-from executor_service.sampling import SamplingSettings
-from executor_service.session import EngineSettings, ModelSession, build_session, capture_graphs, selection_request
-from executor_service.wire import TORCH_DTYPES, resolve_target
+from executor_service.engine.request import Request
+from executor_service.models.config import ModelConfig
+from executor_service.models.loader import build_synthetic, save_directory
+from executor_service.models.model_loading import TargetSource
+from executor_service.runner.cuda_graphs import GRAPH_BACKENDS
+from executor_service.sample.sampling import SamplingSettings
+from executor_service.server import session as session_module
+from executor_service.server.capabilities import probe
+from executor_service.server.drafting import DraftSource, resolve_draft
+from executor_service.server.session import (
+    EngineSettings,
+    ModelSession,
+    build_session,
+    capture_graphs,
+    selection_request,
+)
+from executor_service.server.wire import TORCH_DTYPES, resolve_target
+from executor_service.spec_decode.host_verify import DraftTree
 from selection.selector import select_backends
 from specdec.v1 import common_pb2, executor_pb2, selector_pb2
 

@@ -1,0 +1,467 @@
+"""The engine: continuous batching on its own thread.
+
+Callers (the asyncio gRPC servicer, tests, benchmarks) only `add` requests and `abort` them; both are
+thread-safe and never wait on the device. The engine thread owns the scheduler and the cache, runs
+`step()` while there is work, and hands each request's new tokens to the request's sink.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+from collections import Counter
+from collections.abc import Callable, Iterable
+
+import torch
+
+from executor_service.engine.host_step import Trees, draft_inputs, path_moves, verify_drafts
+from executor_service.engine.request import Finish, Request, RequestOutput, Sink, Status
+from executor_service.engine.scheduler import ScheduledStep, Scheduler
+from executor_service.models.attention_step import to_device
+from executor_service.runner.model_runner import ModelRunner, StepInputs
+from executor_service.sample.logprobs import TokenLogprob
+from executor_service.spec_decode.adaptive_k import AdaptiveK
+from executor_service.spec_decode.host_verify import DraftTree, TreeVerdict, check_drafts
+from executor_service.spec_decode.proposer import ProposeBatch, ProposeEntry, Proposer
+from executor_service.spec_decode.spec_step import PendingStep, SpecStep
+
+log = logging.getLogger("specdec.engine")
+
+StepObserver = Callable[[int, int, float], None]  # (tokens computed, tokens generated, seconds)
+VerifyObserver = Callable[[list[int], list[int]], None]  # per verified request: (drafts, accepted drafts)
+
+
+class Engine:
+    def __init__(
+        self,
+        runner: ModelRunner,
+        scheduler: Scheduler,
+        max_model_len: int,
+        on_step: StepObserver | None = None,
+        proposer: Proposer | None = None,
+        on_verify: VerifyObserver | None = None,
+        spec_step: SpecStep | None = None,
+        speculation: AdaptiveK | None = None,
+    ) -> None:
+        self.runner, self.scheduler, self.max_model_len = runner, scheduler, max_model_len
+        self.on_step, self.proposer, self.on_verify = on_step, proposer, on_verify
+        self.spec_step = spec_step  # verify + accept + propose on the device, for steps of whole drafts
+        self._commands: queue.SimpleQueue[Callable[[], None]] = queue.SimpleQueue()
+        self._wake = threading.Event()
+        self._stop = threading.Event()
+        self._lock = threading.Lock()
+        self._live: dict[str, Request] = {}  # every request not yet finished, by id
+        self._thread: threading.Thread | None = None
+        self._outbox: list[tuple[Sink, RequestOutput]] = []  # in order; see _flush_outbox
+        self._in_flight: tuple[list[Request], PendingStep] | None = None  # see _book_on_device
+        # The drafts each step verifies, chosen from measured costs (adaptive_k.py); None: always the loaded k.
+        self.speculation = speculation
+        self._steady: tuple[int, int] | None = None  # this step's (batch, k) when it ran steadily at one k
+        # Steps by path ("host", "device") and the drafts the host path verified ("host drafts"): tests assert a
+        # batch stays on the device step; benchmarks report it.
+        self.step_counts: Counter[str] = Counter()
+
+    # ---- called from any thread -------------------------------------------------------------
+    def start(self) -> None:
+        self._thread = threading.Thread(target=self._run, name="specdec-engine", daemon=True)
+        self._thread.start()
+
+    def shutdown(self) -> None:
+        """Abort whatever is still live (its sinks get finish "abort"), then stop the thread."""
+        self.abort(self.live_ids())
+        self._stop.set()
+        self._wake.set()
+        if self._thread is not None:
+            self._thread.join()
+
+    def add(self, request: Request) -> None:
+        """Queue a request the caller has checked (validation.py); KeyError if its id is live."""
+        with self._lock:
+            if request.request_id in self._live:
+                raise KeyError(request.request_id)
+            self._live[request.request_id] = request
+        self._submit(lambda: self.scheduler.add(request))
+
+    def abort(self, request_ids: Iterable[str]) -> list[str]:
+        """Stop these requests (finish "abort"); returns the ids that were still live."""
+        with self._lock:
+            found = [rid for rid in request_ids if rid in self._live]
+        if found:
+            self._submit(lambda: self._abort(found))
+        return found
+
+    def run_until_idle(self, before_step: Callable[[int], None] | None = None) -> None:
+        """Step on the caller's thread until no work is left; only before start() (warm-up, tests).
+        `before_step(n)` runs before the n-th step (from 0) and may raise to stop: the warm-up's step bound
+        and its cancellation at shutdown."""
+        if self._thread is not None:
+            raise RuntimeError("the engine thread is running")
+        self._drain_commands()
+        steps = 0
+        while self._has_work():
+            if before_step is not None:
+                before_step(steps)
+            steps += 1
+            self.step()
+            self._drain_commands()
+        self._flush_outbox()
+
+    def is_live(self, request_id: str) -> bool:
+        with self._lock:
+            return request_id in self._live
+
+    def live_ids(self) -> list[str]:
+        with self._lock:
+            return list(self._live)
+
+    @property
+    def num_live(self) -> int:
+        return len(self._live)
+
+    # ---- the engine thread -------------------------------------------------------------------
+    def _submit(self, command: Callable[[], None]) -> None:
+        self._commands.put(command)
+        self._wake.set()
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            self._wake.clear()
+            self._drain_commands()
+            if self._has_work():
+                self.step()
+            else:
+                self._flush_outbox()
+                self._wake.wait()
+        self._drain_commands()
+        self._flush_outbox()
+
+    def _has_work(self) -> bool:
+        return self.scheduler.has_work() or self._in_flight is not None
+
+    def _drain_commands(self) -> None:
+        while True:
+            try:
+                command = self._commands.get_nowait()
+            except queue.Empty:
+                return
+            command()
+
+    def step(self) -> None:
+        """One step (`_step`); a step that ran steadily at one k gives the speculation its wall time."""
+        started = time.perf_counter()
+        self._steady = None
+        self._step(started)
+        if self.speculation is not None and self._steady is not None:
+            self.speculation.record(*self._steady, time.perf_counter() - started)
+
+    def _step(self, started: float) -> None:
+        """One step, in the order a reader follows: schedule, run the target once, verify, accept (roll back
+        rejected drafts' K/V), emit the tokens, propose the next drafts. When every request verifies a whole
+        draft of the loaded shape, the device step (spec_step.py) does all of it as one pass instead."""
+        if self._in_flight is not None:  # a device step launched behind the last one: book it
+            requests, pending = self._in_flight
+            self._in_flight = None
+            self._book_on_device(requests, pending, started)
+            return
+        self._fail_alone(self._bad_drafts())
+        scheduled = self.scheduler.schedule()
+        self._fail_alone(scheduled.failed)  # requests that can never fit the cache
+        if not scheduled:
+            return
+        try:
+            inputs = self.runner.prepare(scheduled)
+            pending = self._launch_on_device(inputs, scheduled.requests)
+        except Exception as err:  # a kernel or device failure fails this step's requests, not the server
+            self._fail(scheduled.requests, err)
+            return
+        if pending is not None:
+            self._book_on_device(scheduled.requests, pending, started)
+            return
+        try:
+            parents = {id(r): self.proposer.tree_of(r) for r in scheduled.requests} if self.proposer else {}
+            trees = draft_inputs(scheduled, inputs, parents)
+            output = self.runner.execute(inputs)
+            self._flush_outbox()  # the previous step's outputs go out while this one runs on the device
+            sampled = [scheduled.requests[i] for i in inputs.sampled]
+            verdicts, logprobs = verify_drafts(output.logits, sampled, trees)
+        except Exception as err:  # a kernel or device failure fails this step's requests, not the server
+            self._fail(scheduled.requests, err)
+            return
+        self.step_counts["host"] += 1
+        self.step_counts["host drafts"] += sum(len(tree.tokens) for tree in trees.values())
+        self._fail_alone([(r, v) for r, v in zip(sampled, verdicts, strict=True) if isinstance(v, Exception)])
+        passed = {id(r): v for r, v in zip(sampled, verdicts, strict=True) if isinstance(v, TreeVerdict)}
+        rows = self._accept(scheduled, inputs, trees, passed)
+        if self.proposer is None:  # the K/V is all written: register before a finish frees the blocks
+            self._cache_prefixes(scheduled.requests)
+        generated, drafted, accepted, depths = 0, [], [], []
+        for request in sampled:
+            verdict = passed.get(id(request))
+            if verdict is None:
+                continue
+            tree = trees.get(id(request))
+            num_drafts = len(tree.tokens) if tree is not None else 0
+            generated += self._emit(request, verdict.emitted, num_drafts, logprobs.get(id(request)))
+            if tree is not None:
+                drafted.append(num_drafts)
+                accepted.append(len(verdict.path))
+                depths.append(max(tree.depths()))
+        if self.proposer is not None:
+            k_next = self._plan(scheduled.requests)
+            self._propose(scheduled, inputs, rows, output.features, k_next)
+            self._cache_prefixes(scheduled.requests)  # once the drafter wrote its K/V too
+            if len(sampled) == len(scheduled.requests):
+                self._note_steady(
+                    len(sampled), {len(trees[id(r)].tokens) if id(r) in trees else 0 for r in sampled}, k_next
+                )
+        if self.on_step is not None:
+            self.on_step(scheduled.num_tokens, generated, time.perf_counter() - started)
+        self._observe_verify(drafted, accepted, depths)
+
+    def _accept(
+        self, scheduled: ScheduledStep, inputs: StepInputs, trees: Trees, passed: dict[int, TreeVerdict]
+    ) -> dict[int, list[int]]:
+        """Book the verification: each request keeps its computed rows up to its accepted path (the rejected
+        drafts' K/V are rolled back by not counting them; a tree's path is moved into place first). Returns each
+        running request's verified rows of this step (the drafter's context pass reads them), by id(request)."""
+        block_size = self.runner.kv_cache.block_size
+        sources, targets, rows = [], [], {}
+        for request, row_start, num_new in zip(
+            scheduled.requests, inputs.row_starts, scheduled.num_new_tokens, strict=True
+        ):
+            tree = trees.get(id(request))
+            request.draft_ids, request.draft_probs = [], None
+            if request.status is not Status.RUNNING:  # its verification failed: finished above
+                continue
+            if tree is None:
+                rows[id(request)] = list(range(row_start, row_start + num_new))
+                request.num_computed_tokens += num_new
+                continue
+            path = passed[id(request)].path
+            root_row = row_start + num_new - 1 - len(tree.tokens)
+            root = request.num_computed_tokens + root_row - row_start  # the root's position (and slot index)
+            moves = path_moves(request, root, path, block_size)
+            sources += moves[0]
+            targets += moves[1]
+            rows[id(request)] = [*range(row_start, root_row + 1), *(root_row + 1 + node for node in path)]
+            request.num_computed_tokens = root + 1 + len(path)
+            request.record_verification(len(tree.tokens), len(path), positions=max(tree.depths()))
+        if sources:
+            device = self.runner.kv_cache.layers[0][0].device
+            self.runner.move_kv(to_device(sources, torch.int64, device), to_device(targets, torch.int64, device))
+        return rows
+
+    def _launch_on_device(self, inputs: StepInputs, requests: list[Request]) -> PendingStep | None:
+        """The step on the device (spec_step.py) when every request verifies a whole draft of the loaded shape
+        and has room for what the step may write; None: the host path runs it."""
+        spec_step = self.spec_step
+        if spec_step is None or not spec_step.accepts(inputs, requests):
+            return None
+        if any(spec_step.reach(r) > self.max_model_len for r in requests):
+            return None
+        if not all(self.scheduler.reserve(r, spec_step.reach(r)) for r in requests):
+            return None
+        return spec_step.launch(inputs, requests)
+
+    def _book_on_device(self, requests: list[Request], pending: PendingStep, started: float) -> None:
+        """Book a device step: its accepted path's K/V is in place; count the kept rows, emit the tokens and hand
+        each running request its next drafts. When the same batch can go on, the step after it is launched
+        first, its inputs derived on the device, so the device runs it while the host reads this one back and
+        books it: one read-back per step, overlapped with the next step."""
+        assert self.spec_step is not None and self.proposer is not None
+        k_next = self._plan(requests)
+        try:
+            following = (
+                self._launch_following(requests, pending) if k_next in (None, self.spec_step.num_drafts) else None
+            )
+            self._flush_outbox()  # the previous step's outputs go out while this one runs on the device
+            result = pending.result()
+        except Exception as err:  # a kernel or device failure fails this step's requests, not the server
+            self._fail(requests, err)
+            return
+        self.step_counts["device"] += 1
+        generated, drafted, accepted, depths = 0, [], [], []
+        for index, request in enumerate(requests):
+            if request.status is not Status.RUNNING:  # finished while a following step was in flight
+                continue
+            tree = DraftTree(request.draft_ids, self.proposer.tree_of(request))
+            count, depth = result.accepted[index], max(tree.depths())
+            request.num_computed_tokens += result.kept_rows(index)  # roll back: rejected drafts' K/V not kept
+            request.record_verification(len(tree.tokens), count, positions=depth)
+            request.draft_ids = []
+            drafted.append(len(tree.tokens))
+            accepted.append(count)
+            depths.append(depth)
+            logprobs = result.token_logprobs(index, request.settings.logprobs)
+            generated += self._emit(request, result.emitted(index), len(tree.tokens), logprobs)
+            self.spec_step.table.booked(request)  # after _emit: the step counted what it appended
+            if request.status is Status.RUNNING:
+                self.proposer.set_tree(request, *self.spec_step.next_tree(result, index))
+                cap_drafts(request, k_next)
+        self._cache_prefixes(requests)  # once the drafter wrote its K/V too
+        if following is not None:
+            self._in_flight = (requests, following)
+        self._note_steady(len(drafted), set(drafted), k_next)
+        if self.on_step is not None:
+            self.on_step(len(requests) * self.spec_step.rows, generated, time.perf_counter() - started)
+        self._observe_verify(drafted, accepted, depths)
+
+    # ---- adaptive speculation (adaptive_k.py) ---------------------------------------------------
+    def _plan(self, requests: list[Request]) -> int | None:
+        """The drafts per request of the next step for these requests' batch; None: the loaded k, always."""
+        if self.speculation is None:
+            return None
+        return self.speculation.plan(sum(r.status is Status.RUNNING for r in requests) or 1)
+
+    def _note_steady(self, batch: int, verified: set[int], k_next: int | None) -> None:
+        """A step whose every request verified k drafts and drafted k for the next step measures k's cost."""
+        if k_next is not None and batch and verified == {k_next}:
+            self._steady = (batch, k_next)
+
+    def _observe_verify(self, drafted: list[int], accepted: list[int], depths: list[int] | None = None) -> None:
+        """Per verified request (drafts, accepted, and for trees the depth reached): metrics and the speculation."""
+        if not any(drafted):
+            return
+        if self.on_verify is not None:
+            self.on_verify(drafted, accepted)
+        if self.speculation is not None:
+            pairs = [(d, a) for d, a in zip(depths or drafted, accepted, strict=True) if d]
+            self.speculation.observe_verify([d for d, _ in pairs], [a for _, a in pairs])
+
+    def _launch_following(self, requests: list[Request], pending: PendingStep) -> PendingStep | None:
+        """The step after `pending`, launched before `pending` is read back, when nothing could change the
+        batch in between: no command or waiting request, nobody finished, every request keeps drafting whole
+        drafts of the loaded shape with room for them. Scripted drafts (the proposer's replay) need the host."""
+        spec_step = self.spec_step
+        assert spec_step is not None and self.proposer is not None
+        if self.proposer.scripted or self.scheduler.waiting or not self._commands.empty():
+            return None
+        for request in requests:
+            if request.status is not Status.RUNNING or self.proposer.num_drafts(request) != spec_step.num_drafts:
+                return None
+            if spec_step.reach_following(request) > self.max_model_len:
+                return None
+        if not all(self.scheduler.reserve(r, spec_step.reach_following(r)) for r in requests):
+            return None
+        return spec_step.launch_following(pending, requests)
+
+    def _emit(
+        self, request: Request, tokens: list[int], num_drafted: int, logprobs: list[TokenLogprob] | None = None
+    ) -> int:
+        """Append the verified tokens up to a stop; hand them out. Returns how many were kept. The chunk's
+        counts are the verification's (as in the request's totals), also when a stop cuts the tokens short."""
+        accepted = len(tokens) - 1
+        for count, token in enumerate(tokens, start=1):
+            request.output_ids.append(token)
+            reason = request.stop_reason(self.max_model_len)
+            if reason is not None:
+                kept = logprobs[:count] if logprobs is not None else None
+                self._finish(
+                    request, reason, tokens[:count], num_drafted=num_drafted, num_accepted=accepted, logprobs=kept
+                )
+                return count
+        output = RequestOutput(request.request_id, tokens, num_drafted, accepted, logprobs=logprobs)
+        self._outbox.append((request.sink, output))
+        return len(tokens)
+
+    def _propose(
+        self,
+        scheduled: ScheduledStep,
+        inputs: StepInputs,
+        rows: dict[int, list[int]],
+        features: torch.Tensor | None,
+        k_next: int | None = None,
+    ) -> None:
+        """Draft for the next step from this step's target features (`rows`: each running request's verified
+        rows). Requests that finished are skipped, and so are those that never draft (num_speculative_tokens 0):
+        the drafter does not run for them at all. At `k_next` 0 the drafter runs its context pass alone (its cache
+        follows every token, so drafting can resume at any step); else each keeps at most `k_next` drafts."""
+        assert self.proposer is not None and features is not None
+        entries = [
+            ProposeEntry(r, start, rows_run, rows[id(r)], r.num_computed_tokens == r.num_tokens - 1 and k_next != 0)
+            for r, start, rows_run in zip(scheduled.requests, inputs.row_starts, scheduled.num_new_tokens, strict=True)
+            if r.status is Status.RUNNING and id(r) in rows and self.proposer.num_drafts(r) > 0
+        ]
+        try:
+            self.proposer.propose(ProposeBatch(entries, features, self.scheduler.reserve))
+        except Exception as err:
+            self._fail([e.request for e in entries], err)
+            return
+        for entry in entries:
+            cap_drafts(entry.request, k_next)
+
+    def _cache_prefixes(self, requests: list[Request]) -> None:
+        """Register the prompt blocks whose K/V this step finished writing (prefix_cache.py). One key stands
+        for the target's and the drafter's K/V of a block, so only requests the drafter ran for register."""
+        prefix_cache = self.scheduler.prefix_cache
+        if prefix_cache is None:
+            return
+        for request in requests:
+            if request.status is Status.RUNNING and (self.proposer is None or self.proposer.num_drafts(request)):
+                prefix_cache.cache_blocks(request)
+
+    def _bad_drafts(self) -> list[tuple[Request, BaseException]]:
+        """Running requests with draft ids outside the vocabulary (a faulty drafter), caught before the
+        target embeds them, where one such id fails the whole step (on CUDA, the process). Host lists: no
+        device work, no sync."""
+        if self.proposer is None:
+            return []
+        vocab = self.runner.model.config.vocab_size
+        found = [(r, check_drafts(r.draft_ids, vocab)) for r in self.scheduler.running if r.draft_ids]
+        return [(r, err) for r, err in found if err is not None]
+
+    def _fail_alone(self, failures: list[tuple[Request, BaseException]]) -> None:
+        """Finish each request with its own error; the rest of the batch goes on."""
+        for request, err in failures:
+            log.error("request %s failed: %s", request.request_id[:64], err)
+            self._finish(request, None, error=err)
+
+    def _fail(self, requests: list[Request], err: BaseException) -> None:
+        log.exception("step failed; failing its %d requests", len(requests), exc_info=err)
+        for request in requests:
+            if request.status is not Status.FINISHED:
+                self._finish(request, None, error=err)
+        self._flush_outbox()
+
+    def _abort(self, request_ids: list[str]) -> None:
+        for rid in request_ids:
+            request = self._live.get(rid)
+            if request is not None and request.status is not Status.FINISHED:
+                self._finish(request, "abort")
+
+    def _finish(
+        self,
+        request: Request,
+        reason: str | None,
+        new_tokens: list[int] | None = None,
+        error: BaseException | None = None,
+        num_drafted: int = 0,
+        num_accepted: int = 0,
+        logprobs: list[TokenLogprob] | None = None,
+    ) -> None:
+        self.scheduler.remove(request)
+        if self.proposer is not None:
+            self.proposer.forget(request)
+        if self.spec_step is not None:
+            self.spec_step.table.release(request.request_id)
+        with self._lock:
+            self._live.pop(request.request_id, None)
+        finish: Finish | None = request.finish(reason) if reason is not None else None
+        output = RequestOutput(request.request_id, new_tokens or [], num_drafted, num_accepted, finish, error, logprobs)
+        self._outbox.append((request.sink, output))
+
+    def _flush_outbox(self) -> None:
+        """Hand out what the last step produced. Deferred until the next step is launched, so the callers'
+        work on these outputs (gRPC streaming, on the same GIL) overlaps the device instead of delaying it."""
+        outbox, self._outbox = self._outbox, []
+        for sink, output in outbox:
+            sink(output)
+
+
+def cap_drafts(request: Request, k: int | None) -> None:
+    """Keep the request's first `k` drafts (None: all); a chain's or a tree's first drafts are a chain or a tree."""
+    if k is not None and len(request.draft_ids) > k:
+        request.draft_ids = request.draft_ids[:k]
+        request.draft_probs = request.draft_probs.head(k) if request.draft_probs is not None else None

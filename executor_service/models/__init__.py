@@ -1,0 +1,1 @@
+"""Model shapes and code, checkpoint and GGUF loading, drafter shapes and weights."""

@@ -1,0 +1,141 @@
+"""Turn a scheduled step into device tensors, run the target once, and return the logits to verify.
+
+All host-side bookkeeping (positions, slots, block tables, bounds) is built here from Python lists and
+copied to the device in one go per tensor; nothing in the forward pass waits on the device. A request
+that samples this step gets logits for its last token and each of its drafts (k + 1 rows).
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from dataclasses import dataclass
+
+import torch
+
+from executor_service.engine.kv_cache import KVCache
+from executor_service.engine.scheduler import ScheduledStep
+from executor_service.models.attention_step import AttentionStep, build_attention_step, cache_slot, to_device
+from executor_service.models.model import DecoderModel
+from executor_service.parallel.driver import forward_with_logits, move_kv_slots
+from executor_service.parallel.graphs import lockstep_for
+from executor_service.runner.cuda_graphs import StepGraphs
+
+
+@dataclass
+class StepInputs:
+    input_ids: torch.Tensor
+    positions: torch.Tensor
+    attention: AttentionStep
+    logits_indices: torch.Tensor  # rows of the flattened tokens whose logits are verified
+    sampled: list[int]  # index into step.requests of each request that samples (all its tokens computed)
+    num_drafts: list[int]  # drafts verified for each sampled request
+    row_starts: list[int]  # first row of each scheduled request among the step's tokens
+    uniform_query_len: int | None  # every request samples with this many tokens: a CUDA graph can replay it
+
+
+@dataclass
+class StepOutput:
+    logits: torch.Tensor  # [rows of logits_indices, V] fp32
+    features: torch.Tensor | None  # [T, F] what the drafter reads of every row; None without a drafter
+
+
+class ModelRunner:
+    def __init__(
+        self,
+        model: DecoderModel,
+        kv_cache: KVCache,
+        backend: str,
+        device: torch.device,
+        feature_layers: tuple[int, ...] | None = None,
+    ) -> None:
+        self.model, self.kv_cache, self.backend, self.device = model, kv_cache, backend, device
+        self.block_size = kv_cache.block_size
+        # None: no drafter. (): the final normed hidden state (EAGLE-1). Else these layers' outputs.
+        self.feature_layers = feature_layers
+        self.graphs: dict[int, StepGraphs] = {}  # by query length; set by the session where capturable
+        self.step_counts: Counter[str] = Counter()  # "graph" / "eager": how steps ran (benchmarks read it)
+
+    def prepare(self, step: ScheduledStep, causal: bool = True) -> StepInputs:
+        input_ids: list[int] = []
+        positions: list[int] = []
+        slots: list[int] = []
+        query_start_loc, seq_lens, sampled, num_drafts, logits_indices = [0], [], [], [], []
+        for index, (request, num_new) in enumerate(zip(step.requests, step.num_new_tokens, strict=True)):
+            start, stop = request.num_computed_tokens, request.num_computed_tokens + num_new
+            known = min(stop, request.num_tokens)
+            input_ids += request.token_ids(start, known) + request.draft_ids[: stop - known]
+            positions += range(start, stop)
+            slots += [cache_slot(request.block_ids, p, self.block_size) for p in range(start, stop)]
+            query_start_loc.append(query_start_loc[-1] + num_new)
+            seq_lens.append(stop)
+            if stop == request.num_tokens + len(request.draft_ids):
+                sampled.append(index)
+                num_drafts.append(len(request.draft_ids))
+                logits_indices += range(query_start_loc[-1] - 1 - len(request.draft_ids), query_start_loc[-1])
+        block_ids = [r.block_ids for r in step.requests]
+        attention = build_attention_step(
+            self.backend, block_ids, step.num_new_tokens, seq_lens, slots, causal, self.device
+        )
+        query_len = step.num_new_tokens[0]
+        uniform = len(sampled) == len(step.requests) and all(n == query_len for n in step.num_new_tokens)
+        uniform = uniform and all(d == query_len - 1 for d in num_drafts)  # every row's logits are used
+        return StepInputs(
+            input_ids=self._tensor(input_ids, torch.int64),
+            positions=self._tensor(positions, torch.int64),
+            attention=attention,
+            logits_indices=self._tensor(logits_indices, torch.int64),
+            sampled=sampled,
+            num_drafts=num_drafts,
+            row_starts=query_start_loc[:-1],
+            uniform_query_len=query_len if uniform else None,
+        )
+
+    @torch.inference_mode()
+    def execute(self, inputs: StepInputs) -> StepOutput:
+        graphs = self.graphs.get(inputs.uniform_query_len or 0)
+        step = inputs.attention
+        if graphs is not None and len(inputs.sampled) <= graphs.max_batch:
+            self.step_counts["graph"] += 1
+            outputs = graphs.run(
+                step.block_table, step.seq_lens, step.slot_mapping, inputs.positions, input_ids=inputs.input_ids
+            )
+            return StepOutput(outputs[0], outputs[1] if len(outputs) > 1 else None)
+        self.step_counts["eager"] += 1
+        logits, features = self.forward(inputs.input_ids, inputs.positions, step, inputs.logits_indices)
+        return StepOutput(logits, features)
+
+    def capture_graphs(self, query_lens: list[int], max_batch: int, max_model_len: int) -> None:
+        """Graphs for uniform steps of each query length (1: decode; k + 1: verify)."""
+        for query_len in query_lens:
+
+            def forward(step: AttentionStep, positions: torch.Tensor, x: dict[str, torch.Tensor]) -> tuple:
+                logits, features = self.forward(x["input_ids"], positions, step, None)
+                return (logits,) if features is None else (logits, features)
+
+            graphs = StepGraphs(
+                f"target (query length {query_len})", forward, self.backend, query_len, max_batch, max_model_len,
+                self.block_size, self.device, {"input_ids": ((), torch.int64)},
+                lockstep=lockstep_for(self.model, self.feature_layers or ()),
+            )  # fmt: skip
+            graphs.capture()
+            self.graphs[query_len] = graphs
+
+    def forward(
+        self, input_ids: torch.Tensor, positions: torch.Tensor, step: AttentionStep, logits_indices: torch.Tensor | None
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Logits of `logits_indices` (None: every row) and the drafter's features of every row."""
+        layers, feature_layers = self.kv_cache.layers, self.feature_layers or ()
+        hidden, aux, logits = forward_with_logits(
+            self.model, input_ids, positions, layers, step, feature_layers, logits_indices
+        )  # under tensor parallelism one op on every rank (parallel/driver.py)
+        if self.feature_layers is None:
+            return logits, None
+        return logits, torch.cat(aux, dim=-1) if aux else hidden
+
+    def move_kv(self, sources: torch.Tensor, targets: torch.Tensor) -> None:
+        """Copy the K/V of cache slots `sources` to `targets` in every layer (gathered first, so a slot both read
+        and written is read before it is overwritten)."""
+        move_kv_slots(self.model, self.kv_cache.layers, sources, targets)
+
+    def _tensor(self, values: list, dtype: torch.dtype) -> torch.Tensor:
+        return to_device(values, dtype, self.device)

@@ -1,0 +1,1 @@
+"""Sampling: the target distribution, penalties, logprobs, sampling settings as tensors."""

@@ -1,0 +1,131 @@
+"""Sampling as tensor work with no host decisions, so that it runs inside a captured step: each request's settings
+as tensors, the distribution it samples from, and counter-based random numbers.
+
+The distribution is sampling.target_logprobs (vLLM's recipe: temperature, min-p, top-k, then top-p), each row
+with its own values read from `SamplingTensors.params`. Top-k and top-p need each row sorted; a step whose
+requests set neither skips the sort (`needs_sort`, decided on the host per step, a separate captured graph).
+
+Random numbers are counter-based: each is a hash of (the request's seed, a per-step key, an index, a stream).
+The step key is the position of the step's root (the newest token before the drafts), which grows every step.
+So a seeded request draws the same numbers alone or in any batch, in a graph or eagerly, on the host path or
+the device step, with no generator per request and no launch per request. The hash is 32-bit "lowbias32"
+(a multiply-xorshift mix), computed in int64 arithmetic that never overflows, so CPU and GPU agree bit for bit.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from executor_service.sample.sampling import MIN_TEMPERATURE, SamplingSettings, needs_sort, sampling_params
+
+MASK32 = 0xFFFFFFFF
+# The drafts' acceptance uniforms and the final token's exponential noise (keyed by the root's position), and a
+# sampled draft's noise (keyed by the position the draft is for: draft_sampling.py).
+UNIFORM_STREAM, NOISE_STREAM, DRAFT_STREAM = 1, 2, 3
+
+
+@dataclass(frozen=True)
+class SamplingTensors:
+    """The settings of B requests, on the device: `params` [B, 4] fp32 (sampling.sampling_params: temperature,
+    top-k, top-p, min-p; temperature 0 is greedy) and `seed` [B] int64."""
+
+    params: torch.Tensor
+    seed: torch.Tensor
+
+    @classmethod
+    def build(cls, settings: list[SamplingSettings], seeds: list[int], device: torch.device) -> SamplingTensors:
+        params = torch.tensor(sampling_params(settings), dtype=torch.float32).reshape(len(settings), 4)
+        seed = torch.tensor([s & (2**63 - 1) for s in seeds], dtype=torch.int64)
+        if device.type == "cuda":
+            return cls(
+                params.pin_memory().to(device, non_blocking=True), seed.pin_memory().to(device, non_blocking=True)
+            )
+        return cls(params.to(device), seed.to(device))
+
+    @property
+    def temperature(self) -> torch.Tensor:
+        return self.params[:, 0]
+
+    @property
+    def greedy(self) -> torch.Tensor:
+        return self.params[:, 0] < MIN_TEMPERATURE
+
+    def inputs(self) -> dict[str, torch.Tensor]:
+        """As a step's per-request inputs (cuda_graphs.StepGraphs copies them in before a replay)."""
+        return {"sampling": self.params, "seed": self.seed}
+
+    @classmethod
+    def from_inputs(cls, x: dict[str, torch.Tensor]) -> SamplingTensors | None:
+        return cls(x["sampling"], x["seed"]) if "sampling" in x else None
+
+
+# Per-request inputs of a sampled step's graphs: name -> (shape, dtype, what a padded request holds).
+SAMPLING_INPUTS = {"sampling": ((4,), torch.float32, 0), "seed": ((), torch.int64, 0)}
+
+# A device step's variants, each its own captured graph: every request greedy (the argmax alone); some sampled;
+# some sampled with top-k or top-p (every verify row sorted once); and either of the two with penalties and
+# logprobs (device_penalties.py), for batches where some request sets a penalty or asks for logprobs.
+GREEDY, SAMPLED, SORTED = "greedy", "sampled", "sorted"
+EXTRAS, EXTRAS_SORTED = "extras", "extras sorted"
+VARIANTS = (GREEDY, SAMPLED, SORTED, EXTRAS, EXTRAS_SORTED)
+
+
+def step_variant(settings: list[SamplingSettings], vocab: int) -> str:
+    if all(s.plain_greedy for s in settings):
+        return GREEDY
+    sort = needs_sort(settings, vocab)
+    if any(s.has_penalties or s.logprobs is not None for s in settings):
+        return EXTRAS_SORTED if sort else EXTRAS
+    return SORTED if sort else SAMPLED
+
+
+def sorts(variant: str) -> bool:
+    return variant in (SORTED, EXTRAS_SORTED)
+
+
+def has_extras(variant: str) -> bool:
+    """Whether a variant's step penalises its rows and returns logprobs."""
+    return variant in (EXTRAS, EXTRAS_SORTED)
+
+
+def mix32(x: torch.Tensor) -> torch.Tensor:
+    """lowbias32 of int64 values in [0, 2^32): two multiply-xorshift rounds."""
+    x = x ^ (x >> 16)
+    x = _mul32(x, 0x7FEB352D)
+    x = x ^ (x >> 15)
+    x = _mul32(x, 0x846CA68B)
+    return x ^ (x >> 16)
+
+
+def _mul32(x: torch.Tensor, constant: int) -> torch.Tensor:
+    """x * constant mod 2^32, in halves so that no int64 product overflows."""
+    low = x * (constant & 0xFFFF)
+    high = ((x * (constant >> 16)) & 0xFFFF) << 16
+    return (low + high) & MASK32
+
+
+def step_keys(seed: torch.Tensor, step_key: torch.Tensor, stream: int) -> torch.Tensor:
+    """[B] one 32-bit key per request, step and stream."""
+    key = mix32((seed & MASK32) ^ mix32((seed >> 32) & MASK32))
+    key = mix32(key ^ (step_key & MASK32))
+    return mix32(key ^ stream)
+
+
+def uniforms(keys: torch.Tensor, count: int) -> torch.Tensor:
+    """[B, count] uniforms in (0, 1) from keys [B]: the hash of each key and index, 24 bits of it."""
+    index = torch.arange(count, device=keys.device)
+    bits = mix32(keys[:, None] ^ (index[None, :] * 0x9E3779B9 & MASK32)) >> 8
+    return (bits.float() + 0.5) * (1.0 / (1 << 24))
+
+
+def exponential_noise(keys: torch.Tensor, count: int) -> torch.Tensor:
+    """[B, count] Exp(1) noise from keys [B]."""
+    return -torch.log(uniforms(keys, count))
+
+
+def exponential_race(weights: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
+    """One token per row of unnormalised weights [B, V]: the argmax of w / E with E ~ Exp(1) (from keys [B]) is
+    token i with probability w_i / sum(w)."""
+    return (weights / exponential_noise(keys, weights.shape[-1])).argmax(dim=-1)

@@ -1,0 +1,151 @@
+"""How much memory a LoadModel needs, estimated from the configs before anything is allocated, and how
+much this device has to give.
+
+LoadModel refuses a model that does not fit (RESOURCE_EXHAUSTED with the estimate and what is available)
+instead of letting the allocator fail halfway, or the host swap and the OOM killer pick a victim. The
+estimate is deliberately on the high side: every weight, RoPE table and KV block, the largest tensor's
+staging copy while loading, one step's activations at the full token budget, the speculative step's penalty
+table, and a fixed margin.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from executor_service.engine.kv_cache import bytes_per_block
+from executor_service.models.config import ModelConfig
+from executor_service.models.draft_config import DraftConfig
+from executor_service.models.draft_weights import draft_layout
+from executor_service.models.weights import Placement, hf_layout
+from specdec_runtime.errors import FieldViolation, ResourceExhausted
+
+CPU_MEMORY_FRACTION = 0.75  # of MemAvailable: the rest stays for the OS, the other processes and our own heap
+CPU_MARGIN_BYTES = 256 << 20  # interpreter, allocator slack, tokenizer
+CUDA_MARGIN_BYTES = 2 << 30  # CUDA graphs' pools, the caching allocator's slack, kernels' workspaces
+# Logits in fp32, their probabilities (or log-probabilities), and a penalised copy (penalties.py, which works
+# in passes of ROWS_PER_PASS rows, so its own temporaries stay small).
+LOGITS_COPIES = 3
+ACTIVATION_WIDTHS = 8  # hidden-sized tensors alive at once in a layer (residual, norms, attention out, ...)
+# The device steps' penalty table (device_penalties.PenaltyTable): per slot (one per running request, and a
+# scratch slot) and vocabulary entry, a bool (in the prompt) and an int32 (output count).
+PENALTY_TABLE_BYTES_PER_ENTRY = 1 + 4
+
+
+@dataclass(frozen=True)
+class MemoryEstimate:
+    weights: int  # target and drafter parameters, RoPE tables, the staging copy of the largest tensor
+    kv_cache: int  # the target's and the drafter's KV blocks
+    activations: int  # one step at the full token budget, and the fixed margin
+
+    @property
+    def total(self) -> int:
+        return self.weights + self.kv_cache + self.activations
+
+    def describe(self) -> str:
+        return (
+            f"{size_text(self.total)} (weights {size_text(self.weights)}, KV cache {size_text(self.kv_cache)}, "
+            f"activations and margin {size_text(self.activations)})"
+        )
+
+
+def size_text(num_bytes: int) -> str:
+    if num_bytes >= 1 << 30:
+        return f"{num_bytes / 2**30:.1f} GiB"
+    return f"{num_bytes / 2**20:.1f} MiB"
+
+
+def estimate_memory(
+    target: ModelConfig,
+    draft: DraftConfig | None,
+    dtype: torch.dtype,
+    num_kv_blocks: int,
+    block_size: int,
+    max_num_batched_tokens: int,
+    max_num_seqs: int,
+    device: torch.device,
+) -> MemoryEstimate:
+    """What loading `target` (and `draft`) with a cache of `num_kv_blocks` takes on `device`."""
+    element = torch.empty((), dtype=dtype).element_size()
+    layouts = [hf_layout(target)] + ([draft_layout(draft)] if draft is not None else [])
+    parameters = sum(_numel(p) for layout in layouts for p in layout.values())
+    largest = max(_numel(p) for layout in layouts for p in layout.values())
+    models = [target] + ([draft.model] if draft is not None else [])
+    rope = sum(2 * model.max_position_embeddings * (model.head_size // 2) * 4 for model in models)
+    weights = parameters * element + rope + 2 * largest * 4  # staged in fp32 (a GGUF dequantizes, then converts)
+    kv_cache = num_kv_blocks * sum(bytes_per_block(model, block_size, dtype) for model in models)
+    tokens = max_num_batched_tokens
+    rows = min(tokens, max_num_seqs * ((draft.num_speculative_tokens if draft is not None else 0) + 1))
+    activations = _step_bytes(target, tokens, element) + rows * target.vocab_size * 4 * LOGITS_COPIES
+    if draft is not None:
+        draft_tokens = max_num_seqs * max(draft.positions_ahead, 1)
+        activations += _step_bytes(draft.model, draft_tokens, element)
+        activations += tokens * (len(draft.target_layer_ids) or 1) * target.hidden_size * element  # features
+        rows = max_num_seqs * (draft.block_size if draft.method == "dflash" else 1)  # EAGLE: one row per chain step
+        activations += rows * (draft.draft_vocab_size or target.vocab_size) * 4 * LOGITS_COPIES
+        activations += (max_num_seqs + 1) * target.vocab_size * PENALTY_TABLE_BYTES_PER_ENTRY
+    activations += CUDA_MARGIN_BYTES if device.type == "cuda" else CPU_MARGIN_BYTES
+    return MemoryEstimate(weights, kv_cache, activations)
+
+
+def _numel(placement: Placement) -> int:
+    return math.prod(placement.shape)
+
+
+def _step_bytes(config: ModelConfig, tokens: int, element: int) -> int:
+    """One layer's transient tensors for `tokens` tokens (layers run one after another)."""
+    width = ACTIVATION_WIDTHS * config.hidden_size + config.q_size + 2 * config.kv_size + 3 * config.intermediate_size
+    return tokens * width * element
+
+
+def available_bytes(device: torch.device, fraction: float) -> int:
+    """What a new model may take now: on CUDA, `fraction` of the device's memory less what is in use; on the
+    CPU, CPU_MEMORY_FRACTION of the host's available memory (MemAvailable)."""
+    if device.type == "cuda":
+        free, total = torch.cuda.mem_get_info(device)
+        return int(total * fraction) - (total - free)
+    return int(host_available_bytes() * CPU_MEMORY_FRACTION)
+
+
+def available_text(device: torch.device, fraction: float) -> str:
+    if device.type == "cuda":
+        return f"free within gpu_memory_utilization {fraction:g} of {device}"
+    return f"{CPU_MEMORY_FRACTION:.0%} of the host's available memory"
+
+
+def host_available_bytes(meminfo: Path = Path("/proc/meminfo")) -> int:
+    """MemAvailable (Linux): free memory plus what the kernel can reclaim without swapping. Elsewhere the
+    free physical pages."""
+    try:
+        for line in meminfo.read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    import os
+
+    return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+
+
+def fits_beside(
+    estimate: MemoryEstimate, device: torch.device, fraction: float, resident: MemoryEstimate | None
+) -> bool:
+    """True: build the new model beside the resident one (`resident`: the loaded model's estimate, None for
+    none). False: it fits only once the resident model is released. ResourceExhausted when it fits in neither
+    case, with the estimate and what is available."""
+    available = available_bytes(device, fraction)
+    if estimate.total <= available:
+        return True
+    if resident is not None and estimate.total <= available + resident.total:
+        return False
+    largest = max(("target", estimate.weights), ("num_kv_blocks", estimate.kv_cache), key=lambda item: item[1])[0]
+    room = f"{size_text(max(available, 0))} available ({available_text(device, fraction)})"
+    if resident is not None:
+        room += f", {size_text(resident.total)} more once the loaded model is released"
+    raise ResourceExhausted(
+        f"the model needs an estimated {estimate.describe()}, more than the {room}",
+        field_violations=(FieldViolation(largest, f"needs an estimated {size_text(estimate.total)}, over {room}"),),
+    )

@@ -1,0 +1,1 @@
+"""Speculative decoding: proposers by drafting method, the verifier, the device step."""

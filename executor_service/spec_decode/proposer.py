@@ -1,0 +1,429 @@
+"""Proposers: after each target step, the drafter turns the target's features into the next drafts, a chain or a
+tree (a chain is the tree whose every node has one child). One proposer per drafting method, over this base:
+EAGLE and EAGLE-3 (eagle_proposer.py), DFlash (dflash_proposer.py).
+
+The drafter has its own paged cache (its own layers, the target's block ids). Each proposal first runs the
+drafter over the rows the target just computed (the "context pass": EAGLE's first step, DFlash's context K/V),
+then drafts from the newest verified row:
+
+- chains: k drafts, one per position (EAGLE: k - 1 more chain steps, one token per request; DFlash: one block
+  pass). A chain's context pass runs every computed row, rejected ones too, so that steps have a fixed shape for
+  CUDA graphs; their cache entries lie past the verified tokens and are overwritten before anything reads them.
+  Each pass's attention metadata is rebuilt on the device (R10) from the newest verified position and the slots
+  ahead of it, so a chain replays as CUDA graphs.
+- trees: the context pass runs the verified rows at their final positions (the accepted path's, gathered), then
+  the method drafts the tree (`draft_tree`: EAGLE pass by pass over the nodes it expands, DFlash from one block
+  pass), its candidates and a dynamic tree's choice shared (tree_drafting.py).
+
+Two entry points: `propose` (the host knows which rows were verified: after a prefill chunk, an uneven batch, q-
+drawn drafts) and `propose_verified` (verification computed on the device, inside the speculative step: see
+spec_step.py). On the host path a chain drafts the argmax for greedy requests and, where `sample_drafts` is on,
+draws from the drafter's distribution for sampled ones (draft_sampling.py), eagerly.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+from executor_service.engine.kv_cache import KVCache
+from executor_service.engine.request import Request
+from executor_service.models.attention_step import (
+    AttentionStep,
+    block_table_tensor,
+    build_attention_step,
+    cache_slot,
+    to_device,
+)
+from executor_service.models.draft_models import Drafter, Eagle3Drafter
+from executor_service.runner.cuda_graphs import RequestInputs, StepGraphs, TokenInputs
+from executor_service.runner.step_constants import StepConstants
+from executor_service.sample.sampling import DraftProbs, to_host
+from executor_service.spec_decode.draft_sampling import DRAFT_SUPPORT, DraftSampler
+from executor_service.spec_decode.tree_drafting import TreeCandidates
+from executor_service.spec_decode.verifier import Verdict
+
+Replay = Callable[[Request, list[int]], list[int]]  # test drafters: rewrite a request's drafts
+TreeReplay = Callable[[Request, list[int], list[int]], tuple[list[int], list[int]]]  # test drafters: rewrite a tree
+PassForward = Callable[[AttentionStep, torch.Tensor, dict[str, torch.Tensor]], tuple[torch.Tensor, ...]]
+# (block table, one position per request, inputs) -> outputs: a pass that builds its metadata on the device
+OwnMetadataForward = Callable[[torch.Tensor, torch.Tensor, dict[str, torch.Tensor]], tuple[torch.Tensor, ...]]
+Pick = Callable[[torch.Tensor], torch.Tensor]  # the head's hidden states [B, (n,) H] -> draft ids [B, (n)] (target)
+
+
+@dataclass(frozen=True)
+class ProposeEntry:
+    """One request that ran in the target step just verified and is still running."""
+
+    request: Request
+    row_start: int  # its first row among the target step's rows (into the features)
+    num_rows: int  # rows the target computed for it
+    verified_rows: list[int]  # of which verified, in order (prefill chunk: all; verify: the root and its path)
+    propose: bool  # has a new last token: draft for the next step (not a prefill chunk mid-prompt)
+
+    @property
+    def num_valid(self) -> int:
+        return len(self.verified_rows)
+
+    @property
+    def first_position(self) -> int:
+        return self.request.num_computed_tokens - self.num_valid
+
+
+@dataclass
+class ProposeBatch:
+    entries: list[ProposeEntry]
+    features: torch.Tensor  # [T, F] what the drafter reads of every target row
+    # reserve(request, positions): secures the cache slots a proposal writes past the request's tokens (trees);
+    # None: the scheduler reserved them with the step.
+    reserve: Callable[[Request, int], bool] | None = None
+
+
+@dataclass(frozen=True)
+class DraftPass:
+    """A drafter pass a graph can replay: its forward, query tokens per request and its inputs. Passes
+    that build their own metadata on the device read only the block table of the step they are given."""
+
+    forward: PassForward
+    query_len: int
+    inputs: TokenInputs
+    request_inputs: RequestInputs | None = None
+
+
+class Proposer:
+    """What every drafting method shares; a method supplies its passes (`_passes`), its chain (`_draft_chain`,
+    `_propose_verified_chain`), its tree (`context_pass_rows`, `draft_tree`, `scratch_width`)."""
+
+    def __init__(
+        self, drafter: Drafter, kv_cache: KVCache, backend: str, max_model_len: int, device: torch.device
+    ) -> None:
+        self.drafter, self.kv_cache, self.backend = drafter, kv_cache, backend
+        self.config = drafter.config
+        self.k = self.config.num_speculative_tokens
+        self.tree = self.config.tree  # None: a chain
+        self.block_size = kv_cache.block_size
+        self.max_model_len, self.device = max_model_len, device
+        self.constants = StepConstants(device)
+        self.candidates = None if self.tree is None else TreeCandidates(self.tree, drafter, self.constants, device)
+        self.parents: dict[str, list[int]] = {}  # a tree's drafts' parents, by request id
+        self.replay: Replay | None = None
+        self.replay_tree: TreeReplay | None = None  # scripted trees need the host: no step launched ahead
+        # Sampled requests' drafts: True drawn from q (draft_sampling.py: verified on the host path, the chain run
+        # eagerly), False or None (auto) the argmax, verified as point masses on the device step (verifier.py)
+        # with or without CUDA graphs. docs/executor.md has both timed at T = 0.7.
+        self.sample_drafts: bool | None = None
+        self.draft_support = DRAFT_SUPPORT  # ids each drawn draft's q keeps (draft_sampling.py)
+        self.pass_counts: Counter[str] = Counter()  # "<pass> graph" / "<pass> eager" (benchmarks read it)
+        self.graphs: dict[str, StepGraphs] = {}  # by pass name; see capture_graphs
+        self.passes = self._passes()
+
+    @property
+    def ahead_width(self) -> int:
+        """Slots of the positions a device step's proposal may write, from the root (the first verify row) on: a
+        chain's k + 1 verify rows and the drafter's lookahead; a tree's path, then its scratch keys."""
+        if self.tree is None:
+            return self.k + 1 + self.config.positions_ahead
+        return 1 + self.tree.depth + self.scratch_width
+
+    @property
+    def scratch_width(self) -> int:
+        """Keys a tree proposal's drafter passes write past the newest verified token."""
+        raise NotImplementedError
+
+    def slot(self, request: Request, position: int) -> int:
+        """Cache slot of `position`, -1 past the context or the request's blocks (written nowhere)."""
+        if position >= self.max_model_len:
+            return -1
+        return cache_slot(request.block_ids, position, self.block_size)
+
+    def slots_ahead(
+        self, requests: list[Request], starts: list[int], width: int, own: list[int] | None = None
+    ) -> torch.Tensor:
+        """[B, width] slots of positions start, start + 1, ... of each request: what its next passes write.
+        `own`: each request's own width (its drafts, per-request speculation); -1 past it."""
+        own = own or [width] * len(requests)
+        rows = [
+            [self.slot(r, s + j) if j < w else -1 for j in range(width)]
+            for r, s, w in zip(requests, starts, own, strict=True)
+        ]
+        return self.tensor(rows, torch.int64)
+
+    @property
+    def scripted(self) -> bool:
+        """Whether tests script the drafts (`replay`, `replay_tree`): they need the host, so no step is launched
+        ahead."""
+        return self.replay is not None or self.replay_tree is not None
+
+    def tree_of(self, request: Request) -> list[int]:
+        """The parents of the request's drafts: a chain's draft j's is j - 1; a tree's as drafted (the scheduler
+        may have cut the drafts short: a prefix)."""
+        if self.tree is None:
+            return list(range(-1, len(request.draft_ids) - 1))
+        return self.parents.get(request.request_id, [])[: len(request.draft_ids)]
+
+    def set_tree(self, request: Request, tokens: list[int], parents: list[int] | None) -> None:
+        """The request's drafts for its next step (a chain's parents are implied): its own number of drafts,
+        never past the context (a topological prefix of a tree is a tree)."""
+        if self.tree is None:
+            self.set_drafts(request, tokens)
+            return
+        assert parents is not None
+        if self.replay_tree is not None:
+            tokens, parents = self.replay_tree(request, tokens, parents)
+        count = min(self.num_drafts(request), max(self.max_model_len - request.num_tokens, 0))
+        request.draft_ids = tokens[:count]
+        self.parents[request.request_id] = parents[:count]
+
+    def forget(self, request: Request) -> None:
+        self.parents.pop(request.request_id, None)
+
+    def num_drafts(self, request: Request) -> int:
+        """Drafts per step for this request: its own number (GenerateRequest.num_speculative_tokens, at most
+        k; 0: it never drafts), else the loaded drafter's k."""
+        own = request.num_speculative_tokens
+        return self.k if own is None else min(own, self.k)
+
+    def attention(
+        self, requests: list[Request], query_lens: list[int], seq_lens: list[int], slots: list[int], causal: bool
+    ) -> AttentionStep:
+        block_ids = [r.block_ids for r in requests]
+        return build_attention_step(self.backend, block_ids, query_lens, seq_lens, slots, causal, self.device)
+
+    def block_table(self, requests: list[Request]) -> torch.Tensor:
+        return block_table_tensor([r.block_ids for r in requests], self.device)
+
+    def tensor(self, values: list, dtype: torch.dtype) -> torch.Tensor:
+        return to_device(values, dtype, self.device)
+
+    def context_pass(self, batch: ProposeBatch) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, AttentionStep]:
+        """Features, positions and next-token ids of every row the target computed, and their metadata."""
+        rows, positions, next_ids, slots, seq_lens = [], [], [], [], []
+        for entry in batch.entries:
+            first, count, valid = entry.first_position, entry.num_rows, entry.num_valid
+            rows += range(entry.row_start, entry.row_start + count)
+            positions += range(first, first + count)
+            following = entry.request.token_ids(first + 1, first + valid + 1)  # row p pairs with token p + 1
+            next_ids += following + [0] * (count - valid)
+            slots += [self.slot(entry.request, p) for p in range(first, first + count)]
+            seq_lens.append(first + count)
+        requests = [e.request for e in batch.entries]
+        step = self.attention(requests, [e.num_rows for e in batch.entries], seq_lens, slots, causal=True)
+        features = batch.features[self.tensor(rows, torch.int64)]
+        return features, self.tensor(positions, torch.int64), self.tensor(next_ids, torch.int64), step
+
+    @torch.inference_mode()
+    def propose(self, batch: ProposeBatch) -> None:
+        """Run the drafter and set the drafts of every proposing request in the batch (a tree's with their
+        parents)."""
+        if not batch.entries:
+            return
+        if self.tree is not None:
+            self._propose_trees(batch)
+            return
+        proposing = [e.request for e in batch.entries if e.propose]
+        sampler = None
+        if self.samples_drafts() and DraftSampler.wanted(proposing):
+            vocab_ids = self.drafter.target_ids() if isinstance(self.drafter, Eagle3Drafter) else None
+            sampler = DraftSampler(proposing, vocab_ids, self.draft_support)
+        drafts = self._draft_chain(batch, sampler)
+        probs = sampler.probs_of(len(proposing)) if sampler is not None else [None] * len(proposing)
+        for request, ids, q in zip(proposing, _rows(drafts) if proposing else [], probs, strict=True):
+            self.set_drafts(request, ids, q)
+
+    def samples_drafts(self) -> bool:
+        """Whether sampled requests draw their drafts from q (`sample_drafts`; auto: the argmax)."""
+        return bool(self.sample_drafts)
+
+    def set_drafts(self, request: Request, drafts: list[int], probs: DraftProbs | None = None) -> None:
+        """The request's drafts for its next step, never past the context, and the distributions they were
+        drawn from (None: greedy, a point mass). Drafts past max_tokens are kept (verified, their tokens
+        dropped): the last steps keep k + 1 tokens per request, so they replay the verify graph instead of
+        running eagerly. Scripted drafts (`replay`) are a point mass each."""
+        drafts = drafts[: self.num_drafts(request)]  # a request drafting fewer than k keeps its own
+        if self.replay is not None:
+            drafts, probs = self.replay(request, drafts), None
+        request.draft_ids = drafts[: max(self.max_model_len - request.num_tokens, 0)]
+        request.draft_probs = probs.head(len(request.draft_ids)) if probs is not None else None
+
+    def _picker(self, sampler: DraftSampler) -> Pick:
+        return lambda hidden: self.drafter.to_target(sampler.pick(self.drafter.draft_logits(hidden)))
+
+    def _draft_chain(self, batch: ProposeBatch, sampler: DraftSampler | None) -> torch.Tensor:
+        """The proposing requests' chains [B, k] after the context pass over the batch (the method's)."""
+        raise NotImplementedError
+
+    def _propose_trees(self, batch: ProposeBatch) -> None:
+        """Per entry, the context pass over its verified rows of the target step (in order), then the trees of
+        those that draft now; `batch.reserve(request, positions)` secures the slots the drafter writes."""
+        entries, features = batch.entries, batch.features
+        if not entries:
+            return
+        rows, positions, next_ids, slots, seq_lens, query_lens = [], [], [], [], [], []
+        for entry in entries:
+            request, request_rows = entry.request, entry.verified_rows
+            first = request.num_computed_tokens - len(request_rows)
+            rows += request_rows
+            positions += range(first, first + len(request_rows))
+            next_ids += request.token_ids(first + 1, first + len(request_rows) + 1)  # row p pairs with token p + 1
+            slots += [self.slot(request, p) for p in range(first, first + len(request_rows))]
+            seq_lens.append(first + len(request_rows))
+            query_lens.append(len(request_rows))
+        requests = [e.request for e in entries]
+        step = self.attention(requests, query_lens, seq_lens, slots, causal=True)
+        self.pass_counts["tree_context eager"] += 1
+        feedback, head = self.context_pass_rows(
+            step, self.tensor(positions, torch.int64), self.tensor(next_ids, torch.int64),
+            features[self.tensor(rows, torch.int64)],
+        )  # fmt: skip
+        picked, proposing, offset = [], [], 0
+        for entry, count in zip(entries, query_lens, strict=True):
+            offset += count
+            if not entry.propose:
+                continue
+            request = entry.request
+            ahead = request.num_computed_tokens + self.scratch_width
+            if ahead > self.max_model_len or (batch.reserve is not None and not batch.reserve(request, ahead)):
+                self.set_tree(request, [], [])  # no room: decode without drafts
+                continue
+            picked.append(offset - 1)  # the newest verified row
+            proposing.append(request)
+        if proposing:
+            index = self.tensor(picked, torch.int64)
+            trees = self.draft(proposing, head[index], feedback[index])
+            for request, (tokens, parents) in zip(proposing, trees, strict=True):
+                self.set_tree(request, tokens, parents)
+
+    def draft(
+        self, requests: list[Request], head: torch.Tensor, hidden: torch.Tensor
+    ) -> list[tuple[list[int], list[int]]]:
+        """The trees (tokens, parents) of `requests` from the newest verified row's head and feedback [B, H]."""
+        last = self.tensor([r.num_computed_tokens - 1 for r in requests], torch.int64)
+        starts = [r.num_computed_tokens for r in requests]
+        scratch = self.slots_ahead(requests, starts, self.scratch_width)  # [B, scratch_width]
+        tokens, parents = self.draft_tree(self.block_table(requests), last, scratch, head, hidden)
+        flat, size = to_host(torch.cat([tokens, parents], dim=1).reshape(-1)), tokens.shape[1]
+        return [(flat[i : i + size], flat[i + size : i + 2 * size]) for i in range(0, len(flat), 2 * size)]
+
+    def context_pass_rows(
+        self, step: AttentionStep, positions: torch.Tensor, next_ids: torch.Tensor, features: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The drafter over verified target rows (`features`, each paired with the token after it): its
+        feedback and head per row, which `draft_tree` reads at the newest verified row."""
+        raise NotImplementedError
+
+    def draft_tree(
+        self, block_table: torch.Tensor, last: torch.Tensor, scratch: torch.Tensor, head: torch.Tensor,
+        hidden: torch.Tensor,
+    ) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+        """The trees on the device, no host sync (the device-resident tree step captures it): tokens and parents
+        [B, drafts] (-1: the root) from the newest verified row's head and feedback [B, H] at positions `last`;
+        `scratch` [B, num_inputs] the slots of positions last + 1, ... that the drafter's passes write.
+        A static tree's layout (parents, which node expands which, the masks) is constant: only its tokens and
+        hidden states move; a dynamic tree also carries its scores, parents and frontier."""
+        raise NotImplementedError
+
+    def propose_verified(
+        self,
+        step: AttentionStep,
+        positions: torch.Tensor,
+        features: torch.Tensor,
+        verdict: Verdict,
+        slots_ahead: torch.Tensor,
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The next drafts after a verify step on the device, without the host: a chain's [B, k] (parents None),
+        or a tree's tokens and parents [B, N]: the context pass over the root and the path rows at root, root + 1,
+        ... (row i pairs with emitted token i), then the tree drafted from the newest verified row. `step` and
+        `positions` are the verify pass's (consecutive slots and positions from each root); `slots_ahead`
+        [B, ahead_width] the slots of positions root, root + 1, ..."""
+        constants, tree = self.constants, self.tree
+        if tree is None:
+            return self._propose_verified_chain(step, positions, features, verdict, slots_ahead), None
+        count, rows, width = slots_ahead.shape[0], tree.num_drafts + 1, tree.depth + 1
+        root = positions.view(count, rows)[:, 0]
+        path_slots = step.slot_mapping.view(count, rows)[:, :width].reshape(-1)  # root + depth: the path's slots
+        context = AttentionStep(
+            backend=self.backend, block_table=step.block_table, query_start_loc=constants.starts(count, width),
+            seq_lens=step.seq_lens - (rows - width), slot_mapping=path_slots, max_query_len=width,
+            max_seq_len=self.max_model_len,
+        )  # fmt: skip
+        path_rows = (constants.strided(count, rows)[:, None] + verdict.path_rows).reshape(-1)
+        context_positions = (root[:, None] + constants.arange(width)).reshape(-1)
+        feedback, head = self.context_pass_rows(
+            context, context_positions, verdict.emitted.reshape(-1), features[path_rows]
+        )
+        picked = constants.strided(count, width) + verdict.accepted  # the newest verified row
+        past_root = constants.get(
+            ("scratch offsets", self.scratch_width), lambda: constants.arange(self.scratch_width) + 1
+        )
+        scratch = slots_ahead.gather(1, verdict.accepted[:, None] + past_root[None, :])  # past the newest
+        return self.draft_tree(step.block_table, root + verdict.accepted, scratch, head[picked], feedback[picked])
+
+    def _propose_verified_chain(
+        self,
+        step: AttentionStep,
+        positions: torch.Tensor,
+        features: torch.Tensor,
+        verdict: Verdict,
+        slots_ahead: torch.Tensor,
+    ) -> torch.Tensor:
+        """A chain's drafts [B, k] after a verify step on the device (the method's)."""
+        raise NotImplementedError
+
+    def _offsets(self, width: int) -> torch.Tensor:
+        return torch.arange(width, device=self.device)[None, :]
+
+    def _run(
+        self, name: str, uniform: bool, step: AttentionStep, positions: torch.Tensor, **inputs: torch.Tensor
+    ) -> tuple[torch.Tensor, ...]:
+        """A pass over host-built metadata; replayed when the batch is uniform and fits a graph."""
+        graphs = self.graphs.get(name)
+        if graphs is not None and uniform and step.seq_lens.shape[0] <= graphs.max_batch:
+            self.pass_counts[f"{name} graph"] += 1
+            return graphs.run(step.block_table, step.seq_lens, step.slot_mapping, positions, **inputs)
+        self.pass_counts[f"{name} eager"] += 1
+        return self.passes[name].forward(step, positions, inputs)
+
+    def _run_device_metadata(
+        self, name: str, block_table: torch.Tensor, positions: torch.Tensor, inputs: dict[str, torch.Tensor]
+    ) -> tuple[torch.Tensor, ...]:
+        """A pass that builds its own metadata on the device (chain, block): one position per request."""
+        graphs = self.graphs.get(name)
+        if graphs is not None and block_table.shape[0] <= graphs.max_batch:
+            self.pass_counts[f"{name} graph"] += 1
+            return graphs.replay(block_table, positions, **inputs)
+        self.pass_counts[f"{name} eager"] += 1
+        return self._metadata_forward(name)(block_table, positions, inputs)
+
+    def _metadata_forward(self, name: str) -> OwnMetadataForward:
+        """The eager forward of a pass that builds its own metadata (the method's)."""
+        raise NotImplementedError
+
+    def _passes(self) -> dict[str, DraftPass]:
+        """Each pass a graph can replay, by name (the method's)."""
+        raise NotImplementedError
+
+    def capture_graphs(self, max_batch: int) -> None:
+        """One graph set per pass (CUDA, capture-safe drafter backend); larger batches, and context passes
+        of uneven batches, run eagerly."""
+        for name, draft_pass in self.passes.items():
+            graphs = StepGraphs(
+                f"drafter {name}", draft_pass.forward, self.backend, draft_pass.query_len, max_batch,
+                self.max_model_len, self.block_size, self.device, draft_pass.inputs,
+                request_inputs=draft_pass.request_inputs,
+            )  # fmt: skip
+            graphs.capture()
+            self.graphs[name] = graphs
+
+
+def _reads_block_table(forward: OwnMetadataForward) -> PassForward:
+    """A graph's forward for a pass that needs only the block table of the step the graph hands it."""
+    return lambda step, positions, inputs: forward(step.block_table, positions, inputs)
+
+
+def _rows(tokens: torch.Tensor) -> list[list[int]]:
+    flat = to_host(tokens.reshape(-1))
+    width = tokens.shape[-1]
+    return [flat[i : i + width] for i in range(0, len(flat), width)]

@@ -1,0 +1,315 @@
+"""The speculative step on the device: verify, accept and propose in one pass, read back once, for chains and
+trees alike (a chain is the tree whose draft j has parent j - 1).
+
+When every request of a step verifies a whole draft of the loaded shape (the steady state of speculative
+decoding), greedy or sampled, penalised or asking for logprobs, nothing between the target's verify pass and the
+drafter's next proposal needs the host:
+
+- layout: a chain's is constant and its drafts attend causally at their own positions; a tree's depths,
+  ancestors and masks (kernels/tree_mask.py) are constants for a static shape and `tree_layout` of the drafted
+  parents for a dynamic one, its drafts at the root's position plus their depth;
+- verify and accept (`verifier.verify`): the greedy rule accepts drafts equal to the target's argmax at their
+  parent's row, the sampled rule draws (counter-based: device_sampling.py); the accepted drafts form one path;
+- roll back (`VerifiedStep.kept_rows`): the rejected drafts' K/V stays in the cache but is not booked, and the
+  next step overwrites it; a tree's path K/V first moves to the slots of its positions (a chain's is in place);
+- propose (`Proposer.propose_verified`): the drafter's context pass over the root and the path, then its next
+  drafts from the newest verified row, each pass's metadata advanced on the device from the slots ahead of the
+  root that the host lays out before the step.
+
+So the parts run as one function, captured as CUDA graphs per sampling variant and batch bucket
+(step_variants.py): one replay per step and one read-back per request of [emitted tokens (depth + 1) | accepted
+count | next drafts (N) | their parents (N, dynamic trees only)], and for the extras variants the emitted tokens'
+logprobs (device_penalties.py). `launch_following` derives the next step's inputs on the device from that packed
+result, so it is launched before the host reads this one back. The same function runs eagerly on the CPU and for
+batches larger than the graphs. The engine's host path (host_step.py) takes the rest: requests with q-drawn
+drafts, uneven batches, cut-short trees, penalised requests past the penalty table's slots.
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass, field, replace
+
+import torch
+
+from executor_service.engine.request import Request
+from executor_service.models.attention_step import AttentionStep
+from executor_service.parallel.graphs import lockstep_for
+from executor_service.runner.cuda_graphs import StepGraphs
+from executor_service.runner.model_runner import ModelRunner, StepInputs
+from executor_service.runner.step_constants import StepConstants
+from executor_service.sample.device_sampling import GREEDY, SamplingTensors, has_extras, sorts
+from executor_service.sample.logprobs import TokenLogprob
+from executor_service.spec_decode.device_penalties import unpack_logprobs
+from executor_service.spec_decode.proposer import Proposer
+from executor_service.spec_decode.step_variants import (
+    DEFAULT_PENALTY_SLOTS,
+    StepSampling,
+    VariantSteps,
+    capture_variants,
+)
+from executor_service.spec_decode.tree_drafting import static_parents
+from executor_service.spec_decode.verifier import DraftLayout, tree_layout, verify
+from kernels.tree_mask import TREE_WINDOW, to_int64
+
+
+@dataclass(frozen=True)
+class VerifiedStep:
+    """What the host reads back of one device-resident step, per request."""
+
+    target_ids: list[list[int]]  # the emitted tokens: the accepted drafts, then the token after them (k + 1 wide)
+    accepted: list[int]  # drafts accepted
+    next_drafts: list[list[int]]  # the drafter's k drafts for the next step
+    logprobs: torch.Tensor | None = None  # an extras step's packed logprobs [B, ...] (device_penalties.py)
+    logprob_top: int = 0
+    penalised: list[bool] = field(default_factory=list)
+
+    def emitted(self, index: int) -> list[int]:
+        """The accepted drafts and the token after them."""
+        return self.target_ids[index][: self.kept_rows(index)]
+
+    def kept_rows(self, index: int) -> int:
+        """Roll back: of the k + 1 rows verified, the request keeps its last token's and its accepted drafts';
+        the rejected drafts' K/V is not counted, and the next step writes over it."""
+        return self.accepted[index] + 1
+
+    def token_logprobs(self, index: int, n: int | None) -> list[TokenLogprob] | None:
+        """The emitted tokens' logprobs with the top n (None: the request asks for none)."""
+        if n is None or self.logprobs is None:
+            return None
+        return unpack_logprobs(self.logprobs[index], self.emitted(index), self.logprob_top, n)
+
+
+class PendingStep:
+    """A launched step's packed result [B, (k + 1) + 1 + k], copied to pinned host memory behind the step;
+    its packed result, positions and sampling inputs stay on the device for the step launched after it
+    (`launch_following`). An extras step's packed logprobs (rows x (1 + 2 top) columns) end each row."""
+
+    def __init__(
+        self,
+        packed: torch.Tensor,
+        positions: torch.Tensor,
+        rows: int,
+        sampling: StepSampling | None = None,
+        logprob_top: int = 0,
+    ) -> None:
+        self.packed, self.positions, self.sampling = packed, positions, sampling or StepSampling()
+        self.rows, self.width = rows, packed.shape[1]
+        self.logprob_top = logprob_top if has_extras(self.sampling.variant) else 0
+        self.logprob_width = rows * (1 + 2 * logprob_top) if self.logprob_top else 0
+        self.done: torch.cuda.Event | None = None
+        if packed.is_cuda:
+            self.host = torch.empty(packed.shape, dtype=packed.dtype, pin_memory=True)
+            self.host.copy_(packed, non_blocking=True)
+            self.done = torch.cuda.Event()
+            self.done.record()
+        else:
+            self.host = packed
+
+    def result(self) -> VerifiedStep:
+        """Waits for the device (CUDA event synchronize releases the GIL: the gRPC loop streams meanwhile)."""
+        if self.done is not None:
+            self.done.synchronize()
+        end = self.width - self.logprob_width
+        per_request = self.host[:, :end].tolist()
+        rows = self.rows
+        return VerifiedStep(
+            target_ids=[r[:rows] for r in per_request],
+            accepted=[r[rows] for r in per_request],
+            next_drafts=[r[rows + 1 :] for r in per_request],
+            logprobs=self.host[:, end:] if self.logprob_width else None,
+            logprob_top=self.logprob_top,
+        )
+
+
+class SpecStep(VariantSteps):
+    def __init__(self, runner: ModelRunner, proposer: Proposer, penalty_slots: int = DEFAULT_PENALTY_SLOTS) -> None:
+        super().__init__(runner.model.config.vocab_size, runner.device, penalty_slots)
+        self.runner, self.proposer, self.tree = runner, proposer, proposer.tree
+        self.k = proposer.k
+        chain = self.tree is None
+        self.num_drafts = self.k if self.tree is None else self.tree.num_drafts  # drafts verified per request
+        self.depth = self.k if self.tree is None else self.tree.depth
+        self.rows = self.num_drafts + 1  # the root and the drafts
+        self.dynamic = self.tree is not None and self.tree.dynamic  # its parents are drafted, not constant
+        self.ahead_width = proposer.ahead_width  # slots of positions root, root + 1, ... its passes may write
+        self.constants = StepConstants(runner.device)
+        # A chain's or a static tree's drafts keep one layout: its parents, depths, ancestors and masks are
+        # constants, not rounds of gathers per step (the host-given drafts are checked against it in `accepts`).
+        self.static_parents: list[int] | None = None
+        if self.tree is None:
+            self.static_parents = list(range(-1, self.k - 1))
+        elif not self.tree.dynamic:
+            self.static_parents = static_parents(self.tree)
+        self.static_layout: tuple[torch.Tensor, ...] | None = None
+        if not chain and self.static_parents is not None:
+            parents = torch.tensor([self.static_parents], dtype=torch.int64, device=runner.device)
+            node_depth, ancestors = tree_layout(parents, self.depth)
+            self.static_layout = (parents, node_depth, ancestors, self._masks(ancestors))
+
+    def describe(self) -> str:
+        return f"chain, k = {self.k}" if self.tree is None else self.tree.describe()
+
+    def accepts(self, inputs: StepInputs, requests: list[Request]) -> bool:
+        """Every request verifies a whole draft of the loaded shape (all rows sampled), greedy or sampled with
+        argmax drafts, penalised or not (while the penalty table has slots). A chain drawn from q, a tree in
+        another layout or cut short takes the host path, and the whole step with it."""
+        if inputs.uniform_query_len != self.rows or not self.fits(requests):
+            return False
+        if self.tree is None:
+            return all(r.draft_probs is None for r in requests)
+        for request in requests:
+            parents = self.proposer.tree_of(request)
+            if len(parents) != self.num_drafts:
+                return False
+            if self.static_parents is not None and parents != self.static_parents:
+                return False
+        return True
+
+    def reach(self, request: Request) -> int:
+        """Positions a request needs room for: its verify rows, and the drafter's keys past the root (the path's
+        length is known only on the device)."""
+        return request.num_computed_tokens + max(self.rows, self.ahead_width)
+
+    def reach_following(self, request: Request) -> int:
+        """Positions a request needs room for before the step after its current one is launched blind: this
+        step may accept `depth` drafts, and the next one writes from one past there."""
+        return self.reach(request) + self.depth + 1
+
+    def next_tree(self, result: VerifiedStep, index: int) -> tuple[list[int], list[int] | None]:
+        """Request `index`'s next drafts as the proposer takes them: its tokens and parents (a chain's: None)."""
+        ids = result.next_drafts[index]
+        if self.tree is None:
+            return ids[: self.num_drafts], None
+        parents = ids[self.num_drafts : 2 * self.num_drafts] if self.dynamic else self.static_parents
+        return ids[: self.num_drafts], parents
+
+    @torch.inference_mode()
+    def launch(self, inputs: StepInputs, requests: list[Request]) -> PendingStep:
+        """Queue the step and its read-back; returns without waiting for either. `inputs`: runner.prepare's
+        (consecutive positions and slots from the root; a tree's positions and masks are built on the device).
+        The caller has reserved every request's blocks up to `reach`."""
+        roots = [r.num_computed_tokens for r in requests]
+        step = replace(inputs.attention, block_table=self.proposer.block_table(requests))  # as reserved
+        sampling = StepSampling.of(requests, self.table)
+        x = {"input_ids": inputs.input_ids, **sampling.inputs}
+        x["slots_ahead"] = self.proposer.slots_ahead(requests, roots, self.ahead_width)
+        if self.dynamic:
+            x["parents"] = self.proposer.tensor([self.proposer.tree_of(r) for r in requests], torch.int64)
+        (packed,) = self.run(sampling.variant, "", step, inputs.positions, x)
+        return PendingStep(packed, inputs.positions, self.depth + 1, sampling, self.logprob_top)
+
+    @torch.inference_mode()
+    def launch_following(self, previous: PendingStep, requests: list[Request]) -> PendingStep:
+        """Queue the step after `previous` for the same requests before the host has read `previous` back: its
+        inputs (the bonus token and the next drafts), positions, sequence lengths and slots follow on the device
+        from `previous`'s packed result. The caller has reserved every request's blocks up to `reach_following`."""
+        count, rows, depth, size = len(requests), self.rows, self.depth, self.num_drafts
+        roots = [r.num_computed_tokens for r in requests]  # `previous`'s root (not yet booked)
+        block_table = self.proposer.block_table(requests)
+        old_root = previous.positions.view(count, rows)[:, 0]
+        reach = max(rows, self.ahead_width)
+        wide = self._slots(block_table, old_root, depth + 1 + reach)
+        packed = previous.packed
+        accepted = packed[:, depth + 1]
+        bonus = packed[:, : depth + 1].gather(1, accepted[:, None])
+        input_ids = torch.cat([bonus, packed[:, depth + 2 : depth + 2 + size]], dim=1).reshape(-1)
+        shift = accepted[:, None] + 1  # the new root's offset from the old one
+        root = old_root + accepted + 1
+        offsets = self.constants.arange(reach)[None, :]
+        positions = (root[:, None] + offsets[:, :rows]).reshape(-1)
+        step = AttentionStep(
+            backend=self.runner.backend, block_table=block_table, query_start_loc=self.constants.starts(count, rows),
+            seq_lens=(root + rows).to(torch.int32), slot_mapping=wide.gather(1, shift + offsets[:, :rows]).reshape(-1),
+            max_query_len=rows, max_seq_len=max(roots) + depth + 1 + rows,
+        )  # fmt: skip
+        sampling = previous.sampling
+        x = {"input_ids": input_ids, "slots_ahead": wide.gather(1, shift + offsets[:, : self.ahead_width])}
+        if self.dynamic:
+            x["parents"] = packed[:, depth + 2 + size : depth + 2 + 2 * size]
+        (out,) = self.run(sampling.variant, " following", step, positions, x | sampling.inputs)
+        return PendingStep(out, positions, depth + 1, sampling, self.logprob_top)
+
+    def _slots(self, block_table: torch.Tensor, first: torch.Tensor, width: int) -> torch.Tensor:
+        """[B, width] cache slots of positions first, first + 1, ... of each request, on the device (no host loop
+        over the slots); every one of them reserved by the caller."""
+        size = self.runner.block_size
+        positions = first[:, None] + self.constants.arange(width)[None, :]
+        blocks = block_table.long().gather(1, (positions // size).clamp(max=block_table.shape[1] - 1))
+        return blocks * size + positions % size
+
+    def forward(
+        self, step: AttentionStep, positions: torch.Tensor, x: dict[str, torch.Tensor], variant: str = GREEDY
+    ) -> tuple:
+        """The packed result (the module's docstring). `positions`: root, root + 1, ... per request."""
+        input_ids, ahead = x["input_ids"], x["slots_ahead"]
+        count, rows = ahead.shape[0], self.rows
+        root = positions.view(count, rows)[:, 0]
+        layout, verify_step, verify_positions = self._layout(input_ids.view(count, rows)[:, 1:], x, step, positions)
+        logits, features = self.runner.forward(input_ids, verify_positions, verify_step, None)  # the target's pass
+        assert features is not None, "a drafter reads the target's features"
+        sampling, penalties = SamplingTensors.from_inputs(x), self.step_penalties(x)
+        verdict = verify(logits, layout, sampling, root, sorts(variant), self.constants, penalties)
+        extras = self.extras(logits, verdict, penalties, self.constants, rows)
+        if not layout.chain:
+            self._move_path(step.slot_mapping.view(count, rows), verdict.path_rows, verdict.accepted)
+        next_tokens, next_parents = self.proposer.propose_verified(step, positions, features, verdict, ahead)
+        parts = [verdict.emitted, verdict.accepted[:, None], next_tokens]
+        if self.dynamic:
+            assert next_parents is not None
+            parts.append(next_parents)
+        return (torch.cat([*parts, *extras], dim=1),)
+
+    def _layout(
+        self, drafts: torch.Tensor, x: dict[str, torch.Tensor], step: AttentionStep, positions: torch.Tensor
+    ) -> tuple[DraftLayout, AttentionStep, torch.Tensor]:
+        """The drafts' layout, the verify pass's metadata and positions (a chain's: the step's own, causal)."""
+        count = drafts.shape[0]
+        if self.tree is None:
+            parents = self.constants.get(("chain", self.k), lambda: self.constants.arange(self.k) - 1)
+            layout = DraftLayout(drafts, parents.expand(count, -1), None, None, self.k, chain=True)
+            return layout, step, positions
+        if self.static_layout is not None:
+            parents, node_depth, ancestors, masks = (t.expand(count, -1) for t in self.static_layout)
+        else:
+            parents = x["parents"]
+            node_depth, ancestors = tree_layout(parents, self.depth, self.constants)
+            masks = self._masks(ancestors)
+        verify_step = replace(step, causal=True, tree_mask=masks.reshape(-1), _flex=None)
+        layout = DraftLayout(drafts, parents, node_depth, ancestors, self.depth)
+        root = positions.view(count, self.rows)[:, 0]
+        return layout, verify_step, (root[:, None] + node_depth).reshape(-1)
+
+    def _masks(self, ancestors: torch.Tensor) -> torch.Tensor:
+        """The verify rows' tree masks: every context key, and of the window's last `rows` keys the ancestors."""
+        first = TREE_WINDOW - self.rows  # window bit of row 0 (kernels/tree_mask.py)
+        return (ancestors << first) | to_int64((1 << first) - 1)
+
+    def _move_path(self, slots: torch.Tensor, path_rows: torch.Tensor, accepted: torch.Tensor) -> None:
+        """The accepted draft at depth d: its K/V from its row's slot to the slot of root + d, every layer."""
+        levels = self.constants.arange(self.depth + 1)[None, 1:]
+        source, target = slots.gather(1, path_rows[:, 1:]), slots[:, 1 : self.depth + 1]
+        # A padded request (graph buckets) has every slot -1: its root's tells; a real one's slots are all set.
+        moves = (levels <= accepted[:, None]) & (slots[:, :1] >= 0)
+        anchor = slots[:1, :1]  # the first request's root: no move reads or writes it
+        src, dst = torch.where(moves, source, anchor).reshape(-1), torch.where(moves, target, anchor).reshape(-1)
+        storage = self.runner.kv_cache.storage  # [layers, 2, blocks, block_size, heads, head_size], one allocation
+        by_slot = storage.view(storage.shape[0] * 2, -1, *storage.shape[4:])  # every layer's K and V by slot
+        by_slot[:, dst] = by_slot[:, src]  # two kernels for all layers (copy_kv_slots: two per layer, K and V)
+
+    def capture_graphs(self, max_batch: int, max_model_len: int) -> None:
+        """One graph per sampling variant and batch bucket (target and drafter backends both capture-safe: the
+        session checks)."""
+
+        def build(variant: str, request_inputs: dict) -> StepGraphs:
+            return StepGraphs(
+                f"speculative step ({self.describe()}, {variant})", functools.partial(self.forward, variant=variant),
+                self.runner.backend, self.rows, max_batch, max_model_len, self.runner.block_size,
+                self.runner.device, {"input_ids": ((), torch.int64)}, request_inputs=request_inputs,
+                lockstep=lockstep_for(self.runner.model, self.runner.feature_layers or ()),
+            )  # fmt: skip
+
+        base = {"slots_ahead": ((self.ahead_width,), torch.int64, -1)}
+        if self.dynamic:
+            base["parents"] = ((self.num_drafts,), torch.int64, -1)
+        self.graphs = capture_variants(build, base)
