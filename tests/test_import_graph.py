@@ -141,7 +141,9 @@ EXECUTOR_LAYERS: tuple[Layer, ...] = (
     Layer(
         "engine core",
         wire_free=True,
-        modules=("engine.request engine.block_pool engine.prefix_cache engine.kv_cache engine.scheduler"),
+        modules=(
+            "engine.request engine.block_pool engine.prefix_cache engine.kv_cache engine.scheduler engine.outcome"
+        ),
     ),
     Layer(
         "runner",

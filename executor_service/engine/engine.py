@@ -16,16 +16,17 @@ from collections.abc import Callable, Iterable
 
 import torch
 
-from executor_service.engine.host_step import Trees, draft_inputs, path_moves, verify_drafts
+from executor_service.engine.host_step import draft_inputs, path_moves, verify_drafts
+from executor_service.engine.outcome import StepOutcome
 from executor_service.engine.request import Finish, Request, RequestOutput, Sink, Status
 from executor_service.engine.scheduler import ScheduledStep, Scheduler
 from executor_service.models.attention_step import to_device
 from executor_service.runner.model_runner import ModelRunner, StepInputs
 from executor_service.sample.logprobs import TokenLogprob
 from executor_service.spec_decode.adaptive_k import AdaptiveK
-from executor_service.spec_decode.host_verify import DraftTree, TreeVerdict, check_drafts
+from executor_service.spec_decode.host_verify import DraftTree, TreeVerdict, VerifyError, check_drafts
 from executor_service.spec_decode.proposer import ProposeBatch, ProposeEntry, Proposer
-from executor_service.spec_decode.spec_step import PendingStep, SpecStep
+from executor_service.spec_decode.spec_step import PendingStep, SpecStep, VerifiedStep
 
 log = logging.getLogger("specdec.engine")
 
@@ -179,79 +180,97 @@ class Engine:
         if pending is not None:
             self._book_on_device(scheduled.requests, pending, started)
             return
+        requests = scheduled.requests
         try:
-            parents = {id(r): self.proposer.tree_of(r) for r in scheduled.requests} if self.proposer else {}
+            parents = [self.proposer.tree_of(r) for r in requests] if self.proposer is not None else None
             trees = draft_inputs(scheduled, inputs, parents)
             output = self.runner.execute(inputs)
             self._flush_outbox()  # the previous step's outputs go out while this one runs on the device
-            sampled = [scheduled.requests[i] for i in inputs.sampled]
-            verdicts, logprobs = verify_drafts(output.logits, sampled, trees)
+            sampled = [requests[i] for i in inputs.sampled]
+            verdicts, logprobs = verify_drafts(output.logits, sampled, [trees[i] for i in inputs.sampled])
         except Exception as err:  # a kernel or device failure fails this step's requests, not the server
-            self._fail(scheduled.requests, err)
+            self._fail(requests, err)
             return
         self.step_counts["host"] += 1
-        self.step_counts["host drafts"] += sum(len(tree.tokens) for tree in trees.values())
+        self.step_counts["host drafts"] += sum(len(tree.tokens) for tree in trees if tree is not None)
         self._fail_alone([(r, v) for r, v in zip(sampled, verdicts, strict=True) if isinstance(v, Exception)])
-        passed = {id(r): v for r, v in zip(sampled, verdicts, strict=True) if isinstance(v, TreeVerdict)}
-        rows = self._accept(scheduled, inputs, trees, passed)
-        if self.proposer is None:  # the K/V is all written: register before a finish frees the blocks
-            self._cache_prefixes(scheduled.requests)
-        generated, drafted, accepted, depths = 0, [], [], []
-        for request in sampled:
-            verdict = passed.get(id(request))
-            if verdict is None:
-                continue
-            tree = trees.get(id(request))
-            num_drafts = len(tree.tokens) if tree is not None else 0
-            generated += self._emit(request, verdict.emitted, num_drafts, logprobs.get(id(request)))
-            if tree is not None:
-                drafted.append(num_drafts)
-                accepted.append(len(verdict.path))
-                depths.append(max(tree.depths()))
+        verified = {i: (v, lp) for i, v, lp in zip(inputs.sampled, verdicts, logprobs, strict=True)}
+        outcomes = self._host_outcomes(scheduled, inputs, trees, verified)
+        generated, drafted = self._book(outcomes)
         if self.proposer is not None:
-            k_next = self._plan(scheduled.requests)
-            self._propose(scheduled, inputs, rows, output.features, k_next)
-            self._cache_prefixes(scheduled.requests)  # once the drafter wrote its K/V too
-            if len(sampled) == len(scheduled.requests):
-                self._note_steady(
-                    len(sampled), {len(trees[id(r)].tokens) if id(r) in trees else 0 for r in sampled}, k_next
-                )
+            k_next = self._plan(requests)
+            self._propose(outcomes, output.features, k_next)
+            self._cache_prefixes(requests)  # once the drafter wrote its K/V too
+            if len(sampled) == len(requests):
+                self._note_steady(len(sampled), set(drafted), k_next)
         if self.on_step is not None:
             self.on_step(scheduled.num_tokens, generated, time.perf_counter() - started)
-        self._observe_verify(drafted, accepted, depths)
 
-    def _accept(
-        self, scheduled: ScheduledStep, inputs: StepInputs, trees: Trees, passed: dict[int, TreeVerdict]
-    ) -> dict[int, list[int]]:
-        """Book the verification: each request keeps its computed rows up to its accepted path (the rejected
-        drafts' K/V are rolled back by not counting them; a tree's path is moved into place first). Returns each
-        running request's verified rows of this step (the drafter's context pass reads them), by id(request)."""
+    def _host_outcomes(
+        self,
+        scheduled: ScheduledStep,
+        inputs: StepInputs,
+        trees: list[DraftTree | None],
+        verified: dict[int, tuple[TreeVerdict | VerifyError, list[TokenLogprob] | None]],
+    ) -> list[StepOutcome]:
+        """Each running request's outcome of a host step (`verified`: the sampled ones' verdicts and logprobs,
+        by batch index); a tree's accepted path K/V is moved into place here, every layer at once."""
         block_size = self.runner.kv_cache.block_size
-        sources, targets, rows = [], [], {}
-        for request, row_start, num_new in zip(
-            scheduled.requests, inputs.row_starts, scheduled.num_new_tokens, strict=True
+        sources, targets, outcomes = [], [], []
+        for index, (request, row_start, num_new) in enumerate(
+            zip(scheduled.requests, inputs.row_starts, scheduled.num_new_tokens, strict=True)
         ):
-            tree = trees.get(id(request))
-            request.draft_ids, request.draft_probs = [], None
             if request.status is not Status.RUNNING:  # its verification failed: finished above
+                request.draft_ids, request.draft_probs = [], None
                 continue
+            verdict, logprobs = verified.get(index, (None, None))
+            emitted = verdict.emitted if isinstance(verdict, TreeVerdict) else []
+            tree = trees[index]
             if tree is None:
-                rows[id(request)] = list(range(row_start, row_start + num_new))
-                request.num_computed_tokens += num_new
-                continue
-            path = passed[id(request)].path
-            root_row = row_start + num_new - 1 - len(tree.tokens)
-            root = request.num_computed_tokens + root_row - row_start  # the root's position (and slot index)
-            moves = path_moves(request, root, path, block_size)
-            sources += moves[0]
-            targets += moves[1]
-            rows[id(request)] = [*range(row_start, root_row + 1), *(root_row + 1 + node for node in path)]
-            request.num_computed_tokens = root + 1 + len(path)
-            request.record_verification(len(tree.tokens), len(path), positions=max(tree.depths()))
+                rows = list(range(row_start, row_start + num_new))
+                outcome = StepOutcome(request, request.num_computed_tokens + num_new, emitted, logprobs=logprobs)
+            else:
+                assert isinstance(verdict, TreeVerdict)
+                path = verdict.path
+                root_row = row_start + num_new - 1 - len(tree.tokens)
+                root = request.num_computed_tokens + root_row - row_start  # the root's position (and slot index)
+                moves = path_moves(request, root, path, block_size)
+                sources += moves[0]
+                targets += moves[1]
+                rows = [*range(row_start, root_row + 1), *(root_row + 1 + node for node in path)]
+                depth = max(tree.depths())
+                outcome = StepOutcome(
+                    request, root + 1 + len(path), emitted, len(tree.tokens), len(path), depth, logprobs
+                )
+            outcome.row_start, outcome.num_rows, outcome.verified_rows = row_start, num_new, rows
+            outcomes.append(outcome)
         if sources:
             device = self.runner.kv_cache.layers[0][0].device
             self.runner.move_kv(to_device(sources, torch.int64, device), to_device(targets, torch.int64, device))
-        return rows
+        return outcomes
+
+    def _book(self, outcomes: list[StepOutcome]) -> tuple[int, list[int]]:
+        """Book a step's outcomes, the one place for both paths: each request's computed tokens (its accepted
+        path kept, the rejected drafts' K/V rolled back by not counting them), its verification's statistics,
+        then its emitted tokens up to a stop (a finish frees its blocks: without a drafter the prompt's blocks
+        are registered in the prefix cache first). Returns the tokens kept and the drafts each verifying request
+        verified (the metrics and the adaptive speculation are told)."""
+        for outcome in outcomes:
+            request = outcome.request
+            request.num_computed_tokens = outcome.num_computed
+            request.draft_ids, request.draft_probs = [], None
+            if outcome.num_drafts:
+                request.record_verification(outcome.num_drafts, outcome.accepted, positions=outcome.depth)
+        if self.proposer is None:  # the K/V is all written: register before a finish frees the blocks
+            self._cache_prefixes([o.request for o in outcomes])
+        generated = 0
+        for outcome in outcomes:
+            if outcome.emitted:
+                generated += self._emit(outcome.request, outcome.emitted, outcome.num_drafts, outcome.logprobs)
+        verifying = [o for o in outcomes if o.num_drafts]
+        drafted = [o.num_drafts for o in verifying]
+        self._observe_verify(drafted, [o.accepted for o in verifying], [o.depth for o in verifying])
+        return generated, drafted
 
     def _launch_on_device(self, inputs: StepInputs, requests: list[Request]) -> PendingStep | None:
         """The step on the device (spec_step.py) when every request verifies a whole draft of the loaded shape
@@ -282,21 +301,11 @@ class Engine:
             self._fail(requests, err)
             return
         self.step_counts["device"] += 1
-        generated, drafted, accepted, depths = 0, [], [], []
-        for index, request in enumerate(requests):
-            if request.status is not Status.RUNNING:  # finished while a following step was in flight
-                continue
-            tree = DraftTree(request.draft_ids, self.proposer.tree_of(request))
-            count, depth = result.accepted[index], max(tree.depths())
-            request.num_computed_tokens += result.kept_rows(index)  # roll back: rejected drafts' K/V not kept
-            request.record_verification(len(tree.tokens), count, positions=depth)
-            request.draft_ids = []
-            drafted.append(len(tree.tokens))
-            accepted.append(count)
-            depths.append(depth)
-            logprobs = result.token_logprobs(index, request.settings.logprobs)
-            generated += self._emit(request, result.emitted(index), len(tree.tokens), logprobs)
-            self.spec_step.table.booked(request)  # after _emit: the step counted what it appended
+        running = [(i, r) for i, r in enumerate(requests) if r.status is Status.RUNNING]  # some finished meanwhile
+        outcomes = [self._device_outcome(result, index, request) for index, request in running]
+        generated, drafted = self._book(outcomes)
+        for index, request in running:
+            self.spec_step.table.booked(request)  # after its emit: the step counted what it appended
             if request.status is Status.RUNNING:
                 self.proposer.set_tree(request, *self.spec_step.next_tree(result, index))
                 cap_drafts(request, k_next)
@@ -306,7 +315,17 @@ class Engine:
         self._note_steady(len(drafted), set(drafted), k_next)
         if self.on_step is not None:
             self.on_step(len(requests) * self.spec_step.rows, generated, time.perf_counter() - started)
-        self._observe_verify(drafted, accepted, depths)
+
+    def _device_outcome(self, result: VerifiedStep, index: int, request: Request) -> StepOutcome:
+        """Request `index`'s outcome of a device step (it verified a whole draft of the step's shape; a dynamic
+        tree's depth is its own)."""
+        assert self.proposer is not None
+        tree = DraftTree(request.draft_ids, self.proposer.tree_of(request))
+        kept = request.num_computed_tokens + result.kept_rows(index)  # roll back: rejected drafts' K/V not kept
+        logprobs = result.token_logprobs(index, request.settings.logprobs)
+        return StepOutcome(
+            request, kept, result.emitted(index), len(tree.tokens), result.accepted[index], max(tree.depths()), logprobs
+        )
 
     # ---- adaptive speculation (adaptive_k.py) ---------------------------------------------------
     def _plan(self, requests: list[Request]) -> int | None:
@@ -366,23 +385,18 @@ class Engine:
         self._outbox.append((request.sink, output))
         return len(tokens)
 
-    def _propose(
-        self,
-        scheduled: ScheduledStep,
-        inputs: StepInputs,
-        rows: dict[int, list[int]],
-        features: torch.Tensor | None,
-        k_next: int | None = None,
-    ) -> None:
-        """Draft for the next step from this step's target features (`rows`: each running request's verified
-        rows). Requests that finished are skipped, and so are those that never draft (num_speculative_tokens 0):
-        the drafter does not run for them at all. At `k_next` 0 the drafter runs its context pass alone (its cache
-        follows every token, so drafting can resume at any step); else each keeps at most `k_next` drafts."""
+    def _propose(self, outcomes: list[StepOutcome], features: torch.Tensor | None, k_next: int | None) -> None:
+        """Draft for the next step from this step's target features (each outcome's verified rows). Requests that
+        finished are skipped, and so are those that never draft (num_speculative_tokens 0): the drafter does not
+        run for them at all. At `k_next` 0 the drafter runs its context pass alone (its cache follows every token,
+        so drafting can resume at any step); else each keeps at most `k_next` drafts."""
         assert self.proposer is not None and features is not None
         entries = [
-            ProposeEntry(r, start, rows_run, rows[id(r)], r.num_computed_tokens == r.num_tokens - 1 and k_next != 0)
-            for r, start, rows_run in zip(scheduled.requests, inputs.row_starts, scheduled.num_new_tokens, strict=True)
-            if r.status is Status.RUNNING and id(r) in rows and self.proposer.num_drafts(r) > 0
+            ProposeEntry(
+                r, o.row_start, o.num_rows, o.verified_rows, r.num_computed_tokens == r.num_tokens - 1 and k_next != 0
+            )
+            for o in outcomes
+            if (r := o.request).status is Status.RUNNING and self.proposer.num_drafts(r) > 0
         ]
         try:
             self.proposer.propose(ProposeBatch(entries, features, self.scheduler.reserve))
@@ -458,6 +472,12 @@ class Engine:
         outbox, self._outbox = self._outbox, []
         for sink, output in outbox:
             sink(output)
+
+
+def proposes_now(request: Request, k_next: int | None) -> bool:
+    """Whether the request drafts after this step: it has a new last token (not a prefill chunk mid-prompt) and
+    the step after it drafts at all."""
+    return request.num_computed_tokens == request.num_tokens - 1 and k_next != 0
 
 
 def cap_drafts(request: Request, k: int | None) -> None:

@@ -26,37 +26,34 @@ from executor_service.sample.logprobs import TokenLogprob, batch_logprobs
 from executor_service.spec_decode.host_verify import DraftTree, TreeVerdict, VerifyError, verify_on_host
 from kernels.tree_mask import CAUSAL, tree_masks
 
-Trees = dict[int, DraftTree]  # each verifying request's drafts, by id(request)
-
-
-def chain_parents(count: int) -> list[int]:
-    """The parents of a chain of `count` drafts: draft j's is j - 1."""
-    return list(range(-1, count - 1))
-
 
 def is_chain(tree: DraftTree) -> bool:
     return all(parent == j - 1 for j, parent in enumerate(tree.parents))
 
 
-def draft_inputs(scheduled: ScheduledStep, inputs: StepInputs, parents_of: dict[int, list[int]]) -> Trees:
-    """Each verifying request's drafts of this step as a tree (`parents_of`: its drafts' parents by id(request),
-    a prefix of them when the scheduler cut the drafts short); where some tree is not a chain, the step's
-    positions and tree masks are rewritten for it, and the step runs eagerly (the verify graphs are causal)."""
-    trees: Trees = {}
-    for request, num_new in zip(scheduled.requests, scheduled.num_new_tokens, strict=True):
+def draft_inputs(
+    scheduled: ScheduledStep, inputs: StepInputs, parents: list[list[int]] | None
+) -> list[DraftTree | None]:
+    """Each scheduled request's drafts of this step as a tree, in batch order (None: it verifies none;
+    `parents`: each request's drafts' parents, None without a drafter), a prefix of them when the scheduler cut
+    the drafts short. Where some tree is not a chain, the step's positions and tree masks are rewritten for it,
+    and the step runs eagerly (the verify graphs are causal)."""
+    trees: list[DraftTree | None] = []
+    for index, (request, num_new) in enumerate(zip(scheduled.requests, scheduled.num_new_tokens, strict=True)):
         start = request.num_computed_tokens
         num_drafts = start + num_new - min(start + num_new, request.num_tokens)  # what runner.prepare took
-        if num_drafts:
-            trees[id(request)] = DraftTree(request.draft_ids[:num_drafts], parents_of[id(request)][:num_drafts])
-    if all(is_chain(tree) for tree in trees.values()):
+        if num_drafts and parents is not None:
+            trees.append(DraftTree(request.draft_ids[:num_drafts], parents[index][:num_drafts]))
+        else:
+            trees.append(None)
+    if all(tree is None or is_chain(tree) for tree in trees):
         return trees
     positions: list[int] = []
     masks: list[int] = []
-    for request, num_new in zip(scheduled.requests, scheduled.num_new_tokens, strict=True):
+    for request, num_new, tree in zip(scheduled.requests, scheduled.num_new_tokens, trees, strict=True):
         start = request.num_computed_tokens
         known = min(start + num_new, request.num_tokens)
         positions += range(start, known)
-        tree = trees.get(id(request))
         if tree is None:
             masks += [CAUSAL] * (known - start)
             continue
@@ -70,13 +67,13 @@ def draft_inputs(scheduled: ScheduledStep, inputs: StepInputs, parents_of: dict[
 
 
 def verify_drafts(
-    logits: torch.Tensor, sampled: list[Request], trees: Trees
-) -> tuple[list[TreeVerdict | VerifyError], dict[int, list[TokenLogprob] | None]]:
-    """Each sampled request's verdict (or the VerifyError that fails it alone) and its emitted tokens' logprobs
-    (by id(request)) from its rows of logits (its drafts + 1, in order): every request through the one host
-    verifier at once (a chain with its q when its drafts were drawn from the drafter's distribution; a request
-    without drafts is a tree of its root alone), the logprobs read along the accepted path."""
-    drafts = [trees.get(id(r), DraftTree([], [])) for r in sampled]
+    logits: torch.Tensor, sampled: list[Request], trees: list[DraftTree | None]
+) -> tuple[list[TreeVerdict | VerifyError], list[list[TokenLogprob] | None]]:
+    """Each sampled request's verdict (or the VerifyError that fails it alone) and its emitted tokens' logprobs,
+    in order, from its rows of logits (its drafts + 1, in order): every request through the one host verifier at
+    once (a chain with its q when its drafts were drawn from the drafter's distribution; a request without
+    drafts is a tree of its root alone), the logprobs read along the accepted path."""
+    drafts = [tree or DraftTree([], []) for tree in trees]
     given = [tree.tokens if is_chain(tree) else tree for tree in drafts]  # a chain's list: its q applies
     verdicts = verify_on_host(logits, sampled, given, [r.draft_probs for r in sampled])
     return verdicts, path_logprobs(logits, sampled, drafts, verdicts)
@@ -84,9 +81,9 @@ def verify_drafts(
 
 def path_logprobs(
     rows: torch.Tensor, requests: list[Request], trees: list[DraftTree], verdicts: list[TreeVerdict | VerifyError]
-) -> dict[int, list[TokenLogprob] | None]:
-    """The logprobs of each tree request's emitted tokens, by id(request): token i from the i-th row of its
-    accepted path (the root's first), as batch_logprobs reads a chain's rows."""
+) -> list[list[TokenLogprob] | None]:
+    """The logprobs of each request's emitted tokens, in order (None where verification failed): token i from
+    the i-th row of its accepted path (the root's first), as batch_logprobs reads a chain's rows."""
     index, settings, emitted, start = [], [], [], 0
     for request, tree, verdict in zip(requests, trees, verdicts, strict=True):
         if isinstance(verdict, TreeVerdict):
@@ -94,13 +91,15 @@ def path_logprobs(
             settings.append(request.settings)
             emitted.append(verdict.emitted)
         start += len(tree.tokens) + 1
-    passed = [r for r, v in zip(requests, verdicts, strict=True) if isinstance(v, TreeVerdict)]
+    found: list[list[TokenLogprob] | None] = [None] * len(requests)
+    passed = [i for i, v in enumerate(verdicts) if isinstance(v, TreeVerdict)]
     if not passed:
-        return {}
+        return found
     path_rows = rows[to_device(index, torch.int64, rows.device)]
     drafts = [[0] * (len(tokens) - 1) for tokens in emitted]  # each request's rows: its emitted tokens'
-    found = batch_logprobs(path_rows, settings, drafts, emitted)
-    return {id(r): f for r, f in zip(passed, found, strict=True)}
+    for i, request_logprobs in zip(passed, batch_logprobs(path_rows, settings, drafts, emitted), strict=True):
+        found[i] = request_logprobs
+    return found
 
 
 def path_moves(request: Request, root: int, path: list[int], block_size: int) -> tuple[list[int], list[int]]:
