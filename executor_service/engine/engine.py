@@ -274,7 +274,7 @@ class Engine:
         k_next = self._plan(requests)
         try:
             following = (
-                self._launch_following(requests, pending) if k_next in (None, self.spec_step.num_drafts) else None
+                self._launch_following(requests, pending) if k_next in (None, self.spec_step.num_draft_tokens) else None
             )
             self._flush_outbox()  # the previous step's outputs go out while this one runs on the device
             result = pending.result()
@@ -339,7 +339,7 @@ class Engine:
         if self.proposer.scripted or self.scheduler.waiting or not self._commands.empty():
             return None
         for request in requests:
-            if request.status is not Status.RUNNING or self.proposer.num_drafts(request) != spec_step.num_drafts:
+            if request.status is not Status.RUNNING or self.proposer.num_drafts(request) != spec_step.num_draft_tokens:
                 return None
             if spec_step.reach_following(request) > self.max_model_len:
                 return None
@@ -375,7 +375,7 @@ class Engine:
         k_next: int | None = None,
     ) -> None:
         """Draft for the next step from this step's target features (`rows`: each running request's verified
-        rows). Requests that finished are skipped, and so are those that never draft (num_speculative_tokens 0):
+        rows). Requests that finished are skipped, and so are those that never draft (num_draft_tokens 0):
         the drafter does not run for them at all. At `k_next` 0 the drafter runs its context pass alone (its cache
         follows every token, so drafting can resume at any step); else each keeps at most `k_next` drafts."""
         assert self.proposer is not None and features is not None
