@@ -161,7 +161,7 @@ def draft_shape(
     except EngineError as err:  # the models' plain error (a bad field): as the executor would answer it
         raise status_error(err) from err
     return replace(
-        shape, k=resolved.num_speculative_tokens, draft_vocab=resolved.draft_vocab_size, block=resolved.block_size,
+        shape, k=resolved.num_steps, draft_vocab=resolved.draft_vocab_size, block=resolved.block_size,
         mask_token_id=resolved.mask_token_id, target_layer_ids=resolved.target_layer_ids,
     )  # fmt: skip
 
@@ -321,7 +321,7 @@ def pass_calls(
         proposer = session.proposer
         if proposer is None:
             continue
-        runner, q = session.engine.runner, proposer.k + 1
+        runner, q = session.engine.runner, proposer.num_draft_tokens + 1
         blocks = cache_blocks(session)
         calls[f"verify_{q}_{method}"] = (graph_call(runner.graphs[q], blocks, context, {"input_ids": ids(q)}),
                                          target_bytes(q))  # fmt: skip
@@ -342,11 +342,11 @@ def pass_calls(
         else:
             dtype = model.embed_tokens.weight.dtype
             inputs = {"input_ids": ids(1), "hidden": torch.zeros(1, hidden, dtype=dtype, device=device),
-                      "ahead_slots": ahead[:, : proposer.k]}  # fmt: skip
+                      "ahead_slots": ahead[:, : proposer.num_steps]}  # fmt: skip
             call = graph_call(proposer.graphs["eagle_chain"], blocks, context, inputs)
             head = 0 if method == "eagle3" else vocab * hidden * element  # EAGLE-1 reads the target's LM head
             moved = parameter_bytes(drafter) + head + (context + 1) * draft_kv + 3 * hidden * element
-            calls[f"{method}_chain"] = (call, moved * (proposer.k - 1))  # k - 1 steps in one replay
+            calls[f"{method}_chain"] = (call, moved * (proposer.num_steps - 1))  # num_steps - 1 steps in one replay
     return calls
 
 
@@ -363,8 +363,8 @@ def measure_passes(
         ms, alone_ms = times[name]
         report[name] = pass_report(ms, moved, bandwidth, decode_ms)
         report[name]["alone"] = pass_report(alone_ms, moved, bandwidth, decode_alone_ms)
-        if name.endswith("_chain"):  # one chain step: the chain's time and bytes over its k - 1 steps
-            steps = sessions[name.removesuffix("_chain")].proposer.k - 1  # type: ignore[union-attr]
+        if name.endswith("_chain"):  # one chain step: the chain's time and bytes over its num_steps - 1 steps
+            steps = sessions[name.removesuffix("_chain")].proposer.num_steps - 1  # type: ignore[union-attr]
             step = pass_report(ms / steps, moved // steps, bandwidth, decode_ms)
             step["alone"] = pass_report(alone_ms / steps, moved // steps, bandwidth, decode_alone_ms)
             report[name.replace("_chain", "_draft_step")] = step
@@ -389,7 +389,7 @@ def ideal_speedups(
 
 def acceptance_length(label: str, session: ModelSession) -> int:
     assert session.proposer is not None
-    return session.proposer.k + 1 if label == "full" else int(label)
+    return session.proposer.num_steps + 1 if label == "full" else int(label)
 
 
 # ---- (b) end to end ----------------------------------------------------------------------------------------------
@@ -566,7 +566,7 @@ def tree_step_times(sessions: dict[str, ModelSession], args: argparse.Namespace,
         device, context = torch.device(args.device), args.context
         chain = sessions["eagle3"]
         if chain.engine.spec_step is not None and chain.engine.spec_step.graphs:
-            q = chain.engine.spec_step.k + 1
+            q = chain.engine.spec_step.num_draft_tokens + 1
             chain_blocks = chain.kv_cache.allocator.allocate(-(-(context + 64) // DEFAULT_BLOCK_SIZE))
             chain_inputs = {
                 "input_ids": torch.zeros(q, dtype=torch.int64, device=device),
@@ -587,7 +587,7 @@ def tree_step_call(session: ModelSession, args: argparse.Namespace) -> Any:
     tree_step = session.engine.spec_step
     if tree_step is None or tree_step.tree is None or not tree_step.graphs:
         return None
-    device, context, size = torch.device(args.device), args.context, tree_step.num_drafts
+    device, context, size = torch.device(args.device), args.context, tree_step.num_draft_tokens
     blocks = session.kv_cache.allocator.allocate(-(-(context + tree_step.ahead_width + 64) // DEFAULT_BLOCK_SIZE))
     inputs = {
         "input_ids": torch.zeros(tree_step.rows, dtype=torch.int64, device=device),
@@ -658,7 +658,7 @@ def measure_adaptive(sessions: dict[str, ModelSession], args: argparse.Namespace
 def fresh_speculation(session: ModelSession) -> AdaptiveK | None:
     """A new cost model like the session's (its candidates), nothing measured yet; None where adaptive is off."""
     model = session.engine.speculation
-    return AdaptiveK(model.candidates, model.depths, model.configured) if model is not None else None
+    return AdaptiveK(model.candidates, model.num_steps, model.configured) if model is not None else None
 
 
 @contextmanager

@@ -65,7 +65,7 @@ class TargetEngine:
             max_tokens=max_tokens,
             eos_token_ids=frozenset(self.config.eos_token_ids),
             sink=sink,
-            num_speculative_tokens=0,
+            num_draft_tokens=0,
             num_lookahead_tokens=0,
         )
 

@@ -93,7 +93,6 @@ def draft_config(recipe: Recipe, target: ModelConfig, mask_token_id: int = -1) -
     config = DraftConfig(
         method=recipe.method,
         model=model,
-        num_speculative_tokens=0,
         target_layer_ids=layers,
         draft_vocab_size=min(recipe.draft_vocab_size, target.vocab_size) if recipe.method == "eagle3" else 0,
         fc_bias=recipe.method == "eagle",

@@ -293,7 +293,7 @@ class Engine:
         k_next = self._plan(requests)
         try:
             following = (
-                self._launch_following(requests, pending) if k_next in (None, self.spec_step.num_drafts) else None
+                self._launch_following(requests, pending) if k_next in (None, self.spec_step.num_draft_tokens) else None
             )
             self._flush_outbox()  # the previous step's outputs go out while this one runs on the device
             result = pending.result()
@@ -358,7 +358,7 @@ class Engine:
         if self.proposer.scripted or self.scheduler.waiting or not self._commands.empty():
             return None
         for request in requests:
-            if request.status is not Status.RUNNING or self.proposer.num_drafts(request) != spec_step.num_drafts:
+            if request.status is not Status.RUNNING or self.proposer.num_drafts(request) != spec_step.num_draft_tokens:
                 return None
             if spec_step.reach_following(request) > self.max_model_len:
                 return None
@@ -387,16 +387,14 @@ class Engine:
 
     def _propose(self, outcomes: list[StepOutcome], features: torch.Tensor | None, k_next: int | None) -> None:
         """Draft for the next step from this step's target features (each outcome's verified rows). Requests that
-        finished are skipped, and so are those that never draft (num_speculative_tokens 0): the drafter does not
-        run for them at all. At `k_next` 0 the drafter runs its context pass alone (its cache follows every token,
-        so drafting can resume at any step); else each keeps at most `k_next` drafts."""
+        finished are skipped, and so are those that never draft (num_draft_tokens 0): the drafter does not run for
+        them at all. At `k_next` 0 the drafter runs its context pass alone (its cache follows every token, so
+        drafting can resume at any step); else each keeps at most `k_next` drafts."""
         assert self.proposer is not None and features is not None
         entries = [
-            ProposeEntry(
-                r, o.row_start, o.num_rows, o.verified_rows, r.num_computed_tokens == r.num_tokens - 1 and k_next != 0
-            )
+            ProposeEntry(o.request, o.row_start, o.num_rows, o.verified_rows, proposes_now(o.request, k_next))
             for o in outcomes
-            if (r := o.request).status is Status.RUNNING and self.proposer.num_drafts(r) > 0
+            if o.request.status is Status.RUNNING and self.proposer.num_drafts(o.request) > 0
         ]
         try:
             self.proposer.propose(ProposeBatch(entries, features, self.scheduler.reserve))

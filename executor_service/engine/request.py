@@ -65,10 +65,10 @@ class Request:
     num_preemptions: int = 0
     draft_ids: list[int] = field(default_factory=list)  # proposed for the next step to verify
     draft_probs: DraftProbs | None = None  # the distributions the drafts were drawn from; None: argmax drafts
-    # The request's own speculation (GenerateRequest.num_speculative_tokens), resolved by the session: drafts
-    # per step (0: none) and the drafter cache slots its proposals write past its tokens. None: the loaded
-    # drafter's own numbers.
-    num_speculative_tokens: int | None = None
+    # The request's own speculation (GenerateRequest.num_speculative_tokens), resolved by the session: the drafts
+    # it verifies per step (0: none; a chain's first drafts, or a prefix of the tree's nodes) and the drafter
+    # cache slots its proposals write past its tokens. None: the loaded drafter's own numbers.
+    num_draft_tokens: int | None = None
     num_lookahead_tokens: int | None = None
     drafted_tokens: int = 0
     accepted_tokens: int = 0

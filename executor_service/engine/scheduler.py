@@ -22,11 +22,12 @@ from executor_service.engine.request import Request, Status
 from executor_service.errors import RequestTooLarge
 
 
-def speculative_headroom(num_speculative_tokens: int, num_lookahead_tokens: int) -> int:
+def speculative_headroom(num_draft_tokens: int, num_lookahead_tokens: int) -> int:
     """KV slots past prompt + max_tokens that a request may hold at its last speculative step: it is then
-    scheduled with up to prompt + max_tokens - 1 tokens, k drafts to verify and the drafter's lookahead.
+    scheduled with up to prompt + max_tokens - 1 tokens, num_draft_tokens drafts to verify and the drafter's
+    lookahead.
     Admission counts them (validation.check_generate), so a request alone in the cache always fits."""
-    return num_speculative_tokens + num_lookahead_tokens - 1 if num_lookahead_tokens else 0
+    return num_draft_tokens + num_lookahead_tokens - 1 if num_lookahead_tokens else 0
 
 
 @dataclass

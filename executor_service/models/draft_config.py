@@ -38,7 +38,9 @@ DEFAULT_DFLASH_BLOCK = 16
 class DraftConfig:
     method: str  # "eagle" | "eagle3" | "dflash"
     model: ModelConfig  # the drafter's own layers; vocab_size is the target's
-    num_speculative_tokens: int
+    # Drafter steps per proposal: a chain's length, a tree's depth (docs/executor.md, the numbers of speculation).
+    # 0 until finish_draft_config reads the request (read_speculation).
+    num_steps: int = 0
     # Target layers whose output (the residual stream after that layer) the drafter reads, in the order
     # its fc concatenates them. Empty for EAGLE-1, which reads the target's final normed hidden state.
     target_layer_ids: tuple[int, ...] = ()
@@ -47,9 +49,15 @@ class DraftConfig:
     block_size: int = 0  # DFlash: the block [last token, MASK x (block_size - 1)]
     mask_token_id: int = -1  # DFlash
     causal: bool = False  # DFlash: attend causally inside the block (R6)
-    # Tree drafting: the tree's shape; num_speculative_tokens is then the drafts it verifies per step
-    # (tree.num_drafts) and tree.depth its drafter steps (DFlash: the block positions it reads). None: a chain.
+    # Tree drafting: the tree's shape, its width per step (branching or top_k) and its drafts verified per step
+    # (tree.num_drafts); tree.depth is num_steps (DFlash: the block positions it reads). None: a chain.
     tree: TreeShape | None = None
+
+    @property
+    def num_draft_tokens(self) -> int:
+        """Drafts verified per step: a chain's num_steps, a tree's node count (what the verify pass holds past
+        the root, what a request's own speculation caps)."""
+        return self.tree.num_drafts if self.tree is not None else self.num_steps
 
     @property
     def needs_non_causal(self) -> bool:
@@ -58,19 +66,19 @@ class DraftConfig:
     @property
     def positions_ahead(self) -> int:
         """How far past the verified tokens a proposal writes the drafter's cache (the scheduler's lookahead)."""
-        return self.lookahead(self.num_speculative_tokens)
+        return self.lookahead(self.num_draft_tokens)
 
-    def lookahead(self, num_speculative_tokens: int) -> int:
-        """positions_ahead of a request drafting `num_speculative_tokens` (<= this drafter's): EAGLE's chain
+    def lookahead(self, num_draft_tokens: int) -> int:
+        """positions_ahead of a request verifying `num_draft_tokens` per step (<= this drafter's): EAGLE's chain
         writes only the request's own drafts' positions; DFlash's block pass always writes the whole block,
         whose tokens attend to one another; a request that does not draft writes nothing."""
-        if num_speculative_tokens == 0:
+        if num_draft_tokens == 0:
             return 0
         if self.method == "dflash":  # a chain or a tree: one block pass
             return self.block_size
         if self.tree is not None:  # the whole tree: one key per node its passes expand
             return self.tree.positions_ahead
-        return num_speculative_tokens + 1
+        return num_draft_tokens + 1
 
 
 def feature_layers(config: DraftConfig) -> tuple[int, ...]:
@@ -138,7 +146,6 @@ def draft_from_hf(
     config = DraftConfig(
         method=method,
         model=model,
-        num_speculative_tokens=0,
         target_layer_ids=layers,
         draft_vocab_size=draft_vocab_size,
         fc_bias=fc_bias,
@@ -169,7 +176,6 @@ def draft_from_synthetic(
     config = DraftConfig(
         method=method,
         model=model,
-        num_speculative_tokens=0,
         draft_vocab_size=draft_vocab_size,
         fc_bias=method == "eagle",
     )
@@ -203,16 +209,8 @@ def finish_draft_config(
             )
     elif method == "eagle3":
         layers = layers or default_eagle3_layers(target.num_layers)
-    k = request.num_speculative_tokens or (block_size - 1 if method == "dflash" else DEFAULT_EAGLE_TOKENS)
-    limit = block_size - 1 if method == "dflash" else MAX_SPECULATIVE_TOKENS
-    if request.tree.branching and not request.num_speculative_tokens:
-        k = len(request.tree.branching)  # a static tree's depth
-    if not 0 < k <= limit:
-        violations.append(FieldProblem("draft.num_speculative_tokens", f"must be in [1, {limit}] for {method}"))
-    tree, tree_violations = parse_draft_tree(
-        request.tree, method == "dflash", k, "draft.tree", "draft.num_speculative_tokens"
-    )
-    violations += tree_violations
+    num_steps, tree, speculation_violations = read_speculation(request, method, block_size)
+    violations += speculation_violations
     bad_layers = [i for i in layers if not 0 <= i < target.num_layers]
     if bad_layers:
         violations.append(
@@ -236,7 +234,7 @@ def finish_draft_config(
         raise invalid_fields(violations)
     return replace(
         config,
-        num_speculative_tokens=tree.num_drafts if tree is not None else k,
+        num_steps=num_steps,
         tree=tree,
         target_layer_ids=layers,
         draft_vocab_size=config.draft_vocab_size or (target.vocab_size if method == "eagle3" else 0),
@@ -244,6 +242,26 @@ def finish_draft_config(
         mask_token_id=mask if method == "dflash" else -1,
         causal=causal if method == "dflash" else True,
     )
+
+
+def read_speculation(
+    request: executor_pb2.DraftModel, method: str, block_size: int
+) -> tuple[int, TreeShape | None, list[FieldProblem]]:
+    """The drafter's num_steps and tree shape (None: a chain) from the wire's DraftModel: the one place that reads
+    `num_speculative_tokens` on LoadModel. It is the drafter steps, a chain's length or a tree's depth (default:
+    EAGLE's 3, DFlash's block - 1, a static tree's len(branching)); the drafts verified per step follow
+    (DraftConfig.num_draft_tokens)."""
+    violations: list[FieldProblem] = []
+    num_steps = request.num_speculative_tokens or (block_size - 1 if method == "dflash" else DEFAULT_EAGLE_TOKENS)
+    limit = block_size - 1 if method == "dflash" else MAX_SPECULATIVE_TOKENS
+    if request.tree.branching and not request.num_speculative_tokens:
+        num_steps = len(request.tree.branching)  # a static tree's depth
+    if not 0 < num_steps <= limit:
+        violations.append(FieldProblem("draft.num_speculative_tokens", f"must be in [1, {limit}] for {method}"))
+    tree, tree_violations = parse_draft_tree(
+        request.tree, method == "dflash", num_steps, "draft.tree", "draft.num_speculative_tokens"
+    )
+    return num_steps, tree, violations + tree_violations
 
 
 def dflash_hf_fields(config: DraftConfig, num_target_layers: int) -> dict[str, Any]:

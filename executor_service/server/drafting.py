@@ -57,7 +57,7 @@ def speculative_config(
     model = config.model
     return common_pb2.SpeculativeConfig(
         method=draft.method,
-        num_speculative_tokens=config.tree.depth if config.tree is not None else config.num_speculative_tokens,
+        num_speculative_tokens=config.num_steps,  # the wire's meaning on the selector's input: drafter steps
         attention_backend=draft.attention_backend,
         draft_layers=common_pb2.LayerSpec(
             head_size=model.head_size,

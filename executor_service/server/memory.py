@@ -78,7 +78,7 @@ def estimate_memory(
     weights = parameters * element + rope + 2 * largest * 4  # staged in fp32 (a GGUF dequantizes, then converts)
     kv_cache = num_kv_blocks * sum(bytes_per_block(model, block_size, dtype) for model in models)
     tokens = max_num_batched_tokens
-    rows = min(tokens, max_num_seqs * ((draft.num_speculative_tokens if draft is not None else 0) + 1))
+    rows = min(tokens, max_num_seqs * ((draft.num_draft_tokens if draft is not None else 0) + 1))
     activations = _step_bytes(target, tokens, element) + rows * target.vocab_size * 4 * LOGITS_COPIES
     if draft is not None:
         draft_tokens = max_num_seqs * max(draft.positions_ahead, 1)

@@ -289,8 +289,9 @@ class ExecutorServicer(executor_pb2_grpc.ExecutorServicer):
         def sink(output: RequestOutput) -> None:  # called on the engine thread
             mailbox.post(outputs, output)
 
-        own_k = request.num_speculative_tokens if request.HasField("num_speculative_tokens") else None
-        engine_request = session.new_request(request.request_id, prompt, settings, max_tokens, sink, own_k)
+        # The wire's num_speculative_tokens on Generate is the request's own num_draft_tokens (drafts per step).
+        own = request.num_speculative_tokens if request.HasField("num_speculative_tokens") else None
+        engine_request = session.new_request(request.request_id, prompt, settings, max_tokens, sink, own)
         try:
             session.engine.add(engine_request)
         except KeyError:  # the same id was added between the check above and here

@@ -133,12 +133,14 @@ class ModelSession:
         settings: SamplingSettings,
         max_tokens: int,
         sink: Sink,
-        num_speculative_tokens: int | None = None,
+        num_draft_tokens: int | None = None,
     ) -> Request:
-        """`num_speculative_tokens`: the request's own drafts per step, checked by check_generate (None: the
-        drafter's k; 0: no drafting). Its drafter lookahead follows from it (DraftConfig.lookahead)."""
-        proposer, k = self.proposer, num_speculative_tokens
-        k = 0 if proposer is None else proposer.k if k is None else min(k, proposer.k)
+        """`num_draft_tokens`: the request's own drafts verified per step (GenerateRequest.num_speculative_tokens),
+        checked by check_generate (None: the drafter's; 0: no drafting; a chain's first drafts, a tree's first
+        nodes). Its drafter lookahead follows from it (DraftConfig.lookahead)."""
+        proposer, own = self.proposer, num_draft_tokens
+        most = proposer.num_draft_tokens if proposer is not None else 0
+        own = most if own is None else min(own, most)
         return Request(
             request_id=request_id,
             prompt_ids=prompt,
@@ -146,8 +148,8 @@ class ModelSession:
             max_tokens=max_tokens,
             eos_token_ids=frozenset(self.loaded.config.eos_token_ids),
             sink=sink,
-            num_speculative_tokens=k,
-            num_lookahead_tokens=proposer.config.lookahead(k) if proposer is not None else 0,
+            num_draft_tokens=own,
+            num_lookahead_tokens=proposer.config.lookahead(own) if proposer is not None else 0,
         )
 
     def prefix_cache_stats(self) -> PrefixCacheStats:
@@ -175,7 +177,7 @@ def warm_up_tokens(config: ModelConfig, draft: DraftSource | None) -> tuple[int,
     """The longest warm-up request's prompt, and the KV slots it needs with the speculative step's drafts
     and lookahead: no cache may be smaller, or the warm-up (and every request after it) could never run."""
     prompt = max(1, min(WARM_UP_PROMPT_TOKENS, config.max_position_embeddings - WARM_UP_MAX_TOKENS - 1))
-    ahead = draft.config.num_speculative_tokens + draft.config.positions_ahead if draft is not None else 0
+    ahead = draft.config.num_draft_tokens + draft.config.positions_ahead if draft is not None else 0
     return prompt, prompt + WARM_UP_MAX_TOKENS + ahead
 
 
@@ -323,13 +325,13 @@ def build_session(
         speculation.observer = on_plan
     spec_step = device_step(runner, proposer, slots, settings.device_spec_step, tp_group is not None)
     engine = Engine(runner, scheduler, max_model_len, on_step, proposer, on_verify, spec_step, speculation)
-    headroom = speculative_headroom(draft.config.num_speculative_tokens, lookahead) if draft is not None else 0
+    headroom = speculative_headroom(draft.config.num_draft_tokens, lookahead) if draft is not None else 0
     chat = load_chat_template(source.path, config, loaded.tokenizer)
     limits = ModelLimits(
         config.vocab_size, max_model_len, kv_cache.capacity_tokens, loaded.tokenizer is not None, headroom,
         chat_template=chat,
-        num_speculative_tokens=draft.config.num_speculative_tokens if draft is not None else 0,
-        headroom_by_k=headroom_by_k(draft.config) if draft is not None else (),
+        num_draft_tokens=draft.config.num_draft_tokens if draft is not None else 0,
+        headroom_by_draft_tokens=headroom_by_draft_tokens(draft.config) if draft is not None else (),
     )  # fmt: skip
     info = executor_pb2.ModelInfo(
         architecture=config.architecture,
@@ -344,7 +346,8 @@ def build_session(
         block_size=block_size,
         num_kv_blocks=num_blocks,
         spec_method=METHOD_ENUMS[draft.config.method] if draft is not None else common_pb2.SPEC_METHOD_NONE,
-        num_speculative_tokens=draft.config.num_speculative_tokens if draft is not None else 0,
+        # GetServerInfo's num_speculative_tokens: the drafts verified per step (a tree's node count)
+        num_speculative_tokens=draft.config.num_draft_tokens if draft is not None else 0,
         has_tokenizer=loaded.tokenizer is not None,
         eos_token_id=config.eos_token_ids[0] if config.eos_token_ids else -1,
         has_chat_template=chat is not None and chat.compiled is not None,
@@ -384,18 +387,19 @@ def device_step(
 
 
 def adaptive_speculation(proposer: Proposer, graphs: bool) -> AdaptiveK:
-    """The k values a step may take: none, and the loaded k; every k in between too where no verify graphs are
-    captured (no graph is captured at run time). A tree is verified whole or not at all (its depth is what the
-    acceptance per depth measures)."""
-    k = proposer.k
+    """The num_draft_tokens a step may take: none, and the loaded drafter's; every count in between too where no
+    verify graphs are captured (no graph is captured at run time). A tree is verified whole or not at all (its
+    depth, num_steps, is what the acceptance per depth measures)."""
+    size = proposer.num_draft_tokens
     if proposer.tree is not None:
-        return AdaptiveK((0, k), depths={k: proposer.tree.depth}, configured=k)
-    return AdaptiveK((0, k) if graphs else range(k + 1), configured=k)
+        return AdaptiveK((0, size), num_steps={size: proposer.num_steps}, configured=size)
+    return AdaptiveK((0, size) if graphs else range(size + 1), configured=size)
 
 
-def headroom_by_k(draft: DraftConfig) -> tuple[int, ...]:
-    """speculative_headroom of a request drafting 0, 1, ..., k tokens per step (per-request speculation)."""
-    return tuple(speculative_headroom(k, draft.lookahead(k)) for k in range(draft.num_speculative_tokens + 1))
+def headroom_by_draft_tokens(draft: DraftConfig) -> tuple[int, ...]:
+    """speculative_headroom of a request verifying 0, 1, ..., num_draft_tokens per step (per-request
+    speculation)."""
+    return tuple(speculative_headroom(n, draft.lookahead(n)) for n in range(draft.num_draft_tokens + 1))
 
 
 def capture_graphs(session: ModelSession, settings: EngineSettings, max_model_len: int) -> None:
@@ -410,7 +414,7 @@ def capture_graphs(session: ModelSession, settings: EngineSettings, max_model_le
     if session.decision.backend in GRAPH_BACKENDS:
         runner.capture_graphs([1], settings.max_num_seqs, max_model_len)
         if proposer is not None:
-            runner.capture_graphs([proposer.k + 1], spec_batch, max_model_len)
+            runner.capture_graphs([proposer.num_draft_tokens + 1], spec_batch, max_model_len)
     if proposer is not None and proposer.backend in GRAPH_BACKENDS:
         proposer.capture_graphs(spec_batch)
     spec_step = session.engine.spec_step

@@ -91,15 +91,17 @@ class ModelLimits:
     capacity_tokens: int  # the whole KV cache
     has_tokenizer: bool
     headroom_tokens: int = 0  # KV slots a speculative step holds past prompt + max_tokens (speculative_headroom)
-    num_speculative_tokens: int = 0  # the loaded drafter's k: the most a request may ask for (0: no drafter)
-    headroom_by_k: tuple[int, ...] = ()  # headroom_tokens of a request drafting 0, 1, ..., k per step
+    # The loaded drafter's drafts verified per step: the most a request's num_speculative_tokens may ask for
+    # (0: no drafter), and headroom_tokens of a request verifying 0, 1, ..., num_draft_tokens per step.
+    num_draft_tokens: int = 0
+    headroom_by_draft_tokens: tuple[int, ...] = ()
     chat_template: ChatTemplate | None = None  # what GenerateRequest.messages are rendered with (chat.py)
 
-    def for_request(self, num_speculative_tokens: int) -> ModelLimits:
-        """These limits with the headroom of a request drafting `num_speculative_tokens` per step."""
-        if not self.headroom_by_k:
+    def for_request(self, num_draft_tokens: int) -> ModelLimits:
+        """These limits with the headroom of a request verifying `num_draft_tokens` drafts per step."""
+        if not self.headroom_by_draft_tokens:
             return self
-        return replace(self, headroom_tokens=self.headroom_by_k[num_speculative_tokens])
+        return replace(self, headroom_tokens=self.headroom_by_draft_tokens[num_draft_tokens])
 
 
 def check_generate(
@@ -170,7 +172,7 @@ def check_generate(
                 FieldViolation("sampling.stop", "the loaded model has no tokenizer: use stop_token_ids"),
             ),
         )
-    if request.HasField("num_speculative_tokens"):  # admission counts the request's own drafts and lookahead
+    if request.HasField("num_speculative_tokens"):  # its own num_draft_tokens: admission counts them and lookahead
         limits = limits.for_request(request.num_speculative_tokens)
     settings = sampling_settings(params)
     max_tokens = settings.max_tokens if settings.max_tokens is not None else _room(len(prompt), limits)
@@ -191,11 +193,12 @@ def check_generate(
 
 
 def _speculation_violations(request: executor_pb2.GenerateRequest, limits: ModelLimits) -> list[FieldViolation]:
-    """num_speculative_tokens: unset (the drafter's k), or 0 up to the loaded drafter's k (DFlash's is at most
-    its block size - 1)."""
+    """num_speculative_tokens, read as the request's num_draft_tokens (drafts verified per step): unset (the
+    drafter's), or 0 up to the loaded drafter's (a chain's length, DFlash's at most its block size - 1; a tree's
+    node count)."""
     if not request.HasField("num_speculative_tokens"):
         return []
-    value, most = request.num_speculative_tokens, limits.num_speculative_tokens
+    value, most = request.num_speculative_tokens, limits.num_draft_tokens
     if 0 <= value <= most:
         return []
     if most == 0:

@@ -1,5 +1,9 @@
 """Adaptive speculation: per step, how many drafts the batch verifies next (k), or none at all (k = 0).
 
+k here is always num_draft_tokens, the drafts verified per step (docs/executor.md, the numbers of speculation):
+a chain's length, a tree's node count; each candidate's drafts reach its num_steps (a chain's length, a tree's
+depth), which is what the acceptance per depth prices.
+
 Drafting pays while the target verifies k + 1 rows per request for about the price of one; at high batch the
 verify rows are no longer free (the pass becomes compute bound, or the speculative step runs eagerly past its
 graphs' batch) and a plain decode step gives more tokens per second. The engine asks `plan(batch)` after each
@@ -13,7 +17,8 @@ step for the next step's k and tells this model what it measured:
   The acceptance rate per depth d (the share of steps that verified depth d whose accepted drafts reached it) is
   a decayed count, so it follows the traffic.
 
-The choice maximises expected tokens per second, `batch x (1 + sum of the rates up to depth(k))` over the step's
+The choice maximises expected tokens per second, `batch x (1 + sum of the rates up to num_steps(k))` over the
+step's
 measured time, over the candidates (the k values with captured graphs: no capture at run time). A candidate not
 yet measured at a bucket is tried first (the configured k, then 0, then the rest), for a few steps; a losing one
 is measured again after a while, each time later (a doubled interval) while it keeps losing, so a batch whose
@@ -50,7 +55,7 @@ class StepCost:
 
 @dataclass
 class Exploration:
-    k: int
+    num_draft_tokens: int
     until_samples: int
     steps_left: int
 
@@ -58,24 +63,26 @@ class Exploration:
 class AdaptiveK:
     """The cost model and the choice of k; one per engine, driven by the engine thread alone."""
 
-    def __init__(self, candidates: Iterable[int], depths: dict[int, int] | None = None, configured: int | None = None):
-        """`candidates`: the k values a step may take (0: no drafting); `depths`: the draft depth each reaches (a
-        chain's k is its depth; a tree's drafts reach its depth), default k itself; `configured`: the loaded k,
-        tried first."""
+    def __init__(
+        self, candidates: Iterable[int], num_steps: dict[int, int] | None = None, configured: int | None = None
+    ) -> None:
+        """`candidates`: the num_draft_tokens values a step may take (0: no drafting); `num_steps`: the depth each
+        one's drafts reach (a tree's depth), default the value itself (a chain's); `configured`: the loaded
+        drafter's num_draft_tokens, tried first."""
         self.candidates = sorted(set(candidates))
         if not self.candidates or self.candidates[0] < 0:
             raise ValueError(f"candidates must be k >= 0, got {self.candidates}")
-        self.depths = {k: k for k in self.candidates} | (depths or {})
+        self.num_steps = {k: k for k in self.candidates} | (num_steps or {})
         self.configured = configured if configured is not None else self.candidates[-1]
         self.costs: dict[int, dict[int, StepCost]] = {}  # bucket -> k -> cost
         self.plans: Counter[int] = Counter()  # bucket -> steps planned there
         self.chosen: Counter[int] = Counter()  # k -> steps planned with it (stats and metrics)
-        self.last_k: int | None = None
+        self.last_planned: int | None = None  # the latest plan's num_draft_tokens (the speculative_k metric)
         self.observer: PlanObserver | None = None
         self._current: dict[int, int] = {}  # bucket -> the k it exploits
         self._exploring: dict[int, Exploration] = {}
         self._retry_at: dict[tuple[int, int], int] = {}  # (bucket, k) given up unmeasured -> plan count to retry
-        max_depth = max(self.depths.values(), default=0)
+        max_depth = max(self.num_steps.values(), default=0)
         self._reached = [0.0] * (max_depth + 1)  # decayed counts, index d: accepted drafts reached depth d
         self._tried = [0.0] * (max_depth + 1)  # index d: steps that verified depth d
 
@@ -85,15 +92,16 @@ class AdaptiveK:
         return 1 << max(batch - 1, 0).bit_length()
 
     # ---- what the engine measured --------------------------------------------------------------
-    def record(self, batch: int, k: int, seconds: float) -> None:
-        """A steady step's wall time: it verified k drafts per request and drafted k for the next step."""
-        if k not in self.depths or seconds <= 0:
+    def record(self, batch: int, num_draft_tokens: int, seconds: float) -> None:
+        """A steady step's wall time: it verified `num_draft_tokens` drafts per request and drafted as many for
+        the next step."""
+        if num_draft_tokens not in self.num_steps or seconds <= 0:
             return
         bucket = self.bucket(batch)
         table = self.costs.setdefault(bucket, {})
-        cost = table.get(k)
+        cost = table.get(num_draft_tokens)
         if cost is None:
-            table[k] = StepCost(seconds, measured_at=self.plans[bucket])
+            table[num_draft_tokens] = StepCost(seconds, measured_at=self.plans[bucket])
             return
         cost.seconds += ALPHA * (seconds - cost.seconds)
         cost.samples += 1
@@ -113,17 +121,18 @@ class AdaptiveK:
         tried = self._tried[depth]
         return self._reached[depth] / tried if tried > 0 else 1.0
 
-    def expected_tokens(self, k: int) -> float:
-        """Tokens a request emits per step at k: the bonus token and each depth's chance to be reached (a depth
-        is reached only if the one before it was: the rates are each depth's own share)."""
-        return 1.0 + sum(self.acceptance(d) for d in range(1, self.depths[k] + 1))
+    def expected_tokens(self, num_draft_tokens: int) -> float:
+        """Tokens a request emits per step at `num_draft_tokens`: the bonus token and each depth's chance to be
+        reached (a depth is reached only if the one before it was: the rates are each depth's own share)."""
+        return 1.0 + sum(self.acceptance(d) for d in range(1, self.num_steps[num_draft_tokens] + 1))
 
-    def throughput(self, batch: int, k: int) -> float | None:
-        """Expected tokens per second at k for this batch, or None where its step time is not measured."""
-        cost = self.costs.get(self.bucket(batch), {}).get(k)
+    def throughput(self, batch: int, num_draft_tokens: int) -> float | None:
+        """Expected tokens per second at `num_draft_tokens` for this batch, or None where its step time is not
+        measured."""
+        cost = self.costs.get(self.bucket(batch), {}).get(num_draft_tokens)
         if cost is None:
             return None
-        return batch * self.expected_tokens(k) / cost.seconds
+        return batch * self.expected_tokens(num_draft_tokens) / cost.seconds
 
     # ---- the choice --------------------------------------------------------------------------------
     def plan(self, batch: int) -> int:
@@ -134,28 +143,28 @@ class AdaptiveK:
         if k is None:
             k = self._best(batch, bucket)
         self.chosen[k] += 1
-        self.last_k = k
+        self.last_planned = k
         if self.observer is not None:
             self.observer(k)
         return k
 
     def _order(self) -> list[int]:
         """Candidates in the order they are first tried: the configured k, no drafting, then the rest, largest first."""
-        first = [k for k in (self.configured, 0) if k in self.depths and k in self.candidates]
+        first = [k for k in (self.configured, 0) if k in self.num_steps and k in self.candidates]
         return first + [k for k in reversed(self.candidates) if k not in first]
 
     def _explore(self, bucket: int) -> int | None:
         table = self.costs.setdefault(bucket, {})
         exploring = self._exploring.get(bucket)
         if exploring is not None:
-            cost = table.get(exploring.k)
+            cost = table.get(exploring.num_draft_tokens)
             if (cost.samples if cost else 0) < exploring.until_samples and exploring.steps_left > 0:
                 exploring.steps_left -= 1
-                return exploring.k
+                return exploring.num_draft_tokens
             del self._exploring[bucket]
             if (cost.samples if cost else 0) < exploring.until_samples:  # no steady step came: not before a while
-                self._retry_at[bucket, exploring.k] = self.plans[bucket] + REFRESH_STEPS
-            self._judge(bucket, exploring.k)
+                self._retry_at[bucket, exploring.num_draft_tokens] = self.plans[bucket] + REFRESH_STEPS
+            self._judge(bucket, exploring.num_draft_tokens)
         for k in self._order():
             cost = table.get(k)
             samples = cost.samples if cost is not None else 0
@@ -170,14 +179,14 @@ class AdaptiveK:
                 return k
         return None
 
-    def _judge(self, bucket: int, k: int) -> None:
+    def _judge(self, bucket: int, num_draft_tokens: int) -> None:
         """After a test: a candidate that still loses is measured again twice as late; one that wins, as often
         as at first."""
-        cost = self.costs[bucket].get(k)
+        cost = self.costs[bucket].get(num_draft_tokens)
         if cost is None:
             return
         best = self._best_measured(bucket)
-        cost.refresh = REFRESH_STEPS if best == k else min(cost.refresh * 2, MAX_REFRESH_STEPS)
+        cost.refresh = REFRESH_STEPS if best == num_draft_tokens else min(cost.refresh * 2, MAX_REFRESH_STEPS)
 
     def _best_measured(self, bucket: int) -> int | None:
         table = self.costs.get(bucket, {})

@@ -42,7 +42,7 @@ class DFlashProposer(Proposer):
 
     def _draft_chain(self, batch: ProposeBatch, sampler: DraftSampler | None) -> torch.Tensor:
         features, positions, _, step = self.context_pass(batch)
-        uniform = all(e.propose and e.num_rows == self.k + 1 for e in batch.entries)
+        uniform = all(e.propose and e.num_rows == self.num_draft_tokens + 1 for e in batch.entries)
         self._run("dflash_context", uniform, step, positions, features=features)
         proposing = [e.request for e in batch.entries if e.propose]
         if not proposing:
@@ -69,7 +69,7 @@ class DFlashProposer(Proposer):
         verdict: Verdict,
         slots_ahead: torch.Tensor,
     ) -> torch.Tensor:
-        """The chain [B, k] after a verify step on the device: the verify rows' context K/V, then the block
+        """The chain [B, num_steps] after a verify step on the device: the verify rows' context K/V, then the block
         opened by the bonus token after the newest verified row."""
         target_ids, accepted = verdict.emitted, verdict.accepted
         count, rows = target_ids.shape
@@ -106,7 +106,9 @@ class DFlashProposer(Proposer):
         dtype, ids = self.kv_cache.storage.dtype, ((), torch.int64)
         size = self.config.block_size
         return {
-            "dflash_context": DraftPass(self._dflash_context, self.k + 1, {"features": ((features,), dtype)}),
+            "dflash_context": DraftPass(
+                self._dflash_context, self.num_draft_tokens + 1, {"features": ((features,), dtype)}
+            ),
             "dflash_block": DraftPass(
                 _reads_block_table(self._dflash_block), 1, {"input_ids": ids},
                 {"ahead_slots": ((size,), torch.int64, -1)},
@@ -124,9 +126,9 @@ class DFlashProposer(Proposer):
     def _dflash_block(
         self, block_table: torch.Tensor, starts: torch.Tensor, x: dict[str, torch.Tensor], pick: Pick | None = None
     ) -> tuple:
-        """Drafts [B, k] from the block opened by `input_ids` at `starts`; `ahead_slots` [B, block]. `pick`: how
+        """Drafts [B, num_steps] from the block opened by `input_ids` at `starts`; `ahead_slots` [B, block]. `pick`: how
         the drafts of all positions are chosen at once (the argmax)."""
-        hidden = self.dflash_block_hidden(block_table, starts, x)[:, 1 : self.k + 1]  # slot i: token i
+        hidden = self.dflash_block_hidden(block_table, starts, x)[:, 1 : self.num_steps + 1]  # slot i: token i
         return ((pick or self.drafter.draft_tokens)(hidden),)
 
     def dflash_block_hidden(

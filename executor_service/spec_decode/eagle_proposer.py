@@ -46,7 +46,7 @@ class EagleProposer(Proposer):
 
     def _draft_chain(self, batch: ProposeBatch, sampler: DraftSampler | None) -> torch.Tensor:
         features, positions, next_ids, step = self.context_pass(batch)
-        uniform = all(e.propose and e.num_rows == self.k + 1 for e in batch.entries)
+        uniform = all(e.propose and e.num_rows == self.num_draft_tokens + 1 for e in batch.entries)
         feedback, head = self._run("eagle_context", uniform, step, positions, input_ids=next_ids, features=features)
         sample_rows, proposing, offset = [], [], 0
         for entry in batch.entries:
@@ -60,8 +60,8 @@ class EagleProposer(Proposer):
         pick = self._picker(sampler) if sampler is not None else self.drafter.draft_tokens
         tokens, hidden = pick(head[picked]), feedback[picked]
         last = [r.num_computed_tokens - 1 for r in proposing]  # position of each request's newest verified row
-        own = [self.num_drafts(r) for r in proposing]  # the chain runs k - 1 steps; each keeps its own drafts
-        ahead = self.slots_ahead(proposing, last, self.k, own)
+        own = [self.num_drafts(r) for r in proposing]  # the chain runs num_steps - 1 steps; each keeps its own
+        ahead = self.slots_ahead(proposing, last, self.num_steps, own)
         chain_inputs = {"input_ids": tokens, "hidden": hidden, "ahead_slots": ahead}
         block_table, positions = self.block_table(proposing), self.tensor(last, torch.int64)
         if sampler is not None:  # each pick's noise keyed from the host (draft_sampling.py): eager
@@ -79,7 +79,7 @@ class EagleProposer(Proposer):
         verdict: Verdict,
         slots_ahead: torch.Tensor,
     ) -> torch.Tensor:
-        """The chain [B, k] after a verify step on the device: the context pass over the verify rows with the
+        """The chain [B, num_steps] after a verify step on the device: the context pass over the verify rows with the
         emitted tokens, then the chain steps from the newest verified row (row `accepted`)."""
         target_ids, accepted = verdict.emitted, verdict.accepted
         count, rows = target_ids.shape
@@ -89,7 +89,7 @@ class EagleProposer(Proposer):
         feedback, head = self._eagle_context(context_step, positions, context)
         picked = torch.arange(count, device=accepted.device) * rows + accepted  # the newest verified row
         tokens, hidden = self.drafter.draft_tokens(head[picked]), feedback[picked]
-        ahead = slots_ahead.gather(1, accepted[:, None] + self._offsets(self.k))
+        ahead = slots_ahead.gather(1, accepted[:, None] + self._offsets(self.num_steps))
         chain = {"input_ids": tokens, "hidden": hidden, "ahead_slots": ahead}
         (rest,) = self._eagle_chain(step.block_table, first + accepted, chain)
         return torch.cat([tokens[:, None], rest], dim=1)
@@ -116,12 +116,12 @@ class EagleProposer(Proposer):
         dtype, ids = self.kv_cache.storage.dtype, ((), torch.int64)
         context_inputs = {"input_ids": ids, "features": ((features,), dtype)}
         return {
-            "eagle_context": DraftPass(self._eagle_context, self.k + 1, context_inputs),
+            "eagle_context": DraftPass(self._eagle_context, self.num_draft_tokens + 1, context_inputs),
             "eagle_chain": DraftPass(
                 _reads_block_table(self._eagle_chain),
                 1,
                 {"input_ids": ids, "hidden": ((hidden,), dtype)},
-                {"ahead_slots": ((self.k,), torch.int64, -1)},
+                {"ahead_slots": ((self.num_steps,), torch.int64, -1)},
             ),
         }
 
@@ -136,21 +136,22 @@ class EagleProposer(Proposer):
     def _eagle_chain(
         self, block_table: torch.Tensor, positions: torch.Tensor, x: dict[str, torch.Tensor], pick: Pick | None = None
     ) -> tuple:
-        """Drafts 2..k [B, k - 1] from draft 1 (`input_ids`, `hidden`) at the newest verified `positions`;
-        `ahead_slots` [B, k]: slots of positions + 0..k-1. `pick`: how a step's drafts are chosen (the argmax)."""
+        """Drafts 2..n [B, n - 1] (n: num_steps) from draft 1 (`input_ids`, `hidden`) at the newest verified
+        `positions`; `ahead_slots` [B, n]: slots of positions + 0..n-1. `pick`: how a step's drafts are chosen
+        (the argmax)."""
         pick = pick or self.drafter.draft_tokens
         tokens, hidden, drafted = x["input_ids"], x["hidden"], []
         # Every chain step's metadata at once, one row per step (a few kernels instead of a few per step).
-        steps = torch.arange(1, self.k, device=positions.device)[:, None]
+        steps = torch.arange(1, self.num_steps, device=positions.device)[:, None]
         # A request whose slots end early (fewer drafts of its own, the context's end) repeats its last
         # writable position, written nowhere (slot -1): no step reads past its blocks. -1 only at the tail.
         writable = (x["ahead_slots"] >= 0).sum(dim=1)
         steps = torch.minimum(steps, (writable - 1).clamp(min=0)[None, :])
-        chain_positions = (positions[None, :] + steps).clamp(max=self.max_model_len - 1)  # [k - 1, B]
+        chain_positions = (positions[None, :] + steps).clamp(max=self.max_model_len - 1)  # [num_steps - 1, B]
         chain_seq_lens = (chain_positions + 1).to(torch.int32)
         chain_slots = x["ahead_slots"][:, 1:].t().contiguous()
         query_start_loc = torch.arange(positions.shape[0] + 1, dtype=torch.int32, device=positions.device)
-        for j in range(self.k - 1):
+        for j in range(self.num_steps - 1):
             step = self.chain_step(block_table, query_start_loc, chain_positions[j], chain_seq_lens[j], chain_slots[j])
             hidden, head = self.drafter(tokens, chain_positions[j], hidden, self.kv_cache.layers, step)
             tokens = pick(head)

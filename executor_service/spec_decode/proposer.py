@@ -6,11 +6,11 @@ The drafter has its own paged cache (its own layers, the target's block ids). Ea
 drafter over the rows the target just computed (the "context pass": EAGLE's first step, DFlash's context K/V),
 then drafts from the newest verified row:
 
-- chains: k drafts, one per position (EAGLE: k - 1 more chain steps, one token per request; DFlash: one block
-  pass). A chain's context pass runs every computed row, rejected ones too, so that steps have a fixed shape for
-  CUDA graphs; their cache entries lie past the verified tokens and are overwritten before anything reads them.
-  Each pass's attention metadata is rebuilt on the device (R10) from the newest verified position and the slots
-  ahead of it, so a chain replays as CUDA graphs.
+- chains: num_steps drafts, one per position (EAGLE: num_steps - 1 more chain steps, one token per request;
+  DFlash: one block pass). A chain's context pass runs every computed row, rejected ones too, so that steps have
+  a fixed shape for CUDA graphs; their cache entries lie past the verified tokens and are overwritten before
+  anything reads them. Each pass's attention metadata is rebuilt on the device (R10) from the newest verified
+  position and the slots ahead of it, so a chain replays as CUDA graphs.
 - trees: the context pass runs the verified rows at their final positions (the accepted path's, gathered), then
   the method drafts the tree (`draft_tree`: EAGLE pass by pass over the nodes it expands, DFlash from one block
   pass), its candidates and a dynamic tree's choice shared (tree_drafting.py).
@@ -102,7 +102,8 @@ class Proposer:
     ) -> None:
         self.drafter, self.kv_cache, self.backend = drafter, kv_cache, backend
         self.config = drafter.config
-        self.k = self.config.num_speculative_tokens
+        self.num_steps = self.config.num_steps  # drafter steps: a chain's length, a tree's depth
+        self.num_draft_tokens = self.config.num_draft_tokens  # drafts verified per step
         self.tree = self.config.tree  # None: a chain
         self.block_size = kv_cache.block_size
         self.max_model_len, self.device = max_model_len, device
@@ -123,9 +124,9 @@ class Proposer:
     @property
     def ahead_width(self) -> int:
         """Slots of the positions a device step's proposal may write, from the root (the first verify row) on: a
-        chain's k + 1 verify rows and the drafter's lookahead; a tree's path, then its scratch keys."""
+        chain's num_draft_tokens + 1 verify rows and the drafter's lookahead; a tree's path, then its scratch keys."""
         if self.tree is None:
-            return self.k + 1 + self.config.positions_ahead
+            return self.num_draft_tokens + 1 + self.config.positions_ahead
         return 1 + self.tree.depth + self.scratch_width
 
     @property
@@ -181,10 +182,11 @@ class Proposer:
         self.parents.pop(request.request_id, None)
 
     def num_drafts(self, request: Request) -> int:
-        """Drafts per step for this request: its own number (GenerateRequest.num_speculative_tokens, at most
-        k; 0: it never drafts), else the loaded drafter's k."""
-        own = request.num_speculative_tokens
-        return self.k if own is None else min(own, self.k)
+        """This request's num_draft_tokens, the drafts it verifies per step: its own (Request.num_draft_tokens,
+        at most the drafter's; 0: it never drafts; a chain's first drafts, a tree's first nodes), else the
+        drafter's."""
+        own = request.num_draft_tokens
+        return self.num_draft_tokens if own is None else min(own, self.num_draft_tokens)
 
     def attention(
         self, requests: list[Request], query_lens: list[int], seq_lens: list[int], slots: list[int], causal: bool
@@ -240,9 +242,9 @@ class Proposer:
     def set_drafts(self, request: Request, drafts: list[int], probs: DraftProbs | None = None) -> None:
         """The request's drafts for its next step, never past the context, and the distributions they were
         drawn from (None: greedy, a point mass). Drafts past max_tokens are kept (verified, their tokens
-        dropped): the last steps keep k + 1 tokens per request, so they replay the verify graph instead of
-        running eagerly. Scripted drafts (`replay`) are a point mass each."""
-        drafts = drafts[: self.num_drafts(request)]  # a request drafting fewer than k keeps its own
+        dropped): the last steps keep num_draft_tokens + 1 tokens per request, so they replay the verify graph
+        instead of running eagerly. Scripted drafts (`replay`) are a point mass each."""
+        drafts = drafts[: self.num_drafts(request)]  # a request drafting fewer keeps its own
         if self.replay is not None:
             drafts, probs = self.replay(request, drafts), None
         request.draft_ids = drafts[: max(self.max_model_len - request.num_tokens, 0)]
@@ -252,7 +254,7 @@ class Proposer:
         return lambda hidden: self.drafter.to_target(sampler.pick(self.drafter.draft_logits(hidden)))
 
     def _draft_chain(self, batch: ProposeBatch, sampler: DraftSampler | None) -> torch.Tensor:
-        """The proposing requests' chains [B, k] after the context pass over the batch (the method's)."""
+        """The proposing requests' chains [B, num_steps] after the context pass over the batch (the method's)."""
         raise NotImplementedError
 
     def _propose_trees(self, batch: ProposeBatch) -> None:
@@ -333,7 +335,7 @@ class Proposer:
         verdict: Verdict,
         slots_ahead: torch.Tensor,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """The next drafts after a verify step on the device, without the host: a chain's [B, k] (parents None),
+        """The next drafts after a verify step on the device, without the host: a chain's [B, num_steps] (parents None),
         or a tree's tokens and parents [B, N]: the context pass over the root and the path rows at root, root + 1,
         ... (row i pairs with emitted token i), then the tree drafted from the newest verified row. `step` and
         `positions` are the verify pass's (consecutive slots and positions from each root); `slots_ahead`
@@ -341,7 +343,7 @@ class Proposer:
         constants, tree = self.constants, self.tree
         if tree is None:
             return self._propose_verified_chain(step, positions, features, verdict, slots_ahead), None
-        count, rows, width = slots_ahead.shape[0], tree.num_drafts + 1, tree.depth + 1
+        count, rows, width = slots_ahead.shape[0], self.num_draft_tokens + 1, self.num_steps + 1
         root = positions.view(count, rows)[:, 0]
         path_slots = step.slot_mapping.view(count, rows)[:, :width].reshape(-1)  # root + depth: the path's slots
         context = AttentionStep(
@@ -369,7 +371,7 @@ class Proposer:
         verdict: Verdict,
         slots_ahead: torch.Tensor,
     ) -> torch.Tensor:
-        """A chain's drafts [B, k] after a verify step on the device (the method's)."""
+        """A chain's drafts [B, num_steps] after a verify step on the device (the method's)."""
         raise NotImplementedError
 
     def _offsets(self, width: int) -> torch.Tensor:

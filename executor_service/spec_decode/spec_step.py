@@ -57,9 +57,11 @@ from kernels.tree_mask import TREE_WINDOW, to_int64
 class VerifiedStep:
     """What the host reads back of one device-resident step, per request."""
 
-    target_ids: list[list[int]]  # the emitted tokens: the accepted drafts, then the token after them (k + 1 wide)
+    target_ids: list[
+        list[int]
+    ]  # the emitted tokens: the accepted drafts, then the token after them (num_steps + 1 wide)
     accepted: list[int]  # drafts accepted
-    next_drafts: list[list[int]]  # the drafter's k drafts for the next step
+    next_drafts: list[list[int]]  # the drafter's num_draft_tokens drafts for the next step
     logprobs: torch.Tensor | None = None  # an extras step's packed logprobs [B, ...] (device_penalties.py)
     logprob_top: int = 0
     penalised: list[bool] = field(default_factory=list)
@@ -69,7 +71,7 @@ class VerifiedStep:
         return self.target_ids[index][: self.kept_rows(index)]
 
     def kept_rows(self, index: int) -> int:
-        """Roll back: of the k + 1 rows verified, the request keeps its last token's and its accepted drafts';
+        """Roll back: of the rows verified, the request keeps its last token's and its accepted drafts';
         the rejected drafts' K/V is not counted, and the next step writes over it."""
         return self.accepted[index] + 1
 
@@ -81,9 +83,10 @@ class VerifiedStep:
 
 
 class PendingStep:
-    """A launched step's packed result [B, (k + 1) + 1 + k], copied to pinned host memory behind the step;
-    its packed result, positions and sampling inputs stay on the device for the step launched after it
-    (`launch_following`). An extras step's packed logprobs (rows x (1 + 2 top) columns) end each row."""
+    """A launched step's packed result [B, (num_steps + 1) + 1 + num_draft_tokens (+ a dynamic tree's parents)],
+    copied to pinned host memory behind the step; its packed result, positions and sampling inputs stay on the
+    device for the step launched after it (`launch_following`). An extras step's packed logprobs (rows x (1 + 2
+    top) columns) end each row."""
 
     def __init__(
         self,
@@ -126,11 +129,10 @@ class SpecStep(VariantSteps):
     def __init__(self, runner: ModelRunner, proposer: Proposer, penalty_slots: int = DEFAULT_PENALTY_SLOTS) -> None:
         super().__init__(runner.model.config.vocab_size, runner.device, penalty_slots)
         self.runner, self.proposer, self.tree = runner, proposer, proposer.tree
-        self.k = proposer.k
         chain = self.tree is None
-        self.num_drafts = self.k if self.tree is None else self.tree.num_drafts  # drafts verified per request
-        self.depth = self.k if self.tree is None else self.tree.depth
-        self.rows = self.num_drafts + 1  # the root and the drafts
+        self.num_steps = proposer.num_steps  # drafter steps: a chain's length, a tree's depth
+        self.num_draft_tokens = proposer.num_draft_tokens  # drafts verified per request
+        self.rows = self.num_draft_tokens + 1  # the root and the drafts
         self.dynamic = self.tree is not None and self.tree.dynamic  # its parents are drafted, not constant
         self.ahead_width = proposer.ahead_width  # slots of positions root, root + 1, ... its passes may write
         self.constants = StepConstants(runner.device)
@@ -138,17 +140,17 @@ class SpecStep(VariantSteps):
         # constants, not rounds of gathers per step (the host-given drafts are checked against it in `accepts`).
         self.static_parents: list[int] | None = None
         if self.tree is None:
-            self.static_parents = list(range(-1, self.k - 1))
+            self.static_parents = list(range(-1, self.num_steps - 1))
         elif not self.tree.dynamic:
             self.static_parents = static_parents(self.tree)
         self.static_layout: tuple[torch.Tensor, ...] | None = None
         if not chain and self.static_parents is not None:
             parents = torch.tensor([self.static_parents], dtype=torch.int64, device=runner.device)
-            node_depth, ancestors = tree_layout(parents, self.depth)
+            node_depth, ancestors = tree_layout(parents, self.num_steps)
             self.static_layout = (parents, node_depth, ancestors, self._masks(ancestors))
 
     def describe(self) -> str:
-        return f"chain, k = {self.k}" if self.tree is None else self.tree.describe()
+        return f"chain, k = {self.num_steps}" if self.tree is None else self.tree.describe()
 
     def accepts(self, inputs: StepInputs, requests: list[Request]) -> bool:
         """Every request verifies a whole draft of the loaded shape (all rows sampled), greedy or sampled with
@@ -160,7 +162,7 @@ class SpecStep(VariantSteps):
             return all(r.draft_probs is None for r in requests)
         for request in requests:
             parents = self.proposer.tree_of(request)
-            if len(parents) != self.num_drafts:
+            if len(parents) != self.num_draft_tokens:
                 return False
             if self.static_parents is not None and parents != self.static_parents:
                 return False
@@ -173,16 +175,17 @@ class SpecStep(VariantSteps):
 
     def reach_following(self, request: Request) -> int:
         """Positions a request needs room for before the step after its current one is launched blind: this
-        step may accept `depth` drafts, and the next one writes from one past there."""
-        return self.reach(request) + self.depth + 1
+        step may accept `num_steps` drafts, and the next one writes from one past there."""
+        return self.reach(request) + self.num_steps + 1
 
     def next_tree(self, result: VerifiedStep, index: int) -> tuple[list[int], list[int] | None]:
         """Request `index`'s next drafts as the proposer takes them: its tokens and parents (a chain's: None)."""
         ids = result.next_drafts[index]
         if self.tree is None:
-            return ids[: self.num_drafts], None
-        parents = ids[self.num_drafts : 2 * self.num_drafts] if self.dynamic else self.static_parents
-        return ids[: self.num_drafts], parents
+            return ids[: self.num_draft_tokens], None
+        size = self.num_draft_tokens
+        parents = ids[size : 2 * size] if self.dynamic else self.static_parents
+        return ids[:size], parents
 
     @torch.inference_mode()
     def launch(self, inputs: StepInputs, requests: list[Request]) -> PendingStep:
@@ -197,14 +200,14 @@ class SpecStep(VariantSteps):
         if self.dynamic:
             x["parents"] = self.proposer.tensor([self.proposer.tree_of(r) for r in requests], torch.int64)
         (packed,) = self.run(sampling.variant, "", step, inputs.positions, x)
-        return PendingStep(packed, inputs.positions, self.depth + 1, sampling, self.logprob_top)
+        return PendingStep(packed, inputs.positions, self.num_steps + 1, sampling, self.logprob_top)
 
     @torch.inference_mode()
     def launch_following(self, previous: PendingStep, requests: list[Request]) -> PendingStep:
         """Queue the step after `previous` for the same requests before the host has read `previous` back: its
         inputs (the bonus token and the next drafts), positions, sequence lengths and slots follow on the device
         from `previous`'s packed result. The caller has reserved every request's blocks up to `reach_following`."""
-        count, rows, depth, size = len(requests), self.rows, self.depth, self.num_drafts
+        count, rows, depth, size = len(requests), self.rows, self.num_steps, self.num_draft_tokens
         roots = [r.num_computed_tokens for r in requests]  # `previous`'s root (not yet booked)
         block_table = self.proposer.block_table(requests)
         old_root = previous.positions.view(count, rows)[:, 0]
@@ -266,17 +269,18 @@ class SpecStep(VariantSteps):
         """The drafts' layout, the verify pass's metadata and positions (a chain's: the step's own, causal)."""
         count = drafts.shape[0]
         if self.tree is None:
-            parents = self.constants.get(("chain", self.k), lambda: self.constants.arange(self.k) - 1)
-            layout = DraftLayout(drafts, parents.expand(count, -1), None, None, self.k, chain=True)
+            n = self.num_steps
+            parents = self.constants.get(("chain", n), lambda: self.constants.arange(n) - 1)
+            layout = DraftLayout(drafts, parents.expand(count, -1), None, None, n, chain=True)
             return layout, step, positions
         if self.static_layout is not None:
             parents, node_depth, ancestors, masks = (t.expand(count, -1) for t in self.static_layout)
         else:
             parents = x["parents"]
-            node_depth, ancestors = tree_layout(parents, self.depth, self.constants)
+            node_depth, ancestors = tree_layout(parents, self.num_steps, self.constants)
             masks = self._masks(ancestors)
         verify_step = replace(step, causal=True, tree_mask=masks.reshape(-1), _flex=None)
-        layout = DraftLayout(drafts, parents, node_depth, ancestors, self.depth)
+        layout = DraftLayout(drafts, parents, node_depth, ancestors, self.num_steps)
         root = positions.view(count, self.rows)[:, 0]
         return layout, verify_step, (root[:, None] + node_depth).reshape(-1)
 
@@ -287,8 +291,8 @@ class SpecStep(VariantSteps):
 
     def _move_path(self, slots: torch.Tensor, path_rows: torch.Tensor, accepted: torch.Tensor) -> None:
         """The accepted draft at depth d: its K/V from its row's slot to the slot of root + d, every layer."""
-        levels = self.constants.arange(self.depth + 1)[None, 1:]
-        source, target = slots.gather(1, path_rows[:, 1:]), slots[:, 1 : self.depth + 1]
+        levels = self.constants.arange(self.num_steps + 1)[None, 1:]
+        source, target = slots.gather(1, path_rows[:, 1:]), slots[:, 1 : self.num_steps + 1]
         # A padded request (graph buckets) has every slot -1: its root's tells; a real one's slots are all set.
         moves = (levels <= accepted[:, None]) & (slots[:, :1] >= 0)
         anchor = slots[:1, :1]  # the first request's root: no move reads or writes it
@@ -311,5 +315,5 @@ class SpecStep(VariantSteps):
 
         base = {"slots_ahead": ((self.ahead_width,), torch.int64, -1)}
         if self.dynamic:
-            base["parents"] = ((self.num_drafts,), torch.int64, -1)
+            base["parents"] = ((self.num_draft_tokens,), torch.int64, -1)
         self.graphs = capture_variants(build, base)

@@ -62,7 +62,7 @@ def test_a_middle_k_wins_where_acceptance_stops_early() -> None:
 
 def test_trees_choose_between_none_and_the_whole_tree() -> None:
     """A tree of 16 drafts 4 deep: its depth is what acceptance measures."""
-    model = AdaptiveK((0, 16), depths={16: 4}, configured=16)
+    model = AdaptiveK((0, 16), num_steps={16: 4}, configured=16)
     assert set(drive(model, 4, gpu_like, accepted=4, steps=100)) <= {0, 16}
     assert model.expected_tokens(16) == pytest.approx(5.0)
 

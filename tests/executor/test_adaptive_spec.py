@@ -35,7 +35,7 @@ class Scripted(AdaptiveK):
     def plan(self, batch: int) -> int:
         k = next(self.cycle)
         self.chosen[k] += 1
-        self.last_k = k
+        self.last_planned = k
         return k
 
 
@@ -65,7 +65,7 @@ def test_chain_greedy_equals_target_only_as_k_switches(method: str) -> None:
 def test_tree_greedy_equals_target_only_as_k_switches(method: str) -> None:
     tree = common_pb2.DraftTree(top_k=2, verify_budget=6)
     session = tree_session(method, tree, k=3)
-    size = session.proposer.k  # type: ignore[union-attr]
+    size = session.proposer.num_draft_tokens  # type: ignore[union-attr]
     cycle = [size, size, 0, size, 0, 0, size, 3]
     session.engine.speculation = Scripted(cycle, [0, size])
     batch = prompts(3, seed=5, vocab=256)
@@ -143,7 +143,7 @@ def test_measured_choice_keeps_tokens_and_reports_k() -> None:
     assert speculation.chosen and sum(speculation.chosen.values()) > 0
     for k, steps in speculation.chosen.items():
         assert metrics.speculative_k_steps.labels(str(k))._value.get() == steps
-    assert metrics.speculative_k._value.get() == speculation.last_k
+    assert metrics.speculative_k._value.get() == speculation.last_planned
     assert speculation.describe()["step_ms"]  # steady steps were timed
     assert_no_leak(session)
 

@@ -219,9 +219,7 @@ def test_requests_the_drafter_skips_register_nothing() -> None:
     run = Run(session("eagle3", True))
 
     def plain(rid: str) -> None:
-        made = run.session.new_request(
-            rid, prompt, greedy(MAX_TOKENS), MAX_TOKENS, run.outputs, num_speculative_tokens=0
-        )
+        made = run.session.new_request(rid, prompt, greedy(MAX_TOKENS), MAX_TOKENS, run.outputs, num_draft_tokens=0)
         run.requests[rid] = made
         run.session.engine.add(made)
         run_bounded(run.session.engine)

@@ -132,11 +132,11 @@ def test_tree_config() -> None:
     tree, k = TREES["dynamic_3_budget_8_depth_4"]
     session = tree_session("eagle3", tree, k)
     config = session.proposer.config
-    assert config.num_speculative_tokens == 8 and config.tree.depth == 4  # drafts per step; drafter steps
+    assert config.num_draft_tokens == 8 and config.num_steps == config.tree.depth == 4  # drafts per step; drafter steps
     assert config.positions_ahead == 9  # top_k x (depth - 1) keys of expanded nodes
     assert session.info.num_speculative_tokens == 8
     dflash = tree_session("dflash", tree, k).proposer.config  # a block of 8
-    assert dflash.num_speculative_tokens == 8 and dflash.tree.depth == 4
+    assert dflash.num_draft_tokens == 8 and dflash.num_steps == dflash.tree.depth == 4
     assert dflash.positions_ahead == 8  # the block pass writes the whole block
 
 

@@ -28,7 +28,11 @@ def test_shipped_eagle3_and_dflash_fit_in_30_mb_of_bf16_and_read_spread_layers()
     eagle3, dflash = draft_config(RECIPES["eagle3"], SMOLLM2), draft_config(RECIPES["dflash"], SMOLLM2, 0)
     assert published_bytes(eagle3) + published_bytes(dflash) < 30e6
     assert eagle3.target_layer_ids == (1, 14, 26) and eagle3.draft_vocab_size == 8192
-    assert dflash.target_layer_ids == (1, 14, 27) and dflash.block_size == 16 and dflash.num_speculative_tokens == 15
+    assert (
+        dflash.target_layer_ids == (1, 14, 27)
+        and dflash.block_size == 16
+        and dflash.num_steps == dflash.num_draft_tokens == 15
+    )
     assert dflash.model.architecture == "qwen3" and dflash.model.hidden_size == SMOLLM2.hidden_size
 
 
