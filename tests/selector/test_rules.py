@@ -1,6 +1,6 @@
 """The selection rules R1 to R8 of docs/selection.md's R1-R11, one group of tests per rule (R9: tests/attention/
-test_capability_agreement.py and tests/executor/test_spec_formats.py; R10: tests/executor/test_spec_metadata.py;
-R11: tests/selector/test_tree_selection.py)."""
+test_capability_agreement.py and tests/executor/server/test_spec_formats.py; R10:
+tests/executor/spec_decode/test_spec_metadata.py; R11: tests/selector/test_tree_selection.py)."""
 
 from __future__ import annotations
 

@@ -108,7 +108,8 @@ def load_request(method: str, checkpoint: Path | None = None) -> executor_pb2.Lo
 
 class ReplayOnLastBranch:
     """Rewrites each drafted tree: the target's own continuation along the last child at every depth, a wrong
-    token elsewhere, so drafts are accepted off the tree's first nodes (as tests/executor/test_tree_decode.py)."""
+    token elsewhere, so drafts are accepted off the tree's first nodes (as
+    tests/executor/spec_decode/test_tree_decode.py)."""
 
     def __init__(self, set_tree: Callable[..., None], references: dict[str, list[int]]) -> None:
         self.set_tree, self.references = set_tree, references

@@ -33,7 +33,7 @@ from specdec_cli.demo_drafters import repo_drafters_dir
 from specdec_cli.demo_model import DEFAULT_TREE, METHODS, SMOLLM2, default_model, selection_request, synthetic_model
 from specdec_cli.demo_options import DEFAULT_PROMPT
 
-REPO_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+REPO_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 DEMO_TIMEOUT_S = 600  # a no-hang bound, not a performance bar: a loaded 2-core machine takes 60-70 s
 MAX_TOKENS = 10
 # Greedy SmolLM2 answers this in one sentence of 8 tokens: a check that the chat template reaches the model.
