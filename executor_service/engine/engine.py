@@ -196,13 +196,14 @@ class Engine:
         self._fail_alone([(r, v) for r, v in zip(sampled, verdicts, strict=True) if isinstance(v, Exception)])
         verified = {i: (v, lp) for i, v, lp in zip(inputs.sampled, verdicts, logprobs, strict=True)}
         outcomes = self._host_outcomes(scheduled, inputs, trees, verified)
-        generated, drafted = self._book(outcomes)
+        generated, _ = self._book(outcomes)
         if self.proposer is not None:
             k_next = self._plan(requests)
             self._propose(outcomes, output.features, k_next)
             self._cache_prefixes(requests)  # once the drafter wrote its K/V too
-            if len(sampled) == len(requests):
-                self._note_steady(len(sampled), set(drafted), k_next)
+            if len(sampled) == len(requests):  # every request verified: steady only if each had the same drafts
+                verified_drafts = {len(tree.tokens) if tree is not None else 0 for tree in trees}
+                self._note_steady(len(sampled), verified_drafts, k_next)
         if self.on_step is not None:
             self.on_step(scheduled.num_tokens, generated, time.perf_counter() - started)
 
@@ -317,14 +318,13 @@ class Engine:
             self.on_step(len(requests) * self.spec_step.rows, generated, time.perf_counter() - started)
 
     def _device_outcome(self, result: VerifiedStep, index: int, request: Request) -> StepOutcome:
-        """Request `index`'s outcome of a device step (it verified a whole draft of the step's shape; a dynamic
-        tree's depth is its own)."""
-        assert self.proposer is not None
-        tree = DraftTree(request.draft_ids, self.proposer.tree_of(request))
+        """Request `index`'s outcome of a device step."""
+        assert self.spec_step is not None
         kept = request.num_computed_tokens + result.kept_rows(index)  # roll back: rejected drafts' K/V not kept
         logprobs = result.token_logprobs(index, request.settings.logprobs)
+        depth = self.spec_step.depth_of(request)
         return StepOutcome(
-            request, kept, result.emitted(index), len(tree.tokens), result.accepted[index], max(tree.depths()), logprobs
+            request, kept, result.emitted(index), len(request.draft_ids), result.accepted[index], depth, logprobs
         )
 
     # ---- adaptive speculation (adaptive_k.py) ---------------------------------------------------

@@ -163,19 +163,16 @@ class EagleProposer(Proposer):
     def context_pass_rows(
         self, step: AttentionStep, positions: torch.Tensor, next_ids: torch.Tensor, features: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """The drafter over verified target rows (`features`, each paired with the token after it): its
-        feedback and head per row, which `draft_tree` reads at the newest verified row."""
+        """EAGLE's context pass over the rows (Proposer.context_pass_rows)."""
         return self._eagle_context(step, positions, {"input_ids": next_ids, "features": features})
 
     def draft_tree(
         self, block_table: torch.Tensor, last: torch.Tensor, scratch: torch.Tensor, head: torch.Tensor,
         hidden: torch.Tensor,
     ) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
-        """The trees on the device, no host sync (the device-resident tree step captures it): tokens and parents
-        [B, drafts] (-1: the root) from the newest verified row's head and feedback [B, H] at positions `last`;
-        `scratch` [B, num_inputs] the slots of positions last + 1, ... that the drafter's passes write.
-        A static tree's layout (parents, which node expands which, the masks) is constant: only its tokens and
-        hidden states move; a dynamic tree also carries its scores, parents and frontier."""
+        """EAGLE's trees (Proposer.draft_tree), one drafter pass per depth over the nodes it expands. A static
+        tree's layout (parents, which node expands which, the masks) is constant: only its tokens and hidden
+        states move; a dynamic tree also carries its scores, parents and frontier."""
         tree, count, constants = self.tree, head.shape[0], self.constants
         assert tree is not None and self.candidates is not None
         dynamic = tree.dynamic

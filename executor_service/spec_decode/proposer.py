@@ -322,9 +322,8 @@ class Proposer:
     ) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
         """The trees on the device, no host sync (the device-resident tree step captures it): tokens and parents
         [B, drafts] (-1: the root) from the newest verified row's head and feedback [B, H] at positions `last`;
-        `scratch` [B, num_inputs] the slots of positions last + 1, ... that the drafter's passes write.
-        A static tree's layout (parents, which node expands which, the masks) is constant: only its tokens and
-        hidden states move; a dynamic tree also carries its scores, parents and frontier."""
+        `scratch` [B, num_inputs] the slots of positions last + 1, ... that the drafter's passes write (the
+        method's)."""
         raise NotImplementedError
 
     def propose_verified(

@@ -28,6 +28,7 @@ drafts, uneven batches, cut-short trees, penalised requests past the penalty tab
 from __future__ import annotations
 
 import functools
+import itertools
 from dataclasses import dataclass, field, replace
 
 import torch
@@ -41,6 +42,7 @@ from executor_service.runner.step_constants import StepConstants
 from executor_service.sample.device_sampling import GREEDY, SamplingTensors, has_extras, sorts
 from executor_service.sample.logprobs import TokenLogprob
 from executor_service.spec_decode.device_penalties import unpack_logprobs
+from executor_service.spec_decode.host_verify import DraftTree
 from executor_service.spec_decode.proposer import Proposer
 from executor_service.spec_decode.step_variants import (
     DEFAULT_PENALTY_SLOTS,
@@ -148,6 +150,8 @@ class SpecStep(VariantSteps):
             parents = torch.tensor([self.static_parents], dtype=torch.int64, device=runner.device)
             node_depth, ancestors = tree_layout(parents, self.num_steps)
             self.static_layout = (parents, node_depth, ancestors, self._masks(ancestors))
+        # The deepest draft of each prefix of the static layout (a chain's prefix of n drafts: depth n).
+        self.prefix_depths = list(itertools.accumulate(DraftTree([], self.static_parents or []).depths(), max))
 
     def describe(self) -> str:
         return f"chain, k = {self.num_steps}" if self.tree is None else self.tree.describe()
@@ -186,6 +190,14 @@ class SpecStep(VariantSteps):
         size = self.num_draft_tokens
         parents = ids[size : 2 * size] if self.dynamic else self.static_parents
         return ids[:size], parents
+
+    def depth_of(self, request: Request) -> int:
+        """The deepest of the drafts a request verified in a device step: read off the constant layout for a
+        chain or a static tree (no per-request walk on the booking's path), walked for a dynamic tree."""
+        count = len(request.draft_ids)
+        if not self.dynamic:
+            return self.prefix_depths[count - 1] if count else 0
+        return max(DraftTree(request.draft_ids, self.proposer.tree_of(request)).depths(), default=0)
 
     @torch.inference_mode()
     def launch(self, inputs: StepInputs, requests: list[Request]) -> PendingStep:
