@@ -20,9 +20,10 @@ buffers and the ranks' lockstep be tested on the CPU.
 
 from __future__ import annotations
 
+import gc
 import logging
-from collections.abc import Callable
-from contextlib import AbstractContextManager, nullcontext
+from collections.abc import Callable, Iterator
+from contextlib import AbstractContextManager, contextmanager, nullcontext
 from typing import Protocol
 
 import torch
@@ -63,6 +64,21 @@ class GraphLockstep(Protocol):
     def share_inputs(self, graphs: StepGraphs, size: int) -> None:
         """The first operation of every pass of bucket `size` (captured): rank 0's static inputs to every rank."""
         ...
+
+
+@contextmanager
+def collector_paused() -> Iterator[None]:
+    """Python's garbage collector off while graphs are captured: an object it frees mid-capture (a pinned host
+    buffer, an event of another pass) may call into CUDA from the capturing thread, which invalidates the capture.
+    One collection first, so that nothing is left waiting."""
+    gc.collect()
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if enabled:
+            gc.enable()
 
 
 def batch_buckets(max_batch: int) -> list[int]:
@@ -127,17 +143,21 @@ class StepGraphs:
 
     def _capture_all(self, pool: object | None) -> None:
         pool = pool if pool is not None else torch.cuda.graph_pool_handle()
-        for size in reversed(self.buckets):  # largest first: smaller graphs reuse its memory
-            self._run_eager(size)  # warm up: compile kernels, settle allocations
-            torch.cuda.synchronize()
-            try:
-                self.graphs[size] = self._capture_one(size, pool)
-            except RuntimeError as err:  # torch.AcceleratorError is one: an invalidated capture, seen rarely
-                if self.lockstep is not None:  # a capture again here alone would run its collectives out of step
-                    raise
-                log.warning("capturing %s (batch %d) failed, capturing again: %s", self.name, size, err)
+        with collector_paused():
+            for size in reversed(self.buckets):  # largest first: smaller graphs reuse its memory
+                self._run_eager(size)  # warm up: compile kernels, settle allocations
                 torch.cuda.synchronize()
-                self.graphs[size] = self._capture_one(size, pool)
+                try:
+                    self.graphs[size] = self._capture_one(size, pool)
+                except RuntimeError as err:  # torch.AcceleratorError is one: an invalidated capture, seen rarely
+                    if self.lockstep is not None:  # a capture again here alone would run its collectives out of step
+                        raise
+                    log.warning("capturing %s (batch %d) failed, capturing again: %s", self.name, size, err)
+                    torch.cuda.synchronize()
+                    # A capture that failed leaves its pool marked as recording (PyTorch never ends it), so every
+                    # later capture into that pool is refused: the rest capture into a pool of their own.
+                    pool = torch.cuda.graph_pool_handle()
+                    self.graphs[size] = self._capture_one(size, pool)
         torch.cuda.synchronize()
         log.info("captured %s graphs", self.name, extra={"batch_sizes": self.buckets, "query_len": self.query_len})
 

@@ -18,6 +18,7 @@ from dataclasses import dataclass
 
 import torch
 
+from executor_service.models.attention_step import to_device
 from executor_service.sample.sampling import MIN_TEMPERATURE, SamplingSettings, needs_sort, sampling_params
 
 MASK32 = 0xFFFFFFFF
@@ -37,7 +38,7 @@ class SamplingTensors:
     @classmethod
     def build(cls, settings: list[SamplingSettings], seeds: list[int], device: torch.device) -> SamplingTensors:
         params = torch.tensor(sampling_params(settings), dtype=torch.float32).reshape(len(settings), 4)
-        seed = torch.tensor([s & (2**63 - 1) for s in seeds], dtype=torch.int64)
+        seed = torch.tensor([seed_value(s) for s in seeds], dtype=torch.int64)
         if device.type == "cuda":
             return cls(
                 params.pin_memory().to(device, non_blocking=True), seed.pin_memory().to(device, non_blocking=True)
@@ -111,6 +112,51 @@ def step_keys(seed: torch.Tensor, step_key: torch.Tensor, stream: int) -> torch.
     key = mix32((seed & MASK32) ^ mix32((seed >> 32) & MASK32))
     key = mix32(key ^ (step_key & MASK32))
     return mix32(key ^ stream)
+
+
+def seed_value(seed: int) -> int:
+    """A request's seed as its random numbers read it (63 bits: an int64 tensor holds it)."""
+    return seed & (2**63 - 1)
+
+
+def host_mix32(x: int) -> int:
+    """mix32 of one value in Python integers."""
+    x ^= x >> 16
+    x = (x * 0x7FEB352D) & MASK32
+    x ^= x >> 15
+    x = (x * 0x846CA68B) & MASK32
+    return x ^ (x >> 16)
+
+
+def host_step_key(seed: int, step_key: int, stream: int) -> int:
+    """step_keys of one request, computed on the host: the same key, bit for bit. The host path knows every seed
+    and position, so its keys cost one copy instead of some fifty small launches."""
+    seed = seed_value(seed)
+    key = host_mix32((seed & MASK32) ^ host_mix32((seed >> 32) & MASK32))
+    key = host_mix32(key ^ (step_key & MASK32))
+    return host_mix32(key ^ stream)
+
+
+@dataclass(frozen=True)
+class StepKeys:
+    """A verify step's keys [B]: the drafts' acceptance uniforms' and the final token's noise's, keyed by each
+    request's seed and root position."""
+
+    uniform: torch.Tensor
+    noise: torch.Tensor
+
+    @classmethod
+    def on_device(cls, seed: torch.Tensor, root: torch.Tensor) -> StepKeys:
+        """From seeds and root positions on the device (a device step derives its roots there)."""
+        return cls(step_keys(seed, root, UNIFORM_STREAM), step_keys(seed, root, NOISE_STREAM))
+
+    @classmethod
+    def on_host(cls, seeds: list[int], roots: list[int], device: torch.device) -> StepKeys:
+        """From seeds and root positions the host holds: one copy."""
+        pairs = list(zip(seeds, roots, strict=True))
+        keys = [host_step_key(s, r, stream) for stream in (UNIFORM_STREAM, NOISE_STREAM) for s, r in pairs]
+        both = to_device(keys, torch.int64, device)
+        return cls(both[: len(seeds)], both[len(seeds) :])
 
 
 def uniforms(keys: torch.Tensor, count: int) -> torch.Tensor:

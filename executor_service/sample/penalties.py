@@ -34,7 +34,9 @@ class TokenCounts:
 
     def __init__(self, prompt_ids: list[int], vocab_size: int, device: torch.device) -> None:
         self.in_prompt = torch.zeros(vocab_size, dtype=torch.bool, device=device)
-        self.in_prompt[to_device(prompt_ids, torch.int64, device)] = True
+        # index_fill_ takes its value as a kernel argument: `in_prompt[ids] = True` copies a host scalar, which
+        # waits for the device
+        self.in_prompt.index_fill_(0, to_device(prompt_ids, torch.int64, device), True)
         self.output = torch.zeros(vocab_size, dtype=torch.int32, device=device)
         self.num_counted = 0  # output tokens counted in `output`
 

@@ -77,7 +77,7 @@ class PenaltyTable:
         index = next(i for i in range(self.slots) if i not in used)
         self.output[index].zero_()
         self.in_prompt[index].zero_()
-        self.in_prompt[index, to_device(request.prompt_ids, torch.int64, self.device)] = True
+        self.in_prompt[index].index_fill_(0, to_device(request.prompt_ids, torch.int64, self.device), True)
         slot = self.assigned[request.request_id] = Slot(index, 0)
         return slot
 

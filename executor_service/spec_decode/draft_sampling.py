@@ -22,7 +22,7 @@ import torch
 from executor_service.engine.request import Request
 from executor_service.models.attention_step import to_device
 from executor_service.models.fused_ops import argmax
-from executor_service.sample.device_sampling import DRAFT_STREAM, exponential_noise, step_keys
+from executor_service.sample.device_sampling import DRAFT_STREAM, exponential_noise, host_step_key
 from executor_service.sample.sampling import DraftProbs, race, sampled_probs
 
 # Ids each drawn draft's q keeps: the drafter's most likely ones, renormalised. The draft is drawn from exactly
@@ -78,8 +78,8 @@ class DraftSampler:
         at = [first + self.picked + j for first in self.first for j in range(positions)]
         seeds = [seed for seed in self.seeds for _ in range(positions)]
         self.picked += positions
-        keys = to_device([*seeds, *at], torch.int64, device)
-        return step_keys(keys[: len(at)], keys[len(at) :], DRAFT_STREAM)
+        keys = [host_step_key(seed, position, DRAFT_STREAM) for seed, position in zip(seeds, at, strict=True)]
+        return to_device(keys, torch.int64, device)
 
     def probs_of(self, count: int) -> list[DraftProbs | None]:
         """Each proposing request's q of its k drafts (None: greedy, a point mass)."""

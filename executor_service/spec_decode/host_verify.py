@@ -16,8 +16,7 @@ from dataclasses import dataclass
 import torch
 
 from executor_service.engine.request import Request
-from executor_service.models.attention_step import to_device
-from executor_service.sample.device_sampling import SamplingTensors
+from executor_service.sample.device_sampling import SamplingTensors, StepKeys
 from executor_service.sample.penalties import penalised_logits
 from executor_service.sample.sampling import DraftProbs, host_sort, to_host
 from executor_service.spec_decode.verifier import DraftQ, Verdict, host_layout, verify
@@ -116,14 +115,15 @@ def _verify_batch(
     if starts != list(range(0, width * len(tokens) + 1, width)):  # uneven: each one's rows, padded with its last
         logits = logits[rows.reshape(-1)]
     settings, device = [r.settings for r in requests], logits.device
-    sampling = None
+    sampling = keys = None
     if not all(s.greedy for s in settings):
-        sampling = SamplingTensors.build(settings, [r.seed for r in requests], device)
-    step_key = to_device([r.num_tokens - 1 for r in requests], torch.int64, device)  # each root's position
+        seeds = [r.seed for r in requests]
+        sampling = SamplingTensors.build(settings, seeds, device)
+        keys = StepKeys.on_host(seeds, [r.num_tokens - 1 for r in requests], device)  # each root's position
     q = None
     if draft_probs is not None and any(p is not None for p in draft_probs) and layout.tokens.shape[1]:
         q = DraftQ.build(layout.tokens, draft_probs)
-    return verify(logits, layout, sampling, step_key, host_sort(settings, logits.shape[-1]), q=q, check=True)
+    return verify(logits, layout, sampling, keys, host_sort(settings, logits.shape[-1]), q=q, check=True)
 
 
 def _verdicts(host: list[int], starts: list[int], errors: list[VerifyError | None]) -> list[TreeVerdict | VerifyError]:

@@ -39,7 +39,7 @@ from executor_service.parallel.graphs import lockstep_for
 from executor_service.runner.cuda_graphs import StepGraphs
 from executor_service.runner.model_runner import ModelRunner, StepInputs
 from executor_service.runner.step_constants import StepConstants
-from executor_service.sample.device_sampling import GREEDY, SamplingTensors, has_extras, sorts
+from executor_service.sample.device_sampling import GREEDY, SamplingTensors, StepKeys, has_extras, sorts
 from executor_service.sample.logprobs import TokenLogprob
 from executor_service.spec_decode.device_penalties import unpack_logprobs
 from executor_service.spec_decode.host_verify import DraftTree
@@ -264,7 +264,8 @@ class SpecStep(VariantSteps):
         logits, features = self.runner.forward(input_ids, verify_positions, verify_step, None)  # the target's pass
         assert features is not None, "a drafter reads the target's features"
         sampling, penalties = SamplingTensors.from_inputs(x), self.step_penalties(x)
-        verdict = verify(logits, layout, sampling, root, sorts(variant), self.constants, penalties)
+        keys = StepKeys.on_device(sampling.seed, root) if sampling is not None else None
+        verdict = verify(logits, layout, sampling, keys, sorts(variant), self.constants, penalties)
         extras = self.extras(logits, verdict, penalties, self.constants, rows)
         if not layout.chain:
             self._move_path(step.slot_mapping.view(count, rows), verdict.path_rows, verdict.accepted)

@@ -36,14 +36,7 @@ import torch
 from executor_service.models.attention_step import to_device
 from executor_service.models.fused_ops import argmax
 from executor_service.runner.step_constants import StepConstants
-from executor_service.sample.device_sampling import (
-    NOISE_STREAM,
-    UNIFORM_STREAM,
-    SamplingTensors,
-    exponential_race,
-    step_keys,
-    uniforms,
-)
+from executor_service.sample.device_sampling import SamplingTensors, StepKeys, exponential_race, uniforms
 from executor_service.sample.sampling import DraftProbs, is_distribution, target_logprobs
 from executor_service.spec_decode.device_penalties import PenaltyTable, penalise_rows
 
@@ -134,7 +127,7 @@ def verify(
     logits: torch.Tensor,
     layout: DraftLayout,
     sampling: SamplingTensors | None,
-    step_key: torch.Tensor,
+    keys: StepKeys | None,
     sort: bool | int = False,
     constants: StepConstants | None = None,
     penalties: StepPenalties | None = None,
@@ -142,7 +135,7 @@ def verify(
     check: bool = False,
 ) -> Verdict:
     """Verify B requests' drafts from their N + 1 rows of logits each ([B * (N + 1), V], request-major).
-    `sampling` None: every request is greedy. `step_key` [B]: the root's position (the random numbers' key);
+    `sampling` None: every request is greedy (`keys` unused). `keys`: the random numbers' (seed and root position);
     `sort`: target_logprobs' (the device steps: needs_sort; the host: host_sort); `penalties`: the rows are
     penalised first (requests without penalties are left as they are); `q`: a chain's drafts were drawn
     from these distributions (None: point masses; trees always are); `check`: the verdict says which requests'
@@ -159,20 +152,34 @@ def verify(
         return verify_greedy(target_ids, layout, constants)
     row_params = sampling.params[:, None, :].expand(count, rows, -1).reshape(count * rows, -1)  # no host sync
     logprobs = target_logprobs(logits, row_params, sort).view(count, rows, -1)
-    sampled_hit = _sampled_hits(logprobs, layout, sampling.seed, step_key, constants, q)
+    assert keys is not None, "a sampled step needs its random numbers' keys"
+    if num == 0:  # no drafts anywhere (target-only decode): the rule below reduces to one draw from p
+        return _next_tokens(logprobs[:, 0].exp(), target_ids[:, 0], sampling, keys, check)
+    sampled_hit = _sampled_hits(logprobs, layout, keys.uniform, constants, q)
     hit = torch.where(sampling.greedy[:, None], _greedy_hits(target_ids, layout), sampled_hit)
     if layout.present is not None:
         hit = hit & layout.present
     accepted, path_rows = _walk(hit, layout, constants)
     last = path_rows.gather(1, accepted[:, None])[:, 0]
     final = target_ids.gather(1, last[:, None])[:, 0]
-    drawn, weights = _final_draws(logprobs, layout, last, sampling.seed, step_key, constants, q)
+    drawn, weights = _final_draws(logprobs, layout, last, keys.noise, constants, q)
     final = torch.where(sampling.greedy, final, drawn)
     row_tokens = torch.cat([layout.tokens[:, :1], layout.tokens], dim=1)  # row r's token is draft r - 1's
     emitted = torch.cat([row_tokens.gather(1, path_rows[:, 1:]), final[:, None]], dim=1)
     emitted = emitted.scatter(1, accepted[:, None], final[:, None])
     valid = is_distribution(weights) | sampling.greedy if check else None
     return Verdict(accepted, path_rows, emitted, valid)
+
+
+def _next_tokens(
+    probs: torch.Tensor, target_ids: torch.Tensor, sampling: SamplingTensors, keys: StepKeys, check: bool
+) -> Verdict:
+    """`verify`'s verdict for requests without drafts, in a few launches: the argmax, or the draw from p [B, V]
+    (the same numbers as the general rule: no children, so the residual is p itself)."""
+    final = torch.where(sampling.greedy, target_ids, exponential_race(probs, keys.noise))
+    zeros = torch.zeros_like(final)
+    valid = is_distribution(probs) | sampling.greedy if check else None
+    return Verdict(zeros, zeros[:, None], final[:, None], valid)
 
 
 def verify_greedy(target_ids: torch.Tensor, layout: DraftLayout, constants: StepConstants | None = None) -> Verdict:
@@ -242,8 +249,7 @@ def verify_host_greedy(
 def _sampled_hits(
     logprobs: torch.Tensor,
     layout: DraftLayout,
-    seed: torch.Tensor,
-    step_key: torch.Tensor,
+    keys: torch.Tensor,
     constants: StepConstants,
     q: DraftQ | None = None,
 ) -> torch.Tensor:
@@ -252,7 +258,7 @@ def _sampled_hits(
     count, rows, vocab = logprobs.shape
     parent_rows = constants.strided(count, rows)[:, None] + layout.parents + 1  # flat rows
     chance = logprobs.view(-1)[parent_rows * vocab + layout.tokens].exp()  # [B, N]
-    draws = uniforms(step_keys(seed, step_key, UNIFORM_STREAM), chance.shape[1])
+    draws = uniforms(keys, chance.shape[1])
     if q is not None:
         return draws * q.at(layout.tokens) < chance
     if layout.chain:
@@ -293,8 +299,7 @@ def _final_draws(
     logprobs: torch.Tensor,
     layout: DraftLayout,
     last: torch.Tensor,
-    seed: torch.Tensor,
-    step_key: torch.Tensor,
+    keys: torch.Tensor,
     constants: StepConstants,
     q: DraftQ | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -307,7 +312,7 @@ def _final_draws(
     removed = torch.zeros_like(probs).scatter_add_(1, ids, weights)
     residual = (probs - removed).clamp_min(0.0)
     residual = torch.where(residual.sum(dim=1, keepdim=True) > 0.0, residual, probs)
-    return exponential_race(residual, step_keys(seed, step_key, NOISE_STREAM)), residual
+    return exponential_race(residual, keys), residual
 
 
 def _rejected_mass(layout: DraftLayout, last: torch.Tensor, q: DraftQ | None) -> tuple[torch.Tensor, torch.Tensor]:

@@ -10,7 +10,7 @@ import torch
 from host_verify_runs import request_of
 from verify_reference import accepts_all, without_residual
 
-from executor_service.sample.device_sampling import SamplingTensors
+from executor_service.sample.device_sampling import SamplingTensors, StepKeys
 from executor_service.sample.sampling import DraftProbs, SamplingSettings
 from executor_service.spec_decode import verifier
 from executor_service.spec_decode.host_verify import TreeVerdict, verify_on_host
@@ -43,7 +43,7 @@ def verified(target: torch.Tensor, q: torch.Tensor | None, settings: SamplingSet
     sampling = SamplingTensors.build([settings] * COUNT, list(range(COUNT)), CPU)
     found = None if q is None else DraftQ(torch.arange(VOCAB).expand(COUNT, num, VOCAB), q.expand(COUNT, num, VOCAB))
     logits = target.log().repeat(COUNT, 1)
-    return verify(logits, chain(tokens.contiguous()), sampling, torch.full((COUNT,), 9), q=found)
+    return verify(logits, chain(tokens.contiguous()), sampling, StepKeys.on_device(sampling.seed, torch.full((COUNT,), 9)), q=found)
 
 
 def total_variation(samples: torch.Tensor, probs: torch.Tensor) -> float:
@@ -98,7 +98,7 @@ def test_a_point_mass_q_is_the_point_mass_rule_bit_for_bit() -> None:
     settings = [[SamplingSettings(), SamplingSettings(0.9), SamplingSettings(1.2, top_k=5, top_p=0.8)][i % 3]
                 for i in range(count)]  # fmt: skip
     sampling = SamplingTensors.build(settings, [7 * i for i in range(count)], CPU)
-    keys = torch.arange(count) + 30
+    keys = StepKeys.on_device(sampling.seed, torch.arange(count) + 30)
     one_hot = [DraftProbs(tokens[i][:, None], torch.ones(num, 1)) for i in range(count)]
     plain = verify(logits, chain(tokens), sampling, keys, True)
     for q in (DraftQ.build(tokens, [None] * count), DraftQ.build(tokens, one_hot)):
@@ -117,7 +117,7 @@ def test_a_tree_refuses_q() -> None:
     sampling = SamplingTensors.build([SamplingSettings(1.0)], [1], CPU)
     q = DraftQ.build(layout.tokens, [None])
     with pytest.raises(ValueError, match="chain"):
-        verify(torch.randn(4, VOCAB), layout, sampling, torch.zeros(1, dtype=torch.int64), q=q)
+        verify(torch.randn(4, VOCAB), layout, sampling, StepKeys.on_device(sampling.seed, torch.zeros(1, dtype=torch.int64)), q=q)
 
 
 def test_full_and_partial_acceptance() -> None:

@@ -9,7 +9,7 @@ import torch
 from sampling_reference import reference_probs
 from verify_reference import accepts_all, greedy_walk, without_residual
 
-from executor_service.sample.device_sampling import SamplingTensors
+from executor_service.sample.device_sampling import SamplingTensors, StepKeys
 from executor_service.sample.sampling import SamplingSettings, host_sort, sampling_params, target_logprobs, target_probs
 from executor_service.spec_decode import verifier
 from executor_service.spec_decode.host_verify import DraftTree
@@ -38,7 +38,7 @@ def test_greedy_rule_walks_as_the_host() -> None:
             tokens = torch.randint(0, VOCAB, (len(parents),))
             tokens[0] = logits[0].argmax()  # so that some paths get long
             layout = layout_of([tokens.tolist()], parents, chain=parents is CHAIN)
-            verdict = verify(logits, layout, None, torch.zeros(1, dtype=torch.int64))
+            verdict = verify(logits, layout, None, None)
             path, emitted = greedy_walk(tokens.tolist(), parents, logits.argmax(-1).tolist())
             assert verdict.accepted.item() == len(path)
             assert verdict.emitted[0, : len(emitted)].tolist() == emitted
@@ -88,7 +88,7 @@ def sampled_first_tokens(parents: list[int], tokens: list[int], count: int, para
     layout = layout_of([tokens] * count, parents, chain=parents is CHAIN)
     sampling = SamplingTensors.build([params] * count, list(range(count)), torch.device("cpu"))
     sort = params.top_k > 0 or params.top_p < 1.0
-    verdict = verify(logits, layout, sampling, torch.full((count,), 7), sort=sort)
+    verdict = verify(logits, layout, sampling, StepKeys.on_device(sampling.seed, torch.full((count,), 7)), sort=sort)
     return verdict.emitted[:, 0], logits[:rows]
 
 
@@ -134,7 +134,7 @@ def test_second_token_follows_the_accepted_draft_row() -> None:
     logits = (torch.randn(4, VOCAB) * 1.5).repeat(COUNT, 1)
     layout = layout_of([[2, 3, 1]] * COUNT, CHAIN, chain=True)
     sampling = SamplingTensors.build([SETTINGS[0]] * COUNT, list(range(COUNT)), torch.device("cpu"))
-    verdict = verify(logits, layout, sampling, torch.full((COUNT,), 7))
+    verdict = verify(logits, layout, sampling, StepKeys.on_device(sampling.seed, torch.full((COUNT,), 7)))
     second = verdict.emitted[verdict.accepted >= 1, 1]
     assert second.shape[0] > 1000
     assert total_variation(second, target_probs(rows[1], SETTINGS[0])) < 3 * BOUND
@@ -146,15 +146,17 @@ def test_draws_do_not_depend_on_the_batch() -> None:
     logits = torch.randn(7 * (len(TREE) + 1), VOCAB)
     tokens = torch.randint(0, VOCAB, (7, len(TREE))).tolist()
     settings = [SETTINGS[i % 3] for i in range(7)]
-    seeds, keys = [11 * i + 3 for i in range(7)], torch.arange(7) * 5 + 40
+    seeds, roots = [11 * i + 3 for i in range(7)], (torch.arange(7) * 5 + 40).tolist()
     together = verify(
-        logits, layout_of(tokens, TREE), SamplingTensors.build(settings, seeds, torch.device("cpu")), keys, sort=True
-    )
+        logits, layout_of(tokens, TREE), SamplingTensors.build(settings, seeds, torch.device("cpu")),
+        StepKeys.on_host(seeds, roots, torch.device("cpu")), sort=True,
+    )  # fmt: skip
     rows = len(TREE) + 1
     for i in range(7):
         alone = verify(
             logits[i * rows : (i + 1) * rows], layout_of([tokens[i]], TREE),
-            SamplingTensors.build([settings[i]], [seeds[i]], torch.device("cpu")), keys[i : i + 1], sort=True,
+            SamplingTensors.build([settings[i]], [seeds[i]], torch.device("cpu")),
+            StepKeys.on_host([seeds[i]], [roots[i]], torch.device("cpu")), sort=True,
         )  # fmt: skip
         assert alone.accepted.item() == together.accepted[i].item()
         count = alone.accepted.item() + 1

@@ -1,0 +1,40 @@
+"""The random numbers' keys computed on the host (the host path's) equal those computed on the device (the device
+step's), bit for bit, so a seeded request draws the same numbers on either path."""
+
+from __future__ import annotations
+
+import torch
+
+from executor_service.sample.device_sampling import (
+    DRAFT_STREAM,
+    NOISE_STREAM,
+    UNIFORM_STREAM,
+    SamplingTensors,
+    StepKeys,
+    host_step_key,
+    step_keys,
+)
+from executor_service.sample.sampling import SamplingSettings
+
+CPU = torch.device("cpu")
+SEEDS = [0, 1, 7, 2**31 - 1, 2**32 - 1, 2**32, 2**40 + 12345, 2**63 - 1, -1, -(2**63), 2**64 + 5]
+POSITIONS = [0, 1, 2, 255, 4095, 2**20 + 3, 2**31 - 1, 2**32 + 9]
+
+
+def test_host_keys_equal_device_keys_for_every_seed_position_and_stream() -> None:
+    pairs = [(s, p) for s in SEEDS for p in POSITIONS]
+    seeds = SamplingTensors.build([SamplingSettings(1.0)] * len(pairs), [s for s, _ in pairs], CPU).seed
+    positions = torch.tensor([p for _, p in pairs])
+    for stream in (UNIFORM_STREAM, NOISE_STREAM, DRAFT_STREAM):
+        expected = step_keys(seeds, positions, stream).tolist()
+        assert [host_step_key(s, p, stream) for s, p in pairs] == expected
+
+
+def test_step_keys_on_the_host_equal_those_on_the_device() -> None:
+    seeds, roots = SEEDS[:6], POSITIONS[:6]
+    on_device = StepKeys.on_device(
+        SamplingTensors.build([SamplingSettings(1.0)] * 6, seeds, CPU).seed, torch.tensor(roots)
+    )
+    on_host = StepKeys.on_host(seeds, roots, CPU)
+    assert torch.equal(on_host.uniform, on_device.uniform) and torch.equal(on_host.noise, on_device.noise)
+    assert not torch.equal(on_host.uniform, on_host.noise)  # the streams differ
