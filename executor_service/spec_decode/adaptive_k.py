@@ -10,9 +10,11 @@ graphs' batch) and a plain decode step gives more tokens per second. The engine 
 step for the next step's k and tells this model what it measured:
 
 - `record(batch, k, seconds)`: the wall time of a steady step (it verified k drafts per request and drafted k for
-  the next one; k = 0: a target decode step and the drafter's context pass over its row). One exponential moving
-  average per (batch bucket, k): the drafter's and the target's times together, measured as served, on the
-  device or the CPU alike.
+  the next one; k = 0: a target decode step and the drafter's context pass over its row). Per (batch bucket, k),
+  the median of the last few steady steps after a first one left out as a warm-up: the drafter's and the target's
+  times together, measured as served, on the device or the CPU alike. A median, not a moving average: on a GPU a
+  step that compiles a kernel for a new shape takes a hundred times longer, and an average seeded by it kept a
+  winning k priced out (seen on the H100 at batch 64: 202 ms for a 44 ms step).
 - `observe_verify(depths, accepted)`: per verified request, how deep its drafts went and how many were accepted.
   The acceptance rate per depth d (the share of steps that verified depth d whose accepted drafts reached it) is
   a decayed count, so it follows the traffic.
@@ -28,13 +30,13 @@ count alone (deterministic given the costs), and it changes no token: greedy ver
 
 from __future__ import annotations
 
-from collections import Counter
+from collections import Counter, deque
 from collections.abc import Callable, Iterable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
-ALPHA = 0.3  # weight of a new step time in its bucket's moving average
+WINDOW = 5  # recent steady step times per (bucket, k); their median is its cost
 DECAY = 0.995  # per observed request-step: the acceptance counts' memory (~200 request-steps)
-MIN_SAMPLES = 2  # steady steps that measure a candidate before it is compared
+MIN_SAMPLES = 3  # steady steps that measure a candidate before it is compared (a median of 3 outvotes one outlier)
 MAX_EXPLORE_STEPS = 6  # a candidate under test is given up after this many steps without enough steady samples
 REFRESH_STEPS = 128  # steps at a bucket before a losing candidate is measured again; doubled while it loses
 MAX_REFRESH_STEPS = 8192
@@ -45,12 +47,24 @@ PlanObserver = Callable[[int], None]  # each planned step's k (metrics)
 
 @dataclass
 class StepCost:
-    """The moving average of one (bucket, k)'s steady step time, and when it was last measured."""
+    """One (bucket, k)'s steady step time: the median of its recent samples, robust to the outliers a GPU step
+    meets (a kernel compiled for a new shape, a capture elsewhere, another process's burst); its first steady step
+    is a warm-up and not counted. Also when it was last measured."""
 
-    seconds: float
-    samples: int = 1
+    warm_up: float
+    recent: deque[float] = field(default_factory=lambda: deque(maxlen=WINDOW))
+    samples: int = 0  # steady steps counted, the warm-up not among them
     measured_at: int = 0  # the bucket's plan count at its last sample
     refresh: int = REFRESH_STEPS
+
+    @property
+    def seconds(self) -> float:
+        """The median of the recent samples (the warm-up step's time until one is counted)."""
+        if not self.recent:
+            return self.warm_up
+        ordered = sorted(self.recent)
+        middle = len(ordered) // 2
+        return ordered[middle] if len(ordered) % 2 else (ordered[middle - 1] + ordered[middle]) / 2
 
 
 @dataclass
@@ -103,7 +117,7 @@ class AdaptiveK:
         if cost is None:
             table[num_draft_tokens] = StepCost(seconds, measured_at=self.plans[bucket])
             return
-        cost.seconds += ALPHA * (seconds - cost.seconds)
+        cost.recent.append(seconds)
         cost.samples += 1
         cost.measured_at = self.plans[bucket]
 

@@ -118,3 +118,20 @@ def test_observer_and_stats_report_each_chosen_k() -> None:
     assert seen == chosen
     assert model.chosen == {k: chosen.count(k) for k in set(chosen)}
     assert model.describe()["chosen_k_steps"] == dict(sorted(model.chosen.items()))
+
+
+def test_a_slow_first_step_and_rare_outliers_do_not_price_the_winner_out() -> None:
+    """On a GPU the first steps at a new shape compile kernels (the H100 measured 202 ms for a 44 ms step of batch
+    64 at k = 7, an average seeded by them, and chose no drafting at 0.83x against 2.04x): the first steady step
+    is a warm-up, and one slow step in a few is outvoted by the median."""
+    steps = iter(range(10_000))
+
+    def compiling(batch: int, k: int) -> float:
+        step = next(steps)
+        slow = k and (step < 2 or step % 7 == 0)  # the first steps at k, then now and then a burst elsewhere
+        return 0.2 if slow else 0.044 if k else 0.0119
+
+    model = AdaptiveK((0, K), configured=K)
+    chosen = drive(model, 64, compiling, accepted=K, steps=400)
+    assert chosen[-100:].count(K) >= 95
+    assert model.costs[64][K].seconds == pytest.approx(0.044)
