@@ -1,21 +1,19 @@
-"""The engine: continuous batching on its own thread.
+"""The engine's step: schedule, run the target, verify, book, emit, propose (on the thread of engine_loop.py).
 
-Callers (the asyncio gRPC servicer, tests, benchmarks) only `add` requests and `abort` them; both are
-thread-safe and never wait on the device. The engine thread owns the scheduler and the cache, runs
-`step()` while there is work, and hands each request's new tokens to the request's sink.
+The engine thread owns the scheduler and the cache; each step hands each request's new tokens to the
+request's sink.
 """
 
 from __future__ import annotations
 
 import logging
-import queue
-import threading
 import time
 from collections import Counter
-from collections.abc import Callable, Iterable
+from collections.abc import Callable
 
 import torch
 
+from executor_service.engine.engine_loop import EngineLoop
 from executor_service.engine.host_step import draft_inputs, path_moves, verify_drafts
 from executor_service.engine.outcome import StepOutcome
 from executor_service.engine.request import Finish, Request, RequestOutput, Sink, Status
@@ -34,7 +32,7 @@ StepObserver = Callable[[int, int, float], None]  # (tokens computed, tokens gen
 VerifyObserver = Callable[[list[int], list[int]], None]  # per verified request: (drafts, accepted drafts)
 
 
-class Engine:
+class Engine(EngineLoop):
     def __init__(
         self,
         runner: ModelRunner,
@@ -46,15 +44,10 @@ class Engine:
         spec_step: SpecStep | None = None,
         speculation: AdaptiveK | None = None,
     ) -> None:
-        self.runner, self.scheduler, self.max_model_len = runner, scheduler, max_model_len
+        super().__init__(scheduler)
+        self.runner, self.max_model_len = runner, max_model_len
         self.on_step, self.proposer, self.on_verify = on_step, proposer, on_verify
         self.spec_step = spec_step  # verify + accept + propose on the device, for steps of whole drafts
-        self._commands: queue.SimpleQueue[Callable[[], None]] = queue.SimpleQueue()
-        self._wake = threading.Event()
-        self._stop = threading.Event()
-        self._lock = threading.Lock()
-        self._live: dict[str, Request] = {}  # every request not yet finished, by id
-        self._thread: threading.Thread | None = None
         self._outbox: list[tuple[Sink, RequestOutput]] = []  # in order; see _flush_outbox
         self._in_flight: tuple[list[Request], PendingStep] | None = None  # see _book_on_device
         # The drafts each step verifies, chosen from measured costs (adaptive_k.py); None: always the loaded k.
@@ -64,90 +57,8 @@ class Engine:
         # batch stays on the device step; benchmarks report it.
         self.step_counts: Counter[str] = Counter()
 
-    # ---- called from any thread -------------------------------------------------------------
-    def start(self) -> None:
-        self._thread = threading.Thread(target=self._run, name="specdec-engine", daemon=True)
-        self._thread.start()
-
-    def shutdown(self) -> None:
-        """Abort whatever is still live (its sinks get finish "abort"), then stop the thread."""
-        self.abort(self.live_ids())
-        self._stop.set()
-        self._wake.set()
-        if self._thread is not None:
-            self._thread.join()
-
-    def add(self, request: Request) -> None:
-        """Queue a request the caller has checked (validation.py); KeyError if its id is live."""
-        with self._lock:
-            if request.request_id in self._live:
-                raise KeyError(request.request_id)
-            self._live[request.request_id] = request
-        self._submit(lambda: self.scheduler.add(request))
-
-    def abort(self, request_ids: Iterable[str]) -> list[str]:
-        """Stop these requests (finish "abort"); returns the ids that were still live."""
-        with self._lock:
-            found = [rid for rid in request_ids if rid in self._live]
-        if found:
-            self._submit(lambda: self._abort(found))
-        return found
-
-    def run_until_idle(self, before_step: Callable[[int], None] | None = None) -> None:
-        """Step on the caller's thread until no work is left; only before start() (warm-up, tests).
-        `before_step(n)` runs before the n-th step (from 0) and may raise to stop: the warm-up's step bound
-        and its cancellation at shutdown."""
-        if self._thread is not None:
-            raise RuntimeError("the engine thread is running")
-        self._drain_commands()
-        steps = 0
-        while self._has_work():
-            if before_step is not None:
-                before_step(steps)
-            steps += 1
-            self.step()
-            self._drain_commands()
-        self._flush_outbox()
-
-    def is_live(self, request_id: str) -> bool:
-        with self._lock:
-            return request_id in self._live
-
-    def live_ids(self) -> list[str]:
-        with self._lock:
-            return list(self._live)
-
-    @property
-    def num_live(self) -> int:
-        return len(self._live)
-
-    # ---- the engine thread -------------------------------------------------------------------
-    def _submit(self, command: Callable[[], None]) -> None:
-        self._commands.put(command)
-        self._wake.set()
-
-    def _run(self) -> None:
-        while not self._stop.is_set():
-            self._wake.clear()
-            self._drain_commands()
-            if self._has_work():
-                self.step()
-            else:
-                self._flush_outbox()
-                self._wake.wait()
-        self._drain_commands()
-        self._flush_outbox()
-
-    def _has_work(self) -> bool:
-        return self.scheduler.has_work() or self._in_flight is not None
-
-    def _drain_commands(self) -> None:
-        while True:
-            try:
-                command = self._commands.get_nowait()
-            except queue.Empty:
-                return
-            command()
+    def _steps_pending(self) -> bool:
+        return self._in_flight is not None
 
     def step(self) -> None:
         """One step (`_step`); a step that ran steadily at one k gives the speculation its wall time."""
