@@ -43,7 +43,13 @@ def verified(target: torch.Tensor, q: torch.Tensor | None, settings: SamplingSet
     sampling = SamplingTensors.build([settings] * COUNT, list(range(COUNT)), CPU)
     found = None if q is None else DraftQ(torch.arange(VOCAB).expand(COUNT, num, VOCAB), q.expand(COUNT, num, VOCAB))
     logits = target.log().repeat(COUNT, 1)
-    return verify(logits, chain(tokens.contiguous()), sampling, StepKeys.on_device(sampling.seed, torch.full((COUNT,), 9)), q=found)
+    return verify(
+        logits,
+        chain(tokens.contiguous()),
+        sampling,
+        StepKeys.on_device(sampling.seed, torch.full((COUNT,), 9)),
+        q=found,
+    )
 
 
 def total_variation(samples: torch.Tensor, probs: torch.Tensor) -> float:
@@ -117,7 +123,13 @@ def test_a_tree_refuses_q() -> None:
     sampling = SamplingTensors.build([SamplingSettings(1.0)], [1], CPU)
     q = DraftQ.build(layout.tokens, [None])
     with pytest.raises(ValueError, match="chain"):
-        verify(torch.randn(4, VOCAB), layout, sampling, StepKeys.on_device(sampling.seed, torch.zeros(1, dtype=torch.int64)), q=q)
+        verify(
+            torch.randn(4, VOCAB),
+            layout,
+            sampling,
+            StepKeys.on_device(sampling.seed, torch.zeros(1, dtype=torch.int64)),
+            q=q,
+        )
 
 
 def test_full_and_partial_acceptance() -> None:
