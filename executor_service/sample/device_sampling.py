@@ -15,6 +15,7 @@ the device step, with no generator per request and no launch per request. The ha
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TypeVar
 
 import torch
 
@@ -37,13 +38,8 @@ class SamplingTensors:
 
     @classmethod
     def build(cls, settings: list[SamplingSettings], seeds: list[int], device: torch.device) -> SamplingTensors:
-        params = torch.tensor(sampling_params(settings), dtype=torch.float32).reshape(len(settings), 4)
-        seed = torch.tensor([seed_value(s) for s in seeds], dtype=torch.int64)
-        if device.type == "cuda":
-            return cls(
-                params.pin_memory().to(device, non_blocking=True), seed.pin_memory().to(device, non_blocking=True)
-            )
-        return cls(params.to(device), seed.to(device))
+        params = to_device(sampling_params(settings), torch.float32, device).reshape(len(settings), 4)
+        return cls(params, to_device([seed_value(s) for s in seeds], torch.int64, device))
 
     @property
     def temperature(self) -> torch.Tensor:
@@ -91,7 +87,10 @@ def has_extras(variant: str) -> bool:
     return variant in (EXTRAS, EXTRAS_SORTED)
 
 
-def mix32(x: torch.Tensor) -> torch.Tensor:
+Key = TypeVar("Key", torch.Tensor, int)  # the hash runs on int64 tensors, or on the host's Python integers alike
+
+
+def mix32(x: Key) -> Key:
     """lowbias32 of int64 values in [0, 2^32): two multiply-xorshift rounds."""
     x = x ^ (x >> 16)
     x = _mul32(x, 0x7FEB352D)
@@ -100,15 +99,16 @@ def mix32(x: torch.Tensor) -> torch.Tensor:
     return x ^ (x >> 16)
 
 
-def _mul32(x: torch.Tensor, constant: int) -> torch.Tensor:
+def _mul32(x: Key, constant: int) -> Key:
     """x * constant mod 2^32, in halves so that no int64 product overflows."""
     low = x * (constant & 0xFFFF)
     high = ((x * (constant >> 16)) & 0xFFFF) << 16
     return (low + high) & MASK32
 
 
-def step_keys(seed: torch.Tensor, step_key: torch.Tensor, stream: int) -> torch.Tensor:
-    """[B] one 32-bit key per request, step and stream."""
+def step_keys(seed: Key, step_key: Key, stream: int) -> Key:
+    """[B] one 32-bit key per request, step and stream; on Python integers, one request's, bit for bit the same
+    (the host path knows every seed and position, so its keys cost one copy instead of some fifty launches)."""
     key = mix32((seed & MASK32) ^ mix32((seed >> 32) & MASK32))
     key = mix32(key ^ (step_key & MASK32))
     return mix32(key ^ stream)
@@ -117,24 +117,6 @@ def step_keys(seed: torch.Tensor, step_key: torch.Tensor, stream: int) -> torch.
 def seed_value(seed: int) -> int:
     """A request's seed as its random numbers read it (63 bits: an int64 tensor holds it)."""
     return seed & (2**63 - 1)
-
-
-def host_mix32(x: int) -> int:
-    """mix32 of one value in Python integers."""
-    x ^= x >> 16
-    x = (x * 0x7FEB352D) & MASK32
-    x ^= x >> 15
-    x = (x * 0x846CA68B) & MASK32
-    return x ^ (x >> 16)
-
-
-def host_step_key(seed: int, step_key: int, stream: int) -> int:
-    """step_keys of one request, computed on the host: the same key, bit for bit. The host path knows every seed
-    and position, so its keys cost one copy instead of some fifty small launches."""
-    seed = seed_value(seed)
-    key = host_mix32((seed & MASK32) ^ host_mix32((seed >> 32) & MASK32))
-    key = host_mix32(key ^ (step_key & MASK32))
-    return host_mix32(key ^ stream)
 
 
 @dataclass(frozen=True)
@@ -154,7 +136,7 @@ class StepKeys:
     def on_host(cls, seeds: list[int], roots: list[int], device: torch.device) -> StepKeys:
         """From seeds and root positions the host holds: one copy."""
         pairs = list(zip(seeds, roots, strict=True))
-        keys = [host_step_key(s, r, stream) for stream in (UNIFORM_STREAM, NOISE_STREAM) for s, r in pairs]
+        keys = [step_keys(seed_value(s), r, stream) for stream in (UNIFORM_STREAM, NOISE_STREAM) for s, r in pairs]
         both = to_device(keys, torch.int64, device)
         return cls(both[: len(seeds)], both[len(seeds) :])
 

@@ -22,7 +22,7 @@ import torch
 from executor_service.engine.request import Request
 from executor_service.models.attention_step import to_device
 from executor_service.models.fused_ops import argmax
-from executor_service.sample.device_sampling import DRAFT_STREAM, exponential_noise, host_step_key
+from executor_service.sample.device_sampling import DRAFT_STREAM, exponential_noise, seed_value, step_keys
 from executor_service.sample.sampling import DraftProbs, race, sampled_probs
 
 # Ids each drawn draft's q keeps: the drafter's most likely ones, renormalised. The draft is drawn from exactly
@@ -78,7 +78,7 @@ class DraftSampler:
         at = [first + self.picked + j for first in self.first for j in range(positions)]
         seeds = [seed for seed in self.seeds for _ in range(positions)]
         self.picked += positions
-        keys = [host_step_key(seed, position, DRAFT_STREAM) for seed, position in zip(seeds, at, strict=True)]
+        keys = [step_keys(seed_value(s), position, DRAFT_STREAM) for s, position in zip(seeds, at, strict=True)]
         return to_device(keys, torch.int64, device)
 
     def probs_of(self, count: int) -> list[DraftProbs | None]:

@@ -11,7 +11,7 @@ from executor_service.sample.device_sampling import (
     UNIFORM_STREAM,
     SamplingTensors,
     StepKeys,
-    host_step_key,
+    seed_value,
     step_keys,
 )
 from executor_service.sample.sampling import SamplingSettings
@@ -27,7 +27,7 @@ def test_host_keys_equal_device_keys_for_every_seed_position_and_stream() -> Non
     positions = torch.tensor([p for _, p in pairs])
     for stream in (UNIFORM_STREAM, NOISE_STREAM, DRAFT_STREAM):
         expected = step_keys(seeds, positions, stream).tolist()
-        assert [host_step_key(s, p, stream) for s, p in pairs] == expected
+        assert [step_keys(seed_value(s), p, stream) for s, p in pairs] == expected
 
 
 def test_step_keys_on_the_host_equal_those_on_the_device() -> None:
