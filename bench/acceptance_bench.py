@@ -62,7 +62,7 @@ MIXED = (
 
 def open_session(
     source: TargetSource, loaded: LoadedModel, device: torch.device, method: str | None, k: int,
-    drafter_dir: Path | None, blocks: int, tree: common_pb2.DraftTree | None = None,
+    drafter_dir: Path | None, blocks: int, tree: common_pb2.DraftTree | None = None, sampled_drafts: str = "auto",
 ) -> ModelSession:  # fmt: skip
     backend = BACKENDS[device.type]
     dtype = default_dtype(device)
@@ -76,7 +76,9 @@ def open_session(
             request.draft.tree.CopyFrom(tree)
         draft = resolve_draft(request.draft, loaded.config, drafter_dir.parent)
     decision = common_pb2.BackendDecision(backend=backend)
-    settings = EngineSettings(max_num_batched_tokens=8192, max_num_seqs=256, cuda_graphs=device.type == "cuda")
+    settings = EngineSettings(
+        max_num_batched_tokens=8192, max_num_seqs=256, cuda_graphs=device.type == "cuda", sampled_drafts=sampled_drafts
+    )
     return build_session(
         source, request, decision, device, settings, start=False, draft=draft,
         draft_decision=decision if draft is not None else None, preloaded=loaded,
@@ -180,17 +182,22 @@ def measure_speedup(
             continue
         for k in args.speedup_ks:
             sessions[f"{name}_k{k}"] = open_session(
-                args.source, loaded, device, method_of(name), k, drafter_dir, args.kv_blocks
+                args.source, loaded, device, method_of(name), k, drafter_dir, args.kv_blocks, sampled_drafts="off"
             )
+            if args.q_drafts_too:  # its graphs captured with drafts drawn from q (the sampled variants carry q)
+                sessions[f"{name}_k{k}_q"] = open_session(
+                    args.source, loaded, device, method_of(name), k, drafter_dir, args.kv_blocks, sampled_drafts="on"
+                )
         for shape, tree, k in args.trees:  # tree drafting (greedy whole trees: the device-resident tree step)
             sessions[f"{name}_{shape}"] = open_session(
                 args.source, loaded, device, method_of(name), k, drafter_dir, args.kv_blocks, tree
             )
-    configs = [(name, True, False) for name in sessions]
+    argmax_sessions = [name for name in sessions if not name.endswith("_q")]
+    configs = [(name, True, False) for name in argmax_sessions]
     if args.host_step_too:
-        configs += [(name, False, False) for name, session in sessions.items() if device_step_of(session) is not None]
-    if args.q_drafts_too:  # sampled runs with drafts drawn from q (the host path) beside argmax drafts
-        configs += [(name, True, True) for name, session in sessions.items() if session.engine.spec_step is not None]
+        configs += [(name, False, False) for name in argmax_sessions if device_step_of(sessions[name]) is not None]
+    if args.q_drafts_too:  # sampled runs with drafts drawn from q (on the device step) beside argmax drafts
+        configs += [(name, True, True) for name in argmax_sessions if f"{name}_q" in sessions]
     report: dict[str, Any] = {"prompts": len(chosen), "max_tokens": max_tokens, "repeats": args.repeats}
     for temperature in args.speedup_temperatures:
         mix = MIXED if temperature == "mixed" else [SamplingSettings(float(temperature))]
@@ -201,8 +208,9 @@ def measure_speedup(
                 for name, device_step, q_drafts in configs:
                     if q_drafts and all(settings.greedy for settings in mix):
                         continue
-                    with device_steps(sessions[name], on=device_step, q_drafts=q_drafts):
-                        finishes, seconds, tokens = generate_groups(sessions[name], groups, max_tokens, mix)
+                    session = sessions[f"{name}_q" if q_drafts else name]
+                    with device_steps(session, on=device_step, q_drafts=q_drafts):
+                        finishes, seconds, tokens = generate_groups(session, groups, max_tokens, mix)
                     if round_index:
                         rounds[label(name, device_step, q_drafts)].append((tokens / seconds, finishes))
             key = f"batch_{batch}" + ("_mixed" if mix is MIXED else "" if mix[0].greedy else f"_T{temperature}")
@@ -235,7 +243,8 @@ def method_of(name: str) -> str:
 def device_steps(session: ModelSession, on: bool, q_drafts: bool = False) -> Iterator[None]:
     """Runs with the session's device-resident steps (engine.spec_step, chains or trees) as they
     are, or with both off when not `on` (the host path), and sampled requests' drafts drawn from q when
-    `q_drafts` (verified on the host path) instead of the argmax; restored after."""
+    `q_drafts` instead of the argmax (a session whose graphs were captured for that rule: `sampled_drafts`);
+    restored after."""
     engine = session.engine
     saved = {"spec_step": engine.spec_step}
     drafts = engine.proposer.sample_drafts if engine.proposer is not None else None

@@ -219,7 +219,9 @@ class Engine(EngineLoop):
         for index, request in running:
             self.spec_step.table.booked(request)  # after its emit: the step counted what it appended
             if request.status is Status.RUNNING:
-                self.proposer.set_tree(request, *self.spec_step.next_tree(result, index))
+                tokens, parents = self.spec_step.next_tree(result, index)
+                probs = result.draft_probs(index, request.settings.greedy)
+                self.proposer.set_tree(request, tokens, parents, probs)
                 cap_drafts(request, k_next)
         self._cache_prefixes(requests)  # once the drafter wrote its K/V too
         if following is not None:

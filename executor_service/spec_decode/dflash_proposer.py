@@ -20,7 +20,7 @@ from dataclasses import replace
 import torch
 
 from executor_service.models.attention_step import AttentionStep
-from executor_service.spec_decode.draft_sampling import DraftSampler
+from executor_service.spec_decode.draft_sampling import DraftSampler, StepDraws
 from executor_service.spec_decode.proposer import (
     DraftPass,
     OwnMetadataForward,
@@ -68,9 +68,11 @@ class DFlashProposer(Proposer):
         features: torch.Tensor,
         verdict: Verdict,
         slots_ahead: torch.Tensor,
+        draws: StepDraws | None = None,
     ) -> torch.Tensor:
         """The chain [B, num_steps] after a verify step on the device: the verify rows' context K/V, then the block
-        opened by the bonus token after the newest verified row."""
+        opened by the bonus token after the newest verified row; `draws`: its drafts drawn from q (sampled
+        requests) instead of the argmax."""
         target_ids, accepted = verdict.emitted, verdict.accepted
         count, rows = target_ids.shape
         context_step = replace(step, backend=self.backend, _flex=None)  # the verify rows, the drafter's kernels
@@ -79,7 +81,8 @@ class DFlashProposer(Proposer):
         newest = target_ids.gather(1, accepted[:, None])[:, 0]  # the bonus token opens the block
         starts = first + accepted + 1
         ahead = slots_ahead.gather(1, (accepted + 1)[:, None] + self._offsets(self.config.block_size))
-        return self._dflash_block(step.block_table, starts, {"input_ids": newest, "ahead_slots": ahead})[0]
+        pick = self._picker(draws) if draws is not None else None
+        return self._dflash_block(step.block_table, starts, {"input_ids": newest, "ahead_slots": ahead}, pick)[0]
 
     def block_step(
         self, block_table: torch.Tensor, starts: torch.Tensor, slots: torch.Tensor

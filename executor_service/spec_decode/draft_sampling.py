@@ -23,7 +23,14 @@ from executor_service.engine.request import Request
 from executor_service.models.attention_step import to_device
 from executor_service.models.fused_ops import argmax
 from executor_service.sample.device_sampling import DRAFT_STREAM, exponential_noise, seed_value, step_keys
-from executor_service.sample.sampling import DraftProbs, race, sampled_probs
+from executor_service.sample.sampling import (
+    MIN_TEMPERATURE,
+    DraftProbs,
+    host_sort,
+    race,
+    sampling_params,
+    target_logprobs,
+)
 
 # Ids each drawn draft's q keeps: the drafter's most likely ones, renormalised. The draft is drawn from exactly
 # that q, so verification stays exact; what the drafter puts past them is rarely drawn at T <= 1 anyway. A
@@ -52,10 +59,7 @@ class DraftSampler:
 
     def pick(self, logits: torch.Tensor) -> torch.Tensor:
         """Draft ids (the drafter's vocabulary) of one position [B, Vd] -> [B], or of n positions at once
-        [B, n, Vd] -> [B, n] (DFlash's block): argmax rows, and draws from q for sampled rows: the request's
-        sampled_probs of the logits, kept on its `support` most likely ids and renormalised. A row whose q is
-        not a distribution (a faulty drafter) draws uniformly among the ids it kept, and uniform is the q it
-        keeps: still what the draft was drawn from, so verification stays exact."""
+        [B, n, Vd] -> [B, n] (DFlash's block): argmax rows, and `draw_from_q` for the sampled rows."""
         ids = argmax(logits.reshape(-1, logits.shape[-1])).view(logits.shape[:-1])
         if not self.rows:
             return ids
@@ -64,13 +68,13 @@ class DraftSampler:
         positions = logits.shape[1] if logits.dim() == 3 else 1
         rows = logits[self.index].reshape(len(self.rows) * positions, -1)  # request-major: its positions in turn
         settings = [s for s in self.settings for _ in range(positions)]
-        q, kept = sampled_probs(rows, settings).topk(min(self.support, rows.shape[-1]), dim=-1)
-        slot, valid = race(q, exponential_noise(self._keys(positions, q.device), q.shape[-1]))
-        q = torch.where(valid[:, None], q / q.sum(dim=-1, keepdim=True), torch.full_like(q, 1.0 / q.shape[-1]))
+        params = to_device(sampling_params(settings), torch.float32, rows.device).view(len(settings), 4)
+        keys = self._keys(positions, rows.device)
+        drawn, kept, q = draw_from_q(rows, params, keys, host_sort(settings, rows.shape[-1]), self.support)
         kept_ids = kept if self.vocab_ids is None else self.vocab_ids[kept]  # the target's ids
         shape = (len(self.rows), positions, q.shape[-1])
         self.probs.append(DraftProbs(kept_ids.view(shape), q.view(shape)))
-        ids[self.index] = kept.gather(1, slot[:, None]).view(len(self.rows), *ids.shape[1:])
+        ids[self.index] = drawn.view(len(self.rows), *ids.shape[1:])
         return ids
 
     def _keys(self, positions: int, device: torch.device) -> torch.Tensor:
@@ -91,3 +95,66 @@ class DraftSampler:
         for j, row in enumerate(self.rows):
             found[row] = DraftProbs(ids[j], probs[j])
         return found
+
+
+def draw_from_q(
+    logits: torch.Tensor, params: torch.Tensor, keys: torch.Tensor, sort: bool | int, support: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """One draft per row of the drafter's logits [R, Vd] under each row's params [R, 4] (sampling_params), drawn
+    with each row's noise key [R]: the ids (drafter's vocabulary) [R], and the q it was drawn from, on the
+    `support` most likely ids [R, K] with their probabilities [R, K] (renormalised). A row whose q is not a
+    distribution (a faulty drafter) draws uniformly among the ids it kept, and uniform is the q it keeps: still
+    what the draft was drawn from, so verification stays exact. A greedy row (temperature 0) takes the argmax,
+    its q a point mass on it. The host path's sampler and the device step both draw here, so a seeded request
+    drafts the same on either."""
+    q, kept = target_logprobs(logits, params, sort).exp().topk(min(support, logits.shape[-1]), dim=-1)
+    slot, valid = race(q, exponential_noise(keys, q.shape[-1]))
+    q = torch.where(valid[:, None], q / q.sum(dim=-1, keepdim=True), torch.full_like(q, 1.0 / q.shape[-1]))
+    drawn = kept.gather(1, slot[:, None])[:, 0]
+    greedy = params[:, 0] < MIN_TEMPERATURE
+    top = argmax(logits)
+    point = torch.zeros_like(q)
+    point[:, 0] = 1.0
+    ids = torch.where(greedy, top, drawn)
+    kept = torch.where(greedy[:, None], top[:, None].expand_as(kept), kept)
+    return ids, kept, torch.where(greedy[:, None], point, q)
+
+
+class StepDraws:
+    """A device step's drafts drawn from q: each request's params [B, 4] and seed [B], the position of its first
+    draft [B] (derived on the device from the accepted count), the step variant's sort. Each pick's q is kept
+    for the step's output (`q`); a greedy request's drafts are the argmax with point masses (`draw_from_q`). The
+    keys are the host sampler's (seed, the position a draft is for), so either path draws the same drafts."""
+
+    def __init__(
+        self,
+        params: torch.Tensor,
+        seed: torch.Tensor,
+        first: torch.Tensor,
+        sort: bool,
+        vocab_ids: torch.Tensor | None,
+        support: int = DRAFT_SUPPORT,
+    ) -> None:
+        self.params, self.seed, self.first, self.sort = params, seed, first, sort
+        self.vocab_ids, self.support = vocab_ids, support
+        self.picked = 0
+        self.ids: list[torch.Tensor] = []  # per pick [B, positions, K], target ids
+        self.probs: list[torch.Tensor] = []
+
+    def pick(self, logits: torch.Tensor) -> torch.Tensor:
+        """Draft ids (the drafter's vocabulary) of one position [B, Vd] -> [B], or of n at once [B, n, Vd] -> [B, n]."""
+        count, positions = logits.shape[0], logits.shape[1] if logits.dim() == 3 else 1
+        at = self.first[:, None] + self.picked + torch.arange(positions, device=logits.device)[None, :]
+        keys = step_keys(self.seed[:, None], at, DRAFT_STREAM).reshape(-1)
+        params = self.params[:, None, :].expand(count, positions, -1).reshape(count * positions, -1)
+        rows = logits.reshape(count * positions, -1)
+        ids, kept, q = draw_from_q(rows, params, keys, self.sort, self.support)
+        kept = kept if self.vocab_ids is None else self.vocab_ids[kept]
+        self.ids.append(kept.view(count, positions, -1))
+        self.probs.append(q.view(count, positions, -1))
+        self.picked += positions
+        return ids.view(logits.shape[:-1])
+
+    def q(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """The drafts' q in the target's ids: ids [B, k, K] and probabilities [B, k, K] (verifier.DraftQ)."""
+        return torch.cat(self.ids, dim=1), torch.cat(self.probs, dim=1)

@@ -22,7 +22,7 @@ from dataclasses import replace
 import torch
 
 from executor_service.models.attention_step import AttentionStep
-from executor_service.spec_decode.draft_sampling import DraftSampler
+from executor_service.spec_decode.draft_sampling import DraftSampler, StepDraws
 from executor_service.spec_decode.proposer import (
     DraftPass,
     OwnMetadataForward,
@@ -78,9 +78,11 @@ class EagleProposer(Proposer):
         features: torch.Tensor,
         verdict: Verdict,
         slots_ahead: torch.Tensor,
+        draws: StepDraws | None = None,
     ) -> torch.Tensor:
         """The chain [B, num_steps] after a verify step on the device: the context pass over the verify rows with the
-        emitted tokens, then the chain steps from the newest verified row (row `accepted`)."""
+        emitted tokens, then the chain steps from the newest verified row (row `accepted`); `draws`: each step's
+        drafts drawn from q (sampled requests) instead of the argmax."""
         target_ids, accepted = verdict.emitted, verdict.accepted
         count, rows = target_ids.shape
         context_step = replace(step, backend=self.backend, _flex=None)  # the verify rows, the drafter's kernels
@@ -88,10 +90,11 @@ class EagleProposer(Proposer):
         context = {"input_ids": target_ids.reshape(-1), "features": features}
         feedback, head = self._eagle_context(context_step, positions, context)
         picked = torch.arange(count, device=accepted.device) * rows + accepted  # the newest verified row
-        tokens, hidden = self.drafter.draft_tokens(head[picked]), feedback[picked]
+        pick = self._picker(draws) if draws is not None else self.drafter.draft_tokens
+        tokens, hidden = pick(head[picked]), feedback[picked]
         ahead = slots_ahead.gather(1, accepted[:, None] + self._offsets(self.num_steps))
         chain = {"input_ids": tokens, "hidden": hidden, "ahead_slots": ahead}
-        (rest,) = self._eagle_chain(step.block_table, first + accepted, chain)
+        (rest,) = self._eagle_chain(step.block_table, first + accepted, chain, pick)
         return torch.cat([tokens[:, None], rest], dim=1)
 
     def chain_step(

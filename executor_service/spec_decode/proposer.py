@@ -42,7 +42,7 @@ from executor_service.models.draft_models import Drafter, Eagle3Drafter
 from executor_service.runner.cuda_graphs import RequestInputs, StepGraphs, TokenInputs
 from executor_service.runner.step_constants import StepConstants
 from executor_service.sample.sampling import DraftProbs, to_host
-from executor_service.spec_decode.draft_sampling import DRAFT_SUPPORT, DraftSampler
+from executor_service.spec_decode.draft_sampling import DRAFT_SUPPORT, DraftSampler, StepDraws
 from executor_service.spec_decode.tree_drafting import TreeCandidates
 from executor_service.spec_decode.verifier import Verdict
 
@@ -165,11 +165,13 @@ class Proposer:
             return list(range(-1, len(request.draft_ids) - 1))
         return self.parents.get(request.request_id, [])[: len(request.draft_ids)]
 
-    def set_tree(self, request: Request, tokens: list[int], parents: list[int] | None) -> None:
-        """The request's drafts for its next step (a chain's parents are implied): its own number of drafts,
-        never past the context (a topological prefix of a tree is a tree)."""
+    def set_tree(
+        self, request: Request, tokens: list[int], parents: list[int] | None, probs: DraftProbs | None = None
+    ) -> None:
+        """The request's drafts for its next step (a chain's parents are implied, and `probs` its q where they
+        were drawn): its own number of drafts, never past the context (a topological prefix of a tree is a tree)."""
         if self.tree is None:
-            self.set_drafts(request, tokens)
+            self.set_drafts(request, tokens, probs)
             return
         assert parents is not None
         if self.replay_tree is not None:
@@ -228,12 +230,20 @@ class Proposer:
         proposing = [e.request for e in batch.entries if e.propose]
         sampler = None
         if self.samples_drafts() and DraftSampler.wanted(proposing):
-            vocab_ids = self.drafter.target_ids() if isinstance(self.drafter, Eagle3Drafter) else None
-            sampler = DraftSampler(proposing, vocab_ids, self.draft_support)
+            sampler = DraftSampler(proposing, self.draft_vocab_ids(), self.draft_support)
         drafts = self._draft_chain(batch, sampler)
         probs = sampler.probs_of(len(proposing)) if sampler is not None else [None] * len(proposing)
         for request, ids, q in zip(proposing, _rows(drafts) if proposing else [], probs, strict=True):
             self.set_drafts(request, ids, q)
+
+    def draft_vocab_ids(self) -> torch.Tensor | None:
+        """The target's id of each id of the drafter's head (EAGLE-3's reduced vocabulary); None: the same ids."""
+        return self.drafter.target_ids() if isinstance(self.drafter, Eagle3Drafter) else None
+
+    @property
+    def q_width(self) -> int:
+        """Ids a drawn draft's q keeps: `draft_support`, or the drafter's whole head if smaller."""
+        return min(self.draft_support, self.config.draft_vocab_size or self.config.model.vocab_size)
 
     def samples_drafts(self) -> bool:
         """Whether sampled requests draw their drafts from q (`sample_drafts`; auto: the argmax)."""
@@ -250,7 +260,7 @@ class Proposer:
         request.draft_ids = drafts[: max(self.max_model_len - request.num_tokens, 0)]
         request.draft_probs = probs.head(len(request.draft_ids)) if probs is not None else None
 
-    def _picker(self, sampler: DraftSampler) -> Pick:
+    def _picker(self, sampler: DraftSampler | StepDraws) -> Pick:
         return lambda hidden: self.drafter.to_target(sampler.pick(self.drafter.draft_logits(hidden)))
 
     def _draft_chain(self, batch: ProposeBatch, sampler: DraftSampler | None) -> torch.Tensor:
@@ -333,15 +343,18 @@ class Proposer:
         features: torch.Tensor,
         verdict: Verdict,
         slots_ahead: torch.Tensor,
+        draws: StepDraws | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """The next drafts after a verify step on the device, without the host: a chain's [B, num_steps] (parents None),
         or a tree's tokens and parents [B, N]: the context pass over the root and the path rows at root, root + 1,
         ... (row i pairs with emitted token i), then the tree drafted from the newest verified row. `step` and
         `positions` are the verify pass's (consecutive slots and positions from each root); `slots_ahead`
-        [B, ahead_width] the slots of positions root, root + 1, ..."""
+        [B, ahead_width] the slots of positions root, root + 1, ...; `draws`: a chain's sampled requests draw
+        their drafts from q (None: the argmax; a tree's drafts always are)."""
         constants, tree = self.constants, self.tree
         if tree is None:
-            return self._propose_verified_chain(step, positions, features, verdict, slots_ahead), None
+            return self._propose_verified_chain(step, positions, features, verdict, slots_ahead, draws), None
+        assert draws is None, "a tree's drafts are the drafter's top ids, never drawn"
         count, rows, width = slots_ahead.shape[0], self.num_draft_tokens + 1, self.num_steps + 1
         root = positions.view(count, rows)[:, 0]
         path_slots = step.slot_mapping.view(count, rows)[:, :width].reshape(-1)  # root + depth: the path's slots
@@ -369,8 +382,9 @@ class Proposer:
         features: torch.Tensor,
         verdict: Verdict,
         slots_ahead: torch.Tensor,
+        draws: StepDraws | None = None,
     ) -> torch.Tensor:
-        """A chain's drafts [B, num_steps] after a verify step on the device (the method's)."""
+        """A chain's drafts [B, num_steps] after a verify step on the device (the method's); `draws`: drawn from q."""
         raise NotImplementedError
 
     def _offsets(self, width: int) -> torch.Tensor:

@@ -41,7 +41,9 @@ from executor_service.runner.model_runner import ModelRunner, StepInputs
 from executor_service.runner.step_constants import StepConstants
 from executor_service.sample.device_sampling import GREEDY, SamplingTensors, StepKeys, has_extras, sorts
 from executor_service.sample.logprobs import TokenLogprob
+from executor_service.sample.sampling import DraftProbs
 from executor_service.spec_decode.device_penalties import unpack_logprobs
+from executor_service.spec_decode.draft_sampling import StepDraws
 from executor_service.spec_decode.host_verify import DraftTree
 from executor_service.spec_decode.proposer import Proposer
 from executor_service.spec_decode.step_variants import (
@@ -51,7 +53,7 @@ from executor_service.spec_decode.step_variants import (
     capture_variants,
 )
 from executor_service.spec_decode.tree_drafting import static_parents
-from executor_service.spec_decode.verifier import DraftLayout, tree_layout, verify
+from executor_service.spec_decode.verifier import DraftLayout, DraftQ, tree_layout, verify
 from kernels.tree_mask import TREE_WINDOW, to_int64
 
 
@@ -67,6 +69,13 @@ class VerifiedStep:
     logprobs: torch.Tensor | None = None  # an extras step's packed logprobs [B, ...] (device_penalties.py)
     logprob_top: int = 0
     penalised: list[bool] = field(default_factory=list)
+    draft_q: DraftQ | None = None  # the next drafts' q [B, k, K] on the device (drafts drawn from q), else None
+
+    def draft_probs(self, index: int, greedy: bool) -> DraftProbs | None:
+        """Request `index`'s next drafts' q (None: point masses, as a greedy request's always are)."""
+        if self.draft_q is None or greedy:
+            return None
+        return DraftProbs(self.draft_q.ids[index], self.draft_q.probs[index])
 
     def emitted(self, index: int) -> list[int]:
         """The accepted drafts and the token after them."""
@@ -88,7 +97,8 @@ class PendingStep:
     """A launched step's packed result [B, (num_steps + 1) + 1 + num_draft_tokens (+ a dynamic tree's parents)],
     copied to pinned host memory behind the step; its packed result, positions and sampling inputs stay on the
     device for the step launched after it (`launch_following`). An extras step's packed logprobs (rows x (1 + 2
-    top) columns) end each row."""
+    top) columns) end each row. Drafts drawn from q: their q [B, k, K] stays on the device (copied out of the
+    graph's buffers, which the step launched after this one overwrites)."""
 
     def __init__(
         self,
@@ -97,8 +107,10 @@ class PendingStep:
         rows: int,
         sampling: StepSampling | None = None,
         logprob_top: int = 0,
+        draft_q: tuple[torch.Tensor, ...] = (),
     ) -> None:
         self.packed, self.positions, self.sampling = packed, positions, sampling or StepSampling()
+        self.draft_q = DraftQ(draft_q[0].clone(), draft_q[1].clone()) if draft_q else None
         self.rows, self.width = rows, packed.shape[1]
         self.logprob_top = logprob_top if has_extras(self.sampling.variant) else 0
         self.logprob_width = rows * (1 + 2 * logprob_top) if self.logprob_top else 0
@@ -124,6 +136,7 @@ class PendingStep:
             next_drafts=[r[rows + 1 :] for r in per_request],
             logprobs=self.host[:, end:] if self.logprob_width else None,
             logprob_top=self.logprob_top,
+            draft_q=self.draft_q,
         )
 
 
@@ -146,6 +159,8 @@ class SpecStep(VariantSteps):
         elif not self.tree.dynamic:
             self.static_parents = static_parents(self.tree)
         self.static_layout: tuple[torch.Tensor, ...] | None = None
+        self.vocab_ids = proposer.draft_vocab_ids()  # drawn drafts' q ids in the target's vocabulary
+        self.captured_draws = False  # the drafting rule the sampled variants' graphs were captured for
         if not chain and self.static_parents is not None:
             parents = torch.tensor([self.static_parents], dtype=torch.int64, device=runner.device)
             node_depth, ancestors = tree_layout(parents, self.num_steps)
@@ -156,14 +171,25 @@ class SpecStep(VariantSteps):
     def describe(self) -> str:
         return f"chain, k = {self.num_steps}" if self.tree is None else self.tree.describe()
 
+    def replays(self, variant: str) -> bool:
+        """A sampled variant's graph was captured for one drafting rule (drawn or argmax: `draws` then); under the
+        other one (a test or benchmark switching `sample_drafts` after the load) the step runs eagerly."""
+        return variant == GREEDY or self.draws == self.captured_draws
+
+    @property
+    def draws(self) -> bool:
+        """Whether a chain's sampled requests draw their drafts from q in this step (`Proposer.sample_drafts`);
+        the sampled variants then carry each request's q in and the next drafts' q out."""
+        return self.tree is None and self.proposer.samples_drafts()
+
     def accepts(self, inputs: StepInputs, requests: list[Request]) -> bool:
-        """Every request verifies a whole draft of the loaded shape (all rows sampled), greedy or sampled with
-        argmax drafts, penalised or not (while the penalty table has slots). A chain drawn from q, a tree in
-        another layout or cut short takes the host path, and the whole step with it."""
+        """Every request verifies a whole draft of the loaded shape (all rows sampled), greedy or sampled, its
+        drafts drawn from q where the step draws (`draws`) or argmax drafts, penalised or not (while the penalty
+        table has slots). A tree in another layout or cut short takes the host path, and the whole step with it."""
         if inputs.uniform_query_len != self.rows or not self.fits(requests):
             return False
         if self.tree is None:
-            return all(r.draft_probs is None for r in requests)
+            return self.draws or all(r.draft_probs is None for r in requests)
         for request in requests:
             parents = self.proposer.tree_of(request)
             if len(parents) != self.num_draft_tokens:
@@ -211,8 +237,12 @@ class SpecStep(VariantSteps):
         x["slots_ahead"] = self.proposer.slots_ahead(requests, roots, self.ahead_width)
         if self.dynamic:
             x["parents"] = self.proposer.tensor([self.proposer.tree_of(r) for r in requests], torch.int64)
-        (packed,) = self.run(sampling.variant, "", step, inputs.positions, x)
-        return PendingStep(packed, inputs.positions, self.num_steps + 1, sampling, self.logprob_top)
+        if self.draws and sampling.variant != GREEDY:
+            drafts = inputs.input_ids.view(len(requests), self.rows)[:, 1:]
+            q = DraftQ.build(drafts, [r.draft_probs for r in requests], self.proposer.q_width)
+            x |= {"q_ids": q.ids, "q_probs": q.probs}
+        packed, *draft_q = self.run(sampling.variant, "", step, inputs.positions, x)
+        return PendingStep(packed, inputs.positions, self.num_steps + 1, sampling, self.logprob_top, tuple(draft_q))
 
     @torch.inference_mode()
     def launch_following(self, previous: PendingStep, requests: list[Request]) -> PendingStep:
@@ -242,8 +272,10 @@ class SpecStep(VariantSteps):
         x = {"input_ids": input_ids, "slots_ahead": wide.gather(1, shift + offsets[:, : self.ahead_width])}
         if self.dynamic:
             x["parents"] = packed[:, depth + 2 + size : depth + 2 + 2 * size]
-        (out,) = self.run(sampling.variant, " following", step, positions, x | sampling.inputs)
-        return PendingStep(out, positions, depth + 1, sampling, self.logprob_top)
+        if previous.draft_q is not None:
+            x |= {"q_ids": previous.draft_q.ids, "q_probs": previous.draft_q.probs}
+        out, *draft_q = self.run(sampling.variant, " following", step, positions, x | sampling.inputs)
+        return PendingStep(out, positions, depth + 1, sampling, self.logprob_top, tuple(draft_q))
 
     def _slots(self, block_table: torch.Tensor, first: torch.Tensor, width: int) -> torch.Tensor:
         """[B, width] cache slots of positions first, first + 1, ... of each request, on the device (no host loop
@@ -256,7 +288,8 @@ class SpecStep(VariantSteps):
     def forward(
         self, step: AttentionStep, positions: torch.Tensor, x: dict[str, torch.Tensor], variant: str = GREEDY
     ) -> tuple:
-        """The packed result (the module's docstring). `positions`: root, root + 1, ... per request."""
+        """The packed result (the module's docstring), and where drafts are drawn from q the next drafts' q ids
+        and probabilities [B, k, K]. `positions`: root, root + 1, ... per request."""
         input_ids, ahead = x["input_ids"], x["slots_ahead"]
         count, rows = ahead.shape[0], self.rows
         root = positions.view(count, rows)[:, 0]
@@ -265,16 +298,22 @@ class SpecStep(VariantSteps):
         assert features is not None, "a drafter reads the target's features"
         sampling, penalties = SamplingTensors.from_inputs(x), self.step_penalties(x)
         keys = StepKeys.on_device(sampling.seed, root) if sampling is not None else None
-        verdict = verify(logits, layout, sampling, keys, sorts(variant), self.constants, penalties)
+        q = DraftQ(x["q_ids"], x["q_probs"]) if "q_ids" in x else None
+        verdict = verify(logits, layout, sampling, keys, sorts(variant), self.constants, penalties, q)
         extras = self.extras(logits, verdict, penalties, self.constants, rows)
         if not layout.chain:
             self._move_path(step.slot_mapping.view(count, rows), verdict.path_rows, verdict.accepted)
-        next_tokens, next_parents = self.proposer.propose_verified(step, positions, features, verdict, ahead)
+        draws = None
+        if q is not None and sampling is not None:  # the first draft is for the position after the bonus token
+            first = root + verdict.accepted + 2
+            draws = StepDraws(sampling.params, sampling.seed, first, sorts(variant), self.vocab_ids, q.ids.shape[2])
+        next_tokens, next_parents = self.proposer.propose_verified(step, positions, features, verdict, ahead, draws)
         parts = [verdict.emitted, verdict.accepted[:, None], next_tokens]
         if self.dynamic:
             assert next_parents is not None
             parts.append(next_parents)
-        return (torch.cat([*parts, *extras], dim=1),)
+        packed = torch.cat([*parts, *extras], dim=1)
+        return (packed, *draws.q()) if draws is not None else (packed,)
 
     def _layout(
         self, drafts: torch.Tensor, x: dict[str, torch.Tensor], step: AttentionStep, positions: torch.Tensor
@@ -329,4 +368,9 @@ class SpecStep(VariantSteps):
         base = {"slots_ahead": ((self.ahead_width,), torch.int64, -1)}
         if self.dynamic:
             base["parents"] = ((self.num_draft_tokens,), torch.int64, -1)
-        self.graphs = capture_variants(build, base)
+        sampled = {}
+        self.captured_draws = self.draws
+        if self.draws:  # each request's q of its drafts (a padded request's: nothing drawn, nothing read)
+            shape = (self.num_draft_tokens, self.proposer.q_width)
+            sampled = {"q_ids": (shape, torch.int64, 0), "q_probs": (shape, torch.float32, 0)}
+        self.graphs = capture_variants(build, base, sampled)

@@ -63,11 +63,14 @@ class StepSampling:
         return cls(variant, sampling.inputs() | {"slot": slot, "penalty": penalty})
 
 
-def capture_variants(build: Callable[[str, dict], StepGraphs], base_inputs: dict) -> dict[str, StepGraphs]:
-    """One StepGraphs per variant, captured: `build(variant, request_inputs)` makes each."""
+def capture_variants(
+    build: Callable[[str, dict], StepGraphs], base_inputs: dict, sampled_inputs: dict | None = None
+) -> dict[str, StepGraphs]:
+    """One StepGraphs per variant, captured: `build(variant, request_inputs)` makes each. `sampled_inputs`: what
+    the variants other than greedy read besides the sampling settings (drafts drawn from q: their q)."""
     graphs = {}
     for variant in VARIANTS:
-        inputs = base_inputs if variant == GREEDY else base_inputs | SAMPLING_INPUTS
+        inputs = base_inputs if variant == GREEDY else base_inputs | SAMPLING_INPUTS | (sampled_inputs or {})
         if has_extras(variant):
             inputs = inputs | EXTRA_INPUTS
         graphs[variant] = build(variant, inputs)
@@ -119,13 +122,17 @@ class VariantSteps:
     ) -> tuple[torch.Tensor, ...]:
         raise NotImplementedError
 
+    def replays(self, variant: str) -> bool:
+        """Whether the variant's captured graph runs this step as it is now configured (else: eagerly)."""
+        return True
+
     def run(
         self, variant: str, kind: str, step: AttentionStep, positions: torch.Tensor, x: dict[str, torch.Tensor]
     ) -> tuple[torch.Tensor, ...]:
         """`kind`: "" for a step launched from host inputs, " following" for one derived on the device."""
         graphs = self.graphs.get(variant)
         self.counts[variant] += 1
-        if graphs is not None and step.seq_lens.shape[0] <= graphs.max_batch:
+        if graphs is not None and step.seq_lens.shape[0] <= graphs.max_batch and self.replays(variant):
             self.counts["graph" + kind] += 1
             return graphs.run(step.block_table, step.seq_lens, step.slot_mapping, positions, **x)
         self.counts["eager" + kind] += 1

@@ -66,11 +66,11 @@ class DraftQ:
     probs: torch.Tensor
 
     @classmethod
-    def build(cls, tokens: torch.Tensor, found: Sequence[DraftProbs | None]) -> DraftQ:
+    def build(cls, tokens: torch.Tensor, found: Sequence[DraftProbs | None], width: int | None = None) -> DraftQ:
         """From the drafts [B, N] and each request's DraftProbs (at least its own drafts' rows; None: point
-        masses). A few copies per request with a q, all on the device."""
+        masses), `width` ids a row (default: the widest q). A few copies per request with a q, on the device."""
         count, num = tokens.shape
-        width = max((q.ids.shape[-1] for q in found if q is not None), default=1)
+        width = width or max((q.ids.shape[-1] for q in found if q is not None), default=1)
         ids = tokens[:, :, None].expand(count, num, width).clone()
         probs = torch.zeros(count, num, width, device=tokens.device)
         probs[:, :, 0] = 1.0

@@ -19,9 +19,10 @@ def session_of(shape: str, cuda_graphs: bool = True) -> ModelSession:
     reason = unavailable_reason(BACKEND, torch.device("cuda"))
     if reason is not None:
         pytest.skip(f"{BACKEND}: {reason}")
-    if shape == "chain":
+    if shape.startswith("chain"):  # "chain drawn": sampled requests' drafts drawn from q on the device step
+        drawn = "on" if shape == "chain drawn" else "auto"
         return spec_session("eagle3", 5, BACKEND, device="cuda", dtype=FP32, num_kv_blocks=256,
-                            max_num_batched_tokens=512, cuda_graphs=cuda_graphs)  # fmt: skip
+                            max_num_batched_tokens=512, cuda_graphs=cuda_graphs, sampled_drafts=drawn)  # fmt: skip
     return tree_session("eagle3", common_pb2.DraftTree(top_k=3, verify_budget=8), 4, BACKEND, vocab_size=512,
                         num_kv_blocks=256, max_num_batched_tokens=512, device="cuda", dtype=FP32,
                         cuda_graphs=cuda_graphs)  # fmt: skip

@@ -51,16 +51,20 @@ def spec_session(
     vocab_size: int = TINY["vocab_size"],
     draft_seed: int = 7,
     adaptive: bool = False,
+    sampled_drafts: str = "auto",
 ) -> ModelSession:
     """A warmed-up speculative session, engine thread not started (tests drive run_until_idle). `adaptive`:
-    each step's k from measured costs (off: the loaded k every step, what scripted acceptance tests count)."""
+    each step's k from measured costs (off: the loaded k every step, what scripted acceptance tests count);
+    `sampled_drafts`: EngineSettings' (drafts drawn from q: "on", before the graphs are captured)."""
     request = load_request(backend=backend, num_kv_blocks=num_kv_blocks)
     request.target.synthetic.vocab_size = vocab_size
     request.dtype = dtype
     request.draft.CopyFrom(draft_model(method, k, draft_seed, vocab_size))
     source = resolve_target(request.target, None, "target")
     draft = resolve_draft(request.draft, source.config, None)
-    settings = EngineSettings(max_num_batched_tokens, max_num_seqs, cuda_graphs, adaptive_speculation=adaptive)
+    settings = EngineSettings(
+        max_num_batched_tokens, max_num_seqs, cuda_graphs, adaptive_speculation=adaptive, sampled_drafts=sampled_drafts
+    )
     return build_session(
         source,
         request,

@@ -40,7 +40,7 @@ def generate(session: ModelSession, companions: int) -> tuple[list[int], Collect
     return sink.tokens("seeded"), sink
 
 
-@pytest.mark.parametrize("shape", ["chain", "tree"])
+@pytest.mark.parametrize("shape", ["chain", "tree", "chain drawn"])
 def test_a_seeded_request_draws_the_same_alone_in_a_batch_and_without_graphs(shape: str) -> None:
     session = session_of(shape)
     alone, _ = generate(session, 0)
@@ -54,8 +54,9 @@ def test_a_seeded_request_draws_the_same_alone_in_a_batch_and_without_graphs(sha
     assert alone == together == eager
 
 
-def test_sampled_only_batches_replay_the_sampled_graph() -> None:
-    session = session_of("chain")
+@pytest.mark.parametrize("shape", ["chain", "chain drawn"])
+def test_sampled_only_batches_replay_the_sampled_graph(shape: str) -> None:
+    session = session_of(shape)
     counts = step_of(session).counts
     counts.clear()  # the warm-up's steps (greedy, eager)
     sink = Collector()
@@ -65,3 +66,4 @@ def test_sampled_only_batches_replay_the_sampled_graph() -> None:
     session.engine.run_until_idle()
     assert counts["sampled"] > 0 and counts["graph"] > 0 and counts["eager"] == 0 and counts["eager following"] == 0
     assert all(len(sink.tokens(f"s{i}")) == 30 for i in range(4))
+    assert session.engine.step_counts["host drafts"] == 0  # every verify step on the device, drawn drafts too

@@ -99,9 +99,9 @@ def test_graph_replays_give_what_eager_steps_give(expected: dict, shape: str) ->
         drafted: list[tuple[str, int, list[int], list[int]]] = []
         original = session.proposer.set_tree
 
-        def record(request, tokens, parents, original=original, drafted=drafted) -> None:
+        def record(request, tokens, parents, probs=None, original=original, drafted=drafted) -> None:
             drafted.append((request.request_id, len(request.output_ids), list(tokens), list(parents)))
-            original(request, tokens, parents)
+            original(request, tokens, parents, probs)
 
         session.proposer.set_tree = record
         found[graphs] = ({size: run(session, prompts(size, seed=size)) for size in (1, 2, 4)}, drafted)
@@ -123,9 +123,9 @@ def test_shared_rotary_lookup_drafts_the_same_trees(shape: str) -> None:
             drafter.forward = lambda *args, rotary=None, forward=forward: forward(*args)
         original = session.proposer.set_tree
 
-        def record(request, tokens, parents, original=original, drafted=drafted) -> None:
+        def record(request, tokens, parents, probs=None, original=original, drafted=drafted) -> None:
             drafted.append((request.request_id, len(request.output_ids), list(tokens), list(parents)))
-            original(request, tokens, parents)
+            original(request, tokens, parents, probs)
 
         session.proposer.set_tree = record
         found.append(({size: run(session, prompts(size, seed=size)) for size in (1, 2)}, drafted))

@@ -117,11 +117,13 @@ def session_of(shape: str) -> ModelSession:
     return tree_session("eagle3", tree, k)
 
 
-def seeded_tokens(shape: str, on_device: bool) -> dict[str, list[int]]:
-    """Each request's tokens, the device step on or off (argmax drafts on both paths)."""
+def seeded_tokens(shape: str, on_device: bool, drawn: bool = False) -> dict[str, list[int]]:
+    """Each request's tokens, the device step on or off, with argmax drafts or (`drawn`) drafts drawn from q on
+    both paths."""
     session = session_of(shape)
     step = session.engine.spec_step
-    assert step is not None
+    assert step is not None and session.proposer is not None
+    session.proposer.sample_drafts = drawn
     step.counts.clear()
     if not on_device:
         session.engine.spec_step = None
@@ -138,13 +140,18 @@ def seeded_tokens(shape: str, on_device: bool) -> dict[str, list[int]]:
 VOCAB_OF_SESSIONS = 500
 
 
-@pytest.mark.parametrize("shape", ["chain", "tree"])
-def test_seeded_requests_emit_the_same_tokens_on_the_host_path_and_the_device_step(shape: str) -> None:
+@pytest.mark.parametrize(("shape", "drawn"), [("chain", False), ("tree", False), ("chain", True)])
+def test_seeded_requests_emit_the_same_tokens_on_the_host_path_and_the_device_step(shape: str, drawn: bool) -> None:
     """The same seeded requests (with a greedy one beside them) on the CPU-eager device step and on the host path:
-    the same numbers, keyed by seed and root position, so the same tokens."""
-    on_device = seeded_tokens(shape, on_device=True)
-    assert on_device == seeded_tokens(shape, on_device=False)
+    the same numbers, keyed by seed and root position, so the same tokens. Drafts drawn from q too: the host's
+    sampler and the device step's draws key each draft by seed and position and draw from the same q."""
+    on_device = seeded_tokens(shape, on_device=True, drawn=drawn)
+    assert on_device == seeded_tokens(shape, on_device=False, drawn=drawn)
     assert all(len(tokens) == 16 for tokens in on_device.values())
+    if drawn:  # a negative control: argmax drafts give other tokens to the sampled requests
+        argmax_drafts = seeded_tokens(shape, on_device=True)
+        assert argmax_drafts["r3"] == on_device["r3"]  # the greedy request's tokens do not depend on the drafts
+        assert argmax_drafts != on_device
 
 
 @pytest.mark.parametrize(("settings", "most"), [(SamplingSettings(0.0), 22), (SamplingSettings(0.7, seed=3), 80)])

@@ -32,7 +32,7 @@ from verify_reference import accepts_all, without_residual
 import executor_service.spec_decode.verifier as verifier
 from executor_service.sample.sampling import DraftProbs
 from executor_service.server.session import ModelSession
-from executor_service.spec_decode.draft_sampling import DraftSampler
+from executor_service.spec_decode.draft_sampling import DraftSampler, StepDraws
 
 
 @pytest.mark.parametrize("name", list(SETTINGS))
@@ -46,19 +46,29 @@ def test_speculative_sampling_keeps_the_target_distribution(session: ModelSessio
     assert max(distances) < BOUND, distances
 
 
-@pytest.mark.parametrize(("method", "support"), [("eagle3", 32), ("dflash", 32), ("eagle", 2)])
-def test_sampled_drafts_of_the_other_drafters_keep_the_target_distribution(method: str, support: int) -> None:
-    """EAGLE-3 and DFlash; EAGLE with q kept on the drafter's 2 most likely ids of 6 (DRAFT_SUPPORT is 32)."""
+@pytest.mark.parametrize(
+    ("method", "support", "path"),
+    [("eagle3", 32, "device"), ("dflash", 32, "device"), ("eagle", 2, "device"), ("eagle3", 32, "host")],
+)
+def test_sampled_drafts_of_the_other_drafters_keep_the_target_distribution(
+    method: str, support: int, path: str
+) -> None:
+    """Drafts drawn from q, verified on the device step (and on the host path alone): EAGLE-3 and DFlash; EAGLE with
+    q kept on the drafter's 2 most likely ids of 6 (DRAFT_SUPPORT is 32)."""
     session = batch_session(method)
-    assert session.proposer is not None
+    assert session.proposer is not None and session.engine.spec_step is not None
     session.proposer.draft_support = support
-    session.proposer.sample_drafts = True  # drawn from q: verified on the host path
+    session.proposer.sample_drafts = True
+    if path == "host":
+        session.engine.spec_step = None
     settings = SETTINGS["temperature"]
     exact = exact_marginals(session.loaded.model, settings)
     empirical, drafted, accepted = run_requests(session, settings)
     assert 0 < accepted < drafted
     distances = total_variations(empirical, exact)
     assert max(distances) < BOUND, distances
+    if path == "device":  # the drawn drafts' steps ran on the device step, q carried through it
+        assert session.engine.step_counts["device"] > 0 and session.engine.spec_step.counts["sampled"] > 0
 
 
 TRUE_PROBS_OF = DraftSampler.probs_of
@@ -72,6 +82,15 @@ def uniform_q(self: DraftSampler, count: int) -> list[DraftProbs | None]:
     return [None if q is None else DraftProbs(q.ids, torch.full_like(q.probs, 1.0 / VOCAB)) for q in found]
 
 
+TRUE_STEP_Q = StepDraws.q
+
+
+def uniform_step_q(self: StepDraws) -> tuple[torch.Tensor, torch.Tensor]:
+    """In place of StepDraws.q: the device step's drawn drafts verified as if drawn from uniform weights."""
+    ids, probs = TRUE_STEP_Q(self)
+    return ids, torch.full_like(probs, 1.0 / VOCAB)
+
+
 @pytest.mark.parametrize(
     ("path", "part", "broken"),
     [
@@ -80,19 +99,26 @@ def uniform_q(self: DraftSampler, count: int) -> list[DraftProbs | None]:
         ("host", "DraftSampler.probs_of", uniform_q),
         ("device", "_sampled_hits", accepts_all),
         ("device", "_rejected_mass", without_residual),
+        ("device drawn", "_sampled_hits", accepts_all),
+        ("device drawn", "_rejected_mass", without_residual),
+        ("device drawn", "StepDraws.q", uniform_step_q),
     ],
 )
 def test_the_bound_catches_a_wrong_verification(
     session: ModelSession, path: str, part: str, broken: Callable[..., object], monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """The one verifier's parts on the host path with drafts drawn from q, and on the device step with argmax
-    drafts."""
+    """The one verifier's parts on the host path with drafts drawn from q, on the device step with argmax drafts,
+    and on the device step with drafts drawn from q."""
     settings = SETTINGS["temperature"]
     exact = exact_marginals(session.loaded.model, settings)
     assert session.proposer is not None
-    monkeypatch.setattr(session.proposer, "sample_drafts", path == "host")
+    monkeypatch.setattr(session.proposer, "sample_drafts", path != "device")
+    if path == "host":
+        monkeypatch.setattr(session.engine, "spec_step", None)
     if part == "DraftSampler.probs_of":
         monkeypatch.setattr(DraftSampler, "probs_of", broken)
+    elif part == "StepDraws.q":
+        monkeypatch.setattr(StepDraws, "q", broken)
     else:
         monkeypatch.setattr(verifier, part, broken)
     empirical, _, _ = run_requests(session, settings)

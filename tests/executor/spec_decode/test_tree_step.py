@@ -188,9 +188,9 @@ class ReplayInDraftTree:
         self.trees: list[tuple[str, int, list[int], list[int]]] = []  # as set, after each booked step
         original_set = session.proposer.set_tree
 
-        def record(request, tokens: list[int], parents: list[int]) -> None:
+        def record(request, tokens: list[int], parents: list[int], probs=None) -> None:
             self.trees.append((request.request_id, len(request.output_ids), list(tokens), list(parents)))
-            original_set(request, tokens, parents)
+            original_set(request, tokens, parents, probs)
 
         session.proposer.set_tree = record
 
@@ -393,9 +393,9 @@ def test_tree_passes_share_one_rotary_lookup(shape: str) -> None:
             drafter.forward = lambda *args, rotary=None, forward=forward: forward(*args)
         set_tree = proposer.set_tree
 
-        def record(request, tokens: list[int], parents: list[int], trees=trees, set_tree=set_tree) -> None:
+        def record(request, tokens: list[int], parents: list[int], probs=None, trees=trees, set_tree=set_tree) -> None:
             trees.append((request.request_id, len(request.output_ids), list(tokens), list(parents)))
-            set_tree(request, tokens, parents)
+            set_tree(request, tokens, parents, probs)
 
         proposer.set_tree = record
         check_equals_target_only(session, 12, prompts(2, seed=29))

@@ -44,9 +44,9 @@ def test_fused_top_k_drafts_the_torch_trees(method: str, shape: str, monkeypatch
         proposer.candidates.fused = fused
         set_tree = proposer.set_tree
 
-        def record(request, tokens: list[int], parents: list[int], trees=trees, set_tree=set_tree) -> None:
+        def record(request, tokens: list[int], parents: list[int], probs=None, trees=trees, set_tree=set_tree) -> None:
             trees.append((request.request_id, len(request.output_ids), list(tokens), list(parents)))
-            set_tree(request, tokens, parents)
+            set_tree(request, tokens, parents, probs)
 
         proposer.set_tree = record
         session.engine.spec_step.counts.clear()

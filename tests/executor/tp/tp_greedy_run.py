@@ -114,7 +114,7 @@ class ReplayOnLastBranch:
     def __init__(self, set_tree: Callable[..., None], references: dict[str, list[int]]) -> None:
         self.set_tree, self.references = set_tree, references
 
-    def __call__(self, request: Request, tokens: list[int], parents: list[int]) -> None:
+    def __call__(self, request: Request, tokens: list[int], parents: list[int], probs: object = None) -> None:
         upcoming = self.references[request.request_id][len(request.output_ids) :]
         children = DraftTree(tokens, parents).children()
         wrong = [(token + 1) % SIZES["vocab_size"] for token in upcoming]
