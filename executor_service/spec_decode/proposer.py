@@ -15,10 +15,10 @@ then drafts from the newest verified row:
   the method drafts the tree (`draft_tree`: EAGLE pass by pass over the nodes it expands, DFlash from one block
   pass), its candidates and a dynamic tree's choice shared (tree_drafting.py).
 
-Two entry points: `propose` (the host knows which rows were verified: after a prefill chunk, an uneven batch, q-
-drawn drafts) and `propose_verified` (verification computed on the device, inside the speculative step: see
-spec_step.py). On the host path a chain drafts the argmax for greedy requests and, where `sample_drafts` is on,
-draws from the drafter's distribution for sampled ones (draft_sampling.py), eagerly.
+Two entry points: `propose` (the host knows which rows were verified: after a prefill chunk, an uneven batch)
+and `propose_verified` (verification computed on the device, inside the speculative step: see spec_step.py). A
+chain drafts the argmax for greedy requests and, where `sample_drafts` is on, draws from the drafter's
+distribution for sampled ones (draft_sampling.py): on the host path eagerly, in the device step inside its graph.
 """
 
 from __future__ import annotations
@@ -112,9 +112,9 @@ class Proposer:
         self.parents: dict[str, list[int]] = {}  # a tree's drafts' parents, by request id
         self.replay: Replay | None = None
         self.replay_tree: TreeReplay | None = None  # scripted trees need the host: no step launched ahead
-        # Sampled requests' drafts: True drawn from q (draft_sampling.py: verified on the host path, the chain run
-        # eagerly), False or None (auto) the argmax, verified as point masses on the device step (verifier.py)
-        # with or without CUDA graphs. docs/executor.md has both timed at T = 0.7.
+        # Sampled requests' drafts: True drawn from q (draft_sampling.py; on the device step and the host path
+        # alike), False or None (auto) the argmax, verified as point masses (verifier.py). The rule does not depend
+        # on CUDA graphs; auto is the argmax for every method, the faster at T = 0.7 (docs/executor.md).
         self.sample_drafts: bool | None = None
         self.draft_support = DRAFT_SUPPORT  # ids each drawn draft's q keeps (draft_sampling.py)
         self.pass_counts: Counter[str] = Counter()  # "<pass> graph" / "<pass> eager" (benchmarks read it)

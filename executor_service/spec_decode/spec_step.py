@@ -21,8 +21,10 @@ So the parts run as one function, captured as CUDA graphs per sampling variant a
 count | next drafts (N) | their parents (N, dynamic trees only)], and for the extras variants the emitted tokens'
 logprobs (device_penalties.py). `launch_following` derives the next step's inputs on the device from that packed
 result, so it is launched before the host reads this one back. The same function runs eagerly on the CPU and for
-batches larger than the graphs. The engine's host path (host_step.py) takes the rest: requests with q-drawn
-drafts, uneven batches, cut-short trees, penalised requests past the penalty table's slots.
+batches larger than the graphs. Drafts drawn from q (`draws`, chains): the sampled variants carry each request's q
+in ([B, k, 32] ids and probabilities) and the next drafts' q out, the drafter drawing inside the step
+(draft_sampling.StepDraws). The engine's host path (host_step.py) takes the rest: uneven batches, cut-short
+trees, penalised requests past the penalty table's slots.
 """
 
 from __future__ import annotations
