@@ -234,8 +234,8 @@ def main(argv: list[str] | None = None) -> int:
         "--sampled-drafts",
         choices=sorted(SAMPLED_DRAFTS),
         default="auto",
-        help="sampled requests' drafts drawn from the drafter's distribution (on: verified on the host path), or its "
-        "argmax (off, and auto: verified on the device step); lossless either way",
+        help="sampled requests' drafts drawn from the drafter's distribution (on), or its argmax (off, and auto: the "
+        "faster on GPUs); both on the device step, lossless either way",
     )
     parser.add_argument(
         "--host-spec-step",
