@@ -18,12 +18,13 @@
 
 (d) With --adaptive-batches: throughput at high batch (e.g. 64,128) with adaptive speculation (each step's k
     from measured costs: adaptive_k.py) against the fixed k and target-only, --repeats interleaved rounds after an
-    untimed one (adaptive speculation measures its costs there, as a warm server has), for each --e2e-methods
-    drafter as it drafts (the synthetic drafter: acceptance ~0) and drafting the target's own next tokens (every
-    draft accepted); only this part runs. The target's weights are made to echo (`echoing_target`): its greedy
-    next token is its newest, by a margin no rounding reaches, so the always-right drafter stays right whatever k
-    each step takes (a random target's tokens depend on the step's shape in bf16: see `echoing_target`), and every
-    run's tokens must equal target-only's (`mismatched_requests`).
+    untimed one (adaptive speculation measures its costs there, as a warm server has: an adaptive configuration
+    reruns it until every candidate is measured at the batch, `AdaptiveK.measured`, `adaptive_warm_up_runs`), for
+    each --e2e-methods drafter as it drafts (the synthetic drafter: acceptance ~0) and drafting the target's own
+    next tokens (every draft accepted); only this part runs. The target's weights are made to echo
+    (`echoing_target`): its greedy next token is its newest, by a margin no rounding reaches, so the always-right
+    drafter stays right whatever k each step takes (a random target's tokens depend on the step's shape in bf16:
+    see `echoing_target`), and every run's tokens must equal target-only's (`mismatched_requests`).
 
     python bench/specdec_bench.py --out bench/results            # H100: synthetic Llama-3-8B, bf16
     python bench/specdec_bench.py --preset tiny --device cpu --backend CPU_ATTN   # a smoke run of the script
@@ -628,6 +629,9 @@ def echoing_target(model: torch.nn.Module) -> None:
     embed.mul_(ECHO_EMBEDDING_SCALE)  # tied: the head grows with it (a larger margin, the same argmax)
 
 
+WARM_UP_RUNS = 8  # at most, per adaptive configuration and batch (a candidate never measured stops it)
+
+
 class EchoDrafts:
     """(d)'s always-right drafter over `echoing_target`: every draft is the request's newest token (replayed as a
     test drafter's: proposer.replay)."""
@@ -653,6 +657,7 @@ def measure_adaptive(sessions: dict[str, ModelSession], args: argparse.Namespace
         kinds = ("synthetic_drafter", "full")
         models = {(m, a): fresh_speculation(sessions[m]) for m in args.e2e_methods for a in kinds}
         reference: dict[str, list[int]] = {}
+        warm_ups: dict[str, int] = {}  # untimed runs of each adaptive configuration before its timed rounds
         for round_index in range(args.repeats + 1):  # round 0: untimed (compiles, and adaptive measures)
             runs = [("target_only", sessions["target-only"], False, None, False)]
             for method in args.e2e_methods:
@@ -666,6 +671,13 @@ def measure_adaptive(sessions: dict[str, ModelSession], args: argparse.Namespace
                 session.engine.speculation = model
                 with fixed_k(session, fixed):
                     tokens, result = generate(session, prompts, args.max_tokens)
+                    # Untimed, adaptive: again until every candidate is measured at this batch, as on a server
+                    # that has served it a while (a round of few steps, e.g. every draft accepted, ends sooner).
+                    while not round_index and model is not None and not fixed and not model.measured(batch):
+                        if warm_ups.setdefault(name, 1) == WARM_UP_RUNS:
+                            break
+                        warm_ups[name] += 1
+                        tokens, result = generate(session, prompts, args.max_tokens)
                 if session.proposer is not None:
                     session.proposer.replay = None
                 reference = reference or tokens  # target-only's, the first run
@@ -688,6 +700,7 @@ def measure_adaptive(sessions: dict[str, ModelSession], args: argparse.Namespace
                 "decode_speedup_median": round(decode[len(decode) // 2], 3), **notes[name],
             }  # fmt: skip
         entry["speculation"] = {f"{m}_{a}": model.describe() for (m, a), model in models.items() if model}
+        entry["adaptive_warm_up_runs"] = warm_ups
         report[f"batch_{batch}"] = entry
         log(f"adaptive batch {batch}: {json.dumps(entry)}")
     return report

@@ -250,6 +250,14 @@ class AdaptiveK:
         self._current[bucket] = best
         return best
 
+    def measured(self, batch: int) -> bool:
+        """Whether every candidate's cost at this batch's bucket is measured and none is under test: what a
+        server that has served such batches a while knows (benchmarks warm up until then)."""
+        bucket = self.bucket(batch)
+        table = self.costs.get(bucket, {})
+        compared = all(k in table and table[k].samples >= MIN_SAMPLES for k in self.candidates)
+        return compared and bucket not in self._exploring
+
     def describe(self) -> dict[str, object]:
         """What it measured and chose (benchmarks and logs)."""
         return {

@@ -12,7 +12,14 @@ import pytest
 import torch
 from common import PRESETS
 from greedy_reference import dense_logits
-from specdec_bench import echoing_target, measure_adaptive, open_sessions, parse_args, target_request
+from specdec_bench import (
+    WARM_UP_RUNS,
+    echoing_target,
+    measure_adaptive,
+    open_sessions,
+    parse_args,
+    target_request,
+)
 
 from executor_service.models.loader import build_synthetic
 from executor_service.server.wire import resolve_target
@@ -55,3 +62,6 @@ def test_adaptive_runs_keep_target_only_tokens_and_full_acceptance(monkeypatch: 
     speculation = entry["speculation"]
     assert speculation["eagle3_full"]["acceptance_per_depth"] == [1.0] * 7  # under adaptive k as well
     assert max(speculation["eagle3_synthetic_drafter"]["acceptance_per_depth"]) < 0.05  # still always wrong
+    warm_ups = entry["adaptive_warm_up_runs"]  # untimed reruns until every candidate (0-7 here) was measured
+    assert set(warm_ups) <= {"eagle3_synthetic_drafter_adaptive", "eagle3_full_adaptive"}
+    assert all(1 < runs <= WARM_UP_RUNS for runs in warm_ups.values())

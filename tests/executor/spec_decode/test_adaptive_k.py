@@ -257,3 +257,12 @@ def test_dear_checks_are_a_function_of_the_measurements() -> None:
         model = AdaptiveK((0, K), configured=K)
         runs.append(timed_steps(model, 64, EAGER_64, 0, 1500)[2] + timed_steps(model, 128, EAGER_128, 3, 1500)[2])
     assert runs[0] == runs[1]
+
+
+def test_measured_once_every_candidate_is_compared_at_the_bucket() -> None:
+    """What a benchmark's warm-up waits for: every candidate's cost at the batch's bucket, none under test."""
+    model = AdaptiveK((0, 3, K), configured=K)
+    assert not model.measured(64)
+    chosen = timed_steps(model, 64, {**CHEAPER_64, 3: (0.018, 0.004)}, K, 40)[2]
+    assert model.measured(64) and model.measured(33) and not model.measured(32)  # buckets: powers of two
+    assert set(chosen) == {0, 3, K}
