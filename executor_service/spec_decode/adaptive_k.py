@@ -20,16 +20,21 @@ step for the next step's k and tells this model what it measured:
   a decayed count, so it follows the traffic.
 
 The choice maximises expected tokens per second, `batch x (1 + sum of the rates up to num_steps(k))` over the
-step's
-measured time, over the candidates (the k values with captured graphs: no capture at run time). A candidate not
-yet measured at a bucket is tried first (the configured k, then 0, then the rest), for a few steps; a losing one
-is measured again after a while, each time later (a doubled interval) while it keeps losing, so a batch whose
-best k is clear pays almost nothing for the check. The choice is a function of these measurements and the step
-count alone (deterministic given the costs), and it changes no token: greedy verification is exact whatever k.
+step's measured time, over the candidates (the k values with captured graphs: no capture at run time). A candidate
+not yet measured at a bucket is tried first (the configured k, then 0, then the rest), for a few steps; a losing
+one is measured again after a while (its acceptance may have changed), each time later (a doubled interval) while
+it keeps losing, so a batch whose best k is clear pays almost nothing for the check. The interval is never shorter
+than what keeps the checks to about EXPLORE_SHARE of the bucket's time (a check runs about two steps at the
+loser's price: at high batch a speculative step can cost several plain ones), and it is the longest one
+(MAX_REFRESH_STEPS) for a candidate that could not win with every draft accepted (`batch x (1 + num_steps)` over its
+measured time below the incumbent's expected throughput and its margin). The choice is a function of these
+measurements and the step count alone (deterministic given the costs), and it changes no token: greedy
+verification is exact whatever k.
 """
 
 from __future__ import annotations
 
+import math
 from collections import Counter, deque
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
@@ -41,6 +46,8 @@ MAX_EXPLORE_STEPS = 6  # a candidate under test is given up after this many step
 REFRESH_STEPS = 128  # steps at a bucket before a losing candidate is measured again; doubled while it loses
 MAX_REFRESH_STEPS = 8192
 HYSTERESIS = 0.03  # another k must beat the current one by this share to replace it (no flapping on noise)
+EXPLORE_SHARE = 0.01  # checks of a losing candidate cost about this share of a bucket's time, at most
+CHECK_STEPS = 2  # steps a check runs at about the candidate's price (drafted for, verified; verified, back)
 
 PlanObserver = Callable[[int], None]  # each planned step's k (metrics)
 
@@ -184,14 +191,36 @@ class AdaptiveK:
             samples = cost.samples if cost is not None else 0
             if self.plans[bucket] < self._retry_at.get((bucket, k), 0):
                 continue
-            stale = cost is not None and self.plans[bucket] - cost.measured_at > cost.refresh
-            if samples < MIN_SAMPLES or (stale and k != self._current.get(bucket)):
+            stale = (
+                cost is not None
+                and k != self._current.get(bucket)
+                and self.plans[bucket] - cost.measured_at > self._interval(bucket, k, cost)
+            )
+            if samples < MIN_SAMPLES or stale:
                 if cost is not None and samples >= MIN_SAMPLES:
                     cost.measured_at = self.plans[bucket]  # tried now: not stale again before its interval
                 wanted = samples + (MIN_SAMPLES if samples < MIN_SAMPLES else 1)
                 self._exploring[bucket] = Exploration(k, wanted, MAX_EXPLORE_STEPS - 1)
                 return k
         return None
+
+    def _interval(self, bucket: int, num_draft_tokens: int, cost: StepCost) -> int:
+        """Plans at the bucket between checks of a measured candidate the bucket does not exploit: its interval
+        (doubled while it loses), stretched so the checks cost at most EXPLORE_SHARE of the time (a check loses,
+        over CHECK_STEPS steps at its price, the tokens the incumbent would have made meanwhile), and the longest
+        where it could not replace the incumbent even with every draft accepted (only a changed cost could make it
+        win: its own, measured again then, or the incumbent's, measured every step it runs)."""
+        current = self._current.get(bucket)
+        incumbent = self.costs[bucket].get(current) if current is not None else None
+        if incumbent is None or incumbent.samples < MIN_SAMPLES or cost.samples < MIN_SAMPLES:
+            return cost.refresh
+        rate = self.expected_tokens(current) / incumbent.seconds  # per request and second
+        best_case = (1 + self.num_steps[num_draft_tokens]) / cost.seconds
+        if best_case < rate * (1 + HYSTERESIS):
+            return MAX_REFRESH_STEPS
+        share = self.expected_tokens(num_draft_tokens) / cost.seconds / rate  # of the incumbent's throughput
+        lost = CHECK_STEPS * cost.seconds * max(0.0, 1.0 - share)
+        return min(max(cost.refresh, math.ceil(lost / (EXPLORE_SHARE * incumbent.seconds))), MAX_REFRESH_STEPS)
 
     def _judge(self, bucket: int, num_draft_tokens: int) -> None:
         """After a test: a candidate that still loses is measured again twice as late; one that wins, as often
@@ -220,6 +249,14 @@ class AdaptiveK:
                 best = current
         self._current[bucket] = best
         return best
+
+    def measured(self, batch: int) -> bool:
+        """Whether every candidate's cost at this batch's bucket is measured and none is under test: what a
+        server that has served such batches a while knows (benchmarks warm up until then)."""
+        bucket = self.bucket(batch)
+        table = self.costs.get(bucket, {})
+        compared = all(k in table and table[k].samples >= MIN_SAMPLES for k in self.candidates)
+        return compared and bucket not in self._exploring
 
     def describe(self) -> dict[str, object]:
         """What it measured and chose (benchmarks and logs)."""

@@ -4,10 +4,13 @@ and little time spent testing the losing k at batch 1."""
 
 from __future__ import annotations
 
+import itertools
+import math
 from collections.abc import Callable
 
 import pytest
 
+from executor_service.spec_decode import adaptive_k
 from executor_service.spec_decode.adaptive_k import MAX_REFRESH_STEPS, REFRESH_STEPS, AdaptiveK
 
 K = 7
@@ -135,3 +138,131 @@ def test_a_slow_first_step_and_rare_outliers_do_not_price_the_winner_out() -> No
     chosen = drive(model, 64, compiling, accepted=K, steps=400)
     assert chosen[-100:].count(K) >= 95
     assert model.costs[64][K].seconds == pytest.approx(0.044)
+
+
+# ---- checks of a losing k at high batch (a timed round after an untimed one, as bench/specdec_bench.py's (d)) ----
+ROUND = 128  # steps of one round at batch 64: 128 tokens per request, one per step at k = 0
+
+
+def timed_steps(
+    model: AdaptiveK, batch: int, costs: dict[int, tuple[float, float]], accepted: int, steps: int
+) -> tuple[float, int, list[int]]:
+    """`steps` engine steps, each timed as verify + draft: `costs[k]` = (seconds to verify k drafts per request,
+    seconds to draft k for the next step), so a switch pays for both ks' parts as the engine's does. Returns the
+    seconds, the tokens (a bonus token per request and step, and the drafts accepted) and the plans."""
+    seconds, tokens, chosen, verifying = 0.0, 0, [], 0
+    for _ in range(steps):
+        k = model.plan(batch)
+        chosen.append(k)
+        step = costs[verifying][0] + costs[k][1]
+        seconds += step
+        tokens += batch * (1 + min(accepted, verifying))
+        if verifying == k:
+            model.record(batch, k, step)
+        if verifying:
+            model.observe_verify([verifying] * batch, [min(accepted, verifying)] * batch)
+        verifying = k
+    return seconds, tokens, chosen
+
+
+# The H100's batch-64 costs of 2026-11-28 (Llama-3-8B shape): a k = 0 step 10.7 ms (decode graph, the drafter's
+# context pass); the eager speculative step at k = 7 (verify + chain) 73 ms as the old moving average priced it,
+# ~33 ms by the fixed-k run's rate.
+EAGER_64 = {0: (0.0100, 0.0007), K: (0.0550, 0.0180)}
+CHEAPER_64 = {0: (0.0100, 0.0007), K: (0.0250, 0.0087)}
+EAGER_128 = {0: (0.0120, 0.0009), K: (0.1200, 0.0300)}  # k = 7: 150 ms, 8 tokens a request at best: never wins
+
+
+def loss_after_warm_up(costs: dict[int, tuple[float, float]], batch: int, accepted: int, baseline: int) -> float:
+    """The tokens per second of three timed rounds after an untimed one, over those of always `baseline`."""
+    model = AdaptiveK((0, K), configured=K)
+    timed_steps(model, batch, costs, accepted, ROUND)  # the untimed round: every candidate measured
+    seconds, tokens, _ = timed_steps(model, batch, costs, accepted, 3 * ROUND)
+    fixed_seconds, fixed_tokens, _ = timed_steps(Fixed(baseline), batch, costs, accepted, 3 * ROUND)
+    return 1 - (tokens / seconds) / (fixed_tokens / fixed_seconds)
+
+
+class Fixed(AdaptiveK):
+    """Always the same k (target-only: 0; the fixed k)."""
+
+    def __init__(self, k: int) -> None:
+        super().__init__((0, K))
+        self.k = k
+
+    def plan(self, batch: int) -> int:
+        return self.k
+
+
+def test_a_dear_losing_k_is_checked_within_the_explore_share() -> None:
+    """Batch 64, an always-wrong drafter, a speculative step 7x a plain one: the timed rounds lose at most 1 % to
+    never drafting (a check of k = 7 costs ~125 ms, 12 plain steps: it waits until that is 1 % of the time); at 3x
+    one check comes in those rounds (~45 ms), about 1 %."""
+    assert loss_after_warm_up(EAGER_64, 64, accepted=0, baseline=0) <= 0.01
+    assert loss_after_warm_up(CHEAPER_64, 64, accepted=0, baseline=0) <= 0.015
+
+
+def test_the_explore_share_check_fails_on_intervals_that_ignore_the_price(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Negative control: intervals by step count alone (the doubling from REFRESH_STEPS, no share) check k = 7
+    twice in those rounds, and the test above would see it."""
+    monkeypatch.setattr(adaptive_k, "EXPLORE_SHARE", math.inf)
+    assert loss_after_warm_up(EAGER_64, 64, accepted=0, baseline=0) > 0.03
+
+
+def test_an_always_right_drafter_keeps_the_fixed_k_gain_at_high_batch() -> None:
+    """Batch 64, every draft accepted: k = 0 can never win (its best case, one token a step, is under k = 7's
+    expected 8 in 3.2 plain steps' time), so after the untimed round no step leaves k = 7 before the longest
+    interval."""
+    for costs in (EAGER_64, CHEAPER_64):
+        assert loss_after_warm_up(costs, 64, accepted=K, baseline=K) <= 0.002
+    model = AdaptiveK((0, K), configured=K)
+    timed_steps(model, 64, CHEAPER_64, K, ROUND)
+    steps = MAX_REFRESH_STEPS - ROUND
+    assert timed_steps(model, 64, CHEAPER_64, K, steps)[2] == [K] * steps
+
+
+def test_a_loser_that_cannot_win_is_checked_at_the_longest_interval() -> None:
+    """Batch 128, k = 7 at 150 ms: even every draft accepted (8 tokens a request) makes less than 12.9 ms steps
+    without drafting, so it is checked again only after MAX_REFRESH_STEPS (its cost may have been an outlier)."""
+    model = AdaptiveK((0, K), configured=K)
+    timed_steps(model, 128, EAGER_128, 0, ROUND)
+    chosen = timed_steps(model, 128, EAGER_128, 0, MAX_REFRESH_STEPS + ROUND)[2]
+    assert chosen[: MAX_REFRESH_STEPS - ROUND] == [0] * (MAX_REFRESH_STEPS - ROUND)
+    assert K in chosen  # checked once more, at the longest interval
+
+
+def test_a_loser_that_could_win_is_still_checked() -> None:
+    """Negative control of the longest interval: k = 7 at 33.7 ms could win (8 tokens a request against 3.2 plain
+    steps), so it is checked within the share's interval (~430 steps here), doubled while it loses."""
+    model = AdaptiveK((0, K), configured=K)
+    timed_steps(model, 64, CHEAPER_64, 0, ROUND)
+    chosen = timed_steps(model, 64, CHEAPER_64, 0, 2000)[2]
+    checks = [i for i, (a, b) in enumerate(itertools.pairwise([0, *chosen])) if a == 0 and b == K]
+    assert 2 <= len(checks) <= 4
+    assert checks[0] >= 250  # not at the first REFRESH_STEPS: the check would cost over 1 % of the time
+
+
+def test_a_check_finds_a_drafter_that_became_right() -> None:
+    """The drafts become right (other traffic) while k = 0 is exploited at batch 64: the next check sees it and
+    k = 7 is kept from then on."""
+    model = AdaptiveK((0, K), configured=K)
+    timed_steps(model, 64, CHEAPER_64, 0, 3 * ROUND)
+    assert model.plan(64) == 0
+    chosen = timed_steps(model, 64, CHEAPER_64, K, 1000)[2]
+    assert chosen[-200:] == [K] * 200
+
+
+def test_dear_checks_are_a_function_of_the_measurements() -> None:
+    runs = []
+    for _ in range(2):
+        model = AdaptiveK((0, K), configured=K)
+        runs.append(timed_steps(model, 64, EAGER_64, 0, 1500)[2] + timed_steps(model, 128, EAGER_128, 3, 1500)[2])
+    assert runs[0] == runs[1]
+
+
+def test_measured_once_every_candidate_is_compared_at_the_bucket() -> None:
+    """What a benchmark's warm-up waits for: every candidate's cost at the batch's bucket, none under test."""
+    model = AdaptiveK((0, 3, K), configured=K)
+    assert not model.measured(64)
+    chosen = timed_steps(model, 64, {**CHEAPER_64, 3: (0.018, 0.004)}, K, 40)[2]
+    assert model.measured(64) and model.measured(33) and not model.measured(32)  # buckets: powers of two
+    assert set(chosen) == {0, 3, K}

@@ -12,7 +12,7 @@ from engine_driving import Collector, add_all
 from executor_builders import greedy
 from greedy_reference import greedy_reference
 from prometheus_client import CollectorRegistry
-from spec_builders import spec_session
+from spec_builders import ReplayDrafts, spec_session
 from spec_checks import assert_no_leak, prompts
 from tree_cases import tree_session
 
@@ -59,6 +59,50 @@ def test_chain_greedy_equals_target_only_as_k_switches(method: str) -> None:
     assert set(scripted.chosen) == set(cycle)
     assert session.engine.spec_step is not None and session.engine.spec_step.counts["eager"] > 0  # the device step
     assert_no_leak(session)
+
+
+def replayed_verifications(method: str, wrong_at: int | None) -> list[tuple[int, int]]:
+    """(drafts verified, drafts accepted) of each verified request of a batch whose drafter proposes the target's
+    own next tokens (ReplayDrafts, the draft at `wrong_at` corrupted) while k switches as in the test above."""
+    k = 4
+    session = spec_session(method, k, max_num_batched_tokens=128)
+    session.engine.speculation = scripted = Scripted([k, k, 0, 0, k, 2, 0, k, k, k, 1, 0, 3], list(range(k + 1)))
+    verified: list[tuple[int, int]] = []
+    observe = scripted.observe_verify
+
+    def observing(depths: list[int], accepted: list[int]) -> None:
+        verified.extend(zip(depths, accepted, strict=True))
+        observe(depths, accepted)
+
+    scripted.observe_verify = observing  # type: ignore[method-assign]
+    batch = prompts(4, seed=3)
+    model = session.loaded.model
+    reference = {rid: greedy_reference(model, prompt, 40 + k + 1) for rid, prompt in batch.items()}  # no padding
+    assert session.proposer is not None
+    session.proposer.replay = ReplayDrafts(reference, model.config.vocab_size, wrong_at)
+    sink = generate(session, batch, 40)
+    for rid in batch:
+        assert sink.tokens(rid) == reference[rid][:40], rid
+    assert_no_leak(session)
+    return verified
+
+
+@pytest.mark.parametrize("method", ["eagle3", "dflash"])
+def test_replayed_drafts_are_all_accepted_as_k_switches(method: str) -> None:
+    """The engine side of the benchmark's always-right drafter: whatever k the steps before took (none, fewer), a
+    step's drafts are the request's next tokens and the verification counts each one accepted. (The H100's
+    collapse of that drafter under adaptive speculation was the bf16 target's tokens changing with the step's
+    shape, not the engine: bench/specdec_bench.py, `echoing_target`.)"""
+    verified = replayed_verifications(method, None)
+    assert len(verified) > 20 and len({d for d, _ in verified}) >= 3  # the loaded k and fewer
+    assert all(accepted == drafts for drafts, accepted in verified)
+
+
+def test_the_replay_check_sees_a_wrong_draft() -> None:
+    """Negative control: the replay with its third draft corrupted is seen accepting two where it verified more."""
+    verified = replayed_verifications("eagle3", 2)
+    assert any(drafts > 2 for drafts, _ in verified)
+    assert all(accepted == min(drafts, 2) for drafts, accepted in verified)
 
 
 @pytest.mark.parametrize("method", ["eagle3", "dflash"])
