@@ -416,7 +416,7 @@ def capture_graphs(session: ModelSession, settings: EngineSettings, max_model_le
         if proposer is not None:
             runner.capture_graphs([proposer.num_draft_tokens + 1], spec_batch, max_model_len)
     if proposer is not None and proposer.backend in GRAPH_BACKENDS:
-        proposer.capture_graphs(spec_batch)
+        proposer.capture_graphs(spec_batch, settings.max_num_seqs)
     spec_step = session.engine.spec_step
     if spec_step is not None and {session.decision.backend, spec_step.proposer.backend} <= GRAPH_BACKENDS:
         spec_step.capture_graphs(spec_batch, max_model_len)

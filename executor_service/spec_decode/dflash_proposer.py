@@ -103,7 +103,8 @@ class DFlashProposer(Proposer):
         return step, (starts[:, None] + offsets).clamp(max=self.max_model_len - 1).reshape(-1)
 
     def _passes(self) -> dict[str, DraftPass]:
-        """Each pass a graph can replay, by name: the context K/V, and the block after it."""
+        """Each pass a graph can replay, by name: the context K/V (of a verify step's rows, or one row per
+        request), and the block after it."""
         hidden = self.config.model.hidden_size
         features = len(self.config.target_layer_ids) * hidden or hidden
         dtype, ids = self.kv_cache.storage.dtype, ((), torch.int64)
@@ -112,6 +113,7 @@ class DFlashProposer(Proposer):
             "dflash_context": DraftPass(
                 self._dflash_context, self.num_draft_tokens + 1, {"features": ((features,), dtype)}
             ),
+            "dflash_context row": DraftPass(self._dflash_context, 1, {"features": ((features,), dtype)}),
             "dflash_block": DraftPass(
                 _reads_block_table(self._dflash_block), 1, {"input_ids": ids},
                 {"ahead_slots": ((size,), torch.int64, -1)},

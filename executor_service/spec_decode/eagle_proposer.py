@@ -113,13 +113,15 @@ class EagleProposer(Proposer):
         )
 
     def _passes(self) -> dict[str, DraftPass]:
-        """Each pass a graph can replay, by name: the context pass, and the chain after it."""
+        """Each pass a graph can replay, by name: the context pass (over a verify step's rows, or one row per
+        request), and the chain after it."""
         hidden = self.config.model.hidden_size
         features = len(self.config.target_layer_ids) * hidden or hidden
         dtype, ids = self.kv_cache.storage.dtype, ((), torch.int64)
         context_inputs = {"input_ids": ids, "features": ((features,), dtype)}
         return {
             "eagle_context": DraftPass(self._eagle_context, self.num_draft_tokens + 1, context_inputs),
+            "eagle_context row": DraftPass(self._eagle_context, 1, context_inputs),
             "eagle_chain": DraftPass(
                 _reads_block_table(self._eagle_chain),
                 1,

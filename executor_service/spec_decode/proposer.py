@@ -393,7 +393,10 @@ class Proposer:
     def _run(
         self, name: str, uniform: bool, step: AttentionStep, positions: torch.Tensor, **inputs: torch.Tensor
     ) -> tuple[torch.Tensor, ...]:
-        """A pass over host-built metadata; replayed when the batch is uniform and fits a graph."""
+        """A pass over host-built metadata; replayed when the batch is uniform and fits a graph. A batch of one
+        row per request (steps without drafts: adaptive speculation's k = 0) replays the pass's one-row graphs."""
+        if not uniform and step.max_query_len == 1 and f"{name} row" in self.graphs:
+            name, uniform = f"{name} row", True
         graphs = self.graphs.get(name)
         if graphs is not None and uniform and step.seq_lens.shape[0] <= graphs.max_batch:
             self.pass_counts[f"{name} graph"] += 1
@@ -420,12 +423,14 @@ class Proposer:
         """Each pass a graph can replay, by name (the method's)."""
         raise NotImplementedError
 
-    def capture_graphs(self, max_batch: int) -> None:
-        """One graph set per pass (CUDA, capture-safe drafter backend); larger batches, and context passes
-        of uneven batches, run eagerly."""
+    def capture_graphs(self, max_batch: int, row_batch: int | None = None) -> None:
+        """One graph set per pass (CUDA, capture-safe drafter backend), up to `max_batch` requests, the one-row
+        context passes up to `row_batch` (a decode step's whole batch: at k = 0 the drafter's pass is all it adds
+        to the target's); larger batches, and context passes of uneven batches, run eagerly."""
         for name, draft_pass in self.passes.items():
+            batch = (row_batch or max_batch) if name.endswith(" row") else max_batch
             graphs = StepGraphs(
-                f"drafter {name}", draft_pass.forward, self.backend, draft_pass.query_len, max_batch,
+                f"drafter {name}", draft_pass.forward, self.backend, draft_pass.query_len, batch,
                 self.max_model_len, self.block_size, self.device, draft_pass.inputs,
                 request_inputs=draft_pass.request_inputs,
             )  # fmt: skip

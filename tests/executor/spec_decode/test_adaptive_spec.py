@@ -129,12 +129,16 @@ def drafter_cache(session: ModelSession, request: Request, positions: int) -> to
     return flat[:, :, slots].clone()
 
 
-def drafter_caches(method: str) -> list[torch.Tensor]:
+def drafter_caches(method: str, graphs: bool = False) -> list[torch.Tensor]:
     """The drafter's cache of one request's verified positions after 16 tokens: the loaded k every step, then
-    with stretches of k = 0."""
+    with stretches of k = 0. `graphs`: the drafter's passes captured (the CPU's eager replays), their counts
+    checked: steps without drafting replay the one-row context graph."""
     caches = []
     for cycle in ([3], [0, 0, 0, 3, 0, 3, 3, 0]):
         session = spec_session(method, 3, max_num_batched_tokens=128)
+        assert session.proposer is not None
+        if graphs:
+            session.proposer.capture_graphs(4, 8)
         session.engine.speculation = Scripted(cycle, [0, 3])
         request = session.new_request("r", list(range(5, 25)), greedy(), 24, Collector())
         session.engine.add(request)
@@ -145,16 +149,23 @@ def drafter_caches(method: str) -> list[torch.Tensor]:
             session.engine.step()
         verified = request.num_computed_tokens - 1
         caches.append(drafter_cache(session, request, verified))
+        context = f"{method.removesuffix('3')}_context row"
+        if graphs and 0 in cycle:  # every k = 0 step's context pass replayed the one-row graph
+            counts = session.proposer.pass_counts
+            assert counts[f"{context} graph"] >= cycle.count(0) and counts[f"{context} eager"] == 0, counts
         session.engine.abort(["r"])
         session.engine.run_until_idle()
     return caches
 
 
-@pytest.mark.parametrize("method", ["eagle3", "dflash"])
-def test_the_drafter_cache_follows_steps_without_drafting(method: str) -> None:
+@pytest.mark.parametrize(
+    ("method", "graphs"), [("eagle3", False), ("dflash", False), ("eagle3", True), ("dflash", True)]
+)
+def test_the_drafter_cache_follows_steps_without_drafting(method: str, graphs: bool) -> None:
     """Every verified position's drafter K/V after stretches of k = 0 equals the K/V of the loaded k throughout:
-    the context pass runs on those steps (drafting resumes from a complete cache)."""
-    fixed, switching = drafter_caches(method)
+    the context pass runs on those steps (drafting resumes from a complete cache), eagerly or from the one-row
+    context graph."""
+    fixed, switching = drafter_caches(method, graphs)
     assert fixed.abs().sum() > 0
     torch.testing.assert_close(switching, fixed, rtol=1e-4, atol=1e-5)
 
