@@ -112,9 +112,11 @@ class Engine(EngineLoop):
             k_next = self._plan(requests)
             self._propose(outcomes, output.features, k_next)
             self._cache_prefixes(requests)  # once the drafter wrote its K/V too
-            if len(sampled) == len(requests):  # every request verified: steady only if each had the same drafts
-                verified_drafts = {len(tree.tokens) if tree is not None else 0 for tree in trees}
-                self._note_steady(len(sampled), verified_drafts, k_next)
+            # Steady only if every request verified the same drafts and none prefilled (a prefill step's time is
+            # its prompts', not a k's: at batch 128 it priced k = 0 at 200 ms a step).
+            drafts = [len(tree.tokens) if tree is not None else 0 for tree in trees]
+            if scheduled.num_new_tokens == [n + 1 for n in drafts]:
+                self._note_steady(len(sampled), set(drafts), k_next)
         if self.on_step is not None:
             self.on_step(scheduled.num_tokens, generated, time.perf_counter() - started)
 

@@ -206,3 +206,37 @@ def test_measured_choice_keeps_tokens_and_reports_k() -> None:
 def test_fixed_speculation_setting() -> None:
     session = spec_session("eagle", 3)
     assert session.engine.speculation is None  # adaptive off: the loaded k every step
+
+
+def test_only_decode_and_verify_steps_price_a_k() -> None:
+    """A step that prefills (a prompt's last chunk, its request verifying nothing) is not a k = 0 step: its time is
+    the prompts'. Every step the cost model records scheduled exactly k + 1 tokens per request."""
+    session = spec_session("eagle3", 3, max_num_batched_tokens=128)
+    engine = session.engine
+    engine.speculation = speculation = Scripted([0, 3, 0], [0, 3])  # k = 0 planned when the prompts prefill
+    scheduled: list = []
+    schedule, record, step = engine.scheduler.schedule, speculation.record, engine.step
+
+    def scheduling():  # type: ignore[no-untyped-def]
+        found = schedule()
+        scheduled.append(found)
+        return found
+
+    def stepping() -> None:
+        scheduled.clear()
+        step()
+
+    checked: list[int] = []
+
+    def recording(batch: int, k: int, seconds: float) -> None:
+        if scheduled:  # a step scheduled on the host (device steps launched ahead schedule nothing)
+            assert scheduled[-1].num_new_tokens == [k + 1] * batch, (scheduled[-1].num_new_tokens, k)
+            checked.append(k)
+        record(batch, k, seconds)
+
+    engine.scheduler.schedule, speculation.record, engine.step = scheduling, recording, stepping  # type: ignore[method-assign]
+    sink = Collector()
+    add_all(session, prompts(6, seed=11), greedy(16), sink)
+    engine.run_until_idle()
+    assert checked  # steady steps were recorded, each checked
+    assert_no_leak(session)
