@@ -125,6 +125,7 @@ class StepGraphs:
         self.query_start_loc = torch.arange(top + 1, dtype=torch.int32, device=device) * query_len
         self.graphs: dict[int, torch.cuda.CUDAGraph | EagerReplay] = {}
         self.outputs: dict[int, tuple[torch.Tensor, ...]] = {}
+        self.pool: object | None = None  # the memory pool its graphs were captured into (CUDA), for others to share
 
     @property
     def max_batch(self) -> int:
@@ -159,6 +160,7 @@ class StepGraphs:
                     pool = torch.cuda.graph_pool_handle()
                     self.graphs[size] = self._capture_one(size, pool)
         torch.cuda.synchronize()
+        self.pool = pool
         log.info("captured %s graphs", self.name, extra={"batch_sizes": self.buckets, "query_len": self.query_len})
 
     def _capture_one(self, size: int, pool: object) -> torch.cuda.CUDAGraph:

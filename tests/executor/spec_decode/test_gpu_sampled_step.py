@@ -67,3 +67,5 @@ def test_sampled_only_batches_replay_the_sampled_graph(shape: str) -> None:
     assert counts["sampled"] > 0 and counts["graph"] > 0 and counts["eager"] == 0 and counts["eager following"] == 0
     assert all(len(sink.tokens(f"s{i}")) == 30 for i in range(4))
     assert session.engine.step_counts["host drafts"] == 0  # every verify step on the device, drawn drafts too
+    step = step_of(session)
+    assert len({graphs.pool for graphs in step.graphs.values()}) == 1  # the variants share one memory pool
