@@ -8,8 +8,9 @@ every size: the target's captured on every rank and replayed in lockstep, rank 0
 compare on the same footing. Size "1g" is TP 1 through the parallel package (a group of one rank: NCCL on one
 GPU), beside plain "1". Reported per size and method: output tokens/s, the burst's seconds, its target steps and
 the time per step, drafted / accepted, how the target's steps ran (graph replays, eager calls), the share of a
-step spent in collectives (a profiled short burst: NCCL kernels' time over all kernels' on the GPU, the
-collectives' wall time on the CPU), and whether the tokens equal the first size's, with where they first differ
+step spent in collectives (a profiled short burst's decode steps, on every rank: NCCL kernels' time over all
+kernels' on the GPU, kernel against wall time, the costliest kernels; the collectives' wall time on the CPU),
+and whether the tokens equal the first size's, with where they first differ
 (bf16 sums round differently across ranks, so a near tie may differ; fp32 matches). The synthetic drafter accepts
 next to nothing, so the speculative rows give the cost of verify steps with k drafts at each size, not a speedup.
 
@@ -27,6 +28,7 @@ import argparse
 import json
 import os
 import sys
+import tempfile
 import time
 from collections import Counter
 from pathlib import Path
@@ -53,7 +55,7 @@ from specdec.v1 import common_pb2  # noqa: E402
 DEFAULTS = {"preset": "llama3-8b", "device": "cuda", "backend": "TRITON_ATTN", "method": "eagle3", "tp_sizes": "1,2,4",
             "batch": 32, "prompt_len": 128, "decode_tokens": 128}  # fmt: skip
 PROFILED_TOKENS = 16  # the profiled burst's tokens per request (its steps give the collectives' share)
-TOP_KERNELS = 12  # the costliest kernels reported per TP size (GPU)
+PREFILL_STEPS = 2  # engine steps of the profiled burst left out: its prefill (and the first decode step)
 TINY = {"preset": "tiny", "device": "cpu", "backend": "CPU_ATTN", "method": "eagle3", "tp_sizes": "1,2", "batch": 4,
         "prompt_len": 16, "decode_tokens": 8}  # fmt: skip
 
@@ -105,38 +107,57 @@ def run_burst(session: ModelSession, args: argparse.Namespace, decode_tokens: in
 
 
 def collective_share(session: ModelSession, args: argparse.Namespace) -> dict[str, Any]:
-    """A short burst (PROFILED_TOKENS each, prefill included) under torch.profiler on rank 0. GPU: the NCCL
-    kernels' time over all kernels' (waits for a slower rank included: what a step loses to the collectives).
-    CPU: the gloo collectives' time on their worker thread (peers' waits included) over the burst's wall time."""
+    """A short burst (PROFILED_TOKENS each) whose decode steps (after the first PREFILL_STEPS engine steps: the
+    prompts' prefill) run under torch.profiler on every rank (rank_profile.py; followers through PROFILE ops). Per
+    rank: GPU kernel time against wall time per step, the collectives' share (NCCL kernels' time over all kernels',
+    waits for a slower rank included; on the CPU gloo's ops over the wall time), the costliest kernels."""
     from torch.profiler import ProfilerActivity, profile
 
+    from executor_service.parallel.driver import TensorParallelModel
+    from executor_service.parallel.rank_profile import PROFILE_DIR_ENV, summarize
+
     cuda = torch.device(args.device).type == "cuda"
-    before = sum(step_replays(session).values())
-    with profile(activities=[ProfilerActivity.CUDA if cuda else ProfilerActivity.CPU]) as prof:
-        seconds, _ = run_burst(session, args, PROFILED_TOKENS, seed=2)
-        if cuda:
-            torch.cuda.synchronize()
-    steps = max(sum(step_replays(session).values()) - before, 1)
-    events = prof.key_averages()
-    kernels: list[tuple[str, float]] = []
+    model = session.loaded.model
+    followers = model if isinstance(model, TensorParallelModel) else None
+    engine, state = session.engine, {"steps": 0, "started": 0.0, "before": 0}
+    prof = profile(activities=[ProfilerActivity.CUDA if cuda else ProfilerActivity.CPU])
+    step = engine.step
+
+    def stepping() -> None:  # the profile starts once the prompts are prefilled
+        if state["steps"] == PREFILL_STEPS:
+            if cuda:
+                torch.cuda.synchronize()
+            if followers is not None:
+                followers.profile(True)
+            prof.__enter__()
+            state["started"], state["before"] = time.perf_counter(), sum(step_replays(session).values())
+        state["steps"] += 1
+        step()
+
+    engine.step = stepping  # type: ignore[method-assign]
+    try:
+        run_burst(session, args, PROFILED_TOKENS, seed=2)
+    finally:
+        engine.step = step  # type: ignore[method-assign]
+    if state["steps"] <= PREFILL_STEPS:
+        return {"error": "the burst ended before its decode steps"}
     if cuda:
-        kernels = sorted(((e.key, e.self_device_time_total) for e in events), key=lambda kt: -kt[1])
-        total = sum(t for _, t in kernels)
-        collective_us = sum(t for key, t in kernels if "nccl" in key.lower())
-        share = collective_us / total if total else None
-    else:
-        collective_us = sum(e.cpu_time_total for e in events if e.key.startswith("gloo:"))
-        share = collective_us / 1e6 / seconds
-    report = {
-        "share": round(share, 4) if share is not None else None,
-        "per_step_ms": round(collective_us / 1000 / steps, 4),
-        "profiled_steps": steps,
-        "profiled_seconds": round(seconds, 3),
-    }
-    if cuda:  # where a step's time goes: the GPU busy (kernels) against the wall, and the costliest kernels
-        report["kernel_ms_per_step"] = round(total / 1000 / steps, 4)
-        report["wall_ms_per_step"] = round(seconds * 1000 / steps, 4)
-        report["top_kernels_us_per_step"] = {key[:80]: round(t / steps, 1) for key, t in kernels[:TOP_KERNELS]}
+        torch.cuda.synchronize()
+    seconds = time.perf_counter() - state["started"]
+    prof.__exit__(None, None, None)
+    if followers is not None:
+        followers.profile(False)
+    steps = sum(step_replays(session).values()) - state["before"]
+    report = summarize(prof, seconds, steps, cuda)
+    folder = os.environ.get(PROFILE_DIR_ENV)
+    if followers is not None and folder:  # each follower's own summary of the same steps
+        report["followers"] = {}
+        for rank in range(1, followers.group.world_size):
+            path = Path(folder) / f"rank{rank}.json"
+            deadline = time.monotonic() + 10.0
+            while not path.exists() and time.monotonic() < deadline:
+                time.sleep(0.05)
+            report["followers"][str(rank)] = json.loads(path.read_text()) if path.exists() else {"error": "no file"}
     return report
 
 
@@ -166,6 +187,9 @@ def run_size(args: argparse.Namespace) -> None:
     followers = None
     if args.tp_size > 1 or args.group:
         from executor_service.parallel.launcher import Followers
+        from executor_service.parallel.rank_profile import PROFILE_DIR_ENV
+
+        os.environ[PROFILE_DIR_ENV] = tempfile.mkdtemp(prefix="tp-profile-")  # the followers inherit it
 
         followers = Followers(args.tp_size, torch.device(args.device), None)
     try:

@@ -120,7 +120,7 @@ EXECUTOR_LAYERS: tuple[Layer, ...] = (
             "__init__ errors cancellation daemon_thread load_phases models.__init__ models.attention_step "
             "models.fused_ops models.detokenizer runner.__init__ runner.step_constants sample.__init__ "
             "engine.__init__ spec_decode.__init__ server.__init__ parallel.__init__ parallel.channel "
-            "parallel.stack_dumps"
+            "parallel.stack_dumps parallel.rank_profile"
         ),
     ),
     Layer(

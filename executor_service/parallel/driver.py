@@ -118,6 +118,11 @@ class TensorParallelModel(nn.Module):
             protocol.send_move(self.group, self.model_id, src, dst)
             copy_kv_slots(layers, src, dst)
 
+    def profile(self, on: bool) -> None:
+        """Every follower starts or stops its profile of the steps between (rank_profile.py)."""
+        with on_all_ranks(self.group):
+            protocol.send_header(self.group, Op.PROFILE, self.model_id, int(on))
+
     def release(self) -> None:
         """The other ranks drop this model's shard and KV cache (a broken group has nothing to drop)."""
         if self.group.failure is None:

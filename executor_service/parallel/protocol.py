@@ -18,6 +18,8 @@ tensors, no host copy). Followers never wait on the device to learn what to run 
   every rank captures the target's CUDA graphs of one kind, bucket by bucket in the same order (graphs.py).
 - REPLAY (model id, graph id, bucket): every rank replays that bucket's graph. No payload: the graph itself
   starts with a broadcast of rank 0's static inputs (graphs.py), captured with the rest.
+- PROFILE (model id, on): every follower starts (1) or stops (0) torch.profiler; at stop it writes where its
+  steps' time went (rank_profile.py). Rank 0 profiles itself around the same steps.
 - UNLOAD (model id), STOP.
 
 Sampling, scheduling and drafting happen on rank 0 only, so sampling settings never travel.
@@ -54,6 +56,7 @@ class Op(enum.IntEnum):
     MOVE_KV = 7
     CAPTURE = 8
     REPLAY = 9
+    PROFILE = 10
 
 
 def send_message(group: TensorParallelGroup, op: Op, *values: int) -> None:

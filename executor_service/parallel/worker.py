@@ -30,6 +30,7 @@ from executor_service.parallel.launcher import release_graphs
 from executor_service.parallel.layers import rank_config
 from executor_service.parallel.loading import load_target_shard
 from executor_service.parallel.protocol import NO_LOGITS, Op
+from executor_service.parallel.rank_profile import RankProfile
 from executor_service.parallel.stack_dumps import dump_on_signal
 from executor_service.parallel.state import TensorParallelGroup, destroy_tensor_parallel, init_tensor_parallel
 from executor_service.runner.cuda_graphs import StepGraphs
@@ -85,11 +86,17 @@ def follow(group: TensorParallelGroup, ring: ControlRing, model_root: Path | Non
     shards: dict[int, Shard] = {}
     spin_s = float(os.environ.get(SPIN_ENV) or (CUDA_SPIN_S if group.device.type == "cuda" else 0.0))
     idle = parent_watch()
+    profiler = RankProfile(group.rank, group.device.type == "cuda")
     while True:
         message = ring.receive(idle, spin_s)
         op, values = Op(message[0]), message[1:]
         if op == Op.STOP:
             break
+        if op == Op.PROFILE:
+            profiler.toggle(bool(values[1]))
+            continue
+        if op in (Op.FORWARD, Op.REPLAY):
+            profiler.count_step()
         run_op(group, shards, op, values, model_root)
     shards.clear()  # their graphs first: NCCL tears down only once no graph holds its collectives
     release_graphs()

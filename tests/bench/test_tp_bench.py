@@ -24,3 +24,6 @@ def test_tiny_run_reports_each_size_and_equal_tokens(tmp_path: Path) -> None:
             assert figures["identical_to_first"] and figures["output_tokens_per_s"] > 0
             assert figures["replays"]["eager"] > 0 and "graph" not in figures["replays"]  # the CPU: eager
     assert report["tp"]["2"]["none"]["drafted"] == 0
+    profiled = report["tp"]["2"]["none"]["collectives"]  # rank 0's decode steps, and rank 1's own of the same
+    follower = profiled["followers"]["1"]
+    assert profiled["profiled_steps"] > 0 and follower["profiled_steps"] == profiled["profiled_steps"], profiled
