@@ -164,7 +164,7 @@ EXECUTOR_LAYERS: tuple[Layer, ...] = (
     Layer(
         "engine",
         wire_free=True,
-        modules=("engine.engine_loop engine.engine engine.host_step"),
+        modules=("engine.engine_loop engine.engine engine.host_step engine.step_parts"),
     ),
     Layer(
         "server",

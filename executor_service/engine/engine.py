@@ -18,6 +18,7 @@ from executor_service.engine.host_step import draft_inputs, path_moves, verify_d
 from executor_service.engine.outcome import StepOutcome
 from executor_service.engine.request import Finish, Request, RequestOutput, Sink, Status
 from executor_service.engine.scheduler import ScheduledStep, Scheduler
+from executor_service.engine.step_parts import split_for_device
 from executor_service.models.attention_step import to_device
 from executor_service.runner.model_runner import ModelRunner, StepInputs
 from executor_service.sample.logprobs import TokenLogprob
@@ -53,6 +54,7 @@ class Engine(EngineLoop):
         # The drafts each step verifies, chosen from measured costs (adaptive_k.py); None: always the loaded k.
         self.speculation = speculation
         self._steady: tuple[int, int] | None = None  # this step's (batch, k) when it ran steadily at one k
+        self._planned: tuple[int | None] | None = None  # this step's plan (`_plan`), once made
         # Steps by path ("host", "device") and the drafts the host path verified ("host drafts"): tests assert a
         # batch stays on the device step; benchmarks report it.
         self.step_counts: Counter[str] = Counter()
@@ -63,7 +65,7 @@ class Engine(EngineLoop):
     def step(self) -> None:
         """One step (`_step`); a step that ran steadily at one k gives the speculation its wall time."""
         started = time.perf_counter()
-        self._steady = None
+        self._steady, self._planned = None, None
         self._step(started)
         if self.speculation is not None and self._steady is not None:
             self.speculation.record(*self._steady, time.perf_counter() - started)
@@ -82,6 +84,9 @@ class Engine(EngineLoop):
         self._fail_alone(scheduled.failed)  # requests that can never fit the cache
         if not scheduled:
             return
+        parts = split_for_device(scheduled, self.spec_step.rows) if self.spec_step is not None else None
+        if parts is not None and self._device_beside(scheduled, *parts, started):
+            return
         try:
             inputs = self.runner.prepare(scheduled)
             pending = self._launch_on_device(inputs, scheduled.requests)
@@ -91,6 +96,39 @@ class Engine(EngineLoop):
         if pending is not None:
             self._book_on_device(scheduled.requests, pending, started)
             return
+        self._host_step(scheduled, inputs, started)
+
+    def _device_beside(
+        self, scheduled: ScheduledStep, device_part: ScheduledStep, beside: ScheduledStep, started: float
+    ) -> bool:
+        """A step whose running requests verify whole drafts while others prefill or draft fewer (step_parts.py):
+        the first on the device step, the others on the host path beside it, one plan of the next k for all.
+        False: the device step refused its part (the whole step then takes the host path)."""
+        try:
+            pending = self._launch_on_device(self.runner.prepare(device_part), device_part.requests)
+        except Exception as err:  # a kernel or device failure fails that part's requests; the others go on
+            self._fail(device_part.requests, err)
+            pending = None
+            device_part = ScheduledStep()
+        if pending is None and device_part:
+            return False
+        self._plan(scheduled.requests)
+        try:
+            counts = self._host_step(beside, self.runner.prepare(beside), started, observe=pending is None)
+        except Exception as err:
+            self._fail(beside.requests, err)
+            counts = (0, 0)
+        if pending is not None:
+            self._book_on_device(device_part.requests, pending, started, beside=counts)
+        self.step_counts["device beside host"] += 1
+        self._steady = None  # the step's time is both parts': no k's cost
+        return True
+
+    def _host_step(
+        self, scheduled: ScheduledStep, inputs: StepInputs, started: float, observe: bool = True
+    ) -> tuple[int, int]:
+        """The host path: the target's pass, verification on the host, booking, the drafter's proposal. Returns
+        the tokens computed and generated (`observe`: also tell on_step)."""
         requests = scheduled.requests
         try:
             parents = [self.proposer.tree_of(r) for r in requests] if self.proposer is not None else None
@@ -101,7 +139,7 @@ class Engine(EngineLoop):
             verdicts, logprobs = verify_drafts(output.logits, sampled, [trees[i] for i in inputs.sampled])
         except Exception as err:  # a kernel or device failure fails this step's requests, not the server
             self._fail(requests, err)
-            return
+            return 0, 0
         self.step_counts["host"] += 1
         self.step_counts["host drafts"] += sum(len(tree.tokens) for tree in trees if tree is not None)
         self._fail_alone([(r, v) for r, v in zip(sampled, verdicts, strict=True) if isinstance(v, Exception)])
@@ -117,8 +155,9 @@ class Engine(EngineLoop):
             drafts = [len(tree.tokens) if tree is not None else 0 for tree in trees]
             if scheduled.num_new_tokens == [n + 1 for n in drafts]:
                 self._note_steady(len(sampled), set(drafts), k_next)
-        if self.on_step is not None:
+        if observe and self.on_step is not None:
             self.on_step(scheduled.num_tokens, generated, time.perf_counter() - started)
+        return scheduled.num_tokens, generated
 
     def _host_outcomes(
         self,
@@ -198,7 +237,9 @@ class Engine(EngineLoop):
             return None
         return spec_step.launch(inputs, requests)
 
-    def _book_on_device(self, requests: list[Request], pending: PendingStep, started: float) -> None:
+    def _book_on_device(
+        self, requests: list[Request], pending: PendingStep, started: float, beside: tuple[int, int] = (0, 0)
+    ) -> None:
         """Book a device step: its accepted path's K/V is in place; count the kept rows, emit the tokens and hand
         each running request its next drafts. When the same batch can go on, the step after it is launched
         first, its inputs derived on the device, so the device runs it while the host reads this one back and
@@ -229,8 +270,9 @@ class Engine(EngineLoop):
         if following is not None:
             self._in_flight = (requests, following)
         self._note_steady(len(drafted), set(drafted), k_next)
-        if self.on_step is not None:
-            self.on_step(len(requests) * self.spec_step.rows, generated, time.perf_counter() - started)
+        if self.on_step is not None:  # `beside`: the host path's part of the same step (computed, generated)
+            computed = len(requests) * self.spec_step.rows + beside[0]
+            self.on_step(computed, generated + beside[1], time.perf_counter() - started)
 
     def _device_outcome(self, result: VerifiedStep, index: int, request: Request) -> StepOutcome:
         """Request `index`'s outcome of a device step."""
@@ -247,7 +289,9 @@ class Engine(EngineLoop):
         """The drafts per request of the next step for these requests' batch; None: the loaded k, always."""
         if self.speculation is None:
             return None
-        return self.speculation.plan(sum(r.status is Status.RUNNING for r in requests) or 1)
+        if self._planned is None:  # once a step: a step run in two parts plans for all its requests
+            self._planned = (self.speculation.plan(sum(r.status is Status.RUNNING for r in requests) or 1),)
+        return self._planned[0]
 
     def _note_steady(self, batch: int, verified: set[int], k_next: int | None) -> None:
         """A step whose every request verified k drafts and drafted k for the next step measures k's cost."""
@@ -271,6 +315,8 @@ class Engine(EngineLoop):
         spec_step = self.spec_step
         assert spec_step is not None and self.proposer is not None
         if self.proposer.scripted or self.scheduler.waiting or not self._commands.empty():
+            return None
+        if len(requests) != len(self.scheduler.running):  # others run beside them: they need the next step too
             return None
         for request in requests:
             if request.status is not Status.RUNNING or self.proposer.num_drafts(request) != spec_step.num_draft_tokens:
