@@ -84,7 +84,8 @@ class Engine(EngineLoop):
         self._fail_alone(scheduled.failed)  # requests that can never fit the cache
         if not scheduled:
             return
-        parts = split_for_device(scheduled, self.spec_step.rows) if self.spec_step is not None else None
+        spec_step = self.spec_step
+        parts = split_for_device(scheduled, spec_step.rows, spec_step.takes) if spec_step is not None else None
         if parts is not None and self._device_beside(scheduled, *parts, started):
             return
         try:

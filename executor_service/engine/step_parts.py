@@ -2,12 +2,14 @@
 
 New requests arrive while others decode, so a scheduled step often mixes verify rows (each running request's
 newest token and its drafts) with prompt chunks. The device step (spec_step.py) takes only requests that verify
-a whole draft of the loaded shape; rather than send the whole batch to the host path for one newcomer, the
-engine runs those requests on the device step and the rest (prefill chunks, requests drafting fewer) on the
-host path beside it, in the same engine step.
+a whole draft of the loaded shape (a tree's in its layout); rather than send the whole batch to the host path
+for one newcomer, the engine runs those requests on the device step and the rest (prefill chunks, requests
+drafting fewer, trees cut short) on the host path beside it, in the same engine step.
 """
 
 from __future__ import annotations
+
+from collections.abc import Callable
 
 from executor_service.engine.request import Request
 from executor_service.engine.scheduler import ScheduledStep
@@ -19,12 +21,14 @@ def verifies_whole_draft(request: Request, num_new: int, rows: int) -> bool:
     return num_new == rows and pending == 1 and len(request.draft_ids) == rows - 1
 
 
-def split_for_device(scheduled: ScheduledStep, rows: int) -> tuple[ScheduledStep, ScheduledStep] | None:
-    """(the requests verifying a whole draft, the others) when the step has both; None: one part only (the
-    whole step goes one way)."""
+def split_for_device(
+    scheduled: ScheduledStep, rows: int, takes: Callable[[Request], bool]
+) -> tuple[ScheduledStep, ScheduledStep] | None:
+    """(the requests verifying a whole draft that the device step `takes`, the others) when the step has both;
+    None: one part only (the whole step goes one way)."""
     device, beside = ScheduledStep(), ScheduledStep()
     for request, num_new in zip(scheduled.requests, scheduled.num_new_tokens, strict=True):
-        part = device if verifies_whole_draft(request, num_new, rows) else beside
+        part = device if verifies_whole_draft(request, num_new, rows) and takes(request) else beside
         part.requests.append(request)
         part.num_new_tokens.append(num_new)
     if not device or not beside:

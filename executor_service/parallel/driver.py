@@ -151,7 +151,11 @@ def forward_with_logits(
     logits_rows: torch.Tensor | None,
 ) -> tuple[torch.Tensor, list[torch.Tensor], torch.Tensor]:
     """(hidden, captured layers, logits of `logits_rows` or of every row) of the target: under tensor
-    parallelism one op on every rank (model_runner.py's pass), else the model's two calls."""
+    parallelism one op on every rank (model_runner.py's pass), else the model's two calls. No rows (a prompt
+    chunk that samples nothing, run beside a device step): no logits on any rank (ALL_ROWS is 0 rows' count)."""
+    if logits_rows is not None and logits_rows.shape[0] == 0:
+        hidden, aux = model(input_ids, positions, kv_caches, step, aux_layer_ids)
+        return hidden, aux, hidden.new_empty(0, model.config.vocab_size, dtype=torch.float32)
     if isinstance(model, TensorParallelModel):
         logits_of = protocol.ALL_ROWS if logits_rows is None else logits_rows.shape[0]
         call = ForwardCall(input_ids, positions, step, aux_layer_ids, logits_rows, logits_of)

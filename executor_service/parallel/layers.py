@@ -66,7 +66,8 @@ class ParallelLMHead(nn.Module):
         rows, columns = local.shape
         gathered = local.new_empty(self.world_size * rows, columns)
         dist.all_gather_into_tensor(gathered, local)
-        return gathered.view(self.world_size, rows, columns).transpose(0, 1).reshape(rows, -1)[:, : self.vocab_size]
+        joined = gathered.view(self.world_size, rows, columns).transpose(0, 1).reshape(rows, self.world_size * columns)
+        return joined[:, : self.vocab_size]  # (no rows: a prompt chunk that samples nothing, run beside a step)
 
 
 class RowParallelLinear(nn.Linear):

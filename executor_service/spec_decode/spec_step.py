@@ -185,20 +185,22 @@ class SpecStep(VariantSteps):
         return self.tree is None and self.proposer.samples_drafts()
 
     def accepts(self, inputs: StepInputs, requests: list[Request]) -> bool:
-        """Every request verifies a whole draft of the loaded shape (all rows sampled), greedy or sampled, its
-        drafts drawn from q where the step draws (`draws`) or argmax drafts, penalised or not (while the penalty
-        table has slots). A tree in another layout or cut short takes the host path, and the whole step with it."""
+        """Every request verifies a whole draft of the loaded shape (all rows sampled) that the step takes
+        (`takes`), while the penalty table has slots for the penalised ones. Otherwise the host path runs the
+        step, or the part of it the step does not take (engine/step_parts.py)."""
         if inputs.uniform_query_len != self.rows or not self.fits(requests):
             return False
+        return all(self.takes(r) for r in requests)
+
+    def takes(self, request: Request) -> bool:
+        """Whether the step verifies this request's drafts: greedy or sampled, drawn from q where the step draws
+        (`draws`) or argmax drafts; a tree's in the loaded layout, whole (not cut short)."""
         if self.tree is None:
-            return self.draws or all(r.draft_probs is None for r in requests)
-        for request in requests:
-            parents = self.proposer.tree_of(request)
-            if len(parents) != self.num_draft_tokens:
-                return False
-            if self.static_parents is not None and parents != self.static_parents:
-                return False
-        return True
+            return self.draws or request.draft_probs is None
+        parents = self.proposer.tree_of(request)
+        if len(parents) != self.num_draft_tokens:
+            return False
+        return self.static_parents is None or parents == self.static_parents
 
     def reach(self, request: Request) -> int:
         """Positions a request needs room for: its verify rows, and the drafter's keys past the root (the path's

@@ -53,7 +53,7 @@ def test_without_the_split_the_batch_is_demoted_with_the_same_tokens(monkeypatch
     """Negative control: the whole step on the host path verifies the running requests' drafts there; the
     seeded sampled request's tokens are the same either way (both paths draw the same numbers)."""
     _, split_sink, _ = run_with_arrival("eagle3")
-    monkeypatch.setattr(engine_module, "split_for_device", lambda scheduled, rows: None)
+    monkeypatch.setattr(engine_module, "split_for_device", lambda scheduled, rows, takes: None)
     session, sink, _ = run_with_arrival("eagle3")
     counts = session.engine.step_counts
     assert counts["device beside host"] == 0 and counts["host drafts"] > 0, counts
