@@ -108,6 +108,13 @@ def completion_logprobs_json(entries: Sequence[executor_pb2.TokenLogprob]) -> st
     """encode(completion_logprobs(entries)), written directly. A token's top log probabilities are a JSON object
     keyed by token name: none is `{}`, and any go through the dict and the encoder (a token named twice is one
     key there, as in the dict)."""
+    if len(entries) == 1:  # a step of one token: most messages
+        entry = entries[0]
+        top = _top_object(entry.top_logprobs) if entry.top_logprobs else "{}"
+        return (
+            f'{{"tokens":["token_id:{entry.token_id}"],"token_logprobs":[{_float(entry.logprob)}],'
+            f'"top_logprobs":[{top}],"text_offset":null}}'
+        )
     tokens = ",".join([f'"token_id:{entry.token_id}"' for entry in entries])
     values = ",".join([_float(entry.logprob) for entry in entries])
     tops = ",".join([_top_object(entry.top_logprobs) if entry.top_logprobs else "{}" for entry in entries])

@@ -120,7 +120,8 @@ def test_log_probabilities_written_directly_read_as_the_encoder_writes_them():
         entry = response.logprobs.add(token_id=index * 1000, logprob=logprob)
         for top in range(index % 3):
             entry.top_logprobs.add(token_id=7, logprob=logprob - top)  # 7 twice when index % 3 == 2
-    for entries in (response.logprobs, response.logprobs[:1], [], [response.logprobs[0], response.logprobs[2]]):
+    singles = [[entry] for entry in response.logprobs]  # one token a step: each value, with and without tops
+    for entries in (response.logprobs, [], [response.logprobs[0], response.logprobs[2]], *singles):
         assert responses.chat_logprobs_json(entries) == encode(responses.chat_logprobs(list(entries)))
         assert responses.completion_logprobs_json(entries) == encode(responses.completion_logprobs(list(entries)))
 
