@@ -157,7 +157,8 @@ class EventStream(Response):
 
     The start of the response goes through starlette's middleware, which notes that it has started; the body
     goes to the server's own `send` (RAW_SEND in the scope, put there by Gateway.app): the middleware's wrappers
-    pass body messages on untouched, and cost a coroutine each per event."""
+    pass body messages on untouched, and cost a coroutine each per event. (A middleware that rewrites bodies must
+    wrap Gateway.app(), not sit inside starlette.)"""
 
     media_type = "text/event-stream"
 

@@ -1,9 +1,9 @@
 """The gateway's gRPC client, made cheaper per streamed message (docs/gateway.md, "What the gateway's CPU costs").
 
 Its socket I/O is chosen before grpc is imported (gateway_service.main imports this module first): grpc reads
-GRPC_EXPERIMENTS once, when it is imported. By default (grpc 1.84 and 1.85, what this project pins) grpc reads the
-executors' streams on its EventEngine's threads, which hand each completed read to grpc.aio's poller thread, which
-wakes the event loop: two thread hops, each a sleep and a wake-up, for every message an executor streams. With the
+GRPC_EXPERIMENTS once, when it is imported. By default (grpc 1.85, as measured) grpc reads the executors' streams
+on its EventEngine's threads, which hand each completed read to grpc.aio's poller thread, which wakes the event
+loop: two thread hops, each a sleep and a wake-up, for every message an executor streams. With the
 `event_engine_client` experiment off, the poller thread reads the socket itself: one hop. Channels, TLS, `dns:///`
 balancing and deadlines are the same either way. GRPC_EXPERIMENTS set in the environment is left as it is
 (`GRPC_EXPERIMENTS=event_engine_client` keeps grpc's default). The variable is set only while grpc is imported, so
