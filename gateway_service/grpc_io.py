@@ -22,7 +22,7 @@ import sys
 from typing import Any
 
 EXPERIMENTS = "-event_engine_client"
-WAKEUP_PEEK_BYTES = 1 << 16  # more wake-up bytes than completions a turn of the loop has seen come at once
+WAKEUP_PEEK_BYTES = 4096  # wake-up bytes taken at most a turn (more are left for the next turns)
 
 
 def choose_client_io() -> bool:
@@ -64,13 +64,17 @@ def coalesce_wakeups(loop: asyncio.AbstractEventLoop) -> bool:
         if not isinstance(sock, socket.socket):
             return False
 
-        def drain_then_run(sock: socket.socket = sock, callback: Any = callback, args: tuple = args) -> None:
+        buffer = bytearray(WAKEUP_PEEK_BYTES)  # read into, never allocated again
+
+        def drain_then_run(
+            sock: socket.socket = sock, callback: Any = callback, args: tuple = args, buffer: bytearray = buffer
+        ) -> None:
             try:
-                waiting = len(sock.recv(WAKEUP_PEEK_BYTES, socket.MSG_PEEK | socket.MSG_DONTWAIT))
+                waiting = sock.recv_into(buffer, 0, socket.MSG_PEEK | socket.MSG_DONTWAIT)
             except (BlockingIOError, InterruptedError):
                 return  # woken for nothing: grpc's reader would block on its recv
             if waiting > 1:
-                sock.recv(waiting - 1)
+                sock.recv_into(buffer, waiting - 1)
             callback(*args)
 
         loop.remove_reader(sock)
