@@ -36,9 +36,11 @@ import contextlib
 import gateway_bench
 
 
-def stand_in_executor(step_s: float) -> tuple[str, Any]:
+def stand_in_executor(step_s: float, lockstep: bool = False) -> tuple[str, Any]:
     """A grpc.aio Executor server (Generate only) on a free port, in a thread of this process: its address and a
-    function that stops it."""
+    function that stops it. `lockstep`: every stream's next token comes at the same instant (the next multiple of
+    `step_s` on the loop's clock), as the executor's engine steps its whole batch at once; else each stream sleeps
+    `step_s` on its own, and the streams drift apart."""
     import grpc
 
     from specdec.v1 import executor_pb2, executor_pb2_grpc
@@ -47,8 +49,9 @@ def stand_in_executor(step_s: float) -> tuple[str, Any]:
         async def Generate(self, request: Any, context: Any) -> AsyncIterator[Any]:
             n = request.sampling.max_tokens
             prompt = len(request.token_ids.ids) or 1
+            loop = asyncio.get_running_loop()
             for index in range(n):
-                await asyncio.sleep(step_s)
+                await asyncio.sleep(step_s - loop.time() % step_s if lockstep else step_s)
                 token = 1 + (index * 7919 + prompt) % 1000
                 message = executor_pb2.GenerateResponse(request_id=request.request_id, token_ids=[token], text=" tok")
                 message.logprobs.add(token_id=token, logprob=-0.5)
@@ -89,12 +92,15 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=3, help="per-token rounds")
     parser.add_argument("--request-rounds", type=int, default=20, help="rounds of one-token requests")
     parser.add_argument("--step-ms", type=float, default=20.0, help="the stand-in executor's time per token")
+    parser.add_argument(
+        "--lockstep", action="store_true", help="every stream's token at the same instant each step, as an engine step"
+    )
     parser.add_argument("gateway_args", nargs="*", help="flags for specdec-gateway (after --)")
     args = parser.parse_args()
 
     from specdec_cli.local_servers import start_server
 
-    address, stop_executor = stand_in_executor(args.step_ms / 1e3)
+    address, stop_executor = stand_in_executor(args.step_ms / 1e3, args.lockstep)
     with tempfile.TemporaryDirectory() as tmp:
         workdir = Path(tmp)
         gateway_args = ["--executor", address, "--served-model-name", "bench", *args.gateway_args]
@@ -124,6 +130,7 @@ def main() -> None:
             stop_executor()
     result = {
         "gateway_args": args.gateway_args,
+        "lockstep": args.lockstep,
         "us_per_token": round(statistics.median(per_token), 1),
         "us_per_token_rounds": [round(x, 1) for x in per_token],
         "ms_per_request_one_token": round(per_request[0], 3),

@@ -17,7 +17,7 @@ from starlette.applications import Starlette
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
-from starlette.types import Receive, Scope, Send
+from starlette.types import ASGIApp, Receive, Scope, Send
 
 from gateway_service.body import read_json_object
 from gateway_service.caller_auth import CallerAuth
@@ -31,6 +31,7 @@ from specdec.v1 import common_pb2, executor_pb2
 
 log = logging.getLogger("specdec.gateway")
 CLIENT_CLOSED = 499  # nginx's status for a caller that went away; never seen by the caller
+RAW_SEND = "specdec.send"  # the scope's key for the server's own ASGI send
 
 
 @dataclass
@@ -55,7 +56,7 @@ class Gateway:
         finally:
             await self.upstream.close()
 
-    def app(self) -> Starlette:
+    def app(self) -> ASGIApp:
         routes = [
             Route("/v1/chat/completions", self._route("chat", self.generate), methods=["POST"]),
             Route("/v1/completions", self._route("completion", self.generate), methods=["POST"]),
@@ -63,7 +64,14 @@ class Gateway:
             Route("/health", self._route("health", self.health), methods=["GET"]),
             Route("/metrics", self._route("metrics", self.metrics_page), methods=["GET"]),
         ]
-        return Starlette(routes=routes, lifespan=self.lifespan)
+        starlette = Starlette(routes=routes, lifespan=self.lifespan)
+
+        async def app(scope: Scope, receive: Receive, send: Send) -> None:
+            if scope["type"] == "http":
+                scope[RAW_SEND] = send  # the server's send, for EventStream's body
+            await starlette(scope, receive, send)
+
+        return app  # type: ignore[return-value]
 
     def _route(self, name: str, handler: Callable[[Request, str], Any]) -> Callable[[Request], Any]:
         """The handler with errors answered in OpenAI's shape and every answer counted."""
@@ -102,7 +110,7 @@ class Gateway:
             first = await generation.first()
             if parsed.stream:
                 streaming = True  # the stream leaves the gauge, and stops the watcher, when it ends
-                return EventStream(generation.events(first), watcher, self.metrics)
+                return EventStream(generation, first, watcher, self.metrics)
             return JSONResponse(await generation.whole(first))
         except BaseException:
             generation.cancel()
@@ -145,12 +153,23 @@ class Gateway:
 class EventStream(Response):
     """A server-sent event stream, each event sent as it comes (starlette's StreamingResponse, minus its task
     group per request and its disconnect listener: `watcher` already cancels the generation when the caller goes
-    away, which ends `events`). Leaves the open-generations gauge when it ends however it ends."""
+    away, which ends the stream). Leaves the open-generations gauge when it ends however it ends.
+
+    The start of the response goes through starlette's middleware, which notes that it has started; the body
+    goes to the server's own `send` (RAW_SEND in the scope, put there by Gateway.app): the middleware's wrappers
+    pass body messages on untouched, and cost a coroutine each per event. (A middleware that rewrites bodies must
+    wrap Gateway.app(), not sit inside starlette.)"""
 
     media_type = "text/event-stream"
 
-    def __init__(self, events: AsyncIterator[bytes], watcher: asyncio.Task[None], metrics: GatewayMetrics) -> None:
-        self.events, self.watcher, self.metrics = events, watcher, metrics
+    def __init__(
+        self,
+        generation: Generation,
+        first: executor_pb2.GenerateResponse,
+        watcher: asyncio.Task[None],
+        metrics: GatewayMetrics,
+    ) -> None:
+        self.generation, self.first, self.watcher, self.metrics = generation, first, watcher, metrics
         self.status_code = 200
         self.background = None
         self.init_headers({"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
@@ -158,13 +177,9 @@ class EventStream(Response):
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         try:
             await send({"type": "http.response.start", "status": 200, "headers": self.raw_headers})
-            message = {"type": "http.response.body", "body": b"", "more_body": True}
-            async for event in self.events:
-                message["body"] = event  # one message object for every event: send() is done with it
-                await send(message)
-            await send({"type": "http.response.body", "body": b"", "more_body": False})
+            await self.generation.stream(self.first, scope.get(RAW_SEND, send))
         finally:
-            await self.events.aclose()  # type: ignore[attr-defined]
+            self.generation.cancel()  # nothing once it has ended; a send that raised leaves no request running
             self.watcher.cancel()
             self.metrics.open.dec()
 

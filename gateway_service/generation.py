@@ -10,12 +10,11 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import Any
 
 import grpc
-from starlette.types import Receive
+from starlette.types import Receive, Send
 
 from gateway_service.errors import ApiError, from_rpc_error
 from gateway_service.metrics import GatewayMetrics
@@ -66,8 +65,7 @@ class Generation:
             self.ended = True
             raise from_rpc_error(err, self.parsed.param_for) from None
         except asyncio.CancelledError:
-            task = asyncio.current_task()
-            if self.gone and not (task is not None and task.cancelling()):  # the call's, not this task's
+            if self._cancelled_by_caller():
                 raise Disconnected from None
             raise
         if message is grpc.aio.EOF:
@@ -75,6 +73,11 @@ class Generation:
             return None
         self.ended = message.HasField("finished")
         return message
+
+    def _cancelled_by_caller(self) -> bool:
+        """A CancelledError just caught is the call's (cancelled because the caller went away), not this task's."""
+        task = asyncio.current_task()
+        return self.gone and not (task is not None and task.cancelling())
 
     async def first(self) -> executor_pb2.GenerateResponse:
         message = await self.read()
@@ -112,74 +115,49 @@ class Generation:
                 raise ApiError(502, "the executor's stream ended without its final message", code="bad_gateway")
             message = following
 
-    async def events(self, first: executor_pb2.GenerateResponse) -> AsyncIterator[bytes]:
-        """Server-sent events: a chunk per message, the usage chunk if asked for, then [DONE]. An error after the
-        first chunk (the status is sent by then) is an `error` object in the stream, as vLLM and OpenAI do. The
-        caller gone: the events just end (there is nobody to send [DONE] to).
+    async def stream(self, first: executor_pb2.GenerateResponse, send: Send) -> None:
+        """The body of the server-sent events, as ASGI http.response.body messages to `send`: a chunk per executor
+        message (one message per engine step, with every token of that step: one delta carries their text, its log
+        probabilities one entry per token), then the usage chunk if asked for and `data: [DONE]`, which go out
+        with the last chunk in the last body message. An error after the first chunk (the status is sent by then)
+        is an `error` object in the stream, as vLLM and OpenAI do. The caller gone: the body just ends (there is
+        nobody to send [DONE] to).
 
-        Messages that came while the last chunk was being sent (a caller reading slower than the executor
-        writes) go out as one chunk: their text joined, their log probabilities one entry per token, in order.
-        Nothing waits to be batched: a message that finds the sender idle is sent at once."""
-        try:
-            async for messages in self._ready(first):
-                last = messages[-1]
-                yield self.shaper.chunk(messages, messages[0] is first)
-                if last.HasField("finished"):
-                    self._finished(last.finished)
-                    if self.parsed.include_usage:
-                        yield _event(self.shaper.usage_chunk(last.finished))
-                    break
-        except ApiError as err:
-            yield _event(err.body())
-        except Disconnected:
-            return
-        finally:
-            self.cancel()  # the caller went away (this generator was closed early), or the stream broke
-        yield DONE
-
-    async def _ready(self, first: executor_pb2.GenerateResponse) -> AsyncIterator[list[executor_pb2.GenerateResponse]]:
-        """The messages in order, in lists of those already read when the consumer asks: a reader task keeps
-        one read in flight while the consumer sends, so that what piled up meanwhile comes as one list."""
-        loop = asyncio.get_running_loop()
-        ready: list[Any] = [first]  # messages, then None at the end or the exception that ended the reading
-        waiting: list[asyncio.Future[None]] = []
-
-        async def reader() -> None:
-            try:
-                while True:
-                    message = await self.read()
-                    ready.append(message)
-                    if waiting and not waiting[0].done():
-                        waiting[0].set_result(None)
-                    if message is None or message.HasField("finished"):
-                        return
-            except BaseException as err:  # ApiError, Disconnected, or anything else: the consumer raises it
-                ready.append(err)
-                if waiting and not waiting[0].done():
-                    waiting[0].set_result(None)
-                if not isinstance(err, Exception):
-                    raise  # cancelled (the consumer stopped early)
-
-        task = loop.create_task(reader()) if not first.HasField("finished") else None
+        Each message is read when the last chunk has been handed to the connection, so that a caller reading
+        slower than the executor writes holds the executor's stream back through gRPC's flow control, and the
+        gateway buffers nothing of its own."""
+        body: dict[str, Any] = {"type": "http.response.body", "body": b"", "more_body": True}
+        chunk, call, message, is_first, tail = self.shaper.chunk, self.call, first, True, DONE
         try:
             while True:
-                if not ready:
-                    waiting[:] = [loop.create_future()]
-                    await waiting[0]
-                batch, ready[:] = ready[:], []
-                messages = [m for m in batch if isinstance(m, executor_pb2.GenerateResponse)]
-                if messages:
-                    yield messages
-                if len(messages) < len(batch):
-                    end = batch[len(messages)]
-                    if end is None:
-                        return
-                    raise end
-                if messages[-1].HasField("finished"):
-                    return
+                if message.HasField("finished"):
+                    self.ended = True
+                    finished = message.finished
+                    last = chunk(message, is_first)  # an aborted finish raises ApiError here
+                    self._finished(finished)
+                    if self.parsed.include_usage:
+                        last += _event(self.shaper.usage_chunk(finished))
+                    tail = last + DONE
+                    break
+                body["body"] = chunk(message, is_first)  # one dict for every event: send() is done with it
+                is_first = False
+                await send(body)
+                message = await call.read()
+                if message is grpc.aio.EOF:  # ended without its final message: [DONE] all the same
+                    self.ended = True
+                    break
+        except grpc.aio.AioRpcError as err:
+            self.ended = True
+            tail = _event(from_rpc_error(err, self.parsed.param_for).body()) + DONE
+        except ApiError as err:
+            tail = _event(err.body()) + DONE
+        except asyncio.CancelledError:
+            if not self._cancelled_by_caller():
+                raise
+            tail = b""
         finally:
-            if task is not None:
-                task.cancel()
+            self.cancel()  # the caller went away, or the stream broke
+        await send({"type": "http.response.body", "body": tail, "more_body": False})
 
 
 def _event(data: dict[str, Any]) -> bytes:

@@ -7,6 +7,9 @@ Every flag is also SPECDEC_<FLAG> (--executor: SPECDEC_EXECUTOR), as for the oth
 
 from __future__ import annotations
 
+import gateway_service.grpc_io  # noqa: F401  (first: it imports grpc, with the client I/O the gateway uses)
+
+# isort: split
 import argparse
 import asyncio
 import contextlib

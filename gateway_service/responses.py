@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -18,7 +19,16 @@ from specdec.v1 import executor_pb2
 # json.dumps(value, separators=(",", ":")) without building an encoder per call (json.dumps does, for any
 # non-default argument); ensure_ascii and allow_nan stay json's defaults, so the bytes are json.dumps's.
 encode = json.JSONEncoder(separators=(",", ":")).encode
+# What that encoder writes for a string (json.encoder's C function, which JSONEncoder.encode calls for one) and
+# for a float: float.__repr__, but NaN and the infinities as JavaScript names them, as allow_nan=True does.
+_string = json.encoder.encode_basestring_ascii
+_NON_FINITE = {"nan": "NaN", "inf": "Infinity", "-inf": "-Infinity"}
 _NULL_LOGPROBS = ',"logprobs":null,"finish_reason":'
+
+
+def _float(value: float) -> str:
+    text = float.__repr__(value)
+    return _NON_FINITE.get(text, text)
 
 
 def token_name(token_id: int) -> str:
@@ -76,6 +86,45 @@ def completion_logprobs(entries: list[executor_pb2.TokenLogprob]) -> dict[str, A
     }
 
 
+def chat_logprobs_json(entries: Sequence[executor_pb2.TokenLogprob]) -> str:
+    """encode(chat_logprobs(entries)), written directly (a streamed chunk's log probabilities, per token)."""
+    content = ",".join(
+        [
+            f'{{"token":"token_id:{entry.token_id}","logprob":{_float(entry.logprob)},"bytes":null,"top_logprobs":['
+            + ",".join(
+                [
+                    f'{{"token":"token_id:{top.token_id}","logprob":{_float(top.logprob)},"bytes":null}}'
+                    for top in entry.top_logprobs
+                ]
+            )
+            + "]}"
+            for entry in entries
+        ]
+    )
+    return f'{{"content":[{content}]}}'
+
+
+def completion_logprobs_json(entries: Sequence[executor_pb2.TokenLogprob]) -> str:
+    """encode(completion_logprobs(entries)), written directly. A token's top log probabilities are a JSON object
+    keyed by token name: none is `{}`, and any go through the dict and the encoder (a token named twice is one
+    key there, as in the dict)."""
+    if len(entries) == 1:  # a step of one token: most messages
+        entry = entries[0]
+        top = _top_object(entry.top_logprobs) if entry.top_logprobs else "{}"
+        return (
+            f'{{"tokens":["token_id:{entry.token_id}"],"token_logprobs":[{_float(entry.logprob)}],'
+            f'"top_logprobs":[{top}],"text_offset":null}}'
+        )
+    tokens = ",".join([f'"token_id:{entry.token_id}"' for entry in entries])
+    values = ",".join([_float(entry.logprob) for entry in entries])
+    tops = ",".join([_top_object(entry.top_logprobs) if entry.top_logprobs else "{}" for entry in entries])
+    return f'{{"tokens":[{tokens}],"token_logprobs":[{values}],"top_logprobs":[{tops}],"text_offset":null}}'
+
+
+def _top_object(tops: Sequence[executor_pb2.TopLogprob]) -> str:
+    return encode({token_name(top.token_id): top.logprob for top in tops})
+
+
 @dataclass
 class Shaper:
     """Builds every object of one request's answer (same id, model and creation time)."""
@@ -119,21 +168,18 @@ class Shaper:
         self._close_delta = "}" if self.chat else ""
         self._tail = "}]" + (',"usage":null' if self.parsed.include_usage else "") + "}\n\n"
 
-    def chunk(self, messages: list[executor_pb2.GenerateResponse], first: bool) -> bytes:
-        """One server-sent event for one or more consecutive messages (one delta may carry several tokens'
-        text; the log probabilities stay one entry per token, in order); the first chat chunk carries the
-        assistant's role, the last message's finish reason is the chunk's."""
-        last = messages[-1]
-        reason = encode(finish_reason(last.finished)) if last.HasField("finished") else "null"
-        text = last.text if len(messages) == 1 else "".join(m.text for m in messages)
+    def chunk(self, message: executor_pb2.GenerateResponse, first: bool) -> bytes:
+        """One server-sent event for one executor message (one engine step: its delta carries every token's text,
+        its log probabilities one entry per token, in order); the first chat chunk carries the assistant's role,
+        a final message's finish reason is the chunk's."""
+        reason = _string(finish_reason(message.finished)) if message.HasField("finished") else "null"
         if self.parsed.logprobs:
-            entries = list(last.logprobs) if len(messages) == 1 else [e for m in messages for e in m.logprobs]
-            logprobs = f',"logprobs":{encode(self._logprobs(entries))},"finish_reason":'
+            render = chat_logprobs_json if self.chat else completion_logprobs_json
+            logprobs = f',"logprobs":{render(message.logprobs)},"finish_reason":'
         else:
             logprobs = _NULL_LOGPROBS
         head = self._first_head if first else self._head
-        event = f"{head}{encode(text)}{self._close_delta}{logprobs}{reason}{self._tail}"
-        return event.encode()
+        return f"{head}{_string(message.text)}{self._close_delta}{logprobs}{reason}{self._tail}".encode()
 
     def usage_chunk(self, finished: executor_pb2.Finished) -> dict[str, Any]:
         """stream_options.include_usage: the last chunk, with no choices."""

@@ -9,10 +9,12 @@ executors check it."""
 from __future__ import annotations
 
 import argparse
+import asyncio
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from gateway_service.grpc_io import coalesce_wakeups
 from specdec.v1 import executor_pb2, executor_pb2_grpc
 from specdec_runtime.auth import bearer_metadata
 from specdec_runtime.client import BALANCING_OPTIONS, open_aio_channel
@@ -37,6 +39,7 @@ class Upstream:
             flags="--executor-tls",
             options=BALANCING_OPTIONS,
         )
+        self.coalesced = coalesce_wakeups(asyncio.get_running_loop())  # grpc.aio's reader exists once a channel does
         self.executor = executor_pb2_grpc.ExecutorStub(self.channel)
         self.health = health_pb2_grpc.HealthStub(self.channel)
 
