@@ -121,7 +121,7 @@ class Engine(EngineLoop):
             counts = (0, 0)
         if pending is not None:
             self._book_on_device(device_part.requests, pending, started, beside=counts)
-        self.step_counts["device beside host"] += 1
+            self.step_counts["device beside host"] += 1
         self._steady = None  # the step's time is both parts': no k's cost
         return True
 
