@@ -54,7 +54,7 @@ class Engine(EngineLoop):
         # The drafts each step verifies, chosen from measured costs (adaptive_k.py); None: always the loaded k.
         self.speculation = speculation
         self._steady: tuple[int, int] | None = None  # this step's (batch, k) when it ran steadily at one k
-        self._planned: tuple[int | None] | None = None  # this step's plan (`_plan`), once made
+        self._planned: int | None = None  # this step's plan (`_plan`), once made
         # Steps by path ("host", "device") and the drafts the host path verified ("host drafts"): tests assert a
         # batch stays on the device step; benchmarks report it.
         self.step_counts: Counter[str] = Counter()
@@ -291,8 +291,8 @@ class Engine(EngineLoop):
         if self.speculation is None:
             return None
         if self._planned is None:  # once a step: a step run in two parts plans for all its requests
-            self._planned = (self.speculation.plan(sum(r.status is Status.RUNNING for r in requests) or 1),)
-        return self._planned[0]
+            self._planned = self.speculation.plan(sum(r.status is Status.RUNNING for r in requests) or 1)
+        return self._planned
 
     def _note_steady(self, batch: int, verified: set[int], k_next: int | None) -> None:
         """A step whose every request verified k drafts and drafted k for the next step measures k's cost."""

@@ -16,6 +16,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+import torch
 from torch.profiler import ProfilerActivity, profile
 
 PROFILE_DIR_ENV = "SPECDEC_TP_PROFILE_DIR"
@@ -67,8 +68,6 @@ class RankProfile:
             self.started, self.steps = time.perf_counter(), 0
         elif not on and self.prof is not None:
             if self.cuda:
-                import torch
-
                 torch.cuda.synchronize()
             seconds = time.perf_counter() - self.started
             self.prof.__exit__(None, None, None)

@@ -162,7 +162,6 @@ class SpecStep(VariantSteps):
             self.static_parents = static_parents(self.tree)
         self.static_layout: tuple[torch.Tensor, ...] | None = None
         self.vocab_ids = proposer.draft_vocab_ids()  # drawn drafts' q ids in the target's vocabulary
-        self.captured_draws = False  # the drafting rule the sampled variants' graphs were captured for
         if not chain and self.static_parents is not None:
             parents = torch.tensor([self.static_parents], dtype=torch.int64, device=runner.device)
             node_depth, ancestors = tree_layout(parents, self.num_steps)
@@ -173,10 +172,10 @@ class SpecStep(VariantSteps):
     def describe(self) -> str:
         return f"chain, k = {self.num_steps}" if self.tree is None else self.tree.describe()
 
-    def replays(self, variant: str) -> bool:
-        """A sampled variant's graph was captured for one drafting rule (drawn or argmax: `draws` then); under the
-        other one (a test or benchmark switching `sample_drafts` after the load) the step runs eagerly."""
-        return variant == GREEDY or self.draws == self.captured_draws
+    def replays(self, variant: str, graphs: StepGraphs) -> bool:
+        """A sampled variant's graph was captured for one drafting rule (drawn: it reads each request's q); under
+        the other one (a test or benchmark switching `sample_drafts` after the load) the step runs eagerly."""
+        return variant == GREEDY or ("q_ids" in graphs.request_inputs) == self.draws
 
     @property
     def draws(self) -> bool:
@@ -373,7 +372,6 @@ class SpecStep(VariantSteps):
         if self.dynamic:
             base["parents"] = ((self.num_draft_tokens,), torch.int64, -1)
         sampled = {}
-        self.captured_draws = self.draws
         if self.draws:  # each request's q of its drafts (a padded request's: nothing drawn, nothing read)
             shape = (self.num_draft_tokens, self.proposer.q_width)
             sampled = {"q_ids": (shape, torch.int64, 0), "q_probs": (shape, torch.float32, 0)}

@@ -127,7 +127,7 @@ class VariantSteps:
     ) -> tuple[torch.Tensor, ...]:
         raise NotImplementedError
 
-    def replays(self, variant: str) -> bool:
+    def replays(self, variant: str, graphs: StepGraphs) -> bool:
         """Whether the variant's captured graph runs this step as it is now configured (else: eagerly)."""
         return True
 
@@ -137,7 +137,7 @@ class VariantSteps:
         """`kind`: "" for a step launched from host inputs, " following" for one derived on the device."""
         graphs = self.graphs.get(variant)
         self.counts[variant] += 1
-        if graphs is not None and step.seq_lens.shape[0] <= graphs.max_batch and self.replays(variant):
+        if graphs is not None and step.seq_lens.shape[0] <= graphs.max_batch and self.replays(variant, graphs):
             self.counts["graph" + kind] += 1
             return graphs.run(step.block_table, step.seq_lens, step.slot_mapping, positions, **x)
         self.counts["eager" + kind] += 1
