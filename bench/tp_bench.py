@@ -31,6 +31,7 @@ import sys
 import tempfile
 import time
 from collections import Counter
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -45,6 +46,10 @@ from engine_driving import Outputs  # noqa: E402
 from specdec_bench import draft_request, target_request  # noqa: E402
 
 from executor_service.engine.kv_cache import blocks_needed  # noqa: E402
+from executor_service.engine.request import RequestOutput  # noqa: E402
+from executor_service.parallel.all_reduce import CHOICES as ALL_REDUCE_CHOICES  # noqa: E402
+from executor_service.parallel.all_reduce import ENV as ALL_REDUCE_ENV  # noqa: E402
+from executor_service.parallel.state import get_tp_group  # noqa: E402
 from executor_service.sample.sampling import SamplingSettings  # noqa: E402
 from executor_service.server.drafting import resolve_draft  # noqa: E402
 from executor_service.server.session import EngineSettings, ModelSession, build_session  # noqa: E402
@@ -55,7 +60,6 @@ from specdec.v1 import common_pb2  # noqa: E402
 DEFAULTS = {"preset": "llama3-8b", "device": "cuda", "backend": "TRITON_ATTN", "method": "eagle3", "tp_sizes": "1,2,4",
             "batch": 32, "prompt_len": 128, "decode_tokens": 128}  # fmt: skip
 PROFILED_TOKENS = 16  # the profiled burst's tokens per request (its steps give the collectives' share)
-PREFILL_STEPS = 2  # engine steps of the profiled burst left out: its prefill (and the first decode step)
 TINY = {"preset": "tiny", "device": "cpu", "backend": "CPU_ATTN", "method": "eagle3", "tp_sizes": "1,2", "batch": 4,
         "prompt_len": 16, "decode_tokens": 8}  # fmt: skip
 
@@ -80,6 +84,7 @@ def burst(args: argparse.Namespace, method: str) -> dict[str, Any]:
     try:
         run_burst(session, args, args.decode_tokens, seed=0)  # untimed: warm-up
         before = sum(step_replays(session).values())
+        started = time.perf_counter()
         seconds, outputs = run_burst(session, args, args.decode_tokens, seed=1)
         steps = sum(step_replays(session).values()) - before
         tokens = [outputs.tokens(f"r{i}") for i in range(args.batch)]
@@ -87,6 +92,7 @@ def burst(args: argparse.Namespace, method: str) -> dict[str, Any]:
         accepted = sum(o.num_accepted for outs in outputs.by_id.values() for o in outs)
         figures = {"seconds": round(seconds, 3), "output_tokens_per_s": round(sum(map(len, tokens)) / seconds, 1)}
         figures.update(steps=steps, step_ms=round(1000 * seconds / max(steps, 1), 3))
+        figures.update(decode_figures(seconds, outputs, started))
         figures.update(collectives=collective_share(session, args))
         figures.update(drafted=drafted, accepted=accepted, replays=step_replays(session), tokens=tokens)
         return figures
@@ -94,21 +100,69 @@ def burst(args: argparse.Namespace, method: str) -> dict[str, Any]:
         session.shutdown()
 
 
-def run_burst(session: ModelSession, args: argparse.Namespace, decode_tokens: int, seed: int) -> tuple[float, Outputs]:
-    """--batch greedy requests to the end: (seconds, their outputs)."""
-    outputs = Outputs()
+class TimedOutputs(Outputs):
+    """The burst's outputs, and when its decode phase began: the moment every request had its first token (the
+    prompts' prefill, chunked over several steps at batch 32, done), with the tokens and engine steps by then."""
+
+    def __init__(self, batch: int) -> None:
+        super().__init__()
+        self.batch, self.total, self.steps = batch, 0, 0
+        self.started: set[str] = set()
+        self.decode_start: tuple[float, int, int] | None = None  # (time, tokens, steps) then
+
+    def __call__(self, output: RequestOutput) -> None:
+        super().__call__(output)
+        self.total += len(output.token_ids)
+        if output.token_ids and self.decode_start is None:
+            self.started.add(output.request_id)
+            if len(self.started) == self.batch:
+                self.decode_start = (time.perf_counter(), self.total, self.steps)
+
+
+def run_burst(
+    session: ModelSession, args: argparse.Namespace, decode_tokens: int, seed: int,
+    before_step: Callable[[TimedOutputs], None] | None = None,
+) -> tuple[float, TimedOutputs]:  # fmt: skip
+    """--batch greedy requests to the end: (seconds, their outputs). `before_step` runs before each engine step."""
+    outputs = TimedOutputs(args.batch)
     prompts = make_prompts(args.batch, args.prompt_len, PRESETS[args.preset]["vocab"], seed=seed)
-    started = time.perf_counter()
-    for index, prompt in enumerate(prompts):
-        settings = SamplingSettings(ignore_eos=True)
-        session.engine.add(session.new_request(f"r{index}", prompt, settings, decode_tokens, outputs))
-    session.engine.run_until_idle()
-    return time.perf_counter() - started, outputs
+    engine = session.engine
+    step = engine.step
+
+    def counted() -> None:
+        if before_step is not None:
+            before_step(outputs)
+        outputs.steps += 1
+        step()
+
+    engine.step = counted  # type: ignore[method-assign]
+    try:
+        started = time.perf_counter()
+        for index, prompt in enumerate(prompts):
+            settings = SamplingSettings(ignore_eos=True)
+            engine.add(session.new_request(f"r{index}", prompt, settings, decode_tokens, outputs))
+        engine.run_until_idle()
+        return time.perf_counter() - started, outputs
+    finally:
+        engine.step = step  # type: ignore[method-assign]
+
+
+def decode_figures(seconds: float, outputs: TimedOutputs, started: float) -> dict[str, Any]:
+    """The decode phase's own rate (from the last request's first token to the end): tokens/s and ms per engine
+    step. The burst's tokens/s also counts the prompts' prefill, which scales differently with the ranks."""
+    if outputs.decode_start is None:
+        return {"error": "no decode phase"}
+    at, tokens, steps = outputs.decode_start
+    elapsed = started + seconds - at
+    decoded, decode_steps = outputs.total - tokens, outputs.steps - steps
+    rate = round(decoded / elapsed, 1) if elapsed > 0 else None
+    step_ms = round(1000 * elapsed / max(decode_steps, 1), 3)
+    return {"decode_tokens_per_s": rate, "decode_step_ms": step_ms, "decode_steps": decode_steps}
 
 
 def collective_share(session: ModelSession, args: argparse.Namespace) -> dict[str, Any]:
-    """A short burst (PROFILED_TOKENS each) whose decode steps (after the first PREFILL_STEPS engine steps: the
-    prompts' prefill) run under torch.profiler on every rank (rank_profile.py; followers through PROFILE ops). Per
+    """A short burst (PROFILED_TOKENS each) whose decode steps (once every request has its first token: the
+    prompts' prefill done) run under torch.profiler on every rank (rank_profile.py; followers through PROFILE ops). Per
     rank: GPU kernel time against wall time per step, the collectives' share (NCCL kernels' time over all kernels',
     waits for a slower rank included; on the CPU gloo's ops over the wall time), the costliest kernels."""
     from torch.profiler import ProfilerActivity, profile
@@ -119,27 +173,20 @@ def collective_share(session: ModelSession, args: argparse.Namespace) -> dict[st
     cuda = torch.device(args.device).type == "cuda"
     model = session.loaded.model
     followers = model if isinstance(model, TensorParallelModel) else None
-    engine, state = session.engine, {"steps": 0, "started": 0.0, "before": 0}
+    state: dict[str, Any] = {"started": None, "before": 0}
     prof = profile(activities=[ProfilerActivity.CUDA if cuda else ProfilerActivity.CPU])
-    step = engine.step
 
-    def stepping() -> None:  # the profile starts once the prompts are prefilled
-        if state["steps"] == PREFILL_STEPS:
+    def before_step(outputs: TimedOutputs) -> None:  # the profile starts once every prompt is prefilled
+        if state["started"] is None and outputs.decode_start is not None:
             if cuda:
                 torch.cuda.synchronize()
             if followers is not None:
                 followers.profile(True)
             prof.__enter__()
             state["started"], state["before"] = time.perf_counter(), sum(step_replays(session).values())
-        state["steps"] += 1
-        step()
 
-    engine.step = stepping  # type: ignore[method-assign]
-    try:
-        run_burst(session, args, PROFILED_TOKENS, seed=2)
-    finally:
-        engine.step = step  # type: ignore[method-assign]
-    if state["steps"] <= PREFILL_STEPS:
+    run_burst(session, args, PROFILED_TOKENS, seed=2, before_step=before_step)
+    if state["started"] is None:
         return {"error": "the burst ended before its decode steps"}
     if cuda:
         torch.cuda.synchronize()
@@ -194,7 +241,11 @@ def run_size(args: argparse.Namespace) -> None:
         followers = Followers(args.tp_size, torch.device(args.device), None)
     try:
         methods = ["none"] + ([args.method] if args.method != "none" else [])
-        print(json.dumps({method: burst(args, method) for method in methods}), flush=True)
+        figures: dict[str, Any] = {method: burst(args, method) for method in methods}
+        group = get_tp_group()
+        for method in methods:  # what the target's all-reduces used (parallel/all_reduce.py)
+            figures[method]["all_reduce"] = group.all_reduce if group is not None else "none (one process)"
+        print(json.dumps(figures), flush=True)
     finally:
         if followers is not None:
             followers.stop()
@@ -210,6 +261,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument(
         "--tp-sizes", help="comma-separated, e.g. 1,2,4 (sizes above the GPU count are skipped); 1g: a group of one"
     )
+    parser.add_argument(
+        "--all-reduce",
+        default="auto",
+        help="comma-separated SPECDEC_TP_ALL_REDUCE choices, each TP size > 1 runs "
+        "under each (auto, nccl, one-shot): the all-reduces compared in one run",
+    )
     parser.add_argument("--graphs", action="store_true", help="CUDA graphs at every size (default: eager)")
     parser.add_argument("--batch", type=int)
     parser.add_argument("--prompt-len", type=int)
@@ -219,6 +276,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--tp-size", type=int, help=argparse.SUPPRESS)  # the child process of one size
     parser.add_argument("--group", action="store_true", help=argparse.SUPPRESS)  # the child of size 1g
     args = parser.parse_args(argv)
+    args.all_reduce = [c for c in args.all_reduce.split(",") if c]
+    if not args.all_reduce or any(c not in ALL_REDUCE_CHOICES for c in args.all_reduce):
+        parser.error(f"--all-reduce: choices among {', '.join(ALL_REDUCE_CHOICES)}")
     for key, value in (TINY if args.tiny else DEFAULTS).items():
         if getattr(args, key) is None:
             setattr(args, key, value)
@@ -248,19 +308,23 @@ def main(argv: list[str] | None = None) -> int:
     report = {"commit": commit, "dirty": dirty, "versions": versions(), "workload": {k: getattr(args, k) for k in keys}}
     failed = False
     reference: dict[str, Any] | None = None
-    for size in sizes:
-        log(f"TP {size}: loading and timing ({args.preset}, {args.method}, graphs {args.graphs})")
+    runs = [(size, choice) for size in sizes for choice in (args.all_reduce if size not in ("1", "1g") else [""])]
+    for size, choice in runs:
+        key = f"{size}:{choice}" if choice and len(args.all_reduce) > 1 else size
+        log(f"TP {key}: loading and timing ({args.preset}, {args.method}, graphs {args.graphs})")
         child_args = ["--tp-size", size.removesuffix("g")] + (["--group"] if size == "1g" else [])
-        result = run_child([sys.executable, __file__, *own, *child_args], env, args.size_timeout)
+        child_env = {**env, ALL_REDUCE_ENV: choice} if choice else env
+        result = run_child([sys.executable, __file__, *own, *child_args], child_env, args.size_timeout)
         if isinstance(result, str):
-            log(f"TP {size} failed: {result[-12000:]}")
-            rows[size], failed = {"error": result[-12000:]}, True
+            log(f"TP {key} failed: {result[-12000:]}")
+            rows[key], failed = {"error": result[-12000:]}, True
         else:
             reference = reference or result
-            rows[size] = compare(result, reference)
-            show(size, rows[size])
+            rows[key] = compare(result, reference)
+            show(key, rows[key])
         report["tp"] = {s: {m: {k: v for k, v in f.items() if k != "tokens"} if isinstance(f, dict) else f
                             for m, f in methods.items()} for s, methods in rows.items()}  # fmt: skip
+        report["ratios"] = ratios(rows)
         write_result(args.out, "tp", device, commit, report)  # after each size: a run cut short keeps it
     return 1 if failed else 0
 
@@ -288,17 +352,34 @@ def compare(methods: dict[str, Any], reference: dict[str, Any]) -> dict[str, Any
     return methods
 
 
+def ratios(rows: dict[str, Any]) -> dict[str, Any]:
+    """Per size and method against TP 1: decode tokens/s (the throughput bar) and decode ms a step (latency)."""
+    base = rows.get("1", {})
+    out: dict[str, Any] = {}
+    for key, methods in rows.items():
+        for method, figures in methods.items():
+            mine, theirs = figures, base.get(method, {})
+            if key == "1" or "decode_tokens_per_s" not in mine or "decode_tokens_per_s" not in theirs:
+                continue
+            out[f"{key} {method}"] = {
+                "decode_tokens_per_s_over_tp1": round(mine["decode_tokens_per_s"] / theirs["decode_tokens_per_s"], 3),
+                "decode_step_ms_over_tp1": round(mine["decode_step_ms"] / theirs["decode_step_ms"], 3),
+            }
+    return out
+
+
 def show(size: str, methods: dict[str, Any]) -> None:
-    log(f"{'TP':>3} {'method':>8} {'tokens/s':>10} {'step ms':>8} {'coll %':>7} {'accepted':>9} {'replays':>8}  same")
+    log(f"{'TP':>6} {'method':>8} {'tokens/s':>10} {'decode/s':>10} {'step ms':>8} {'coll %':>7} {'accepted':>9} "
+        f"{'replays':>8}  same  (all-reduce: {next(iter(methods.values())).get('all_reduce')})")  # fmt: skip
     for method, figures in methods.items():
         accepted = f"{figures['accepted']}/{figures['drafted']}"
         replays = sum(n for kind, n in figures["replays"].items() if "graph" in kind)
-        share = figures["collectives"]["share"]
+        share = figures["collectives"].get("share")
         share_text = "-" if share is None else f"{100 * share:.1f}"
         divergence = figures["first_divergence"]
         same = "yes" if divergence is None else f"no (from token {divergence['first_position']})"
-        log(f"{size:>3} {method:>8} {figures['output_tokens_per_s']:>10} {figures['step_ms']:>8} {share_text:>7} "
-            f"{accepted:>9} {replays:>8}  {same}")  # fmt: skip
+        log(f"{size:>6} {method:>8} {figures['output_tokens_per_s']:>10} {figures.get('decode_tokens_per_s')!s:>10} "
+            f"{figures.get('decode_step_ms')!s:>8} {share_text:>7} {accepted:>9} {replays:>8}  {same}")  # fmt: skip
 
 
 if __name__ == "__main__":

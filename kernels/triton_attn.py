@@ -112,14 +112,14 @@ def _paged_attention_kernel(
     GROUP: tl.constexpr, ROW_GROUP: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr, HEAD_SIZE: tl.constexpr, HEAD_PAD: tl.constexpr, CAUSAL: tl.constexpr, SPLIT: tl.constexpr,
     PAGE_ALIGNED: tl.constexpr, DOT_PRECISION: tl.constexpr, MAX_SPLITS: tl.constexpr, MIN_SPLIT_LEN: tl.constexpr,
-    TREE: tl.constexpr,
+    TREE: tl.constexpr, NUM_SPLITS: tl.constexpr,
 ):  # fmt: skip
     tile = tl.program_id(0)
     if CAUSAL:  # the last tiles see the most keys: start them first so they do not trail the grid
         tile = tl.num_programs(0) - 1 - tile
     head_block = tl.program_id(1)  # ROW_GROUP query heads (all GROUP heads of a KV head, or just one)
     kv_head = head_block * ROW_GROUP // GROUP
-    split = tl.program_id(2)
+    split = tl.program_id(2)  # the first of the key splits this program takes
     req = find_request(query_start_loc_ptr, tile, num_requests, BLOCK_Q)
     q_start = tl.load(query_start_loc_ptr + req)
     q_len = tl.load(query_start_loc_ptr + req + 1) - q_start
@@ -152,23 +152,53 @@ def _paged_attention_kernel(
     all_visible = context + local + 1 if CAUSAL else kv_len  # keys every row of the tile sees
     if TREE:  # the window's keys depend on each row's mask
         all_visible = tl.maximum(tl.minimum(all_visible, kv_len - 64), 0)
-    start = 0
-    end = kv_end
-    if SPLIT:  # MAX_SPLITS parts of this request's keys, at least MIN_SPLIT_LEN each: a function of the
-        # request alone, so a CUDA graph (launched for its largest context) adds exactly what eager adds.
-        # The last term only matters when fewer programs were launched than that needs (tests force it).
-        split_len = tl.maximum(tl.cdiv(tl.cdiv(kv_end, MAX_SPLITS), BLOCK_N) * BLOCK_N, MIN_SPLIT_LEN)
-        split_len = tl.maximum(split_len, tl.cdiv(tl.cdiv(kv_end, tl.num_programs(2)), BLOCK_N) * BLOCK_N)
-        start = split * split_len
-        end = tl.minimum(start + split_len, kv_end)
-    unmasked_end = tl.maximum(tl.minimum(end, (all_visible // BLOCK_N) * BLOCK_N), start)
-
-    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
-    l_i = tl.zeros([BLOCK_M], tl.float32)
-    acc = tl.zeros([BLOCK_M, HEAD_PAD], tl.float32)
     k_base = k_cache_ptr + kv_head * stride_kh
     v_base = v_cache_ptr + kv_head * stride_kh
     table = block_table_ptr + req.to(tl.int64) * stride_bt
+    out_offs = token[:, None] * stride_ot + head[:, None] * stride_oh + offs_d[None, :]
+    out_mask = row_mask[:, None] & d_mask[None, :]
+    if SPLIT:  # MAX_SPLITS parts of this request's keys, at least MIN_SPLIT_LEN each: a function of the
+        # request alone, so a CUDA graph (launched for its largest context) adds exactly what eager adds. A
+        # launch of fewer programs than NUM_SPLITS has each take every n-th split; the splits stay the same.
+        # The last term only matters when a launch has fewer splits than that needs (tests force it).
+        split_len = tl.maximum(tl.cdiv(tl.cdiv(kv_end, MAX_SPLITS), BLOCK_N) * BLOCK_N, MIN_SPLIT_LEN)
+        split_len = tl.maximum(split_len, tl.cdiv(tl.cdiv(kv_end, NUM_SPLITS), BLOCK_N) * BLOCK_N)
+        num_heads = tl.num_programs(1) * ROW_GROUP
+        for part in range(split, NUM_SPLITS, tl.num_programs(2)):
+            start = part * split_len
+            end = tl.minimum(start + split_len, kv_end)
+            acc, m_i, l_i = _attend_keys(
+                q, k_base, v_base, table, stride_kb, stride_ks, offs_d, q_pos, tree_bits, start, end, all_visible,
+                kv_len, scale_log2, block_size, BLOCK_M, CAUSAL, BLOCK_N, HEAD_SIZE, HEAD_PAD, PAGE_ALIGNED,
+                DOT_PRECISION, TREE,
+            )  # fmt: skip
+            safe_l = tl.where(l_i > 0.0, l_i, 1.0)
+            lse = tl.where(l_i > 0.0, m_i + tl.math.log2(safe_l), float("-inf"))
+            tl.store(out_ptr + part * stride_split_o + out_offs, acc / safe_l[:, None], mask=out_mask)
+            tl.store(lse_ptr + part * stride_split_lse + token * num_heads + head, lse, mask=row_mask)
+    else:
+        acc, m_i, l_i = _attend_keys(
+            q, k_base, v_base, table, stride_kb, stride_ks, offs_d, q_pos, tree_bits, 0, kv_end, all_visible,
+            kv_len, scale_log2, block_size, BLOCK_M, CAUSAL, BLOCK_N, HEAD_SIZE, HEAD_PAD, PAGE_ALIGNED,
+            DOT_PRECISION, TREE,
+        )  # fmt: skip
+        safe_l = tl.where(l_i > 0.0, l_i, 1.0)
+        tl.store(out_ptr + out_offs, (acc / safe_l[:, None]).to(out_ptr.dtype.element_ty), mask=out_mask)
+
+
+@triton.jit
+def _attend_keys(
+    q, k_base, v_base, table, stride_kb, stride_ks, offs_d, q_pos, tree_bits, start, end, all_visible,
+    kv_len, scale_log2, block_size, BLOCK_M: tl.constexpr, CAUSAL: tl.constexpr, BLOCK_N: tl.constexpr,
+    HEAD_SIZE: tl.constexpr, HEAD_PAD: tl.constexpr, PAGE_ALIGNED: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    TREE: tl.constexpr,
+):  # fmt: skip
+    """Online softmax over keys [start, end): the keys every row sees unmasked, the rest (the causal diagonal,
+    a partial tile, a tree's window) masked. Unnormalised (acc, row max, row sum)."""
+    unmasked_end = tl.maximum(tl.minimum(end, (all_visible // BLOCK_N) * BLOCK_N), start)
+    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, HEAD_PAD], tl.float32)
     acc, m_i, l_i = _attend_range(
         acc, m_i, l_i, q, k_base, v_base, table, stride_kb, stride_ks, offs_d, q_pos, tree_bits,
         start, unmasked_end, kv_len, scale_log2, block_size,
@@ -179,18 +209,7 @@ def _paged_attention_kernel(
         unmasked_end, end, kv_len, scale_log2, block_size,
         True, CAUSAL, BLOCK_N, HEAD_SIZE, HEAD_PAD, PAGE_ALIGNED, DOT_PRECISION, TREE,
     )  # fmt: skip
-
-    safe_l = tl.where(l_i > 0.0, l_i, 1.0)
-    result = acc / safe_l[:, None]
-    out_offs = token[:, None] * stride_ot + head[:, None] * stride_oh + offs_d[None, :]
-    out_mask = row_mask[:, None] & d_mask[None, :]
-    if SPLIT:
-        lse = tl.where(l_i > 0.0, m_i + tl.math.log2(safe_l), float("-inf"))
-        tl.store(out_ptr + split * stride_split_o + out_offs, result, mask=out_mask)
-        num_heads = tl.num_programs(1) * ROW_GROUP
-        tl.store(lse_ptr + split * stride_split_lse + token * num_heads + head, lse, mask=row_mask)
-    else:
-        tl.store(out_ptr + out_offs, result.to(out_ptr.dtype.element_ty), mask=out_mask)
+    return acc, m_i, l_i
 
 
 @triton.jit
@@ -268,7 +287,8 @@ def forward(
     tree = batch.tree_mask is not None
     if tree and not batch.causal:
         raise ValueError("TRITON_ATTN: a tree mask narrows causal attention")
-    _paged_attention_kernel[(num_tiles, num_heads // row_group, cfg.num_splits)](
+    split_programs = min(cfg.num_splits, cfg.split_programs or cfg.num_splits)
+    _paged_attention_kernel[(num_tiles, num_heads // row_group, split_programs)](
         q, k_cache, v_cache, target, lse_arg,
         batch.block_table, batch.query_start_loc, batch.seq_lens, batch.tree_mask if tree else batch.seq_lens,
         q.stride(0), q.stride(1), stride_ot, stride_oh,
@@ -279,7 +299,7 @@ def forward(
         HEAD_SIZE=head_size, HEAD_PAD=head_pad,
         CAUSAL=batch.causal, SPLIT=split, PAGE_ALIGNED=block_size % cfg.block_n == 0,
         DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
-        MAX_SPLITS=MAX_SPLITS, MIN_SPLIT_LEN=cfg.min_split_len, TREE=tree,
+        MAX_SPLITS=MAX_SPLITS, MIN_SPLIT_LEN=cfg.min_split_len, TREE=tree, NUM_SPLITS=cfg.num_splits,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )  # fmt: skip
     if split:

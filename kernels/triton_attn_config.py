@@ -43,6 +43,7 @@ class LaunchConfig:
     # 4k causal prefill ran 0.428 ms unpacked vs 0.393 ms packed: the extra K/V reads cost more.
     pack_gqa: bool = True
     min_split_len: int = MIN_SPLIT_LEN  # tests lower it to split short contexts
+    split_programs: int | None = None  # programs launched over the splits (None: one per split)
 
 
 def shared_memory_bytes(cfg: LaunchConfig, head_pad: int, itemsize: int, hip: bool = False) -> int:
@@ -111,6 +112,21 @@ def fit_shared_memory(
     return cfg
 
 
+def split_count(programs: int, num_sms: int, max_seq_len: int) -> tuple[int, int]:
+    """(key splits per (request, KV head), programs launched for them). The splits: as many as the longest
+    request uses (MIN_SPLIT_LEN keys or more each, at most MAX_SPLITS), a power of two. The programs: no more
+    than keep the GPU's SMs about full, each taking every n-th split when fewer than the splits (the kernel), so
+    where a request's keys split does not depend on the launch. No split when the programs already fill the GPU:
+    a CUDA graph (launched for the longest context) wrote and combined 16 splits per request at batch 32 with
+    4 KV heads (tensor parallelism's halved heads), slower than one unsplit program per SM."""
+    fill = num_sms // max(1, programs)
+    needed = min(MAX_SPLITS, -(-max_seq_len // MIN_SPLIT_LEN))
+    splits = 1 << (needed - 1).bit_length()
+    if fill < 2 or splits == 1:
+        return 1, 1
+    return splits, min(splits, 1 << (fill.bit_length() - 1))
+
+
 def choose_config(
     num_requests: int,
     num_kv_heads: int,
@@ -133,11 +149,8 @@ def choose_config(
     if rows <= 128:
         block_m = max(16, 1 << (rows - 1).bit_length())
         programs = max(1, num_requests * num_kv_heads)
-        if programs >= num_sms:  # the requests fill the GPU without splitting their keys
-            cfg = LaunchConfig(block_m, 64, 1, 4, 3)
-        else:
-            needed = min(MAX_SPLITS, -(-max_seq_len // MIN_SPLIT_LEN))  # the splits the longest request uses
-            cfg = LaunchConfig(block_m, 64, 1 << (needed - 1).bit_length(), 4, 3)
+        splits, split_programs = split_count(programs, num_sms, max_seq_len)
+        cfg = LaunchConfig(block_m, 64, splits, 4, 3, split_programs=split_programs)
         return fit_shared_memory(cfg, head_pad, itemsize, limit, block_m if cfg.num_splits > 1 else MIN_BLOCK, hip)
     # Prefill: on an H100 (d=128, bf16) 128x128 tiles, 8 warps, 3 stages were fastest of the sweep.
     if head_pad <= 128:

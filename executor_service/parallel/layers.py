@@ -18,6 +18,7 @@ from torch import nn
 
 from executor_service.models.config import ModelConfig
 from executor_service.models.model import Attention, DecoderModel
+from executor_service.parallel.all_reduce import all_reduce
 
 
 def vocab_shard(vocab_size: int, rank: int, world_size: int) -> tuple[int, int, int]:
@@ -47,8 +48,7 @@ class VocabParallelEmbedding(nn.Module):
         held = (input_ids >= self.start) & (input_ids < self.end)
         local = torch.where(held, input_ids - self.start, 0)
         out = F.embedding(local, self.weight) * held.unsqueeze(-1).to(self.weight.dtype)
-        dist.all_reduce(out)
-        return out
+        return all_reduce(out)
 
 
 class ParallelLMHead(nn.Module):
@@ -89,8 +89,7 @@ class RowParallelLinear(nn.Linear):
         out = torch.addmm(residual, x, self.weight.t()) if keep else x @ self.weight.t()
         if self.bias is not None:
             out = out + self.bias
-        dist.all_reduce(out)
-        return out
+        return all_reduce(out)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.residual_forward(x, None)

@@ -19,6 +19,7 @@ import torch
 import torch.distributed as dist
 
 from executor_service.errors import EngineUnavailable
+from executor_service.parallel.all_reduce import forget_all_reduce, set_up_all_reduce
 from executor_service.parallel.channel import ControlRing
 
 FLAG = "--tensor-parallel-size"
@@ -58,6 +59,7 @@ class TensorParallelGroup:
     ring: ControlRing | None = None  # rank 0's op messages (channel.py)
     lock: threading.Lock = field(default_factory=threading.Lock)  # rank 0: one op on the wire at a time
     failure: str | None = None  # why the group can no longer run steps
+    all_reduce: str = ""  # what the target's all-reduces use (all_reduce.py)
     step_since: float | None = None  # rank 0: when the step op in flight began (the step watchdog)
 
     @property
@@ -94,6 +96,7 @@ def init_tensor_parallel(
     dist.init_process_group(backend, init_method=init_method, rank=rank, world_size=world_size, timeout=STEP_TIMEOUT)
     control = dist.new_group(backend="gloo", timeout=CONTROL_TIMEOUT)
     _group = TensorParallelGroup(rank, world_size, device, control, ring)
+    _group.all_reduce = set_up_all_reduce(device, world_size)
     return _group
 
 
@@ -119,6 +122,7 @@ def destroy_tensor_parallel(timeout_s: float = 10.0) -> bool:
     finished by then (STOP comes between steps). A broken group is left to the process's exit, which aborts it."""
     global _group
     group, _group = _group, None
+    forget_all_reduce()
     if not dist.is_initialized():
         return True
     if group is not None and group.failure is not None:

@@ -67,6 +67,21 @@ def test_split_boundaries_do_not_depend_on_the_launch(spec: str) -> None:
     assert needed < 16 and torch.equal(outputs[0], outputs[1])
 
 
+@pytest.mark.parametrize("split_programs", [1, 3])
+@pytest.mark.parametrize("spec", ["small_decode", "dflash_small"])
+def test_fewer_split_programs_give_the_same_output(spec: str, split_programs: int) -> None:
+    """A launch of fewer programs than splits (a full GPU: split_count) has each program take every n-th split:
+    the same splits, so bit-identical outputs to one program per split."""
+    from kernels.triton_attn import LaunchConfig
+
+    def config(programs: int | None) -> LaunchConfig:
+        return LaunchConfig(64, 16, 8, 4, 2, min_split_len=16, split_programs=programs)
+
+    assert torch.equal(
+        _run(BATCH_SPECS[spec], True, config(None)), _run(BATCH_SPECS[spec], True, config(split_programs))
+    )
+
+
 @pytest.mark.parametrize("block_n", [16, 32, 64])
 @pytest.mark.parametrize("block_size", [16, 32, 64])
 def test_tiles_across_and_within_pages(block_n: int, block_size: int) -> None:

@@ -21,6 +21,7 @@ from kernels.triton_attn_config import (
     fit_shared_memory,
     shared_memory_bytes,
     shared_memory_limit,
+    split_count,
 )
 
 CPU = torch.device("cpu")
@@ -200,3 +201,15 @@ def test_device_limit_from_torch_then_triton_then_fallback(monkeypatch: pytest.M
         triton_attn_config._device_shared_memory.cache_clear()
         assert triton_attn_config.shared_memory_limit(torch.device("cuda", 0)) == expected
     triton_attn_config._device_shared_memory.cache_clear()
+
+
+def test_split_count_fills_the_gpu_and_no_more() -> None:
+    """An 8B model's decode on a 132-SM GPU: batch 32 at tensor parallelism 2 (4 KV heads, 128 programs) already
+    fills it, so no split, whatever the context a CUDA graph is launched for; batch 1 splits a long context as it
+    needs, batch 8 launches only the programs that fill the GPU over the splits its keys need."""
+    assert split_count(32 * 4, 132, 8192) == (1, 1)
+    assert split_count(32 * 8, 132, 8192) == (1, 1)
+    assert split_count(1 * 8, 132, 8192) == (16, 16)
+    assert split_count(1 * 8, 132, 300) == (4, 4)
+    assert split_count(8 * 8, 132, 8192) == (16, 2)
+    assert split_count(8 * 8, 132, 100) == (1, 1)

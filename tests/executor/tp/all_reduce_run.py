@@ -1,0 +1,79 @@
+"""One rank of the all-reduce check (test_all_reduce_gpu.py): `--rank R --world N --init tcp://...` joins the
+group through init_tensor_parallel (SPECDEC_TP_ALL_REDUCE from the environment), then all-reduces chains of
+tensors eagerly and inside a CUDA graph, and rank 0 prints JSON: what the all-reduces used, and per case whether
+the one-shot results equal a reference sum of the ranks' inputs computed on every rank in rank order."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[3]))
+
+from executor_service.parallel.all_reduce import ONE_SHOT_MAX_BYTES, all_reduce
+from executor_service.parallel.state import destroy_tensor_parallel, init_tensor_parallel
+
+CHAIN = 6  # dependent all-reduces in a row: a rank refilling the buffer while a peer reads it would show
+
+
+def inputs(rank: int, numel: int, dtype: torch.dtype, device: torch.device, round_: int) -> torch.Tensor:
+    """What rank `rank` contributes: small integers, exact in every float dtype, so any sum order agrees."""
+    generator = torch.Generator(device="cpu").manual_seed(1000 * round_ + rank)
+    return torch.randint(-8, 9, (numel,), generator=generator).to(device=device, dtype=dtype)
+
+
+def chain(x: torch.Tensor) -> torch.Tensor:
+    """CHAIN all-reduces, each of the last one's output halved (still exact)."""
+    for _ in range(CHAIN):
+        x = all_reduce(x) * 0.5
+    return x
+
+
+def expected(world: int, numel: int, dtype: torch.dtype, device: torch.device, round_: int) -> torch.Tensor:
+    total = sum(inputs(r, numel, dtype, device, round_).double() for r in range(world))
+    for _ in range(CHAIN - 1):
+        total = total * world * 0.5
+    return (total * 0.5).to(dtype)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--rank", type=int, required=True)
+    parser.add_argument("--world", type=int, required=True)
+    parser.add_argument("--init", required=True)
+    args = parser.parse_args()
+    device = torch.device("cuda", args.rank)
+    group = init_tensor_parallel(args.rank, args.world, args.init, device)
+    results: dict[str, bool] = {}
+    sizes = [8, 4096, 32 * 4096, ONE_SHOT_MAX_BYTES // 2, ONE_SHOT_MAX_BYTES // 2 + 8]  # the last: NCCL (bf16)
+    for dtype in (torch.bfloat16, torch.float32):
+        for numel in sizes:
+            x = inputs(args.rank, numel, dtype, device, 0)
+            results[f"eager {dtype} {numel}"] = torch.equal(chain(x), expected(args.world, numel, dtype, device, 0))
+            static = torch.zeros_like(x)
+            warm = torch.cuda.Stream()
+            warm.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(warm):
+                chain(static)
+            torch.cuda.current_stream().wait_stream(warm)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph):
+                out = chain(static)
+            for round_ in (1, 2, 3):  # replays of new inputs
+                static.copy_(inputs(args.rank, numel, dtype, device, round_))
+                graph.replay()
+                good = torch.equal(out, expected(args.world, numel, dtype, device, round_))
+                results[f"graph {dtype} {numel} #{round_}"] = good
+            del graph
+    torch.cuda.synchronize()
+    if args.rank == 0:
+        print(json.dumps({"all_reduce": group.all_reduce, "results": results}), flush=True)
+    destroy_tensor_parallel()
+
+
+if __name__ == "__main__":
+    main()
