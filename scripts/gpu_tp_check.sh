@@ -6,17 +6,20 @@
 #   nccl     TP 2 with graphs, no drafter, NCCL_DEBUG=INFO: $OUT/nccl_debug_tp2.log (the NCCL setup, and a quick
 #            hang check of the captured collectives)
 #   tests    tests/executor/tp/test_tp_gpu.py: TP 1, 2, 4, eager and with graphs, fp32 tokens vs one GPU; each TP
-#            run under SPECDEC_TP_TEST_TIMEOUT_S (90 s): $OUT/tp_gpu_tests_1.log
-#   b32      tp_bench --graphs, 8B shape bf16, batch 32, target-only and EAGLE-3: $OUT/b32/tp_*.json
-#   b1       tp_bench --graphs, batch 1 (decode latency: step_ms), target-only and EAGLE-3: $OUT/b1/tp_*.json
+#            run under SPECDEC_TP_TEST_TIMEOUT_S (90 s); and test_all_reduce_gpu.py (the one-shot all-reduce's
+#            sums at 2 and 4 GPUs): $OUT/tp_gpu_tests_1.log
+#   b32      tp_bench --graphs, 8B shape bf16, batch 32, target-only and EAGLE-3, each TP > 1 under every
+#            ALL_REDUCE choice (default auto,nccl): $OUT/b32/tp_*.json
+#   b1       tp_bench --graphs, batch 1 (decode latency: decode_step_ms), target-only and EAGLE-3: $OUT/b1/tp_*.json
 #   tests2   test_tp_gpu.py again (the issue asks for two passes in a row): $OUT/tp_gpu_tests_2.log
-# Each step has a cap (nccl 45 s, tests 170 s, b32 150 s, b1 120 s) and gets at most what is left of BUDGET_S, so
+# Output stays under the device tool's 8 files: info.txt, two test logs, two bench logs and their JSON files.
+# Each step has a cap (nccl 45 s, tests 200 s, b32 330 s, b1 200 s) and gets at most what is left of BUDGET_S, so
 # tests2 may be squeezed: if its log says it ran out, run `... gpu_tp_check.sh tests2` in a second call. A step cut
 # short keeps what it wrote (tp_bench writes its file after each TP size). NVLink multicast stays off (the host's
 # rule).
 set -uo pipefail
 cd "$(dirname "$0")/.."
-steps=${1:-nccl,tests,b32,b1,tests2}
+steps=${1:-tests,b32,b1,tests2}
 out=${OUT:?OUT names the results folder}
 mkdir -p "$out"
 export PYTHONPATH=$PWD:$PWD/protos PYTHONUNBUFFERED=1
@@ -40,13 +43,14 @@ left() {  # seconds for the next step: its own cap, or what is left of the budge
   echo "$cap"
 }
 
-nvidia-smi --query-gpu=name,memory.used,memory.total --format=csv | tee "$out/gpus.txt"
-nvidia-smi topo -m > "$out/topology.txt" 2>&1
-python3 -c "import torch; print('torch', torch.__version__, 'nccl', torch.cuda.nccl.version())" | tee -a "$out/gpus.txt"
+nvidia-smi --query-gpu=name,memory.used,memory.total --format=csv | tee "$out/info.txt"
+nvidia-smi topo -m >> "$out/info.txt" 2>&1
+python3 -c "import torch; print('torch', torch.__version__, 'nccl', torch.cuda.nccl.version())" | tee -a "$out/info.txt"
 
 bench() {  # bench NAME BATCH CAP
-  timeout -s USR1 -k 15 "$(left "$3")" python3 bench/tp_bench.py --graphs --batch "$2" --decode-tokens 48 --method eagle3 \
-    --tp-sizes "${TP_SIZES:-1,2,4}" --size-timeout "${SIZE_TIMEOUT_S:-60}" --out "$out/$1" 2>&1 | grep -v "Warning\|return func" | tee "$out/$1.log"
+  timeout -s USR1 -k 15 "$(left "$3")" python3 bench/tp_bench.py --graphs --batch "$2" --decode-tokens "${DECODE_TOKENS:-64}" \
+    --method eagle3 --tp-sizes "${TP_SIZES:-1,2,4}" --all-reduce "${4:-auto}" --repeats "${REPEATS:-3}" \
+    --size-timeout "${SIZE_TIMEOUT_S:-75}" --out "$out/$1" 2>&1 | grep -v "Warning\|return func" | tee "$out/$1.log"
 }
 
 for step in ${steps//,/ }; do
@@ -57,10 +61,10 @@ for step in ${steps//,/ }; do
       echo "exit $?" | tee -a "$out/nccl_debug_tp2.log"; tail -3 "$out/nccl_debug_tp2.log" ;;
     tests | tests2)
       n=$([[ $step == tests ]] && echo 1 || echo 2)
-      SPECDEC_TP_TEST_TIMEOUT_S=90 timeout -s USR1 -k 15 "$(left 170)" python3 -m pytest -q -s -p no:cacheprovider -m gpu \
-        tests/executor/tp/test_tp_gpu.py 2>&1 | tee "$out/tp_gpu_tests_$n.log" | grep -E "passed|failed|FAILED|Error|graph replays" ;;
-    b32) bench b32 32 150 ;;
-    b1) bench b1 1 120 ;;
+      SPECDEC_TP_TEST_TIMEOUT_S=90 timeout -s USR1 -k 15 "$(left 200)" python3 -m pytest -q -s -p no:cacheprovider -m gpu \
+        tests/executor/tp/test_tp_gpu.py tests/executor/tp/test_all_reduce_gpu.py 2>&1 | tee "$out/tp_gpu_tests_$n.log" | grep -E "passed|failed|FAILED|Error|graph replays" ;;
+    b32) bench b32 32 330 "${ALL_REDUCE:-auto,nccl}" ;;
+    b1) bench b1 1 200 "${ALL_REDUCE_B1:-auto}" ;;
     *) echo "unknown step $step" ;;
   esac
 done
