@@ -13,7 +13,7 @@
 #   b1       tp_bench --graphs, batch 1 (decode latency: decode_step_ms), target-only and EAGLE-3: $OUT/b1/tp_*.json
 #   tests2   test_tp_gpu.py again (the issue asks for two passes in a row): $OUT/tp_gpu_tests_2.log
 # Output stays under the device tool's 8 files: info.txt, two test logs, two bench logs and their JSON files.
-# Each step has a cap (nccl 45 s, tests 200 s, b32 330 s, b1 200 s) and gets at most what is left of BUDGET_S, so
+# Each step has a cap (nccl 45 s, tests 260 s (TESTS_CAP_S), b32 330 s, b1 200 s) and gets at most what is left of BUDGET_S, so
 # tests2 may be squeezed: if its log says it ran out, run `... gpu_tp_check.sh tests2` in a second call. A step cut
 # short keeps what it wrote (tp_bench writes its file after each TP size). NVLink multicast stays off (the host's
 # rule).
@@ -61,7 +61,7 @@ for step in ${steps//,/ }; do
       echo "exit $?" | tee -a "$out/nccl_debug_tp2.log"; tail -3 "$out/nccl_debug_tp2.log" ;;
     tests | tests2)
       n=$([[ $step == tests ]] && echo 1 || echo 2)
-      SPECDEC_TP_TEST_TIMEOUT_S=90 timeout -s USR1 -k 15 "$(left 200)" python3 -m pytest -q -s -p no:cacheprovider -m gpu \
+      SPECDEC_TP_TEST_TIMEOUT_S=90 timeout -s USR1 -k 15 "$(left "${TESTS_CAP_S:-260}")" python3 -m pytest -q -s -p no:cacheprovider -m gpu \
         tests/executor/tp/test_tp_gpu.py tests/executor/tp/test_all_reduce_gpu.py 2>&1 | tee "$out/tp_gpu_tests_$n.log" | grep -E "passed|failed|FAILED|Error|graph replays" ;;
     b32) bench b32 32 330 "${ALL_REDUCE:-auto,nccl}" ;;
     b1) bench b1 1 200 "${ALL_REDUCE_B1:-auto}" ;;
