@@ -214,7 +214,7 @@ def open_session(
     decision = common_pb2.BackendDecision(backend=args.backend)
     settings = EngineSettings(
         max_num_batched_tokens=8192, max_num_seqs=max(args.batches), cuda_graphs=True,
-        adaptive_speculation=bool(args.adaptive_batches),
+        adaptive_speculation=bool(args.adaptive_batches), defer_drafter_context=not args.no_defer_context,
     )  # fmt: skip
     started = time.perf_counter()
     session = build_session(
@@ -450,6 +450,8 @@ def pass_counts(session: ModelSession) -> Counter[str]:
         counts.update({f"spec_step {how}": n for how, n in session.engine.spec_step.counts.items()})
     if session.proposer is not None:
         counts.update(session.proposer.pass_counts)
+    if session.engine.deferred is not None:  # k = 0 steps that held the drafter's context, and its flushes
+        counts.update({f"drafter context {name}": n for name, n in session.engine.deferred.counts.items()})
     return counts
 
 
@@ -745,6 +747,11 @@ def parse_args(description: str | None = __doc__) -> argparse.Namespace:
     parser.add_argument("--tree-method", choices=sorted(DRAFTERS), default="eagle3", help="who drafts --trees")
     parser.add_argument("--adaptive-batches", default="", help="(d) only: adaptive vs fixed k vs target-only")
     parser.add_argument("--repeats", type=int, default=3, help="(d): timed rounds, interleaved")
+    parser.add_argument(
+        "--no-defer-context",
+        action="store_true",
+        help="(d): the drafter's context pass on every k = 0 step (as before)",
+    )
     parser.add_argument("--out", type=Path, default=REPO / "bench" / "results")
     shapes = parser.add_argument_group("drafter shapes (default: DRAFTERS', over the preset's MLP width)")
     for flag, metavar, text in (

@@ -23,6 +23,7 @@ from executor_service.models.attention_step import to_device
 from executor_service.runner.model_runner import ModelRunner, StepInputs
 from executor_service.sample.logprobs import TokenLogprob
 from executor_service.spec_decode.adaptive_k import AdaptiveK
+from executor_service.spec_decode.deferred_context import DeferredContext
 from executor_service.spec_decode.host_verify import DraftTree, TreeVerdict, VerifyError, check_drafts
 from executor_service.spec_decode.proposer import ProposeBatch, ProposeEntry, Proposer
 from executor_service.spec_decode.spec_step import PendingStep, SpecStep, VerifiedStep
@@ -44,6 +45,7 @@ class Engine(EngineLoop):
         on_verify: VerifyObserver | None = None,
         spec_step: SpecStep | None = None,
         speculation: AdaptiveK | None = None,
+        defer_context: bool = True,
     ) -> None:
         super().__init__(scheduler)
         self.runner, self.max_model_len = runner, max_model_len
@@ -55,6 +57,11 @@ class Engine(EngineLoop):
         self.speculation = speculation
         self._steady: tuple[int, int] | None = None  # this step's (batch, k) when it ran steadily at one k
         self._planned: int | None = None  # this step's plan (`_plan`), once made
+        # Steps without drafting hold the drafter's context for a later batched pass (deferred_context.py); None:
+        # the drafter's context pass runs every step.
+        self.deferred = DeferredContext(scheduler.max_num_seqs) if proposer is not None and defer_context else None
+        self._flushed: tuple[bool, int] | None = None  # this step's flush: (at k = 0, the k = 0 steps it served)
+        self._last_flush: tuple[int, float | None] | None = None  # see _price
         # Steps by path ("host", "device") and the drafts the host path verified ("host drafts"): tests assert a
         # batch stays on the device step; benchmarks report it.
         self.step_counts: Counter[str] = Counter()
@@ -65,10 +72,10 @@ class Engine(EngineLoop):
     def step(self) -> None:
         """One step (`_step`); a step that ran steadily at one k gives the speculation its wall time."""
         started = time.perf_counter()
-        self._steady, self._planned = None, None
+        self._steady, self._planned, self._flushed = None, None, None
         self._step(started)
-        if self.speculation is not None and self._steady is not None:
-            self.speculation.record(*self._steady, time.perf_counter() - started)
+        if self.speculation is not None:
+            self._price(time.perf_counter() - started)
 
     def _step(self, started: float) -> None:
         """One step, in the order a reader follows: schedule, run the target once, verify, accept (roll back
@@ -82,6 +89,9 @@ class Engine(EngineLoop):
         self._fail_alone(self._bad_drafts())
         scheduled = self.scheduler.schedule()
         self._fail_alone(scheduled.failed)  # requests that can never fit the cache
+        if self.deferred is not None:  # computed again from their tokens: their held context is another life's
+            for request in scheduled.preempted:
+                self.deferred.drop(request)
         if not scheduled:
             return
         spec_step = self.spec_step
@@ -232,6 +242,8 @@ class Engine(EngineLoop):
         spec_step = self.spec_step
         if spec_step is None or not spec_step.accepts(inputs, requests):
             return None
+        if self.deferred is not None and self.deferred.holds_any(requests):  # the host path flushes it first
+            return None
         if any(spec_step.reach(r) > self.max_model_len for r in requests):
             return None
         if not all(self.scheduler.reserve(r, spec_step.reach(r)) for r in requests):
@@ -294,6 +306,29 @@ class Engine(EngineLoop):
             self._planned = self.speculation.plan(sum(r.status is Status.RUNNING for r in requests) or 1)
         return self._planned
 
+    def _price(self, seconds: float) -> None:
+        """Give the speculation this step's wall time (`record`) if it ran steadily at one k. A flush of deferred
+        drafter context lands in its own step (the pass's launch) and the next one (on a GPU its device time,
+        which the next step's read-back waits for), so neither is a plain sample of its k. A flush at k = 0 (the
+        rows reached their limit) is k = 0's own work put off: the two steps' time beyond two plain k = 0 steps
+        is spread over the k = 0 steps whose rows it ran (`record_deferred`). A flush where drafting resumes is
+        the switch's cost, no k's."""
+        assert self.speculation is not None
+        steady, flushed = self._steady, self._flushed
+        last, self._last_flush = self._last_flush, None
+        if flushed is not None:
+            at_zero, steps = flushed
+            zero = at_zero and steady is not None and steady[1] == 0
+            self._last_flush = (steps, seconds if zero else None)
+            return
+        if last is not None:
+            steps, first = last
+            if first is not None and steady is not None and steady[1] == 0:
+                self.speculation.record_deferred(steady[0], first + seconds, steps, landed=2)
+            return
+        if steady is not None:
+            self.speculation.record(*steady, seconds)
+
     def _note_steady(self, batch: int, verified: set[int], k_next: int | None) -> None:
         """A step whose every request verified k drafts and drafted k for the next step measures k's cost."""
         if k_next is not None and batch and verified == {k_next}:
@@ -316,6 +351,8 @@ class Engine(EngineLoop):
         spec_step = self.spec_step
         assert spec_step is not None and self.proposer is not None
         if self.proposer.scripted or self.scheduler.waiting or not self._commands.empty():
+            return None
+        if self.deferred is not None and self.deferred.held:  # a flush needs the host path
             return None
         if len(requests) != len(self.scheduler.running):  # others run beside them: they need the next step too
             return None
@@ -350,31 +387,41 @@ class Engine(EngineLoop):
     def _propose(self, outcomes: list[StepOutcome], features: torch.Tensor | None, k_next: int | None) -> None:
         """Draft for the next step from this step's target features (each outcome's verified rows). Requests that
         finished are skipped, and so are those that never draft (num_draft_tokens 0): the drafter does not run for
-        them at all. At `k_next` 0 the drafter runs its context pass alone (its cache follows every token, so
-        drafting can resume at any step); else each keeps at most `k_next` drafts."""
+        them at all. At `k_next` 0 the drafter does not run: the rows wait for a later pass (deferred_context.py;
+        without deferral it runs its context pass alone); either way its cache follows every token, so drafting
+        can resume at any step. Else each keeps at most `k_next` drafts, drafted after any held rows ran."""
         assert self.proposer is not None and features is not None
         entries = [
             ProposeEntry(o.request, o.row_start, o.num_rows, o.verified_rows, proposes_now(o.request, k_next))
             for o in outcomes
             if o.request.status is Status.RUNNING and self.proposer.num_drafts(o.request) > 0
         ]
+        deferred = self.deferred
+        requests = [e.request for e in entries] + ([h.request for h in deferred.held.values()] if deferred else [])
         try:
-            self.proposer.propose(ProposeBatch(entries, features, self.scheduler.reserve))
-        except Exception as err:
-            self._fail([e.request for e in entries], err)
+            if deferred is not None and k_next == 0 and deferred.defer(entries, features):
+                return
+            batch = ProposeBatch(entries, features, self.scheduler.reserve)
+            if deferred is not None and deferred.held:
+                self._flushed = (k_next == 0, deferred.steps + 1)
+                batch = deferred.flush(batch, at_zero=k_next == 0)
+            self.proposer.propose(batch)
+        except Exception as err:  # a request whose held rows did not run is failed with the step's
+            self._fail(list({r.request_id: r for r in requests}.values()), err)
             return
         for entry in entries:
             cap_drafts(entry.request, k_next)
 
     def _cache_prefixes(self, requests: list[Request]) -> None:
         """Register the prompt blocks whose K/V this step finished writing (prefix_cache.py). One key stands
-        for the target's and the drafter's K/V of a block, so only requests the drafter ran for register."""
+        for the target's and the drafter's K/V of a block, so only requests the drafter ran for register, and
+        only up to their first held row (deferred_context.py)."""
         prefix_cache = self.scheduler.prefix_cache
         if prefix_cache is None:
             return
         for request in requests:
             if request.status is Status.RUNNING and (self.proposer is None or self.proposer.num_drafts(request)):
-                prefix_cache.cache_blocks(request)
+                prefix_cache.cache_blocks(request, self.deferred.written(request) if self.deferred else None)
 
     def _bad_drafts(self) -> list[tuple[Request, BaseException]]:
         """Running requests with draft ids outside the vocabulary (a faulty drafter), caught before the
@@ -418,6 +465,8 @@ class Engine(EngineLoop):
         self.scheduler.remove(request)
         if self.proposer is not None:
             self.proposer.forget(request)
+        if self.deferred is not None:
+            self.deferred.drop(request)
         if self.spec_step is not None:
             self.spec_step.table.release(request.request_id)
         with self._lock:

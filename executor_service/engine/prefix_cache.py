@@ -92,10 +92,12 @@ class PrefixCache:
             self.queries += len(request.prompt_ids)
             self.hits += request.num_computed_tokens
 
-    def cache_blocks(self, request: Request) -> None:
+    def cache_blocks(self, request: Request, written: int | None = None) -> None:
         """Register the request's full prompt blocks whose K/V the last step finished writing (the target's
-        and the drafter's) and whose key tokens are all prompt tokens."""
-        full = min(request.num_computed_tokens, len(request.prompt_ids) - self.tokens_after) // self.block_size
+        and the drafter's: `written` positions, default its computed tokens) and whose key tokens are all prompt
+        tokens."""
+        written = request.num_computed_tokens if written is None else min(written, request.num_computed_tokens)
+        full = min(written, len(request.prompt_ids) - self.tokens_after) // self.block_size
         if full <= request.num_cached_blocks:
             return
         hashes = self._hashes(request, full)

@@ -21,6 +21,7 @@ from executor_service.models.config import ModelConfig
 from executor_service.models.draft_config import DraftConfig
 from executor_service.models.draft_weights import draft_layout
 from executor_service.models.weights import Placement, hf_layout
+from executor_service.spec_decode.deferred_context import DEFER_MAX
 from specdec_runtime.errors import FieldViolation, ResourceExhausted
 
 CPU_MEMORY_FRACTION = 0.75  # of MemAvailable: the rest stays for the OS, the other processes and our own heap
@@ -83,7 +84,9 @@ def estimate_memory(
     if draft is not None:
         draft_tokens = max_num_seqs * max(draft.positions_ahead, 1)
         activations += _step_bytes(draft.model, draft_tokens, element)
-        activations += tokens * (len(draft.target_layer_ids) or 1) * target.hidden_size * element  # features
+        features = (len(draft.target_layer_ids) or 1) * target.hidden_size * element  # bytes a target row
+        activations += tokens * features
+        activations += max_num_seqs * DEFER_MAX * features  # the drafter's context held at k = 0
         rows = max_num_seqs * (draft.block_size if draft.method == "dflash" else 1)  # EAGLE: one row per chain step
         activations += rows * (draft.draft_vocab_size or target.vocab_size) * 4 * LOGITS_COPIES
         activations += (max_num_seqs + 1) * target.vocab_size * PENALTY_TABLE_BYTES_PER_ENTRY

@@ -70,6 +70,9 @@ class EngineSettings:
     # Each step's k (or none) from measured costs (adaptive_k.py); off (the default until measured on a GPU): the
     # loaded k every step.
     adaptive_speculation: bool = False
+    # Steps without drafting (adaptive speculation's k = 0) hold the drafter's context for a batched pass later
+    # (deferred_context.py); off: its context pass runs every such step.
+    defer_drafter_context: bool = True
 
 
 def selection_request(
@@ -324,7 +327,10 @@ def build_session(
         speculation = adaptive_speculation(proposer, graphs)
         speculation.observer = on_plan
     spec_step = device_step(runner, proposer, slots, settings.device_spec_step, tp_group is not None)
-    engine = Engine(runner, scheduler, max_model_len, on_step, proposer, on_verify, spec_step, speculation)
+    engine = Engine(
+        runner, scheduler, max_model_len, on_step, proposer, on_verify, spec_step, speculation,
+        defer_context=settings.defer_drafter_context,
+    )  # fmt: skip
     headroom = speculative_headroom(draft.config.num_draft_tokens, lookahead) if draft is not None else 0
     chat = load_chat_template(source.path, config, loaded.tokenizer)
     limits = ModelLimits(

@@ -10,11 +10,15 @@ graphs' batch) and a plain decode step gives more tokens per second. The engine 
 step for the next step's k and tells this model what it measured:
 
 - `record(batch, k, seconds)`: the wall time of a steady step (it verified k drafts per request and drafted k for
-  the next one; k = 0: a target decode step and the drafter's context pass over its row). Per (batch bucket, k),
-  the median of the last few steady steps after a first one left out as a warm-up: the drafter's and the target's
-  times together, measured as served, on the device or the CPU alike. A median, not a moving average: on a GPU a
-  step that compiles a kernel for a new shape takes a hundred times longer, and an average seeded by it kept a
-  winning k priced out (seen on the H100 at batch 64: 202 ms for a 44 ms step).
+  the next one; k = 0: a target decode step, the drafter's context held for later, deferred_context.py). Per
+  (batch bucket, k), the median of the last few steady steps after a first one left out as a warm-up: the
+  drafter's and the target's times together, measured as served, on the device or the CPU alike. A median, not
+  a moving average: on a GPU a step that compiles a kernel for a new shape takes a hundred times longer, and an
+  average seeded by it kept a winning k priced out (seen on the H100 at batch 64: 202 ms for a 44 ms step).
+- `record_deferred(batch, seconds, steps, landed)`: a flush of the drafter's held context at k = 0 (once in
+  about DEFER_MAX steps): the time it added to the steps it landed in, beyond plain k = 0 steps, spread over
+  the k = 0 steps whose rows it ran. k = 0's price is its median plus the median of these surcharges, so
+  neither the median (which would outvote the rare flush) nor a flush step taken as a plain sample misprices it.
 - `observe_verify(depths, accepted)`: per verified request, how deep its drafts went and how many were accepted.
   The acceptance rate per depth d (the share of steps that verified depth d whose accepted drafts reached it) is
   a decayed count, so it follows the traffic.
@@ -60,18 +64,26 @@ class StepCost:
 
     warm_up: float
     recent: deque[float] = field(default_factory=lambda: deque(maxlen=WINDOW))
+    surcharges: deque[float] = field(default_factory=lambda: deque(maxlen=WINDOW))  # k = 0: deferred context, a step
     samples: int = 0  # steady steps counted, the warm-up not among them
     measured_at: int = 0  # the bucket's plan count at its last sample
     refresh: int = REFRESH_STEPS
 
     @property
     def seconds(self) -> float:
+        """The step's price: its plain steps' and, for k = 0, the flushes of deferred context per step."""
+        return self.plain + (_median(self.surcharges) if self.surcharges else 0.0)
+
+    @property
+    def plain(self) -> float:
         """The median of the recent samples (the warm-up step's time until one is counted)."""
-        if not self.recent:
-            return self.warm_up
-        ordered = sorted(self.recent)
-        middle = len(ordered) // 2
-        return ordered[middle] if len(ordered) % 2 else (ordered[middle - 1] + ordered[middle]) / 2
+        return _median(self.recent) if self.recent else self.warm_up
+
+
+def _median(values: Iterable[float]) -> float:
+    ordered = sorted(values)
+    middle = len(ordered) // 2
+    return ordered[middle] if len(ordered) % 2 else (ordered[middle - 1] + ordered[middle]) / 2
 
 
 @dataclass
@@ -127,6 +139,15 @@ class AdaptiveK:
         cost.recent.append(seconds)
         cost.samples += 1
         cost.measured_at = self.plans[bucket]
+
+    def record_deferred(self, batch: int, seconds: float, steps: int, landed: int) -> None:
+        """A flush of the drafter's context held over `steps` k = 0 steps, which landed in `landed` steady k = 0
+        steps that took `seconds` together: their time beyond as many plain k = 0 steps, per step it served, is
+        part of k = 0's price (before k = 0 is measured at the bucket, nothing to compare with: ignored)."""
+        cost = self.costs.get(self.bucket(batch), {}).get(0)
+        if cost is None or steps <= 0:
+            return
+        cost.surcharges.append(max(seconds - landed * cost.plain, 0.0) / steps)
 
     def observe_verify(self, depths: Sequence[int], accepted: Sequence[int]) -> None:
         """Per verified request: the depth its drafts reached and the drafts (the path's length) accepted."""

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import itertools
+
 import torch
 from executor_builders import TINY, load_request
 
@@ -9,6 +11,7 @@ from executor_service.engine.request import Request
 from executor_service.server.drafting import resolve_draft
 from executor_service.server.session import EngineSettings, ModelSession, build_session
 from executor_service.server.wire import resolve_target
+from executor_service.spec_decode.adaptive_k import AdaptiveK
 from specdec.v1 import common_pb2, executor_pb2
 
 METHODS = {
@@ -91,3 +94,18 @@ class ReplayDrafts:
         if self.wrong_at is not None and self.wrong_at < len(upcoming):
             upcoming[self.wrong_at] = (upcoming[self.wrong_at] + 1) % self.vocab_size
         return upcoming
+
+
+class Scripted(AdaptiveK):
+    """Plans a fixed cycle of k values, whatever it measures (the switches a real model makes, forced); it still
+    records what the engine measures."""
+
+    def __init__(self, cycle: list[int], candidates: list[int]) -> None:
+        super().__init__(candidates)
+        self.cycle = itertools.cycle(cycle)
+
+    def plan(self, batch: int) -> int:
+        k = next(self.cycle)
+        self.chosen[k] += 1
+        self.last_planned = k
+        return k

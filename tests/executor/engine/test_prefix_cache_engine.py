@@ -12,13 +12,14 @@ import pytest
 import torch
 from engine_driving import Outputs, run_bounded
 from executor_builders import greedy, load_request
-from spec_builders import draft_model
+from spec_builders import Scripted, draft_model
 
 import executor_service.engine.prefix_cache as prefix_cache_module
 from executor_service.engine.request import Request
 from executor_service.server.drafting import resolve_draft
 from executor_service.server.session import EngineSettings, ModelSession, build_session
 from executor_service.server.wire import resolve_target
+from executor_service.spec_decode.deferred_context import DeferredContext
 from specdec.v1 import common_pb2
 
 BLOCK = 16
@@ -229,3 +230,45 @@ def test_requests_the_drafter_skips_register_nothing() -> None:
     plain("plain-again")
     assert (run.cached("plain"), run.cached("drafting"), run.cached("plain-again")) == (0, 0, 2 * BLOCK)
     assert run.outputs.tokens("plain") == run.outputs.tokens("drafting") == run.outputs.tokens("plain-again")
+
+
+def held_context_runs(method: str, seed_cycle: list[int]) -> tuple[Run, Run]:
+    """A seed request at k = `seed_cycle` whose drafter context is held up to 64 rows (its whole life at k = 0:
+    deferred_context.py), then a request sharing its 3 blocks, drafting every step; cache on, then off."""
+    rng = random.Random(9)
+    system = tokens(rng, 3 * BLOCK)
+    seed = {"seed": system + tokens(rng, 5)}
+    later = {"later": seed["seed"] + tokens(rng, 3)}
+    runs = []
+    for caching in (True, False):
+        run = Run(session(method, caching))
+        engine = run.session.engine
+        engine.deferred = DeferredContext(engine.scheduler.max_num_seqs, limit=64)
+        engine.speculation = Scripted(seed_cycle, [0, 3])
+        run.phases([seed])
+        engine.speculation = Scripted([3], [0, 3])
+        runs.append(run.phases([later]))
+    return runs[0], runs[1]
+
+
+@pytest.mark.parametrize("method", ["eagle3", "dflash"])
+def test_blocks_whose_drafter_context_is_held_are_registered_after_it_runs(method: str) -> None:
+    """A request at k = 0 throughout holds its drafter context to the end: its blocks never have the drafter's
+    K/V, so none is registered and the later request computes them; once a flush ran (drafting resumed), they are
+    registered and shared. The drafts are the cache-off run's either way."""
+    on, off = held_context_runs(method, [0])
+    assert_same(on, off)
+    assert on.cached("later") == 0
+    on, off = held_context_runs(method, [0, 0, 3])
+    assert_same(on, off)
+    assert on.cached("later") == 3 * BLOCK
+
+
+def test_registering_held_blocks_would_be_caught(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Negative control: blocks registered up to the computed tokens while their drafter context is held hand the
+    later request blocks without the drafter's K/V: its drafts differ from the cache-off run's."""
+    monkeypatch.setattr(DeferredContext, "written", lambda self, request: request.num_computed_tokens)
+    on, off = held_context_runs("eagle3", [0])
+    assert on.cached("later") == 3 * BLOCK
+    assert on.outputs.tokens("later") == off.outputs.tokens("later")  # greedy outputs cannot tell ...
+    assert not same_drafts(on.drafts["later"], off.drafts["later"])  # ... the drafts do

@@ -12,6 +12,7 @@ from executor_service.server import memory
 from executor_service.server.drafting import resolve_draft
 from executor_service.server.memory import PENALTY_TABLE_BYTES_PER_ENTRY, estimate_memory
 from executor_service.server.wire import resolve_target
+from executor_service.spec_decode.deferred_context import DEFER_MAX, DeferredContext
 from executor_service.spec_decode.device_penalties import PenaltyTable
 
 
@@ -36,3 +37,25 @@ def test_the_estimate_counts_a_table_slot_per_running_request(monkeypatch: pytes
     with_table = activations()
     monkeypatch.setattr(memory, "PENALTY_TABLE_BYTES_PER_ENTRY", 0)
     assert with_table - activations() == (40 + 1) * 512 * PENALTY_TABLE_BYTES_PER_ENTRY
+
+
+def test_the_estimate_counts_the_held_drafter_context(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Adaptive speculation's k = 0 steps hold DEFER_MAX feature rows per running request (deferred_context.py):
+    the buffer the store allocates is what the estimate adds."""
+    request = load_request()
+    request.draft.CopyFrom(draft_model("eagle3", 3, 7, 512))
+    request.target.synthetic.vocab_size = 512
+    source = resolve_target(request.target, None, "target")
+    draft = resolve_draft(request.draft, source.config, None).config
+
+    def activations() -> int:
+        args = (source.config, draft, torch.float32, 64, 16, 64, 40, torch.device("cpu"))
+        return estimate_memory(*args).activations
+
+    with_buffer = activations()
+    monkeypatch.setattr(memory, "DEFER_MAX", 0)
+    width = len(draft.target_layer_ids) * source.config.hidden_size
+    store = DeferredContext(max_num_seqs=40)
+    store._buffer_like(torch.zeros(1, width))
+    assert store._buffer is not None
+    assert with_buffer - activations() == store._buffer.nbytes == 40 * DEFER_MAX * width * 4

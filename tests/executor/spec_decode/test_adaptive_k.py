@@ -266,3 +266,22 @@ def test_measured_once_every_candidate_is_compared_at_the_bucket() -> None:
     chosen = timed_steps(model, 64, {**CHEAPER_64, 3: (0.018, 0.004)}, K, 40)[2]
     assert model.measured(64) and model.measured(33) and not model.measured(32)  # buckets: powers of two
     assert set(chosen) == {0, 3, K}
+
+
+def test_a_deferred_flush_is_part_of_the_k0_price() -> None:
+    """k = 0's price is the median of its plain steps plus, per step, what the flushes of held drafter context
+    added to the steps they landed in (deferred_context.py): a median alone would outvote a flush every 16 steps.
+    Nothing before k = 0 is measured at the bucket; never below the plain price."""
+    model = AdaptiveK([0, 3], configured=3)
+    model.record_deferred(64, 0.050, 16, landed=2)  # nothing measured at the bucket: ignored
+    assert 0 not in model.costs.get(model.bucket(64), {})
+    for seconds in (0.011, 0.010, 0.010, 0.010, 0.012):  # the warm-up, then four samples: median 10 ms
+        model.record(64, 0, seconds)
+    cost = model.costs[model.bucket(64)][0]
+    assert cost.seconds == pytest.approx(0.010)
+    model.record_deferred(64, 2 * 0.010 + 0.016, 16, landed=2)  # a 16 ms flush over 16 steps: 1 ms a step
+    assert cost.plain == pytest.approx(0.010) and cost.seconds == pytest.approx(0.011)
+    model.record_deferred(64, 0.015, 16, landed=2)  # faster than two plain steps (noise): no negative price
+    model.record_deferred(64, 2 * 0.010 + 0.032, 16, landed=2)
+    assert cost.seconds == pytest.approx(0.011)  # the median of 1, 0 and 2 ms
+    assert model.throughput(64, 0) == pytest.approx(64 / 0.011)

@@ -4,15 +4,13 @@ drafter's cache follows every token through steps without drafting, and the chos
 
 from __future__ import annotations
 
-import itertools
-
 import pytest
 import torch
 from engine_driving import Collector, add_all
 from executor_builders import greedy
 from greedy_reference import greedy_reference
 from prometheus_client import CollectorRegistry
-from spec_builders import ReplayDrafts, spec_session
+from spec_builders import ReplayDrafts, Scripted, spec_session
 from spec_checks import assert_no_leak, prompts
 from tree_cases import tree_session
 
@@ -20,23 +18,8 @@ from executor_service.engine.request import Request
 from executor_service.models.attention_step import cache_slot
 from executor_service.server.metrics import EngineMetrics
 from executor_service.server.session import ModelSession
-from executor_service.spec_decode.adaptive_k import AdaptiveK
 from executor_service.spec_decode.proposer import ProposeBatch, Proposer
 from specdec.v1 import common_pb2
-
-
-class Scripted(AdaptiveK):
-    """Plans a fixed cycle of k values, whatever it measures (the switches a real model makes, forced)."""
-
-    def __init__(self, cycle: list[int], candidates: list[int]) -> None:
-        super().__init__(candidates)
-        self.cycle = itertools.cycle(cycle)
-
-    def plan(self, batch: int) -> int:
-        k = next(self.cycle)
-        self.chosen[k] += 1
-        self.last_planned = k
-        return k
 
 
 def generate(session: ModelSession, batch: dict[str, list[int]], max_tokens: int) -> Collector:
@@ -129,14 +112,17 @@ def drafter_cache(session: ModelSession, request: Request, positions: int) -> to
     return flat[:, :, slots].clone()
 
 
-def drafter_caches(method: str, graphs: bool = False) -> list[torch.Tensor]:
+def drafter_caches(method: str, graphs: bool = False, defer: bool = True) -> list[torch.Tensor]:
     """The drafter's cache of one request's verified positions after 16 tokens: the loaded k every step, then
     with stretches of k = 0. `graphs`: the drafter's passes captured (the CPU's eager replays), their counts
-    checked: steps without drafting replay the one-row context graph."""
+    checked: without deferral (`defer`), steps without drafting replay the one-row context graph (with it they run
+    no pass: test_deferred_context.py)."""
     caches = []
     for cycle in ([3], [0, 0, 0, 3, 0, 3, 3, 0]):
         session = spec_session(method, 3, max_num_batched_tokens=128)
         assert session.proposer is not None
+        if not defer:
+            session.engine.deferred = None
         if graphs:
             session.proposer.capture_graphs(4, 8)
         session.engine.speculation = Scripted(cycle, [0, 3])
@@ -150,7 +136,7 @@ def drafter_caches(method: str, graphs: bool = False) -> list[torch.Tensor]:
         verified = request.num_computed_tokens - 1
         caches.append(drafter_cache(session, request, verified))
         context = f"{method.removesuffix('3')}_context row"
-        if graphs and 0 in cycle:  # every k = 0 step's context pass replayed the one-row graph
+        if graphs and not defer and 0 in cycle:  # every k = 0 step's context pass replayed the one-row graph
             counts = session.proposer.pass_counts
             assert counts[f"{context} graph"] >= cycle.count(0) and counts[f"{context} eager"] == 0, counts
         session.engine.abort(["r"])
@@ -159,19 +145,22 @@ def drafter_caches(method: str, graphs: bool = False) -> list[torch.Tensor]:
 
 
 @pytest.mark.parametrize(
-    ("method", "graphs"), [("eagle3", False), ("dflash", False), ("eagle3", True), ("dflash", True)]
+    ("method", "graphs", "defer"),
+    [(m, g, d) for m in ("eagle3", "dflash") for g, d in ((False, True), (True, True), (True, False))],
 )
-def test_the_drafter_cache_follows_steps_without_drafting(method: str, graphs: bool) -> None:
-    """Every verified position's drafter K/V after stretches of k = 0 equals the K/V of the loaded k throughout:
-    the context pass runs on those steps (drafting resumes from a complete cache), eagerly or from the one-row
-    context graph."""
-    fixed, switching = drafter_caches(method, graphs)
+def test_the_drafter_cache_follows_steps_without_drafting(method: str, graphs: bool, defer: bool) -> None:
+    """Every verified position's drafter K/V after stretches of k = 0 equals the K/V of the loaded k throughout
+    (drafting resumes from a complete cache): the held context runs with the next proposal, or without deferral
+    the context pass runs on those steps, eagerly or from the one-row context graph."""
+    fixed, switching = drafter_caches(method, graphs, defer)
     assert fixed.abs().sum() > 0
     torch.testing.assert_close(switching, fixed, rtol=1e-4, atol=1e-5)
 
 
 def test_the_cache_check_sees_a_skipped_context_pass(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Negative control: a drafter that skips steps without drafting leaves holes the check above finds."""
+    """Negative control: a drafter that skips steps without drafting leaves holes the check above finds (with
+    deferral such a step is only the prompts' prefill, a chunk past DEFER_MAX: see test_deferred_context.py for
+    held rows lost)."""
     propose = Proposer.propose
 
     def skipping(self: Proposer, batch: ProposeBatch) -> None:
