@@ -65,6 +65,7 @@ class StepCost:
     warm_up: float
     recent: deque[float] = field(default_factory=lambda: deque(maxlen=WINDOW))
     surcharges: deque[float] = field(default_factory=lambda: deque(maxlen=WINDOW))  # k = 0: deferred context, a step
+    flushed: bool = False  # k = 0: its first flush seen (a warm-up: it compiles the flush's row count)
     samples: int = 0  # steady steps counted, the warm-up not among them
     measured_at: int = 0  # the bucket's plan count at its last sample
     refresh: int = REFRESH_STEPS
@@ -143,9 +144,13 @@ class AdaptiveK:
     def record_deferred(self, batch: int, seconds: float, steps: int, landed: int) -> None:
         """A flush of the drafter's context held over `steps` k = 0 steps, which landed in `landed` steady k = 0
         steps that took `seconds` together: their time beyond as many plain k = 0 steps, per step it served, is
-        part of k = 0's price (before k = 0 is measured at the bucket, nothing to compare with: ignored)."""
+        part of k = 0's price (before k = 0 is measured at the bucket, nothing to compare with: ignored; the first
+        flush after, a warm-up, too)."""
         cost = self.costs.get(self.bucket(batch), {}).get(0)
         if cost is None or steps <= 0:
+            return
+        if not cost.flushed:  # a warm-up, as a first plain step is: on the H100 the first flush of 64 requests'
+            cost.flushed = True  # rows compiled kernels for its row count and priced k = 0 at 112 ms, not 9
             return
         cost.surcharges.append(max(seconds - landed * cost.plain, 0.0) / steps)
 

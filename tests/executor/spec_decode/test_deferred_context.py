@@ -338,6 +338,6 @@ def test_a_flush_is_priced_where_it_belongs() -> None:
         assert served <= DEFER_MAX + 1  # DEFER_MAX steps held, then the one that runs them with its own row
     assert steps[to_draft[0]] == steps[to_draft[0] + 1] == []
     cost = speculation.costs[speculation.bucket(2)][0]
-    assert len(cost.surcharges) == len(at_zero)
+    assert len(cost.surcharges) == len(at_zero) - 1  # the first flush is a warm-up (it compiles)
     assert cost.seconds >= cost.plain and cost.recent
     engine.run_until_idle()
