@@ -169,5 +169,7 @@ def test_a_turn_of_the_loop_takes_every_completion_ready(stand_in):
     _, grpc_tokens, grpc_turns = asyncio.run(run(False))
     assert coalesced
     assert tokens == grpc_tokens == [list(range(50))] * 32
-    assert grpc_turns >= 32 * 50  # grpc's reader: a turn of the loop per completion (1600 messages, and more)
+    # grpc's reader: about a turn of the loop per completion (1600 messages); a loaded host now and then finds two
+    # ready in one turn (a fresh clone's CI saw 1581), so the bound is half of that
+    assert grpc_turns >= 32 * 50 // 2
     assert turns < grpc_turns // 2, (turns, grpc_turns)
