@@ -25,15 +25,22 @@ TOP_KERNELS = 12
 log = logging.getLogger("specdec.parallel")
 
 
+def is_collective(kernel: str) -> bool:
+    """NCCL's kernels and symmetric memory's all-reduce (parallel/all_reduce.py): the time a rank spends in them
+    includes its wait for the slowest rank."""
+    name = kernel.lower()
+    return "nccl" in name or "all_reduce" in name
+
+
 def summarize(prof: profile, seconds: float, steps: int, cuda: bool) -> dict[str, Any]:
-    """Per step: the kernels' time and the wall time (GPU), the collectives' time and share (NCCL kernels on the
-    GPU, gloo's ops on the CPU), and the costliest kernels."""
+    """Per step: the kernels' time and the wall time (GPU), the collectives' time and share (NCCL's and the
+    one-shot all-reduce's kernels on the GPU, gloo's ops on the CPU), and the costliest kernels."""
     events = prof.key_averages()
     steps = max(steps, 1)
     if cuda:
         kernels = sorted(((e.key, e.self_device_time_total) for e in events), key=lambda kt: -kt[1])
         total = sum(t for _, t in kernels)
-        collective_us = sum(t for key, t in kernels if "nccl" in key.lower())
+        collective_us = sum(t for key, t in kernels if is_collective(key))
         share = collective_us / total if total else None
     else:
         kernels, total = [], 0.0
