@@ -3,11 +3,15 @@ graphs allocate at capture: per running request and vocabulary entry, as many by
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import pytest
 import torch
 from executor_builders import load_request
 from spec_builders import draft_model
 
+from executor_service.models.config import ModelConfig
+from executor_service.models.draft_config import DraftConfig
 from executor_service.server import memory
 from executor_service.server.drafting import resolve_draft
 from executor_service.server.memory import PENALTY_TABLE_BYTES_PER_ENTRY, estimate_memory
@@ -23,7 +27,9 @@ def test_the_penalty_table_takes_what_the_estimate_counts() -> None:
     assert table.in_prompt.nbytes + table.output.nbytes == (3 + 1) * 17 * PENALTY_TABLE_BYTES_PER_ENTRY
 
 
-def test_the_estimate_counts_a_table_slot_per_running_request(monkeypatch: pytest.MonkeyPatch) -> None:
+def eagle3_estimate() -> tuple[ModelConfig, DraftConfig, Callable[[], int]]:
+    """A synthetic target of 512 ids with an EAGLE-3 drafter, and the estimate's activation bytes for it (fp32,
+    40 running requests)."""
     request = load_request()
     request.draft.CopyFrom(draft_model("eagle3", 3, 7, 512))
     request.target.synthetic.vocab_size = 512
@@ -34,6 +40,11 @@ def test_the_estimate_counts_a_table_slot_per_running_request(monkeypatch: pytes
         args = (source.config, draft, torch.float32, 64, 16, 64, 40, torch.device("cpu"))
         return estimate_memory(*args).activations
 
+    return source.config, draft, activations
+
+
+def test_the_estimate_counts_a_table_slot_per_running_request(monkeypatch: pytest.MonkeyPatch) -> None:
+    _, _, activations = eagle3_estimate()
     with_table = activations()
     monkeypatch.setattr(memory, "PENALTY_TABLE_BYTES_PER_ENTRY", 0)
     assert with_table - activations() == (40 + 1) * 512 * PENALTY_TABLE_BYTES_PER_ENTRY
@@ -42,19 +53,10 @@ def test_the_estimate_counts_a_table_slot_per_running_request(monkeypatch: pytes
 def test_the_estimate_counts_the_held_drafter_context(monkeypatch: pytest.MonkeyPatch) -> None:
     """Adaptive speculation's k = 0 steps hold DEFER_MAX feature rows per running request (deferred_context.py):
     the buffer the store allocates is what the estimate adds."""
-    request = load_request()
-    request.draft.CopyFrom(draft_model("eagle3", 3, 7, 512))
-    request.target.synthetic.vocab_size = 512
-    source = resolve_target(request.target, None, "target")
-    draft = resolve_draft(request.draft, source.config, None).config
-
-    def activations() -> int:
-        args = (source.config, draft, torch.float32, 64, 16, 64, 40, torch.device("cpu"))
-        return estimate_memory(*args).activations
-
+    target, draft, activations = eagle3_estimate()
     with_buffer = activations()
     monkeypatch.setattr(memory, "DEFER_MAX", 0)
-    width = len(draft.target_layer_ids) * source.config.hidden_size
+    width = len(draft.target_layer_ids) * target.hidden_size
     store = DeferredContext(max_num_seqs=40)
     store._buffer_like(torch.zeros(1, width))
     assert store._buffer is not None
