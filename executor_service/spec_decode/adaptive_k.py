@@ -42,6 +42,7 @@ import math
 from collections import Counter, deque
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
+from statistics import median
 
 WINDOW = 5  # recent steady step times per (bucket, k); their median is its cost
 DECAY = 0.995  # per observed request-step: the acceptance counts' memory (~200 request-steps)
@@ -73,18 +74,12 @@ class StepCost:
     @property
     def seconds(self) -> float:
         """The step's price: its plain steps' and, for k = 0, the flushes of deferred context per step."""
-        return self.plain + (_median(self.surcharges) if self.surcharges else 0.0)
+        return self.plain + (median(self.surcharges) if self.surcharges else 0.0)
 
     @property
     def plain(self) -> float:
         """The median of the recent samples (the warm-up step's time until one is counted)."""
-        return _median(self.recent) if self.recent else self.warm_up
-
-
-def _median(values: Iterable[float]) -> float:
-    ordered = sorted(values)
-    middle = len(ordered) // 2
-    return ordered[middle] if len(ordered) % 2 else (ordered[middle - 1] + ordered[middle]) / 2
+        return median(self.recent) if self.recent else self.warm_up
 
 
 @dataclass

@@ -111,7 +111,8 @@ class DeferredContext:
             targets += range(base, base + entry.num_valid)
             held.rows += entry.num_valid
         buffer = self._buffer_like(features)
-        buffer.index_copy_(0, self._index(targets, features), features.index_select(0, self._index(sources, features)))
+        targets_at = to_device(targets, torch.int64, features.device)
+        buffer.index_copy_(0, targets_at, features.index_select(0, to_device(sources, torch.int64, features.device)))
         self.steps += 1
         self.counts["deferred steps"] += 1
         return True
@@ -143,10 +144,6 @@ class DeferredContext:
         if self._buffer is None:
             self._buffer = features.new_empty((self._slots * self.limit, features.shape[1]))
         return self._buffer
-
-    @staticmethod
-    def _index(rows: list[int], like: torch.Tensor) -> torch.Tensor:
-        return to_device(rows, torch.int64, like.device)
 
 
 class _Merge:
