@@ -5,7 +5,9 @@
    RoPE + store or SiLU-and-mul) vs the fused kernel at each tile config of a small sweep; the best fused config
    wins the shape where it is faster. --write-table merges the winners into kernels/small_gemm_table.json.
 2. One decoder layer and the whole decode step (batch 1, CUDA graph, context 300), fused (SPECDEC_SMALL_GEMM=
-   triton), unfused (off) and as the table picks: step time, kernels per step and per layer (torch.profiler).
+   triton), unfused (off) and as the table picks, each with programmatic dependent launch on and off
+   (kernels/pdl.py; SPECDEC_PDL): step time, kernels per step and per layer (torch.profiler).
+   The per-op table of 1. is measured with PDL as the host has it (on from sm_90).
 Times are CUDA-graph replays of REPS back-to-back calls, divided by REPS. Writes bench/results/fused_layer_*.json.
 
     python bench/fused_layer_bench.py [--dtypes bfloat16,float32] [--write-table] [--step-presets smollm2,llama3-8b]
@@ -14,6 +16,7 @@ Times are CUDA-graph replays of REPS back-to-back calls, divided by REPS. Writes
 from __future__ import annotations
 
 import argparse
+import itertools
 import os
 import sys
 from collections.abc import Callable
@@ -33,14 +36,22 @@ from executor_service.models.config import ModelConfig
 from executor_service.models.fused_layer import NormInput, gate_up_silu
 from executor_service.models.loader import build_synthetic
 from executor_service.models.model import Attention
+from kernels import pdl
 from kernels.qkv_rope_gemm import qkv_rope_store
-from kernels.small_gemm import small_gemm
+from kernels.small_gemm import MAX_GEMV_ROWS, small_gemm
 from kernels.small_gemm_table import POLICY_ENV, GemmConfig, dtype_name, merge_winners, table_key
 
 REPO = Path(__file__).resolve().parent.parent
 REPS = 20  # calls per captured graph: launch gaps as in a real step, not one kernel's host latency
 ROWS = (1, 2, 4, 8, 16, 32, 64)
-SWEEP = [GemmConfig(n, k, w) for n in (16, 32, 64) for k in (64, 128, 256) for w in (4,)]
+SWEEP = [GemmConfig(n, k, 4) for n in (16, 32, 64) for k in (64, 128, 256)] + [
+    GemmConfig(16, 512, 4),
+    GemmConfig(32, 512, 4),
+    GemmConfig(16, 1024, 8),
+    GemmConfig(32, 512, 8),
+]  # the wide K steps: a whole SmolLM2 row slice (K = 576) loaded before PDL's wait
+GEMV_SWEEP = [GemmConfig(n, k, w, gemv=True) for n, k, w in [(4, 1024, 4), (8, 1024, 4), (8, 512, 4), (16, 256, 4),
+    (16, 1024, 8), (32, 128, 4), (32, 256, 4)]]  # fmt: skip
 CONTEXT, BLOCK_SIZE = 300, 16
 
 
@@ -110,7 +121,9 @@ def gemm_table(presets: list[str], dtypes: list[torch.dtype], device: torch.devi
             for rows in ROWS:
                 for op, (n, k, unfused, fused) in op_cases(cfg, rows, dtype, device).items():
                     base = per_call_ms(unfused, device)
-                    sweep = SWEEP if op != "qkv_rope" else [c for c in SWEEP if c.block_n == 32]
+                    sweep = SWEEP + (GEMV_SWEEP if rows <= MAX_GEMV_ROWS else [])
+                    if op == "qkv_rope":  # an MMA program takes a whole head: block_n unused
+                        sweep = [c for c in sweep if c.gemv or c.block_n == 32]
                     timed = [(per_call_ms(lambda c=c, f=fused: f(c), device), c) for c in sweep]
                     best_ms, best = min(timed, key=lambda t: t[0])
                     row = {"dtype": dtype_name(dtype), "preset": preset, "op": op, "rows": rows, "n": n, "k": k,
@@ -132,9 +145,12 @@ def count_kernels(run: Callable[[], Any]) -> int:
     return sum(1 for name in names if not name.startswith(("Memcpy", "Memset")))
 
 
-def decode_step(preset: str, policy: str, dtype: torch.dtype, device: torch.device, num_layers: int | None) -> dict:
+def decode_step(
+    preset: str, policy: str, use_pdl: bool, dtype: torch.dtype, device: torch.device, num_layers: int | None
+) -> dict:
     """One decode step of batch 1 at CONTEXT, captured as a CUDA graph: its time and kernels."""
     set_policy(policy)
+    os.environ[pdl.ENV] = "1" if use_pdl else "0"
     cfg = model_config(preset, num_layers)
     model = build_synthetic(cfg, 0, dtype, device).model
     cache = KVCache(cfg, CONTEXT // BLOCK_SIZE + 2, BLOCK_SIZE, dtype, device)
@@ -153,8 +169,8 @@ def decode_step(preset: str, policy: str, dtype: torch.dtype, device: torch.devi
     with torch.cuda.graph(graph):
         forward()
     step_ms = time_graph(graph.replay, device, iters=100)
-    return {"preset": preset, "policy": policy, "layers": cfg.num_layers, "dtype": dtype_name(dtype),
-            "step_ms": step_ms, "kernels": count_kernels(graph.replay)}  # fmt: skip
+    return {"preset": preset, "policy": policy, "pdl": pdl.enabled(device), "layers": cfg.num_layers,
+            "dtype": dtype_name(dtype), "step_ms": step_ms, "kernels": count_kernels(graph.replay)}  # fmt: skip
 
 
 def main() -> int:
@@ -174,13 +190,14 @@ def main() -> int:
         merge_winners(winners, torch.cuda.get_device_name(device))
     steps = []
     for preset in args.step_presets.split(","):
-        for policy in ("off", "triton", "table"):
-            two, four = (decode_step(preset, policy, dtypes[0], device, n) for n in (2, 4))
-            full = decode_step(preset, policy, dtypes[0], device, None)
+        for policy, use_pdl in itertools.product(("off", "triton", "table"), (False, True)):
+            two, four = (decode_step(preset, policy, use_pdl, dtypes[0], device, n) for n in (2, 4))
+            full = decode_step(preset, policy, use_pdl, dtypes[0], device, None)
             full["kernels_per_layer"] = (four["kernels"] - two["kernels"]) / 2
             full["layer_ms"] = (four["step_ms"] - two["step_ms"]) / 2
             log(
-                f"{preset} decode step, {policy}: {full['step_ms']:.3f} ms, {full['kernels']} kernels "
+                f"{preset} decode step, {policy}, PDL {full['pdl']}: {full['step_ms']:.3f} ms, {full['kernels']} "
+                f"kernels "
                 f"({full['kernels_per_layer']:.1f} kernels and {full['layer_ms'] * 1e3:.1f} us per layer)"
             )
             torch.cuda.empty_cache()

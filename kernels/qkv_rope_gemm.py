@@ -1,9 +1,11 @@
 """The attention's input side of a decoder layer in one Triton kernel: (add +) RMSNorm, the QKV projection,
 Qwen3's per-head q/k norm, RoPE, and the paged K/V write.
 
-One program owns BLOCK_M rows times one head of the fused qkv_proj output (query, key or value head): it
-accumulates the head's two halves as two dots (rotate-half RoPE pairs element d with d + D/2, so each half is
-its own accumulator), rounds them to the model's dtype as the GEMM's output would be, then
+One program owns BLOCK_M rows times one head of the fused qkv_proj output (query, key or value head), or, as a
+GEMV without Qwen3's q/k norm, BLOCK_HALF columns of each of the head's halves (more, smaller programs: each
+loads its whole weight slice before PDL's wait): it accumulates the two halves' columns as two dots (rotate-half
+RoPE pairs element d with d + D/2, so each half is its own accumulator), rounds them to the model's dtype as the
+GEMM's output would be, then
 - a query head: (q-norms and) rotates, and stores into q [M, Hq, D];
 - a key head: (k-norms and) rotates, and stores at each row's slot of the key cache;
 - a value head: stores at each row's slot of the value cache.
@@ -19,7 +21,18 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.small_gemm import BLOCK_M, check_concat, dot_precision, dot_upcast, mma, prologue_rstd, prologue_tile
+from kernels import pdl
+from kernels.pdl import wait_for_inputs
+from kernels.small_gemm import (
+    block_m,
+    check_concat,
+    dot_precision,
+    dot_upcast,
+    mma,
+    prologue_rstd,
+    prologue_tile,
+    weight_tile,
+)
 from kernels.small_gemm_table import DEFAULT_CONFIG, GemmConfig
 
 
@@ -29,18 +42,23 @@ def _qkv_rope_kernel(
     v_cache_ptr, slot_ptr, rows, K1, K, eps, head_eps, stride_x, stride_r, stride_h, stride_x2, stride_w, stride_qt,
     stride_qh, stride_ct, stride_slot, stride_cb, stride_cs, stride_ch, block_size,
     NUM_Q_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr, HALF: tl.constexpr, NORM: tl.constexpr,
-    HAS_RESIDUAL: tl.constexpr, CONCAT: tl.constexpr, HAS_BIAS: tl.constexpr, QK_NORM: tl.constexpr,
-    PRECISION: tl.constexpr, UPCAST: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_HALF: tl.constexpr,
+    HAS_RESIDUAL: tl.constexpr, CONCAT: tl.constexpr, HAS_BIAS: tl.constexpr, QK_NORM: tl.constexpr, PDL: tl.constexpr,
+    GEMV: tl.constexpr, PRECISION: tl.constexpr, UPCAST: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_HALF: tl.constexpr,
     BLOCK_K: tl.constexpr,
 ):  # fmt: skip
-    pid_m, head = tl.program_id(0), tl.program_id(1)
+    pid_m, head, chunk = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    offs_d = tl.arange(0, BLOCK_HALF)
+    offs_d = chunk * BLOCK_HALF + tl.arange(0, BLOCK_HALF)  # this program's columns of each half of the head
     d_mask = offs_d < HALF
     m_mask = offs_m < rows
     lo_rows = head * 2 * HALF + offs_d  # the head's weight rows: its first half, then (+ HALF) its second
+    # Each K step's weights are loaded a step ahead; the first step's before the wait (they depend on nothing).
+    w_lo = weight_tile(w_ptr, 0, lo_rows, d_mask, 0, K, stride_w, BLOCK_K)
+    w_hi = weight_tile(w_ptr, HALF, lo_rows, d_mask, 0, K, stride_w, BLOCK_K)
+    wait_for_inputs(PDL)
     rstd, rstd2 = prologue_rstd(
-        x_ptr, r_ptr, h_ptr, x2_ptr, stride_x, stride_r, stride_h, stride_x2, offs_m, rows, K1, K, eps, head == 0,
+        x_ptr, r_ptr, h_ptr, x2_ptr, stride_x, stride_r, stride_h, stride_x2, offs_m, rows, K1, K, eps,
+        (head == 0) & (chunk == 0),
         NORM, HAS_RESIDUAL, CONCAT, BLOCK_M, BLOCK_K,
     )  # fmt: skip
     lo = tl.zeros([BLOCK_M, BLOCK_HALF], dtype=tl.float32)
@@ -51,11 +69,10 @@ def _qkv_rope_kernel(
             x_ptr, r_ptr, nw_ptr, x2_ptr, nw2_ptr, stride_x, stride_r, stride_x2, offs_m, offs_k, rows, K1, K, rstd,
             rstd2, NORM, HAS_RESIDUAL, CONCAT,
         )  # fmt: skip
-        w_mask = (offs_k[:, None] < K) & d_mask[None, :]
-        w_lo = tl.load(w_ptr + lo_rows[None, :] * stride_w + offs_k[:, None], mask=w_mask, other=0.0)
-        w_hi = tl.load(w_ptr + (lo_rows + HALF)[None, :] * stride_w + offs_k[:, None], mask=w_mask, other=0.0)
-        lo = mma(a, w_lo, lo, PRECISION, UPCAST)
-        hi = mma(a, w_hi, hi, PRECISION, UPCAST)
+        lo = mma(a, w_lo, lo, PRECISION, UPCAST, GEMV)
+        hi = mma(a, w_hi, hi, PRECISION, UPCAST, GEMV)
+        w_lo = weight_tile(w_ptr, 0, lo_rows, d_mask, k0 + BLOCK_K, K, stride_w, BLOCK_K)
+        w_hi = weight_tile(w_ptr, HALF, lo_rows, d_mask, k0 + BLOCK_K, K, stride_w, BLOCK_K)
     if HAS_BIAS:
         lo += tl.load(b_ptr + lo_rows, mask=d_mask, other=0.0).to(tl.float32)[None, :]
         hi += tl.load(b_ptr + lo_rows + HALF, mask=d_mask, other=0.0).to(tl.float32)[None, :]
@@ -130,7 +147,11 @@ def qkv_rope_store(
     res = residual if residual is not None else x
     q_norm, k_norm, head_eps = qk_norm if qk_norm is not None else (x, x, 0.0)
     q_strides = (q.stride(0), q.stride(1)) if num_q_heads else (head_size, head_size)
-    grid = (triton.cdiv(rows, BLOCK_M), num_q_heads + 2 * num_kv_heads)
+    rows_per_program = block_m(rows, config)
+    block_half = max(16, triton.next_power_of_2(half))
+    if config.gemv and qk_norm is None:  # a GEMV's program takes block_n columns of each half (the q/k norm
+        block_half = min(block_half, config.block_n)  # needs the whole head in one program)
+    grid = (triton.cdiv(rows, rows_per_program), num_q_heads + 2 * num_kv_heads, triton.cdiv(half, block_half))
     _qkv_rope_kernel[grid](
         x, res, stream, norm_weight if norm_weight is not None else x, x2, nw2, weight,
         bias if bias is not None else x, q_norm, k_norm, cos, sin, q if num_q_heads else x, k_cache, v_cache,
@@ -139,7 +160,8 @@ def qkv_rope_store(
         k_cache.stride(2), k_cache.shape[1],
         NUM_Q_HEADS=num_q_heads, NUM_KV_HEADS=num_kv_heads, HALF=half, NORM=norm_weight is not None,
         HAS_RESIDUAL=residual is not None, CONCAT=x2 is not x, HAS_BIAS=bias is not None,
-        QK_NORM=qk_norm is not None, PRECISION=dot_precision(x.dtype), UPCAST=dot_upcast(x), BLOCK_M=BLOCK_M,
-        BLOCK_HALF=max(16, triton.next_power_of_2(half)), BLOCK_K=config.block_k, num_warps=config.num_warps,
+        QK_NORM=qk_norm is not None, PDL=pdl.enabled(x.device), GEMV=config.gemv, PRECISION=dot_precision(x.dtype),
+        UPCAST=dot_upcast(x), BLOCK_M=rows_per_program, BLOCK_HALF=block_half,
+        BLOCK_K=config.block_k, num_warps=config.num_warps, **pdl.launch_options(x.device),
     )  # fmt: skip
     return q, stream

@@ -26,15 +26,31 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels import pdl
+from kernels.pdl import wait_for_inputs
 from kernels.small_gemm_table import DEFAULT_CONFIG, GemmConfig
 
 BLOCK_M = 16  # tl.dot's smallest tile side; rows past M are masked
+MAX_GEMV_ROWS = 4  # a GemmConfig with gemv=True runs rows up to this as a GEMV (block_m: their bucket)
+
+
+def block_m(rows: int, config: GemmConfig) -> int:
+    """Rows a program takes: the MMA's 16, or a GEMV's rows rounded up to a power of two."""
+    if config.gemv:
+        if rows > MAX_GEMV_ROWS:
+            raise ValueError(f"a GEMV config takes at most {MAX_GEMV_ROWS} rows, got {rows}")
+        return triton.next_power_of_2(rows)
+    return BLOCK_M
 
 
 @triton.jit
-def mma(a, w, acc, PRECISION: tl.constexpr, UPCAST: tl.constexpr):
+def mma(a, w, acc, PRECISION: tl.constexpr, UPCAST: tl.constexpr, GEMV: tl.constexpr = False):
     """acc + a @ w. UPCAST (Triton's CPU interpreter only, whose bf16/fp16 dot returns garbage): the same
-    products in fp32, exact for 16-bit inputs; only the summation order can differ from the GPU's MMA."""
+    products in fp32, exact for 16-bit inputs; only the summation order can differ from the GPU's MMA.
+    GEMV (a few rows: BLOCK_M is the rows' bucket, not the MMA's 16): fp32 products summed across the threads,
+    no tensor cores and no padding rows."""
+    if GEMV:
+        return acc + tl.sum(a.to(tl.float32)[:, :, None] * w.to(tl.float32)[None, :, :], 1)
     if UPCAST:
         return acc + tl.dot(a.to(tl.float32), w.to(tl.float32), input_precision="ieee")
     return tl.dot(a, w, acc, input_precision=PRECISION)
@@ -131,17 +147,32 @@ def prologue_tile(
 
 
 @triton.jit
+def weight_tile(w_ptr, row0, offs_n, n_mask, k0, K, stride_w, BLOCK_K: tl.constexpr):
+    """Rows row0 + offs_n of the weight [N, K], columns [k0, k0 + BLOCK_K), as the dot's right operand
+    [BLOCK_K, BLOCK_N]; columns past K load nothing (0)."""
+    offs_k = k0 + tl.arange(0, BLOCK_K)
+    mask = (offs_k[:, None] < K) & n_mask[None, :]
+    return tl.load(w_ptr + (row0 + offs_n[None, :]) * stride_w + offs_k[:, None], mask=mask, other=0.0)
+
+
+@triton.jit
 def _small_gemm_kernel(
     x_ptr, r_ptr, h_ptr, nw_ptr, x2_ptr, nw2_ptr, w_ptr, b_ptr, out_ptr, rows, N, K1, K, eps, up_offset,
     stride_x, stride_r, stride_h, stride_x2, stride_w, stride_o,
     NORM: tl.constexpr, HAS_RESIDUAL: tl.constexpr, CONCAT: tl.constexpr, HAS_BIAS: tl.constexpr,
-    SILU_MUL: tl.constexpr,
+    SILU_MUL: tl.constexpr, PDL: tl.constexpr, GEMV: tl.constexpr,
     PRECISION: tl.constexpr, UPCAST: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
 ):  # fmt: skip
     pid_m, pid_n = tl.program_id(0), tl.program_id(1)
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     n_mask = offs_n < N
+    # Each K step's weights are loaded a step ahead; the first step's before the wait (they depend on nothing).
+    w = weight_tile(w_ptr, 0, offs_n, n_mask, 0, K, stride_w, BLOCK_K)
+    w_up = w
+    if SILU_MUL:
+        w_up = weight_tile(w_ptr, up_offset, offs_n, n_mask, 0, K, stride_w, BLOCK_K)
+    wait_for_inputs(PDL)
     rstd, rstd2 = prologue_rstd(
         x_ptr, r_ptr, h_ptr, x2_ptr, stride_x, stride_r, stride_h, stride_x2, offs_m, rows, K1, K, eps, pid_n == 0,
         NORM, HAS_RESIDUAL, CONCAT, BLOCK_M, BLOCK_K,
@@ -154,12 +185,11 @@ def _small_gemm_kernel(
             x_ptr, r_ptr, nw_ptr, x2_ptr, nw2_ptr, stride_x, stride_r, stride_x2, offs_m, offs_k, rows, K1, K, rstd,
             rstd2, NORM, HAS_RESIDUAL, CONCAT,
         )  # fmt: skip
-        w_mask = (offs_k[:, None] < K) & n_mask[None, :]
-        w = tl.load(w_ptr + offs_n[None, :] * stride_w + offs_k[:, None], mask=w_mask, other=0.0)  # [BK, BN]
-        acc = mma(a, w, acc, PRECISION, UPCAST)
+        acc = mma(a, w, acc, PRECISION, UPCAST, GEMV)
+        w = weight_tile(w_ptr, 0, offs_n, n_mask, k0 + BLOCK_K, K, stride_w, BLOCK_K)
         if SILU_MUL:
-            w_up = tl.load(w_ptr + (up_offset + offs_n[None, :]) * stride_w + offs_k[:, None], mask=w_mask, other=0.0)
-            acc_up = mma(a, w_up, acc_up, PRECISION, UPCAST)
+            acc_up = mma(a, w_up, acc_up, PRECISION, UPCAST, GEMV)
+            w_up = weight_tile(w_ptr, up_offset, offs_n, n_mask, k0 + BLOCK_K, K, stride_w, BLOCK_K)
     if HAS_BIAS:
         acc += tl.load(b_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)[None, :]
     if SILU_MUL:
@@ -206,13 +236,16 @@ def small_gemm(
     stream = torch.empty_like(x) if residual is not None else x
     res = residual if residual is not None else x
     nw = norm_weight if norm_weight is not None else x
-    grid = (triton.cdiv(rows, BLOCK_M), triton.cdiv(n_out, config.block_n))
+    rows_per_program = block_m(rows, config)
+    grid = (triton.cdiv(rows, rows_per_program), triton.cdiv(n_out, config.block_n))
     _small_gemm_kernel[grid](
         x, res, stream, nw, x2, nw2, weight, bias if bias is not None else x, out,
         rows, n_out, k1, K, eps, n_out, x.stride(0), res.stride(0), stream.stride(0), x2.stride(0), weight.stride(0),
         out.stride(0), NORM=norm_weight is not None, HAS_RESIDUAL=residual is not None, CONCAT=x2 is not x,
-        HAS_BIAS=bias is not None, SILU_MUL=silu_mul, PRECISION=dot_precision(x.dtype), UPCAST=dot_upcast(x),
-        BLOCK_M=BLOCK_M, BLOCK_N=config.block_n, BLOCK_K=config.block_k, num_warps=config.num_warps,
+        HAS_BIAS=bias is not None, SILU_MUL=silu_mul, PDL=pdl.enabled(x.device), GEMV=config.gemv,
+        PRECISION=dot_precision(x.dtype), UPCAST=dot_upcast(x), BLOCK_M=rows_per_program, BLOCK_N=config.block_n,
+        BLOCK_K=config.block_k,
+        num_warps=config.num_warps, **pdl.launch_options(x.device),
     )  # fmt: skip
     return out, stream
 

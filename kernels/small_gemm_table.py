@@ -32,11 +32,13 @@ OPS = ("qkv_rope", "gate_up_silu", "linear")
 
 @dataclass(frozen=True)
 class GemmConfig:
-    """A fused kernel's tiles: columns per program (small_gemm), K step, warps."""
+    """A fused kernel's tiles: columns per program (small_gemm), K step, warps; `gemv`: a few rows (decode's)
+    summed on the CUDA cores in a program of exactly their bucket, instead of the tensor cores' 16-row MMA."""
 
     block_n: int = 32
     block_k: int = 128
     num_warps: int = 4
+    gemv: bool = False
 
 
 DEFAULT_CONFIG = GemmConfig()

@@ -21,7 +21,9 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels import pdl
 from kernels.attention import AttentionBatch
+from kernels.pdl import wait_for_inputs
 from kernels.triton_attn_config import MAX_SPLITS, LaunchConfig, choose_config
 
 LOG2E = 1.4426950408889634
@@ -112,8 +114,9 @@ def _paged_attention_kernel(
     GROUP: tl.constexpr, ROW_GROUP: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr, HEAD_SIZE: tl.constexpr, HEAD_PAD: tl.constexpr, CAUSAL: tl.constexpr, SPLIT: tl.constexpr,
     PAGE_ALIGNED: tl.constexpr, DOT_PRECISION: tl.constexpr, MAX_SPLITS: tl.constexpr, MIN_SPLIT_LEN: tl.constexpr,
-    TREE: tl.constexpr, NUM_SPLITS: tl.constexpr,
+    TREE: tl.constexpr, NUM_SPLITS: tl.constexpr, PDL: tl.constexpr,
 ):  # fmt: skip
+    wait_for_inputs(PDL)
     tile = tl.program_id(0)
     if CAUSAL:  # the last tiles see the most keys: start them first so they do not trail the grid
         tile = tl.num_programs(0) - 1 - tile
@@ -216,9 +219,10 @@ def _attend_keys(
 def _combine_splits_kernel(
     partial_ptr, lse_ptr, out_ptr, num_heads, head_size,
     stride_split_o, stride_split_lse, stride_ot, stride_oh,
-    NUM_SPLITS: tl.constexpr, HEAD_PAD: tl.constexpr,
+    NUM_SPLITS: tl.constexpr, HEAD_PAD: tl.constexpr, PDL: tl.constexpr,
 ):  # fmt: skip
     """out = sum_s 2^(lse_s - lse) * out_s with lse = log2 sum_s 2^lse_s; empty splits have lse -inf."""
+    wait_for_inputs(PDL)
     token = tl.program_id(0).to(tl.int64)
     head = tl.program_id(1)
     offs_s = tl.arange(0, NUM_SPLITS)
@@ -288,6 +292,7 @@ def forward(
     if tree and not batch.causal:
         raise ValueError("TRITON_ATTN: a tree mask narrows causal attention")
     split_programs = min(cfg.num_splits, cfg.split_programs or cfg.num_splits)
+    use_pdl, launch = pdl.enabled(q.device), pdl.launch_options(q.device)
     _paged_attention_kernel[(num_tiles, num_heads // row_group, split_programs)](
         q, k_cache, v_cache, target, lse_arg,
         batch.block_table, batch.query_start_loc, batch.seq_lens, batch.tree_mask if tree else batch.seq_lens,
@@ -300,12 +305,12 @@ def forward(
         CAUSAL=batch.causal, SPLIT=split, PAGE_ALIGNED=block_size % cfg.block_n == 0,
         DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
         MAX_SPLITS=MAX_SPLITS, MIN_SPLIT_LEN=cfg.min_split_len, TREE=tree, NUM_SPLITS=cfg.num_splits,
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        PDL=use_pdl, num_warps=cfg.num_warps, num_stages=cfg.num_stages, **launch,
     )  # fmt: skip
     if split:
         _combine_splits_kernel[(num_tokens, num_heads)](
             partial, lse, out, num_heads, head_size,
             partial.stride(0), lse.stride(0), out.stride(0), out.stride(1),
-            NUM_SPLITS=cfg.num_splits, HEAD_PAD=head_pad,
+            NUM_SPLITS=cfg.num_splits, HEAD_PAD=head_pad, PDL=use_pdl, **launch,
         )  # fmt: skip
     return out

@@ -22,6 +22,7 @@ pytestmark = pytest.mark.skipif(
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 EPS = 1e-5
 SMALL_TILES = GemmConfig(block_n=16, block_k=32, num_warps=4)  # several K steps and column tiles at test sizes
+GEMV_TILES = GemmConfig(block_n=8, block_k=32, num_warps=4, gemv=True)  # the same on the CUDA cores, rows <= 4
 TRITON_ATTN_HEADS = (32, 64, 80, 96, 128, 160, 192, 224, 256)  # kernels/capabilities.py's TRITON_ATTN claim
 
 
@@ -56,9 +57,14 @@ def norm_reference(x: torch.Tensor, residual: torch.Tensor | None, weight: torch
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize(("rows", "n", "k"), [(1, 40, 72), (3, 100, 200), (17, 33, 48)])
 @pytest.mark.parametrize("prologue", ["none", "norm", "add_norm"])
-def test_small_gemm_matches_norm_then_linear(dtype: torch.dtype, rows: int, n: int, k: int, prologue: str) -> None:
-    from kernels.small_gemm import small_gemm
+@pytest.mark.parametrize("config", [SMALL_TILES, GEMV_TILES], ids=["mma", "gemv"])
+def test_small_gemm_matches_norm_then_linear(
+    dtype: torch.dtype, rows: int, n: int, k: int, prologue: str, config: GemmConfig
+) -> None:
+    from kernels.small_gemm import MAX_GEMV_ROWS, small_gemm
 
+    if config.gemv and rows > MAX_GEMV_ROWS:
+        pytest.skip("a GEMV config takes a few rows")
     x, residual = randn(rows, k, dtype=dtype, seed=1), randn(rows, k, dtype=dtype, seed=2)
     weight, bias, norm_w = (
         randn(n, k, dtype=dtype, seed=3) / k**0.5,
@@ -67,7 +73,7 @@ def test_small_gemm_matches_norm_then_linear(dtype: torch.dtype, rows: int, n: i
     )
     residual = residual if prologue == "add_norm" else None
     norm_w = None if prologue == "none" else norm_w
-    out, stream = small_gemm(x, weight, bias, residual, norm_w, EPS, config=SMALL_TILES)
+    out, stream = small_gemm(x, weight, bias, residual, norm_w, EPS, config=config)
     a, expected_stream = norm_reference(x, residual, norm_w)
     torch.testing.assert_close(stream, expected_stream, **stream_tolerance(dtype))
     torch.testing.assert_close(out.float(), F.linear(a.float(), weight.float(), bias.float()), **tolerance(dtype))
@@ -75,13 +81,15 @@ def test_small_gemm_matches_norm_then_linear(dtype: torch.dtype, rows: int, n: i
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize(("rows", "half", "k"), [(1, 24, 40), (5, 50, 72)])
-def test_small_gemm_silu_and_mul_epilogue(dtype: torch.dtype, rows: int, half: int, k: int) -> None:
+@pytest.mark.parametrize(
+    ("rows", "half", "k", "config"), [(1, 24, 40, SMALL_TILES), (5, 50, 72, SMALL_TILES), (2, 24, 40, GEMV_TILES)]
+)
+def test_small_gemm_silu_and_mul_epilogue(dtype: torch.dtype, rows: int, half: int, k: int, config: GemmConfig) -> None:
     from kernels.small_gemm import small_gemm
 
     x, residual = randn(rows, k, dtype=dtype, seed=6), randn(rows, k, dtype=dtype, seed=7)
     weight, norm_w = randn(2 * half, k, dtype=dtype, seed=8) / k**0.5, randn(k, dtype=dtype, seed=9)
-    out, stream = small_gemm(x, weight, None, residual, norm_w, EPS, silu_mul=True, config=SMALL_TILES)
+    out, stream = small_gemm(x, weight, None, residual, norm_w, EPS, silu_mul=True, config=config)
     a, expected_stream = norm_reference(x, residual, norm_w)
     gate, up = F.linear(a.float(), weight.float()).to(dtype).float().split(half, dim=-1)
     torch.testing.assert_close(stream, expected_stream, **stream_tolerance(dtype))
@@ -121,6 +129,9 @@ def rotary_tables(positions: list[int], size: int, dtype: torch.dtype) -> tuple[
         (torch.bfloat16, 80, 2, 2, "none", "qk_norm"),
         (torch.float32, 32, 4, 2, "add_norm", "qk_norm,bias"),
         (torch.bfloat16, 128, 2, 1, "norm", ""),
+        (torch.bfloat16, 64, 3, 1, "add_norm", "bias,gemv"),
+        (torch.float32, 32, 4, 2, "add_norm", "qk_norm,gemv"),
+        (torch.bfloat16, 80, 2, 2, "none", "gemv"),  # halves of 40 in column chunks of 16: the last one partial
     ],
 )
 def test_qkv_rope_store_matches_the_unfused_path(
@@ -142,7 +153,7 @@ def test_qkv_rope_store_matches_the_unfused_path(
     k_cache, v_cache = (c.clone() for c in caches)
     q, stream = qkv_rope_store(
         x, weight, bias, residual, norm_w, EPS, heads, kv_heads, cos, sin, k_cache, v_cache, slots, qk_norm,
-        GemmConfig(block_k=16),
+        GemmConfig(block_n=16 if size == 80 else 8, block_k=16, gemv="gemv" in extras),
     )  # fmt: skip
     tol = tolerance(dtype)
     torch.testing.assert_close(stream.cpu(), expected[1].cpu(), **stream_tolerance(dtype))
@@ -237,3 +248,21 @@ def test_qkv_rope_store_keys_and_values_only(dtype: torch.dtype, extras: str) ->
     tol = tolerance(dtype)
     torch.testing.assert_close(k_cache.float().cpu(), expected[2].float(), **tol)
     torch.testing.assert_close(v_cache.float().cpu(), expected[3].float(), **tol)
+
+
+def test_pdl_is_off_where_it_cannot_run(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The interpreter has no griddepcontrol: kernels there are built without PDL and launched plainly."""
+    from kernels import pdl
+
+    assert not pdl.enabled(torch.device("cpu"))
+    assert pdl.launch_options(torch.device("cpu")) == {}
+    monkeypatch.setenv(pdl.ENV, "0")
+    assert not pdl.enabled(torch.device("cuda", 0))  # switched off before any device is asked about
+
+
+def test_gemv_config_refuses_more_rows_than_it_takes() -> None:
+    from kernels.small_gemm import MAX_GEMV_ROWS, small_gemm
+
+    x = randn(MAX_GEMV_ROWS + 1, 16, dtype=torch.float32, seed=1)
+    with pytest.raises(ValueError, match="GEMV"):
+        small_gemm(x, randn(8, 16, dtype=torch.float32, seed=2), config=GEMV_TILES)
