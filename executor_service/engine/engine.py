@@ -142,7 +142,8 @@ class Engine(EngineLoop):
         the tokens computed and generated (`observe`: also tell on_step)."""
         requests = scheduled.requests
         try:
-            parents = [self.proposer.tree_of(r) for r in requests] if self.proposer is not None else None
+            proposer = self.proposer
+            parents = [proposer.tree_of(r) if r.draft_ids else [] for r in requests] if proposer is not None else None
             trees = draft_inputs(scheduled, inputs, parents)
             output = self.runner.execute(inputs)
             self._flush_outbox()  # the previous step's outputs go out while this one runs on the device
@@ -391,23 +392,26 @@ class Engine(EngineLoop):
         without deferral it runs its context pass alone); either way its cache follows every token, so drafting
         can resume at any step. Else each keeps at most `k_next` drafts, drafted after any held rows ran."""
         assert self.proposer is not None and features is not None
+        num_drafts, drafting = self.proposer.num_drafts, k_next != 0
         entries = [
-            ProposeEntry(o.request, o.row_start, o.num_rows, o.verified_rows, proposes_now(o.request, k_next))
+            ProposeEntry(o.request, o.row_start, o.num_rows, o.verified_rows, drafting and proposes_now(o.request))
             for o in outcomes
-            if o.request.status is Status.RUNNING and self.proposer.num_drafts(o.request) > 0
+            if o.request.status is Status.RUNNING and num_drafts(o.request) > 0
         ]
         deferred = self.deferred
-        requests = [e.request for e in entries] + ([h.request for h in deferred.held.values()] if deferred else [])
+        held: list[Request] = []  # requests whose held rows run in this proposal (failed with it if it fails)
         try:
-            if deferred is not None and k_next == 0 and deferred.defer(entries, features):
+            if deferred is not None and not drafting and deferred.defer(entries, features):
                 return
             batch = ProposeBatch(entries, features, self.scheduler.reserve)
             if deferred is not None and deferred.held:
-                self._flushed = (k_next == 0, deferred.steps + 1)
-                batch = deferred.flush(batch, at_zero=k_next == 0)
+                held = [h.request for h in deferred.held.values()]
+                self._flushed = (not drafting, deferred.steps + 1)
+                batch = deferred.flush(batch, at_zero=not drafting)
             self.proposer.propose(batch)
         except Exception as err:  # a request whose held rows did not run is failed with the step's
-            self._fail(list({r.request_id: r for r in requests}.values()), err)
+            held += [h.request for h in deferred.held.values()] if deferred is not None else []
+            self._fail(list({r.request_id: r for r in [e.request for e in entries] + held}.values()), err)
             return
         for entry in entries:
             cap_drafts(entry.request, k_next)
@@ -483,10 +487,10 @@ class Engine(EngineLoop):
             sink(output)
 
 
-def proposes_now(request: Request, k_next: int | None) -> bool:
-    """Whether the request drafts after this step: it has a new last token (not a prefill chunk mid-prompt) and
-    the step after it drafts at all."""
-    return request.num_computed_tokens == request.num_tokens - 1 and k_next != 0
+def proposes_now(request: Request) -> bool:
+    """Whether the request drafts after this step (when the step after it drafts at all): it has a new last token,
+    not a prefill chunk mid-prompt."""
+    return request.num_computed_tokens == request.num_tokens - 1
 
 
 def cap_drafts(request: Request, k: int | None) -> None:

@@ -25,7 +25,10 @@ def split_for_device(
     scheduled: ScheduledStep, rows: int, takes: Callable[[Request], bool]
 ) -> tuple[ScheduledStep, ScheduledStep] | None:
     """(the requests verifying a whole draft that the device step `takes`, the others) when the step has both;
-    None: one part only (the whole step goes one way)."""
+    None: one part only (the whole step goes one way), as in a step that verifies no drafts (a prefill, adaptive
+    speculation's k = 0), told at once."""
+    if not any(request.draft_ids for request in scheduled.requests):
+        return None
     device, beside = ScheduledStep(), ScheduledStep()
     for request, num_new in zip(scheduled.requests, scheduled.num_new_tokens, strict=True):
         part = device if verifies_whole_draft(request, num_new, rows) and takes(request) else beside

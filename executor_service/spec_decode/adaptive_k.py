@@ -61,7 +61,8 @@ PlanObserver = Callable[[int], None]  # each planned step's k (metrics)
 class StepCost:
     """One (bucket, k)'s steady step time: the median of its recent samples, robust to the outliers a GPU step
     meets (a kernel compiled for a new shape, a capture elsewhere, another process's burst); its first steady step
-    is a warm-up and not counted. Also when it was last measured."""
+    is a warm-up and not counted. Also when it was last measured. The price is worked out when a sample arrives,
+    not when it is read: `plan` runs every step and reads every candidate's price several times."""
 
     warm_up: float
     recent: deque[float] = field(default_factory=lambda: deque(maxlen=WINDOW))
@@ -70,16 +71,27 @@ class StepCost:
     samples: int = 0  # steady steps counted, the warm-up not among them
     measured_at: int = 0  # the bucket's plan count at its last sample
     refresh: int = REFRESH_STEPS
+    plain: float = field(init=False)  # the median of the recent samples (the warm-up's time until one is counted)
+    seconds: float = field(init=False)  # the price: `plain` and, for k = 0, the deferred context's flushes per step
 
-    @property
-    def seconds(self) -> float:
-        """The step's price: its plain steps' and, for k = 0, the flushes of deferred context per step."""
-        return self.plain + (median(self.surcharges) if self.surcharges else 0.0)
+    def __post_init__(self) -> None:
+        self._reprice()
 
-    @property
-    def plain(self) -> float:
-        """The median of the recent samples (the warm-up step's time until one is counted)."""
-        return median(self.recent) if self.recent else self.warm_up
+    def add(self, seconds: float, measured_at: int) -> None:
+        """A steady step's time, measured at the bucket's plan count `measured_at`."""
+        self.recent.append(seconds)
+        self.samples += 1
+        self.measured_at = measured_at
+        self._reprice()
+
+    def add_surcharge(self, seconds: float) -> None:
+        """k = 0: a flush of deferred context, the time it added per k = 0 step it served."""
+        self.surcharges.append(seconds)
+        self._reprice()
+
+    def _reprice(self) -> None:
+        self.plain = median(self.recent) if self.recent else self.warm_up
+        self.seconds = self.plain + (median(self.surcharges) if self.surcharges else 0.0)
 
 
 @dataclass
@@ -114,6 +126,7 @@ class AdaptiveK:
         max_depth = max(self.num_steps.values(), default=0)
         self._reached = [0.0] * (max_depth + 1)  # decayed counts, index d: accepted drafts reached depth d
         self._tried = [0.0] * (max_depth + 1)  # index d: steps that verified depth d
+        self._expected: dict[int, float] = {}  # k -> expected_tokens(k), until the acceptance changes
 
     @staticmethod
     def bucket(batch: int) -> int:
@@ -132,9 +145,7 @@ class AdaptiveK:
         if cost is None:
             table[num_draft_tokens] = StepCost(seconds, measured_at=self.plans[bucket])
             return
-        cost.recent.append(seconds)
-        cost.samples += 1
-        cost.measured_at = self.plans[bucket]
+        cost.add(seconds, self.plans[bucket])
 
     def record_deferred(self, batch: int, seconds: float, steps: int, landed: int) -> None:
         """A flush of the drafter's context held over `steps` k = 0 steps, which landed in `landed` steady k = 0
@@ -147,7 +158,7 @@ class AdaptiveK:
         if not cost.flushed:  # a warm-up, as a first plain step is: on the H100 the first flush of 64 requests'
             cost.flushed = True  # rows compiled kernels for its row count and priced k = 0 at 112 ms, not 9
             return
-        cost.surcharges.append(max(seconds - landed * cost.plain, 0.0) / steps)
+        cost.add_surcharge(max(seconds - landed * cost.plain, 0.0) / steps)
 
     def observe_verify(self, depths: Sequence[int], accepted: Sequence[int]) -> None:
         """Per verified request: the depth its drafts reached and the drafts (the path's length) accepted."""
@@ -155,6 +166,7 @@ class AdaptiveK:
             for d in range(1, min(depth, len(self._tried) - 1) + 1):
                 self._tried[d] = self._tried[d] * DECAY + 1.0
                 self._reached[d] = self._reached[d] * DECAY + (1.0 if count >= d else 0.0)
+        self._expected.clear()
 
     # ---- the model ---------------------------------------------------------------------------------
     def acceptance(self, depth: int) -> float:
@@ -165,8 +177,13 @@ class AdaptiveK:
 
     def expected_tokens(self, num_draft_tokens: int) -> float:
         """Tokens a request emits per step at `num_draft_tokens`: the bonus token and each depth's chance to be
-        reached (a depth is reached only if the one before it was: the rates are each depth's own share)."""
-        return 1.0 + sum(self.acceptance(d) for d in range(1, self.num_steps[num_draft_tokens] + 1))
+        reached (a depth is reached only if the one before it was: the rates are each depth's own share). Kept
+        until the acceptance changes (`observe_verify`): a plan reads it for every candidate."""
+        found = self._expected.get(num_draft_tokens)
+        if found is None:
+            depths = range(1, self.num_steps[num_draft_tokens] + 1)
+            found = self._expected[num_draft_tokens] = 1.0 + sum(self.acceptance(d) for d in depths)
+        return found
 
     def throughput(self, batch: int, num_draft_tokens: int) -> float | None:
         """Expected tokens per second at `num_draft_tokens` for this batch, or None where its step time is not
@@ -215,6 +232,7 @@ class AdaptiveK:
             stale = (
                 cost is not None
                 and k != self._current.get(bucket)
+                and self.plans[bucket] - cost.measured_at > cost.refresh  # the interval's least: told at once
                 and self.plans[bucket] - cost.measured_at > self._interval(bucket, k, cost)
             )
             if samples < MIN_SAMPLES or stale:
@@ -226,11 +244,12 @@ class AdaptiveK:
         return None
 
     def _interval(self, bucket: int, num_draft_tokens: int, cost: StepCost) -> int:
-        """Plans at the bucket between checks of a measured candidate the bucket does not exploit: its interval
-        (doubled while it loses), stretched so the checks cost at most EXPLORE_SHARE of the time (a check loses,
-        over CHECK_STEPS steps at its price, the tokens the incumbent would have made meanwhile), and the longest
-        where it could not replace the incumbent even with every draft accepted (only a changed cost could make it
-        win: its own, measured again then, or the incumbent's, measured every step it runs)."""
+        """Plans at the bucket between checks of a measured candidate the bucket does not exploit, never fewer
+        than its `refresh` (doubled while it loses): that interval, stretched so the checks cost at most
+        EXPLORE_SHARE of the time (a check loses, over CHECK_STEPS steps at its price, the tokens the incumbent
+        would have made meanwhile), and the longest where it could not replace the incumbent even with every draft
+        accepted (only a changed cost could make it win: its own, measured again then, or the incumbent's,
+        measured every step it runs)."""
         current = self._current.get(bucket)
         incumbent = self.costs[bucket].get(current) if current is not None else None
         if incumbent is None or incumbent.samples < MIN_SAMPLES or cost.samples < MIN_SAMPLES:

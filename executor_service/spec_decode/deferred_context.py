@@ -14,8 +14,16 @@ one context pass batched across requests (the multi-row pass a prefill chunk tak
 
 - at a switch to drafting (k != 0): per request its held rows and the step's verified rows form one context
   pass, which drafts from the newest row as it would have;
-- at k = 0, when a request's rows would pass DEFER_MAX (a long prefill chunk at once): every held row runs, so
-  later flushes of all requests fall on one step (one pass, the weights read once for them all).
+- at k = 0, when a request's rows would pass DEFER_MAX (a long prefill chunk at once) or the buffer is full:
+  every held row runs, so later flushes of all requests fall on one step (one pass, the weights read once for
+  them all).
+
+The buffer is a log: each k = 0 step's verified rows are appended in the step's order after the last step's, and
+a request remembers where its rows went. A decode step's verified rows are its first rows, one per request in
+batch order, so its whole share is one device copy of a contiguous block, with no index built on the host or sent
+to the device (adaptive speculation's k = 0 must cost what a target-only step costs: issue 31); other steps (a
+prefill chunk, the accepted path of a verify step) gather their rows with one indexed copy. The rows of a request
+dropped before the flush stay in the log until then.
 
 A row's K/V depends only on its own features and token, and a row's outputs on the K/V before it, so after a
 flush the drafter's cache is what per-step passes would have written (up to the rounding of a batched pass) and
@@ -43,18 +51,21 @@ from executor_service.spec_decode.proposer import ProposeBatch, ProposeEntry
 DEFER_MAX = 16
 
 
-@dataclass
+@dataclass(slots=True)
 class Held:
-    """One request's held rows: buffer rows slot x limit, +1, ...; positions start, start + 1, ..."""
+    """One request's held rows: positions start, start + 1, ... at buffer rows `at` (in that order)."""
 
     request: Request
-    slot: int
     start: int
-    rows: int = 0
+    at: list[int]
+
+    @property
+    def rows(self) -> int:
+        return len(self.at)
 
     @property
     def end(self) -> int:
-        return self.start + self.rows
+        return self.start + len(self.at)
 
 
 class DeferredContext:
@@ -62,16 +73,16 @@ class DeferredContext:
 
     def __init__(self, max_num_seqs: int, limit: int = DEFER_MAX) -> None:
         self.limit = limit
+        self.capacity = max_num_seqs * limit  # buffer rows: every running request's DEFER_MAX
         self.held: dict[str, Held] = {}
-        self._free = list(range(max_num_seqs - 1, -1, -1))  # a slot per running request
-        self._buffer: torch.Tensor | None = None  # [max_num_seqs x limit, F], at the first k = 0 step
-        self._slots = max_num_seqs
+        self.filled = 0  # buffer rows written since the last flush (a dropped request's among them)
+        self._buffer: torch.Tensor | None = None  # [capacity, F], at the first k = 0 step
         self.steps = 0  # k = 0 steps whose rows were held since the last flush (adaptive speculation's price)
         self.counts: Counter[str] = Counter()  # "deferred steps", "flushes at k = 0", "flushes to draft"
 
     @property
     def rows(self) -> int:
-        return sum(held.rows for held in self.held.values())
+        return sum(len(held.at) for held in self.held.values())
 
     def holds_any(self, requests: list[Request]) -> bool:
         return bool(self.held) and any(r.request_id in self.held for r in requests)
@@ -82,40 +93,63 @@ class DeferredContext:
         return held.start if held is not None else request.num_computed_tokens
 
     def drop(self, request: Request) -> None:
-        """Forget a request's held rows: it finished, or was preempted (its tokens are computed again)."""
-        held = self.held.pop(request.request_id, None)
-        if held is not None:
-            self._free.append(held.slot)
+        """Forget a request's held rows: it finished, or was preempted (its tokens are computed again). Its rows
+        stay in the log until the next flush, unless nothing else is held."""
+        if self.held.pop(request.request_id, None) is not None and not self.held:
+            self.filled = 0
 
     @torch.inference_mode()
     def defer(self, entries: list[ProposeEntry], features: torch.Tensor) -> bool:
-        """Hold the entries' verified rows of a k = 0 step instead of running them. False, holding nothing, where
-        a request's rows would pass the limit or no slot is free: the caller flushes now."""
+        """Hold the entries' verified rows of a k = 0 step instead of running them: one copy into the log. False,
+        holding nothing, where a request's rows would pass the limit or the log is full: the caller flushes now."""
         if not entries:
             return True
-        found = [self.held.get(e.request.request_id) for e in entries]
-        for entry, held in zip(entries, found, strict=True):
-            if held is not None:
-                _follows(held, entry.first_position)
-        if sum(h is None for h in found) > len(self._free):
+        held, limit = self.held, self.limit
+        found: list[Held | None] = []
+        sources: list[int] = []
+        for entry in entries:  # checked before anything is held (a decode step's: one row each)
+            rows = entry.verified_rows
+            mine = held.get(entry.request.request_id)
+            if mine is None:
+                if len(rows) > limit:
+                    return False
+            else:
+                if mine.start + len(mine.at) + len(rows) != entry.request.num_computed_tokens:
+                    _follows(mine, entry.first_position)
+                if len(mine.at) + len(rows) > limit:
+                    return False
+            found.append(mine)
+            sources += rows
+        start, count = self.filled, len(sources)
+        if start + count > self.capacity:
             return False
-        if any((h.rows if h else 0) + e.num_valid > self.limit for e, h in zip(entries, found, strict=True)):
-            return False
-        sources, targets = [], []
-        for entry, held in zip(entries, found, strict=True):
-            if held is None:
-                held = Held(entry.request, self._free.pop(), entry.first_position)
-                self.held[entry.request.request_id] = held
-            base = held.slot * self.limit + held.rows
-            sources += entry.verified_rows
-            targets += range(base, base + entry.num_valid)
-            held.rows += entry.num_valid
-        buffer = self._buffer_like(features)
-        targets_at = to_device(targets, torch.int64, features.device)
-        buffer.index_copy_(0, targets_at, features.index_select(0, to_device(sources, torch.int64, features.device)))
+        offset = start
+        for entry, mine in zip(entries, found, strict=True):
+            taken = len(entry.verified_rows)
+            if mine is None:
+                first = entry.request.num_computed_tokens - taken
+                held[entry.request.request_id] = Held(entry.request, first, [*range(offset, offset + taken)])
+            elif taken == 1:  # a decode step's
+                mine.at.append(offset)
+            else:
+                mine.at += range(offset, offset + taken)
+            offset += taken
+        if sources:
+            self._append(features, sources, start)
+        self.filled = offset
         self.steps += 1
         self.counts["deferred steps"] += 1
         return True
+
+    def _append(self, features: torch.Tensor, sources: list[int], start: int) -> None:
+        """Rows `sources` of the step's features to buffer rows start, start + 1, ...: one copy, without an index
+        when they are the step's first rows in order (a decode step's)."""
+        count = len(sources)
+        into = self._buffer_like(features)[start : start + count]
+        if sources[-1] == count - 1 and sources == list(range(count)):
+            into.copy_(features[:count])
+        else:
+            torch.index_select(features, 0, to_device(sources, torch.int64, features.device), out=into)
 
     @torch.inference_mode()
     def flush(self, batch: ProposeBatch, at_zero: bool) -> ProposeBatch:
@@ -129,20 +163,20 @@ class DeferredContext:
         for rid, held in self.held.items():
             if rid not in in_step:
                 _follows(held, held.request.num_computed_tokens)
-        merge = _Merge(batch.features, self._buffer, self.limit)
+        merge = _Merge(batch.features, self._buffer)
         for entry in batch.entries:
             merge.add(entry, self.held.pop(entry.request.request_id, None))
         for held in self.held.values():  # not in this step: their rows alone, no drafts
             merge.add_held(held)
-        self._free += [held.slot for held in merge.taken]
         self.held.clear()
+        self.filled = 0
         self.steps = 0
         self.counts["flushes at k = 0" if at_zero else "flushes to draft"] += 1
         return ProposeBatch(merge.entries, merge.features(), batch.reserve)
 
     def _buffer_like(self, features: torch.Tensor) -> torch.Tensor:
         if self._buffer is None:
-            self._buffer = features.new_empty((self._slots * self.limit, features.shape[1]))
+            self._buffer = features.new_empty((self.capacity, features.shape[1]))
         return self._buffer
 
 
@@ -150,10 +184,9 @@ class _Merge:
     """A flush's batch as it is laid out: per request its rows at offset, offset + 1, ..., gathered from the
     step's features and the held buffer by one copy each."""
 
-    def __init__(self, features: torch.Tensor, buffer: torch.Tensor | None, limit: int) -> None:
-        self.step_features, self.buffer, self.limit = features, buffer, limit
+    def __init__(self, features: torch.Tensor, buffer: torch.Tensor | None) -> None:
+        self.step_features, self.buffer = features, buffer
         self.entries: list[ProposeEntry] = []
-        self.taken: list[Held] = []
         self.from_step: tuple[list[int], list[int]] = ([], [])  # (step rows, merged rows)
         self.from_held: tuple[list[int], list[int]] = ([], [])  # (buffer rows, merged rows)
         self.offset = 0
@@ -182,11 +215,9 @@ class _Merge:
         self.offset += count
 
     def _take(self, held: Held) -> int:
-        base = held.slot * self.limit
-        self.from_held[0].extend(range(base, base + held.rows))
-        self.from_held[1].extend(range(self.offset, self.offset + held.rows))
-        self.taken.append(held)
-        return held.rows
+        self.from_held[0].extend(held.at)
+        self.from_held[1].extend(range(self.offset, self.offset + len(held.at)))
+        return len(held.at)
 
     def features(self) -> torch.Tensor:
         """[rows, F]: one copy from the step's features, one from the buffer."""

@@ -100,7 +100,7 @@ def run(session: ModelSession, stretch: int, max_tokens: int, defer: bool = True
                 held = next(iter(deferred.held.values()))
                 assert deferred._buffer is not None
                 with torch.inference_mode():
-                    deferred._buffer[held.slot * deferred.limit].zero_()
+                    deferred._buffer[held.at[0]].zero_()
                 lose_a_row = False
     engine._flush_outbox()
     return trace
@@ -146,7 +146,7 @@ def test_drafts_and_drafter_cache_equal_the_per_step_context_pass(
     assert 0 < on.most_held <= DEFER_MAX
     for session in (held, every_step):
         assert_no_leak(session)
-    assert not held.engine.deferred.held and held.engine.deferred._free  # type: ignore[union-attr]
+    assert not held.engine.deferred.held and held.engine.deferred.filled == 0  # type: ignore[union-attr]
 
 
 @pytest.mark.gpu
@@ -229,7 +229,7 @@ def test_finish_and_abort_leave_nothing_held() -> None:
     assert "b" not in deferred.held
     engine.run_until_idle()
     assert sink.finish_reason("b") == "abort" and sink.finish_reason("long") == "length"
-    assert not deferred.held and len(deferred._free) == engine.scheduler.max_num_seqs
+    assert not deferred.held and deferred.filled == 0
     assert_no_leak(session)
 
 
