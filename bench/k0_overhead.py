@@ -267,6 +267,36 @@ def count_ops(session: ModelSession, prompts: list[list[int]], max_tokens: int) 
     return out
 
 
+def count_calls(session: ModelSession, prompts: list[list[int]], max_tokens: int) -> dict[str, Any]:
+    """Python function calls (sys.setprofile's call and c_call events) per kind of step: the host's work as a count,
+    which the shared host's noise does not move; the target's pass is in it (the same for every configuration at
+    one batch, on the CPU its eager ops)."""
+    engine = session.engine
+    settings = SamplingSettings(max_tokens=max_tokens, ignore_eos=True)
+    for i, prompt in enumerate(prompts):
+        engine.add(session.new_request(f"c{i}", prompt, settings, max_tokens, lambda output: None))
+    engine._drain_commands()
+    calls = [0]
+
+    def hook(frame: Any, event: str, arg: Any) -> None:
+        if event in ("call", "c_call"):
+            calls[0] += 1
+
+    per_kind: dict[str, list[int]] = {}
+    index = 0
+    while engine._has_work():
+        calls[0] = 0
+        sys.setprofile(hook)
+        try:
+            engine.step()
+        finally:
+            sys.setprofile(None)
+        per_kind.setdefault(step_kind(engine, index), []).append(calls[0])
+        index += 1
+    engine._flush_outbox()
+    return {kind: {"steps": len(n), "median_calls": median(n)} for kind, n in per_kind.items()}
+
+
 class _NamedOps(OpCounter):
     """Counts dispatched ops by name, inside the target's pass or outside it."""
 
@@ -303,10 +333,12 @@ def main() -> int:
             profiles[name] = pstats.Stats(profiler, stream=io.StringIO())
             entry[name]["profiled_ms_per_decode_step"] = watched(profiles[name], len(profiled) - 1)
             entry[name]["ops"] = count_ops(session, prompts, args.max_tokens)
+            entry[name]["python_calls"] = count_calls(session, prompts, args.max_tokens)
         entry["host_profile_extra_over_target_only"] = profile_diff(profiles, "target-only", 25)
         entry["medians"] = {name: medians(entry[name]["runs"]) for name in chosen}
         report[f"batch_{batch}"] = entry
         log(f"batch {batch}, medians of {args.repeats} runs (ms):\n{json.dumps(entry['medians'], indent=1)}")
+        log(f"python calls per step: {json.dumps({name: entry[name]['python_calls'] for name in chosen})}")
     for session in sessions.values():
         session.shutdown()
     write_result(args.out, "k0_overhead", device, report["commit"], report)

@@ -304,7 +304,8 @@ class Engine(EngineLoop):
         if self.speculation is None:
             return None
         if self._planned is None:  # once a step: a step run in two parts plans for all its requests
-            self._planned = self.speculation.plan(sum(r.status is Status.RUNNING for r in requests) or 1)
+            running = [r for r in requests if r.status is Status.RUNNING]
+            self._planned = self.speculation.plan(len(running) or 1)
         return self._planned
 
     def _price(self, seconds: float) -> None:

@@ -77,6 +77,23 @@ def cache_slot(block_ids: list[int], position: int, block_size: int) -> int:
     return block_ids[block] * block_size + position % block_size
 
 
+def cache_slots(block_ids: list[int], start: int, stop: int, block_size: int) -> list[int]:
+    """`cache_slot` of positions start, ..., stop - 1: a range per block instead of a call per position (a prompt
+    chunk's rows, a flush of held drafter context)."""
+    slots: list[int] = []
+    position = start
+    while position < stop:
+        block = position // block_size
+        if block >= len(block_ids):
+            slots += [-1] * (stop - position)
+            break
+        end = min(stop, (block + 1) * block_size)
+        offset = (block_ids[block] - block) * block_size  # slot = block id x block size + position in the block
+        slots += range(offset + position, offset + end)
+        position = end
+    return slots
+
+
 def to_device(values: list, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
     """Host values as a device tensor without waiting for the device: on CUDA through pinned memory and an
     asynchronous copy (a plain `torch.tensor(..., device=cuda)` synchronizes the stream, so it would wait for

@@ -14,7 +14,7 @@ import torch
 
 from executor_service.engine.kv_cache import KVCache
 from executor_service.engine.scheduler import ScheduledStep
-from executor_service.models.attention_step import AttentionStep, build_attention_step, cache_slot, to_device
+from executor_service.models.attention_step import AttentionStep, build_attention_step, cache_slots, to_device
 from executor_service.models.model import DecoderModel
 from executor_service.parallel.driver import forward_with_logits, move_kv_slots
 from executor_service.parallel.graphs import lockstep_for
@@ -65,7 +65,7 @@ class ModelRunner:
             known = min(stop, request.num_tokens)
             input_ids += request.token_ids(start, known) + request.draft_ids[: stop - known]
             positions += range(start, stop)
-            slots += [cache_slot(request.block_ids, p, self.block_size) for p in range(start, stop)]
+            slots += cache_slots(request.block_ids, start, stop, self.block_size)
             query_start_loc.append(query_start_loc[-1] + num_new)
             seq_lens.append(stop)
             if stop == request.num_tokens + len(request.draft_ids):

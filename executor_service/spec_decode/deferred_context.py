@@ -110,14 +110,11 @@ class DeferredContext:
         for entry in entries:  # checked before anything is held (a decode step's: one row each)
             rows = entry.verified_rows
             mine = held.get(entry.request.request_id)
-            if mine is None:
-                if len(rows) > limit:
-                    return False
-            else:
-                if mine.start + len(mine.at) + len(rows) != entry.request.num_computed_tokens:
-                    _follows(mine, entry.first_position)
-                if len(mine.at) + len(rows) > limit:
-                    return False
+            total = len(rows) + (len(mine.at) if mine is not None else 0)
+            if mine is not None and mine.start + total != entry.request.num_computed_tokens:
+                _follows(mine, entry.first_position)
+            if total > limit:
+                return False
             found.append(mine)
             sources += rows
         start, count = self.filled, len(sources)

@@ -36,6 +36,7 @@ from executor_service.models.attention_step import (
     block_table_tensor,
     build_attention_step,
     cache_slot,
+    cache_slots,
     to_device,
 )
 from executor_service.models.draft_models import Drafter, Eagle3Drafter
@@ -141,6 +142,11 @@ class Proposer:
             return -1
         return cache_slot(request.block_ids, position, self.block_size)
 
+    def slots(self, request: Request, start: int, stop: int) -> list[int]:
+        """`slot` of positions start, ..., stop - 1, a range per block (a context pass's rows)."""
+        inside = min(stop, max(start, self.max_model_len))
+        return cache_slots(request.block_ids, start, inside, self.block_size) + [-1] * (stop - inside)
+
     def slots_ahead(
         self, requests: list[Request], starts: list[int], width: int, own: list[int] | None = None
     ) -> torch.Tensor:
@@ -212,7 +218,7 @@ class Proposer:
             positions += range(first, first + count)
             following = entry.request.token_ids(first + 1, first + valid + 1)  # row p pairs with token p + 1
             next_ids += following + [0] * (count - valid)
-            slots += [self.slot(entry.request, p) for p in range(first, first + count)]
+            slots += self.slots(entry.request, first, first + count)
             seq_lens.append(first + count)
         requests = [e.request for e in batch.entries]
         step = self.attention(requests, [e.num_rows for e in batch.entries], seq_lens, slots, causal=True)
@@ -281,7 +287,7 @@ class Proposer:
             rows += request_rows
             positions += range(first, first + len(request_rows))
             next_ids += request.token_ids(first + 1, first + len(request_rows) + 1)  # row p pairs with token p + 1
-            slots += [self.slot(request, p) for p in range(first, first + len(request_rows))]
+            slots += self.slots(request, first, first + len(request_rows))
             seq_lens.append(first + len(request_rows))
             query_lens.append(len(request_rows))
         requests = [e.request for e in entries]
