@@ -238,7 +238,8 @@ class AdaptiveK:
             if samples < MIN_SAMPLES or stale:
                 if cost is not None and samples >= MIN_SAMPLES:
                     cost.measured_at = self.plans[bucket]  # tried now: not stale again before its interval
-                wanted = samples + (MIN_SAMPLES if samples < MIN_SAMPLES else 1)
+                afresh = samples < MIN_SAMPLES or (cost is not None and self._doubted(bucket, k, cost))
+                wanted = samples + (MIN_SAMPLES if afresh else 1)
                 self._exploring[bucket] = Exploration(k, wanted, MAX_EXPLORE_STEPS - 1)
                 return k
         return None
@@ -254,6 +255,8 @@ class AdaptiveK:
         incumbent = self.costs[bucket].get(current) if current is not None else None
         if incumbent is None or incumbent.samples < MIN_SAMPLES or cost.samples < MIN_SAMPLES:
             return cost.refresh
+        if self._doubted(bucket, num_draft_tokens, cost):
+            return cost.refresh
         rate = self.expected_tokens(current) / incumbent.seconds  # per request and second
         best_case = (1 + self.num_steps[num_draft_tokens]) / cost.seconds
         if best_case < rate * (1 + HYSTERESIS):
@@ -261,6 +264,21 @@ class AdaptiveK:
         share = self.expected_tokens(num_draft_tokens) / cost.seconds / rate  # of the incumbent's throughput
         lost = CHECK_STEPS * cost.seconds * max(0.0, 1.0 - share)
         return min(max(cost.refresh, math.ceil(lost / (EXPLORE_SHARE * incumbent.seconds))), MAX_REFRESH_STEPS)
+
+    def _doubted(self, bucket: int, num_draft_tokens: int, cost: StepCost) -> bool:
+        """Whether k = 0 is priced at or above the drafting k the bucket exploits. A k = 0 step is the least work a
+        step does (the target's decode pass; nothing drafted, the drafter's context held), so such a price was
+        measured in a bad moment: a stall of the host or the device over most of its recent samples (another
+        process, a long collection; seen on the shared CPU host), which moved the median. Taken at its word, k = 0
+        could not win and would be checked only at the longest interval (8192 steps of the losing k, each several
+        k = 0 steps' time); doubted, it is checked at its refresh interval (doubled while it loses, so a k = 0 truly
+        this dear, its flushes of held context included, is checked less and less often) and measured afresh: a
+        majority of its window, so the stall's samples no longer set the median."""
+        current = self._current.get(bucket)
+        if num_draft_tokens != 0 or not current:
+            return False
+        incumbent = self.costs[bucket].get(current)
+        return incumbent is not None and cost.seconds >= incumbent.seconds
 
     def _judge(self, bucket: int, num_draft_tokens: int) -> None:
         """After a test: a candidate that still loses is measured again twice as late; one that wins, as often

@@ -288,3 +288,32 @@ def test_a_deferred_flush_is_part_of_the_k0_price() -> None:
     model.record_deferred(64, 2 * 0.010 + 0.032, 16, landed=2)
     assert cost.seconds == pytest.approx(0.011)  # the median of 1, 0 and 2 ms
     assert model.throughput(64, 0) == pytest.approx(64 / 0.011)
+
+
+def after_a_stall(model: AdaptiveK, steps: int) -> list[int]:
+    """Batch 64, an always-wrong drafter: k = 0 settles, then 4 steps in a row take half a second more (the host or
+    the device stalled: another process, a long collection), then `steps` steps as before. The plans after."""
+    timed_steps(model, 64, EAGER_64, 0, ROUND)
+    assert model.plan(64) == 0
+    stalled = {k: (verify + 0.5, draft) for k, (verify, draft) in EAGER_64.items()}
+    timed_steps(model, 64, stalled, 0, 4)
+    return timed_steps(model, 64, EAGER_64, 0, steps)[2]
+
+
+def test_a_stall_while_k0_runs_does_not_keep_a_losing_k() -> None:
+    """The stall is most of k = 0's recent samples, so its median is the stall's and k = 7 wins by price. But a
+    k = 0 step is the least work a step does (the target's decode pass, nothing drafted), so k = 0 priced above a
+    drafting incumbent was measured in a bad moment: it is checked again at its refresh interval, measured afresh
+    (a majority of its window), not after MAX_REFRESH_STEPS as a loser that could not win (8192 steps at ~7x the
+    time of a k = 0 step)."""
+    chosen = after_a_stall(AdaptiveK((0, K), configured=K), 4 * REFRESH_STEPS)
+    assert K in chosen[:10]  # the stall priced k = 0 out
+    assert chosen[-REFRESH_STEPS:] == [0] * REFRESH_STEPS
+    assert chosen.count(K) <= 2 * REFRESH_STEPS
+
+
+def test_the_stall_check_fails_on_a_k0_price_taken_at_its_word(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Negative control: a k = 0 price never doubted keeps k = 7 to the longest interval."""
+    monkeypatch.setattr(AdaptiveK, "_doubted", lambda self, bucket, k, cost: False)
+    chosen = after_a_stall(AdaptiveK((0, K), configured=K), 4 * REFRESH_STEPS)
+    assert chosen[-REFRESH_STEPS:] == [K] * REFRESH_STEPS
