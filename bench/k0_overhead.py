@@ -12,6 +12,10 @@ Also the ops each kind of step dispatches (TorchDispatchMode), inside the target
 device work a k = 0 step adds over a target-only step is counted op by op.
 
     python bench/k0_overhead.py --preset tiny --device cpu --backend CPU_ATTN --adaptive-batches 64 --max-tokens 64
+    python bench/k0_overhead.py --adaptive-batches 64 --max-tokens 64 --repeats 3     # H100: synthetic Llama-3-8B
+
+On CUDA the target's and the drafter's passes are waited for where they are timed (the engine waits for them a
+little later, reading the logits back), so the host part is the host's own work; the wall time is as served.
 """
 
 from __future__ import annotations
@@ -44,10 +48,12 @@ WARM_UP_RUNS = 8
 
 
 class Timed:
-    """Wraps `owner.name`: the seconds spent in its calls accumulate in `seconds` (nested calls counted once)."""
+    """Wraps `owner.name`: the seconds spent in its calls accumulate in `seconds`. `sync`: the device's work it
+    queued is waited for inside it (CUDA: the target's pass and the drafter's are asynchronous; the engine waits for
+    them a little later, when it reads the logits back), so their device time is theirs, not the host part's."""
 
-    def __init__(self, owner: Any, name: str) -> None:
-        self.owner, self.name, self.seconds, self.calls = owner, name, 0.0, 0
+    def __init__(self, owner: Any, name: str, sync: bool = False) -> None:
+        self.owner, self.name, self.seconds, self.calls, self.sync = owner, name, 0.0, 0, sync
         self.function = getattr(owner, name)
         self.own = name in vars(owner)  # an instance's method is its class's: restored by deleting the wrapper
         setattr(owner, name, self)
@@ -57,6 +63,8 @@ class Timed:
         try:
             return self.function(*args, **kwargs)
         finally:
+            if self.sync:
+                torch.cuda.synchronize()
             self.seconds += time.perf_counter() - started
             self.calls += 1
 
@@ -95,9 +103,10 @@ def timers(session: ModelSession) -> dict[str, Timed]:
     """What a step's time is split into: the target's pass, the drafter's passes (propose: its host metadata and
     passes; _run: the passes alone), and the host functions adaptive speculation adds (once a step each)."""
     engine, proposer = session.engine, session.proposer
-    found = {"target": Timed(engine.runner, "execute")}
+    sync = engine.runner.device.type == "cuda"
+    found = {"target": Timed(engine.runner, "execute", sync)}
     if proposer is not None:
-        found |= {"drafter": Timed(proposer, "propose"), "drafter_passes": Timed(proposer, "_run")}
+        found |= {"drafter": Timed(proposer, "propose", sync), "drafter_passes": Timed(proposer, "_run", sync)}
         found |= {name: Timed(engine, f"_{name}") for name in ("propose", "plan", "price")}
         found["split_for_device"] = Timed(engine_module, "split_for_device")
         if engine.deferred is not None:

@@ -31,7 +31,9 @@ it keeps losing, so a batch whose best k is clear pays almost nothing for the ch
 than what keeps the checks to about EXPLORE_SHARE of the bucket's time (a check runs about two steps at the
 loser's price: at high batch a speculative step can cost several plain ones), and it is the longest one
 (MAX_REFRESH_STEPS) for a candidate that could not win with every draft accepted (`batch x (1 + num_steps)` over its
-measured time below the incumbent's expected throughput and its margin). The choice is a function of these
+measured time below the incumbent's expected throughput and its margin), unless that candidate is k = 0 priced at or
+above the drafting incumbent: the least work a step does cannot cost more, so its samples met a stall, and it is
+checked at its refresh interval and measured afresh (`_doubted`). The choice is a function of these
 measurements and the step count alone (deterministic given the costs), and it changes no token: greedy
 verification is exact whatever k.
 """
