@@ -129,7 +129,7 @@ class DecodeOverlap:
         if len(rows) == len(step.requests):
             input_ids = step.tokens
         else:
-            input_ids = step.tokens[to_device(rows, torch.int64, step.tokens.device)]
+            input_ids = step.tokens.index_select(0, to_device(rows, torch.int64, step.tokens.device))
         output = self.runner.execute(self._inputs(requests, positions, input_ids))
         return self._sampled(output.logits, requests, positions, ahead=True)
 
@@ -197,7 +197,7 @@ class DecodeOverlap:
             keys = StepKeys.on_host(seeds, roots, device)
             sort = host_sort(settings, logits.shape[-1])
             verdict = verify(logits, self._no_drafts(count), sampling, keys, sort, check=True)
-            tokens = verdict.emitted[:, 0]
+            tokens = verdict.emitted[:, 0].contiguous()
             valid = verdict.valid if verdict.valid is not None else torch.ones_like(finite)
             packed = torch.cat([finite.long(), valid.long(), tokens])
         return LaunchedDecode(requests, tokens, HostCopy(packed), ahead)
