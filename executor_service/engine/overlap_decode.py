@@ -17,8 +17,9 @@ A request that stops at step n (a stop token, EOS) had its row in step n + 1 lau
 unread, and its one K/V write lands in a block freed at n's booking, before any later step (stream order) could
 reuse the block; the position is past its computed tokens, so the prefix cache never registers it (it registers
 prompt blocks only, up to the computed tokens). Requests that reach max_tokens or the context at step n are left
-out of step n + 1 up front. New arrivals and pending commands end the chain: the step in flight is booked, the
-next one is scheduled.
+out of step n + 1 up front. A request the scheduler would admit (an arrival, a preempted one, a queue behind a full
+batch once a request finishes) and pending commands end the chain: the step in flight is booked, the next one is
+scheduled.
 """
 
 from __future__ import annotations
@@ -91,9 +92,9 @@ class DecodeOverlap:
 
     def applies(self, scheduled: ScheduledStep) -> bool:
         """A steady decode step: every running request decodes one token (no prompt chunk, no drafts), nobody
-        waits, was preempted or failed, every request overlaps, and some request goes on after the step. (The
-        engine checks for pending commands.)"""
-        if scheduled.preempted or scheduled.failed or self.scheduler.waiting:
+        could be admitted, preempted or failed, every request overlaps, and some request goes on after the step.
+        (The engine checks for pending commands.)"""
+        if scheduled.preempted or scheduled.failed or self._admits():
             return False
         if len(scheduled.requests) != len(self.scheduler.running):
             return False
@@ -113,9 +114,9 @@ class DecodeOverlap:
     @torch.inference_mode()
     def launch_following(self, step: LaunchedDecode) -> LaunchedDecode | None:
         """Queue the step after `step` before the host reads `step` back, for its requests that still run and go
-        on after it, when nobody waits and no other request runs; None: the next step is scheduled. (The engine
-        checks for pending commands.)"""
-        if self.scheduler.waiting:
+        on after it, when nobody could be admitted and no other request runs; None: the next step is scheduled.
+        (The engine checks for pending commands.)"""
+        if self._admits():
             return None
         running = [i for i, r in enumerate(step.requests) if r.status is Status.RUNNING]
         if len(running) != len(self.scheduler.running):  # another request joined: the scheduler decides
@@ -149,6 +150,12 @@ class DecodeOverlap:
                 continue
             outcomes.append(StepOutcome(request, request.num_computed_tokens + 1, [token]))
         return outcomes, failed
+
+    def _admits(self) -> bool:
+        """Whether the scheduler would admit a waiting request now: someone waits and the batch has room. A queue
+        behind a full batch (max_num_seqs) waits for a finish as it would on the serial path; the finish ends the
+        chain, and the next step admits."""
+        return bool(self.scheduler.waiting) and len(self.scheduler.running) < self.scheduler.max_num_seqs
 
     def _ends_by_length(self, request: Request) -> bool:
         """Whether its token of the step in hand (not yet booked) is its last by max_tokens or the context."""

@@ -63,9 +63,9 @@ def generate(
 ) -> tuple[Collector, Counter[str]]:
     """Run the jobs to the end on the test's thread (`events` before the steps they are keyed by); the engine's
     step counts, with "preempted" (the requests the scheduler preempted), "computed" (the tokens of the steps
-    booked, as on_step tells: a row launched for a request that then stopped counts too) and "passes" (the
-    target's, booked or not). Every block is free at the end, and no request ever held blocks past the
-    context."""
+    booked, as on_step tells: a row launched for a request that then stopped counts too), "passes" (the
+    target's, booked or not) and "overlapped with a queue" (overlapped steps while a request waited). Every
+    block is free at the end, and no request ever held blocks past the context."""
     engine, scheduler, sink, events = session.engine, session.engine.scheduler, Collector(), events or {}
     engine.step_counts.clear()
     engine.runner.step_counts.clear()
@@ -96,7 +96,9 @@ def generate(
         if not engine._has_work() and step > max(events, default=-1):
             engine._flush_outbox()
             break
+        queued, overlapped = bool(scheduler.waiting), engine.step_counts[OVERLAPPED]
         engine.step()
+        seen["overlapped with a queue"] += queued and engine.step_counts[OVERLAPPED] > overlapped
         engine._drain_commands()
     else:
         raise AssertionError(f"still working after {max_steps} steps")
@@ -183,6 +185,21 @@ def test_abort_and_arrival_mid_run(model: DecoderModel) -> None:
         if request_id != "r1":
             assert sink.tokens(request_id) == greedy_reference(model, job.prompt, job.max_tokens), request_id
     assert counts[OVERLAPPED] > 0, counts
+
+
+def test_a_queue_behind_a_full_batch(model: DecoderModel) -> None:
+    """max_num_seqs 2 and four requests: the queue waits for a finish while the batch overlaps, as it would
+    serially; each finish (stops, lengths) lets the next one in."""
+    prompts = random_prompts(4, seed=11)
+    references = [greedy_reference(model, p, 14) for p in prompts]
+    jobs = {f"r{i}": Job(p, greedy(6 + 2 * i), 6 + 2 * i) for i, p in enumerate(prompts[:3])}
+    jobs["stops"] = Job(prompts[3], greedy(14, stop_token_ids=frozenset({references[3][4]})), 14)
+    sink, counts, _ = overlapped_and_serial(jobs, max_num_seqs=2)
+    for index, request_id in enumerate(jobs):
+        job = jobs[request_id]
+        expected = greedy_reference(model, job.prompt, job.max_tokens, job.settings.stop_token_ids)
+        assert sink.tokens(request_id) == expected == references[index][: len(expected)], request_id
+    assert counts["overlapped with a queue"] > 0, counts
 
 
 def test_prefix_caching_with_stops_and_a_second_wave(model: DecoderModel) -> None:
