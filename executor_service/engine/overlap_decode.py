@@ -131,7 +131,7 @@ class DecodeOverlap:
             input_ids = step.tokens
         else:
             input_ids = step.tokens.index_select(0, to_device(rows, torch.int64, step.tokens.device))
-        output = self.runner.execute(self._inputs(requests, positions, input_ids))
+        output = self.runner.execute(self.decode_inputs(requests, positions, input_ids))
         return self._sampled(output.logits, requests, positions, ahead=True)
 
     def outcomes(self, step: LaunchedDecode) -> tuple[list[StepOutcome], list[tuple[Request, BaseException]]]:
@@ -161,7 +161,7 @@ class DecodeOverlap:
         """Whether its token of the step in hand (not yet booked) is its last by max_tokens or the context."""
         return len(request.output_ids) + 1 >= request.max_tokens or request.num_tokens + 1 >= self.max_model_len
 
-    def _inputs(self, requests: list[Request], positions: list[int], input_ids: torch.Tensor) -> StepInputs:
+    def decode_inputs(self, requests: list[Request], positions: list[int], input_ids: torch.Tensor) -> StepInputs:
         """A decode step's inputs as runner.prepare builds them, the input ids given on the device: one row per
         request at `positions`, every row sampled."""
         count, device = len(requests), self.runner.device

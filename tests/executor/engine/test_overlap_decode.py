@@ -310,3 +310,45 @@ def test_logits_that_are_not_finite_fail_their_request_alone() -> None:
     for request_id in jobs:
         assert [outputs_of(o) for o in on.outputs[request_id]] == [outputs_of(o) for o in off.outputs[request_id]]
     assert counts[OVERLAPPED] > 0, counts
+
+
+def test_following_inputs_are_what_the_host_builds_after_booking() -> None:
+    """The step launched before its predecessor's read-back has the input ids, positions, slots, sequence lengths
+    and block table that runner.prepare builds from the requests once the predecessor is booked."""
+    session = tiny_session()
+    engine, overlap = session.engine, session.engine.overlap
+    assert overlap is not None
+    decode_inputs = overlap.decode_inputs
+    launched: list[tuple[list[Request], StepInputs]] = []
+
+    def recording(requests: list[Request], positions: list[int], input_ids: torch.Tensor) -> StepInputs:
+        inputs = decode_inputs(requests, positions, input_ids)
+        launched.append((list(requests), inputs))
+        return inputs
+
+    overlap.decode_inputs = recording  # type: ignore[method-assign]
+    for index, prompt in enumerate(random_prompts(3, seed=12)):
+        add(session, Collector(), f"r{index}", Job(prompt, greedy(8 + 4 * index), 8 + 4 * index))
+    engine._drain_commands()
+    checked = 0
+    while engine._has_work():
+        before = len(launched)
+        engine.step()
+        if len(launched) == before:
+            continue
+        requests, derived = launched[-1]
+        built = engine.runner.prepare(ScheduledStep(requests, [1] * len(requests)))
+        assert derived.input_ids.tolist() == built.input_ids.tolist()
+        assert derived.positions.tolist() == built.positions.tolist()
+        step, expected = derived.attention, built.attention
+        for name in ("block_table", "query_start_loc", "seq_lens", "slot_mapping"):
+            assert getattr(step, name).tolist() == getattr(expected, name).tolist(), name
+        assert (step.max_query_len, step.max_seq_len) == (expected.max_query_len, expected.max_seq_len)
+        assert derived.logits_indices.tolist() == built.logits_indices.tolist()
+        assert (derived.sampled, derived.row_starts, derived.uniform_query_len) == (
+            built.sampled,
+            built.row_starts,
+            built.uniform_query_len,
+        )
+        checked += 1
+    assert checked >= 10 and {len(r) for r, _ in launched} == {1, 2, 3}
