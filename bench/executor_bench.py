@@ -4,7 +4,8 @@
 
   copy      device-to-device copy bandwidth (bytes read + written / time)
   weights   weight bytes; the weight-bandwidth floor of one decode step = weight bytes read / copy bandwidth
-  decode1   batch 1: time per output token over the decode steps (prefill excluded); floor / measured >= 0.70
+  decode1   batch 1: time per output token over the decode steps (prefill excluded); floor / measured >= 0.70;
+            with the overlapped decode step (engine/overlap_decode.py) on and off, interleaved runs of the one session
   batch     batch 32 and 128 started together: tokens/s over the decode phase and end to end
   prefill   4k prompts: tokens/s; the attention kernels' share (torch.profiler kernel times by name, and the same
             attention calls timed alone with the prefill's shapes)
@@ -18,6 +19,7 @@ Writes bench/results/executor_<UTC date>_<device>_<commit>.json (--out: a direct
     SPECDEC_COMMIT=<commit> python3 bench/executor_bench.py [--backend TRITON_ATTN] [--block-size 128]
     bash bench/gpu_run.sh run executor-bench        # on the GPU host; BENCH_ARGS="--backend ..." passes flags
     python bench/executor_bench.py --preset tiny --device cpu --backend CPU_ATTN --out /tmp/x.json   # smoke test
+    python3 bench/executor_bench.py --preset smollm2 --sections decode1    # SmolLM2-135M's shape, decode1 alone
 """
 
 from __future__ import annotations
@@ -34,6 +36,7 @@ import sys
 import threading
 import time
 import traceback
+from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -85,6 +88,7 @@ ATTENTION_KERNEL = re.compile(r"paged_attention|combine_splits|flash|flex|fmha|a
 # On the CPU, ops by name: SDPA (CPU_ATTN), and the compiled region that only flex_attention has in this model.
 CPU_ATTENTION_OP = re.compile(r"scaled_dot_product|attention|flex|Torch-Compiled Region", re.I)
 RUN_TIMEOUT_S = 300.0
+DECODE1_KEYS = ("tpot_ms_mean", "itl_ms_median", "decode_step_ms_mean", "decode_tokens_per_s", "e2e_tokens_per_s")
 
 
 # ---- (a) copy bandwidth ------------------------------------------------------------------------------------------
@@ -225,11 +229,55 @@ def repeat(label: str, repeats: int, run: Callable[[str], dict[str, Any]], keys:
     """One warm-up run (compiles the shapes' kernels), then `repeats` timed runs; medians of `keys`."""
     run(f"{label}-warmup")
     runs = [run(f"{label}-r{i}") for i in range(repeats)]
-    result: dict[str, Any] = {"runs": runs}
+    return {"runs": runs, **medians(runs, keys)}
+
+
+def medians(runs: list[dict[str, Any]], keys: tuple[str, ...]) -> dict[str, Any]:
+    found: dict[str, Any] = {}
     for key in keys:
         values = [r[key] for r in runs if r.get(key) is not None]
-        result[key] = round(median(values), 4) if values else None
-    return result
+        found[key] = round(median(values), 4) if values else None
+    return found
+
+
+def decode1_both_ways(
+    session: ModelSession, prompts: list[list[int]], max_tokens: int, repeats: int, steps: StepLog
+) -> dict[str, Any]:
+    """Batch-1 decode with the overlapped decode step on and off (Engine.overlap_decode, switched between runs of
+    the one session): a warm-up run of each, then `repeats` of each, interleaved (on, off, on, off, ...) so that
+    drift hits both; medians. The top-level figures are the configured mode's (--no-overlap-decode: off), which the
+    ratios read. Each run also has the engine steps it took by path ("overlapped decode": launched before the
+    step before it was read back)."""
+    engine = session.engine
+    configured = engine.overlap_decode
+    modes = {"overlap_on": True, "overlap_off": False}
+    runs: dict[str, list[dict[str, Any]]] = {name: [] for name in modes}
+
+    def run(name: str, tag: str) -> dict[str, Any]:
+        engine.overlap_decode = modes[name]  # read by the engine thread between steps; the engine is idle here
+        before = Counter(engine.step_counts)
+        stats = run_engine(session, prompts, max_tokens, tag, steps)
+        stats["engine_steps_by_path"] = dict(Counter(engine.step_counts) - before)
+        return stats
+
+    try:
+        for name in modes:
+            run(name, f"b1-{name}-warmup")
+        for index in range(repeats):
+            for name in modes:
+                runs[name].append(run(name, f"b1-{name}-r{index}"))
+    finally:
+        engine.overlap_decode = configured
+    both = {name: {**medians(found, DECODE1_KEYS), "runs": found} for name, found in runs.items()}
+    on, off = both["overlap_on"]["tpot_ms_mean"], both["overlap_off"]["tpot_ms_mean"]
+    return {
+        **{key: both["overlap_on" if configured else "overlap_off"][key] for key in DECODE1_KEYS},
+        "overlap_decode": configured,
+        "tpot_ms_overlap_on": on,
+        "tpot_ms_overlap_off": off,
+        "overlap_speedup": round(off / on, 4) if on and off else None,  # serial tpot / overlapped tpot
+        **both,
+    }
 
 
 def weight_report(session: ModelSession) -> dict[str, Any]:
@@ -436,13 +484,7 @@ def measure_in_process(
     if "decode1" in args.sections:
         prompts = make_prompts(1, args.prompt_len, vocab, 1)
         report["decode_batch1"] = section(
-            "decode1",
-            lambda: repeat(
-                "b1",
-                args.repeats,
-                lambda tag: run_engine(session, prompts, args.decode_tokens, tag, steps),
-                ("tpot_ms_mean", "itl_ms_median", "decode_step_ms_mean", "decode_tokens_per_s", "e2e_tokens_per_s"),
-            ),
+            "decode1", lambda: decode1_both_ways(session, prompts, args.decode_tokens, args.repeats, steps)
         )
         save()
     if "batch" in args.sections:
@@ -752,6 +794,12 @@ def print_summary(report: dict[str, Any]) -> None:
         log(f"batch-1 decode          {bar['measured_tpot_ms']:.3f} ms/token; floor / measured {bar['value']:.3f} "
             f"(bar >= {bar['bar_min']}: {'PASS' if bar['pass'] else 'FAIL'}); floor / engine step "
             f"{fmt(r.get('decode1_floor_over_engine_step'), '.3f')}")  # fmt: skip
+    decode1 = report.get("decode_batch1", {})
+    if "overlap_speedup" in decode1:
+        on, off = decode1["overlap_on"], decode1["overlap_off"]
+        log(f"batch-1 overlap on/off  {fmt(on['tpot_ms_mean'], '.3f')} / {fmt(off['tpot_ms_mean'], '.3f')} ms/token, "
+            f"{fmt(on['decode_tokens_per_s'])} / {fmt(off['decode_tokens_per_s'])} tok/s; serial / overlapped "
+            f"{fmt(decode1['overlap_speedup'], '.3f')}")  # fmt: skip
     for batch, entry in report.get("decode_batched", {}).items():
         log(f"batch {batch:>4} decode       {fmt(entry.get('decode_tokens_per_s'))} tok/s decode phase, "
             f"{fmt(entry.get('e2e_tokens_per_s'))} tok/s end to end {entry.get('error', '')}")  # fmt: skip
@@ -793,6 +841,12 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--num-kv-blocks", type=int, default=0, help="0: what the largest workload needs, + 10%%")
     parser.add_argument("--max-num-batched-tokens", type=int, default=EngineSettings.max_num_batched_tokens)
     parser.add_argument("--max-num-seqs", type=int, default=EngineSettings.max_num_seqs)
+    parser.add_argument(
+        "--no-overlap-decode",
+        action="store_true",
+        help="every section but decode1 (which runs both) with the serial decode step; its figures are then the "
+        "serial ones",
+    )
     parser.add_argument("--prompt-len", type=int, help="decode workloads' prompt length")
     parser.add_argument("--decode-tokens", type=int, help="tokens generated per request (ignore_eos, greedy)")
     parser.add_argument("--batches", help="comma-separated batch sizes of the batched decode section")
@@ -872,7 +926,9 @@ def main() -> int:
         num_kv_blocks=args.num_kv_blocks or kv_blocks_for(args, block_size),
         enable_prefix_caching=False,  # the timed runs repeat their prompts: each must compute its prefill
     )
-    engine_settings = EngineSettings(args.max_num_batched_tokens, args.max_num_seqs)
+    engine_settings = EngineSettings(
+        args.max_num_batched_tokens, args.max_num_seqs, overlap_decode=not args.no_overlap_decode
+    )
     commit, dirty = commit_id()
     now = dt.datetime.now(dt.UTC)
     device_name = torch.cuda.get_device_name(device) if device.type == "cuda" else (platform.processor() or "cpu")
@@ -908,7 +964,11 @@ def main() -> int:
         "backend_candidates": {c.backend: list(c.reasons) for c in decision.candidates},
         "block_size": block_size,
         "num_kv_blocks": request.num_kv_blocks,
-        "engine": {"max_num_batched_tokens": args.max_num_batched_tokens, "max_num_seqs": args.max_num_seqs},
+        "engine": {
+            "max_num_batched_tokens": args.max_num_batched_tokens,
+            "max_num_seqs": args.max_num_seqs,
+            "overlap_decode": engine_settings.overlap_decode,
+        },
         "workload": {
             "prompt_len": args.prompt_len,
             "decode_tokens": args.decode_tokens,

@@ -1,7 +1,7 @@
 """Where the fused small-M Triton GEMMs (kernels/small_gemm.py, kernels/qkv_rope_gemm.py) replace cuBLAS.
 
 cuBLAS is the default: a fused kernel runs only for a (device, dtype, op, rows, N, K) that
-bench/fused_layer_bench.py measured faster than the unfused ops it replaces, as recorded in
+bench/fused_layer_bench.py measured at least 5 % faster than the unfused ops it replaces, as recorded in
 small_gemm_table.json (the bench's --write-table merges its winners there, with their tile shapes). Ops:
 
 - "qkv_rope": (add +) RMSNorm, QKV GEMM, RoPE and K/V write, vs the add-norm kernel, cuBLAS, the RoPE + store kernel;
@@ -93,12 +93,17 @@ def choose(op: str, rows: int, n: int, k: int, dtype: torch.dtype, device: torch
     return DEFAULT_CONFIG if mode == "triton" else None
 
 
-def merge_winners(winners: dict[str, dict[str, dict[str, Any]]], device: str, path: Path = TABLE_PATH) -> None:
-    """Write a bench run's winners ({dtype: {key: config}}) for `device` into the table file, replacing that
-    device's earlier entries for the same dtypes (a shape that lost this time loses its entry)."""
+def merge_winners(
+    winners: dict[str, dict[str, dict[str, Any]]], device: str, measured: dict[str, set[str]], path: Path = TABLE_PATH
+) -> None:
+    """Write a bench run's winners ({dtype: {key: config}}) for `device` into the table file. Every key the run
+    timed (`measured`: {dtype: keys}) is replaced: a shape that lost this time loses its entry; shapes it did not
+    time keep theirs."""
     document = json.loads(path.read_text()) if path.exists() else {}
     devices = document.setdefault("devices", {})
-    for dtype, entries in winners.items():
-        devices.setdefault(device, {})[dtype] = dict(sorted(entries.items()))
+    for dtype, keys in measured.items():
+        table = {key: entry for key, entry in devices.get(device, {}).get(dtype, {}).items() if key not in keys}
+        table.update(winners.get(dtype, {}))
+        devices.setdefault(device, {})[dtype] = dict(sorted(table.items()))
     path.write_text(json.dumps(document, indent=1, sort_keys=True) + "\n")
     load_table.cache_clear()

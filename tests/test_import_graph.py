@@ -13,7 +13,7 @@ modules of its own layer or of lower ones (imports for annotations alone, under 
 - engine core: requests and their KV-cache bookkeeping (block pool, prefix cache, KV cache, scheduler);
 - runner: the model runner, CUDA graphs, the tensor-parallel driver;
 - spec decode: drafting, verification and the device step (its sampling variants and penalty table);
-- engine: the engine thread and its one step (chains and trees alike);
+- engine: the engine thread and its one step (chains and trees alike, and the overlapped target-only decode);
 - server: the gRPC shell, request checks, the wire conversions (wire.py), the composition root (session.py).
 
 The drafter trainer, specdec_training, is an offline tool beside the services: it builds on the executor's layers
@@ -164,7 +164,7 @@ EXECUTOR_LAYERS: tuple[Layer, ...] = (
     Layer(
         "engine",
         wire_free=True,
-        modules=("engine.engine_loop engine.engine engine.host_step engine.step_parts"),
+        modules=("engine.engine_loop engine.engine engine.host_step engine.step_parts engine.overlap_decode"),
     ),
     Layer(
         "server",

@@ -16,6 +16,7 @@ import torch
 from executor_service.engine.engine_loop import EngineLoop
 from executor_service.engine.host_step import draft_inputs, path_moves, verify_drafts
 from executor_service.engine.outcome import StepOutcome
+from executor_service.engine.overlap_decode import DecodeOverlap, LaunchedDecode
 from executor_service.engine.request import Finish, Request, RequestOutput, Sink, Status
 from executor_service.engine.scheduler import ScheduledStep, Scheduler
 from executor_service.engine.step_parts import split_for_device
@@ -46,6 +47,7 @@ class Engine(EngineLoop):
         spec_step: SpecStep | None = None,
         speculation: AdaptiveK | None = None,
         defer_context: bool = True,
+        overlap_decode: bool = True,
     ) -> None:
         super().__init__(scheduler)
         self.runner, self.max_model_len = runner, max_model_len
@@ -65,9 +67,14 @@ class Engine(EngineLoop):
         # Steps by path ("host", "device") and the drafts the host path verified ("host drafts"): tests assert a
         # batch stays on the device step; benchmarks report it.
         self.step_counts: Counter[str] = Counter()
+        # Without a drafter, steady decode steps launch the step after them before their read-back
+        # (overlap_decode.py); `overlap_decode` False: every step serially (a benchmark may switch it between runs).
+        self.overlap = DecodeOverlap(runner, scheduler, max_model_len) if proposer is None else None
+        self.overlap_decode = overlap_decode
+        self._decoding: LaunchedDecode | None = None  # an overlapped decode step launched, not yet booked
 
     def _steps_pending(self) -> bool:
-        return self._in_flight is not None
+        return self._in_flight is not None or self._decoding is not None
 
     def step(self) -> None:
         """One step (`_step`); a step that ran steadily at one k gives the speculation its wall time."""
@@ -86,6 +93,10 @@ class Engine(EngineLoop):
             self._in_flight = None
             self._book_on_device(requests, pending, started)
             return
+        if self._decoding is not None:  # a decode step launched behind the last one: book it
+            decoding, self._decoding = self._decoding, None
+            self._decode_overlapped(decoding, started)
+            return
         self._fail_alone(self._bad_drafts())
         scheduled = self.scheduler.schedule()
         self._fail_alone(scheduled.failed)  # requests that can never fit the cache
@@ -101,13 +112,49 @@ class Engine(EngineLoop):
         try:
             inputs = self.runner.prepare(scheduled)
             pending = self._launch_on_device(inputs, scheduled.requests)
+            decoding = self._launch_decode(scheduled, inputs) if pending is None else None
         except Exception as err:  # a kernel or device failure fails this step's requests, not the server
             self._fail(scheduled.requests, err)
             return
         if pending is not None:
             self._book_on_device(scheduled.requests, pending, started)
             return
+        if decoding is not None:
+            self._decode_overlapped(decoding, started)
+            return
         self._host_step(scheduled, inputs, started)
+
+    def _launch_decode(self, scheduled: ScheduledStep, inputs: StepInputs) -> LaunchedDecode | None:
+        """A steady target-only decode step, launched with its sampling on the device (overlap_decode.py); None:
+        the host path runs the step."""
+        if self.overlap is None or not self._chains() or not self.overlap.applies(scheduled):
+            return None
+        return self.overlap.launch(inputs, scheduled.requests)
+
+    def _decode_overlapped(self, step: LaunchedDecode, started: float) -> None:
+        """Book a decode step sampled on the device. When its batch goes on unchanged, the step after it is
+        launched first, so the device runs that one while the host reads this one back and books it; the next
+        engine step books that one."""
+        assert self.overlap is not None
+        try:
+            following = self.overlap.launch_following(step) if self._chains() else None
+            self._flush_outbox()  # the previous step's outputs go out while this one runs on the device
+            outcomes, failed = self.overlap.outcomes(step)
+        except Exception as err:  # a kernel or device failure fails this step's requests, not the server
+            self._fail(step.requests, err)
+            return
+        self.step_counts["overlapped decode" if step.ahead else "decode on device"] += 1
+        self._fail_alone(failed)
+        generated, _ = self._book(outcomes)
+        if following is not None and following.live():  # else every request of it finished: nothing to book
+            self._decoding = following
+        if self.on_step is not None:
+            self.on_step(len(step.requests), generated, time.perf_counter() - started)
+
+    def _chains(self) -> bool:
+        """Whether a decode step may launch the one after it: overlap on, and no command waiting to change the
+        batch (an arrival, an abort) first."""
+        return self.overlap_decode and self._commands.empty()
 
     def _device_beside(
         self, scheduled: ScheduledStep, device_part: ScheduledStep, beside: ScheduledStep, started: float

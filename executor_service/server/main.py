@@ -249,6 +249,12 @@ def main(argv: list[str] | None = None) -> int:
         "speculation); default: every step verifies the drafter's k drafts",
     )
     parser.add_argument(
+        "--no-overlap-decode",
+        action="store_true",
+        help="without a drafter, run every decode step serially instead of launching the next one before the host "
+        "reads this one back (for comparison)",
+    )
+    parser.add_argument(
         "--no-prefix-caching",
         action="store_true",
         help="no prefix caching for a LoadModel that leaves enable_prefix_caching unset (it may still ask for it)",
@@ -278,6 +284,7 @@ def main(argv: list[str] | None = None) -> int:
                 prefix_caching=not args.no_prefix_caching,
                 sampled_drafts=args.sampled_drafts,
                 adaptive_speculation=args.adaptive_speculation,
+                overlap_decode=not args.no_overlap_decode,
             ),
             max_live_requests=int(args.max_live_requests),
             tensor_parallel_size=int(args.tensor_parallel_size),

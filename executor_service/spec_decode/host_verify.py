@@ -26,6 +26,11 @@ class VerifyError(RuntimeError):
     """One request's verification failed (drafts outside the vocabulary, logits that are not finite)."""
 
 
+# The errors of a request's rows that are not sound (also the overlapped decode step's: engine/overlap_decode.py).
+NOT_FINITE = "the target's logits are not finite (inf or NaN)"
+NOT_A_DISTRIBUTION = "the target's probabilities are not a distribution (inf or NaN)"
+
+
 def check_drafts(draft_tokens: list[int], vocab_size: int) -> VerifyError | None:
     """An error if a draft id is outside [0, vocab_size): a faulty drafter. Host lists, so no device work."""
     if draft_tokens and (min(draft_tokens) < 0 or max(draft_tokens) >= vocab_size):
@@ -135,9 +140,9 @@ def _verdicts(host: list[int], starts: list[int], errors: list[VerifyError | Non
     for i, error in enumerate(errors):
         valid, accepted, *rest = host[num_rows + i * width : num_rows + (i + 1) * width]
         if error is None and not all(finite[starts[i] : starts[i + 1]]):
-            error = VerifyError("the target's logits are not finite (inf or NaN)")
+            error = VerifyError(NOT_FINITE)
         elif error is None and not valid:
-            error = VerifyError("the target's probabilities are not a distribution (inf or NaN)")
+            error = VerifyError(NOT_A_DISTRIBUTION)
         if error is not None:
             found.append(error)
             continue

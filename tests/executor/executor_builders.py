@@ -58,6 +58,7 @@ def tiny_session(
     device: str = "cpu",
     dtype: int = common_pb2.DTYPE_FLOAT32,
     cuda_graphs: bool = True,
+    overlap_decode: bool = True,
 ) -> ModelSession:
     """A warmed-up session whose engine thread is NOT started unless the caller starts it (tests drive
     `engine.run_until_idle()` for determinism, or start the thread to test concurrency)."""
@@ -65,7 +66,7 @@ def tiny_session(
     request.dtype = dtype
     source = resolve_target(request.target, None, "target")
     decision = common_pb2.BackendDecision(backend=backend)
-    settings = EngineSettings(max_num_batched_tokens, max_num_seqs, cuda_graphs)
+    settings = EngineSettings(max_num_batched_tokens, max_num_seqs, cuda_graphs, overlap_decode=overlap_decode)
     return build_session(source, request, decision, torch.device(device), settings, start=False)
 
 

@@ -5,6 +5,7 @@ verification, and draft ids outside the vocabulary from a faulty drafter are nev
 from __future__ import annotations
 
 import math
+from typing import Any
 
 import pytest
 import torch
@@ -14,6 +15,7 @@ from greedy_reference import greedy_reference
 from host_verify_runs import request_of
 from spec_builders import spec_session
 
+from executor_service.engine.request import Request
 from executor_service.engine.scheduler import ScheduledStep
 from executor_service.runner.model_runner import StepInputs, StepOutput
 from executor_service.sample.sampling import DraftProbs, SamplingSettings
@@ -182,3 +184,12 @@ def poison_logits(session: ModelSession, request_id: str, after_steps: int) -> N
 
     runner.prepare = prepare_and_find  # type: ignore[method-assign]
     runner.execute = execute_and_poison  # type: ignore[method-assign]
+    overlap = session.engine.overlap
+    if overlap is not None:  # an overlapped decode step's following step builds its inputs there, not in prepare
+        decode_inputs = overlap.decode_inputs
+
+        def decode_inputs_and_find(requests: list[Request], *args: Any) -> StepInputs:
+            rows[:] = [i for i, r in enumerate(requests) if r.request_id == request_id]
+            return decode_inputs(requests, *args)
+
+        overlap.decode_inputs = decode_inputs_and_find  # type: ignore[method-assign]

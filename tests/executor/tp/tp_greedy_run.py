@@ -138,8 +138,9 @@ def capture_cpu_graphs(session: ModelSession) -> None:
 
 def graph_replays(session: ModelSession) -> dict[str, int]:
     """How the target's steps ran: graph replays and eager calls, of the decode / verify graphs and the
-    device-resident speculative step."""
+    device-resident speculative step; and the engine's steps by path (overlap_decode.py's "overlapped decode")."""
     counts = Counter(session.engine.runner.step_counts)
+    counts.update({f"engine {path}": n for path, n in session.engine.step_counts.items()})
     spec_step = session.engine.spec_step
     if spec_step is not None:
         counts.update({f"spec step {kind}": n for kind, n in spec_step.counts.items()})
@@ -188,6 +189,7 @@ def greedy_outputs(
     if method == "eagle3_tree":  # accepted drafts: the tree mask and the K/V move decide the next tokens
         references = greedy_outputs("none", device, backend, checkpoint)
         session.proposer.set_tree = ReplayOnLastBranch(session.proposer.set_tree, references)  # type: ignore[union-attr]
+    session.engine.step_counts.clear()  # the warm-up's steps (before any graph was captured)
     try:
         for index, prompt in enumerate(PROMPTS):
             session.engine.add(session.new_request(f"r{index}", prompt, SamplingSettings(), MAX_TOKENS, outputs))

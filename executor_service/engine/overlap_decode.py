@@ -1,0 +1,218 @@
+"""Target-only decode steps overlapped with their booking: vLLM's async scheduling, SGLang's overlap scheduler.
+
+Without a drafter, a decode step used to run its host work (building the inputs, reading the sampled tokens back,
+booking, streaming) while the device idled: on an H100, SmolLM2-135M's batch-1 step is a 0.66 ms graph replay
+but 1.21 ms a token. Here a steady decode step samples its tokens on the device, and the step after it is launched
+before the host reads them back: its input ids are those tokens (a device-to-device copy), its positions, slots,
+sequence lengths and block table follow on the host from the requests' counts (none depends on the token), its
+K/V slot reserved ahead. The host then reads the step back and books it while the device runs the next one; the
+engine books that one at its next step (engine.py: `_decode_overlapped`).
+
+Tokens are the host path's bit for bit: sampling is verifier.verify with no drafts, called as host_verify calls it
+(greedy rows: the argmax; sampled rows: the counter-based draw keyed by seed and position, device_sampling.py).
+Requests with penalties or logprobs read the host's view of the step before (token counts, the logprob
+read-back): a step with one keeps the serial path.
+
+A request that stops at step n (a stop token, EOS) had its row in step n + 1 launched already: the row is dropped
+unread, and its one K/V write lands in a block freed at n's booking, before any later step (stream order) could
+reuse the block; the position is past its computed tokens, so the prefix cache never registers it (it registers
+prompt blocks only, up to the computed tokens). Requests that reach max_tokens or the context at step n are left
+out of step n + 1 up front. A request the scheduler would admit (an arrival, a preempted one, a queue behind a full
+batch once a request finishes) and pending commands end the chain: the step in flight is booked, the next one is
+scheduled.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from executor_service.engine.outcome import StepOutcome
+from executor_service.engine.request import Request, Status
+from executor_service.engine.scheduler import ScheduledStep, Scheduler
+from executor_service.models.attention_step import AttentionStep, block_table_tensor, cache_slot, to_device
+from executor_service.models.fused_ops import argmax
+from executor_service.runner.model_runner import ModelRunner, StepInputs
+from executor_service.runner.step_constants import StepConstants
+from executor_service.sample.device_sampling import SamplingTensors, StepKeys
+from executor_service.sample.sampling import host_sort
+from executor_service.spec_decode.host_verify import NOT_A_DISTRIBUTION, NOT_FINITE, VerifyError
+from executor_service.spec_decode.verifier import DraftLayout, verify
+
+
+class HostCopy:
+    """A device tensor copied to pinned host memory behind the work that computes it (queued now, before the next
+    step's launch, so reading it waits for this step alone)."""
+
+    def __init__(self, values: torch.Tensor) -> None:
+        self.done: torch.cuda.Event | None = None
+        if values.is_cuda:
+            self.host = torch.empty(values.shape, dtype=values.dtype, pin_memory=True)
+            self.host.copy_(values, non_blocking=True)
+            self.done = torch.cuda.Event()
+            self.done.record()
+        else:
+            self.host = values
+
+    def values(self) -> list[int]:
+        """Waits for the device (CUDA event synchronize releases the GIL: the gRPC loop streams meanwhile)."""
+        if self.done is not None:
+            self.done.synchronize()
+        return self.host.tolist()
+
+
+@dataclass
+class LaunchedDecode:
+    """A decode step launched with its sampling; `tokens` [B] stay on the device for the step after it."""
+
+    requests: list[Request]  # its rows, in order
+    tokens: torch.Tensor  # each row's sampled token
+    checks: HostCopy  # [finite (B) | a distribution (B; sampled steps only) | tokens (B)]
+    ahead: bool  # launched before the step before it was read back
+
+    def live(self) -> bool:
+        """Whether any of its requests still runs (else nothing of it would be booked)."""
+        return any(r.status is Status.RUNNING for r in self.requests)
+
+
+def overlaps(request: Request) -> bool:
+    """A request whose next token needs nothing the host learns from its previous step: no penalties (token
+    counts), no logprobs."""
+    settings = request.settings
+    return not settings.has_penalties and settings.logprobs is None
+
+
+class DecodeOverlap:
+    """Launches steady decode steps and the steps after them (the module's docstring); the engine books them."""
+
+    def __init__(self, runner: ModelRunner, scheduler: Scheduler, max_model_len: int) -> None:
+        self.runner, self.scheduler, self.max_model_len = runner, scheduler, max_model_len
+        self.constants = StepConstants(runner.device)
+
+    def applies(self, scheduled: ScheduledStep) -> bool:
+        """A steady decode step: every running request decodes one token (no prompt chunk, no drafts), nobody
+        could be admitted, preempted or failed, every request overlaps, and some request goes on after the step.
+        (The engine checks for pending commands.)"""
+        if scheduled.preempted or scheduled.failed or self._admits():
+            return False
+        if len(scheduled.requests) != len(self.scheduler.running):
+            return False
+        for request, num_new in zip(scheduled.requests, scheduled.num_new_tokens, strict=True):
+            decoding = num_new == 1 and request.num_computed_tokens == request.num_tokens - 1
+            if not decoding or request.draft_ids or request.status is not Status.RUNNING or not overlaps(request):
+                return False
+        return any(not self._ends_by_length(r) for r in scheduled.requests)
+
+    @torch.inference_mode()
+    def launch(self, inputs: StepInputs, requests: list[Request]) -> LaunchedDecode:
+        """Queue the scheduled step (runner.prepare's inputs), its sampling and its read-back."""
+        output = self.runner.execute(inputs)
+        roots = [r.num_computed_tokens for r in requests]  # each row's position: its random numbers' key
+        return self._sampled(output.logits, requests, roots, ahead=False)
+
+    @torch.inference_mode()
+    def launch_following(self, step: LaunchedDecode) -> LaunchedDecode | None:
+        """Queue the step after `step` before the host reads `step` back, for its requests that still run and go
+        on after it, when nobody could be admitted and no other request runs; None: the next step is scheduled.
+        (The engine checks for pending commands.)"""
+        if self._admits():
+            return None
+        running = [i for i, r in enumerate(step.requests) if r.status is Status.RUNNING]
+        if len(running) != len(self.scheduler.running):  # another request joined: the scheduler decides
+            return None
+        rows = [i for i in running if not self._ends_by_length(step.requests[i])]
+        requests = [step.requests[i] for i in rows]
+        # Positions: `step`'s rows sit at the computed tokens (its predecessors are booked); the next ones past.
+        positions = [r.num_computed_tokens + 1 for r in requests]
+        if not rows or not all(self.scheduler.reserve(r, p + 1) for r, p in zip(requests, positions, strict=True)):
+            return None
+        if len(rows) == len(step.requests):
+            input_ids = step.tokens
+        else:
+            input_ids = step.tokens.index_select(0, to_device(rows, torch.int64, step.tokens.device))
+        output = self.runner.execute(self.decode_inputs(requests, positions, input_ids))
+        return self._sampled(output.logits, requests, positions, ahead=True)
+
+    def outcomes(self, step: LaunchedDecode) -> tuple[list[StepOutcome], list[tuple[Request, BaseException]]]:
+        """Read the step back (waits for the device): each still running request's outcome (one token, its K/V
+        kept), and those whose logits or distribution were not sound (failed alone, as the host path's)."""
+        values = step.checks.values()
+        count = len(step.requests)
+        finite, tokens = values[:count], values[-count:]
+        valid = values[count : 2 * count] if len(values) == 3 * count else [1] * count
+        outcomes, failed = [], []
+        for request, ok, distribution, token in zip(step.requests, finite, valid, tokens, strict=True):
+            if request.status is not Status.RUNNING:  # finished meanwhile (a stop, an abort): its row is dropped
+                continue
+            if not ok or not distribution:
+                failed.append((request, VerifyError(NOT_FINITE if not ok else NOT_A_DISTRIBUTION)))
+                continue
+            outcomes.append(StepOutcome(request, request.num_computed_tokens + 1, [token]))
+        return outcomes, failed
+
+    def _admits(self) -> bool:
+        """Whether the scheduler would admit a waiting request now: someone waits and the batch has room. A queue
+        behind a full batch (max_num_seqs) waits for a finish as it would on the serial path; the finish ends the
+        chain, and the next step admits."""
+        return bool(self.scheduler.waiting) and len(self.scheduler.running) < self.scheduler.max_num_seqs
+
+    def _ends_by_length(self, request: Request) -> bool:
+        """Whether its token of the step in hand (not yet booked) is its last by max_tokens or the context."""
+        return len(request.output_ids) + 1 >= request.max_tokens or request.num_tokens + 1 >= self.max_model_len
+
+    def decode_inputs(self, requests: list[Request], positions: list[int], input_ids: torch.Tensor) -> StepInputs:
+        """A decode step's inputs as runner.prepare builds them, the input ids given on the device: one row per
+        request at `positions`, every row sampled."""
+        count, device = len(requests), self.runner.device
+        slots = [cache_slot(r.block_ids, p, self.runner.block_size) for r, p in zip(requests, positions, strict=True)]
+        seq_lens = [p + 1 for p in positions]
+        host = to_device(positions + slots + seq_lens, torch.int64, device)
+        attention = AttentionStep(
+            backend=self.runner.backend,
+            block_table=block_table_tensor([r.block_ids for r in requests], device),
+            query_start_loc=self.constants.starts(count, 1),
+            seq_lens=host[2 * count :].to(torch.int32),
+            slot_mapping=host[count : 2 * count],
+            max_query_len=1,
+            max_seq_len=max(seq_lens),
+        )
+        rows = list(range(count))
+        return StepInputs(
+            input_ids=input_ids,
+            positions=host[:count],
+            attention=attention,
+            logits_indices=self.constants.arange(count),
+            sampled=rows,
+            num_drafts=[0] * count,
+            row_starts=rows,
+            uniform_query_len=1,
+        )
+
+    def _sampled(self, logits: torch.Tensor, requests: list[Request], roots: list[int], ahead: bool) -> LaunchedDecode:
+        """Sample each row as the host path does (host_verify.verify_on_host with no drafts: the same checks, the
+        same verify call) and queue the read-back. `roots`: each row's position, its draws' key."""
+        finite = torch.isfinite(logits.gather(-1, logits.argmax(dim=-1, keepdim=True))[:, 0])
+        settings = [r.settings for r in requests]
+        if all(s.greedy for s in settings):
+            tokens = argmax(logits)  # verifier.verify_greedy's token after no drafts
+            packed = torch.cat([finite.long(), tokens])
+        else:
+            count, device = len(requests), logits.device
+            seeds = [r.seed for r in requests]
+            sampling = SamplingTensors.build(settings, seeds, device)
+            keys = StepKeys.on_host(seeds, roots, device)
+            sort = host_sort(settings, logits.shape[-1])
+            verdict = verify(logits, self._no_drafts(count), sampling, keys, sort, check=True)
+            tokens = verdict.emitted[:, 0].contiguous()
+            valid = verdict.valid if verdict.valid is not None else torch.ones_like(finite)
+            packed = torch.cat([finite.long(), valid.long(), tokens])
+        return LaunchedDecode(requests, tokens, HostCopy(packed), ahead)
+
+    def _no_drafts(self, count: int) -> DraftLayout:
+        """The layout of `count` requests verifying no drafts (host_verify's, without its copy)."""
+        device = self.constants.device
+        empty = self.constants.get(
+            ("no drafts", count), lambda: torch.zeros(count, 0, dtype=torch.int64, device=device)
+        )
+        return DraftLayout(empty, empty, None, None, 0, chain=True, present=empty.bool())
