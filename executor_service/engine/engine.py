@@ -67,9 +67,12 @@ class Engine(EngineLoop):
         # Steps by path ("host", "device") and the drafts the host path verified ("host drafts"): tests assert a
         # batch stays on the device step; benchmarks report it.
         self.step_counts: Counter[str] = Counter()
-        # Without a drafter, steady decode steps launch the step after them before their read-back
-        # (overlap_decode.py); `overlap_decode` False: every step serially (a benchmark may switch it between runs).
-        self.overlap = DecodeOverlap(runner, scheduler, max_model_len) if proposer is None else None
+        # Steady decode steps launch the step after them before their read-back (overlap_decode.py): without a
+        # drafter, and with one at adaptive speculation's k = 0 while its context is held (each step's feature rows
+        # staged in the log before the next step is launched); `overlap_decode` False: every step serially (a
+        # benchmark may switch it between runs).
+        overlapping = proposer is None or self.deferred is not None
+        self.overlap = DecodeOverlap(runner, scheduler, max_model_len) if overlapping else None
         self.overlap_decode = overlap_decode
         self._decoding: LaunchedDecode | None = None  # an overlapped decode step launched, not yet booked
 
@@ -125,19 +128,23 @@ class Engine(EngineLoop):
         self._host_step(scheduled, inputs, started)
 
     def _launch_decode(self, scheduled: ScheduledStep, inputs: StepInputs) -> LaunchedDecode | None:
-        """A steady target-only decode step, launched with its sampling on the device (overlap_decode.py); None:
-        the host path runs the step."""
+        """A steady decode step, launched with its sampling on the device (overlap_decode.py): target-only, or
+        with a drafter when adaptive speculation planned k = 0 for it; None: the host path runs the step."""
         if self.overlap is None or not self._chains() or not self.overlap.applies(scheduled):
+            return None
+        if self.proposer is not None and (self.speculation is None or self.speculation.last_planned != 0):
             return None
         return self.overlap.launch(inputs, scheduled.requests)
 
     def _decode_overlapped(self, step: LaunchedDecode, started: float) -> None:
         """Book a decode step sampled on the device. When its batch goes on unchanged, the step after it is
         launched first, so the device runs that one while the host reads this one back and books it; the next
-        engine step books that one."""
+        engine step books that one. With a drafter the next step's k is planned first: only k = 0 goes on, the
+        step's feature rows staged in the held context's log before the next step overwrites them."""
         assert self.overlap is not None
         try:
-            following = self.overlap.launch_following(step) if self._chains() else None
+            k_next = self._plan(step.requests) if self.proposer is not None else None
+            following = self.overlap.launch_following(step) if self._chains() and self._stages(step, k_next) else None
             self._flush_outbox()  # the previous step's outputs go out while this one runs on the device
             outcomes, failed = self.overlap.outcomes(step)
         except Exception as err:  # a kernel or device failure fails this step's requests, not the server
@@ -146,10 +153,25 @@ class Engine(EngineLoop):
         self.step_counts["overlapped decode" if step.ahead else "decode on device"] += 1
         self._fail_alone(failed)
         generated, _ = self._book(outcomes)
+        if self.proposer is not None:  # its rows held (staged) or, where nothing was launched after it, proposed
+            self._propose(outcomes, step.features, k_next, staged=step.staged)
+            self._cache_prefixes(step.requests)
+            self._note_steady(len(outcomes), {0}, k_next)
         if following is not None and following.live():  # else every request of it finished: nothing to book
             self._decoding = following
         if self.on_step is not None:
             self.on_step(len(step.requests), generated, time.perf_counter() - started)
+
+    def _stages(self, step: LaunchedDecode, k_next: int | None) -> bool:
+        """Whether a step may be launched after `step`: always without a drafter; with one, at k = 0 once `step`'s
+        feature rows are staged in the held context's log (deferred_context.py: not where a request's rows would
+        pass the limit or the log is full; that step is booked as the host path's, flushing from its features)."""
+        if self.proposer is None:
+            return True
+        if k_next != 0 or self.deferred is None or step.features is None:
+            return False
+        step.staged = self.deferred.stage(step.requests, step.features)
+        return step.staged is not None
 
     def _chains(self) -> bool:
         """Whether a decode step may launch the one after it: overlap on, and no command waiting to change the
@@ -433,12 +455,15 @@ class Engine(EngineLoop):
         self._outbox.append((request.sink, output))
         return len(tokens)
 
-    def _propose(self, outcomes: list[StepOutcome], features: torch.Tensor | None, k_next: int | None) -> None:
+    def _propose(
+        self, outcomes: list[StepOutcome], features: torch.Tensor | None, k_next: int | None, staged: int | None = None
+    ) -> None:
         """Draft for the next step from this step's target features (each outcome's verified rows). Requests that
         finished are skipped, and so are those that never draft (num_draft_tokens 0): the drafter does not run for
         them at all. At `k_next` 0 the drafter does not run: the rows wait for a later pass (deferred_context.py;
         without deferral it runs its context pass alone); either way its cache follows every token, so drafting
-        can resume at any step. Else each keeps at most `k_next` drafts, drafted after any held rows ran."""
+        can resume at any step. Else each keeps at most `k_next` drafts, drafted after any held rows ran.
+        `staged`: an overlapped decode step's rows, already copied into the held context's log from there on."""
         assert self.proposer is not None and features is not None
         num_drafts, drafting = self.proposer.num_drafts, k_next != 0
         entries = [
@@ -449,6 +474,9 @@ class Engine(EngineLoop):
         deferred = self.deferred
         held: list[Request] = []  # requests whose held rows run in this proposal (failed with it if it fails)
         try:
+            if deferred is not None and staged is not None:
+                deferred.hold(entries, staged)
+                return
             if deferred is not None and not drafting and deferred.defer(entries, features):
                 return
             batch = ProposeBatch(entries, features, self.scheduler.reserve)

@@ -70,6 +70,8 @@ class LaunchedDecode:
     tokens: torch.Tensor  # each row's sampled token
     checks: HostCopy  # [finite (B) | a distribution (B; sampled steps only) | tokens (B)]
     ahead: bool  # launched before the step before it was read back
+    features: torch.Tensor | None = None  # what a drafter reads of each row (a graph's: until the next replay)
+    staged: int | None = None  # with a drafter at k = 0: where its feature rows went in the held context's log
 
     def live(self) -> bool:
         """Whether any of its requests still runs (else nothing of it would be booked)."""
@@ -109,7 +111,7 @@ class DecodeOverlap:
         """Queue the scheduled step (runner.prepare's inputs), its sampling and its read-back."""
         output = self.runner.execute(inputs)
         roots = [r.num_computed_tokens for r in requests]  # each row's position: its random numbers' key
-        return self._sampled(output.logits, requests, roots, ahead=False)
+        return self._sampled(output.logits, requests, roots, ahead=False, features=output.features)
 
     @torch.inference_mode()
     def launch_following(self, step: LaunchedDecode) -> LaunchedDecode | None:
@@ -125,14 +127,16 @@ class DecodeOverlap:
         requests = [step.requests[i] for i in rows]
         # Positions: `step`'s rows sit at the computed tokens (its predecessors are booked); the next ones past.
         positions = [r.num_computed_tokens + 1 for r in requests]
-        if not rows or not all(self.scheduler.reserve(r, p + 1) for r, p in zip(requests, positions, strict=True)):
+        if not rows or not all(
+            self.scheduler.reserve(r, self._reach(r, p)) for r, p in zip(requests, positions, strict=True)
+        ):
             return None
         if len(rows) == len(step.requests):
             input_ids = step.tokens
         else:
             input_ids = step.tokens.index_select(0, to_device(rows, torch.int64, step.tokens.device))
         output = self.runner.execute(self.decode_inputs(requests, positions, input_ids))
-        return self._sampled(output.logits, requests, positions, ahead=True)
+        return self._sampled(output.logits, requests, positions, ahead=True, features=output.features)
 
     def outcomes(self, step: LaunchedDecode) -> tuple[list[StepOutcome], list[tuple[Request, BaseException]]]:
         """Read the step back (waits for the device): each still running request's outcome (one token, its K/V
@@ -142,13 +146,16 @@ class DecodeOverlap:
         finite, tokens = values[:count], values[-count:]
         valid = values[count : 2 * count] if len(values) == 3 * count else [1] * count
         outcomes, failed = [], []
-        for request, ok, distribution, token in zip(step.requests, finite, valid, tokens, strict=True):
+        rows = zip(step.requests, finite, valid, tokens, strict=True)
+        for row, (request, ok, distribution, token) in enumerate(rows):
             if request.status is not Status.RUNNING:  # finished meanwhile (a stop, an abort): its row is dropped
                 continue
             if not ok or not distribution:
                 failed.append((request, VerifyError(NOT_FINITE if not ok else NOT_A_DISTRIBUTION)))
                 continue
-            outcomes.append(StepOutcome(request, request.num_computed_tokens + 1, [token]))
+            outcome = StepOutcome(request, request.num_computed_tokens + 1, [token])
+            outcome.row_start, outcome.num_rows, outcome.verified_rows = row, 1, [row]  # a drafter reads its row
+            outcomes.append(outcome)
         return outcomes, failed
 
     def _admits(self) -> bool:
@@ -156,6 +163,11 @@ class DecodeOverlap:
         behind a full batch (max_num_seqs) waits for a finish as it would on the serial path; the finish ends the
         chain, and the next step admits."""
         return bool(self.scheduler.waiting) and len(self.scheduler.running) < self.scheduler.max_num_seqs
+
+    def _reach(self, request: Request, position: int) -> int:
+        """Positions a step at `position` reserves, as the scheduler reserves for a decode step: its K/V slot and,
+        with a drafter (k = 0 steps), the lookahead its proposal writes should the step after it draft."""
+        return min(position + 1 + self.scheduler.lookahead(request), self.max_model_len)
 
     def _ends_by_length(self, request: Request) -> bool:
         """Whether its token of the step in hand (not yet booked) is its last by max_tokens or the context."""
@@ -189,7 +201,14 @@ class DecodeOverlap:
             uniform_query_len=1,
         )
 
-    def _sampled(self, logits: torch.Tensor, requests: list[Request], roots: list[int], ahead: bool) -> LaunchedDecode:
+    def _sampled(
+        self,
+        logits: torch.Tensor,
+        requests: list[Request],
+        roots: list[int],
+        ahead: bool,
+        features: torch.Tensor | None,
+    ) -> LaunchedDecode:
         """Sample each row as the host path does (host_verify.verify_on_host with no drafts: the same checks, the
         same verify call) and queue the read-back. `roots`: each row's position, its draws' key."""
         finite = torch.isfinite(logits.gather(-1, logits.argmax(dim=-1, keepdim=True))[:, 0])
@@ -207,7 +226,7 @@ class DecodeOverlap:
             tokens = verdict.emitted[:, 0].contiguous()
             valid = verdict.valid if verdict.valid is not None else torch.ones_like(finite)
             packed = torch.cat([finite.long(), valid.long(), tokens])
-        return LaunchedDecode(requests, tokens, HostCopy(packed), ahead)
+        return LaunchedDecode(requests, tokens, HostCopy(packed), ahead, features)
 
     def _no_drafts(self, count: int) -> DraftLayout:
         """The layout of `count` requests verifying no drafts (host_verify's, without its copy)."""

@@ -76,6 +76,7 @@ class DeferredContext:
         self.capacity = max_num_seqs * limit  # buffer rows: every running request's DEFER_MAX
         self.held: dict[str, Held] = {}
         self.filled = 0  # buffer rows written since the last flush (a dropped request's among them)
+        self.most = 0  # the most rows a held request holds (`stage` checks the limit without a look per request)
         self._buffer: torch.Tensor | None = None  # [capacity, F], at the first k = 0 step
         self.steps = 0  # k = 0 steps whose rows were held since the last flush (adaptive speculation's price)
         self.counts: Counter[str] = Counter()  # "deferred steps", "flushes at k = 0", "flushes to draft"
@@ -95,8 +96,13 @@ class DeferredContext:
     def drop(self, request: Request) -> None:
         """Forget a request's held rows: it finished, or was preempted (its tokens are computed again). Its rows
         stay in the log until the next flush, unless nothing else is held."""
-        if self.held.pop(request.request_id, None) is not None and not self.held:
-            self.filled = 0
+        dropped = self.held.pop(request.request_id, None)
+        if dropped is None:
+            return
+        if not self.held:
+            self.filled, self.most = 0, 0
+        elif len(dropped.at) == self.most:
+            self.most = max(len(held.at) for held in self.held.values())
 
     @torch.inference_mode()
     def defer(self, entries: list[ProposeEntry], features: torch.Tensor) -> bool:
@@ -104,39 +110,73 @@ class DeferredContext:
         holding nothing, where a request's rows would pass the limit or the log is full: the caller flushes now."""
         if not entries:
             return True
-        held, limit = self.held, self.limit
+        found = self._found(entries)
+        sources = [row for entry in entries for row in entry.verified_rows]
+        start = self.filled
+        if found is None or start + len(sources) > self.capacity:
+            return False
+        if sources:
+            self._append(features, sources, start)
+        self.filled = start + len(sources)
+        self._commit(entries, found, start, staged=False)
+        return True
+
+    @torch.inference_mode()
+    def stage(self, requests: list[Request], features: torch.Tensor) -> int | None:
+        """A decode step's feature rows (its first rows, one per request in order) copied into the log now, before
+        a step launched after it overwrites them (a graph's static buffers; overlap_decode.py), and held by `hold`
+        once the step is booked; the log row where they start. None, copying nothing, where a request's rows would
+        pass the limit or the log is full: the step is then booked as a host step is (deferred or flushed from
+        its own features), so nothing may be launched after it first."""
+        count = len(requests)
+        if self.filled + count > self.capacity or self.most >= self.limit:  # each request's rows grow by one
+            return None
+        start = self.filled
+        self._buffer_like(features)[start : start + count].copy_(features[:count])
+        self.filled += count
+        return start
+
+    def hold(self, entries: list[ProposeEntry], start: int) -> None:
+        """Hold a booked decode step's entries (one row each: row r was staged at log row start + r)."""
+        found = self._found(entries)
+        assert found is not None, "staging checked the limit"
+        self._commit(entries, found, start, staged=True)
+
+    def _found(self, entries: list[ProposeEntry]) -> list[Held | None] | None:
+        """Each entry's held rows (None: none yet), checked to end where its rows start; None where a request's rows
+        would pass the limit. Checked before anything is held (a decode step's: one row each)."""
+        held, limit, most = self.held, self.limit, self.most
         found: list[Held | None] = []
-        sources: list[int] = []
-        for entry in entries:  # checked before anything is held (a decode step's: one row each)
-            rows = entry.verified_rows
+        for entry in entries:
             mine = held.get(entry.request.request_id)
-            total = len(rows) + (len(mine.at) if mine is not None else 0)
+            total = len(entry.verified_rows) + (len(mine.at) if mine is not None else 0)
             if mine is not None and mine.start + total != entry.request.num_computed_tokens:
                 _follows(mine, entry.first_position)
             if total > limit:
-                return False
+                return None
+            if total > most:
+                most = total
             found.append(mine)
-            sources += rows
-        start, count = self.filled, len(sources)
-        if start + count > self.capacity:
-            return False
-        offset = start
+        self.most = most  # what the entries will hold once committed (they are, right after)
+        return found
+
+    def _commit(self, entries: list[ProposeEntry], found: list[Held | None], start: int, staged: bool) -> None:
+        """Hold each entry's rows, in the log from `start` on: one after the other (`defer`), or `staged`, a decode
+        step's row r at start + r."""
+        held, offset = self.held, start
         for entry, mine in zip(entries, found, strict=True):
             taken = len(entry.verified_rows)
-            if mine is None:
-                first = entry.request.num_computed_tokens - taken
-                held[entry.request.request_id] = Held(entry.request, first, [*range(offset, offset + taken)])
-            elif taken == 1:  # a decode step's
-                mine.at.append(offset)
-            else:
-                mine.at += range(offset, offset + taken)
+            first = start + entry.verified_rows[0] if staged else offset
             offset += taken
-        if sources:
-            self._append(features, sources, start)
-        self.filled = offset
+            if mine is None:
+                position = entry.request.num_computed_tokens - taken
+                held[entry.request.request_id] = Held(entry.request, position, [*range(first, first + taken)])
+            elif taken == 1:  # a decode step's
+                mine.at.append(first)
+            else:
+                mine.at += range(first, first + taken)
         self.steps += 1
         self.counts["deferred steps"] += 1
-        return True
 
     def _append(self, features: torch.Tensor, sources: list[int], start: int) -> None:
         """Rows `sources` of the step's features to buffer rows start, start + 1, ...: one copy, without an index
@@ -166,7 +206,7 @@ class DeferredContext:
         for held in self.held.values():  # not in this step: their rows alone, no drafts
             merge.add_held(held)
         self.held.clear()
-        self.filled = 0
+        self.filled, self.most = 0, 0
         self.steps = 0
         self.counts["flushes at k = 0" if at_zero else "flushes to draft"] += 1
         return ProposeBatch(merge.entries, merge.features(), batch.reserve)

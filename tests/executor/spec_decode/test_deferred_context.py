@@ -23,7 +23,7 @@ from executor_service.engine.request import Request
 from executor_service.engine.scheduler import ScheduledStep
 from executor_service.models.attention_step import cache_slot
 from executor_service.server.session import ModelSession
-from executor_service.spec_decode.deferred_context import DEFER_MAX
+from executor_service.spec_decode.deferred_context import DEFER_MAX, DeferredContext
 from specdec.v1 import common_pb2
 
 K = 3
@@ -66,12 +66,17 @@ class Trace:
     sink: Collector = field(default_factory=Collector)
 
 
-def run(session: ModelSession, stretch: int, max_tokens: int, defer: bool = True, lose_a_row: bool = False) -> Trace:
+def run(
+    session: ModelSession, stretch: int, max_tokens: int, defer: bool = True, lose_a_row: bool = False,
+    overlap: bool = True,
+) -> Trace:  # fmt: skip
     """The batch with k scripted: `stretch` steps of k = 0 (the prompts' prefill among them), then 4 steps of the
     loaded size, round again. `defer` off: the context pass runs every step. `lose_a_row`: the negative control,
-    one held row's features zeroed before it runs."""
+    one held row's features zeroed before it runs. `overlap` off: every decode step serially (on: k = 0 decode
+    steps overlapped, their rows staged in the log before the step after them is launched)."""
     engine, proposer = session.engine, session.proposer
     assert proposer is not None
+    engine.overlap_decode = overlap
     if not defer:
         engine.deferred = None
     size = proposer.num_draft_tokens
@@ -147,6 +152,52 @@ def test_drafts_and_drafter_cache_equal_the_per_step_context_pass(
     for session in (held, every_step):
         assert_no_leak(session)
     assert not held.engine.deferred.held and held.engine.deferred.filled == 0  # type: ignore[union-attr]
+
+
+@pytest.mark.parametrize(("method", "tree"), CASES)
+def test_overlapped_k0_steps_hold_what_serial_steps_hold(method: str, tree: bool) -> None:
+    """k = 0 decode steps overlapped (the step after each launched before its read-back, its feature rows staged in
+    the log first): the same tokens, drafts and drafter K/V as every step serially, and the flushes at the bound
+    break the chain for a step (the held rows run from that step's own features)."""
+    stretch, max_tokens = 2 * DEFER_MAX + 3, 2 * (2 * DEFER_MAX + 3) + 12
+    overlapped, serial = session_for(method, tree), session_for(method, tree)
+    on, off = run(overlapped, stretch, max_tokens), run(serial, stretch, max_tokens, overlap=False)
+    for rid in BATCH:
+        assert on.sink.tokens(rid) == off.sink.tokens(rid), rid
+    assert on.drafts == off.drafts
+    compared = [i for i in on.caches if on.caches[i] and i in off.caches]
+    assert len(compared) > 5
+    for index in compared:
+        for rid, cache in on.caches[index].items():
+            torch.testing.assert_close(cache, off.caches[index][rid], rtol=1e-4, atol=1e-5)
+    counts, serial_counts = overlapped.engine.step_counts, serial.engine.step_counts
+    assert counts["overlapped decode"] > stretch and serial_counts["overlapped decode"] == 0
+    deferred = overlapped.engine.deferred
+    assert deferred is not None and deferred.counts["flushes at k = 0"] >= 2
+    for session in (overlapped, serial):
+        assert_no_leak(session)
+
+
+def test_a_misplaced_staged_row_shows(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Negative control of the test above: staged rows in the wrong order (each request's row where another's went)
+    leave a different drafter K/V."""
+    stage = DeferredContext.stage
+
+    def reversed_rows(self: DeferredContext, requests: list[Request], features: torch.Tensor) -> int | None:
+        return stage(self, requests, features[: len(requests)].flip(0))
+
+    monkeypatch.setattr(DeferredContext, "stage", reversed_rows)
+    stretch, max_tokens = 2 * DEFER_MAX + 3, 2 * (2 * DEFER_MAX + 3) + 12
+    on = run(session_for("eagle3", False), stretch, max_tokens)
+    monkeypatch.undo()
+    off = run(session_for("eagle3", False), stretch, max_tokens, overlap=False)
+    differs = [
+        index
+        for index, caches in on.caches.items()
+        for rid, cache in caches.items()
+        if index in off.caches and not torch.allclose(cache, off.caches[index][rid], rtol=1e-4, atol=1e-5)
+    ]
+    assert differs
 
 
 @pytest.mark.gpu
@@ -292,8 +343,11 @@ def test_a_long_prefill_chunk_at_k0_flushes_every_held_row() -> None:
     passes = sum(session.proposer.pass_counts.values())
     add_all(session, {"long": list(range(1, DEFER_MAX + 10))}, greedy(4), Collector())
     engine._drain_commands()
+    while engine._decoding is not None:  # a decode step launched before "long" came (overlap_decode.py): booked first
+        engine.step()
+    held_steps = deferred.steps  # three, or four with the overlapped one
     engine.step()
-    assert engine._flushed == (True, 4)  # at k = 0: the three held steps and this one
+    assert engine._flushed == (True, held_steps + 1)  # at k = 0: the held steps and this one
     assert sum(session.proposer.pass_counts.values()) == passes + 1 and not deferred.held
     assert deferred.counts["flushes at k = 0"] == 1
     engine.run_until_idle()

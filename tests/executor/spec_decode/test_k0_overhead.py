@@ -1,15 +1,17 @@
 """What a settled k = 0 step of adaptive speculation does beyond a target-only step of the same batch (issue 31:
-with a drafter the engine must be at least as fast as target-only at every batch). The engine's step is
-synchronous, so every bit of host work a k = 0 step adds is time the device waits, and at batch 64 it was 7-10 % of
-a step on the H100 (docs/executor.md, adaptive speculation). Guards, on the CPU:
+with a drafter the engine must be at least as fast as target-only at every batch). Host work a step adds is time
+the device waits where the step is serial (before the overlapped decode step: 7-10 % of a step at batch 64 on the
+H100, docs/executor.md, adaptive speculation), and steals from the next step's launch where it is overlapped.
+Guards, on the CPU, for both kinds of step (serial, and overlapped: overlap_decode.py), each against target-only's
+of the same kind:
 
 - device work outside the target's pass: one copy (the verified rows into the deferred context's log) and no
   host-to-device copy (no index tensor); inside it, the drafter's features (an add per captured layer, one cat);
 - host work: the Python calls a k = 0 step makes beyond a target-only step grow by a bounded number per request
   (the bookkeeping of the held rows and the proposal entries), counted outside the target's pass.
 
-Negative controls: the log's indexed copy (what a prefill chunk or an accepted path takes) is seen as extra ops and
-a host tensor, and a per-request Python call added to the k = 0 path is seen by the host bound.
+Negative controls: an indexed copy into the log (what a prefill chunk or an accepted path takes) is seen as extra
+ops and a host tensor, and a per-request Python call added to the k = 0 path is seen by the host bound.
 """
 
 from __future__ import annotations
@@ -33,13 +35,18 @@ from executor_service.spec_decode.deferred_context import DEFER_MAX, DeferredCon
 K = 3
 PROMPT = DEFER_MAX + 4  # a prefill longer than DEFER_MAX runs its context pass at once, as a real prompt's does
 PER_REQUEST_CALLS = 16  # a k = 0 step's Python calls beyond target-only's, per request (measured: 14; 35 before)
+OVERLAP = [pytest.param(False, id="serial"), pytest.param(True, id="overlapped")]
 HOST_TENSORS = "lift_fresh"  # torch.tensor(list): on CUDA a host-to-device copy (attention_step.to_device)
 
 
-def sessions(method: str, max_num_seqs: int) -> tuple[ModelSession, ModelSession]:
-    """Target-only and with `method`'s drafter, over the same target; a step takes every prompt whole."""
+def sessions(method: str, max_num_seqs: int, overlap: bool) -> tuple[ModelSession, ModelSession]:
+    """Target-only and with `method`'s drafter, over the same target; a step takes every prompt whole; decode steps
+    overlapped or serial in both."""
     sizes = {"num_kv_blocks": 128, "max_num_batched_tokens": 512, "max_num_seqs": max_num_seqs}
-    return tiny_session(**sizes), spec_session(method, K, **sizes)
+    pair = tiny_session(**sizes), spec_session(method, K, **sizes)
+    for session in pair:
+        session.engine.overlap_decode = overlap
+    return pair
 
 
 def settle(session: ModelSession, batch: int, k0: bool) -> None:
@@ -56,12 +63,14 @@ def settle(session: ModelSession, batch: int, k0: bool) -> None:
 
 def plain_step(session: ModelSession, measure: Callable[[], None]) -> None:
     """One step under `measure`; with a drafter it must be a plain deferred k = 0 step (no flush, no drafter pass)."""
-    deferred = session.engine.deferred
+    engine, deferred = session.engine, session.engine.deferred
     before = deferred.counts["deferred steps"] if deferred is not None else 0
+    overlapped = engine.step_counts["overlapped decode"]
     measure()
     if deferred is not None:
-        assert session.engine._planned == 0 and session.engine._flushed is None
+        assert engine._planned == 0 and engine._flushed is None
         assert deferred.counts["deferred steps"] == before + 1
+    assert (engine.step_counts["overlapped decode"] > overlapped) is engine.overlap_decode  # the kind asked for
 
 
 @contextmanager
@@ -130,10 +139,10 @@ def step_calls(session: ModelSession) -> int:
     return calls[0]
 
 
-def extra_ops(method: str) -> tuple[dict[bool, Counter[str]], ModelSession]:
+def extra_ops(method: str, overlap: bool) -> tuple[dict[bool, Counter[str]], ModelSession]:
     """The ops a settled k = 0 step dispatches beyond a target-only step of the same batch, in and out of the pass."""
     batch = 6
-    target_only, drafting = sessions(method, 8)
+    target_only, drafting = sessions(method, 8, overlap)
     settle(target_only, batch, k0=False)
     settle(drafting, batch, k0=True)
     base, k0 = step_ops(target_only), step_ops(drafting)
@@ -146,54 +155,68 @@ def extra_ops(method: str) -> tuple[dict[bool, Counter[str]], ModelSession]:
     return extra, drafting
 
 
+@pytest.mark.parametrize("overlap", OVERLAP)
 @pytest.mark.parametrize("method", ["eagle", "eagle3", "dflash"])
-def test_a_k0_step_adds_one_copy_and_the_drafters_features(method: str) -> None:
-    extra, session = extra_ops(method)
+def test_a_k0_step_adds_one_copy_and_the_drafters_features(method: str, overlap: bool) -> None:
+    extra, session = extra_ops(method, overlap)
     assert extra[False] == Counter({"copy_": 1})  # the rows into the log; no index, no host-to-device copy
     assert session.proposer is not None
     layers = len(feature_layers(session.proposer.config))
     assert extra[True] == (Counter({"add": layers, "cat": 1}) if layers else Counter())
 
 
-def test_the_op_count_sees_an_indexed_copy(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Negative control: the log's indexed copy (a prefill chunk's rows, an accepted path) for every step."""
+@pytest.mark.parametrize("overlap", OVERLAP)
+def test_the_op_count_sees_an_indexed_copy(monkeypatch: pytest.MonkeyPatch, overlap: bool) -> None:
+    """Negative control: the step's rows copied into the log through an index built on the host, every step."""
+    torch = deferred_context.torch
 
-    def indexed(self: DeferredContext, features: Any, sources: list[int], start: int) -> None:
-        into = self._buffer_like(features)[start : start + len(sources)]
-        index = deferred_context.to_device(sources, deferred_context.torch.int64, features.device)
-        deferred_context.torch.index_select(features, 0, index, out=into)
+    def indexed(features: Any, count: int, start: int, log: Any) -> None:
+        index = deferred_context.to_device(list(range(count)), torch.int64, features.device)
+        torch.index_select(features, 0, index, out=log[start : start + count])
 
-    monkeypatch.setattr(DeferredContext, "_append", indexed)
-    extra, _ = extra_ops("eagle3")
+    def appending(self: DeferredContext, features: Any, sources: list[int], start: int) -> None:
+        indexed(features, len(sources), start, self._buffer_like(features))
+
+    def staging(self: DeferredContext, requests: list, features: Any) -> int:
+        start, self.filled = self.filled, self.filled + len(requests)
+        indexed(features, len(requests), start, self._buffer_like(features))
+        return start
+
+    monkeypatch.setattr(DeferredContext, "_append", appending)
+    monkeypatch.setattr(DeferredContext, "stage", staging)
+    extra, _ = extra_ops("eagle3", overlap)
     assert extra[False] == Counter({"index_select": 1, HOST_TENSORS: 1})
 
 
-def per_request_calls(method: str) -> float:
+def per_request_calls(method: str, overlap: bool) -> float:
     """The Python calls a k = 0 step makes beyond a target-only step, per request: their growth from 4 to 12
     requests (what does not grow with the batch, the cost model's plan, cancels)."""
     extra = {}
     for batch in (4, 12):
-        target_only, drafting = sessions(method, 16)
+        target_only, drafting = sessions(method, 16, overlap)
         settle(target_only, batch, k0=False)
         settle(drafting, batch, k0=True)
         extra[batch] = step_calls(drafting) - step_calls(target_only)
     return (extra[12] - extra[4]) / 8
 
 
+@pytest.mark.parametrize("overlap", OVERLAP)
 @pytest.mark.parametrize("method", ["eagle3", "dflash"])
-def test_a_k0_step_adds_few_host_calls_per_request(method: str) -> None:
-    assert 0 <= per_request_calls(method) <= PER_REQUEST_CALLS
+def test_a_k0_step_adds_few_host_calls_per_request(method: str, overlap: bool) -> None:
+    assert 0 <= per_request_calls(method, overlap) <= PER_REQUEST_CALLS
 
 
-def test_the_call_count_sees_per_request_work(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Negative control: a few more calls per request in the k = 0 path (here the held rows looked up again) show."""
-    defer = DeferredContext.defer
+@pytest.mark.parametrize("overlap", OVERLAP)
+def test_the_call_count_sees_per_request_work(monkeypatch: pytest.MonkeyPatch, overlap: bool) -> None:
+    """Negative control: a few more calls per request where the held rows are looked up (here the requests looked
+    up again) show."""
+    found = DeferredContext._found
 
-    def looking_up(self: DeferredContext, entries: list, features: Any) -> bool:
+    def looking_up(self: DeferredContext, entries: list) -> Any:
         for entry in entries:
             self.written(entry.request)
             self.holds_any([entry.request])
-        return defer(self, entries, features)
+        return found(self, entries)
 
-    monkeypatch.setattr(DeferredContext, "defer", looking_up)
-    assert per_request_calls("eagle3") > PER_REQUEST_CALLS
+    monkeypatch.setattr(DeferredContext, "_found", looking_up)
+    assert per_request_calls("eagle3", overlap) > PER_REQUEST_CALLS
