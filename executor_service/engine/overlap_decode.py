@@ -1,4 +1,5 @@
-"""Target-only decode steps overlapped with their booking: vLLM's async scheduling, SGLang's overlap scheduler.
+"""Decode steps overlapped with their booking: vLLM's async scheduling, SGLang's overlap scheduler. Target-only
+steps, and with a drafter the steps of adaptive speculation's k = 0 (below).
 
 Without a drafter, a decode step used to run its host work (building the inputs, reading the sampled tokens back,
 booking, streaming) while the device idled: on an H100, SmolLM2-135M's batch-1 step is a 0.66 ms graph replay
@@ -12,6 +13,14 @@ Tokens are the host path's bit for bit: sampling is verifier.verify with no draf
 (greedy rows: the argmax; sampled rows: the counter-based draw keyed by seed and position, device_sampling.py).
 Requests with penalties or logprobs read the host's view of the step before (token counts, the logprob
 read-back): a step with one keeps the serial path.
+
+With a drafter, a decode step that adaptive speculation planned at k = 0 is launched so too (engine.py). At its
+booking the next step's k is planned first; only k = 0 goes on: the step's feature rows are copied into the held
+drafter context's log (deferred_context.py, `stage`) before the step after it is launched, whose graph replay
+overwrites them, and held once the step is booked. Where they cannot be staged (a request's held rows at their
+bound, the log full) or the plan drafts, nothing is launched after it, and the engine books it as the host path
+would (deferring, flushing or drafting from its features, still in place). The steps after reserve the drafter's
+lookahead as the scheduler does, so a switch to drafting at any booking finds its slots.
 
 A request that stops at step n (a stop token, EOS) had its row in step n + 1 launched already: the row is dropped
 unread, and its one K/V write lands in a block freed at n's booking, before any later step (stream order) could
