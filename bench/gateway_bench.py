@@ -216,6 +216,7 @@ async def client_main(args: argparse.Namespace) -> None:
         await asyncio.gather(*(c.reopen_if_closed() for c in connections if args.client == "gateway"))
         reopened = sum(c.reopened for c in connections)
         cpu = resource.getrusage(resource.RUSAGE_SELF)
+        started_monotonic = time.monotonic()  # CLOCK_MONOTONIC, the same in every process of the host
         started = time.perf_counter()
         results = await asyncio.gather(*streams(max_tokens))
         wall = time.perf_counter() - started
@@ -227,6 +228,7 @@ async def client_main(args: argparse.Namespace) -> None:
             "tokens": [tokens for _, tokens in results],
             "reopened": sum(c.reopened for c in connections) - reopened,
             "reopened_before": reopened - closed,
+            "started_monotonic": started_monotonic,
         }
         print(json.dumps(answer), flush=True)
     await channel.close()
