@@ -47,6 +47,7 @@ import json
 import os
 import random
 import resource
+import shlex
 import shutil
 import statistics
 import subprocess
@@ -273,6 +274,16 @@ def cpu_seconds(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
+def tree_cpu_seconds(pid: int) -> float:
+    """cpu_seconds of a process and of its children, theirs included (a gateway's --workers)."""
+    total = cpu_seconds(pid)
+    try:
+        children = Path(f"/proc/{pid}/task/{pid}/children").read_text().split()
+    except OSError:
+        return total
+    return total + sum(tree_cpu_seconds(int(child)) for child in children)
+
+
 def run_queue_seconds(pid: int) -> float:
     """Seconds the process's threads, all of them, have spent runnable but waiting for a core (Linux
     /proc/PID/task/*/schedstat; NaN elsewhere): a round's share of it says how much the host's cores were
@@ -297,6 +308,7 @@ def summarize(path: str, answer: dict[str, Any], servers: dict[str, float]) -> d
         "tokens_per_s": round(total / answer["wall_s"], 1),
         "ttft_p50_ms": round(statistics.median(ttfts) * 1e3, 2),
         "ttft_p90_ms": round(ttfts[int(0.9 * (len(ttfts) - 1))] * 1e3, 2),
+        "ttfts_ms": [round(t * 1e3, 1) for t in ttfts],  # every stream's, sorted: the engine steps show as groups
         "cpu_s": {"client": round(answer["client_cpu_s"], 3), **{k: round(v, 3) for k, v in servers.items()}},
         "connections_reopened": answer.get("reopened", 0),
         "connections_reopened_untimed": answer.get("reopened_before", 0),
@@ -328,10 +340,10 @@ def measure(args: argparse.Namespace, executor: Any, gateway: Any, workdir: Path
         for index in range(args.rounds):
             order = ["direct", "gateway"] if index % 2 == 0 else ["gateway", "direct"]
             for path in order:
-                before = {name: cpu_seconds(pid) for name, pid in pids.items()}
+                before = {name: tree_cpu_seconds(pid) for name, pid in pids.items()}
                 waited = run_queue_seconds(executor.process.pid)
                 answer = clients[path].run("round")
-                servers = {name: cpu_seconds(pid) - before[name] for name, pid in pids.items()}
+                servers = {name: tree_cpu_seconds(pid) - before[name] for name, pid in pids.items()}
                 waited = run_queue_seconds(executor.process.pid) - waited
                 rounds.append({"round": index, **summarize(path, answer, servers)})
                 rounds[-1]["executor_run_queue_share"] = round(waited / answer["wall_s"], 3)
@@ -453,6 +465,14 @@ def main() -> None:
         "--single-rounds", type=int, default=40, help="then this many single-stream requests per path, alternating"
     )
     parser.add_argument("--single-tokens", type=int, default=4, help="tokens a single-stream request asks for")
+    parser.add_argument("--gateway-args", default="", help='flags for specdec-gateway, one string (e.g. "--workers 4")')
+    parser.add_argument("--gateway-python", help="the interpreter that runs the gateway (default: this one)")
+    parser.add_argument(
+        "--arrival-rounds",
+        type=int,
+        default=8,
+        help="then rounds a path of gateway_cpu_bench.py --arrivals (the same gateway flags, a stand-in executor)",
+    )
     parser.add_argument("--out", type=Path, default=Path(__file__).resolve().parent / "results")
     parser.add_argument("--client", choices=("direct", "gateway"), help=argparse.SUPPRESS)
     parser.add_argument("--address", help=argparse.SUPPRESS)
@@ -482,10 +502,15 @@ def main() -> None:
         gateway = None
         try:
             wait_serving(executor)
-            gateway = start_server("gateway", workdir, "--executor", executor.address, "--served-model-name", "bench")
+            flags = ["--executor", executor.address, "--served-model-name", "bench", *shlex.split(args.gateway_args)]
+            gateway = start_server("gateway", workdir, *flags, python=args.gateway_python)
+            common.log(f"gateway: {gateway.log_tail(3)}")
             measured = measure(args, executor, gateway, workdir)
         finally:
             statuses = {"gateway": gateway.stop() if gateway else None, "executor": executor.stop()}
+    if args.arrival_rounds:
+        measured["stand_in_arrivals"] = stand_in_arrivals(args)
+        statuses["stand_in_gateway"] = measured["stand_in_arrivals"].pop("gateway_exit")
     report = {
         **common.provenance("gateway", device),
         "versions": common.versions(),
@@ -498,6 +523,26 @@ def main() -> None:
     keys = ("tokens_per_s", "throughput_ratio", "ttft_p50_ms", "ttft_p50_overhead_ms", "tokens_equal")
     common.log(json.dumps({k: report[k] for k in keys}))
     common.write_result(args.out, "gateway", device, report["commit"], report)
+
+
+def stand_in_arrivals(args: argparse.Namespace) -> dict[str, Any]:
+    """gateway_cpu_bench.py --arrivals with this run's gateway flags: when each request of a burst of --streams
+    reaches an executor, through the gateway and direct. The executor here has no model (a stand-in in this
+    process, which records each Generate's arrival), so the figures say how the gateway hands a burst on, not how
+    this run's executor took it."""
+    import common
+    import gateway_cpu_bench
+
+    measured = gateway_cpu_bench.against_stand_in(
+        argparse.Namespace(
+            streams=args.streams, tokens=1, step_ms=20.0, lockstep=False, arrivals=args.arrival_rounds, arrival_tokens=1
+        ),
+        shlex.split(args.gateway_args),
+        args.gateway_python,
+    )
+    summary = {path: {k: v["median"] for k, v in figures.items()} for path, figures in measured["arrivals"].items()}
+    common.log(f"arrivals at a stand-in executor, ms after the start (median of {args.arrival_rounds}): {summary}")
+    return measured
 
 
 def wait_serving(executor: Any) -> None:

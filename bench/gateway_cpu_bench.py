@@ -113,16 +113,28 @@ def main() -> None:
     )
     parser.add_argument("--arrival-tokens", type=int, default=1, help="tokens a stream asks for in an arrivals round")
     parser.add_argument("gateway_args", nargs="*", help="flags for specdec-gateway (after --)")
+    parser.add_argument("--gateway-python", help="the interpreter that runs the gateway (default: this one)")
     args = parser.parse_args()
+    result = {
+        "gateway_args": args.gateway_args,
+        "lockstep": args.lockstep,
+        **against_stand_in(args, args.gateway_args, args.gateway_python),
+        "load_average_at_end": os.getloadavg(),
+    }
+    print(json.dumps(result), flush=True)
 
+
+def against_stand_in(args: argparse.Namespace, gateway_args: list[str], python: str | None = None) -> dict[str, Any]:
+    """A gateway (`gateway_args`; run by `python`, default this interpreter) in front of the stand-in executor:
+    the arrivals (args.arrivals rounds a path), else the gateway's CPU, and the gateway's exit status."""
     from specdec_cli.local_servers import start_server
 
     arrivals: list[float] = []
     address, stop_executor = stand_in_executor(args.step_ms / 1e3, args.lockstep, arrivals)
     with tempfile.TemporaryDirectory() as tmp:
         workdir = Path(tmp)
-        gateway_args = ["--executor", address, "--served-model-name", "bench", *args.gateway_args]
-        gateway = start_server("gateway", workdir, *gateway_args)
+        flags = ["--executor", address, "--served-model-name", "bench", *gateway_args]
+        gateway = start_server("gateway", workdir, *flags, python=python)
         rng = random.Random(0)
         prompts = [[rng.randrange(1, 1000) for _ in range(16)] for _ in range(args.streams)]
         (workdir / "prompts.json").write_text(json.dumps(prompts))
@@ -140,14 +152,7 @@ def main() -> None:
                 each.close()
             status = gateway.stop()
             stop_executor()
-    result = {
-        "gateway_args": args.gateway_args,
-        "lockstep": args.lockstep,
-        "load_average_at_end": os.getloadavg(),
-        **measured,
-        "gateway_exit": status,
-    }
-    print(json.dumps(result), flush=True)
+    return {**measured, "gateway_exit": status}
 
 
 def measure_cpu(args: argparse.Namespace, client: gateway_bench.Client, pid: int) -> dict[str, Any]:
@@ -155,15 +160,15 @@ def measure_cpu(args: argparse.Namespace, client: gateway_bench.Client, pid: int
     client.run("warmup")
     per_token = []
     for _ in range(args.rounds):
-        before = gateway_bench.cpu_seconds(pid)
+        before = gateway_bench.tree_cpu_seconds(pid)
         answer = client.run("round")
         tokens = sum(len(t) for t in answer["tokens"])
         assert tokens == args.streams * args.tokens, tokens
-        per_token.append((gateway_bench.cpu_seconds(pid) - before) / tokens * 1e6)
-    before = gateway_bench.cpu_seconds(pid)
+        per_token.append((gateway_bench.tree_cpu_seconds(pid) - before) / tokens * 1e6)
+    before = gateway_bench.tree_cpu_seconds(pid)
     for _ in range(args.request_rounds):
         client.run("tokens 1")
-    per_request = (gateway_bench.cpu_seconds(pid) - before) / (args.request_rounds * args.streams) * 1e3
+    per_request = (gateway_bench.tree_cpu_seconds(pid) - before) / (args.request_rounds * args.streams) * 1e3
     return {
         "us_per_token": round(statistics.median(per_token), 1),
         "us_per_token_rounds": [round(x, 1) for x in per_token],
@@ -183,9 +188,9 @@ def measure_arrivals(
     for index in range(args.arrivals):
         for client in clients if index % 2 == 0 else clients[::-1]:
             arrivals.clear()
-            before = gateway_bench.cpu_seconds(pid)
+            before = gateway_bench.tree_cpu_seconds(pid)
             answer = client.run(f"tokens {args.arrival_tokens}")
-            cpu = gateway_bench.cpu_seconds(pid) - before
+            cpu = gateway_bench.tree_cpu_seconds(pid) - before
             offsets = sorted((at - answer["started_monotonic"]) * 1e3 for at in arrivals)
             assert len(offsets) == args.streams, len(offsets)
             measured = {
