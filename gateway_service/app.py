@@ -54,9 +54,9 @@ class GatewayConfig:
 
 
 class Gateway:
-    def __init__(self, config: GatewayConfig) -> None:
+    def __init__(self, config: GatewayConfig, multiprocess_dir: str | None = None) -> None:
         self.config = config
-        self.metrics = GatewayMetrics()
+        self.metrics = GatewayMetrics(multiprocess_dir)
         self.upstream: Upstream | None = None
 
     @contextlib.asynccontextmanager
