@@ -276,12 +276,14 @@ def cpu_seconds(pid: int) -> float:
 
 def tree_cpu_seconds(pid: int) -> float:
     """cpu_seconds of a process and of its children, theirs included (a gateway's --workers)."""
-    total = cpu_seconds(pid)
-    try:
-        children = Path(f"/proc/{pid}/task/{pid}/children").read_text().split()
-    except OSError:
-        return total
-    return total + sum(tree_cpu_seconds(int(child)) for child in children)
+    children = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            if int(stat.read_text().rsplit(")", 1)[1].split()[1]) == pid:  # the parent's pid
+                children.append(int(stat.parent.name))
+        except (OSError, IndexError, ValueError):
+            continue
+    return cpu_seconds(pid) + sum(tree_cpu_seconds(child) for child in children)
 
 
 def run_queue_seconds(pid: int) -> float:
