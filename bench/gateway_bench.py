@@ -72,6 +72,7 @@ class HttpStream:
         self.writer: asyncio.StreamWriter | None = None
         self.conn: Any = None
         self.reopened = 0  # connections opened again after the first (the server closed an idle one)
+        self.sent = 0.0  # time.monotonic() when the last request was written
 
     async def _open(self) -> None:
         import h11
@@ -118,6 +119,7 @@ class HttpStream:
         headers.append(("Content-Length", str(len(data))))
         request = conn.send(h11.Request(method="POST", target="/v1/completions", headers=headers))
         self.writer.write(request + conn.send(h11.Data(data=data)) + conn.send(h11.EndOfMessage()))
+        self.sent = time.monotonic()  # handed to the kernel (the writer writes at once when its buffer is empty)
         first, tokens, pending, answered = None, [], b"", False
         while True:
             try:
@@ -230,6 +232,7 @@ async def client_main(args: argparse.Namespace) -> None:
             "reopened": sum(c.reopened for c in connections) - reopened,
             "reopened_before": reopened - closed,
             "started_monotonic": started_monotonic,
+            "sent_monotonic": [c.sent for c in connections] if args.client == "gateway" else [],
         }
         print(json.dumps(answer), flush=True)
     await channel.close()

@@ -199,7 +199,10 @@ def measure_arrivals(
                 "last_ms": round(offsets[-1], 2),
                 "ttft_p50_ms": round(statistics.median(answer["ttfts"]) * 1e3, 2),
             }
-            if client.path == "gateway":
+            if client.path == "gateway":  # when the HTTP client had written the median and the last request
+                sent = sorted((at - answer["started_monotonic"]) * 1e3 for at in answer["sent_monotonic"])
+                measured["client_sent_median_ms"] = round(statistics.median(sent), 2)
+                measured["client_sent_last_ms"] = round(sent[-1], 2)
                 measured["gateway_cpu_ms_per_request"] = round(cpu / args.streams * 1e3, 3)
             by_path[client.path].append(measured)
     summary = {
