@@ -26,6 +26,14 @@ Before a timed round the HTTP client opens again, untimed, any keep-alive connec
 other path ran (uvicorn closes one idle for 5 s); the gRPC channel stays connected, so both paths start a round
 connected. Each round counts the connections opened again before it and during it.
 
+--gateway-args passes flags to the gateway (the production configuration: uvloop and httptools installed, and
+"--workers N"), --gateway-python runs it with another interpreter (the image's Python 3.12, say, while the
+executor stays in a venv with torch). After the rounds, --arrival-rounds rounds of gateway_cpu_bench.py --arrivals
+with the same gateway in front of a stand-in executor report when each request of a burst reaches an executor,
+through the gateway and direct (the executor here cannot say when a Generate came); --closed-rounds adds a closed
+loop, each stream sending its next request as soon as its last one ended, whose first tokens no longer wait for a
+burst to be admitted (an extra figure, not the bar).
+
 On the CPU the executor gets one intra-op thread (--executor-threads 1): with torch's default (a thread per core)
 the executor shares its cores with the gateway, both clients and anything else on the host, and each of the
 hundreds of small parallel regions of a step waits for a descheduled worker: steps 20-30x slower while another
@@ -33,6 +41,7 @@ process runs, which is what stalled gateway rounds (more processes busy) in the 
 the other cores to the gateway and the clients, as a GPU host does.
 
     python bench/gateway_bench.py                          # tiny synthetic Llama + EAGLE drafter on the CPU
+    python bench/gateway_bench.py --gateway-args "--workers 4"     # the gateway as four processes
     python bench/gateway_bench.py --device cuda --target /root/models/smollm2/SmolLM2-135M-Instruct.Q4_1.gguf \\
         --drafter eagle3=drafters/smollm2-eagle3           # SmolLM2 with its EAGLE-3 drafter on a GPU
 Writes bench/results/gateway_<date>_<device>_<commit>.json.
@@ -204,6 +213,25 @@ async def client_main(args: argparse.Namespace) -> None:
     loop = asyncio.get_running_loop()
     while line := await loop.run_in_executor(None, sys.stdin.readline):
         what = line.split()
+        if what[0] == "closed":  # "closed S": for S seconds each stream sends its next request when one ends
+            deadline = time.perf_counter() + float(what[1])
+
+            async def closed_loop(index: int, deadline: float = deadline) -> list[float]:
+                lengths, firsts = random.Random(index), []  # lengths of 8 to --max-tokens: the streams drift apart
+                while time.perf_counter() < deadline:
+                    tokens = lengths.randint(min(8, args.max_tokens), args.max_tokens)
+                    if args.client == "direct":
+                        first, _ = await direct_stream(stub, prompts[index], tokens)
+                    else:
+                        asked = {**body, "max_tokens": tokens, "prompt": prompts[index]}
+                        first, _ = await connections[index].completion(asked)
+                    firsts.append(first)
+                return firsts[1:]  # the first request of each stream is the burst's
+
+            await asyncio.gather(*(c.reopen_if_closed() for c in connections if args.client == "gateway"))
+            firsts = await asyncio.gather(*(closed_loop(index) for index in range(len(prompts))))
+            print(json.dumps({"ttfts": [first for each in firsts for first in each]}), flush=True)
+            continue
         if what[0] == "single":  # "single N": one stream of N tokens alone, its time to first token
             if args.client == "direct":
                 first, _ = await direct_stream(stub, prompts[0], int(what[1]))
@@ -362,6 +390,12 @@ def measure(args: argparse.Namespace, executor: Any, gateway: Any, workdir: Path
         for index in range(args.single_rounds):  # one stream at a time, the paths alternating request by request
             for path in ("direct", "gateway") if index % 2 == 0 else ("gateway", "direct"):
                 single[path].append(clients[path].single(args.single_tokens))
+        closed: dict[str, list[float]] = {"direct": [], "gateway": []}
+        for index in range(args.closed_rounds):  # steady load: requests no longer start together
+            for path in ("direct", "gateway") if index % 2 == 0 else ("gateway", "direct"):
+                ttfts = clients[path].run(f"closed {args.closed_seconds}")["ttfts"]
+                closed[path].append(statistics.median(ttfts) * 1e3)
+                common.log(f"closed loop {index} {path}: ttft p50 {closed[path][-1]:.2f} ms of {len(ttfts)} requests")
     finally:
         for client in clients.values():
             client.close()
@@ -391,6 +425,15 @@ def measure(args: argparse.Namespace, executor: Any, gateway: Any, workdir: Path
             if single_overheads
             else None,
         },
+        "closed_loop_ttft_p50_ms": {
+            "note": "not the bar: each stream sends its next request (8 to max_tokens tokens, drawn per stream) as "
+            f"soon as its last one ended, for {args.closed_seconds} s a round; p50 over the round's requests but each "
+            "stream's first",
+            **{p: spread([round(x, 2) for x in v]) for p, v in closed.items()},
+            "overhead": spread([round(g - d, 2) for d, g in zip(closed["direct"], closed["gateway"], strict=True)]),
+        }
+        if args.closed_rounds
+        else None,
         "streams": args.streams,
         "streams_checked": args.streams * len(rounds),
         "streams_with_tokens_differing_from_direct": differing,
@@ -470,6 +513,14 @@ def main() -> None:
         "--single-rounds", type=int, default=40, help="then this many single-stream requests per path, alternating"
     )
     parser.add_argument("--single-tokens", type=int, default=4, help="tokens a single-stream request asks for")
+    parser.add_argument(
+        "--closed-rounds",
+        type=int,
+        default=0,
+        help="then rounds a path of a closed loop (each stream's next request, of 8 to --max-tokens tokens, when its "
+        "last ends; not the bar)",
+    )
+    parser.add_argument("--closed-seconds", type=float, default=10.0, help="how long a closed-loop round runs")
     parser.add_argument("--gateway-args", default="", help='flags for specdec-gateway, one string (e.g. "--workers 4")')
     parser.add_argument("--gateway-python", help="the interpreter that runs the gateway (default: this one)")
     parser.add_argument(
