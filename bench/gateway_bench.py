@@ -26,6 +26,14 @@ Before a timed round the HTTP client opens again, untimed, any keep-alive connec
 other path ran (uvicorn closes one idle for 5 s); the gRPC channel stays connected, so both paths start a round
 connected. Each round counts the connections opened again before it and during it.
 
+--gateway-args passes flags to the gateway (the production configuration: uvloop and httptools installed, and
+"--workers N"), --gateway-python runs it with another interpreter (the image's Python 3.12, say, while the
+executor stays in a venv with torch). After the rounds, --arrival-rounds rounds of gateway_cpu_bench.py --arrivals
+with the same gateway in front of a stand-in executor report when each request of a burst reaches an executor,
+through the gateway and direct (the executor here cannot say when a Generate came); --closed-rounds adds a closed
+loop, each stream sending its next request as soon as its last one ended, whose first tokens no longer wait for a
+burst to be admitted (an extra figure, not the bar).
+
 On the CPU the executor gets one intra-op thread (--executor-threads 1): with torch's default (a thread per core)
 the executor shares its cores with the gateway, both clients and anything else on the host, and each of the
 hundreds of small parallel regions of a step waits for a descheduled worker: steps 20-30x slower while another
@@ -33,6 +41,7 @@ process runs, which is what stalled gateway rounds (more processes busy) in the 
 the other cores to the gateway and the clients, as a GPU host does.
 
     python bench/gateway_bench.py                          # tiny synthetic Llama + EAGLE drafter on the CPU
+    python bench/gateway_bench.py --gateway-args "--workers 4"     # the gateway as four processes
     python bench/gateway_bench.py --device cuda --target /root/models/smollm2/SmolLM2-135M-Instruct.Q4_1.gguf \\
         --drafter eagle3=drafters/smollm2-eagle3           # SmolLM2 with its EAGLE-3 drafter on a GPU
 Writes bench/results/gateway_<date>_<device>_<commit>.json.
@@ -47,6 +56,7 @@ import json
 import os
 import random
 import resource
+import shlex
 import shutil
 import statistics
 import subprocess
@@ -71,6 +81,7 @@ class HttpStream:
         self.writer: asyncio.StreamWriter | None = None
         self.conn: Any = None
         self.reopened = 0  # connections opened again after the first (the server closed an idle one)
+        self.sent = 0.0  # time.monotonic() when the last request was written
 
     async def _open(self) -> None:
         import h11
@@ -117,6 +128,7 @@ class HttpStream:
         headers.append(("Content-Length", str(len(data))))
         request = conn.send(h11.Request(method="POST", target="/v1/completions", headers=headers))
         self.writer.write(request + conn.send(h11.Data(data=data)) + conn.send(h11.EndOfMessage()))
+        self.sent = time.monotonic()  # handed to the kernel (the writer writes at once when its buffer is empty)
         first, tokens, pending, answered = None, [], b"", False
         while True:
             try:
@@ -201,6 +213,25 @@ async def client_main(args: argparse.Namespace) -> None:
     loop = asyncio.get_running_loop()
     while line := await loop.run_in_executor(None, sys.stdin.readline):
         what = line.split()
+        if what[0] == "closed":  # "closed S": for S seconds each stream sends its next request when one ends
+            deadline = time.perf_counter() + float(what[1])
+
+            async def closed_loop(index: int, deadline: float = deadline) -> list[float]:
+                lengths, firsts = random.Random(index), []  # lengths of 8 to --max-tokens: the streams drift apart
+                while time.perf_counter() < deadline:
+                    tokens = lengths.randint(min(8, args.max_tokens), args.max_tokens)
+                    if args.client == "direct":
+                        first, _ = await direct_stream(stub, prompts[index], tokens)
+                    else:
+                        asked = {**body, "max_tokens": tokens, "prompt": prompts[index]}
+                        first, _ = await connections[index].completion(asked)
+                    firsts.append(first)
+                return firsts[1:]  # the first request of each stream is the burst's
+
+            await asyncio.gather(*(c.reopen_if_closed() for c in connections if args.client == "gateway"))
+            firsts = await asyncio.gather(*(closed_loop(index) for index in range(len(prompts))))
+            print(json.dumps({"ttfts": [first for each in firsts for first in each]}), flush=True)
+            continue
         if what[0] == "single":  # "single N": one stream of N tokens alone, its time to first token
             if args.client == "direct":
                 first, _ = await direct_stream(stub, prompts[0], int(what[1]))
@@ -216,6 +247,7 @@ async def client_main(args: argparse.Namespace) -> None:
         await asyncio.gather(*(c.reopen_if_closed() for c in connections if args.client == "gateway"))
         reopened = sum(c.reopened for c in connections)
         cpu = resource.getrusage(resource.RUSAGE_SELF)
+        started_monotonic = time.monotonic()  # CLOCK_MONOTONIC, the same in every process of the host
         started = time.perf_counter()
         results = await asyncio.gather(*streams(max_tokens))
         wall = time.perf_counter() - started
@@ -227,6 +259,8 @@ async def client_main(args: argparse.Namespace) -> None:
             "tokens": [tokens for _, tokens in results],
             "reopened": sum(c.reopened for c in connections) - reopened,
             "reopened_before": reopened - closed,
+            "started_monotonic": started_monotonic,
+            "sent_monotonic": [c.sent for c in connections] if args.client == "gateway" else [],
         }
         print(json.dumps(answer), flush=True)
     await channel.close()
@@ -271,6 +305,18 @@ def cpu_seconds(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
+def tree_cpu_seconds(pid: int) -> float:
+    """cpu_seconds of a process and of its children, theirs included (a gateway's --workers)."""
+    children = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            if int(stat.read_text().rsplit(")", 1)[1].split()[1]) == pid:  # the parent's pid
+                children.append(int(stat.parent.name))
+        except (OSError, IndexError, ValueError):
+            continue
+    return cpu_seconds(pid) + sum(tree_cpu_seconds(child) for child in children)
+
+
 def run_queue_seconds(pid: int) -> float:
     """Seconds the process's threads, all of them, have spent runnable but waiting for a core (Linux
     /proc/PID/task/*/schedstat; NaN elsewhere): a round's share of it says how much the host's cores were
@@ -295,6 +341,7 @@ def summarize(path: str, answer: dict[str, Any], servers: dict[str, float]) -> d
         "tokens_per_s": round(total / answer["wall_s"], 1),
         "ttft_p50_ms": round(statistics.median(ttfts) * 1e3, 2),
         "ttft_p90_ms": round(ttfts[int(0.9 * (len(ttfts) - 1))] * 1e3, 2),
+        "ttfts_ms": [round(t * 1e3, 1) for t in ttfts],  # every stream's, sorted: the engine steps show as groups
         "cpu_s": {"client": round(answer["client_cpu_s"], 3), **{k: round(v, 3) for k, v in servers.items()}},
         "connections_reopened": answer.get("reopened", 0),
         "connections_reopened_untimed": answer.get("reopened_before", 0),
@@ -326,10 +373,10 @@ def measure(args: argparse.Namespace, executor: Any, gateway: Any, workdir: Path
         for index in range(args.rounds):
             order = ["direct", "gateway"] if index % 2 == 0 else ["gateway", "direct"]
             for path in order:
-                before = {name: cpu_seconds(pid) for name, pid in pids.items()}
+                before = {name: tree_cpu_seconds(pid) for name, pid in pids.items()}
                 waited = run_queue_seconds(executor.process.pid)
                 answer = clients[path].run("round")
-                servers = {name: cpu_seconds(pid) - before[name] for name, pid in pids.items()}
+                servers = {name: tree_cpu_seconds(pid) - before[name] for name, pid in pids.items()}
                 waited = run_queue_seconds(executor.process.pid) - waited
                 rounds.append({"round": index, **summarize(path, answer, servers)})
                 rounds[-1]["executor_run_queue_share"] = round(waited / answer["wall_s"], 3)
@@ -343,6 +390,12 @@ def measure(args: argparse.Namespace, executor: Any, gateway: Any, workdir: Path
         for index in range(args.single_rounds):  # one stream at a time, the paths alternating request by request
             for path in ("direct", "gateway") if index % 2 == 0 else ("gateway", "direct"):
                 single[path].append(clients[path].single(args.single_tokens))
+        closed: dict[str, list[float]] = {"direct": [], "gateway": []}
+        for index in range(args.closed_rounds):  # steady load: requests no longer start together
+            for path in ("direct", "gateway") if index % 2 == 0 else ("gateway", "direct"):
+                ttfts = clients[path].run(f"closed {args.closed_seconds}")["ttfts"]
+                closed[path].append(statistics.median(ttfts) * 1e3)
+                common.log(f"closed loop {index} {path}: ttft p50 {closed[path][-1]:.2f} ms of {len(ttfts)} requests")
     finally:
         for client in clients.values():
             client.close()
@@ -372,6 +425,15 @@ def measure(args: argparse.Namespace, executor: Any, gateway: Any, workdir: Path
             if single_overheads
             else None,
         },
+        "closed_loop_ttft_p50_ms": {
+            "note": "not the bar: each stream sends its next request (8 to max_tokens tokens, drawn per stream) as "
+            f"soon as its last one ended, for {args.closed_seconds} s a round; p50 over the round's requests but each "
+            "stream's first",
+            **{p: spread([round(x, 2) for x in v]) for p, v in closed.items()},
+            "overhead": spread([round(g - d, 2) for d, g in zip(closed["direct"], closed["gateway"], strict=True)]),
+        }
+        if args.closed_rounds
+        else None,
         "streams": args.streams,
         "streams_checked": args.streams * len(rounds),
         "streams_with_tokens_differing_from_direct": differing,
@@ -451,6 +513,22 @@ def main() -> None:
         "--single-rounds", type=int, default=40, help="then this many single-stream requests per path, alternating"
     )
     parser.add_argument("--single-tokens", type=int, default=4, help="tokens a single-stream request asks for")
+    parser.add_argument(
+        "--closed-rounds",
+        type=int,
+        default=0,
+        help="then rounds a path of a closed loop (each stream's next request, of 8 to --max-tokens tokens, when its "
+        "last ends; not the bar)",
+    )
+    parser.add_argument("--closed-seconds", type=float, default=10.0, help="how long a closed-loop round runs")
+    parser.add_argument("--gateway-args", default="", help='flags for specdec-gateway, one string (e.g. "--workers 4")')
+    parser.add_argument("--gateway-python", help="the interpreter that runs the gateway (default: this one)")
+    parser.add_argument(
+        "--arrival-rounds",
+        type=int,
+        default=8,
+        help="then rounds a path of gateway_cpu_bench.py --arrivals (the same gateway flags, a stand-in executor)",
+    )
     parser.add_argument("--out", type=Path, default=Path(__file__).resolve().parent / "results")
     parser.add_argument("--client", choices=("direct", "gateway"), help=argparse.SUPPRESS)
     parser.add_argument("--address", help=argparse.SUPPRESS)
@@ -480,10 +558,15 @@ def main() -> None:
         gateway = None
         try:
             wait_serving(executor)
-            gateway = start_server("gateway", workdir, "--executor", executor.address, "--served-model-name", "bench")
+            flags = ["--executor", executor.address, "--served-model-name", "bench", *shlex.split(args.gateway_args)]
+            gateway = start_server("gateway", workdir, *flags, python=args.gateway_python)
+            common.log(f"gateway: {gateway.log_tail(3)}")
             measured = measure(args, executor, gateway, workdir)
         finally:
             statuses = {"gateway": gateway.stop() if gateway else None, "executor": executor.stop()}
+    if args.arrival_rounds:
+        measured["stand_in_arrivals"] = stand_in_arrivals(args)
+        statuses["stand_in_gateway"] = measured["stand_in_arrivals"].pop("gateway_exit")
     report = {
         **common.provenance("gateway", device),
         "versions": common.versions(),
@@ -496,6 +579,26 @@ def main() -> None:
     keys = ("tokens_per_s", "throughput_ratio", "ttft_p50_ms", "ttft_p50_overhead_ms", "tokens_equal")
     common.log(json.dumps({k: report[k] for k in keys}))
     common.write_result(args.out, "gateway", device, report["commit"], report)
+
+
+def stand_in_arrivals(args: argparse.Namespace) -> dict[str, Any]:
+    """gateway_cpu_bench.py --arrivals with this run's gateway flags: when each request of a burst of --streams
+    reaches an executor, through the gateway and direct. The executor here has no model (a stand-in in this
+    process, which records each Generate's arrival), so the figures say how the gateway hands a burst on, not how
+    this run's executor took it."""
+    import common
+    import gateway_cpu_bench
+
+    measured = gateway_cpu_bench.against_stand_in(
+        argparse.Namespace(
+            streams=args.streams, tokens=1, step_ms=20.0, lockstep=False, arrivals=args.arrival_rounds, arrival_tokens=1
+        ),
+        shlex.split(args.gateway_args),
+        args.gateway_python,
+    )
+    summary = {path: {k: v["median"] for k, v in figures.items()} for path, figures in measured["arrivals"].items()}
+    common.log(f"arrivals at a stand-in executor, ms after the start (median of {args.arrival_rounds}): {summary}")
+    return measured
 
 
 def wait_serving(executor: Any) -> None:

@@ -7,7 +7,8 @@
 # STEPS: comma-separated from tests, bench, sweep, bench16, executor-tests, gpu-tests, pytest, executor-bench, specdec-bench,
 # acceptance-bench, sampled-profile, profile, prefix-cache-bench, gateway-bench. Results and logs go to $OUT.
 # gateway-bench: SmolLM2 (smol-install first) behind specdec-gateway vs direct gRPC; needs starlette and uvicorn
-# in the carried .whl (bench/README.md); GATEWAY_ARGS= adds flags (e.g. --streams 128), GATEWAY_TIMEOUT= its limit.
+# in the carried .whl (bench/README.md); GATEWAY_ARGS= adds flags (e.g. --streams 128, or --gateway-args=--workers=4
+# with httptools in .whl too: the host has uvloop), GATEWAY_TIMEOUT= its limit.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 mode=${1:?stash|install|run}

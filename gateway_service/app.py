@@ -1,6 +1,11 @@
-"""The gateway's HTTP routes (Starlette): POST /v1/chat/completions and /v1/completions, GET /v1/models,
-/health and /metrics. /health and /metrics are open, as the servers' gRPC health is (probes carry no
-credentials, and neither reveals anything a caller sent); the /v1 routes need the bearer token when one is set."""
+"""The gateway's HTTP routes: POST /v1/chat/completions and /v1/completions, GET /v1/models, /health and
+/metrics. /health and /metrics are open, as the servers' gRPC health is (probes carry no credentials, and neither
+reveals anything a caller sent); the /v1 routes need the bearer token when one is set.
+
+The two generation routes are plain ASGI handlers that the app calls before starlette: a burst of requests (64
+streams started together) is handed to the executors one after another by the gateway's one thread, so each
+request's own CPU delays the ones behind it, and starlette's middleware, router and Request object were a good
+part of it. Everything else (other methods on those paths, their 405, the other routes) goes through starlette."""
 
 from __future__ import annotations
 
@@ -31,7 +36,13 @@ from specdec.v1 import common_pb2, executor_pb2
 
 log = logging.getLogger("specdec.gateway")
 CLIENT_CLOSED = 499  # nginx's status for a caller that went away; never seen by the caller
-RAW_SEND = "specdec.send"  # the scope's key for the server's own ASGI send
+GENERATE_ROUTES = {"/v1/chat/completions": "chat", "/v1/completions": "completion"}
+# What starlette's Response writes for EventStream's headers (its media type gets starlette's charset).
+EVENT_STREAM_HEADERS = (
+    (b"cache-control", b"no-cache"),
+    (b"x-accel-buffering", b"no"),
+    (b"content-type", b"text/event-stream; charset=utf-8"),
+)
 
 
 @dataclass
@@ -43,9 +54,9 @@ class GatewayConfig:
 
 
 class Gateway:
-    def __init__(self, config: GatewayConfig) -> None:
+    def __init__(self, config: GatewayConfig, multiprocess_dir: str | None = None) -> None:
         self.config = config
-        self.metrics = GatewayMetrics()
+        self.metrics = GatewayMetrics(multiprocess_dir)
         self.upstream: Upstream | None = None
 
     @contextlib.asynccontextmanager
@@ -57,9 +68,9 @@ class Gateway:
             await self.upstream.close()
 
     def app(self) -> ASGIApp:
+        generate = {path: _GenerateRoute(self, route) for path, route in GENERATE_ROUTES.items()}
         routes = [
-            Route("/v1/chat/completions", self._route("chat", self.generate), methods=["POST"]),
-            Route("/v1/completions", self._route("completion", self.generate), methods=["POST"]),
+            *(Route(path, handler, methods=["POST"]) for path, handler in generate.items()),  # their 405s
             Route("/v1/models", self._route("models", self.models), methods=["GET"]),
             Route("/health", self._route("health", self.health), methods=["GET"]),
             Route("/metrics", self._route("metrics", self.metrics_page), methods=["GET"]),
@@ -67,8 +78,11 @@ class Gateway:
         starlette = Starlette(routes=routes, lifespan=self.lifespan)
 
         async def app(scope: Scope, receive: Receive, send: Send) -> None:
-            if scope["type"] == "http":
-                scope[RAW_SEND] = send  # the server's send, for EventStream's body
+            if scope["type"] == "http" and scope["method"] == "POST" and not scope.get("root_path"):
+                handler = generate.get(scope["path"])
+                if handler is not None:
+                    await handler(scope, receive, send)
+                    return
             await starlette(scope, receive, send)
 
         return app  # type: ignore[return-value]
@@ -78,23 +92,28 @@ class Gateway:
 
         async def endpoint(request: Request) -> Response:
             started = time.perf_counter()
-            try:
-                response = await handler(request, name)
-            except ApiError as err:
-                response = err.response()
-            except Disconnected:
-                response = Response(status_code=CLIENT_CLOSED)
-            except Exception:
-                log.exception("unexpected error", extra={"route": name})
-                response = ApiError(500, "internal error in the gateway", code="internal_error").response()
+            response = await self._answer(name, handler(request, name))
             self.metrics.answered(name, response.status_code, time.perf_counter() - started)
             return response
 
         return endpoint
 
-    async def generate(self, request: Request, route: str) -> Response:
-        token = self.config.auth.token(request)
-        data = await read_json_object(request, self.config.max_body_bytes)
+    async def _answer(self, name: str, answering: Any) -> Any:
+        """What `answering` (a handler's coroutine) returns, or the response for the error it raised."""
+        try:
+            return await answering
+        except ApiError as err:
+            return err.response()
+        except Disconnected:
+            return Response(status_code=CLIENT_CLOSED)
+        except Exception:
+            log.exception("unexpected error", extra={"route": name})
+            return ApiError(500, "internal error in the gateway", code="internal_error").response()
+
+    async def generate(self, scope: Scope, receive: Receive, route: str) -> Response | EventStream:
+        headers = scope["headers"]
+        token = self.config.auth.token(headers)
+        data = await read_json_object(headers, receive, self.config.max_body_bytes)
         parsed: ParsedRequest = parse_chat(data) if route == "chat" else parse_completion(data)
         if (wrong_model := model_error(parsed.model, self.config.model_name)) is not None:
             raise wrong_model
@@ -103,7 +122,7 @@ class Gateway:
         generation = Generation(
             call, parsed, Shaper(parsed, self.config.model_name), self.metrics, route, time.perf_counter()
         )
-        watcher = watch_disconnect(request.receive, generation)
+        watcher = watch_disconnect(receive, generation)
         self.metrics.open.inc()
         streaming = False
         try:
@@ -122,7 +141,7 @@ class Gateway:
 
     async def models(self, request: Request, route: str) -> Response:
         """The model the executors serve, from GetServerInfo; no model loaded: an empty list."""
-        token = self.config.auth.token(request)
+        token = self.config.auth.token(request.scope["headers"])
         assert self.upstream is not None
         try:
             info = await self.upstream.server_info(token)
@@ -150,17 +169,26 @@ class Gateway:
         return self.metrics.response()
 
 
-class EventStream(Response):
+class _GenerateRoute:
+    """POST /v1/chat/completions or /v1/completions as a plain ASGI app: `Gateway.generate` with its errors
+    answered in OpenAI's shape and its answer counted, as `Gateway._route` does for starlette's routes."""
+
+    def __init__(self, gateway: Gateway, route: str) -> None:
+        self.gateway, self.route = gateway, route
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        gateway, started = self.gateway, time.perf_counter()
+        response = await gateway._answer(self.route, gateway.generate(scope, receive, self.route))
+        gateway.metrics.answered(self.route, response.status_code, time.perf_counter() - started)
+        await response(scope, receive, send)
+
+
+class EventStream:
     """A server-sent event stream, each event sent as it comes (starlette's StreamingResponse, minus its task
     group per request and its disconnect listener: `watcher` already cancels the generation when the caller goes
-    away, which ends the stream). Leaves the open-generations gauge when it ends however it ends.
+    away, which ends the stream). Leaves the open-generations gauge when it ends however it ends."""
 
-    The start of the response goes through starlette's middleware, which notes that it has started; the body
-    goes to the server's own `send` (RAW_SEND in the scope, put there by Gateway.app): the middleware's wrappers
-    pass body messages on untouched, and cost a coroutine each per event. (A middleware that rewrites bodies must
-    wrap Gateway.app(), not sit inside starlette.)"""
-
-    media_type = "text/event-stream"
+    status_code = 200
 
     def __init__(
         self,
@@ -170,14 +198,11 @@ class EventStream(Response):
         metrics: GatewayMetrics,
     ) -> None:
         self.generation, self.first, self.watcher, self.metrics = generation, first, watcher, metrics
-        self.status_code = 200
-        self.background = None
-        self.init_headers({"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         try:
-            await send({"type": "http.response.start", "status": 200, "headers": self.raw_headers})
-            await self.generation.stream(self.first, scope.get(RAW_SEND, send))
+            await send({"type": "http.response.start", "status": 200, "headers": EVENT_STREAM_HEADERS})
+            await self.generation.stream(self.first, send)
         finally:
             self.generation.cancel()  # nothing once it has ended; a send that raised leaves no request running
             self.watcher.cancel()

@@ -9,27 +9,33 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from starlette.requests import Request
+from starlette.types import Receive
 
 from gateway_service.errors import ApiError
+from gateway_service.generation import Disconnected
 
 MiB = 1 << 20
 # The executor accepts 8 MiB of text or chat content; JSON escapes (\n, \", \uXXXX) make a body larger than that.
 DEFAULT_MAX_BODY_BYTES = 16 * MiB
 
 
-async def read_json_object(request: Request, max_bytes: int) -> dict[str, Any]:
-    """The body as a JSON object; ApiError 413 when larger than `max_bytes`, 400 when it is not a JSON object."""
-    declared = request.headers.get("content-length")
+async def read_json_object(headers: list[tuple[bytes, bytes]], receive: Receive, max_bytes: int) -> dict[str, Any]:
+    """The body of an ASGI request (its scope's headers, its receive) as a JSON object; ApiError 413 when larger
+    than `max_bytes`, 400 when it is not a JSON object; Disconnected when the caller leaves before its end."""
+    declared = next((value for name, value in headers if name == b"content-length"), None)
     if declared is not None and (not declared.isdigit() or int(declared) > max_bytes):
         raise _too_large(max_bytes)
-    chunks, size = [], 0
-    async for chunk in request.stream():
+    chunks, size, more = [], 0, True
+    while more:
+        message = await receive()
+        if message["type"] != "http.request":  # http.disconnect
+            raise Disconnected
+        chunk, more = message.get("body", b""), message.get("more_body", False)
         size += len(chunk)
         if size > max_bytes:
             raise _too_large(max_bytes)
         chunks.append(chunk)
-    return parse_json_object(b"".join(chunks))
+    return parse_json_object(chunks[0] if len(chunks) == 1 else b"".join(chunks))
 
 
 def parse_json_object(data: bytes) -> dict[str, Any]:

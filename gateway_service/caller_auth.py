@@ -4,19 +4,22 @@ wrong token 401 before any executor is called; without one, a token the caller s
 
 from __future__ import annotations
 
-from starlette.requests import Request
+from collections.abc import Iterable
 
 from gateway_service.errors import ApiError
 from specdec_runtime.auth import METADATA_KEY, SCHEME, TokenAuthInterceptor, check_token
+
+HEADER = METADATA_KEY.encode("latin-1")  # "authorization", as ASGI servers give header names: lower case
 
 
 class CallerAuth:
     def __init__(self, token: str | None) -> None:
         self._check = TokenAuthInterceptor(token) if token else None
 
-    def token(self, request: Request) -> str | None:
-        """The caller's token (None: none sent); ApiError 401 when it does not authenticate the caller."""
-        values = request.headers.getlist(METADATA_KEY)
+    def token(self, headers: Iterable[tuple[bytes, bytes]]) -> str | None:
+        """The caller's token from the request's ASGI headers (scope["headers"]; None: none sent); ApiError 401
+        when it does not authenticate the caller."""
+        values = [value.decode("latin-1") for name, value in headers if name == HEADER]
         if self._check is not None:
             problem = self._check.problem([(METADATA_KEY, value) for value in values])
             if problem is not None:

@@ -68,11 +68,12 @@ def server_command(name: str) -> list[str]:
     return [str(installed)] if installed.exists() else [sys.executable, "-m", module]
 
 
-def start_server(name: str, log_dir: Path, *args: str) -> LocalServer:
+def start_server(name: str, log_dir: Path, *args: str, python: str | None = None) -> LocalServer:
     """Start `name` on a free port of 127.0.0.1 and return once it has bound (its port file is written then;
-    an executor's model is not loaded yet)."""
+    an executor's model is not loaded yet). `python`: run it as `python -m` its module with that interpreter."""
     port_file, log_path = log_dir / f"{name}.port", log_dir / f"{name}.log"
-    command = [*server_command(name), "--host", HOST, "--port", "0", "--port-file", str(port_file)]
+    launch = [python, "-m", COMMANDS[name][1]] if python else server_command(name)
+    command = [*launch, "--host", HOST, "--port", "0", "--port-file", str(port_file)]
     command += ["--log-format", "text", *args]
     with log_path.open("wb") as log:
         process = subprocess.Popen(

@@ -295,3 +295,15 @@ def test_an_error_after_the_first_chunk_is_an_error_event_then_done():
             assert payload(error)["error"]["code"] == code and done == DONE and not more
 
     asyncio.run(run())
+
+
+def test_the_event_streams_headers_are_what_starlette_writes_for_them():
+    """EventStream sends its headers as written once; they are what starlette's Response made of them (its
+    StreamingResponse before: no content-length, the media type with starlette's charset)."""
+    from starlette.responses import StreamingResponse
+
+    from gateway_service.app import EVENT_STREAM_HEADERS
+
+    streamed = StreamingResponse(iter(()), media_type="text/event-stream")
+    streamed.init_headers({"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+    assert list(EVENT_STREAM_HEADERS) == streamed.raw_headers

@@ -4,6 +4,9 @@ nothing echoed at length, and the gateway keeps serving (a good request after th
 from __future__ import annotations
 
 import json
+import re
+import socket
+import time
 from http.client import HTTPConnection
 
 import pytest
@@ -101,6 +104,34 @@ def huge_post(stack, headers: dict[str, str], sent: bytes) -> int:
         return answer.status
     finally:
         connection.close()
+
+
+def test_other_methods_on_the_generation_routes_are_a_405(stack):
+    """POST to the generation routes is served before starlette's router; every other method still reaches it."""
+    for path in ("/v1/chat/completions", "/v1/completions"):
+        status, _ = http("GET", f"http://{stack.gateway.address}{path}", headers=AUTH)
+        assert status == 405
+
+
+def answered(stack, route: str, status: int) -> float:
+    """specdec_gateway_requests_total for a route and status, from /metrics (0 when absent)."""
+    _, text = http("GET", f"http://{stack.gateway.address}/metrics")
+    found = re.search(rf'^specdec_gateway_requests_total{{route="{route}",status="{status}"}} (\S+)$', text, re.M)
+    return float(found.group(1)) if found else 0.0
+
+
+def test_a_caller_gone_before_its_body_came_is_counted_as_gone(stack):
+    """Part of a body, then the connection closed: counted as a caller that went away (499), not a failure."""
+    before = answered(stack, "chat", 499), answered(stack, "chat", 500)
+    host, port = stack.gateway.address.split(":")
+    with socket.create_connection((host, int(port)), timeout=30) as sock:
+        head = f"POST /v1/chat/completions HTTP/1.1\r\nHost: {host}\r\nContent-Type: application/json\r\n"
+        sock.sendall(f'{head}Authorization: Bearer {TOKEN}\r\nContent-Length: 1000\r\n\r\n{{"model"'.encode())
+    deadline = time.monotonic() + 30
+    while answered(stack, "chat", 499) == before[0]:
+        assert time.monotonic() < deadline, "the request was not counted"
+        time.sleep(0.05)
+    assert answered(stack, "chat", 500) == before[1]
 
 
 def test_echoed_values_are_cut_short(stack):

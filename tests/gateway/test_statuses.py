@@ -89,7 +89,13 @@ def test_https_and_mtls(stack, launch_gateway, tmp_path):
 
 @pytest.mark.parametrize(
     "flags",
-    [["--tls-cert", "/nonexistent.pem"], ["--tls-client-ca", "ca.pem"], ["--auth-token", "has space"]],
+    [
+        ["--tls-cert", "/nonexistent.pem"],
+        ["--tls-client-ca", "ca.pem"],
+        ["--auth-token", "has space"],
+        ["--workers", "2", "--tls-cert", "/nonexistent.pem"],  # the supervisor checks before any worker starts
+        ["--workers", "2", "--auth-token", "has space"],
+    ],
 )
 def test_a_setup_that_cannot_serve_exits_2(flags):
     command = [sys.executable, "-m", "gateway_service.main", "--port", "0", "--log-format", "text", *flags]
