@@ -42,33 +42,13 @@ from executor_service.engine.request import Request, Status
 from executor_service.engine.scheduler import ScheduledStep, Scheduler
 from executor_service.models.attention_step import AttentionStep, block_table_tensor, cache_slot, to_device
 from executor_service.models.fused_ops import argmax
+from executor_service.runner.host_copy import HostCopy
 from executor_service.runner.model_runner import ModelRunner, StepInputs
 from executor_service.runner.step_constants import StepConstants
 from executor_service.sample.device_sampling import SamplingTensors, StepKeys
 from executor_service.sample.sampling import host_sort
 from executor_service.spec_decode.host_verify import NOT_A_DISTRIBUTION, NOT_FINITE, VerifyError
 from executor_service.spec_decode.verifier import DraftLayout, verify
-
-
-class HostCopy:
-    """A device tensor copied to pinned host memory behind the work that computes it (queued now, before the next
-    step's launch, so reading it waits for this step alone)."""
-
-    def __init__(self, values: torch.Tensor) -> None:
-        self.done: torch.cuda.Event | None = None
-        if values.is_cuda:
-            self.host = torch.empty(values.shape, dtype=values.dtype, pin_memory=True)
-            self.host.copy_(values, non_blocking=True)
-            self.done = torch.cuda.Event()
-            self.done.record()
-        else:
-            self.host = values
-
-    def values(self) -> list[int]:
-        """Waits for the device (CUDA event synchronize releases the GIL: the gRPC loop streams meanwhile)."""
-        if self.done is not None:
-            self.done.synchronize()
-        return self.host.tolist()
 
 
 @dataclass

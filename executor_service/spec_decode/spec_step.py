@@ -39,6 +39,7 @@ from executor_service.engine.request import Request
 from executor_service.models.attention_step import AttentionStep
 from executor_service.parallel.graphs import lockstep_for
 from executor_service.runner.cuda_graphs import StepGraphs
+from executor_service.runner.host_copy import HostCopy
 from executor_service.runner.model_runner import ModelRunner, StepInputs
 from executor_service.runner.step_constants import StepConstants
 from executor_service.sample.device_sampling import GREEDY, SamplingTensors, StepKeys, has_extras, sorts
@@ -116,27 +117,19 @@ class PendingStep:
         self.rows, self.width = rows, packed.shape[1]
         self.logprob_top = logprob_top if has_extras(self.sampling.variant) else 0
         self.logprob_width = rows * (1 + 2 * logprob_top) if self.logprob_top else 0
-        self.done: torch.cuda.Event | None = None
-        if packed.is_cuda:
-            self.host = torch.empty(packed.shape, dtype=packed.dtype, pin_memory=True)
-            self.host.copy_(packed, non_blocking=True)
-            self.done = torch.cuda.Event()
-            self.done.record()
-        else:
-            self.host = packed
+        self.readback = HostCopy(packed)
 
     def result(self) -> VerifiedStep:
-        """Waits for the device (CUDA event synchronize releases the GIL: the gRPC loop streams meanwhile)."""
-        if self.done is not None:
-            self.done.synchronize()
+        """Waits for the device (runner/host_copy.py)."""
+        host = self.readback.wait()
         end = self.width - self.logprob_width
-        per_request = self.host[:, :end].tolist()
+        per_request = host[:, :end].tolist()
         rows = self.rows
         return VerifiedStep(
             target_ids=[r[:rows] for r in per_request],
             accepted=[r[rows] for r in per_request],
             next_drafts=[r[rows + 1 :] for r in per_request],
-            logprobs=self.host[:, end:] if self.logprob_width else None,
+            logprobs=host[:, end:] if self.logprob_width else None,
             logprob_top=self.logprob_top,
             draft_q=self.draft_q,
         )
