@@ -57,9 +57,10 @@ def enabled(device: torch.device) -> bool:
     return _capable(device.index if device.index is not None else torch.cuda.current_device())
 
 
-def launch_options(device: torch.device) -> dict[str, Any]:
-    """The launch's keyword arguments: `launch_pdl` only where it is on (older Triton knows no such option)."""
-    return {"launch_pdl": True} if enabled(device) else {}
+def launch_options(on: bool) -> dict[str, Any]:
+    """The launch's keyword arguments for a kernel built with PDL `on` (`enabled`): `launch_pdl` only then (an
+    older Triton knows no such option)."""
+    return {"launch_pdl": True} if on else {}
 
 
 @triton.jit

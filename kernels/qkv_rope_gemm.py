@@ -147,7 +147,7 @@ def qkv_rope_store(
     res = residual if residual is not None else x
     q_norm, k_norm, head_eps = qk_norm if qk_norm is not None else (x, x, 0.0)
     q_strides = (q.stride(0), q.stride(1)) if num_q_heads else (head_size, head_size)
-    rows_per_program = block_m(rows, config)
+    rows_per_program, use_pdl = block_m(rows, config), pdl.enabled(x.device)
     block_half = max(16, triton.next_power_of_2(half))
     if config.gemv and qk_norm is None:  # a GEMV's program takes block_n columns of each half (the q/k norm
         block_half = min(block_half, config.block_n)  # needs the whole head in one program)
@@ -160,8 +160,8 @@ def qkv_rope_store(
         k_cache.stride(2), k_cache.shape[1],
         NUM_Q_HEADS=num_q_heads, NUM_KV_HEADS=num_kv_heads, HALF=half, NORM=norm_weight is not None,
         HAS_RESIDUAL=residual is not None, CONCAT=x2 is not x, HAS_BIAS=bias is not None,
-        QK_NORM=qk_norm is not None, PDL=pdl.enabled(x.device), GEMV=config.gemv, PRECISION=dot_precision(x.dtype),
+        QK_NORM=qk_norm is not None, PDL=use_pdl, GEMV=config.gemv, PRECISION=dot_precision(x.dtype),
         UPCAST=dot_upcast(x), BLOCK_M=rows_per_program, BLOCK_HALF=block_half,
-        BLOCK_K=config.block_k, num_warps=config.num_warps, **pdl.launch_options(x.device),
+        BLOCK_K=config.block_k, num_warps=config.num_warps, **pdl.launch_options(use_pdl),
     )  # fmt: skip
     return q, stream

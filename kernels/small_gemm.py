@@ -236,16 +236,16 @@ def small_gemm(
     stream = torch.empty_like(x) if residual is not None else x
     res = residual if residual is not None else x
     nw = norm_weight if norm_weight is not None else x
-    rows_per_program = block_m(rows, config)
+    rows_per_program, use_pdl = block_m(rows, config), pdl.enabled(x.device)
     grid = (triton.cdiv(rows, rows_per_program), triton.cdiv(n_out, config.block_n))
     _small_gemm_kernel[grid](
         x, res, stream, nw, x2, nw2, weight, bias if bias is not None else x, out,
         rows, n_out, k1, K, eps, n_out, x.stride(0), res.stride(0), stream.stride(0), x2.stride(0), weight.stride(0),
         out.stride(0), NORM=norm_weight is not None, HAS_RESIDUAL=residual is not None, CONCAT=x2 is not x,
-        HAS_BIAS=bias is not None, SILU_MUL=silu_mul, PDL=pdl.enabled(x.device), GEMV=config.gemv,
+        HAS_BIAS=bias is not None, SILU_MUL=silu_mul, PDL=use_pdl, GEMV=config.gemv,
         PRECISION=dot_precision(x.dtype), UPCAST=dot_upcast(x), BLOCK_M=rows_per_program, BLOCK_N=config.block_n,
         BLOCK_K=config.block_k,
-        num_warps=config.num_warps, **pdl.launch_options(x.device),
+        num_warps=config.num_warps, **pdl.launch_options(use_pdl),
     )  # fmt: skip
     return out, stream
 

@@ -292,7 +292,8 @@ def forward(
     if tree and not batch.causal:
         raise ValueError("TRITON_ATTN: a tree mask narrows causal attention")
     split_programs = min(cfg.num_splits, cfg.split_programs or cfg.num_splits)
-    use_pdl, launch = pdl.enabled(q.device), pdl.launch_options(q.device)
+    use_pdl = pdl.enabled(q.device)
+    launch = pdl.launch_options(use_pdl)
     _paged_attention_kernel[(num_tiles, num_heads // row_group, split_programs)](
         q, k_cache, v_cache, target, lse_arg,
         batch.block_table, batch.query_start_loc, batch.seq_lens, batch.tree_mask if tree else batch.seq_lens,

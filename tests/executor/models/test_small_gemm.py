@@ -255,7 +255,7 @@ def test_pdl_is_off_where_it_cannot_run(monkeypatch: pytest.MonkeyPatch) -> None
     from kernels import pdl
 
     assert not pdl.enabled(torch.device("cpu"))
-    assert pdl.launch_options(torch.device("cpu")) == {}
+    assert pdl.launch_options(pdl.enabled(torch.device("cpu"))) == {}
     monkeypatch.setenv(pdl.ENV, "0")
     assert not pdl.enabled(torch.device("cuda", 0))  # switched off before any device is asked about
 
