@@ -26,10 +26,12 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import cProfile
 import datetime as dt
 import itertools
 import json
 import platform
+import pstats
 import re
 import statistics
 import sys
@@ -122,14 +124,48 @@ class Collector:
         return sink
 
 
+class HostProfile:
+    """cProfile of the engine thread's own work between two steps' on_step calls (a profiler records only the
+    thread that enabled it, and on_step runs on the engine thread): where a decode step's host time goes."""
+
+    def __init__(self) -> None:
+        self.profile = cProfile.Profile()
+        self.state = "armed"  # armed -> running -> stopping -> done
+        self.steps = 0
+
+    def on_engine_step(self) -> None:
+        if self.state == "armed":
+            self.profile.enable()
+            self.state = "running"
+        elif self.state == "running":
+            self.steps += 1
+        elif self.state == "stopping":
+            self.profile.disable()
+            self.state = "done"
+
+    def top(self, count: int = 40) -> list[str]:
+        """The functions with the most own time, per profiled step (microseconds)."""
+        stats = pstats.Stats(self.profile)
+        rows = sorted(stats.stats.items(), key=lambda item: item[1][2], reverse=True)[:count]  # type: ignore[attr-defined]
+        per = max(self.steps, 1)
+        return [
+            f"{tt / per * 1e6:8.1f} us own {ct / per * 1e6:8.1f} us cum {nc / per:6.1f} calls  "
+            f"{Path(f).name}:{line} {name}"
+            for (f, line, name), (_, nc, tt, ct, _) in rows
+        ]
+
+
 @dataclass
 class StepLog:
     """The engine's on_step observer: (end time, tokens computed, tokens sampled, step seconds) per step."""
 
     steps: list[tuple[float, int, int, float]] = field(default_factory=list)
+    profiler: HostProfile | None = None
 
     def __call__(self, num_tokens: int, num_generated: int, seconds: float) -> None:
         self.steps.append((time.perf_counter(), num_tokens, num_generated, seconds))
+        if self.profiler is not None:
+            self.profiler.on_engine_step()
 
     def started_between(self, start: float, end: float) -> list[tuple[float, int, int, float]]:
         """Steps that began in [start, end]. The engine calls on_step after the step's sinks: wait for the step
@@ -241,13 +277,19 @@ def medians(runs: list[dict[str, Any]], keys: tuple[str, ...]) -> dict[str, Any]
 
 
 def decode1_both_ways(
-    session: ModelSession, prompts: list[list[int]], max_tokens: int, repeats: int, steps: StepLog
+    session: ModelSession,
+    prompts: list[list[int]],
+    max_tokens: int,
+    repeats: int,
+    steps: StepLog,
+    host_profile: bool = False,
 ) -> dict[str, Any]:
     """Batch-1 decode with the overlapped decode step on and off (Engine.overlap_decode, switched between runs of
     the one session): a warm-up run of each, then `repeats` of each, interleaved (on, off, on, off, ...) so that
     drift hits both; medians. The top-level figures are the configured mode's (--no-overlap-decode: off), which the
     ratios read. Each run also has the engine steps it took by path ("overlapped decode": launched before the
-    step before it was read back)."""
+    step before it was read back). `host_profile`: one more run in the configured mode under cProfile
+    (HostProfile)."""
     engine = session.engine
     configured = engine.overlap_decode
     modes = {"overlap_on": True, "overlap_off": False}
@@ -268,6 +310,16 @@ def decode1_both_ways(
                 runs[name].append(run(name, f"b1-{name}-r{index}"))
     finally:
         engine.overlap_decode = configured
+    host = None
+    if host_profile:
+        steps.profiler = HostProfile()
+        run_engine(session, prompts, max_tokens, "b1-host-profile", steps)
+        steps.profiler.state = "stopping"
+        run_engine(session, prompts, 2, "b1-host-profile-stop", steps)
+        host = {"steps": steps.profiler.steps, "top_own_time_per_step": steps.profiler.top()}
+        steps.profiler = None
+        lines = "\n  ".join(host["top_own_time_per_step"])
+        log(f"host profile of a batch-1 decode step (own time per step):\n  {lines}")
     both = {name: {**medians(found, DECODE1_KEYS), "runs": found} for name, found in runs.items()}
     on, off = both["overlap_on"]["tpot_ms_mean"], both["overlap_off"]["tpot_ms_mean"]
     return {
@@ -277,6 +329,7 @@ def decode1_both_ways(
         "tpot_ms_overlap_off": off,
         "overlap_speedup": round(off / on, 4) if on and off else None,  # serial tpot / overlapped tpot
         **both,
+        **({"host_profile": host} if host else {}),
     }
 
 
@@ -484,7 +537,8 @@ def measure_in_process(
     if "decode1" in args.sections:
         prompts = make_prompts(1, args.prompt_len, vocab, 1)
         report["decode_batch1"] = section(
-            "decode1", lambda: decode1_both_ways(session, prompts, args.decode_tokens, args.repeats, steps)
+            "decode1",
+            lambda: decode1_both_ways(session, prompts, args.decode_tokens, args.repeats, steps, args.host_profile),
         )
         save()
     if "batch" in args.sections:
@@ -860,6 +914,9 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--prefill-batches", help="comma-separated batch sizes of the prefill section")
     parser.add_argument("--repeats", type=int, help="timed runs per workload (after one warm-up run)")
     parser.add_argument("--copy-mib", type=int, help="copy bandwidth: MiB per copy")
+    parser.add_argument(
+        "--host-profile", action="store_true", help="decode1: one more run with cProfile on the engine thread"
+    )
     parser.add_argument("--sections", default=",".join(SECTIONS), help=f"subset of {','.join(SECTIONS)}")
     parser.add_argument("--out", default=str(REPO / "bench" / "results"), help="a directory, or a .json file path")
     args = parser.parse_args()
