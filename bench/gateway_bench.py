@@ -401,6 +401,11 @@ def measure(args: argparse.Namespace, executor: Any, gateway: Any, workdir: Path
             client.close()
     reference = tokens[next(i for i, r in enumerate(rounds) if r["path"] == "direct")]
     differing = sorted({i for got in tokens for i, stream in enumerate(got) if stream != reference[i]})
+    where_differing = {  # which rounds (and paths) gave a differing stream: batch effects show on both paths
+        i: [f"{r['round']}:{r['path']}" for r, got in zip(rounds, tokens, strict=True) if got[i] != reference[i]]
+        for i in differing
+    }
+    direct_varies = sorted(i for i, where in where_differing.items() if any(w.endswith("direct") for w in where))
     by_path = {p: [r for r in rounds if r["path"] == p] for p in ("direct", "gateway")}
     tps = {p: spread([r["tokens_per_s"] for r in rs]) for p, rs in by_path.items()}
     ttft = {p: spread([r["ttft_p50_ms"] for r in rs]) for p, rs in by_path.items()}
@@ -437,6 +442,11 @@ def measure(args: argparse.Namespace, executor: Any, gateway: Any, workdir: Path
         "streams": args.streams,
         "streams_checked": args.streams * len(rounds),
         "streams_with_tokens_differing_from_direct": differing,
+        "rounds_where_differing": where_differing,
+        # streams whose direct rounds disagree among themselves: the executor's run-to-run variance (bf16 GEMMs
+        # pick kernels by row count, so a request prefilled alone or beside another rounds differently), not the
+        # gateway's
+        "streams_differing_between_direct_rounds": direct_varies,
         "tokens_equal": not differing,
         "bars": {"throughput_ratio_min": 0.95, "ttft_p50_overhead_ms_max": 5.0},
         "met": {  # both estimates of the ratio: the medians' ratio and the median of the rounds' ratios
