@@ -33,7 +33,10 @@ loser's price: at high batch a speculative step can cost several plain ones), an
 (MAX_REFRESH_STEPS) for a candidate that could not win with every draft accepted (`batch x (1 + num_steps)` over its
 measured time below the incumbent's expected throughput and its margin), unless that candidate is k = 0 priced at or
 above the drafting incumbent: the least work a step does cannot cost more, so its samples met a stall, and it is
-checked at its refresh interval and measured afresh (`_doubted`). The choice is a function of these
+checked at its refresh interval and measured afresh (`_doubted`). A drafting k whose measured acceptance adds too
+few tokens to win anywhere is not tested at a bucket that never measured it (`_hopeless`; a bucket a round passes
+through once would pay a speculative step in every round), and a test the batch left for more than
+MAX_EXPLORE_STEPS steps elsewhere is dropped, to be retried later. The choice is a function of these
 measurements and the step count alone (deterministic given the costs), and it changes no token: greedy
 verification is exact whatever k.
 """
@@ -101,6 +104,7 @@ class Exploration:
     num_draft_tokens: int
     until_samples: int
     steps_left: int
+    last_plan: int  # AdaptiveK.total_plans at its latest step: a test left for long elsewhere is dropped
 
 
 class AdaptiveK:
@@ -119,6 +123,7 @@ class AdaptiveK:
         self.configured = configured if configured is not None else self.candidates[-1]
         self.costs: dict[int, dict[int, StepCost]] = {}  # bucket -> k -> cost
         self.plans: Counter[int] = Counter()  # bucket -> steps planned there
+        self.total_plans = 0
         self.chosen: Counter[int] = Counter()  # k -> steps planned with it (stats and metrics)
         self.last_planned: int | None = None  # the latest plan's num_draft_tokens (the speculative_k metric)
         self.observer: PlanObserver | None = None
@@ -200,6 +205,7 @@ class AdaptiveK:
         """The k of the next step for `batch` requests: a candidate under test, else the best measured one."""
         bucket = self.bucket(batch)
         self.plans[bucket] += 1
+        self.total_plans += 1
         k = self._explore(bucket)
         if k is None:
             k = self._best(batch, bucket)
@@ -219,8 +225,10 @@ class AdaptiveK:
         exploring = self._exploring.get(bucket)
         if exploring is not None:
             cost = table.get(exploring.num_draft_tokens)
-            if (cost.samples if cost else 0) < exploring.until_samples and exploring.steps_left > 0:
+            away = self.total_plans - 1 - exploring.last_plan > MAX_EXPLORE_STEPS  # batches passing through
+            if (cost.samples if cost else 0) < exploring.until_samples and exploring.steps_left > 0 and not away:
                 exploring.steps_left -= 1
+                exploring.last_plan = self.total_plans
                 return exploring.num_draft_tokens
             del self._exploring[bucket]
             if (cost.samples if cost else 0) < exploring.until_samples:  # no steady step came: not before a while
@@ -230,6 +238,9 @@ class AdaptiveK:
             cost = table.get(k)
             samples = cost.samples if cost is not None else 0
             if self.plans[bucket] < self._retry_at.get((bucket, k), 0):
+                continue
+            if samples < MIN_SAMPLES and self._hopeless(k):  # tried now and then, in case the traffic changed
+                self._retry_at[bucket, k] = self.plans[bucket] + MAX_REFRESH_STEPS
                 continue
             stale = (
                 cost is not None
@@ -242,9 +253,18 @@ class AdaptiveK:
                     cost.measured_at = self.plans[bucket]  # tried now: not stale again before its interval
                 afresh = samples < MIN_SAMPLES or (cost is not None and self._doubted(bucket, k, cost))
                 wanted = samples + (MIN_SAMPLES if afresh else 1)
-                self._exploring[bucket] = Exploration(k, wanted, MAX_EXPLORE_STEPS - 1)
+                self._exploring[bucket] = Exploration(k, wanted, MAX_EXPLORE_STEPS - 1, self.total_plans)
                 return k
         return None
+
+    def _hopeless(self, num_draft_tokens: int) -> bool:
+        """Whether the measured acceptance says a drafting k adds too few tokens to win anywhere: a speculative step
+        costs at least a k = 0 step (the same target pass, more rows, and the drafter's), so k cannot beat it by
+        HYSTERESIS unless it makes that many more tokens a step. Such a k is not tested at a bucket that never
+        measured it (a batch size a round passes through once: the H200 paid a 23 ms step for a 7 ms one in every
+        round); where it is measured, its checks keep the acceptance current."""
+        observed = self._tried[1] > 0
+        return num_draft_tokens > 0 and observed and self.expected_tokens(num_draft_tokens) < 1 + HYSTERESIS
 
     def _interval(self, bucket: int, num_draft_tokens: int, cost: StepCost) -> int:
         """Plans at the bucket between checks of a measured candidate the bucket does not exploit, never fewer
@@ -301,8 +321,8 @@ class AdaptiveK:
     def _best(self, batch: int, bucket: int) -> int:
         best = self._best_measured(bucket)
         current = self._current.get(bucket)
-        if best is None:
-            best = self.configured
+        if best is None:  # nothing measured here yet: the configured k, unless the acceptance rules drafting out
+            best = 0 if 0 in self.num_steps and self._hopeless(self.configured) else self.configured
         elif current is not None and current != best and current in self.costs[bucket]:
             kept, other = self.throughput(batch, current), self.throughput(batch, best)
             if kept is not None and other is not None and other < kept * (1 + HYSTERESIS):
@@ -315,7 +335,7 @@ class AdaptiveK:
         server that has served such batches a while knows (benchmarks warm up until then)."""
         bucket = self.bucket(batch)
         table = self.costs.get(bucket, {})
-        compared = all(k in table and table[k].samples >= MIN_SAMPLES for k in self.candidates)
+        compared = all((k in table and table[k].samples >= MIN_SAMPLES) or self._hopeless(k) for k in self.candidates)
         return compared and bucket not in self._exploring
 
     def describe(self) -> dict[str, object]:

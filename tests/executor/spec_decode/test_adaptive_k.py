@@ -317,3 +317,49 @@ def test_the_stall_check_fails_on_a_k0_price_taken_at_its_word(monkeypatch: pyte
     monkeypatch.setattr(AdaptiveK, "_doubted", lambda self, bucket, k, cost: False)
     chosen = after_a_stall(AdaptiveK((0, K), configured=K), 4 * REFRESH_STEPS)
     assert chosen[-REFRESH_STEPS:] == [K] * REFRESH_STEPS
+
+
+# ---- a round that passes through a second bucket (bench/specdec_bench.py's batch 128 on the H200) -------------
+# 128 requests arrive together; the first step prefills 64 of them, the second prefills the rest while the first
+# 64 decode (a step at bucket 64), then every step decodes all 128. The H200's costs of 2026-11-28 (8B shape).
+RAMP_COSTS = {
+    64: {0: (0.0055, 0.0004), K: (0.0220, 0.0090)},
+    128: {0: (0.0065, 0.0005), K: (0.0160, 0.0068)},
+}
+
+
+def ramped_round(model: AdaptiveK, accepted: int, steps: int = 63) -> list[int]:
+    """One round: a decode step at batch 64, then `steps` at batch 128 (each verifying the step before's plan)."""
+    chosen, verifying = [], 0
+    for batch in [64] + [128] * steps:
+        k = model.plan(batch)
+        chosen.append(k)
+        costs = RAMP_COSTS[batch]
+        if verifying == k:
+            model.record(batch, k, costs[verifying][0] + costs[k][1])
+        if verifying:
+            model.observe_verify([verifying] * batch, [min(accepted, verifying)] * batch)
+        verifying = k
+    return chosen
+
+
+def test_an_always_wrong_drafter_is_not_tried_at_each_rounds_passing_bucket() -> None:
+    """The H200 ran one k = 7 step in every timed round at batch 128 (a 23 ms step for a 7 ms one): the round's
+    single step at bucket 64 kept a test of k = 7 going there, a step a round. Drafts the measured acceptance says
+    add nothing are not tried at a bucket that never measured them, and a test left for many steps elsewhere is
+    dropped."""
+    model = AdaptiveK((0, K), configured=K)
+    for _ in range(4):  # untimed rounds: k = 7 measured at bucket 128, acceptance 0
+        ramped_round(model, accepted=0)
+    timed = [ramped_round(model, accepted=0) for _ in range(3)]
+    assert all(chosen[0] == 0 for chosen in timed)
+    assert sum(chosen.count(K) for chosen in timed) <= adaptive_k.CHECK_STEPS  # at most bucket 128's own check
+
+
+def test_a_right_drafter_is_still_tried_at_a_new_bucket() -> None:
+    """Negative control: with every draft accepted, k = 7 is tried at bucket 64 and kept there; the test of k = 0
+    that a single step a round cannot finish is dropped instead of costing a step in each round."""
+    model = AdaptiveK((0, K), configured=K)
+    rounds = [ramped_round(model, accepted=K) for _ in range(8)]
+    assert rounds[0][0] == K  # tried at bucket 64 (acceptance not yet observed)
+    assert all(chosen == [K] * len(chosen) for chosen in rounds[-3:])  # no test of k = 0 there in every round
