@@ -452,6 +452,8 @@ def pass_counts(session: ModelSession) -> Counter[str]:
         counts.update(session.proposer.pass_counts)
     if session.engine.deferred is not None:  # k = 0 steps that held the drafter's context, and its flushes
         counts.update({f"drafter context {name}": n for name, n in session.engine.deferred.counts.items()})
+    # the engine's steps by path: "overlapped decode" (launched before the step before was read back), "host"...
+    counts.update({f"engine {name}": n for name, n in session.engine.step_counts.items()})
     return counts
 
 
