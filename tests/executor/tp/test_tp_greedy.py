@@ -44,8 +44,9 @@ def run_tp_with_replays(tp: int, *args: str) -> tuple[dict[str, dict[str, list[i
 
 
 def run_tp_printed(tp: int, *args: str) -> tuple[dict[str, Any], dict[str, Any], dict[str, Any]]:
-    """Each method's tokens, graph replays and acceptance (tp_greedy_run.acceptance) at TP `tp`; every rank stops
-    with no graph held (NCCL's teardown waits on graphs that captured its collectives: launcher.release_graphs)."""
+    """Each method's tokens, graph replays and acceptance (engine_driving.Outputs.acceptance) at TP `tp`; every
+    rank stops with no graph held (NCCL's teardown waits on graphs that captured its collectives:
+    launcher.release_graphs)."""
     run = subprocess.run(
         [sys.executable, str(RUN), "--tp", str(tp), *args],
         cwd=REPO,

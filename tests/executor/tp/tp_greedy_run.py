@@ -151,16 +151,6 @@ def graph_replays(session: ModelSession) -> dict[str, int]:
     return dict(counts)
 
 
-def acceptance(outputs: Outputs) -> dict[str, int]:
-    """Drafts verified and accepted, and verify steps, over every request (their finishes' totals)."""
-    finishes = [outs[-1].finish for outs in outputs.by_id.values() if outs and outs[-1].finish]
-    return {
-        "drafted": sum(f.drafted_tokens for f in finishes),
-        "accepted": sum(f.accepted_tokens for f in finishes),
-        "verify_steps": sum(f.verify_steps for f in finishes),
-    }
-
-
 def select_forced(
     request: executor_pb2.LoadModelRequest,
     source: TargetSource,
@@ -191,7 +181,7 @@ def greedy_outputs(
     """Each prompt's greedy tokens, all prompts in one engine (batched, prefill chunked at 32 tokens); fp32,
     eager unless `graphs` (CUDA graphs; on the CPU, capture_cpu_graphs). `replays`: gets graph_replays. `echo`:
     the drafter drafts the request's newest token (EchoDrafts: always right where ECHOING_TARGET_ENV makes the
-    target echo). `accepted`: gets `acceptance`."""
+    target echo). `accepted`: gets Outputs.acceptance."""
     request = load_request(method, checkpoint)
     source = resolve_target(request.target, checkpoint.parent if checkpoint else None, "target")
     draft = resolve_draft(request.draft, source.config, None) if request.HasField("draft") else None
@@ -217,7 +207,7 @@ def greedy_outputs(
         if replays is not None:
             replays[method] = graph_replays(session)
         if accepted is not None:
-            accepted[method] = acceptance(outputs)
+            accepted[method] = outputs.acceptance()
     finally:
         session.shutdown()
     return {f"r{i}": outputs.tokens(f"r{i}") for i in range(len(PROMPTS))}
