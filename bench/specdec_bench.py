@@ -21,10 +21,11 @@
     untimed one (adaptive speculation measures its costs there, as a warm server has: an adaptive configuration
     reruns it until every candidate is measured at the batch, `AdaptiveK.measured`, `adaptive_warm_up_runs`), for
     each --e2e-methods drafter as it drafts (the synthetic drafter: acceptance ~0) and drafting the target's own
-    next tokens (every draft accepted); only this part runs. The target's weights are made to echo
-    (`echoing_target`): its greedy next token is its newest, by a margin no rounding reaches, so the always-right
-    drafter stays right whatever k each step takes (a random target's tokens depend on the step's shape in bf16:
-    see `echoing_target`), and every run's tokens must equal target-only's (`mismatched_requests`).
+    next tokens (every draft accepted, `EchoDrafts`); only this part runs. The target's weights are made to echo
+    (`echoing_target`, models/weights.py): its greedy next token is its newest, by a margin no rounding reaches, so
+    the always-right drafter stays right whatever k each step takes (a random target's tokens depend on the step's
+    shape in bf16: see `echoing_target`), and every run's tokens must equal target-only's (`mismatched_requests`).
+    bench/tp_bench.py --drafts always-right runs the same pair under tensor parallelism.
 
     python bench/specdec_bench.py --out bench/results            # H100: synthetic Llama-3-8B, bf16
     python bench/specdec_bench.py --preset tiny --device cpu --backend CPU_ATTN   # a smoke run of the script
@@ -67,13 +68,14 @@ from common import (  # noqa: E402
     versions,
     write_result,
 )
-from spec_builders import ReplayDrafts  # noqa: E402
+from spec_builders import EchoDrafts, ReplayDrafts  # noqa: E402
 from tree_passes import breadth_first_tree, measure_tree_verify  # noqa: E402
 
 from executor_service.engine.request import RequestOutput  # noqa: E402
 from executor_service.errors import EngineError  # noqa: E402
 from executor_service.models.draft_config import METHOD_ENUMS  # noqa: E402
 from executor_service.models.loader import LoadedModel, build_synthetic  # noqa: E402
+from executor_service.models.weights import echoing_target  # noqa: E402
 from executor_service.sample.sampling import SamplingSettings  # noqa: E402
 from executor_service.server.drafting import resolve_draft  # noqa: E402
 from executor_service.server.session import EngineSettings, ModelSession, build_session  # noqa: E402
@@ -609,40 +611,7 @@ def tree_step_call(session: ModelSession, args: argparse.Namespace) -> Any:
 
 
 # ---- (d) adaptive speculation at high batch ----------------------------------------------------------------------
-ECHO_EMBEDDING_SCALE = 4.0  # the token's embedding over the layers' sum in the residual stream (both ~N(0, 1) each)
-
-
-@torch.no_grad()
-def echoing_target(model: torch.nn.Module) -> None:
-    """Make a synthetic target's greedy next token its newest token, ahead of the runner-up by tens of logits: the
-    embeddings grow (the residual stream is mostly the newest token's) and the LM head is the embedding over
-    sqrt(hidden) (the token's own logit ~sqrt(hidden), another's ~N(0, 1)). Shapes, kernels and cost are
-    unchanged (values never change a pass's cost); the synthetic drafters' own heads and layers still draft
-    other tokens (acceptance ~0).
-
-    Why: a random target's greedy choice hinges on near ties (128k logits), and bf16 rounding decides them
-    differently per step shape (a decode step against a verify pass of k + 1 rows, a graph against eager; on the
-    H100 the synthetic drafter's batch-16 run kept only 2 of 16 requests identical to target-only's, ~37 common
-    tokens of 128). A script replayed from a fixed-k run then goes wrong for a request from its first flip on
-    (the drafts continue a text it no longer has) as soon as adaptive speculation changes k; adaptive, seeing
-    acceptance ~0, chose k = 0, which flips more: the 2026-11-28 H100 run of (d) measured acceptance 0.012 per
-    depth and batch-64 requests finishing apart for the drafter that was right at fixed k (2.04x there)."""
-    embed = model.embed_tokens.weight
-    if model.lm_head.weight is not embed:  # untied: the head echoes the embedding
-        model.lm_head.weight.copy_(embed * embed.shape[1] ** -0.5)
-    embed.mul_(ECHO_EMBEDDING_SCALE)  # tied: the head grows with it (a larger margin, the same argmax)
-
-
 WARM_UP_RUNS = 8  # at most, per adaptive configuration and batch (a candidate never measured stops it)
-
-
-class EchoDrafts:
-    """(d)'s always-right drafter over `echoing_target`: every draft is the request's newest token (replayed as a
-    test drafter's: proposer.replay)."""
-
-    def __call__(self, request: Any, drafts: list[int]) -> list[int]:
-        newest = request.output_ids[-1] if request.output_ids else request.prompt_ids[-1]
-        return [newest] * len(drafts)
 
 
 def measure_adaptive(sessions: dict[str, ModelSession], args: argparse.Namespace, preset: dict[str, Any]) -> dict:

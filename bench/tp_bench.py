@@ -12,7 +12,16 @@ step spent in collectives (a profiled short burst's decode steps, on every rank:
 kernels' on the GPU, kernel against wall time, the costliest kernels; the collectives' wall time on the CPU),
 and whether the tokens equal the first size's, with where they first differ
 (bf16 sums round differently across ranks, so a near tie may differ; fp32 matches). The synthetic drafter accepts
-next to nothing, so the speculative rows give the cost of verify steps with k drafts at each size, not a speedup.
+next to nothing, so by default the speculative rows give the cost of verify steps with k drafts at each size.
+
+--drafts always-right measures the speedup instead (issue 33's bar: the speculative speedup at TP N over TP N's
+target-only, divided by TP 1's, at least 0.9): every rank's target echoes its newest token
+(SPECDEC_BENCH_ECHOING_TARGET, set for the size's process before it starts the other ranks:
+models/weights.echoing_target), and rank 0's drafter drafts that token (spec_builders.EchoDrafts), so every draft
+is accepted (k + 1 tokens a verify step) and the speculative tokens must equal target-only's at each size
+(`mismatched_requests`). The report's `speedups` has per size and method the decode-phase speedup, TP 1's, their
+ratio and whether the bar is met. Scripted drafts keep the engine from launching a speculative step before the last
+one is read back (engine.py, `_launch_following`), so the speedup is a lower bound at every size.
 
 Each size runs under --size-timeout seconds; the result file is written again after each size, so a run cut
 short keeps what it measured (a size that failed or ran out of time is recorded with its error).
@@ -20,6 +29,7 @@ short keeps what it measured (a size that failed or ran out of time is recorded 
     python bench/tp_bench.py --out bench/results              # GPUs: llama3-8b, bf16, TP 1,2,4 (as many as fit)
     python bench/tp_bench.py --tiny --out /tmp                # a CPU smoke run (gloo), TP 1,2
     python bench/tp_bench.py --tp-sizes 1,1g --graphs --out /tmp  # one GPU: plain vs a group of one rank
+    python bench/tp_bench.py --graphs --batch 1 --drafts always-right --out bench/results   # issue 33's EAGLE-3 bar
 """
 
 from __future__ import annotations
@@ -43,10 +53,12 @@ for _path in (REPO, REPO / "bench", REPO / "protos", REPO / "tests" / "executor"
 import torch  # noqa: E402
 from common import PRESETS, commit_id, default_dtype, log, make_prompts, versions, write_result  # noqa: E402
 from engine_driving import Outputs  # noqa: E402
+from spec_builders import EchoDrafts  # noqa: E402
 from specdec_bench import draft_request, target_request  # noqa: E402
 
 from executor_service.engine.kv_cache import blocks_needed  # noqa: E402
 from executor_service.engine.request import RequestOutput  # noqa: E402
+from executor_service.models.model_loading import ECHOING_TARGET_ENV  # noqa: E402
 from executor_service.parallel.all_reduce import CHOICES as ALL_REDUCE_CHOICES  # noqa: E402
 from executor_service.parallel.all_reduce import ENV as ALL_REDUCE_ENV  # noqa: E402
 from executor_service.parallel.state import get_tp_group  # noqa: E402
@@ -60,6 +72,7 @@ from specdec.v1 import common_pb2  # noqa: E402
 DEFAULTS = {"preset": "llama3-8b", "device": "cuda", "backend": "TRITON_ATTN", "method": "eagle3", "tp_sizes": "1,2,4",
             "batch": 32, "prompt_len": 128, "decode_tokens": 128}  # fmt: skip
 PROFILED_TOKENS = 16  # the profiled burst's tokens per request (its steps give the collectives' share)
+SPEEDUP_BAR = 0.9  # issue 33: the speculative speedup at TP N over TP 1's, with every draft accepted
 TINY = {"preset": "tiny", "device": "cpu", "backend": "CPU_ATTN", "method": "eagle3", "tp_sizes": "1,2", "batch": 4,
         "prompt_len": 16, "decode_tokens": 8}  # fmt: skip
 
@@ -82,6 +95,8 @@ def burst(args: argparse.Namespace, method: str) -> dict[str, Any]:
         source, request, decision, torch.device(args.device), settings, start=False, draft=draft,
         draft_decision=decision if draft is not None else None,
     )  # fmt: skip
+    if session.proposer is not None and args.drafts == "always-right":  # rank 0 drafts for every rank
+        session.proposer.replay = EchoDrafts()
     try:
         run_burst(session, args, args.decode_tokens, seed=0)  # untimed: warm-up
         runs = []  # --repeats timed bursts of the same prompts; the figures are the median decode rate's run
@@ -96,8 +111,7 @@ def burst(args: argparse.Namespace, method: str) -> dict[str, Any]:
             len(runs) // 2
         ]
         tokens = [outputs.tokens(f"r{i}") for i in range(args.batch)]
-        drafted = sum(o.num_drafted for outs in outputs.by_id.values() for o in outs)
-        accepted = sum(o.num_accepted for outs in outputs.by_id.values() for o in outs)
+        verified = outputs.acceptance()
         figures = {"seconds": round(seconds, 3), "output_tokens_per_s": round(sum(map(len, tokens)) / seconds, 1)}
         figures.update(steps=steps, step_ms=round(1000 * seconds / max(steps, 1), 3))
         figures.update(decode, decode_tokens_per_s_runs=rates)
@@ -105,7 +119,9 @@ def burst(args: argparse.Namespace, method: str) -> dict[str, Any]:
             [run[2].tokens(f"r{i}") for i in range(args.batch)] == tokens for run in runs
         )
         figures.update(collectives=collective_share(session, args))
-        figures.update(drafted=drafted, accepted=accepted, replays=step_replays(session), tokens=tokens)
+        figures.update(verified, replays=step_replays(session), tokens=tokens)
+        if verified["verify_steps"]:  # tokens a verify step: k + 1 when every draft is accepted
+            figures["mean_acceptance_length"] = round(1 + verified["accepted"] / verified["verify_steps"], 3)
         return figures
     finally:
         session.shutdown()
@@ -279,6 +295,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "under each (auto, nccl, one-shot): the all-reduces compared in one run",
     )
     parser.add_argument("--graphs", action="store_true", help="CUDA graphs at every size (default: eager)")
+    parser.add_argument(
+        "--drafts",
+        choices=["synthetic", "always-right"],
+        default="synthetic",
+        help="synthetic: the drafter's own (acceptance ~0: the step's cost); always-right: an echoing target and "
+        "drafts of its newest token (every draft accepted: the speedup and issue 33's bar)",
+    )
     parser.add_argument("--batch", type=int)
     parser.add_argument("--repeats", type=int, default=3, help="timed bursts per size and method (median reported)")
     parser.add_argument("--prompt-len", type=int)
@@ -315,15 +338,17 @@ def main(argv: list[str] | None = None) -> int:
     rows: dict[str, Any] = {}
     own = sys.argv[1:] if argv is None else argv
     env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
+    if args.drafts == "always-right":  # every rank's target echoes (the sizes' processes and their followers)
+        env[ECHOING_TARGET_ENV] = "1"
     commit, dirty = commit_id()
-    keys = ("preset", "backend", "method", "batch", "prompt_len", "decode_tokens", "graphs")
+    keys = ("preset", "backend", "method", "drafts", "batch", "prompt_len", "decode_tokens", "graphs")
     report = {"commit": commit, "dirty": dirty, "versions": versions(), "workload": {k: getattr(args, k) for k in keys}}
     failed = False
     reference: dict[str, Any] | None = None
     runs = [(size, choice) for size in sizes for choice in (args.all_reduce if size not in ("1", "1g") else [""])]
     for size, choice in runs:
         key = f"{size}:{choice}" if choice and len(args.all_reduce) > 1 else size
-        log(f"TP {key}: loading and timing ({args.preset}, {args.method}, graphs {args.graphs})")
+        log(f"TP {key}: loading and timing ({args.preset}, {args.method}, {args.drafts} drafts, graphs {args.graphs})")
         child_args = ["--tp-size", size.removesuffix("g")] + (["--group"] if size == "1g" else [])
         child_env = {**env, ALL_REDUCE_ENV: choice} if choice else env
         result = run_child([sys.executable, __file__, *own, *child_args], child_env, args.size_timeout)
@@ -333,10 +358,11 @@ def main(argv: list[str] | None = None) -> int:
         else:
             reference = reference or result
             rows[key] = compare(result, reference)
-            show(key, rows[key])
+            show(key, rows[key], speedups(rows, args.drafts).get(key, {}))
         report["tp"] = {s: {m: {k: v for k, v in f.items() if k != "tokens"} if isinstance(f, dict) else f
                             for m, f in methods.items()} for s, methods in rows.items()}  # fmt: skip
         report["ratios"] = ratios(rows)
+        report["speedups"] = speedups(rows, args.drafts)
         write_result(args.out, "tp", device, commit, report)  # after each size: a run cut short keeps it
     return 1 if failed else 0
 
@@ -356,11 +382,15 @@ def run_child(command: list[str], env: dict[str, str], timeout: float) -> dict[s
 
 
 def compare(methods: dict[str, Any], reference: dict[str, Any]) -> dict[str, Any]:
-    """Each method's figures with identical_to_first and first_divergence against the first size's tokens."""
+    """Each method's figures with identical_to_first and first_divergence against the first size's tokens, and
+    (drafters) mismatched_requests: the requests whose tokens differ from target-only's at the same size."""
     for method, figures in methods.items():
         theirs = reference[method]["tokens"]
         figures["identical_to_first"] = figures["tokens"] == theirs
         figures["first_divergence"] = first_divergence(figures["tokens"], theirs)
+        if method != "none" and "none" in methods:
+            pairs = zip(figures["tokens"], methods["none"]["tokens"], strict=True)
+            figures["mismatched_requests"] = sum(mine != plain for mine, plain in pairs)
     return methods
 
 
@@ -380,7 +410,33 @@ def ratios(rows: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
-def show(size: str, methods: dict[str, Any]) -> None:
+def speedups(rows: dict[str, Any], drafts: str) -> dict[str, Any]:
+    """Per size and drafter: its decode-phase tokens/s over target-only's at that size (`speedup`; the burst's,
+    prefill included, beside), and that speedup over TP 1's (`over_tp1`). With always-right drafts, issue 33's bar:
+    over_tp1 >= SPEEDUP_BAR at every size above 1, with the tokens equal to target-only's."""
+    out: dict[str, Any] = {}
+    for key, methods in rows.items():
+        plain = methods.get("none", {})
+        for method, figures in methods.items():
+            if method == "none" or not figures.get("decode_tokens_per_s") or not plain.get("decode_tokens_per_s"):
+                continue
+            entry = {
+                "speedup": round(figures["decode_tokens_per_s"] / plain["decode_tokens_per_s"], 3),
+                "burst_speedup": round(figures["output_tokens_per_s"] / plain["output_tokens_per_s"], 3),
+                "mean_acceptance_length": figures.get("mean_acceptance_length"),
+                "mismatched_requests": figures.get("mismatched_requests"),
+            }
+            base = out.get("1", {}).get(method)
+            if key != "1" and base is not None:
+                entry["over_tp1"] = round(entry["speedup"] / base["speedup"], 3)
+                if drafts == "always-right":
+                    entry["bar"] = SPEEDUP_BAR
+                    entry["bar_met"] = entry["over_tp1"] >= SPEEDUP_BAR and entry["mismatched_requests"] == 0
+            out.setdefault(key, {})[method] = entry
+    return out
+
+
+def show(size: str, methods: dict[str, Any], speedup: dict[str, Any]) -> None:
     log(f"{'TP':>6} {'method':>8} {'tokens/s':>10} {'decode/s':>10} {'step ms':>8} {'coll %':>7} {'accepted':>9} "
         f"{'replays':>8}  same  (all-reduce: {next(iter(methods.values())).get('all_reduce')})")  # fmt: skip
     for method, figures in methods.items():
@@ -392,6 +448,12 @@ def show(size: str, methods: dict[str, Any]) -> None:
         same = "yes" if divergence is None else f"no (from token {divergence['first_position']})"
         log(f"{size:>6} {method:>8} {figures['output_tokens_per_s']:>10} {figures.get('decode_tokens_per_s')!s:>10} "
             f"{figures.get('decode_step_ms')!s:>8} {share_text:>7} {accepted:>9} {replays:>8}  {same}")  # fmt: skip
+    for method, entry in speedup.items():
+        against = f"; {entry['over_tp1']} of TP 1's" if "over_tp1" in entry else ""
+        bar = f" (bar >= {entry['bar']}: {'met' if entry['bar_met'] else 'missed'})" if "bar" in entry else ""
+        log(f"{size:>6} {method:>8} speedup over target-only {entry['speedup']}x (burst {entry['burst_speedup']}x), "
+            f"{entry['mean_acceptance_length']} tokens a verify step, {entry['mismatched_requests']} requests unlike "
+            f"target-only's{against}{bar}")  # fmt: skip
 
 
 if __name__ == "__main__":

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Tensor parallelism on a 4-GPU host (issue 33), in one call of under 9 minutes; everything goes to $OUT.
+# Tensor parallelism on a 2- or 4-GPU host (issue 33), in one call of under 9 minutes; everything goes to $OUT.
 #   OUT=/tmp/out bash scripts/gpu_tp_check.sh            # all steps, in this order, within BUDGET_S (530 s)
 #   OUT=/tmp/out bash scripts/gpu_tp_check.sh tests,b1   # some of them
 # Steps:
@@ -10,8 +10,13 @@
 #            sums at 2 and 4 GPUs): $OUT/tp_gpu_tests_1.log
 #   b32      tp_bench --graphs, 8B shape bf16, batch 32, target-only and EAGLE-3, each TP > 1 under every
 #            ALL_REDUCE choice (default auto,nccl): $OUT/b32/tp_*.json
-#   b1       tp_bench --graphs, batch 1 (decode latency: decode_step_ms), target-only and EAGLE-3: $OUT/b1/tp_*.json
+#   b1       tp_bench --graphs, batch 1 (decode latency: decode_step_ms), target-only and EAGLE-3, 128 tokens a request
+#            (DECODE_TOKENS_B1): $OUT/b1/tp_*.json
 #   tests2   test_tp_gpu.py again (the issue asks for two passes in a row): $OUT/tp_gpu_tests_2.log
+# Both bench steps run EAGLE-3 with --drafts always-right (DRAFTS; `synthetic` for the step's cost alone): the target
+# echoes on every rank and every draft is accepted, so the logs' "speedup over target-only" lines give issue 33's
+# EAGLE-3 bar (that speedup at TP N over TP 1's >= 0.9, with 0 requests unlike target-only's; the JSON's `speedups`).
+# The echoing weights leave the target-only figures' cost as it was (values never change a pass's cost).
 # Output stays under the device tool's 8 files: info.txt, two test logs, two bench logs and their JSON files.
 # Each step has a cap (nccl 45 s, tests 260 s (TESTS_CAP_S), b32 330 s, b1 200 s) and gets at most what is left of BUDGET_S, so
 # tests2 may be squeezed: if its log says it ran out, run `... gpu_tp_check.sh tests2` in a second call. A step cut
@@ -47,10 +52,11 @@ nvidia-smi --query-gpu=name,memory.used,memory.total --format=csv | tee "$out/in
 nvidia-smi topo -m >> "$out/info.txt" 2>&1
 python3 -c "import torch; print('torch', torch.__version__, 'nccl', torch.cuda.nccl.version())" | tee -a "$out/info.txt"
 
-bench() {  # bench NAME BATCH CAP
-  timeout -s USR1 -k 15 "$(left "$3")" python3 bench/tp_bench.py --graphs --batch "$2" --decode-tokens "${DECODE_TOKENS:-64}" \
-    --method eagle3 --tp-sizes "${TP_SIZES:-1,2,4}" --all-reduce "${4:-auto}" --repeats "${REPEATS:-3}" \
-    --size-timeout "${SIZE_TIMEOUT_S:-75}" --out "$out/$1" 2>&1 | grep -v "Warning\|return func" | tee "$out/$1.log"
+bench() {  # bench NAME BATCH CAP ALL_REDUCE DECODE_TOKENS
+  timeout -s USR1 -k 15 "$(left "$3")" python3 bench/tp_bench.py --graphs --batch "$2" --decode-tokens "$5" \
+    --method eagle3 --drafts "${DRAFTS:-always-right}" --tp-sizes "${TP_SIZES:-1,2,4}" --all-reduce "${4:-auto}" \
+    --repeats "${REPEATS:-3}" --size-timeout "${SIZE_TIMEOUT_S:-75}" --out "$out/$1" 2>&1 \
+    | grep -v "Warning\|return func" | tee "$out/$1.log"
 }
 
 for step in ${steps//,/ }; do
@@ -63,8 +69,8 @@ for step in ${steps//,/ }; do
       n=$([[ $step == tests ]] && echo 1 || echo 2)
       SPECDEC_TP_TEST_TIMEOUT_S=90 timeout -s USR1 -k 15 "$(left "${TESTS_CAP_S:-260}")" python3 -m pytest -q -s -p no:cacheprovider -m gpu \
         tests/executor/tp/test_tp_gpu.py tests/executor/tp/test_all_reduce_gpu.py 2>&1 | tee "$out/tp_gpu_tests_$n.log" | grep -E "passed|failed|FAILED|Error|graph replays" ;;
-    b32) bench b32 32 330 "${ALL_REDUCE:-auto,nccl}" ;;
-    b1) bench b1 1 200 "${ALL_REDUCE_B1:-auto}" ;;
+    b32) bench b32 32 330 "${ALL_REDUCE:-auto,nccl}" "${DECODE_TOKENS:-64}" ;;
+    b1) bench b1 1 200 "${ALL_REDUCE_B1:-auto}" "${DECODE_TOKENS_B1:-128}" ;;
     *) echo "unknown step $step" ;;
   esac
 done

@@ -5,6 +5,7 @@ reading a ModelSource or a dtype enum into these is wire.py's business."""
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -16,8 +17,13 @@ from executor_service.models.gguf_loader import is_gguf, load_gguf, read_gguf_co
 from executor_service.models.limits import model_violations
 from executor_service.models.loader import LoadedModel, build_synthetic, load_directory, read_config
 from executor_service.models.model_paths import check_path_text, resolve_model_path
+from executor_service.models.weights import echoing_target
 
 TARGET_PATH_FIELD = "target.path"
+# Benchmarks only ("1"): synthetic targets echo (weights.echoing_target), on every tensor-parallel rank. An
+# environment variable, not a LoadModel field: a bench's knob stays off the API, and the other ranks' processes
+# (parallel/worker.py) inherit it from rank 0's. bench/tp_bench.py --drafts always-right sets it (docs/parallelism.md).
+ECHOING_TARGET_ENV = "SPECDEC_BENCH_ECHOING_TARGET"
 
 
 @dataclass(frozen=True)
@@ -53,7 +59,10 @@ def load_target(
     """The target's full weights on `device` (every tensor-parallel rank runs this, then keeps its shard);
     errors about the files name `field`."""
     if source.path is None:
-        return build_synthetic(source.config, source.seed, dtype, device)
+        loaded = build_synthetic(source.config, source.seed, dtype, device)
+        if os.environ.get(ECHOING_TARGET_ENV) == "1":  # before any rank cuts it: the same echo on every rank
+            echoing_target(loaded.model)
+        return loaded
     if is_gguf(source.path):
         return load_gguf(source.path, dtype, device, field)
     return load_directory(source.path, dtype, device, field)

@@ -1,4 +1,5 @@
-"""Where each Hugging Face tensor lives in our model, and synthetic weights from a seed.
+"""Where each Hugging Face tensor lives in our model, and synthetic weights from a seed (and the benchmarks'
+echoing variant of them, `echoing_target`).
 
 The layout is the one place that knows the fusions: q/k/v land in row ranges of `qkv_proj`, gate/up in
 row ranges of `gate_up_proj`. Loading, validation and export all read it.
@@ -132,6 +133,32 @@ def synthetic_model(config: ModelConfig, seed: int, dtype: torch.dtype, device: 
         check_cancelled()
         place(model, placement, synthetic_values(name, placement.shape, config.num_layers, generator, device))
     return model
+
+
+ECHO_EMBEDDING_SCALE = 4.0  # the token's embedding over the layers' sum in the residual stream (both ~N(0, 1) each)
+
+
+@torch.no_grad()
+def echoing_target(model: nn.Module) -> None:
+    """Make a synthetic target's greedy next token its newest token, ahead of the runner-up by tens of logits: the
+    embeddings grow (the residual stream is mostly the newest token's) and the LM head is the embedding over
+    sqrt(hidden) (the token's own logit ~sqrt(hidden), another's ~N(0, 1)). Shapes, kernels and cost are
+    unchanged (values never change a pass's cost); the synthetic drafters' own heads and layers still draft
+    other tokens (acceptance ~0). Benchmarks only: bench/specdec_bench.py calls it, and every tensor-parallel
+    rank's load where SPECDEC_BENCH_ECHOING_TARGET is set (model_loading.load_target), so that an always-right
+    drafter (tests/executor/spec_builders.EchoDrafts) stays right.
+
+    Why: a random target's greedy choice hinges on near ties (128k logits), and bf16 rounding decides them
+    differently per step shape (a decode step against a verify pass of k + 1 rows, a graph against eager; on the
+    H100 the synthetic drafter's batch-16 run kept only 2 of 16 requests identical to target-only's, ~37 common
+    tokens of 128). A script replayed from a fixed-k run then goes wrong for a request from its first flip on
+    (the drafts continue a text it no longer has) as soon as adaptive speculation changes k; adaptive, seeing
+    acceptance ~0, chose k = 0, which flips more: the 2026-11-28 H100 run of specdec_bench's (d) measured
+    acceptance 0.012 per depth and batch-64 requests finishing apart for the drafter that was right at fixed k."""
+    embed = model.embed_tokens.weight
+    if model.lm_head.weight is not embed:  # untied: the head echoes the embedding
+        model.lm_head.weight.copy_(embed * embed.shape[1] ** -0.5)
+    embed.mul_(ECHO_EMBEDDING_SCALE)  # tied: the head grows with it (a larger margin, the same argmax)
 
 
 def export_state(module: nn.Module, layout: dict[str, Placement]) -> dict[str, torch.Tensor]:

@@ -12,16 +12,10 @@ import pytest
 import torch
 from common import PRESETS
 from greedy_reference import dense_logits
-from specdec_bench import (
-    WARM_UP_RUNS,
-    echoing_target,
-    measure_adaptive,
-    open_sessions,
-    parse_args,
-    target_request,
-)
+from specdec_bench import WARM_UP_RUNS, measure_adaptive, open_sessions, parse_args, target_request
 
 from executor_service.models.loader import build_synthetic
+from executor_service.models.weights import echoing_target
 from executor_service.server.wire import resolve_target
 
 TINY = PRESETS["tiny"]

@@ -31,6 +31,15 @@ class Outputs:
         outputs = self.by_id[request_id]
         return outputs[-1].finish.reason if outputs and outputs[-1].finish else None
 
+    def acceptance(self) -> dict[str, int]:
+        """Drafts verified and accepted, and verify steps, over every finished request (their finishes' totals)."""
+        finishes = [outs[-1].finish for outs in self.by_id.values() if outs and outs[-1].finish]
+        return {
+            "drafted": sum(f.drafted_tokens for f in finishes),
+            "accepted": sum(f.accepted_tokens for f in finishes),
+            "verify_steps": sum(f.verify_steps for f in finishes),
+        }
+
 
 def run_bounded(engine: Engine, max_steps: int = 2000) -> int:
     """engine.run_until_idle(), but an AssertionError after `max_steps` steps instead of spinning forever.

@@ -1,4 +1,4 @@
-"""Sessions with a synthetic drafter, and a replaying drafter for acceptance tests."""
+"""Sessions with a synthetic drafter, and replaying drafters for acceptance tests and benchmarks."""
 
 from __future__ import annotations
 
@@ -94,6 +94,17 @@ class ReplayDrafts:
         if self.wrong_at is not None and self.wrong_at < len(upcoming):
             upcoming[self.wrong_at] = (upcoming[self.wrong_at] + 1) % self.vocab_size
         return upcoming
+
+
+class EchoDrafts:
+    """The always-right drafter over an echoing target (executor_service.models.weights.echoing_target, whose greedy
+    next token is its newest): every draft is the request's newest token, whatever k the step takes. Set as the
+    proposer's `replay` on the process that drafts (rank 0 under tensor parallelism: the other ranks never draft).
+    bench/specdec_bench.py's adaptive part and bench/tp_bench.py --drafts always-right use it."""
+
+    def __call__(self, request: Request, drafts: list[int]) -> list[int]:
+        newest = request.output_ids[-1] if request.output_ids else request.prompt_ids[-1]
+        return [newest] * len(drafts)
 
 
 class Scripted(AdaptiveK):

@@ -75,7 +75,7 @@ def test_replayed_drafts_are_all_accepted_as_k_switches(method: str) -> None:
     """The engine side of the benchmark's always-right drafter: whatever k the steps before took (none, fewer), a
     step's drafts are the request's next tokens and the verification counts each one accepted. (The H100's
     collapse of that drafter under adaptive speculation was the bf16 target's tokens changing with the step's
-    shape, not the engine: bench/specdec_bench.py, `echoing_target`.)"""
+    shape, not the engine: executor_service/models/weights.py, `echoing_target`.)"""
     verified = replayed_verifications(method, None)
     assert len(verified) > 20 and len({d for d, _ in verified}) >= 3  # the loaded k and fewer
     assert all(accepted == drafts for drafts, accepted in verified)

@@ -1,6 +1,6 @@
 """Tensor parallelism on the CPU (gloo): greedy tokens at TP 2 and 4 equal the single-process ones, token
 for token, with no drafter and with the synthetic EAGLE-3 and DFlash drafters (rank 0's drafter reads the
-sharded target's features and heads)."""
+sharded target's features and heads); and the benchmarks' always-right configuration at TP 2 accepts every draft."""
 
 from __future__ import annotations
 
@@ -9,13 +9,15 @@ import os
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
-from tp_greedy_run import METHODS, PROMPTS, REPLAYS, SIZES, greedy_outputs, write_checkpoint
+from tp_greedy_run import ACCEPTANCE, MAX_TOKENS, METHODS, PROMPTS, REPLAYS, SIZES, K, greedy_outputs, write_checkpoint
 
 from executor_service.models.config import ModelConfig
 from executor_service.models.loader import LoadedModel, load_directory
+from executor_service.models.model_loading import ECHOING_TARGET_ENV
 from executor_service.parallel.layers import shard_model, vocab_shard
 from executor_service.parallel.loading import load_target_shard
 from executor_service.parallel.state import check_tensor_parallel_size
@@ -36,8 +38,15 @@ def run_tp(tp: int, *args: str) -> dict[str, dict[str, list[int]]]:
 
 
 def run_tp_with_replays(tp: int, *args: str) -> tuple[dict[str, dict[str, list[int]]], dict[str, dict[str, int]]]:
-    """Each method's tokens and graph replays (tp_greedy_run.graph_replays) at TP `tp`; every rank stops with no
-    graph held (NCCL's teardown waits on graphs that captured its collectives: launcher.release_graphs)."""
+    """Each method's tokens and graph replays (tp_greedy_run.graph_replays) at TP `tp`."""
+    tokens, replays, _ = run_tp_printed(tp, *args)
+    return tokens, replays
+
+
+def run_tp_printed(tp: int, *args: str) -> tuple[dict[str, Any], dict[str, Any], dict[str, Any]]:
+    """Each method's tokens, graph replays and acceptance (engine_driving.Outputs.acceptance) at TP `tp`; every
+    rank stops with no graph held (NCCL's teardown waits on graphs that captured its collectives:
+    launcher.release_graphs)."""
     run = subprocess.run(
         [sys.executable, str(RUN), "--tp", str(tp), *args],
         cwd=REPO,
@@ -49,9 +58,9 @@ def run_tp_with_replays(tp: int, *args: str) -> tuple[dict[str, dict[str, list[i
     )
     assert run.returncode == 0, run.stderr[-3000:]
     assert "still held at stop" not in run.stderr, run.stderr[-3000:]
-    *_, replays, tokens = run.stdout.strip().splitlines()
-    assert replays.startswith(REPLAYS), run.stdout[-3000:]
-    return json.loads(tokens), json.loads(replays.removeprefix(REPLAYS))
+    *_, accepted, replays, tokens = run.stdout.strip().splitlines()
+    assert accepted.startswith(ACCEPTANCE) and replays.startswith(REPLAYS), run.stdout[-3000:]
+    return json.loads(tokens), json.loads(replays.removeprefix(REPLAYS)), json.loads(accepted.removeprefix(ACCEPTANCE))
 
 
 @pytest.mark.parametrize("tp", [2, 4])
@@ -74,6 +83,22 @@ def test_graphs_replay_in_lockstep(single_process: dict[str, dict[str, list[int]
         assert outputs[method] == single_process[method], f"drafter {method}"
     assert replays["none"]["graph"] > 0 and replays["none"]["engine overlapped decode"] > 0
     assert all(replays[m]["spec step graph"] + replays[m]["spec step graph following"] > 0 for m in methods[1:])
+
+
+def test_always_right_drafts_are_all_accepted(monkeypatch: pytest.MonkeyPatch) -> None:
+    """bench/tp_bench.py --drafts always-right at TP 2, with the CPU's graphs: every rank's shard echoes (the
+    target's next token is its newest: ECHOING_TARGET_ENV, set before the followers start), rank 0's EAGLE-3
+    drafts that token (EchoDrafts), and every draft is accepted (k + 1 tokens a verify step, the last steps' too);
+    the tokens of both runs equal one process's target-only run. A follower that did not echo would give rank 0
+    other logits for its vocabulary's half."""
+    monkeypatch.setenv(ECHOING_TARGET_ENV, "1")
+    reference = greedy_outputs("none")  # one process, target-only
+    assert reference == {f"r{i}": [prompt[-1]] * MAX_TOKENS for i, prompt in enumerate(PROMPTS)}  # it echoes
+    outputs, replays, accepted = run_tp_printed(2, "--echo", "--graphs", "--methods", "none,eagle3")
+    assert outputs == {"none": reference, "eagle3": reference}
+    eagle3 = accepted["eagle3"]
+    assert eagle3["drafted"] > 0 and eagle3["accepted"] == eagle3["drafted"] == K * eagle3["verify_steps"], eagle3
+    assert replays["eagle3"]["spec step graph"] > 0  # the graphed speculative step, in lockstep
 
 
 def test_sharded_loading_from_a_checkpoint(tmp_path: Path) -> None:

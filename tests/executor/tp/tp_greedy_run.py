@@ -1,13 +1,15 @@
 """Greedy outputs of a tiny synthetic target, alone or with each synthetic drafter, on this process or at
 tensor-parallel size N (`python tests/executor/tp/tp_greedy_run.py --tp N`: rank 0 here, N - 1 follower
 processes, gloo on the CPU, NCCL with --device cuda). N = 1 also runs through the parallel package (a group
-of one rank): the way to run its NCCL path on one GPU. Prints the graph replays of each method on one line,
-then {method: {request id: tokens}} as JSON."""
+of one rank): the way to run its NCCL path on one GPU. --echo: the always-right configuration (the target echoes its
+newest token on every rank, the drafters draft it: spec_builders.EchoDrafts). Prints each method's drafts and
+accepted drafts on one line, its graph replays on the next, then {method: {request id: tokens}} as JSON."""
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from collections import Counter
 from collections.abc import Callable
@@ -20,11 +22,12 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/executor: engine_driving
 
 from engine_driving import Outputs, run_bounded
+from spec_builders import EchoDrafts
 
 from executor_service.engine.request import Request
 from executor_service.models.config import ModelConfig
 from executor_service.models.loader import build_synthetic, save_directory
-from executor_service.models.model_loading import TargetSource
+from executor_service.models.model_loading import ECHOING_TARGET_ENV, TargetSource
 from executor_service.runner.cuda_graphs import GRAPH_BACKENDS
 from executor_service.sample.sampling import SamplingSettings
 from executor_service.server import session as session_module
@@ -64,6 +67,7 @@ MAX_TOKENS = 12
 K = 3
 SETTINGS = EngineSettings(32, 8)
 REPLAYS = "graph replays:"  # the line before the tokens: {method: graph_replays}
+ACCEPTANCE = "acceptance:"  # the line before REPLAYS: {method: acceptance}
 
 
 def write_checkpoint(directory: Path, architecture: str, tied: bool, bias: bool) -> None:
@@ -171,9 +175,13 @@ def greedy_outputs(
     checkpoint: Path | None = None,
     graphs: bool = False,
     replays: dict[str, dict[str, int]] | None = None,
+    echo: bool = False,
+    accepted: dict[str, dict[str, int]] | None = None,
 ) -> dict[str, list[int]]:
     """Each prompt's greedy tokens, all prompts in one engine (batched, prefill chunked at 32 tokens); fp32,
-    eager unless `graphs` (CUDA graphs; on the CPU, capture_cpu_graphs). `replays`: gets graph_replays."""
+    eager unless `graphs` (CUDA graphs; on the CPU, capture_cpu_graphs). `replays`: gets graph_replays. `echo`:
+    the drafter drafts the request's newest token (EchoDrafts: always right where ECHOING_TARGET_ENV makes the
+    target echo). `accepted`: gets Outputs.acceptance."""
     request = load_request(method, checkpoint)
     source = resolve_target(request.target, checkpoint.parent if checkpoint else None, "target")
     draft = resolve_draft(request.draft, source.config, None) if request.HasField("draft") else None
@@ -189,6 +197,8 @@ def greedy_outputs(
     if method == "eagle3_tree":  # accepted drafts: the tree mask and the K/V move decide the next tokens
         references = greedy_outputs("none", device, backend, checkpoint)
         session.proposer.set_tree = ReplayOnLastBranch(session.proposer.set_tree, references)  # type: ignore[union-attr]
+    if echo and session.proposer is not None:
+        session.proposer.replay = EchoDrafts()
     session.engine.step_counts.clear()  # the warm-up's steps (before any graph was captured)
     try:
         for index, prompt in enumerate(PROMPTS):
@@ -196,6 +206,8 @@ def greedy_outputs(
         run_bounded(session.engine)
         if replays is not None:
             replays[method] = graph_replays(session)
+        if accepted is not None:
+            accepted[method] = outputs.acceptance()
     finally:
         session.shutdown()
     return {f"r{i}": outputs.tokens(f"r{i}") for i in range(len(PROMPTS))}
@@ -209,17 +221,21 @@ def main() -> None:
     parser.add_argument("--backend", default="CPU_ATTN")
     parser.add_argument("--checkpoint", type=Path, help="a Hugging Face directory as the target")
     parser.add_argument("--graphs", action="store_true", help="CUDA graphs (the CPU: capture_cpu_graphs)")
+    parser.add_argument("--echo", action="store_true", help="the always-right configuration (a synthetic target)")
     args = parser.parse_args()
     from executor_service.parallel.launcher import Followers
 
+    if args.echo:  # before the followers start: they inherit it
+        os.environ[ECHOING_TARGET_ENV] = "1"
     root = args.checkpoint.parent if args.checkpoint else None
     followers = Followers(args.tp, torch.device(args.device), root)
     try:
         methods = args.methods.split(",")
         replays: dict[str, dict[str, int]] = {}
-        outputs = {
-            m: greedy_outputs(m, args.device, args.backend, args.checkpoint, args.graphs, replays) for m in methods
-        }
+        accepted: dict[str, dict[str, int]] = {}
+        run = (args.device, args.backend, args.checkpoint, args.graphs, replays, args.echo, accepted)
+        outputs = {m: greedy_outputs(m, *run) for m in methods}
+        print(ACCEPTANCE, json.dumps(accepted))
         print(REPLAYS, json.dumps(replays))
         print(json.dumps(outputs))
     finally:
