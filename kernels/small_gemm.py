@@ -31,7 +31,8 @@ from kernels.pdl import wait_for_inputs
 from kernels.small_gemm_table import DEFAULT_CONFIG, GemmConfig
 
 BLOCK_M = 16  # tl.dot's smallest tile side; rows past M are masked
-MAX_GEMV_ROWS = 4  # a GemmConfig with gemv=True runs rows up to this as a GEMV (block_m: their bucket)
+MAX_GEMV_ROWS = 8  # a GemmConfig with gemv=True runs rows up to this as a GEMV (block_m: their bucket): decode
+# batches and a k = 7 chain's verify rows at batch 1
 
 
 def block_m(rows: int, config: GemmConfig) -> int:

@@ -22,7 +22,7 @@ pytestmark = pytest.mark.skipif(
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 EPS = 1e-5
 SMALL_TILES = GemmConfig(block_n=16, block_k=32, num_warps=4)  # several K steps and column tiles at test sizes
-GEMV_TILES = GemmConfig(block_n=8, block_k=32, num_warps=4, gemv=True)  # the same on the CUDA cores, rows <= 4
+GEMV_TILES = GemmConfig(block_n=8, block_k=32, num_warps=4, gemv=True)  # the same on the CUDA cores, rows <= 8
 TRITON_ATTN_HEADS = (32, 64, 80, 96, 128, 160, 192, 224, 256)  # kernels/capabilities.py's TRITON_ATTN claim
 
 
@@ -55,7 +55,7 @@ def norm_reference(x: torch.Tensor, residual: torch.Tensor | None, weight: torch
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize(("rows", "n", "k"), [(1, 40, 72), (3, 100, 200), (17, 33, 48)])
+@pytest.mark.parametrize(("rows", "n", "k"), [(1, 40, 72), (3, 100, 200), (8, 24, 40), (17, 33, 48)])
 @pytest.mark.parametrize("prologue", ["none", "norm", "add_norm"])
 @pytest.mark.parametrize("config", [SMALL_TILES, GEMV_TILES], ids=["mma", "gemv"])
 def test_small_gemm_matches_norm_then_linear(
@@ -132,6 +132,7 @@ def rotary_tables(positions: list[int], size: int, dtype: torch.dtype) -> tuple[
         (torch.bfloat16, 64, 3, 1, "add_norm", "bias,gemv"),
         (torch.float32, 32, 4, 2, "add_norm", "qk_norm,gemv"),
         (torch.bfloat16, 80, 2, 2, "none", "gemv"),  # halves of 40 in column chunks of 16: the last one partial
+        (torch.bfloat16, 64, 3, 1, "add_norm", "gemv,rows8"),  # a k = 7 chain's verify rows at batch 1
     ],
 )
 def test_qkv_rope_store_matches_the_unfused_path(
@@ -139,15 +140,15 @@ def test_qkv_rope_store_matches_the_unfused_path(
 ) -> None:
     from kernels.qkv_rope_gemm import qkv_rope_store
 
-    rows, k_dim, blocks, block_size = 3, 40, 3, 4
-    slots = torch.tensor([5, -1, 9], device=DEVICE)  # the middle token stores nothing
+    rows, k_dim, blocks, block_size = (8 if "rows8" in extras else 3), 40, 3, 4
+    slots = torch.tensor([5, -1, 9, 0, 1, 2, 3, 11][:rows], device=DEVICE)  # the second token stores nothing
     x, residual = randn(rows, k_dim, dtype=dtype, seed=10), randn(rows, k_dim, dtype=dtype, seed=11)
     weight = randn((heads + 2 * kv_heads) * size, k_dim, dtype=dtype, seed=12) / k_dim**0.5
     bias = randn(weight.shape[0], dtype=dtype, seed=13) if "bias" in extras else None
     norm_w = None if prologue == "none" else randn(k_dim, dtype=dtype, seed=14)
     residual = residual if prologue == "add_norm" else None
     qk_norm = (randn(size, dtype=dtype, seed=15), randn(size, dtype=dtype, seed=16), EPS) if "qk" in extras else None
-    cos, sin = rotary_tables([7, 0, 130], size, dtype)
+    cos, sin = rotary_tables([7, 0, 130, 1, 2, 3, 4, 5][:rows], size, dtype)
     caches = tuple(randn(blocks, block_size, kv_heads, size, dtype=dtype, seed=17 + i) for i in range(2))
     expected = qkv_reference(x, residual, norm_w, weight, bias, qk_norm, heads, kv_heads, cos, sin, caches, slots)
     k_cache, v_cache = (c.clone() for c in caches)
@@ -160,8 +161,8 @@ def test_qkv_rope_store_matches_the_unfused_path(
     torch.testing.assert_close(q.float().cpu(), expected[0].float(), **tol)
     torch.testing.assert_close(k_cache.float().cpu(), expected[2].float(), **tol)
     torch.testing.assert_close(v_cache.float().cpu(), expected[3].float(), **tol)
-    untouched = caches[0].clone().view(-1, kv_heads, size)  # slots other than 5 and 9 keep their old contents
-    kept = [s for s in range(blocks * block_size) if s not in (5, 9)]
+    untouched = caches[0].clone().view(-1, kv_heads, size)  # slots no row writes keep their old contents
+    kept = [s for s in range(blocks * block_size) if s not in slots.tolist()]
     torch.testing.assert_close(k_cache.view(-1, kv_heads, size)[kept], untouched[kept], rtol=0, atol=0)
 
 
