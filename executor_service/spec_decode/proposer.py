@@ -19,6 +19,8 @@ Two entry points: `propose` (the host knows which rows were verified: after a pr
 and `propose_verified` (verification computed on the device, inside the speculative step: see spec_step.py). A
 chain drafts the argmax for greedy requests and, where `sample_drafts` is on, draws from the drafter's
 distribution for sampled ones (draft_sampling.py): on the host path eagerly, in the device step inside its graph.
+A penalised request picks its drafts under the penalties that verify them (draft_penalties.py), one picker
+(`_picker`) on both paths.
 """
 
 from __future__ import annotations
