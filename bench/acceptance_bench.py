@@ -5,6 +5,8 @@
     All held-out prompts run as one batch: acceptance does not depend on the batch, only time does. Sampled
     requests draw their drafts from the drafter's distribution; --argmax-drafts-too also measures them with
     the drafter's argmax (point masses, how the engine drafted before), in the same run.
+    --repetition-penalty R runs (a) with every request penalised (R; the key ends in _rep<R>): the acceptance of
+    penalised requests, whose drafts are picked under their penalties (spec_decode/draft_penalties.py).
 (b) Speedup at batch 1 and 16: tokens/s of speculative decoding against target-only decoding of the same
     prompts in the same run, greedy, on each device named (the GPU with CUDA graphs, and the CPU); medians
     and spread over --repeats interleaved rounds; --speedup-temperatures 0,0.7 adds unseeded sampled runs.
@@ -148,13 +150,14 @@ def measure_acceptance(
             runs += [(t, False) for t in args.temperatures if t > 0 and args.argmax_drafts_too]
             for temperature, sampled_drafts in runs:
                 session.engine.proposer.sample_drafts = sampled_drafts
-                mix = [SamplingSettings(temperature)]
+                mix = [SamplingSettings(temperature, repetition_penalty=args.repetition_penalty)]
                 finishes, seconds, _ = generate(session, everything, mix, args.max_tokens, batch=True)
                 by_kind: dict[str, list[Finish]] = defaultdict(list)
                 for kind, finish in zip(kinds, finishes, strict=True):
                     by_kind[kind].append(finish)
                 entry = {"all": acceptance(finishes)} | {kind: acceptance(by_kind[kind]) for kind in KINDS}
                 key = f"{name}_{shape}_T{temperature:g}" + ("" if sampled_drafts else "_argmax_drafts")
+                key += f"_rep{args.repetition_penalty:g}" if args.repetition_penalty != 1.0 else ""
                 report[key] = entry
                 lengths = {kind: entry[kind]["mean_acceptance_length"] for kind in ("all", *KINDS)}
                 log(f"{key}: mean acceptance length {lengths} in {seconds:.1f} s")
@@ -328,6 +331,7 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument(
         "--argmax-drafts-too", action="store_true", help="sampled acceptance with argmax drafts too (point masses)"
     )
+    parser.add_argument("--repetition-penalty", type=float, default=1.0, help="(a)'s requests penalised so (1: none)")
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--speedup-devices", default="cuda,cpu" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--speedup-ks", default="3,7")
@@ -380,6 +384,7 @@ def main() -> int:
         "drafters": {m: str(d) for m, d in args.drafters.items()},
         "prompts": {kind: len(ids) for kind, ids in measured.items()},
         "max_tokens": args.max_tokens,
+        "repetition_penalty": args.repetition_penalty,
         "acceptance": {},
         "speedup": {},
     }

@@ -57,6 +57,15 @@ class History(Protocol):
     token_counts: TokenCounts | None
 
 
+def current_counts(history: History, vocab_size: int, device: torch.device) -> TokenCounts:
+    """The request's counts, made at its first penalised step and brought up to its output now: what verification
+    (`penalised_logits`) and the host path's penalised drafting (spec_decode/draft_penalties.py) read."""
+    if history.token_counts is None:
+        history.token_counts = TokenCounts(history.prompt_ids, vocab_size, device)
+    history.token_counts.update(history.output_ids)
+    return history.token_counts
+
+
 def path_drafts(parents: list[int]) -> list[list[int]]:
     """Per verify row (0: the root, j + 1: draft j), the drafts on its path: its ancestors' and its own."""
     paths: list[list[int]] = [[]]
@@ -133,10 +142,7 @@ def penalised_logits(
         num_rows = len(request_drafts) + 1
         in_vocab = not request_drafts or (min(request_drafts) >= 0 and max(request_drafts) < vocab)
         if setting.has_penalties and history is not None and in_vocab:
-            if history.token_counts is None:
-                history.token_counts = TokenCounts(history.prompt_ids, vocab, device)
-            history.token_counts.update(history.output_ids)
-            found.append(Penalised(start, setting, history.token_counts, request_drafts, tree))
+            found.append(Penalised(start, setting, current_counts(history, vocab, device), request_drafts, tree))
         start += num_rows
     if not found:
         return logits

@@ -20,6 +20,7 @@ from dataclasses import replace
 import torch
 
 from executor_service.models.attention_step import AttentionStep
+from executor_service.spec_decode.draft_penalties import DraftPenalties
 from executor_service.spec_decode.draft_sampling import DraftSampler, StepDraws
 from executor_service.spec_decode.proposer import (
     DraftPass,
@@ -40,7 +41,9 @@ class DFlashProposer(Proposer):
         """The block pass writes the whole block, from the position after the newest verified token."""
         return self.config.block_size
 
-    def _draft_chain(self, batch: ProposeBatch, sampler: DraftSampler | None) -> torch.Tensor:
+    def _draft_chain(
+        self, batch: ProposeBatch, sampler: DraftSampler | None, penalties: DraftPenalties | None = None
+    ) -> torch.Tensor:
         features, positions, _, step = self.context_pass(batch)
         uniform = all(e.propose and e.num_rows == self.num_draft_tokens + 1 for e in batch.entries)
         self._run("dflash_context", uniform, step, positions, features=features)
@@ -55,9 +58,9 @@ class DFlashProposer(Proposer):
             "ahead_slots": self.slots_ahead(proposing, starts, size),
         }
         block_table, positions = self.block_table(proposing), self.tensor(starts, torch.int64)
-        if sampler is not None:
-            self.pass_counts["dflash_block sampled"] += 1
-            return self._dflash_block(block_table, positions, inputs, self._picker(sampler))[0]
+        if sampler is not None or penalties is not None:  # noise keyed from the host, counts per pick: eager
+            self.pass_counts["dflash_block sampled" if sampler is not None else "dflash_block penalised"] += 1
+            return self._dflash_block(block_table, positions, inputs, self._picker(sampler, penalties))[0]
         (tokens,) = self._run_device_metadata("dflash_block", block_table, positions, inputs)
         return tokens
 
@@ -69,10 +72,11 @@ class DFlashProposer(Proposer):
         verdict: Verdict,
         slots_ahead: torch.Tensor,
         draws: StepDraws | None = None,
+        penalties: DraftPenalties | None = None,
     ) -> torch.Tensor:
         """The chain [B, num_steps] after a verify step on the device: the verify rows' context K/V, then the block
         opened by the bonus token after the newest verified row; `draws`: its drafts drawn from q (sampled
-        requests) instead of the argmax."""
+        requests) instead of the argmax; `penalties`: picked under them, position by position."""
         target_ids, accepted = verdict.emitted, verdict.accepted
         count, rows = target_ids.shape
         context_step = replace(step, backend=self.backend, _flex=None)  # the verify rows, the drafter's kernels
@@ -81,7 +85,7 @@ class DFlashProposer(Proposer):
         newest = target_ids.gather(1, accepted[:, None])[:, 0]  # the bonus token opens the block
         starts = first + accepted + 1
         ahead = slots_ahead.gather(1, (accepted + 1)[:, None] + self._offsets(self.config.block_size))
-        pick = self._picker(draws) if draws is not None else None
+        pick = self._picker(draws, penalties)
         return self._dflash_block(step.block_table, starts, {"input_ids": newest, "ahead_slots": ahead}, pick)[0]
 
     def block_step(
@@ -158,7 +162,7 @@ class DFlashProposer(Proposer):
 
     def draft_tree(
         self, block_table: torch.Tensor, last: torch.Tensor, scratch: torch.Tensor, head: torch.Tensor,
-        hidden: torch.Tensor,
+        hidden: torch.Tensor, penalties: DraftPenalties | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
         """The trees [B, drafts] (tokens, parents; -1: the root) on the device, no host sync: one block pass
         opened by `head` [B, 1] (the token after the newest verified row, at `last` + 1; `hidden` unused) that
@@ -168,7 +172,7 @@ class DFlashProposer(Proposer):
         inputs = {"input_ids": head[:, 0], "ahead_slots": scratch}
         block = self.dflash_block_hidden(block_table, last + 1, inputs)[:, 1 : tree.depth + 1]  # [B, D, H]
         width = tree.top_k if tree.dynamic else max(tree.branching)
-        log_probs, ids = self.candidates.top(block.reshape(-1, block.shape[-1]), width, scores=tree.dynamic)
+        log_probs, ids = self.candidates.top(block.reshape(-1, block.shape[-1]), width, tree.dynamic, penalties)
         ids = ids.view(count, tree.depth, width)
         if not tree.dynamic:
             pick = self.constants.get(("dflash static picks", tree), self._static_picks)

@@ -22,6 +22,7 @@ from dataclasses import replace
 import torch
 
 from executor_service.models.attention_step import AttentionStep
+from executor_service.spec_decode.draft_penalties import DraftPenalties
 from executor_service.spec_decode.draft_sampling import DraftSampler, StepDraws
 from executor_service.spec_decode.proposer import (
     DraftPass,
@@ -44,7 +45,9 @@ class EagleProposer(Proposer):
         assert self.tree is not None
         return max(self.tree.num_inputs, 1)
 
-    def _draft_chain(self, batch: ProposeBatch, sampler: DraftSampler | None) -> torch.Tensor:
+    def _draft_chain(
+        self, batch: ProposeBatch, sampler: DraftSampler | None, penalties: DraftPenalties | None = None
+    ) -> torch.Tensor:
         features, positions, next_ids, step = self.context_pass(batch)
         uniform = all(e.propose and e.num_rows == self.num_draft_tokens + 1 for e in batch.entries)
         feedback, head = self._run("eagle_context", uniform, step, positions, input_ids=next_ids, features=features)
@@ -57,15 +60,15 @@ class EagleProposer(Proposer):
         if not proposing:
             return torch.empty(0)
         picked = self.tensor(sample_rows, torch.int64)
-        pick = self._picker(sampler) if sampler is not None else self.drafter.draft_tokens
+        pick = self._picker(sampler, penalties)
         tokens, hidden = pick(head[picked]), feedback[picked]
         last = [r.num_computed_tokens - 1 for r in proposing]  # position of each request's newest verified row
         own = [self.num_drafts(r) for r in proposing]  # the chain runs num_steps - 1 steps; each keeps its own
         ahead = self.slots_ahead(proposing, last, self.num_steps, own)
         chain_inputs = {"input_ids": tokens, "hidden": hidden, "ahead_slots": ahead}
         block_table, positions = self.block_table(proposing), self.tensor(last, torch.int64)
-        if sampler is not None:  # each pick's noise keyed from the host (draft_sampling.py): eager
-            self.pass_counts["eagle_chain sampled"] += 1
+        if sampler is not None or penalties is not None:  # noise keyed from the host, counts per pick: eager
+            self.pass_counts["eagle_chain sampled" if sampler is not None else "eagle_chain penalised"] += 1
             (rest,) = self._eagle_chain(block_table, positions, chain_inputs, pick)
         else:
             (rest,) = self._run_device_metadata("eagle_chain", block_table, positions, chain_inputs)
@@ -79,10 +82,11 @@ class EagleProposer(Proposer):
         verdict: Verdict,
         slots_ahead: torch.Tensor,
         draws: StepDraws | None = None,
+        penalties: DraftPenalties | None = None,
     ) -> torch.Tensor:
         """The chain [B, num_steps] after a verify step on the device: the context pass over the verify rows with the
         emitted tokens, then the chain steps from the newest verified row (row `accepted`); `draws`: each step's
-        drafts drawn from q (sampled requests) instead of the argmax."""
+        drafts drawn from q (sampled requests) instead of the argmax; `penalties`: picked under them."""
         target_ids, accepted = verdict.emitted, verdict.accepted
         count, rows = target_ids.shape
         context_step = replace(step, backend=self.backend, _flex=None)  # the verify rows, the drafter's kernels
@@ -90,7 +94,7 @@ class EagleProposer(Proposer):
         context = {"input_ids": target_ids.reshape(-1), "features": features}
         feedback, head = self._eagle_context(context_step, positions, context)
         picked = torch.arange(count, device=accepted.device) * rows + accepted  # the newest verified row
-        pick = self._picker(draws) if draws is not None else self.drafter.draft_tokens
+        pick = self._picker(draws, penalties)
         tokens, hidden = pick(head[picked]), feedback[picked]
         ahead = slots_ahead.gather(1, accepted[:, None] + self._offsets(self.num_steps))
         chain = {"input_ids": tokens, "hidden": hidden, "ahead_slots": ahead}
@@ -173,7 +177,7 @@ class EagleProposer(Proposer):
 
     def draft_tree(
         self, block_table: torch.Tensor, last: torch.Tensor, scratch: torch.Tensor, head: torch.Tensor,
-        hidden: torch.Tensor,
+        hidden: torch.Tensor, penalties: DraftPenalties | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
         """EAGLE's trees (Proposer.draft_tree), one drafter pass per depth over the nodes it expands. A static
         tree's layout (parents, which node expands which, the masks) is constant: only its tokens and hidden
@@ -182,7 +186,7 @@ class EagleProposer(Proposer):
         assert tree is not None and self.candidates is not None
         dynamic = tree.dynamic
         first_width = tree.top_k if dynamic else tree.branching[0]
-        log_probs, tokens = self.candidates.top(head, first_width, scores=dynamic)  # [B, w]
+        log_probs, tokens = self.candidates.top(head, first_width, dynamic, penalties)  # [B, w]
         pool_tokens, pool_scores = [tokens], [log_probs]
         # Dynamic: the nodes each pass expands, as indices into their level (depth 1's: the pool's first level).
         frontiers = [constants.arange(first_width).expand(count, -1)]
@@ -232,7 +236,7 @@ class EagleProposer(Proposer):
             )  # fmt: skip
             used += size
             branch = tree.top_k if dynamic else tree.branching[depth]
-            log_probs, tokens = self.candidates.top(out_head, branch, scores=dynamic)
+            log_probs, tokens = self.candidates.top(out_head, branch, dynamic, penalties)
             tokens = tokens.view(count, -1)
             pool_tokens.append(tokens)
             if dynamic:  # the top_k children by cumulative confidence go on

@@ -19,6 +19,8 @@ Two entry points: `propose` (the host knows which rows were verified: after a pr
 and `propose_verified` (verification computed on the device, inside the speculative step: see spec_step.py). A
 chain drafts the argmax for greedy requests and, where `sample_drafts` is on, draws from the drafter's
 distribution for sampled ones (draft_sampling.py): on the host path eagerly, in the device step inside its graph.
+A penalised request picks its drafts under the penalties that verify them (draft_penalties.py), one picker
+(`_picker`) on both paths.
 """
 
 from __future__ import annotations
@@ -39,12 +41,14 @@ from executor_service.models.attention_step import (
     cache_slots,
     to_device,
 )
-from executor_service.models.draft_models import Drafter, Eagle3Drafter
+from executor_service.models.draft_models import Drafter
+from executor_service.models.fused_ops import argmax
 from executor_service.runner.cuda_graphs import RequestInputs, StepGraphs, TokenInputs
 from executor_service.runner.step_constants import StepConstants
 from executor_service.sample.sampling import DraftProbs, to_host
+from executor_service.spec_decode.draft_penalties import DraftPenalties
 from executor_service.spec_decode.draft_sampling import DRAFT_SUPPORT, DraftSampler, StepDraws
-from executor_service.spec_decode.tree_drafting import TreeCandidates
+from executor_service.spec_decode.tree_drafting import TreeCandidates, draft_vocab_ids
 from executor_service.spec_decode.verifier import Verdict
 
 Replay = Callable[[Request, list[int]], list[int]]  # test drafters: rewrite a request's drafts
@@ -238,14 +242,20 @@ class Proposer:
         sampler = None
         if self.samples_drafts() and DraftSampler.wanted(proposing):
             sampler = DraftSampler(proposing, self.draft_vocab_ids(), self.draft_support)
-        drafts = self._draft_chain(batch, sampler)
+        drafts = self._draft_chain(batch, sampler, self.penalties_of(proposing))
         probs = sampler.probs_of(len(proposing)) if sampler is not None else [None] * len(proposing)
         for request, ids, q in zip(proposing, _rows(drafts) if proposing else [], probs, strict=True):
             self.set_drafts(request, ids, q)
 
     def draft_vocab_ids(self) -> torch.Tensor | None:
-        """The target's id of each id of the drafter's head (EAGLE-3's reduced vocabulary); None: the same ids."""
-        return self.drafter.target_ids() if isinstance(self.drafter, Eagle3Drafter) else None
+        """The target's id of each id of the drafter's head (EAGLE-3's reduced vocabulary, a constant); None: the
+        same ids."""
+        return draft_vocab_ids(self.drafter, self.constants)
+
+    def penalties_of(self, requests: list[Request]) -> DraftPenalties | None:
+        """The host path's penalised drafting for these proposing requests (None: none of them sets a penalty)."""
+        vocab = self.config.model.vocab_size  # the target's
+        return DraftPenalties.from_requests(requests, vocab, self.draft_vocab_ids(), self.device)
 
     @property
     def q_width(self) -> int:
@@ -267,11 +277,22 @@ class Proposer:
         request.draft_ids = drafts[: max(self.max_model_len - request.num_tokens, 0)]
         request.draft_probs = probs.head(len(request.draft_ids)) if probs is not None else None
 
-    def _picker(self, sampler: DraftSampler | StepDraws) -> Pick:
-        return lambda hidden: self.drafter.to_target(sampler.pick(self.drafter.draft_logits(hidden)))
+    def _picker(self, sampler: DraftSampler | StepDraws | None = None, penalties: DraftPenalties | None = None) -> Pick:
+        """How a pass picks its drafts from the head's hidden states: the argmax (the drafter's own, as the
+        graphs captured it), drawn from q (`sampler`), either under the requests' penalties (`penalties`, which
+        count each pick: draft_penalties.py). One picker for the host path and the device step."""
+        if sampler is None and penalties is None:
+            return self.drafter.draft_tokens
+        drafter, choose = self.drafter, argmax if sampler is None else sampler.pick
+        if penalties is None:
+            return lambda hidden: drafter.to_target(choose(drafter.draft_logits(hidden)))
+        return lambda hidden: drafter.to_target(penalties.pick(drafter.draft_logits(hidden), choose))
 
-    def _draft_chain(self, batch: ProposeBatch, sampler: DraftSampler | None) -> torch.Tensor:
-        """The proposing requests' chains [B, num_steps] after the context pass over the batch (the method's)."""
+    def _draft_chain(
+        self, batch: ProposeBatch, sampler: DraftSampler | None, penalties: DraftPenalties | None = None
+    ) -> torch.Tensor:
+        """The proposing requests' chains [B, num_steps] after the context pass over the batch (the method's);
+        `sampler` and `penalties` as `_picker`'s (either runs the chain eagerly: the graphs take the argmax)."""
         raise NotImplementedError
 
     def _propose_trees(self, batch: ProposeBatch) -> None:
@@ -311,18 +332,18 @@ class Proposer:
             proposing.append(request)
         if proposing:
             index = self.tensor(picked, torch.int64)
-            trees = self.draft(proposing, head[index], feedback[index])
+            trees = self.draft(proposing, head[index], feedback[index], self.penalties_of(proposing))
             for request, (tokens, parents) in zip(proposing, trees, strict=True):
                 self.set_tree(request, tokens, parents)
 
     def draft(
-        self, requests: list[Request], head: torch.Tensor, hidden: torch.Tensor
+        self, requests: list[Request], head: torch.Tensor, hidden: torch.Tensor, penalties: DraftPenalties | None = None
     ) -> list[tuple[list[int], list[int]]]:
         """The trees (tokens, parents) of `requests` from the newest verified row's head and feedback [B, H]."""
         last = self.tensor([r.num_computed_tokens - 1 for r in requests], torch.int64)
         starts = [r.num_computed_tokens for r in requests]
         scratch = self.slots_ahead(requests, starts, self.scratch_width)  # [B, scratch_width]
-        tokens, parents = self.draft_tree(self.block_table(requests), last, scratch, head, hidden)
+        tokens, parents = self.draft_tree(self.block_table(requests), last, scratch, head, hidden, penalties)
         flat, size = to_host(torch.cat([tokens, parents], dim=1).reshape(-1)), tokens.shape[1]
         return [(flat[i : i + size], flat[i + size : i + 2 * size]) for i in range(0, len(flat), 2 * size)]
 
@@ -335,12 +356,12 @@ class Proposer:
 
     def draft_tree(
         self, block_table: torch.Tensor, last: torch.Tensor, scratch: torch.Tensor, head: torch.Tensor,
-        hidden: torch.Tensor,
+        hidden: torch.Tensor, penalties: DraftPenalties | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
         """The trees on the device, no host sync (the device-resident tree step captures it): tokens and parents
         [B, drafts] (-1: the root) from the newest verified row's head and feedback [B, H] at positions `last`;
-        `scratch` [B, num_inputs] the slots of positions last + 1, ... that the drafter's passes write (the
-        method's)."""
+        `scratch` [B, num_inputs] the slots of positions last + 1, ... that the drafter's passes write;
+        `penalties`: candidates ranked under each request's history (draft_penalties.py; the method's)."""
         raise NotImplementedError
 
     def propose_verified(
@@ -351,16 +372,19 @@ class Proposer:
         verdict: Verdict,
         slots_ahead: torch.Tensor,
         draws: StepDraws | None = None,
+        penalties: DraftPenalties | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """The next drafts after a verify step on the device, without the host: a chain's [B, num_steps] (parents None),
         or a tree's tokens and parents [B, N]: the context pass over the root and the path rows at root, root + 1,
         ... (row i pairs with emitted token i), then the tree drafted from the newest verified row. `step` and
         `positions` are the verify pass's (consecutive slots and positions from each root); `slots_ahead`
         [B, ahead_width] the slots of positions root, root + 1, ...; `draws`: a chain's sampled requests draw
-        their drafts from q (None: the argmax; a tree's drafts always are)."""
+        their drafts from q (None: the argmax; a tree's drafts always are); `penalties`: the step's penalised
+        requests pick under their penalties (draft_penalties.py)."""
         constants, tree = self.constants, self.tree
         if tree is None:
-            return self._propose_verified_chain(step, positions, features, verdict, slots_ahead, draws), None
+            chain = self._propose_verified_chain(step, positions, features, verdict, slots_ahead, draws, penalties)
+            return chain, None
         assert draws is None, "a tree's drafts are the drafter's top ids, never drawn"
         count, rows, width = slots_ahead.shape[0], self.num_draft_tokens + 1, self.num_steps + 1
         root = positions.view(count, rows)[:, 0]
@@ -380,7 +404,8 @@ class Proposer:
             ("scratch offsets", self.scratch_width), lambda: constants.arange(self.scratch_width) + 1
         )
         scratch = slots_ahead.gather(1, verdict.accepted[:, None] + past_root[None, :])  # past the newest
-        return self.draft_tree(step.block_table, root + verdict.accepted, scratch, head[picked], feedback[picked])
+        last = root + verdict.accepted
+        return self.draft_tree(step.block_table, last, scratch, head[picked], feedback[picked], penalties)
 
     def _propose_verified_chain(
         self,
@@ -390,8 +415,10 @@ class Proposer:
         verdict: Verdict,
         slots_ahead: torch.Tensor,
         draws: StepDraws | None = None,
+        penalties: DraftPenalties | None = None,
     ) -> torch.Tensor:
-        """A chain's drafts [B, num_steps] after a verify step on the device (the method's); `draws`: drawn from q."""
+        """A chain's drafts [B, num_steps] after a verify step on the device (the method's); `draws`: drawn from q;
+        `penalties`: picked under them."""
         raise NotImplementedError
 
     def _offsets(self, width: int) -> torch.Tensor:

@@ -46,6 +46,7 @@ from executor_service.sample.device_sampling import GREEDY, SamplingTensors, Ste
 from executor_service.sample.logprobs import TokenLogprob
 from executor_service.sample.sampling import DraftProbs
 from executor_service.spec_decode.device_penalties import unpack_logprobs
+from executor_service.spec_decode.draft_penalties import DraftPenalties
 from executor_service.spec_decode.draft_sampling import StepDraws
 from executor_service.spec_decode.host_verify import DraftTree
 from executor_service.spec_decode.proposer import Proposer
@@ -303,7 +304,12 @@ class SpecStep(VariantSteps):
         if q is not None and sampling is not None:  # the first draft is for the position after the bonus token
             first = root + verdict.accepted + 2
             draws = StepDraws(sampling.params, sampling.seed, first, sorts(variant), self.vocab_ids, q.ids.shape[2])
-        next_tokens, next_parents = self.proposer.propose_verified(step, positions, features, verdict, ahead, draws)
+        drafting = None  # the penalised requests' drafts picked under their penalties, the emitted tokens counted
+        if penalties is not None:
+            drafting = DraftPenalties.from_table(penalties.table, penalties.slot, penalties.params, self.vocab_ids)
+        next_tokens, next_parents = self.proposer.propose_verified(
+            step, positions, features, verdict, ahead, draws, drafting
+        )
         parts = [verdict.emitted, verdict.accepted[:, None], next_tokens]
         if self.dynamic:
             assert next_parents is not None

@@ -10,6 +10,7 @@ import torch
 
 from executor_service.models.draft_models import Drafter, Eagle3Drafter
 from executor_service.runner.step_constants import StepConstants
+from executor_service.spec_decode.draft_penalties import DraftPenalties
 from selection.draft_tree import TreeShape
 
 # Ties broken toward shallower nodes, so that a parent always ranks above a child that scores the same.
@@ -26,6 +27,12 @@ def static_parents(tree: TreeShape) -> list[int]:
     return parents
 
 
+def draft_vocab_ids(drafter: Drafter, constants: StepConstants) -> torch.Tensor | None:
+    """The target's id of each id of the drafter's head (EAGLE-3's reduced vocabulary: a constant); None: the same
+    ids."""
+    return constants.get("draft to target", drafter.target_ids) if isinstance(drafter, Eagle3Drafter) else None
+
+
 class TreeCandidates:
     """A tree shape's candidate picking and dynamic selection, for one drafter."""
 
@@ -35,16 +42,17 @@ class TreeCandidates:
         # top-k elsewhere; tests turn it on on the CPU under TRITON_INTERPRET=1.
         self.fused = torch.device(device).type == "cuda"
 
-    def top(self, head: torch.Tensor, width: int, scores: bool = True) -> tuple[torch.Tensor | None, torch.Tensor]:
+    def top(
+        self, head: torch.Tensor, width: int, scores: bool = True, penalties: DraftPenalties | None = None
+    ) -> tuple[torch.Tensor | None, torch.Tensor]:
         """The drafter's `width` most likely next tokens [N, width] (target ids) and their log-probabilities
-        (float32, cast inside the softmax; None without `scores`: a static tree ranks by the logits alone).
+        (float32, cast inside the softmax; None without `scores`: a static tree ranks by the logits alone), from
+        the logits penalised under each request's history where `penalties` (head: each request's rows in turn).
         Equal values: the lower index first with the fused kernel; torch's order (unspecified on CUDA) without."""
-        if isinstance(self.drafter, Eagle3Drafter):
-            logits = self.drafter.lm_head(head)
-            to_target = self.constants.get("draft to target", self.drafter.target_ids)
-        else:
-            assert self.drafter.target is not None
-            logits, to_target = self.drafter.target.lm_head(head), None
+        to_target = draft_vocab_ids(self.drafter, self.constants)
+        logits = self.drafter.draft_logits(head)
+        if penalties is not None:
+            logits = penalties.apply(logits)
         if self.fused:  # one launch: softmax, top-k and the id map (width <= MAX_TREE_TOP_K = its MAX_K)
             from kernels.triton_topk import topk_log_softmax
 

@@ -4,7 +4,7 @@ marginals, every continuation enumerated with the penalties written out from the
 (penalty_reference.py). The requests run on the device step (its extras variant: device_penalties.py). A
 verification that penalises each row without the drafts before it (as if they had not been emitted) is caught
 by the same bound: measured 0.009 to 0.023 right, 0.089 on token 4 wrong (host path, before the device step
-took these requests).
+took these requests). Drafts drawn from q of the drafter's penalised logits keep it too.
 """
 
 from __future__ import annotations
@@ -15,7 +15,16 @@ import pytest
 import torch
 from greedy_reference import dense_logits
 from penalty_reference import reference_probs
-from spec_sampling_runs import BOUND, MAX_TOKENS, PROMPT, REQUESTS, VOCAB, run_requests, total_variations
+from spec_sampling_runs import (
+    BOUND,
+    MAX_TOKENS,
+    PROMPT,
+    REQUESTS,
+    VOCAB,
+    batch_session,
+    run_requests,
+    total_variations,
+)
 from spec_sampling_runs import session as session  # the module's fixture, shared
 
 import executor_service.sample.penalties as penalties
@@ -78,6 +87,26 @@ def test_speculative_sampling_keeps_the_penalised_distribution(session: ModelSes
     empirical, drafted, accepted = run_requests(session, settings)
     assert min(accepted, drafted - accepted) > REQUESTS // 10  # both paths of verification, many times
     assert session.engine.spec_step.counts["extras"] > extras  # on the device step
+    distances = total_variations(empirical, exact)
+    assert max(distances) < BOUND, distances
+
+
+@pytest.mark.parametrize(("method", "path"), [("eagle3", "device"), ("dflash", "device"), ("eagle3", "host")])
+def test_penalised_drafts_drawn_from_q_keep_the_penalised_distribution(method: str, path: str) -> None:
+    """Drafts drawn from q of the drafter's penalised logits (draft_penalties.py: the history and the drafts before
+    each counted), verified against that q: EAGLE-3 (its reduced vocabulary) and DFlash (its block position by
+    position) on the device step, EAGLE-3 on the host path."""
+    session = batch_session(method)
+    assert session.proposer is not None and session.engine.spec_step is not None
+    session.proposer.sample_drafts = True
+    if path == "host":
+        session.engine.spec_step = None
+    settings = SETTINGS["penalised"]
+    exact = exact_marginals(session.loaded.model, settings)
+    empirical, drafted, accepted = run_requests(session, settings)
+    assert min(accepted, drafted - accepted) > REQUESTS // 10
+    if path == "device":
+        assert session.engine.spec_step.counts["extras"] > 0
     distances = total_variations(empirical, exact)
     assert max(distances) < BOUND, distances
 

@@ -194,8 +194,8 @@ class ReplayInDraftTree:
 
         session.proposer.set_tree = record
 
-    def __call__(self, block_table, last, scratch, head, hidden) -> tuple[torch.Tensor, torch.Tensor]:
-        tokens, parents = self.original(block_table, last, scratch, head, hidden)
+    def __call__(self, block_table, last, scratch, head, hidden, penalties=None) -> tuple[torch.Tensor, torch.Tensor]:
+        tokens, parents = self.original(block_table, last, scratch, head, hidden, penalties)
         by_block = {r.block_ids[0]: r for r in self.session.engine.scheduler.running if r.block_ids}
         rewritten = tokens.clone()
         for row, (first_block, position) in enumerate(zip(block_table[:, 0].tolist(), last.tolist(), strict=True)):
