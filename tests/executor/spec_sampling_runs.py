@@ -45,6 +45,17 @@ def batch_session(method: str) -> ModelSession:
     )
 
 
+def drawing_session(method: str, path: str) -> ModelSession:
+    """batch_session whose drafter draws its drafts from q, verified on the device step ("device") or on the host
+    path alone ("host": the device step dropped)."""
+    session = batch_session(method)
+    assert session.proposer is not None and session.engine.spec_step is not None
+    session.proposer.sample_drafts = True
+    if path == "host":
+        session.engine.spec_step = None
+    return session
+
+
 @pytest.fixture(scope="module")
 def session() -> ModelSession:
     """EAGLE, drafter seed 4: about one draft in five accepted."""

@@ -21,7 +21,7 @@ from spec_sampling_runs import (
     PROMPT,
     REQUESTS,
     VOCAB,
-    batch_session,
+    drawing_session,
     run_requests,
     total_variations,
 )
@@ -96,11 +96,7 @@ def test_penalised_drafts_drawn_from_q_keep_the_penalised_distribution(method: s
     """Drafts drawn from q of the drafter's penalised logits (draft_penalties.py: the history and the drafts before
     each counted), verified against that q: EAGLE-3 (its reduced vocabulary) and DFlash (its block position by
     position) on the device step, EAGLE-3 on the host path."""
-    session = batch_session(method)
-    assert session.proposer is not None and session.engine.spec_step is not None
-    session.proposer.sample_drafts = True
-    if path == "host":
-        session.engine.spec_step = None
+    session = drawing_session(method, path)
     settings = SETTINGS["penalised"]
     exact = exact_marginals(session.loaded.model, settings)
     empirical, drafted, accepted = run_requests(session, settings)

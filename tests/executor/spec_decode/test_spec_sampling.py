@@ -21,7 +21,7 @@ from spec_sampling_runs import (
     REQUESTS,
     SETTINGS,
     VOCAB,
-    batch_session,
+    drawing_session,
     exact_marginals,
     run_requests,
     total_variations,
@@ -55,12 +55,9 @@ def test_sampled_drafts_of_the_other_drafters_keep_the_target_distribution(
 ) -> None:
     """Drafts drawn from q, verified on the device step (and on the host path alone): EAGLE-3 and DFlash; EAGLE with
     q kept on the drafter's 2 most likely ids of 6 (DRAFT_SUPPORT is 32)."""
-    session = batch_session(method)
-    assert session.proposer is not None and session.engine.spec_step is not None
+    session = drawing_session(method, path)
+    assert session.proposer is not None
     session.proposer.draft_support = support
-    session.proposer.sample_drafts = True
-    if path == "host":
-        session.engine.spec_step = None
     settings = SETTINGS["temperature"]
     exact = exact_marginals(session.loaded.model, settings)
     empirical, drafted, accepted = run_requests(session, settings)
