@@ -125,8 +125,10 @@ class Collector:
 
 
 class HostProfile:
-    """cProfile of the engine thread's own work between two steps' on_step calls (a profiler records only the
-    thread that enabled it, and on_step runs on the engine thread): where a decode step's host time goes."""
+    """cProfile of a batch-1 decode run, enabled and disabled from on_step (which runs on the engine thread):
+    where a decode step's host time goes. Python 3.12's cProfile (sys.monitoring) records every thread, so the
+    bench's main thread shows too (its wait for the run: time.sleep, started_between); before 3.12 only the
+    engine thread is recorded."""
 
     def __init__(self) -> None:
         self.profile = cProfile.Profile()
