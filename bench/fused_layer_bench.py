@@ -8,16 +8,24 @@
    triton), unfused (off) and as the table picks, each with programmatic dependent launch on and off
    (kernels/pdl.py; SPECDEC_PDL): step time, kernels per step and per layer (torch.profiler).
    The per-op table of 1. is measured with PDL as the host has it (on from sm_90).
+3. --step-rows R (e.g. 8: a k = 7 verify at batch 1): the pass of one request's R rows as the table picks, unfused,
+   and with every op of R rows fused at its best config of 1. (a trial table), PDL on. Kernels that each tie
+   cuBLAS alone can win together (fewer kernels, chained by PDL), which 1.'s per-op rule cannot see: where the
+   trial's pass is STEP_MARGIN faster than the table's, its R-row configs are the step's winners, and
+   --write-table writes them too.
 Times are CUDA-graph replays of REPS back-to-back calls, divided by REPS. Writes bench/results/fused_layer_*.json.
 
     python bench/fused_layer_bench.py [--dtypes bfloat16,float32] [--write-table] [--step-presets smollm2,llama3-8b]
+    python bench/fused_layer_bench.py --presets smollm2 --rows 8 --step-rows 8 [--write-table]
 """
 
 from __future__ import annotations
 
 import argparse
 import itertools
+import json
 import os
+import statistics
 import sys
 from collections.abc import Callable
 from pathlib import Path
@@ -39,7 +47,16 @@ from executor_service.models.model import Attention
 from kernels import pdl
 from kernels.qkv_rope_gemm import qkv_rope_store
 from kernels.small_gemm import MAX_GEMV_ROWS, small_gemm
-from kernels.small_gemm_table import POLICY_ENV, GemmConfig, dtype_name, merge_winners, table_key
+from kernels.small_gemm_table import (
+    POLICY_ENV,
+    GemmConfig,
+    dtype_name,
+    load_table,
+    merge_winners,
+    rows_bucket,
+    table_key,
+    trial_table,
+)
 
 REPO = Path(__file__).resolve().parent.parent
 REPS = 20  # calls per captured graph: launch gaps as in a real step, not one kernel's host latency
@@ -54,6 +71,8 @@ GEMV_SWEEP = [GemmConfig(n, k, w, gemv=True) for n, k, w in [(4, 1024, 4), (8, 1
     (16, 1024, 8), (32, 128, 4), (32, 256, 4)]]  # fmt: skip
 CONTEXT, BLOCK_SIZE = 300, 16
 WIN_MARGIN = 0.95  # a fused kernel replaces cuBLAS only 5 % faster alone: a tie in isolation is no win in a step
+STEP_MARGIN = 0.97  # a trial table's R-row configs win where its pass is 3 % faster than the table's (medians)
+TRIAL_ROUNDS = 7  # interleaved timing rounds of the step-level trials
 
 
 def model_config(preset: str, num_layers: int | None = None) -> ModelConfig:
@@ -159,18 +178,26 @@ def count_kernels(run: Callable[[], Any]) -> tuple[int, dict[str, float]]:
     return len(kernels), dict(sorted(per_name.items(), key=lambda item: -item[1])[:12])
 
 
-def decode_step(
-    preset: str, policy: str, use_pdl: bool, dtype: torch.dtype, device: torch.device, num_layers: int | None
-) -> dict:
-    """One decode step of batch 1 at CONTEXT, captured as a CUDA graph: its time and kernels."""
+def capture_pass(
+    preset: str,
+    policy: str,
+    use_pdl: bool,
+    dtype: torch.dtype,
+    device: torch.device,
+    num_layers: int | None,
+    rows: int = 1,
+) -> tuple[torch.cuda.CUDAGraph, dict]:
+    """A pass of a request's `rows` new tokens (1: a decode step; k + 1: a verify of k drafts) after CONTEXT cached
+    ones, captured as a CUDA graph under `policy` (the fused kernels are chosen at capture), and what it is."""
     set_policy(policy)
     os.environ[pdl.ENV] = "1" if use_pdl else "0"
     cfg = model_config(preset, num_layers)
     model = build_synthetic(cfg, 0, dtype, device).model
-    cache = KVCache(cfg, CONTEXT // BLOCK_SIZE + 2, BLOCK_SIZE, dtype, device)
-    step = build_attention_step("TRITON_ATTN", [list(range(CONTEXT // BLOCK_SIZE + 1))], [1], [CONTEXT + 1],
-                                [CONTEXT], True, device)  # fmt: skip
-    ids, pos = torch.tensor([7], device=device), torch.tensor([CONTEXT], device=device)
+    blocks = -(-(CONTEXT + rows) // BLOCK_SIZE)
+    cache = KVCache(cfg, blocks + 1, BLOCK_SIZE, dtype, device)
+    step = build_attention_step("TRITON_ATTN", [list(range(blocks))], [rows], [CONTEXT + rows],
+                                list(range(CONTEXT, CONTEXT + rows)), True, device)  # fmt: skip
+    ids, pos = torch.full((rows,), 7, device=device), torch.arange(CONTEXT, CONTEXT + rows, device=device)
 
     def forward() -> None:
         with torch.inference_mode():
@@ -182,10 +209,51 @@ def decode_step(
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         forward()
-    step_ms = time_graph(graph.replay, device, iters=100)
     kernels, kernel_us = count_kernels(graph.replay)
-    return {"preset": preset, "policy": policy, "pdl": pdl.enabled(device), "layers": cfg.num_layers,
-            "dtype": dtype_name(dtype), "step_ms": step_ms, "kernels": kernels, "kernel_us": kernel_us}  # fmt: skip
+    return graph, {"preset": preset, "policy": policy, "pdl": pdl.enabled(device), "layers": cfg.num_layers,
+                   "rows": rows, "dtype": dtype_name(dtype), "kernels": kernels, "kernel_us": kernel_us}  # fmt: skip
+
+
+def decode_step(
+    preset: str, policy: str, use_pdl: bool, dtype: torch.dtype, device: torch.device, num_layers: int | None
+) -> dict:
+    """One decode step of batch 1 at CONTEXT as a CUDA graph: its time and kernels."""
+    graph, info = capture_pass(preset, policy, use_pdl, dtype, device, num_layers)
+    return {**info, "step_ms": time_graph(graph.replay, device, iters=100)}
+
+
+def best_fused(gemms: list[dict], preset: str, rows: int, dtype: torch.dtype) -> dict[str, Any]:
+    """{key: config}: every op of `preset` at `rows` fused at its best config of the per-op sweep, won or not."""
+    return {
+        table_key(g["op"], rows, g["n"], g["k"]): g["config"]
+        for g in gemms
+        if g["preset"] == preset and g["dtype"] == dtype_name(dtype) and rows_bucket(g["rows"]) == rows_bucket(rows)
+    }
+
+
+def step_trials(preset: str, rows: int, gemms: list[dict], dtype: torch.dtype, device: torch.device) -> dict:
+    """The `rows`-row pass as the table picks, unfused, and under the trial table (the table with every `rows`-row
+    op fused at its best config), PDL on; the trial's configs are the winners where it beats the table's pass."""
+    trial = best_fused(gemms, preset, rows, dtype)
+    if not trial:
+        raise SystemExit(f"--step-rows {rows}: time {preset}'s ops at {rows} rows too (--presets, --rows)")
+    device_key, dtype_key = torch.cuda.get_device_name(device), dtype_name(dtype)
+    devices = json.loads(json.dumps(load_table()))  # a copy: the trial's entries replace the table's
+    devices.setdefault(device_key, {}).setdefault(dtype_key, {}).update(trial)
+    graphs = {policy: capture_pass(preset, policy, True, dtype, device, None, rows) for policy in ("table", "off")}
+    with trial_table(devices):
+        graphs["trial"] = capture_pass(preset, "table", True, dtype, device, None, rows)
+    times: dict[str, list[float]] = {name: [] for name in graphs}
+    for _ in range(TRIAL_ROUNDS):  # interleaved: a drift of the clocks meets every pass alike
+        for name, (graph, _) in graphs.items():
+            times[name].append(time_graph(graph.replay, device, iters=30))
+    passes = {name: {**info, "step_ms": statistics.median(times[name]), "rounds_ms": times[name]}
+              for name, (_, info) in graphs.items()}  # fmt: skip
+    wins = passes["trial"]["step_ms"] < STEP_MARGIN * passes["table"]["step_ms"]
+    log(f"{preset} pass of {rows} rows, PDL: table {passes['table']['step_ms']:.3f} ms ({passes['table']['kernels']} "
+        f"kernels), unfused {passes['off']['step_ms']:.3f}, all fused at best {passes['trial']['step_ms']:.3f} ms "
+        f"({passes['trial']['kernels']} kernels): {'the trial wins' if wins else 'the table stays'}")  # fmt: skip
+    return {"preset": preset, "rows": rows, "passes": passes, "trial": trial, "trial_wins": wins}
 
 
 def main() -> int:
@@ -194,6 +262,8 @@ def main() -> int:
     parser.add_argument("--presets", default="smollm2,llama3-8b", help="shapes of the per-op table")
     parser.add_argument("--step-presets", default="smollm2", help="models of the decode-step runs")
     parser.add_argument("--rows", default=",".join(map(str, ROWS)), help="rows of the per-op table")
+    parser.add_argument("--step-rows", default="", help="rows of the step-level trials (3.), e.g. 8")
+    parser.add_argument("--no-decode-steps", action="store_true", help="skip 2. (the batch-1 decode steps)")
     parser.add_argument("--write-table", action="store_true", help="merge the winners into small_gemm_table.json")
     parser.add_argument("--out", default=str(REPO / "bench" / "results"))
     args = parser.parse_args()
@@ -208,8 +278,19 @@ def main() -> int:
         for row in report["gemms"]:
             measured.setdefault(row["dtype"], set()).add(table_key(row["op"], row["rows"], row["n"], row["k"]))
         merge_winners(winners, torch.cuda.get_device_name(device), measured)
+    trials = [
+        step_trials(preset, int(rows), report["gemms"], dtypes[0], device)
+        for preset in args.step_presets.split(",")
+        for rows in filter(None, args.step_rows.split(","))
+    ]
+    report["step_trials"] = trials
+    if args.write_table:
+        dtype_key = dtype_name(dtypes[0])
+        for trial in (t for t in trials if t["trial_wins"]):
+            entries = trial["trial"]
+            merge_winners({dtype_key: entries}, torch.cuda.get_device_name(device), {dtype_key: set(entries)})
     steps = []
-    for preset in args.step_presets.split(","):
+    for preset in [] if args.no_decode_steps else args.step_presets.split(","):
         for policy, use_pdl in itertools.product(("off", "triton", "table"), (False, True)):
             two, four = (decode_step(preset, policy, use_pdl, dtypes[0], device, n) for n in (2, 4))
             full = decode_step(preset, policy, use_pdl, dtypes[0], device, None)

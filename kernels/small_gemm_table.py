@@ -9,7 +9,9 @@ small_gemm_table.json (the bench's --write-table merges its winners there, with 
 - "linear": a plain GEMM (o_proj, down_proj), vs cuBLAS.
 
 Rows are bucketed to the next power of two (up to MAX_ROWS). SPECDEC_SMALL_GEMM overrides the table: "triton"
-fuses every eligible shape (the kernel-count test, the bench's fused runs), "off" none.
+fuses every eligible shape (the kernel-count test, the bench's fused runs), "off" none. `trial_table` swaps the
+whole table for a while: the bench's step-level trials, where a row count's fused kernels together can beat cuBLAS
+in a step (programmatic dependent launch chains them) though none wins alone.
 """
 
 from __future__ import annotations
@@ -17,6 +19,8 @@ from __future__ import annotations
 import functools
 import json
 import os
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -68,6 +72,20 @@ def load_table(path: Path = TABLE_PATH) -> dict[str, Any]:
     return json.loads(path.read_text()).get("devices", {})
 
 
+_trial: dict[str, Any] | None = None  # trial_table's devices while it runs
+
+
+@contextmanager
+def trial_table(devices: dict[str, Any]) -> Iterator[None]:
+    """`choose` reads `devices` ({device name: {dtype: {key: config}}}) instead of the file meanwhile."""
+    global _trial
+    previous, _trial = _trial, devices
+    try:
+        yield
+    finally:
+        _trial = previous
+
+
 def policy() -> str:
     value = os.environ.get(POLICY_ENV, "table")
     if value not in POLICIES:
@@ -87,7 +105,8 @@ def choose(op: str, rows: int, n: int, k: int, dtype: torch.dtype, device: torch
     mode = policy()
     if mode == "off":
         return None
-    entry = load_table().get(device_name(device), {}).get(dtype_name(dtype), {}).get(table_key(op, rows, n, k))
+    table = load_table() if _trial is None else _trial
+    entry = table.get(device_name(device), {}).get(dtype_name(dtype), {}).get(table_key(op, rows, n, k))
     if entry is not None:
         return GemmConfig(**entry)
     return DEFAULT_CONFIG if mode == "triton" else None

@@ -1,4 +1,4 @@
-"""The fused-GEMM table's merge: a bench run replaces the shapes it timed and keeps the rest."""
+"""The fused-GEMM table's merge (a bench run replaces the shapes it timed and keeps the rest) and its trials."""
 
 from __future__ import annotations
 
@@ -6,7 +6,10 @@ import json
 from dataclasses import asdict
 from pathlib import Path
 
-from kernels.small_gemm_table import GemmConfig, merge_winners
+import pytest
+import torch
+
+from kernels.small_gemm_table import POLICY_ENV, GemmConfig, choose, merge_winners, trial_table
 
 
 def test_merge_replaces_only_the_shapes_the_run_timed(tmp_path: Path) -> None:
@@ -24,3 +27,18 @@ def test_merge_replaces_only_the_shapes_the_run_timed(tmp_path: Path) -> None:
     }  # linear:1 and qkv_rope:1 lost this time: gone
     assert document["devices"]["Other"]["bfloat16"] == old
     assert GemmConfig(**document["devices"]["GPU"]["bfloat16"]["gate_up_silu:1:3072:576"]).gemv
+
+
+def test_a_trial_table_replaces_the_file_while_it_runs(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The bench's step-level trials: `choose` reads the trial's entries, and the file's again after it."""
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    monkeypatch.setenv(POLICY_ENV, "table")
+    cpu = torch.device("cpu")
+    config = GemmConfig(16, 256, 4)
+    trial = {"cpu": {"float32": {"linear:8:64:32": asdict(config)}}}
+    assert choose("linear", 8, 64, 32, torch.float32, cpu) is None  # the file has no entry for the CPU
+    with trial_table(trial):
+        assert choose("linear", 8, 64, 32, torch.float32, cpu) == config
+        assert choose("linear", 5, 64, 32, torch.float32, cpu) == config  # rows bucketed to 8
+        assert choose("linear", 16, 64, 32, torch.float32, cpu) is None  # a key the trial lacks: unfused
+    assert choose("linear", 8, 64, 32, torch.float32, cpu) is None
