@@ -1,9 +1,10 @@
 #!/usr/bin/env python
 """Fused decoder layers (GPU; not a test): the small-M Triton GEMMs against cuBLAS, per shape, and a decode step.
 
-1. Per op and shape (SmolLM2-135M and Llama-3-8B; rows 1-64): the unfused ops (add + RMSNorm kernel, cuBLAS,
-   RoPE + store or SiLU-and-mul) vs the fused kernel at each tile config of a small sweep; the best fused config
-   wins the shape where it is at least 5 % faster. --write-table merges the winners into kernels/small_gemm_table.json.
+1. Per op and shape (SmolLM2-135M, Llama-3-8B, the shipped SmolLM2 drafters' own; rows 1-64): the unfused ops
+   (add + RMSNorm kernel, cuBLAS, RoPE + store or SiLU-and-mul) vs the fused kernel at each tile config of a small
+   sweep; the best fused config wins the shape where it is at least 5 % faster. --write-table merges the winners
+   into kernels/small_gemm_table.json.
 2. One decoder layer and the whole decode step (batch 1, CUDA graph, context 300), fused (SPECDEC_SMALL_GEMM=
    triton), unfused (off) and as the table picks, each with programmatic dependent launch on and off
    (kernels/pdl.py; SPECDEC_PDL): step time, kernels per step and per layer (torch.profiler).
@@ -22,6 +23,7 @@ Times are CUDA-graph replays of REPS back-to-back calls, divided by REPS. Writes
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import itertools
 import json
 import os
@@ -70,6 +72,7 @@ SWEEP = [GemmConfig(n, k, 4) for n in (16, 32, 64) for k in (64, 128, 256)] + [
 GEMV_SWEEP = [GemmConfig(n, k, w, gemv=True) for n, k, w in [(4, 1024, 4), (8, 1024, 4), (8, 512, 4), (16, 256, 4),
     (16, 1024, 8), (32, 128, 4), (32, 256, 4)]]  # fmt: skip
 CONTEXT, BLOCK_SIZE = 300, 16
+DRAFTER_MLP = {"smollm2": {"eagle3": 1024, "dflash": 768}}  # the shipped drafters' MLP widths (drafters/*/config.json)
 WIN_MARGIN = 0.95  # a fused kernel replaces cuBLAS only 5 % faster alone: a tie in isolation is no win in a step
 STEP_MARGIN = 0.97  # a trial table's R-row configs win where its pass is 3 % faster than the table's (medians)
 TRIAL_ROUNDS = 7  # interleaved timing rounds of the step-level trials
@@ -137,6 +140,36 @@ def op_cases(cfg: ModelConfig, rows: int, dtype: torch.dtype, device: torch.devi
     ]  # fmt: skip
 
 
+def eagle3_qkv_case(cfg: ModelConfig, rows: int, dtype: torch.dtype, device: torch.device) -> tuple:
+    """EAGLE-3's QKV: its attention input is [norm(embedding) | norm(hidden)] (K = 2 x hidden), read by the
+    fused kernel's prologue from both tensors."""
+    x, x2 = (torch.randn(rows, cfg.hidden_size, dtype=dtype, device=device) for _ in range(2))
+    norm_w = torch.ones(cfg.hidden_size, dtype=dtype, device=device)
+    attn = Attention(cfg, input_size=2 * cfg.hidden_size).to(device=device, dtype=dtype)
+    cache = KVCache(cfg, 8, BLOCK_SIZE, dtype, device)
+    cos, sin = (torch.randn(rows, 1, cfg.head_size // 2, dtype=dtype, device=device) for _ in range(2))
+    slots = torch.arange(rows, device=device)
+    inp = NormInput(x, None, norm_w, 1e-5, x2, norm_w)
+    qkv_w = attn.qkv_proj.weight
+    return (
+        "qkv_rope", qkv_w.shape[0], 2 * cfg.hidden_size,
+        lambda: attn.project_and_store(inp, (cos, sin), cache.layers[0], slots),
+        lambda c: qkv_rope_store(x, qkv_w, None, None, norm_w, 1e-5, cfg.num_heads, cfg.num_kv_heads, cos, sin,
+                                 *cache.layers[0], slots, None, c, x2=x2, norm_weight2=norm_w),
+    )  # fmt: skip
+
+
+def drafter_cases(preset: str, rows: int, dtype: torch.dtype, device: torch.device) -> list[tuple]:
+    """The shipped drafters' GEMMs whose shapes the target's lack (DRAFTER_MLP: their MLP widths; EAGLE-3's QKV
+    over two inputs), so that drafting steps get their own table entries."""
+    cases = []
+    for method, intermediate in DRAFTER_MLP.get(preset, {}).items():
+        cfg = dataclasses.replace(model_config(preset, 1), intermediate_size=intermediate)
+        mlp = [c for c in op_cases(cfg, rows, dtype, device) if c[0] == "gate_up_silu" or c[2] == intermediate]
+        cases += mlp + ([eagle3_qkv_case(cfg, rows, dtype, device)] if method == "eagle3" else [])
+    return cases
+
+
 def gemm_table(
     presets: list[str], dtypes: list[torch.dtype], rows_list: list[int], device: torch.device
 ) -> tuple[list, dict]:
@@ -146,7 +179,9 @@ def gemm_table(
         for preset in presets:
             cfg = model_config(preset, 1)
             for rows in rows_list:
-                for op, n, k, unfused, fused in op_cases(cfg, rows, dtype, device):
+                for op, n, k, unfused, fused in op_cases(cfg, rows, dtype, device) + drafter_cases(
+                    preset, rows, dtype, device
+                ):
                     base = per_call_ms(unfused, device)
                     sweep = SWEEP + (GEMV_SWEEP if rows <= MAX_GEMV_ROWS else [])
                     if op == "qkv_rope":  # an MMA program takes a whole head: block_n unused
@@ -210,6 +245,7 @@ def capture_pass(
     with torch.cuda.graph(graph):
         forward()
     kernels, kernel_us = count_kernels(graph.replay)
+    graph.keep_alive = (model, cache, step, ids, pos)  # what the replays read, allocated outside the graph's pool
     return graph, {"preset": preset, "policy": policy, "pdl": pdl.enabled(device), "layers": cfg.num_layers,
                    "rows": rows, "dtype": dtype_name(dtype), "kernels": kernels, "kernel_us": kernel_us}  # fmt: skip
 
