@@ -160,9 +160,16 @@ class EagleProposer(Proposer):
         chain_seq_lens = (chain_positions + 1).to(torch.int32)
         chain_slots = x["ahead_slots"][:, 1:].t().contiguous()
         query_start_loc = torch.arange(positions.shape[0] + 1, dtype=torch.int32, device=positions.device)
+        # Every step's cos and sin in one lookup, not two gathers per step: [num_steps - 1, B, 1, D/2].
+        cos, sin = (
+            t.view(*chain_positions.shape, *t.shape[1:])
+            for t in self.drafter.rope.lookup(chain_positions.reshape(-1), hidden.dtype)
+        )
         for j in range(self.num_steps - 1):
             step = self.chain_step(block_table, query_start_loc, chain_positions[j], chain_seq_lens[j], chain_slots[j])
-            hidden, head = self.drafter(tokens, chain_positions[j], hidden, self.kv_cache.layers, step)
+            hidden, head = self.drafter(
+                tokens, chain_positions[j], hidden, self.kv_cache.layers, step, rotary=(cos[j], sin[j])
+            )
             tokens = pick(head)
             drafted.append(tokens)
         if not drafted:

@@ -146,6 +146,7 @@ class StaleChainSteps:
         self.forward, self.chain_step = proposer.drafter.forward, proposer.chain_step
         self.first_step: AttentionStep | None = None
         self.first_positions: torch.Tensor | None = None
+        self.first_rotary: object = None
 
     def patch(self, what: str, monkeypatch: pytest.MonkeyPatch) -> None:
         for entry in ("propose", "propose_verified"):
@@ -157,7 +158,7 @@ class StaleChainSteps:
 
     def counted(self, entry: Callable[..., object]) -> Callable[..., object]:
         def proposal(*args: object) -> object:
-            self.calls, self.first_step, self.first_positions = 0, None, None
+            self.calls, self.first_step, self.first_positions, self.first_rotary = 0, None, None, None
             return entry(*args)
 
         return proposal
@@ -167,13 +168,17 @@ class StaleChainSteps:
             self.first_step = self.chain_step(*args)
         return self.first_step
 
-    def stale_positions(self, input_ids: torch.Tensor, positions: torch.Tensor, *rest: object) -> object:
+    def stale_positions(
+        self, input_ids: torch.Tensor, positions: torch.Tensor, *rest: object, rotary: object = None
+    ) -> object:
+        """Steps 2..k at step 1's positions: its position ids and, where the chain looked every step's cos and sin
+        up at once, its rotary too."""
         self.calls += 1
         if self.calls == 2:
-            self.first_positions = positions
+            self.first_positions, self.first_rotary = positions, rotary
         elif self.calls > 2 and self.first_positions is not None:
-            positions = self.first_positions
-        return self.forward(input_ids, positions, *rest)
+            positions, rotary = self.first_positions, self.first_rotary
+        return self.forward(input_ids, positions, *rest, rotary=rotary)
 
 
 @pytest.mark.parametrize("what", ["metadata", "positions"])
