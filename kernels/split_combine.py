@@ -23,12 +23,14 @@ from kernels.pdl import wait_for_inputs
 
 @triton.jit
 def arrive_and_combine(
-    counter_ptr, participants, partial_ptr, lse_ptr, out_ptr, partial_offs, lse_rows, out_offs, row_mask, out_mask,
-    n_used, stride_split_o, stride_split_lse, BLOCK_M: tl.constexpr, HEAD_PAD: tl.constexpr,
+    counter_ptr, participants, partial_ptr, lse_ptr, out_ptr, lse_rows, out_rows, row_mask, n_used,
+    stride_split_o, stride_split_lse, BLOCK_M: tl.constexpr, HEAD_SIZE: tl.constexpr, HEAD_PAD: tl.constexpr,
     NUM_SPLITS: tl.constexpr,
 ):  # fmt: skip
     """Called by every program that wrote partials of this (request, head block), after writing them: the last
-    of the `participants` to arrive combines parts 0 .. n_used - 1 of its rows into out and zeroes the counter."""
+    of the `participants` to arrive combines parts 0 .. n_used - 1 of its rows into out and zeroes the counter.
+    `lse_rows`: the rows' (token x heads + head) in lse [S, T, H] and partial [S, T, H, HEAD_SIZE]; `out_rows`:
+    their offsets in out."""
     tl.debug_barrier()  # every thread's partial stores precede the release below
     arrived = tl.atomic_add(counter_ptr, 1, sem="acq_rel", scope="gpu")
     if arrived == participants - 1:
@@ -41,18 +43,20 @@ def arrive_and_combine(
         )
         lse_max = tl.max(lse, 0)
         lse_max = tl.where(lse_max > float("-inf"), lse_max, 0.0)  # padding rows: nothing to weigh
+        offs_d = tl.arange(0, HEAD_PAD)
+        mask = row_mask[:, None] & (offs_d < HEAD_SIZE)[None, :]
         total = tl.zeros([BLOCK_M], tl.float32)
         acc = tl.zeros([BLOCK_M, HEAD_PAD], tl.float32)
         for part in range(0, n_used):
             part_lse = tl.load(lse_ptr + part * stride_split_lse + lse_rows, mask=row_mask, other=float("-inf"),
                                cache_modifier=".cg")  # fmt: skip
             weight = tl.math.exp2(part_lse - lse_max)
-            partial = tl.load(partial_ptr + part * stride_split_o + partial_offs, mask=out_mask, other=0.0,
-                              cache_modifier=".cg")  # fmt: skip
-            acc += partial * weight[:, None]
+            offs = part * stride_split_o + lse_rows[:, None] * HEAD_SIZE + offs_d[None, :]
+            acc += tl.load(partial_ptr + offs, mask=mask, other=0.0, cache_modifier=".cg") * weight[:, None]
             total += weight
         total = tl.where(total > 0.0, total, 1.0)
-        tl.store(out_ptr + out_offs, (acc / total[:, None]).to(out_ptr.dtype.element_ty), mask=out_mask)
+        out = (acc / total[:, None]).to(out_ptr.dtype.element_ty)
+        tl.store(out_ptr + out_rows[:, None] + offs_d[None, :], out, mask=mask)
         tl.atomic_xchg(counter_ptr, 0, sem="relaxed", scope="gpu")  # zero again for the next call (graph replay)
 
 

@@ -163,49 +163,51 @@ def _paged_attention_kernel(
     k_base = k_cache_ptr + kv_head * stride_kh
     v_base = v_cache_ptr + kv_head * stride_kh
     table = block_table_ptr + req.to(tl.int64) * stride_bt
-    out_offs = token[:, None] * stride_ot + head[:, None] * stride_oh + offs_d[None, :]
-    out_mask = row_mask[:, None] & d_mask[None, :]
-    n_used = 1  # parts of the keys written; one: this program writes the output itself
-    if SPLIT:  # MAX_SPLITS parts of this request's keys, at least MIN_SPLIT_LEN each: a function of the
-        # request alone, so a CUDA graph (launched for its largest context) adds exactly what eager adds. A
-        # launch of fewer programs than NUM_SPLITS has each take every n-th split; the splits stay the same.
-        # The last term only matters when a launch has fewer splits than that needs (tests force it).
+    out_rows = token * stride_ot + head * stride_oh  # [BLOCK_M] offsets, widened by offs_d only where stored
+    if not SPLIT:
+        acc, _, l_i = _attend_keys(
+            q, k_base, v_base, table, stride_kb, stride_ks, offs_d, q_pos, tree_bits, 0, kv_end, all_visible,
+            kv_len, scale_log2, block_size, BLOCK_M, CAUSAL, BLOCK_N, HEAD_SIZE, HEAD_PAD, PAGE_ALIGNED,
+            DOT_PRECISION, TREE,
+        )  # fmt: skip
+        out = (acc / tl.where(l_i > 0.0, l_i, 1.0)[:, None]).to(out_ptr.dtype.element_ty)
+        tl.store(out_ptr + out_rows[:, None] + offs_d[None, :], out, mask=row_mask[:, None] & d_mask[None, :])
+    else:  # MAX_SPLITS parts of this request's keys, at least MIN_SPLIT_LEN each: a function of the request
+        # alone, so a CUDA graph (launched for its largest context) adds exactly what eager adds. A launch of
+        # fewer programs than NUM_SPLITS has each take every n-th split; the splits stay the same. The last
+        # term only matters when a launch has fewer splits than that needs (tests force it).
         split_len = tl.maximum(tl.cdiv(tl.cdiv(kv_end, MAX_SPLITS), BLOCK_N) * BLOCK_N, MIN_SPLIT_LEN)
         split_len = tl.maximum(split_len, tl.cdiv(tl.cdiv(kv_end, NUM_SPLITS), BLOCK_N) * BLOCK_N)
-        n_used = NUM_SPLITS  # the combine kernel reads every part, so each is written, empty or not
-        if COMBINE:  # only the non-empty parts: a short context is one part, written as the output
-            n_used = tl.maximum(tl.cdiv(kv_end, split_len), 1)
-    if n_used == 1:
-        if split == 0:
-            acc, m_i, l_i = _attend_keys(
-                q, k_base, v_base, table, stride_kb, stride_ks, offs_d, q_pos, tree_bits, 0, kv_end, all_visible,
-                kv_len, scale_log2, block_size, BLOCK_M, CAUSAL, BLOCK_N, HEAD_SIZE, HEAD_PAD, PAGE_ALIGNED,
-                DOT_PRECISION, TREE,
-            )  # fmt: skip
-            safe_l = tl.where(l_i > 0.0, l_i, 1.0)
-            tl.store(out_ptr + out_offs, (acc / safe_l[:, None]).to(out_ptr.dtype.element_ty), mask=out_mask)
-    elif split < n_used:  # programs that own no part of these keys touch nothing
-        num_heads = tl.num_programs(1) * ROW_GROUP
-        lse_rows = token * num_heads + head
-        partial_offs = lse_rows[:, None] * HEAD_SIZE + offs_d[None, :]  # partial: [NUM_SPLITS, T, H, HEAD_SIZE]
-        for part in range(split, n_used, tl.num_programs(2)):
-            start = part * split_len
-            end = tl.minimum(start + split_len, kv_end)
-            acc, m_i, l_i = _attend_keys(
-                q, k_base, v_base, table, stride_kb, stride_ks, offs_d, q_pos, tree_bits, start, end, all_visible,
-                kv_len, scale_log2, block_size, BLOCK_M, CAUSAL, BLOCK_N, HEAD_SIZE, HEAD_PAD, PAGE_ALIGNED,
-                DOT_PRECISION, TREE,
-            )  # fmt: skip
-            safe_l = tl.where(l_i > 0.0, l_i, 1.0)
-            lse = tl.where(l_i > 0.0, m_i + tl.math.log2(safe_l), float("-inf"))
-            tl.store(partial_ptr + part * stride_split_o + partial_offs, acc / safe_l[:, None], mask=out_mask)
-            tl.store(lse_ptr + part * stride_split_lse + lse_rows, lse, mask=row_mask)
-        if COMBINE:
-            arrive_and_combine(
-                counters_ptr + req * tl.num_programs(1) + head_block, tl.minimum(n_used, tl.num_programs(2)),
-                partial_ptr, lse_ptr, out_ptr, partial_offs, lse_rows, out_offs, row_mask, out_mask, n_used,
-                stride_split_o, stride_split_lse, BLOCK_M, HEAD_PAD, NUM_SPLITS,
-            )  # fmt: skip
+        # Parts written: with COMBINE the non-empty ones (a short context is one, written as the output); else
+        # every part, empty or not, since the combine kernel reads them all.
+        n_used = tl.maximum(tl.cdiv(kv_end, split_len), 1) if COMBINE else tl.full([], NUM_SPLITS, tl.int32)
+        if split < n_used:  # programs that own no part of these keys touch nothing
+            num_heads = tl.num_programs(1) * ROW_GROUP
+            lse_rows = token * num_heads + head  # partial: [NUM_SPLITS, T, H, HEAD_SIZE], lse: [NUM_SPLITS, T, H]
+            out_mask = row_mask[:, None] & d_mask[None, :]
+            for part in range(split, n_used, tl.num_programs(2)):
+                start = part * split_len
+                end = tl.minimum(start + split_len, kv_end)
+                acc, m_i, l_i = _attend_keys(
+                    q, k_base, v_base, table, stride_kb, stride_ks, offs_d, q_pos, tree_bits, start, end,
+                    all_visible, kv_len, scale_log2, block_size, BLOCK_M, CAUSAL, BLOCK_N, HEAD_SIZE, HEAD_PAD,
+                    PAGE_ALIGNED, DOT_PRECISION, TREE,
+                )  # fmt: skip
+                safe_l = tl.where(l_i > 0.0, l_i, 1.0)
+                if n_used == 1:  # the only part: the output itself
+                    out_offs = out_rows[:, None] + offs_d[None, :]
+                    tl.store(out_ptr + out_offs, (acc / safe_l[:, None]).to(out_ptr.dtype.element_ty), mask=out_mask)
+                else:
+                    lse = tl.where(l_i > 0.0, m_i + tl.math.log2(safe_l), float("-inf"))
+                    partial_offs = part * stride_split_o + lse_rows[:, None] * HEAD_SIZE + offs_d[None, :]
+                    tl.store(partial_ptr + partial_offs, acc / safe_l[:, None], mask=out_mask)
+                    tl.store(lse_ptr + part * stride_split_lse + lse_rows, lse, mask=row_mask)
+            if COMBINE and n_used > 1:
+                arrive_and_combine(
+                    counters_ptr + req * tl.num_programs(1) + head_block, tl.minimum(n_used, tl.num_programs(2)),
+                    partial_ptr, lse_ptr, out_ptr, lse_rows, out_rows, row_mask, n_used, stride_split_o,
+                    stride_split_lse, BLOCK_M, HEAD_SIZE, HEAD_PAD, NUM_SPLITS,
+                )  # fmt: skip
 
 
 @triton.jit
