@@ -7,6 +7,8 @@
       non-causal: every query sees all seq_lens[b] keys of its request.        -> out [T, Hq, D]
       tree_mask (optional, causal only): [T] int64, each token's bits over its request's 64 newest keys,
       for tree drafting (kernels/tree_mask.py); -1 is plain causal.
+      split_counters (optional, TRITON_ATTN): int32 counters, zero between calls (`new_split_counters`), with
+      which a split-KV call combines its parts in one kernel (kernels/split_combine.py).
 
 Causality is an argument of every call (R9), so one backend serves causal target steps and non-causal
 DFlash steps; a backend asked for what its capability entry does not claim fails with the reasons.

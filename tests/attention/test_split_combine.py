@@ -91,7 +91,8 @@ def check_both_paths(
     assert len(launches) == 1
     torch.testing.assert_close(one.double().cpu(), reference, atol=TOL, rtol=TOL)
     torch.testing.assert_close(one, two, atol=TOL / 4, rtol=TOL / 4)
-    if one_part:  # written directly by its one program: the same bits as combined from one part
+    if one_part and DEVICE.type == "cpu":  # written directly by its one program: the same bits as combined from
+        # one part (the interpreter runs one code path; a GPU's two specialisations may round apart)
         first = batch.spec.query_lens[0]
         assert torch.equal(one[:first], two[:first])
 
