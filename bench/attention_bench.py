@@ -1,13 +1,10 @@
 #!/usr/bin/env python
 """Attention benchmark (GPU; not a test): Llama-3-8B's attention shape (32 q heads, 8 KV heads, d=128,
-bf16, paged; `--shape smollm2`: 9, 3, 64) in the cases of CASES (DFlash block, verify, decode, 4k prefill, and
-batch-1 decode and verify with a CUDA graph's max_seq_len bound, which split 16 ways), for every backend that runs
+bf16, paged) in the cases of CASES (DFlash block, verify, decode, 4k prefill), for every backend that runs
 here, measured in one run next to FlashAttention-4 called directly and flex_attention compiled and called
-directly. `--combine both` (the default) also times TRITON_ATTN's split-KV combined in its one kernel (a counters
-buffer given, TRITON_ATTN_one_kernel) next to the two-kernel path (TRITON_ATTN), and reports two / one.
-Writes bench/results/attention_<date>_<commit>.json.
+directly. Writes bench/results/attention_<date>_<commit>.json.
 
-    python bench/attention_bench.py [--block-size 128] [--sweep] [--cases dflash,decode_b1] [--combine both]
+    python bench/attention_bench.py [--block-size 128] [--sweep] [--cases dflash,decode]
 """
 
 from __future__ import annotations
@@ -25,23 +22,18 @@ import triton.testing
 from common import commit_id, device_tag
 
 from kernels import paged_attention, unavailable_reason
-from kernels.attention import AttentionBatch, new_split_counters
+from kernels.attention import AttentionBatch
 from kernels.testing import BatchSpec, PagedBatch, make_paged_batch
 
 REPO = Path(__file__).resolve().parent.parent
-SHAPES = {"8b": (32, 8, 128), "smollm2": (9, 3, 64)}  # q heads, KV heads, head size
-HEADS, KV_HEADS, HEAD_SIZE = SHAPES["8b"]  # main sets them from --shape
-GRAPH_MAX_SEQ_LEN = 8192  # the bound a CUDA graph captures with (the model's context): what splits batch 1 16 ways
+HEADS, KV_HEADS, HEAD_SIZE = 32, 8, 128
 CASES = {
     "dflash": (BatchSpec("dflash_block_q16_kv4k_b32", (4096,) * 32, (16,) * 32), False),
     "verify": (BatchSpec("verify_q16_kv4k_b32", (4096,) * 32, (16,) * 32), True),
     "decode": (BatchSpec("decode_q1_kv4k_b64", (4096,) * 64, (1,) * 64), True),
     "prefill_causal": (BatchSpec("prefill_4k_b1", (4096,), (4096,)), True),
     "prefill_noncausal": (BatchSpec("prefill_4k_b1", (4096,), (4096,)), False),
-    "decode_b1": (BatchSpec("decode_q1_kv1k_b1_graph_bound", (1024,), (1,)), True),
-    "verify_b1": (BatchSpec("verify_q8_kv1k_b1_graph_bound", (1032,), (8,)), True),
 }
-GRAPH_BOUND = {"decode_b1", "verify_b1"}  # cases timed with max_seq_len = GRAPH_MAX_SEQ_LEN, as a graph runs them
 # Bars of the issue: TRITON_ATTN throughput / FA4's.
 BARS = {"dflash": 0.8, "verify": 0.8, "decode": 0.8, "prefill_causal": 0.6, "prefill_noncausal": 0.6}
 
@@ -64,23 +56,13 @@ def reference(batch: PagedBatch, causal: bool) -> torch.Tensor:
     )
 
 
-def implementations(
-    batch: PagedBatch, causal: bool, max_seq_len: int, combine: str = "both"
-) -> dict[str, Callable[[], torch.Tensor]]:
-    """`combine`: TRITON_ATTN's split-KV combine as a second kernel ("two": TRITON_ATTN), in its one kernel ("one":
-    TRITON_ATTN_one_kernel, given a counters buffer made once, as a graph's), or both."""
+def implementations(batch: PagedBatch, causal: bool) -> dict[str, Callable[[], torch.Tensor]]:
     args = (batch.q, batch.k_cache, batch.v_cache, batch.block_table, batch.query_start_loc, batch.seq_lens, causal)
-    hints = {"max_query_len": batch.max_query_len, "max_seq_len": max_seq_len}
+    hints = {"max_query_len": batch.max_query_len, "max_seq_len": batch.max_seq_len}
     impls: dict[str, Callable[[], torch.Tensor]] = {}
     for backend in ("TRITON_ATTN", "FLASH_ATTN", "FLEX_ATTENTION", "ROCM_ATTN"):
         if unavailable_reason(backend, batch.q.device) is None:
             impls[backend] = lambda b=backend: paged_attention(b, *args, **hints)
-    if "TRITON_ATTN" in impls and combine != "two":
-        counters = new_split_counters(len(batch.spec.seq_lens), HEADS, batch.q.device)
-        one_kernel = {**hints, "split_counters": counters}
-        impls["TRITON_ATTN_one_kernel"] = lambda: paged_attention("TRITON_ATTN", *args, **one_kernel)
-        if combine == "one":
-            del impls["TRITON_ATTN"]
     from kernels import flash_attn
 
     fa = flash_attn.load()
@@ -127,18 +109,18 @@ def flex_variants(batch: PagedBatch, causal: bool) -> dict[str, Callable[[], tor
     }
 
 
-def sweep_triton(batch: PagedBatch, causal: bool, max_seq_len: int) -> list[dict]:
+def sweep_triton(batch: PagedBatch, causal: bool) -> list[dict]:
     """Time TRITON_ATTN launch configurations for this shape; the heuristic's pick is marked."""
     from kernels import triton_attn
     from kernels.triton_attn import LaunchConfig
 
     meta = AttentionBatch(
         batch.block_table, batch.query_start_loc, batch.seq_lens, causal, HEAD_SIZE**-0.5,
-        batch.max_query_len, max_seq_len,
+        batch.max_query_len, batch.max_seq_len,
     )  # fmt: skip
     group = HEADS // KV_HEADS
     chosen = triton_attn.choose_config(
-        len(batch.spec.seq_lens), KV_HEADS, group, batch.max_query_len, max_seq_len, HEAD_SIZE, batch.q.device,
+        len(batch.spec.seq_lens), KV_HEADS, group, batch.max_query_len, batch.max_seq_len, HEAD_SIZE, batch.q.device,
         batch.q.element_size(),
     )  # fmt: skip
     rows = batch.max_query_len * group
@@ -173,10 +155,10 @@ def kernel_report() -> list[dict]:
 
 
 def _kernel_report() -> list[dict]:
-    from kernels import split_combine, triton_attn
+    from kernels import triton_attn
 
     report = []
-    for kernel in (triton_attn._paged_attention_kernel, split_combine._combine_splits_kernel):
+    for kernel in (triton_attn._paged_attention_kernel, triton_attn._combine_splits_kernel):
         for device_cache in getattr(kernel, "device_caches", {}).values():
             for compiled in device_cache[0].values():
                 meta = compiled.metadata
@@ -203,13 +185,7 @@ def main() -> int:
     parser.add_argument("--sweep", action="store_true", help="also sweep TRITON_ATTN launch configurations")
     parser.add_argument("--only", help="comma-separated implementations to time (default: all)")
     parser.add_argument("--out", default=str(REPO / "bench" / "results"))
-    parser.add_argument("--shape", choices=list(SHAPES), default="8b")
-    parser.add_argument(
-        "--combine", choices=("two", "one", "both"), default="both", help="TRITON_ATTN's split-KV combine kernels"
-    )
     args = parser.parse_args()
-    global HEADS, KV_HEADS, HEAD_SIZE
-    HEADS, KV_HEADS, HEAD_SIZE = SHAPES[args.shape]
     if not torch.cuda.is_available():
         print("attention_bench needs a GPU", file=sys.stderr)
         return 2
@@ -222,8 +198,7 @@ def main() -> int:
         )
         expected = reference(batch, causal)
         rows = {}
-        max_seq_len = GRAPH_MAX_SEQ_LEN if name in GRAPH_BOUND else batch.max_seq_len
-        impls = implementations(batch, causal, max_seq_len, args.combine)
+        impls = implementations(batch, causal)
         if args.only:
             impls = {k: v for k, v in impls.items() if k in args.only.split(",")}
         for impl, fn in impls.items():
@@ -241,9 +216,6 @@ def main() -> int:
                 "TFLOPs": round(batch.flops(causal) / ms / 1e9, 1),
                 "max_rel_err": float(f"{err:.2e}"),
             }
-        one, two = rows.get("TRITON_ATTN_one_kernel", {}).get("ms"), rows.get("TRITON_ATTN", {}).get("ms")
-        if one and two:
-            rows["TRITON_ATTN_one_kernel"]["two_kernels_over_one"] = round(two / one, 3)
         fa4 = rows.get("fa4_direct", {}).get("ms")
         for impl, row in rows.items():
             if fa4 and "ms" in row:
@@ -251,16 +223,15 @@ def main() -> int:
             print(f"{name:18s} {impl:34s} {json.dumps(row)}", flush=True)
         entry = {
             "causal": causal,
-            "max_seq_len": max_seq_len,
             "spec": spec.__dict__
             | {"seq_lens": spec.seq_lens[:1], "query_lens": spec.query_lens[:1], "num_requests": len(spec.seq_lens)},
             "impls": rows,
         }
         triton_ratio = rows.get("TRITON_ATTN", {}).get("throughput_vs_fa4")
-        if triton_ratio is not None and name in BARS:
+        if triton_ratio is not None:
             entry["bar"] = {"triton_vs_fa4_min": BARS[name], "value": triton_ratio, "pass": triton_ratio >= BARS[name]}
         if args.sweep and "TRITON_ATTN" in rows:
-            entry["triton_sweep_top"] = sweep_triton(batch, causal, max_seq_len)[:12]
+            entry["triton_sweep_top"] = sweep_triton(batch, causal)[:12]
             print(f"{name:18s} sweep best: {entry['triton_sweep_top'][:3]}", flush=True)
         results[name] = entry
         del batch, expected
@@ -285,7 +256,6 @@ def main() -> int:
             "q_heads": HEADS,
             "kv_heads": KV_HEADS,
             "head_size": HEAD_SIZE,
-            "name": args.shape,
             "dtype": "bfloat16",
             "block_size": args.block_size,
         },

@@ -7,8 +7,6 @@
       non-causal: every query sees all seq_lens[b] keys of its request.        -> out [T, Hq, D]
       tree_mask (optional, causal only): [T] int64, each token's bits over its request's 64 newest keys,
       for tree drafting (kernels/tree_mask.py); -1 is plain causal.
-      split_counters (optional, TRITON_ATTN): int32 counters, zero between calls (`new_split_counters`), with
-      which a split-KV call combines its parts in one kernel (kernels/split_combine.py).
 
 Causality is an argument of every call (R9), so one backend serves causal target steps and non-causal
 DFlash steps; a backend asked for what its capability entry does not claim fails with the reasons.
@@ -63,9 +61,6 @@ class AttentionBatch:
     max_query_len: int
     max_seq_len: int
     tree_mask: torch.Tensor | None = None  # [T] int64 (kernels/tree_mask.py); None: no tree
-    # int32, zero between calls, one per request and head block: TRITON_ATTN then combines split-KV's parts in
-    # its one kernel (kernels/split_combine.py). None, or too small: a second kernel combines them.
-    split_counters: torch.Tensor | None = None
 
     @property
     def num_requests(self) -> int:
@@ -107,14 +102,11 @@ def paged_attention(
     max_query_len: int | None = None,
     max_seq_len: int | None = None,
     tree_mask: torch.Tensor | None = None,
-    split_counters: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Attention of q over the paged cache; see the module docstring for the conventions.
 
     `out` (optional) receives the result; `max_query_len` / `max_seq_len` are host-side bounds that
     spare a device sync when the caller knows them (the executor does). `tree_mask`: tree attention.
-    `split_counters` (`new_split_counters`): the caller's buffer for a one-kernel split-KV combine (TRITON_ATTN);
-    the caller keeps it for calls on one stream only, never two kernels at once.
     """
     name = backend.strip().upper()
     _check_shapes(q, k_cache, v_cache, block_table, query_start_loc, seq_lens, out)
@@ -137,16 +129,8 @@ def paged_attention(
         max_query_len=max_query_len,
         max_seq_len=max_seq_len,
         tree_mask=tree_mask,
-        split_counters=split_counters,
     )
     return module.forward(q, k_cache, v_cache, batch, out)
-
-
-def new_split_counters(num_requests: int, num_heads: int, device: torch.device) -> torch.Tensor:
-    """A zeroed `split_counters` buffer for calls of up to `num_requests` requests and `num_heads` query heads
-    (head blocks are KV heads or query heads, never more). Every call leaves it zero again, so one buffer serves
-    every layer of a step, and every replay of a CUDA graph that captured it."""
-    return torch.zeros(num_requests * num_heads, dtype=torch.int32, device=device)
 
 
 def check_tree_mask(tree_mask: torch.Tensor | None, q: torch.Tensor, causal: bool) -> None:

@@ -5,13 +5,9 @@ heads of one KV head (BLOCK_M = BLOCK_Q * G rows), so the heads that share a KV 
 Programs map to (request, query tile) through a binary search over query_start_loc: no host sync.
 
 Few queries per request over long contexts (decode, DFlash blocks, verification) would leave most SMs
-idle, so each request's keys are split into up to NUM_SPLITS equal parts, whose partial results (normalised output
-and log-sum-exp) are combined: flash-decoding. Given the caller's counters buffer (AttentionBatch.split_counters)
-the combine happens in this kernel: only the programs owning non-empty parts of a request's keys work, a context
-of one part is written as the output by its one program, and otherwise the program that finishes its parts last
-combines them (kernels/split_combine.py explains the handoff). Without the buffer every part is written and a
-second kernel combines them. Keys every query of a tile sees run through an unmasked loop; only the tail (the
-causal diagonal, the last partial tile) pays for masks.
+idle, so each request's keys are split into NUM_SPLITS equal ranges whose partial results (normalised output and
+log-sum-exp) a second kernel combines: flash-decoding. Keys every query of a tile sees run through an
+unmasked loop; only the tail (the causal diagonal, the last partial tile) pays for masks.
 
 Tree attention (TREE): each row also carries its token's tree mask, bits over its request's 64 newest keys
 (kernels/tree_mask.py); those keys go through the masked loop, which drops the ones whose bit is clear.
@@ -28,7 +24,6 @@ import triton.language as tl
 from kernels import pdl
 from kernels.attention import AttentionBatch
 from kernels.pdl import wait_for_inputs
-from kernels.split_combine import arrive_and_combine, combine_splits
 from kernels.triton_attn_config import MAX_SPLITS, LaunchConfig, choose_config
 
 LOG2E = 1.4426950408889634
@@ -110,7 +105,7 @@ def _attend_range(
 
 @triton.jit
 def _paged_attention_kernel(
-    q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, partial_ptr, lse_ptr, counters_ptr,
+    q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, lse_ptr,
     block_table_ptr, query_start_loc_ptr, seq_lens_ptr, tree_mask_ptr,
     stride_qt, stride_qh, stride_ot, stride_oh,
     stride_kb, stride_ks, stride_kh,
@@ -119,7 +114,7 @@ def _paged_attention_kernel(
     GROUP: tl.constexpr, ROW_GROUP: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr, HEAD_SIZE: tl.constexpr, HEAD_PAD: tl.constexpr, CAUSAL: tl.constexpr, SPLIT: tl.constexpr,
     PAGE_ALIGNED: tl.constexpr, DOT_PRECISION: tl.constexpr, MAX_SPLITS: tl.constexpr, MIN_SPLIT_LEN: tl.constexpr,
-    TREE: tl.constexpr, NUM_SPLITS: tl.constexpr, COMBINE: tl.constexpr, PDL: tl.constexpr,
+    TREE: tl.constexpr, NUM_SPLITS: tl.constexpr, PDL: tl.constexpr,
 ):  # fmt: skip
     wait_for_inputs(PDL)
     tile = tl.program_id(0)
@@ -163,51 +158,35 @@ def _paged_attention_kernel(
     k_base = k_cache_ptr + kv_head * stride_kh
     v_base = v_cache_ptr + kv_head * stride_kh
     table = block_table_ptr + req.to(tl.int64) * stride_bt
-    out_rows = token * stride_ot + head * stride_oh  # [BLOCK_M] offsets, widened by offs_d only where stored
-    if not SPLIT:
-        acc, _, l_i = _attend_keys(
+    out_offs = token[:, None] * stride_ot + head[:, None] * stride_oh + offs_d[None, :]
+    out_mask = row_mask[:, None] & d_mask[None, :]
+    if SPLIT:  # MAX_SPLITS parts of this request's keys, at least MIN_SPLIT_LEN each: a function of the
+        # request alone, so a CUDA graph (launched for its largest context) adds exactly what eager adds. A
+        # launch of fewer programs than NUM_SPLITS has each take every n-th split; the splits stay the same.
+        # The last term only matters when a launch has fewer splits than that needs (tests force it).
+        split_len = tl.maximum(tl.cdiv(tl.cdiv(kv_end, MAX_SPLITS), BLOCK_N) * BLOCK_N, MIN_SPLIT_LEN)
+        split_len = tl.maximum(split_len, tl.cdiv(tl.cdiv(kv_end, NUM_SPLITS), BLOCK_N) * BLOCK_N)
+        num_heads = tl.num_programs(1) * ROW_GROUP
+        for part in range(split, NUM_SPLITS, tl.num_programs(2)):
+            start = part * split_len
+            end = tl.minimum(start + split_len, kv_end)
+            acc, m_i, l_i = _attend_keys(
+                q, k_base, v_base, table, stride_kb, stride_ks, offs_d, q_pos, tree_bits, start, end, all_visible,
+                kv_len, scale_log2, block_size, BLOCK_M, CAUSAL, BLOCK_N, HEAD_SIZE, HEAD_PAD, PAGE_ALIGNED,
+                DOT_PRECISION, TREE,
+            )  # fmt: skip
+            safe_l = tl.where(l_i > 0.0, l_i, 1.0)
+            lse = tl.where(l_i > 0.0, m_i + tl.math.log2(safe_l), float("-inf"))
+            tl.store(out_ptr + part * stride_split_o + out_offs, acc / safe_l[:, None], mask=out_mask)
+            tl.store(lse_ptr + part * stride_split_lse + token * num_heads + head, lse, mask=row_mask)
+    else:
+        acc, m_i, l_i = _attend_keys(
             q, k_base, v_base, table, stride_kb, stride_ks, offs_d, q_pos, tree_bits, 0, kv_end, all_visible,
             kv_len, scale_log2, block_size, BLOCK_M, CAUSAL, BLOCK_N, HEAD_SIZE, HEAD_PAD, PAGE_ALIGNED,
             DOT_PRECISION, TREE,
         )  # fmt: skip
-        out = (acc / tl.where(l_i > 0.0, l_i, 1.0)[:, None]).to(out_ptr.dtype.element_ty)
-        tl.store(out_ptr + out_rows[:, None] + offs_d[None, :], out, mask=row_mask[:, None] & d_mask[None, :])
-    else:  # MAX_SPLITS parts of this request's keys, at least MIN_SPLIT_LEN each: a function of the request
-        # alone, so a CUDA graph (launched for its largest context) adds exactly what eager adds. A launch of
-        # fewer programs than NUM_SPLITS has each take every n-th split; the splits stay the same. The last
-        # term only matters when a launch has fewer splits than that needs (tests force it).
-        split_len = tl.maximum(tl.cdiv(tl.cdiv(kv_end, MAX_SPLITS), BLOCK_N) * BLOCK_N, MIN_SPLIT_LEN)
-        split_len = tl.maximum(split_len, tl.cdiv(tl.cdiv(kv_end, NUM_SPLITS), BLOCK_N) * BLOCK_N)
-        # Parts written: with COMBINE the non-empty ones (a short context is one, written as the output); else
-        # every part, empty or not, since the combine kernel reads them all.
-        n_used = tl.maximum(tl.cdiv(kv_end, split_len), 1) if COMBINE else tl.full([], NUM_SPLITS, tl.int32)
-        if split < n_used:  # programs that own no part of these keys touch nothing
-            num_heads = tl.num_programs(1) * ROW_GROUP
-            lse_rows = token * num_heads + head  # partial: [NUM_SPLITS, T, H, HEAD_SIZE], lse: [NUM_SPLITS, T, H]
-            out_mask = row_mask[:, None] & d_mask[None, :]
-            for part in range(split, n_used, tl.num_programs(2)):
-                start = part * split_len
-                end = tl.minimum(start + split_len, kv_end)
-                acc, m_i, l_i = _attend_keys(
-                    q, k_base, v_base, table, stride_kb, stride_ks, offs_d, q_pos, tree_bits, start, end,
-                    all_visible, kv_len, scale_log2, block_size, BLOCK_M, CAUSAL, BLOCK_N, HEAD_SIZE, HEAD_PAD,
-                    PAGE_ALIGNED, DOT_PRECISION, TREE,
-                )  # fmt: skip
-                safe_l = tl.where(l_i > 0.0, l_i, 1.0)
-                if n_used == 1:  # the only part: the output itself
-                    out_offs = out_rows[:, None] + offs_d[None, :]
-                    tl.store(out_ptr + out_offs, (acc / safe_l[:, None]).to(out_ptr.dtype.element_ty), mask=out_mask)
-                else:
-                    lse = tl.where(l_i > 0.0, m_i + tl.math.log2(safe_l), float("-inf"))
-                    partial_offs = part * stride_split_o + lse_rows[:, None] * HEAD_SIZE + offs_d[None, :]
-                    tl.store(partial_ptr + partial_offs, acc / safe_l[:, None], mask=out_mask)
-                    tl.store(lse_ptr + part * stride_split_lse + lse_rows, lse, mask=row_mask)
-            if COMBINE and n_used > 1:
-                arrive_and_combine(
-                    counters_ptr + req * tl.num_programs(1) + head_block, tl.minimum(n_used, tl.num_programs(2)),
-                    partial_ptr, lse_ptr, out_ptr, lse_rows, out_rows, row_mask, n_used, stride_split_o,
-                    stride_split_lse, BLOCK_M, HEAD_SIZE, HEAD_PAD, NUM_SPLITS,
-                )  # fmt: skip
+        safe_l = tl.where(l_i > 0.0, l_i, 1.0)
+        tl.store(out_ptr + out_offs, (acc / safe_l[:, None]).to(out_ptr.dtype.element_ty), mask=out_mask)
 
 
 @triton.jit
@@ -234,6 +213,33 @@ def _attend_keys(
         True, CAUSAL, BLOCK_N, HEAD_SIZE, HEAD_PAD, PAGE_ALIGNED, DOT_PRECISION, TREE,
     )  # fmt: skip
     return acc, m_i, l_i
+
+
+@triton.jit
+def _combine_splits_kernel(
+    partial_ptr, lse_ptr, out_ptr, num_heads, head_size,
+    stride_split_o, stride_split_lse, stride_ot, stride_oh,
+    NUM_SPLITS: tl.constexpr, HEAD_PAD: tl.constexpr, PDL: tl.constexpr,
+):  # fmt: skip
+    """out = sum_s 2^(lse_s - lse) * out_s with lse = log2 sum_s 2^lse_s; empty splits have lse -inf."""
+    wait_for_inputs(PDL)
+    token = tl.program_id(0).to(tl.int64)
+    head = tl.program_id(1)
+    offs_s = tl.arange(0, NUM_SPLITS)
+    row = token * num_heads + head
+    lse = tl.load(lse_ptr + offs_s * stride_split_lse + row)
+    lse_max = tl.max(lse, 0)
+    weights = tl.math.exp2(lse - lse_max)
+    weights = weights / tl.sum(weights, 0)
+    offs_d = tl.arange(0, HEAD_PAD)
+    d_mask = offs_d < head_size
+    partial = tl.load(
+        partial_ptr + offs_s[:, None] * stride_split_o + row * head_size + offs_d[None, :],
+        mask=d_mask[None, :],
+        other=0.0,
+    )
+    result = tl.sum(partial * weights[:, None], 0)
+    tl.store(out_ptr + token * stride_ot + head * stride_oh + offs_d, result.to(out_ptr.dtype.element_ty), mask=d_mask)
 
 
 def forward(
@@ -272,36 +278,40 @@ def forward(
     if cfg.num_splits > 1 and block_q < batch.max_query_len:
         raise ValueError(f"split-KV needs each request's queries in one tile ({block_q} < {batch.max_query_len})")
     split = cfg.num_splits > 1
-    head_blocks = num_heads // row_group
-    counters = batch.split_counters
-    combine = split and counters is not None and counters.numel() >= batch.num_requests * head_blocks
-    if combine and (counters.dtype != torch.int32 or counters.device != q.device):
-        raise ValueError(f"split_counters must be int32 on {q.device}; got {counters.dtype} on {counters.device}")
     if split:
         partial = torch.empty(cfg.num_splits, num_tokens, num_heads, head_size, dtype=torch.float32, device=q.device)
         lse = torch.empty(cfg.num_splits, num_tokens, num_heads, dtype=torch.float32, device=q.device)
+        target, lse_arg = partial, lse
+        stride_split_o, stride_split_lse = partial.stride(0), lse.stride(0)
+        stride_ot, stride_oh = partial.stride(1), partial.stride(2)
     else:
-        partial = lse = out
+        target, lse_arg = out, out
+        stride_split_o = stride_split_lse = 0
+        stride_ot, stride_oh = out.stride(0), out.stride(1)
     tree = batch.tree_mask is not None
     if tree and not batch.causal:
         raise ValueError("TRITON_ATTN: a tree mask narrows causal attention")
     split_programs = min(cfg.num_splits, cfg.split_programs or cfg.num_splits)
     use_pdl = pdl.enabled(q.device)
     launch = pdl.launch_options(use_pdl)
-    _paged_attention_kernel[(num_tiles, head_blocks, split_programs)](
-        q, k_cache, v_cache, out, partial, lse, counters if combine else batch.seq_lens,
+    _paged_attention_kernel[(num_tiles, num_heads // row_group, split_programs)](
+        q, k_cache, v_cache, target, lse_arg,
         batch.block_table, batch.query_start_loc, batch.seq_lens, batch.tree_mask if tree else batch.seq_lens,
-        q.stride(0), q.stride(1), out.stride(0), out.stride(1),
+        q.stride(0), q.stride(1), stride_ot, stride_oh,
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
-        batch.block_table.stride(0), partial.stride(0) if split else 0, lse.stride(0) if split else 0,
+        batch.block_table.stride(0), stride_split_o, stride_split_lse,
         batch.num_requests, block_size, batch.scale * LOG2E,
         GROUP=group, ROW_GROUP=row_group, BLOCK_Q=block_q, BLOCK_M=block_m, BLOCK_N=cfg.block_n,
         HEAD_SIZE=head_size, HEAD_PAD=head_pad,
         CAUSAL=batch.causal, SPLIT=split, PAGE_ALIGNED=block_size % cfg.block_n == 0,
         DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
         MAX_SPLITS=MAX_SPLITS, MIN_SPLIT_LEN=cfg.min_split_len, TREE=tree, NUM_SPLITS=cfg.num_splits,
-        COMBINE=combine, PDL=use_pdl, num_warps=cfg.num_warps, num_stages=cfg.num_stages, **launch,
+        PDL=use_pdl, num_warps=cfg.num_warps, num_stages=cfg.num_stages, **launch,
     )  # fmt: skip
-    if split and not combine:
-        combine_splits(partial, lse, out, head_pad, use_pdl, launch)
+    if split:
+        _combine_splits_kernel[(num_tokens, num_heads)](
+            partial, lse, out, num_heads, head_size,
+            partial.stride(0), lse.stride(0), out.stride(0), out.stride(1),
+            NUM_SPLITS=cfg.num_splits, HEAD_PAD=head_pad, PDL=use_pdl, **launch,
+        )  # fmt: skip
     return out

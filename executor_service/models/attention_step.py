@@ -13,15 +13,10 @@ from typing import TYPE_CHECKING
 import torch
 
 from kernels import paged_attention
-from kernels.attention import check_claimed, new_split_counters
+from kernels.attention import check_claimed
 
 if TYPE_CHECKING:
     from kernels.flex_attn import FlexMetadata
-
-# Query heads per request a static split-counters buffer (a CUDA graph's, a proposer's) has room for, made before
-# any layer's heads are known: TRITON_ATTN needs one counter per KV head when it packs a KV head's query heads into
-# a tile (as it always chooses to), so 128 KV heads; a call that needs more combines in a second kernel.
-STATIC_SPLIT_HEADS = 128
 
 
 @dataclass
@@ -35,18 +30,12 @@ class AttentionStep:
     max_seq_len: int
     causal: bool = True
     tree_mask: torch.Tensor | None = None  # [T] int64: tree attention (kernels/tree_mask.py); None: none
-    # TRITON_ATTN's split-KV counters (kernels/split_combine.py), zero between calls. A graph's step gets a static
-    # buffer; an eager step without one makes its own at its first layer. None while capturing: two kernels.
-    split_counters: torch.Tensor | None = field(default=None, repr=False)
     _flex: FlexMetadata | None = field(default=None, repr=False)  # built by the first layer that needs it
 
     def attend(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, scale: float) -> torch.Tensor:
         """Attention of q [T, Hq, D] over the paged cache (this step's keys already stored)."""
         if self.backend == "FLEX_ATTENTION":
             return self._attend_flex(q, k_cache, v_cache, scale)
-        if self.split_counters is None and self.backend == "TRITON_ATTN" and not _capturing(q.device):
-            # One zeroed buffer for every layer of the step: each call leaves it zero, and they run in stream order.
-            self.split_counters = new_split_counters(self.seq_lens.shape[0], q.shape[1], q.device)
         return paged_attention(
             self.backend,
             q,
@@ -60,7 +49,6 @@ class AttentionStep:
             max_query_len=self.max_query_len,
             max_seq_len=self.max_seq_len,
             tree_mask=self.tree_mask,
-            split_counters=self.split_counters,
         )
 
     def _attend_flex(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, scale: float) -> torch.Tensor:
@@ -79,12 +67,6 @@ class AttentionStep:
                 tree_mask=self.tree_mask,
             )
         return flex_attn.forward_with_metadata(q, k_cache, v_cache, self._flex, scale)
-
-
-def _capturing(device: torch.device) -> bool:
-    """Whether a CUDA graph is being captured on the current stream. A step allocates nothing then: the buffer
-    would live in the graph's pool and its zeroing would replay as one more node; graphs pass static ones."""
-    return device.type == "cuda" and torch.cuda.is_current_stream_capturing()
 
 
 def cache_slot(block_ids: list[int], position: int, block_size: int) -> int:

@@ -28,10 +28,9 @@ from typing import Protocol
 
 import torch
 
-from executor_service.models.attention_step import STATIC_SPLIT_HEADS, AttentionStep
+from executor_service.models.attention_step import AttentionStep
 from executor_service.models.draft_config import MAX_SPECULATIVE_TOKENS
 from executor_service.models.limits import MAX_DFLASH_BLOCK_SIZE
-from kernels.attention import new_split_counters
 
 log = logging.getLogger("specdec.executor")
 
@@ -124,9 +123,6 @@ class StepGraphs:
         self.block_table = torch.zeros(top, max_blocks, dtype=torch.int32, device=device)
         self.seq_lens = torch.full((top,), query_len, dtype=torch.int32, device=device)
         self.query_start_loc = torch.arange(top + 1, dtype=torch.int32, device=device) * query_len
-        # TRITON_ATTN's split-KV counters: every attention call of every bucket (kernels of one stream, in order)
-        # leaves them zero, so this one buffer serves them all, in every replay.
-        self.split_counters = new_split_counters(top, STATIC_SPLIT_HEADS, device)
         self.graphs: dict[int, torch.cuda.CUDAGraph | EagerReplay] = {}
         self.outputs: dict[int, tuple[torch.Tensor, ...]] = {}
         self.pool: object | None = None  # the memory pool its graphs were captured into (CUDA), for others to share
@@ -187,7 +183,6 @@ class StepGraphs:
             slot_mapping=self.slot_mapping[:tokens],
             max_query_len=self.query_len,
             max_seq_len=self.max_model_len,
-            split_counters=self.split_counters,
         )  # causal: a non-causal pass (DFlash's block) builds its own metadata from the inputs
         inputs = {n: t[:tokens] for n, t in self.inputs.items()} | {n: t[:size] for n, t in self.request_inputs.items()}
         return self.forward(step, self.positions[:tokens], inputs)

@@ -103,7 +103,6 @@ class DFlashProposer(Proposer):
             max_query_len=size,
             max_seq_len=self.max_model_len,
             causal=self.config.causal,
-            split_counters=self.counters_for(count),
         )
         return step, (starts[:, None] + offsets).clamp(max=self.max_model_len - 1).reshape(-1)
 

@@ -114,7 +114,6 @@ class EagleProposer(Proposer):
             slot_mapping=slots,
             max_query_len=1,
             max_seq_len=self.max_model_len,
-            split_counters=self.counters_for(seq_lens.shape[0]),
         )
 
     def _passes(self) -> dict[str, DraftPass]:
@@ -323,5 +322,4 @@ class EagleProposer(Proposer):
             max_seq_len=self.max_model_len,
             causal=True,
             tree_mask=masks.reshape(-1),
-            split_counters=self.counters_for(count),
         )

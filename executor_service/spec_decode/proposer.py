@@ -34,7 +34,6 @@ import torch
 from executor_service.engine.kv_cache import KVCache
 from executor_service.engine.request import Request
 from executor_service.models.attention_step import (
-    STATIC_SPLIT_HEADS,
     AttentionStep,
     block_table_tensor,
     build_attention_step,
@@ -51,7 +50,6 @@ from executor_service.spec_decode.draft_penalties import DraftPenalties
 from executor_service.spec_decode.draft_sampling import DRAFT_SUPPORT, DraftSampler, StepDraws
 from executor_service.spec_decode.tree_drafting import TreeCandidates, draft_vocab_ids
 from executor_service.spec_decode.verifier import Verdict
-from kernels.attention import new_split_counters
 
 Replay = Callable[[Request, list[int]], list[int]]  # test drafters: rewrite a request's drafts
 TreeReplay = Callable[[Request, list[int], list[int]], tuple[list[int], list[int]]]  # test drafters: rewrite a tree
@@ -128,9 +126,6 @@ class Proposer:
         self.pass_counts: Counter[str] = Counter()  # "<pass> graph" / "<pass> eager" (benchmarks read it)
         self.graphs: dict[str, StepGraphs] = {}  # by pass name; see capture_graphs
         self.passes = self._passes()
-        # TRITON_ATTN's split-KV counters for the passes that build their metadata on the device (chain, tree,
-        # block), captured or eager: static, made before the first capture (reserve_split_counters).
-        self.split_counters: torch.Tensor | None = None
 
     @property
     def ahead_width(self) -> int:
@@ -211,18 +206,6 @@ class Proposer:
     ) -> AttentionStep:
         block_ids = [r.block_ids for r in requests]
         return build_attention_step(self.backend, block_ids, query_lens, seq_lens, slots, causal, self.device)
-
-    def reserve_split_counters(self, max_batch: int) -> None:
-        """The static counters, for up to `max_batch` requests: made once and never replaced (graphs captured with
-        them keep their address). Every pass runs on the session's one stream, and each call leaves them zero."""
-        if self.split_counters is None:
-            self.split_counters = new_split_counters(max_batch, STATIC_SPLIT_HEADS, self.device)
-
-    def counters_for(self, count: int) -> torch.Tensor | None:
-        """The static counters for a pass of `count` requests where they have room; else None (an eager step then
-        makes its own, a captured one combines in a second kernel)."""
-        counters = self.split_counters
-        return counters if counters is not None and counters.numel() >= count * STATIC_SPLIT_HEADS else None
 
     def block_table(self, requests: list[Request]) -> torch.Tensor:
         return block_table_tensor([r.block_ids for r in requests], self.device)
@@ -409,7 +392,7 @@ class Proposer:
         context = AttentionStep(
             backend=self.backend, block_table=step.block_table, query_start_loc=constants.starts(count, width),
             seq_lens=step.seq_lens - (rows - width), slot_mapping=path_slots, max_query_len=width,
-            max_seq_len=self.max_model_len, split_counters=step.split_counters,
+            max_seq_len=self.max_model_len,
         )  # fmt: skip
         path_rows = (constants.strided(count, rows)[:, None] + verdict.path_rows).reshape(-1)
         context_positions = (root[:, None] + constants.arange(width)).reshape(-1)
@@ -478,7 +461,6 @@ class Proposer:
         """One graph set per pass (CUDA, capture-safe drafter backend), up to `max_batch` requests, the one-row
         context passes up to `row_batch` (a decode step's whole batch: at k = 0 the drafter's pass is all it adds
         to the target's); larger batches, and context passes of uneven batches, run eagerly."""
-        self.reserve_split_counters(max_batch)  # the chain's and block's graphs: up to max_batch requests
         for name, draft_pass in self.passes.items():
             batch = (row_batch or max_batch) if name.endswith(" row") else max_batch
             graphs = StepGraphs(

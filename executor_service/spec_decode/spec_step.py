@@ -367,7 +367,6 @@ class SpecStep(VariantSteps):
                 lockstep=lockstep_for(self.runner.model, self.runner.feature_layers or ()),
             )  # fmt: skip
 
-        self.proposer.reserve_split_counters(max_batch)  # the drafter's chain, tree or block passes in the graphs
         base = {"slots_ahead": ((self.ahead_width,), torch.int64, -1)}
         if self.dynamic:
             base["parents"] = ((self.num_draft_tokens,), torch.int64, -1)

@@ -9,20 +9,91 @@ treated the mask as causal would fail: `test_a_causal_kernel_fails_the_reference
 from __future__ import annotations
 
 import os
+import random
 
 import pytest
 import torch
+import torch.nn.functional as F
 from flex_emulation import emulate_sparse_kernel
-from tree_attention_cases import DEVICE, dense_reference, masks_tensor, tree_batch
 
 from kernels import paged_attention, unavailable_reason
 from kernels.attention import AttentionBatch
 from kernels.capabilities import BACKENDS, TREE_ATTENTION_NOT_SUPPORTED, AttentionNeeds, DType, Hardware, Platform
 from kernels.flex_attn import build_flex_metadata
-from kernels.testing import PagedBatch
+from kernels.testing import BatchSpec, PagedBatch, make_paged_batch
 from kernels.tree_mask import CAUSAL, TREE_WINDOW, tree_masks
 
+DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 TREE_BACKENDS = ["CPU_ATTN", "FLEX_ATTENTION", "TRITON_ATTN"]
+
+
+def random_tree(size: int, rng: random.Random) -> list[int]:
+    """Parents of `size` query tokens in topological order: token 0 is the root (the last verified token),
+    every other token hangs below an earlier one; at least two tokens share a parent (not a chain)."""
+    parents = [-1] + [rng.randrange(j) for j in range(1, size)]
+    if size > 2:
+        parents[2] = parents[1]  # siblings: a causal mask would let token 2 see token 1
+    return parents
+
+
+def tree_case(seed: int) -> tuple[BatchSpec, list[list[int] | None]]:
+    """A batch of tree requests (contexts below and above the window) and causal ones (None)."""
+    rng = random.Random(seed)
+    trees: list[list[int] | None] = [
+        random_tree(16, rng),
+        None,
+        random_tree(TREE_WINDOW, rng),
+        random_tree(5, rng),
+        None,
+        random_tree(1, rng),
+    ]
+    contexts = [3, 20, 90, 130, 0, 40]
+    query_lens = [len(t) if t is not None else n for t, n in zip(trees, [1, 7, 1, 1, 24, 1], strict=True)]
+    spec = BatchSpec(f"tree{seed}", tuple(c + q for c, q in zip(contexts, query_lens, strict=True)), tuple(query_lens))
+    return spec, trees
+
+
+def masks_tensor(trees: list[list[int] | None], spec: BatchSpec, device: torch.device) -> torch.Tensor:
+    values: list[int] = []
+    for tree, query_len in zip(trees, spec.query_lens, strict=True):
+        values += tree_masks(tree) if tree is not None else [CAUSAL] * query_len
+    return torch.tensor(values, dtype=torch.int64, device=device)
+
+
+def dense_reference(batch: PagedBatch, trees: list[list[int] | None], scale: float) -> torch.Tensor:
+    """Float64 SDPA per request with a boolean mask: the context, then each draft's chain of parents."""
+    q = batch.q.double().cpu()
+    group = q.shape[1] // batch.keys[0].shape[1]
+    out, start = torch.empty_like(q), 0
+    for keys, values, tree, query_len in zip(batch.keys, batch.values, trees, batch.spec.query_lens, strict=True):
+        seq_len = keys.shape[0]
+        context = seq_len - query_len
+        mask = torch.zeros(query_len, seq_len, dtype=torch.bool)
+        mask[:, :context] = True
+        for i in range(query_len):
+            if tree is None:
+                mask[i, context : context + i + 1] = True
+                continue
+            node = i
+            while node >= 0:  # itself and every ancestor
+                mask[i, context + node] = True
+                node = tree[node]
+        result = F.scaled_dot_product_attention(
+            q[start : start + query_len].transpose(0, 1),
+            keys.double().repeat_interleave(group, 1).transpose(0, 1),
+            values.double().repeat_interleave(group, 1).transpose(0, 1),
+            attn_mask=mask,
+            scale=scale,
+        )
+        out[start : start + query_len] = result.transpose(0, 1)
+        start += query_len
+    return out
+
+
+def _batch(seed: int, block_size: int = 16, dtype: torch.dtype = torch.float32):
+    spec, trees = tree_case(seed)
+    batch = make_paged_batch(spec, 4, 2, 32, block_size, dtype, DEVICE, seed=seed)
+    return batch, trees, masks_tensor(trees, spec, DEVICE)
 
 
 def _run(backend: str, batch: PagedBatch, tree_mask: torch.Tensor | None) -> torch.Tensor:
@@ -37,7 +108,7 @@ def _run(backend: str, batch: PagedBatch, tree_mask: torch.Tensor | None) -> tor
 def test_tree_mask_matches_the_dense_reference(backend: str, seed: int) -> None:
     if unavailable_reason(backend, DEVICE) is not None:
         pytest.skip(unavailable_reason(backend, DEVICE))
-    batch, trees, masks = tree_batch(seed)
+    batch, trees, masks = _batch(seed)
     out = _run(backend, batch, masks)
     assert not out.isnan().any()
     torch.testing.assert_close(out.double().cpu(), dense_reference(batch, trees, 32**-0.5), atol=2e-4, rtol=2e-4)
@@ -45,7 +116,7 @@ def test_tree_mask_matches_the_dense_reference(backend: str, seed: int) -> None:
 
 def test_a_causal_kernel_fails_the_reference() -> None:
     """The trees differ from chains where it shows: the causal output misses the reference."""
-    batch, trees, _ = tree_batch(0)
+    batch, trees, _ = _batch(0)
     causal = _run("CPU_ATTN", batch, None).double().cpu()
     reference = dense_reference(batch, trees, 32**-0.5)
     assert not torch.allclose(causal, reference, atol=1e-2, rtol=1e-2)
@@ -60,7 +131,7 @@ def test_triton_tree_mask_split_kv(num_splits: int) -> None:
     from kernels import triton_attn
     from kernels.triton_attn import LaunchConfig
 
-    batch, trees, masks = tree_batch(2, block_size=32)
+    batch, trees, masks = _batch(2, block_size=32)
     meta = AttentionBatch(
         batch.block_table, batch.query_start_loc, batch.seq_lens, True, 32**-0.5, TREE_WINDOW, max(batch.spec.seq_lens),
         tree_mask=masks,
@@ -74,7 +145,7 @@ def test_triton_tree_mask_split_kv(num_splits: int) -> None:
 def test_flex_block_lists_with_trees(block_size: int) -> None:
     """What the compiled kernel reads (listed blocks only, mask_mod on partial blocks only) still gives the tree
     attention: no block holding a tree token's window keys may be listed as full."""
-    batch, trees, masks = tree_batch(3, block_size=block_size)
+    batch, trees, masks = _batch(3, block_size=block_size)
     meta = build_flex_metadata(
         batch.block_table, batch.query_start_loc, batch.seq_lens, True, batch.k_cache.shape[0], block_size,
         batch.q.shape[0], tree_mask=masks,
@@ -91,13 +162,13 @@ def test_backends_without_tree_attention_are_refused() -> None:
     assert BACKENDS["FLEX_ATTENTION"].validate(needs, h100) == []
     claim = {name for name, cap in BACKENDS.items() if cap.supports_tree_attention}
     assert claim == set(TREE_BACKENDS)
-    batch, _, masks = tree_batch(0, dtype=torch.bfloat16)
+    batch, _, masks = _batch(0, dtype=torch.bfloat16)
     with pytest.raises(ValueError, match=TREE_ATTENTION_NOT_SUPPORTED):
         _run("FLASH_ATTN", batch, masks)
 
 
 def test_tree_masks_are_checked() -> None:
-    batch, _, masks = tree_batch(0)
+    batch, _, masks = _batch(0)
     with pytest.raises(ValueError, match="causal"):
         paged_attention(
             "CPU_ATTN", batch.q, batch.k_cache, batch.v_cache, batch.block_table, batch.query_start_loc,
@@ -118,6 +189,6 @@ def test_compiled_flex_tree_mask_on_cpu(monkeypatch: pytest.MonkeyPatch) -> None
     from kernels import flex_attn
 
     monkeypatch.setattr(flex_attn, "_runs_compiled", lambda device: True)
-    batch, trees, masks = tree_batch(0)
+    batch, trees, masks = _batch(0)
     out = _run("FLEX_ATTENTION", batch, masks)
     torch.testing.assert_close(out.double().cpu(), dense_reference(batch, trees, 32**-0.5), atol=2e-4, rtol=2e-4)

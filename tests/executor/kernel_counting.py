@@ -13,7 +13,7 @@ from torch.profiler import ProfilerActivity, profile
 from executor_service.models.config import ModelConfig
 
 MAX_KERNELS_PER_LAYER = 6
-CONTEXT = 300  # long enough for split-KV attention (one kernel with the step's split counters, else two)
+CONTEXT = 300  # long enough for split-KV attention (two kernels)
 
 
 def smollm2(num_layers: int) -> ModelConfig:
@@ -26,11 +26,6 @@ def smollm2(num_layers: int) -> ModelConfig:
 
 def kernels_in(run: Callable[[], object]) -> int:
     """Kernels (copies and memsets left out) that `run` launches once warm, under inference mode."""
-    return len(kernel_names(run))
-
-
-def kernel_names(run: Callable[[], object]) -> list[str]:
-    """The names of those kernels, in launch order."""
 
     def once() -> None:
         with torch.inference_mode():
@@ -43,4 +38,4 @@ def kernel_names(run: Callable[[], object]) -> list[str]:
         once()
         torch.cuda.synchronize()
     names = [e.name for e in prof.events() if e.device_type == DeviceType.CUDA]
-    return [name for name in names if not name.startswith(("Memcpy", "Memset"))]
+    return sum(1 for name in names if not name.startswith(("Memcpy", "Memset")))

@@ -1,5 +1,5 @@
 """The kernel-count guard of issue 34 for the drafters: SmolLM2-shaped EAGLE-1, EAGLE-3 and DFlash drafters on the
-fused path launch at most 6 kernels per decoder layer (attention one kernel: the step's split counters) on their
+fused path launch at most 6 kernels per decoder layer (attention counted as its two split-KV kernels) on their
 chain step (one row per request), their context pass (k + 1 rows) and DFlash's block pass, plus a few per step;
 DFlash's context K/V is one kernel per layer.
 
@@ -124,7 +124,7 @@ def test_fused_dflash_drafter_launches_at_most_six_kernels_per_layer(monkeypatch
 
 def test_unfused_eagle3_midlayer_launches_more(monkeypatch: pytest.MonkeyPatch) -> None:
     """Negative control: with the fused GEMMs off the midlayer is above the bar (the two norms written side by
-    side, GEMM, RoPE + store, attention, o_proj, add-norm, gate/up, SiLU, down = 9)."""
+    side, GEMM, RoPE + store, attention x 2, o_proj, add-norm, gate/up, SiLU, down = 10)."""
     monkeypatch.setenv(POLICY_ENV, "off")
     drafter = drafter_of("eagle3", 1)
     step, positions, blocks = step_of(1)
