@@ -209,11 +209,30 @@ class AdaptiveK:
         k = self._explore(bucket)
         if k is None:
             k = self._best(batch, bucket)
-        self.chosen[k] += 1
-        self.last_planned = k
-        if self.observer is not None:
-            self.observer(k)
+        self.count_plan(k)
         return k
+
+    def count_plan(self, num_draft_tokens: int) -> None:
+        """A step planned at `num_draft_tokens`, for the stats and metrics; the engine also counts here the k = 0 of a
+        step it planned without a choice (none of its requests drafts: drafter_release.py)."""
+        self.chosen[num_draft_tokens] += 1
+        self.last_planned = num_draft_tokens
+        if self.observer is not None:
+            self.observer(num_draft_tokens)
+
+    def drafting_ruled_out(self, min_verified: float) -> bool:
+        """Whether the measured acceptance, over at least `min_verified` verified request-steps (decayed), rules
+        every drafting candidate out (`_hopeless`): the engine then stops following requests with the drafter
+        (drafter_release.py)."""
+        drafting = [k for k in self.candidates if k > 0]
+        return bool(drafting) and self._tried[1] >= min_verified and all(self._hopeless(k) for k in drafting)
+
+    def forget_acceptance(self) -> None:
+        """Start the acceptance afresh (unobserved: 1.0, so drafting is tried again before it is judged): the
+        drafter's retry after a long release (drafter_release.py), in case the traffic changed."""
+        self._reached = [0.0] * len(self._reached)
+        self._tried = [0.0] * len(self._tried)
+        self._expected.clear()
 
     def _order(self) -> list[int]:
         """Candidates in the order they are first tried: the configured k, no drafting, then the rest, largest first."""
