@@ -145,11 +145,15 @@ class Engine(EngineLoop):
         """Book a decode step sampled on the device. When its batch goes on unchanged, the step after it is
         launched first, so the device runs that one while the host reads this one back and books it; the next
         engine step books that one. With a drafter the next step's k is planned first: only k = 0 goes on, the
-        step's feature rows staged in the held context's log before the next step overwrites them."""
+        step's feature rows staged in the held context's log before the next step overwrites them; a step of
+        requests all released from the drafter (drafter_release.py) is booked as a target-only one."""
         assert self.overlap is not None
         try:
             k_next = self._plan(step.requests) if self.proposer is not None else None
-            following = self.overlap.launch_following(step) if self._chains() and self._stages(step, k_next) else None
+            follows = self.proposer is not None and follows_any(step.requests)  # after the plan's release
+            following = (
+                self.overlap.launch_following(step) if self._chains() and self._stages(step, k_next, follows) else None
+            )
             self._flush_outbox()  # the previous step's outputs go out while this one runs on the device
             outcomes, failed = self.overlap.outcomes(step)
         except Exception as err:  # a kernel or device failure fails this step's requests, not the server
@@ -158,21 +162,23 @@ class Engine(EngineLoop):
         self.step_counts["overlapped decode" if step.ahead else "decode on device"] += 1
         self._fail_alone(failed)
         generated, _ = self._book(outcomes)
-        if self.proposer is not None:  # its rows held (staged) or, where nothing was launched after it, proposed
+        if follows:  # its rows held (staged) or, where nothing was launched after it, proposed
             self._propose(outcomes, step.features, k_next, staged=step.staged)
             self._cache_prefixes(step.requests)
+        if self.proposer is not None:
             self._note_steady(len(outcomes), {0}, k_next)
         if following is not None and following.live():  # else every request of it finished: nothing to book
             self._decoding = following
         if self.on_step is not None:
             self.on_step(len(step.requests), generated, time.perf_counter() - started)
 
-    def _stages(self, step: LaunchedDecode, k_next: int | None) -> bool:
-        """Whether a step may be launched after `step`: always without a drafter; with one, at k = 0 once `step`'s
-        feature rows are staged in the held context's log (deferred_context.py: not where a request's rows would
-        pass the limit or the log is full; that step is booked as the host path's, flushing from its features)."""
-        if self.proposer is None or (k_next == 0 and not follows_any(step.requests)):
-            return True  # no rows the drafter follows: a target-only step
+    def _stages(self, step: LaunchedDecode, k_next: int | None, follows: bool) -> bool:
+        """Whether a step may be launched after `step`: always where the drafter `follows` none of its requests;
+        else at k = 0 once `step`'s feature rows are staged in the held context's log (deferred_context.py: not
+        where a request's rows would pass the limit or the log is full; that step is booked as the host path's,
+        flushing from its features)."""
+        if not follows:
+            return True
         if k_next != 0 or self.deferred is None or step.features is None:
             return False
         step.staged = self.deferred.stage(step.requests, step.features)

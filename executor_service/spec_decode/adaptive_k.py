@@ -351,11 +351,14 @@ class AdaptiveK:
 
     def measured(self, batch: int) -> bool:
         """Whether every candidate's cost at this batch's bucket is measured and none is under test: what a
-        server that has served such batches a while knows (benchmarks warm up until then)."""
+        server that has served such batches a while knows (benchmarks warm up until then). A hopeless candidate's
+        test does not count: the engine leaves it unfinished when it releases the batch from the drafter and plans
+        without this model (drafter_release.py)."""
         bucket = self.bucket(batch)
         table = self.costs.get(bucket, {})
         compared = all((k in table and table[k].samples >= MIN_SAMPLES) or self._hopeless(k) for k in self.candidates)
-        return compared and bucket not in self._exploring
+        exploring = self._exploring.get(bucket)
+        return compared and (exploring is None or self._hopeless(exploring.num_draft_tokens))
 
     def describe(self) -> dict[str, object]:
         """What it measured and chose (benchmarks and logs)."""
