@@ -38,7 +38,9 @@ few tokens to win anywhere is not tested at a bucket that never measured it (`_h
 through once would pay a speculative step in every round), and a test the batch left for more than
 MAX_EXPLORE_STEPS steps elsewhere is dropped, to be retried later. The choice is a function of these
 measurements and the step count alone (deterministic given the costs), and it changes no token: greedy
-verification is exact whatever k.
+verification is exact whatever k. Where the measured acceptance rules every drafting k out (`drafting_ruled_out`),
+the engine releases requests from the drafter and plans their steps at k = 0 without this model, until a retry
+forgets the acceptance (`forget_acceptance`; drafter_release.py).
 """
 
 from __future__ import annotations

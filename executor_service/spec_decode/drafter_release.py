@@ -15,8 +15,8 @@ stops following. At each step's plan, before the drafter runs for the step:
   target-only for the rest of its life, preempted or not: its drafter cache no longer follows its tokens. Drafts
   it already has are verified as usual (they were drafted from a complete cache);
 - so a request admitted meanwhile is released at its first plan, before the drafter's pass over its prompt;
-- a batch that no request drafts in is planned at k = 0 without asking the cost model: its steps are target-only
-  steps (the overlapped decode without staging) and price k = 0 as such.
+- a batch of which the drafter follows no request is planned at k = 0 without asking the cost model: its steps
+  are target-only steps (the overlapped decode, nothing staged or proposed) and price k = 0 as such.
 
 Retry, in case the traffic changed: after RETRY_STEPS steps planned with drafting ruled out (AdaptiveK's
 MAX_REFRESH_STEPS, the longest interval at which it tests again a candidate it has given up on), the cost model
