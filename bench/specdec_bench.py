@@ -623,6 +623,7 @@ def measure_adaptive(sessions: dict[str, ModelSession], args: argparse.Namespace
     and the echoing target leaves no near tie: `mismatched_requests`, over the timed rounds); the chosen k per step
     is reported."""
     report: dict[str, Any] = {"prompt_tokens": args.prompt_len, "max_tokens": args.max_tokens, "repeats": args.repeats}
+    report |= {"defer_context": not args.no_defer_context, "release_drafter": not args.no_drafter_release}
     for batch in args.adaptive_batches:
         prompts = make_prompts(batch, args.prompt_len, preset["vocab"] - 1, seed=batch)
         rates: dict[str, list[float]] = {}
