@@ -8,6 +8,7 @@ released and every step keeps the cost model's choice. Abort and preemption of r
 from __future__ import annotations
 
 from collections import Counter
+from collections.abc import Callable
 
 import pytest
 from engine_driving import Collector, run_bounded
@@ -65,9 +66,9 @@ class Drafting:
         self.engine._drain_commands()
         return added
 
-    def step_until(self, done: object, max_steps: int = 100) -> None:
+    def step_until(self, done: Callable[[], bool], max_steps: int = 100) -> None:
         for _ in range(max_steps):
-            if done():  # type: ignore[operator]
+            if done():
                 return
             self.engine.step()
             self.engine._drain_commands()
