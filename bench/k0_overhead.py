@@ -326,6 +326,7 @@ def main() -> int:
     device = torch.device(args.device)
     report: dict[str, Any] = {**provenance("k0_overhead", device), "versions": versions(), "preset": args.preset}
     report |= {"backend": args.backend, "prompt_tokens": args.prompt_len, "max_tokens": args.max_tokens}
+    report |= {"defer_context": not args.no_defer_context, "release_drafter": not args.no_drafter_release}
     for batch in args.adaptive_batches:
         prompts = make_prompts(batch, args.prompt_len, preset["vocab"] - 1, seed=batch)
         entry: dict[str, Any] = {}

@@ -217,6 +217,7 @@ def open_session(
     settings = EngineSettings(
         max_num_batched_tokens=8192, max_num_seqs=max(args.batches), cuda_graphs=True,
         adaptive_speculation=bool(args.adaptive_batches), defer_drafter_context=not args.no_defer_context,
+        release_drafter=not args.no_drafter_release,
     )  # fmt: skip
     started = time.perf_counter()
     session = build_session(
@@ -454,6 +455,8 @@ def pass_counts(session: ModelSession) -> Counter[str]:
         counts.update(session.proposer.pass_counts)
     if session.engine.deferred is not None:  # k = 0 steps that held the drafter's context, and its flushes
         counts.update({f"drafter context {name}": n for name, n in session.engine.deferred.counts.items()})
+    if session.engine.release is not None:  # requests released from a hopeless drafter, and its retries
+        counts.update({f"drafter {name}": n for name, n in session.engine.release.counts.items()})
     # the engine's steps by path: "overlapped decode" (launched before the step before was read back), "host"...
     counts.update({f"engine {name}": n for name, n in session.engine.step_counts.items()})
     return counts
@@ -620,6 +623,7 @@ def measure_adaptive(sessions: dict[str, ModelSession], args: argparse.Namespace
     and the echoing target leaves no near tie: `mismatched_requests`, over the timed rounds); the chosen k per step
     is reported."""
     report: dict[str, Any] = {"prompt_tokens": args.prompt_len, "max_tokens": args.max_tokens, "repeats": args.repeats}
+    report |= {"defer_context": not args.no_defer_context, "release_drafter": not args.no_drafter_release}
     for batch in args.adaptive_batches:
         prompts = make_prompts(batch, args.prompt_len, preset["vocab"] - 1, seed=batch)
         rates: dict[str, list[float]] = {}
@@ -722,6 +726,11 @@ def parse_args(description: str | None = __doc__) -> argparse.Namespace:
         "--no-defer-context",
         action="store_true",
         help="(d): the drafter's context pass on every k = 0 step (as before)",
+    )
+    parser.add_argument(
+        "--no-drafter-release",
+        action="store_true",
+        help="(d): the drafter follows every request, even where its acceptance rules drafting out (as before)",
     )
     parser.add_argument("--out", type=Path, default=REPO / "bench" / "results")
     shapes = parser.add_argument_group("drafter shapes (default: DRAFTERS', over the preset's MLP width)")

@@ -25,6 +25,7 @@ from executor_service.runner.model_runner import ModelRunner, StepInputs
 from executor_service.sample.logprobs import TokenLogprob
 from executor_service.spec_decode.adaptive_k import AdaptiveK
 from executor_service.spec_decode.deferred_context import DeferredContext
+from executor_service.spec_decode.drafter_release import DrafterRelease, follows_any
 from executor_service.spec_decode.host_verify import DraftTree, TreeVerdict, VerifyError, check_drafts
 from executor_service.spec_decode.proposer import ProposeBatch, ProposeEntry, Proposer
 from executor_service.spec_decode.spec_step import PendingStep, SpecStep, VerifiedStep
@@ -48,6 +49,7 @@ class Engine(EngineLoop):
         speculation: AdaptiveK | None = None,
         defer_context: bool = True,
         overlap_decode: bool = True,
+        release_drafter: bool = True,
     ) -> None:
         super().__init__(scheduler)
         self.runner, self.max_model_len = runner, max_model_len
@@ -64,6 +66,9 @@ class Engine(EngineLoop):
         self.deferred = DeferredContext(scheduler.max_num_seqs) if proposer is not None and defer_context else None
         self._flushed: tuple[bool, int] | None = None  # this step's flush: (at k = 0, the k = 0 steps it served)
         self._last_flush: tuple[int, float | None] | None = None  # see _price
+        # With adaptive speculation, requests are released from a drafter whose acceptance rules drafting out
+        # (drafter_release.py); None: the drafter follows every request for its life.
+        self.release = DrafterRelease(self.deferred) if proposer is not None and release_drafter else None
         # Steps by path ("host", "device") and the drafts the host path verified ("host drafts"): tests assert a
         # batch stays on the device step; benchmarks report it.
         self.step_counts: Counter[str] = Counter()
@@ -140,11 +145,15 @@ class Engine(EngineLoop):
         """Book a decode step sampled on the device. When its batch goes on unchanged, the step after it is
         launched first, so the device runs that one while the host reads this one back and books it; the next
         engine step books that one. With a drafter the next step's k is planned first: only k = 0 goes on, the
-        step's feature rows staged in the held context's log before the next step overwrites them."""
+        step's feature rows staged in the held context's log before the next step overwrites them; a step of
+        requests all released from the drafter (drafter_release.py) is booked as a target-only one."""
         assert self.overlap is not None
         try:
             k_next = self._plan(step.requests) if self.proposer is not None else None
-            following = self.overlap.launch_following(step) if self._chains() and self._stages(step, k_next) else None
+            follows = self.proposer is not None and follows_any(step.requests)  # after the plan's release
+            following = (
+                self.overlap.launch_following(step) if self._chains() and self._stages(step, k_next, follows) else None
+            )
             self._flush_outbox()  # the previous step's outputs go out while this one runs on the device
             outcomes, failed = self.overlap.outcomes(step)
         except Exception as err:  # a kernel or device failure fails this step's requests, not the server
@@ -153,20 +162,22 @@ class Engine(EngineLoop):
         self.step_counts["overlapped decode" if step.ahead else "decode on device"] += 1
         self._fail_alone(failed)
         generated, _ = self._book(outcomes)
-        if self.proposer is not None:  # its rows held (staged) or, where nothing was launched after it, proposed
+        if follows:  # its rows held (staged) or, where nothing was launched after it, proposed
             self._propose(outcomes, step.features, k_next, staged=step.staged)
             self._cache_prefixes(step.requests)
+        if self.proposer is not None:
             self._note_steady(len(outcomes), {0}, k_next)
         if following is not None and following.live():  # else every request of it finished: nothing to book
             self._decoding = following
         if self.on_step is not None:
             self.on_step(len(step.requests), generated, time.perf_counter() - started)
 
-    def _stages(self, step: LaunchedDecode, k_next: int | None) -> bool:
-        """Whether a step may be launched after `step`: always without a drafter; with one, at k = 0 once `step`'s
-        feature rows are staged in the held context's log (deferred_context.py: not where a request's rows would
-        pass the limit or the log is full; that step is booked as the host path's, flushing from its features)."""
-        if self.proposer is None:
+    def _stages(self, step: LaunchedDecode, k_next: int | None, follows: bool) -> bool:
+        """Whether a step may be launched after `step`: always where the drafter `follows` none of its requests;
+        else at k = 0 once `step`'s feature rows are staged in the held context's log (deferred_context.py: not
+        where a request's rows would pass the limit or the log is full; that step is booked as the host path's,
+        flushing from its features)."""
+        if not follows:
             return True
         if k_next != 0 or self.deferred is None or step.features is None:
             return False
@@ -369,12 +380,19 @@ class Engine(EngineLoop):
 
     # ---- adaptive speculation (adaptive_k.py) ---------------------------------------------------
     def _plan(self, requests: list[Request]) -> int | None:
-        """The drafts per request of the next step for these requests' batch; None: the loaded k, always."""
-        if self.speculation is None:
+        """The drafts per request of the next step for these requests' batch; None: the loaded k, always. Where
+        the measured acceptance rules drafting out, the requests are released from the drafter first, and a batch
+        the drafter follows none of is planned at k = 0 without a choice (drafter_release.py)."""
+        speculation = self.speculation
+        if speculation is None:
             return None
         if self._planned is None:  # once a step: a step run in two parts plans for all its requests
             running = [r for r in requests if r.status is Status.RUNNING]
-            self._planned = self.speculation.plan(len(running) or 1)
+            if self.release is None or not running or self.release.followed(running, speculation):
+                self._planned = speculation.plan(len(running) or 1)
+            else:
+                self._planned = 0
+                speculation.count_plan(0)
         return self._planned
 
     def _price(self, seconds: float) -> None:

@@ -73,6 +73,9 @@ class EngineSettings:
     # Steps without drafting (adaptive speculation's k = 0) hold the drafter's context for a batched pass later
     # (deferred_context.py); off: its context pass runs every such step.
     defer_drafter_context: bool = True
+    # With adaptive speculation, requests are released from a drafter whose measured acceptance rules drafting out,
+    # new ones followed again now and then (drafter_release.py); off: the drafter follows every request.
+    release_drafter: bool = True
     # Without a drafter, steady decode steps launch the step after them before the host reads them back, so the host's
     # booking overlaps the device (engine/overlap_decode.py); off: every decode step serially.
     overlap_decode: bool = True
@@ -333,6 +336,7 @@ def build_session(
     engine = Engine(
         runner, scheduler, max_model_len, on_step, proposer, on_verify, spec_step, speculation,
         defer_context=settings.defer_drafter_context, overlap_decode=settings.overlap_decode,
+        release_drafter=settings.release_drafter,
     )  # fmt: skip
     headroom = speculative_headroom(draft.config.num_draft_tokens, lookahead) if draft is not None else 0
     chat = load_chat_template(source.path, config, loaded.tokenizer)

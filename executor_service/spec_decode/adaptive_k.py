@@ -38,7 +38,9 @@ few tokens to win anywhere is not tested at a bucket that never measured it (`_h
 through once would pay a speculative step in every round), and a test the batch left for more than
 MAX_EXPLORE_STEPS steps elsewhere is dropped, to be retried later. The choice is a function of these
 measurements and the step count alone (deterministic given the costs), and it changes no token: greedy
-verification is exact whatever k.
+verification is exact whatever k. Where the measured acceptance rules every drafting k out (`drafting_ruled_out`),
+the engine releases requests from the drafter and plans their steps at k = 0 without this model, until a retry
+forgets the acceptance (`forget_acceptance`; drafter_release.py).
 """
 
 from __future__ import annotations
@@ -209,11 +211,30 @@ class AdaptiveK:
         k = self._explore(bucket)
         if k is None:
             k = self._best(batch, bucket)
-        self.chosen[k] += 1
-        self.last_planned = k
-        if self.observer is not None:
-            self.observer(k)
+        self.count_plan(k)
         return k
+
+    def count_plan(self, num_draft_tokens: int) -> None:
+        """A step planned at `num_draft_tokens`, for the stats and metrics; the engine also counts here the k = 0 of a
+        step it planned without a choice (none of its requests drafts: drafter_release.py)."""
+        self.chosen[num_draft_tokens] += 1
+        self.last_planned = num_draft_tokens
+        if self.observer is not None:
+            self.observer(num_draft_tokens)
+
+    def drafting_ruled_out(self, min_verified: float) -> bool:
+        """Whether the measured acceptance, over at least `min_verified` verified request-steps (decayed), rules
+        every drafting candidate out (`_hopeless`): the engine then stops following requests with the drafter
+        (drafter_release.py)."""
+        drafting = [k for k in self.candidates if k > 0]
+        return bool(drafting) and self._tried[1] >= min_verified and all(self._hopeless(k) for k in drafting)
+
+    def forget_acceptance(self) -> None:
+        """Start the acceptance afresh (unobserved: 1.0, so drafting is tried again before it is judged): the
+        drafter's retry after a long release (drafter_release.py), in case the traffic changed."""
+        self._reached = [0.0] * len(self._reached)
+        self._tried = [0.0] * len(self._tried)
+        self._expected.clear()
 
     def _order(self) -> list[int]:
         """Candidates in the order they are first tried: the configured k, no drafting, then the rest, largest first."""
@@ -332,11 +353,14 @@ class AdaptiveK:
 
     def measured(self, batch: int) -> bool:
         """Whether every candidate's cost at this batch's bucket is measured and none is under test: what a
-        server that has served such batches a while knows (benchmarks warm up until then)."""
+        server that has served such batches a while knows (benchmarks warm up until then). A hopeless candidate's
+        test does not count: the engine leaves it unfinished when it releases the batch from the drafter and plans
+        without this model (drafter_release.py)."""
         bucket = self.bucket(batch)
         table = self.costs.get(bucket, {})
         compared = all((k in table and table[k].samples >= MIN_SAMPLES) or self._hopeless(k) for k in self.candidates)
-        return compared and bucket not in self._exploring
+        exploring = self._exploring.get(bucket)
+        return compared and (exploring is None or self._hopeless(exploring.num_draft_tokens))
 
     def describe(self) -> dict[str, object]:
         """What it measured and chose (benchmarks and logs)."""

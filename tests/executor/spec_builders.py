@@ -12,6 +12,7 @@ from executor_service.server.drafting import resolve_draft
 from executor_service.server.session import EngineSettings, ModelSession, build_session
 from executor_service.server.wire import resolve_target
 from executor_service.spec_decode.adaptive_k import AdaptiveK
+from executor_service.spec_decode.drafter_release import MIN_VERIFIED
 from specdec.v1 import common_pb2, executor_pb2
 
 METHODS = {
@@ -109,14 +110,28 @@ class EchoDrafts:
 
 class Scripted(AdaptiveK):
     """Plans a fixed cycle of k values, whatever it measures (the switches a real model makes, forced); it still
-    records what the engine measures."""
+    records what the engine measures. `releases`: its measured acceptance may rule drafting out, and the engine then
+    releases requests from the drafter (drafter_release.py) and plans k = 0 without it; off, the cycle holds."""
 
-    def __init__(self, cycle: list[int], candidates: list[int]) -> None:
+    def __init__(self, cycle: list[int], candidates: list[int], releases: bool = False) -> None:
         super().__init__(candidates)
         self.cycle = itertools.cycle(cycle)
+        self.releases = releases
+
+    def drafting_ruled_out(self, min_verified: float) -> bool:
+        return self.releases and super().drafting_ruled_out(min_verified)
 
     def plan(self, batch: int) -> int:
         k = next(self.cycle)
         self.chosen[k] += 1
         self.last_planned = k
         return k
+
+
+def rule_out(speculation: AdaptiveK | None) -> None:
+    """Acceptance measured at nothing over twice MIN_VERIFIED request-steps, at every depth: every drafting k is
+    hopeless, and the engine releases requests from the drafter (drafter_release.py) where the model lets it."""
+    assert speculation is not None
+    count, depth = 2 * MIN_VERIFIED, max(speculation.num_steps.values())
+    speculation.observe_verify([depth] * count, [0] * count)
+    assert AdaptiveK.drafting_ruled_out(speculation, MIN_VERIFIED)

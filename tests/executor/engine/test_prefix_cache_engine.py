@@ -12,10 +12,11 @@ import pytest
 import torch
 from engine_driving import Outputs, run_bounded
 from executor_builders import greedy, load_request
-from spec_builders import Scripted, draft_model
+from spec_builders import Scripted, draft_model, rule_out
 
 import executor_service.engine.prefix_cache as prefix_cache_module
-from executor_service.engine.request import Request
+from executor_service.engine.engine import Engine
+from executor_service.engine.request import Request, Status
 from executor_service.server.drafting import resolve_draft
 from executor_service.server.session import EngineSettings, ModelSession, build_session
 from executor_service.server.wire import resolve_target
@@ -269,6 +270,59 @@ def test_registering_held_blocks_would_be_caught(monkeypatch: pytest.MonkeyPatch
     later request blocks without the drafter's K/V: its drafts differ from the cache-off run's."""
     monkeypatch.setattr(DeferredContext, "written", lambda self, request: request.num_computed_tokens)
     on, off = held_context_runs("eagle3", [0])
+    assert on.cached("later") == 3 * BLOCK
+    assert on.outputs.tokens("later") == off.outputs.tokens("later")  # greedy outputs cannot tell ...
+    assert not same_drafts(on.drafts["later"], off.drafts["later"])  # ... the drafts do
+
+
+def released_seed_runs(after_prompt: bool) -> tuple[Run, Run]:
+    """A seed request released from the drafter (drafter_release.py): from its admission (drafting already ruled
+    out), or after the drafter's pass over its prompt; then a request sharing its 3 blocks, followed and drafting
+    every step. Cache on, then off."""
+    rng = random.Random(10)
+    system = tokens(rng, 3 * BLOCK)
+    seed = {"seed": system + tokens(rng, 5)}
+    later = {"later": seed["seed"] + tokens(rng, 3)}
+    runs = []
+    for caching in (True, False):
+        run = Run(session("eagle3", caching))
+        engine = run.session.engine
+        engine.speculation = Scripted([3], [0, 3], releases=True)
+        if not after_prompt:
+            rule_out(engine.speculation)
+        run.add(seed)
+        engine._drain_commands()
+        engine.step()  # the prompt, then drafts (after_prompt: the drafter's K/V of the prompt written)
+        rule_out(engine.speculation)
+        run_bounded(engine)
+        assert engine.release is not None and engine.release.counts["released"] == 1
+        engine.speculation = Scripted([3], [0, 3])
+        runs.append(run.phases([later]))
+    return runs[0], runs[1]
+
+
+@pytest.mark.parametrize("after_prompt", [False, True], ids=["from-admission", "after-its-prompt"])
+def test_a_released_request_registers_only_blocks_with_the_drafters_kv(after_prompt: bool) -> None:
+    """Released from its admission, the seed's blocks never get the drafter's K/V: none is registered and the later
+    request computes them; released after its prompt's pass, the blocks it registered then are shared. The later
+    request's drafts are the cache-off run's either way."""
+    on, off = released_seed_runs(after_prompt)
+    assert_same(on, off)
+    assert on.cached("later") == (3 * BLOCK if after_prompt else 0)
+
+
+def test_registering_a_released_requests_blocks_would_be_caught(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Negative control: a released request registering its blocks hands the later request blocks without the
+    drafter's K/V: its drafts differ from the cache-off run's."""
+
+    def registering_all(self: Engine, requests: list[Request]) -> None:
+        prefix_cache = self.scheduler.prefix_cache
+        for request in requests:
+            if prefix_cache is not None and request.status is Status.RUNNING:
+                prefix_cache.cache_blocks(request, None)
+
+    monkeypatch.setattr(Engine, "_cache_prefixes", registering_all)
+    on, off = released_seed_runs(after_prompt=False)
     assert on.cached("later") == 3 * BLOCK
     assert on.outputs.tokens("later") == off.outputs.tokens("later")  # greedy outputs cannot tell ...
     assert not same_drafts(on.drafts["later"], off.drafts["later"])  # ... the drafts do

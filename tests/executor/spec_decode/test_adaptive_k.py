@@ -363,3 +363,31 @@ def test_a_right_drafter_is_still_tried_at_a_new_bucket() -> None:
     rounds = [ramped_round(model, accepted=K) for _ in range(8)]
     assert rounds[0][0] == K  # tried at bucket 64 (acceptance not yet observed)
     assert all(chosen == [K] * len(chosen) for chosen in rounds[-3:])  # no test of k = 0 there in every round
+
+
+def test_drafting_is_ruled_out_on_enough_hopeless_evidence_and_retried_afresh() -> None:
+    """The release's rule (drafter_release.py): every drafting k hopeless over at least the evidence asked for; a
+    right drafter never; forgetting the acceptance makes drafting worth trying again (unobserved: 1.0)."""
+    model = AdaptiveK((0, 3, K), configured=K)
+    assert not model.drafting_ruled_out(32)  # nothing observed
+    model.observe_verify([K] * 20, [0] * 20)
+    assert model.expected_tokens(K) < 1.03 and not model.drafting_ruled_out(32)  # too few request-steps yet
+    model.observe_verify([K] * 20, [0] * 20)
+    assert model.drafting_ruled_out(32)
+    model.forget_acceptance()
+    assert not model.drafting_ruled_out(32) and model.expected_tokens(K) == 1 + K
+    right = AdaptiveK((0, K), configured=K)
+    right.observe_verify([K] * 200, [1] * 200)  # its first draft accepted: 2 tokens a step
+    assert not right.drafting_ruled_out(32)
+    assert not AdaptiveK([0]).drafting_ruled_out(0)  # no drafting candidate: nothing to rule out
+
+
+def test_a_hopeless_test_left_unfinished_does_not_hold_the_warm_up() -> None:
+    """The engine releases a batch from a hopeless drafter while the bucket tests the configured k, and plans
+    without the model from then on: the bucket counts as measured once k = 0 is."""
+    model = AdaptiveK((0, K), configured=K)
+    assert model.plan(64) == K  # the configured k's test begins
+    model.observe_verify([K] * 64, [0] * 64)
+    for _ in range(4):
+        model.record(64, 0, 0.010)  # the released batch's k = 0 steps, planned without the model
+    assert 64 in model._exploring and model.measured(64)

@@ -1,0 +1,89 @@
+"""Releasing requests from a drafter whose measured acceptance rules drafting out (issue 31).
+
+At adaptive speculation's k = 0 the drafter still follows every request, so that drafting can resume at any step:
+each k = 0 step stages its feature rows in the held context's log (deferred_context.py), a flush runs the
+drafter's context pass over them every DEFER_MAX steps, each admitted prompt runs the drafter's context pass, and
+the scheduler reserves the drafter's lookahead slots. With a drafter that is never right that is all a k = 0 step
+adds to a target-only one, and it is what kept the adaptive engine at 0.955x target-only at batch 64 on the H200.
+
+So once the measured acceptance rules drafting out (every drafting candidate hopeless in AdaptiveK's sense: too
+few accepted drafts to beat a k = 0 step anywhere, over at least MIN_VERIFIED verified request-steps), the engine
+stops following. At each step's plan, before the drafter runs for the step:
+
+- every request of the batch that the drafter follows is released: its held context is dropped and its own
+  speculation set to none (no drafts, no lookahead slots), as for a request that asked for no drafts. It decodes
+  target-only for the rest of its life, preempted or not: its drafter cache no longer follows its tokens. Drafts
+  it already has are verified as usual (they were drafted from a complete cache);
+- so a request admitted meanwhile is released at its first plan, before the drafter's pass over its prompt;
+- a batch of which the drafter follows no request is planned at k = 0 without asking the cost model: its steps
+  are target-only steps (the overlapped decode, nothing staged or proposed) and price k = 0 as such.
+
+Retry, in case the traffic changed: after RETRY_STEPS steps planned with drafting ruled out (AdaptiveK's
+MAX_REFRESH_STEPS, the longest interval at which it tests again a candidate it has given up on), the cost model
+forgets its acceptance. Drafting is then no longer ruled out, so requests admitted from then on are followed and
+drafted for, which measures the acceptance afresh: still hopeless after MIN_VERIFIED request-steps, they are
+released too and the clock starts again; otherwise the drafter is used as before. A retry costs those requests'
+prompt passes and a few speculative steps, once every RETRY_STEPS steps. Requests released earlier stay released.
+
+A drafter that is right is never released (its acceptance is not hopeless), and the choice of k for the requests
+the drafter follows is the cost model's, unchanged. Greedy tokens never change (verification is exact). The
+prefix cache registers blocks only for requests the drafter follows (engine.py, `_cache_prefixes`: one key stands
+for the target's and the drafter's K/V): a released request's blocks registered before its release stay valid,
+and it registers no more.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+
+from executor_service.engine.request import Request
+from executor_service.spec_decode.adaptive_k import MAX_REFRESH_STEPS, AdaptiveK
+from executor_service.spec_decode.deferred_context import DeferredContext
+
+# Verified request-steps (AdaptiveK's decayed count at depth 1) before the acceptance may rule drafting out: a
+# release lasts a request's life, so a few unlucky first verifications must not decide it (at batch 64, one step).
+MIN_VERIFIED = 32
+RETRY_STEPS = MAX_REFRESH_STEPS  # steps planned with drafting ruled out before it is tried again
+
+
+def follows_any(requests: list[Request]) -> bool:
+    """Whether the drafter follows any of these requests (drafts for it, or keeps its cache for drafting): every
+    request but those released or asking for no drafts."""
+    return any(request.num_draft_tokens != 0 for request in requests)
+
+
+class DrafterRelease:
+    """The release and its retry clock; one per engine, on its thread. The acceptance it reads is the engine's
+    current cost model's (a benchmark swaps models between traffics: the release follows the one in use)."""
+
+    def __init__(
+        self, deferred: DeferredContext | None, min_verified: float = MIN_VERIFIED, retry_steps: int = RETRY_STEPS
+    ) -> None:
+        self.deferred, self.min_verified, self.retry_steps = deferred, min_verified, retry_steps
+        self.steps_ruled_out = 0  # steps planned since drafting was ruled out (0: not ruled out)
+        self.counts: Counter[str] = Counter()  # "released" (requests), "retries"
+
+    def followed(self, requests: list[Request], speculation: AdaptiveK) -> bool:
+        """Once a step, before its next step is planned and the drafter runs for it: whether the drafter follows
+        any of the batch's running `requests` after releasing them where drafting is ruled out (the module's
+        docstring), or counting towards the retry."""
+        if not speculation.drafting_ruled_out(self.min_verified):
+            self.steps_ruled_out = 0
+            return follows_any(requests)
+        self.steps_ruled_out += 1
+        if self.steps_ruled_out >= self.retry_steps:
+            self.steps_ruled_out = 0
+            self.counts["retries"] += 1
+            speculation.forget_acceptance()  # newly admitted requests are followed and drafted for again
+            return follows_any(requests)
+        for request in [r for r in requests if r.num_draft_tokens != 0]:
+            self.release(request)
+        return False
+
+    def release(self, request: Request) -> None:
+        """Stop following `request` for the rest of its life: no held context, no drafts, no lookahead slots."""
+        request.num_draft_tokens = 0
+        request.num_lookahead_tokens = 0
+        if self.deferred is not None:
+            self.deferred.drop(request)
+        self.counts["released"] += 1
