@@ -160,11 +160,7 @@ class EagleProposer(Proposer):
         chain_seq_lens = (chain_positions + 1).to(torch.int32)
         chain_slots = x["ahead_slots"][:, 1:].t().contiguous()
         query_start_loc = torch.arange(positions.shape[0] + 1, dtype=torch.int32, device=positions.device)
-        # Every step's cos and sin in one lookup, not two gathers per step: [num_steps - 1, B, 1, D/2].
-        cos, sin = (
-            t.view(*chain_positions.shape, *t.shape[1:])
-            for t in self.drafter.rope.lookup(chain_positions.reshape(-1), hidden.dtype)
-        )
+        cos, sin = self._rotary_grid(chain_positions, hidden.dtype)  # [num_steps - 1, B, 1, D/2]
         for j in range(self.num_steps - 1):
             step = self.chain_step(block_table, query_start_loc, chain_positions[j], chain_seq_lens[j], chain_slots[j])
             hidden, head = self.drafter(
@@ -175,6 +171,12 @@ class EagleProposer(Proposer):
         if not drafted:
             return (torch.empty(tokens.shape[0], 0, dtype=torch.int64, device=tokens.device),)
         return (torch.stack(drafted, dim=1),)
+
+    def _rotary_grid(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos, sin [*positions.shape, 1, D/2] of every drafter pass's positions in one lookup, not two gathers (and
+        casts) per pass: a chain's steps, a tree's depths."""
+        cos, sin = self.drafter.rope.lookup(positions.reshape(-1), dtype)
+        return cos.view(*positions.shape, *cos.shape[1:]), sin.view(*positions.shape, *sin.shape[1:])
 
     def context_pass_rows(
         self, step: AttentionStep, positions: torch.Tensor, next_ids: torch.Tensor, features: torch.Tensor
@@ -207,10 +209,7 @@ class EagleProposer(Proposer):
         ahead = (last[:, None] + constants.arange(tree.depth)[None, :]).clamp(max=self.max_model_len - 1)
         if dynamic:  # every pass has top_k queries: their positions [depth, B * top_k] in one copy
             ahead = ahead.T[:, :, None].expand(-1, -1, tree.top_k).reshape(tree.depth, -1)
-        # Every pass's cos and sin looked up at once, not two lookups (and casts) per pass: [depth, ..., 1, D/2].
-        cos, sin = (
-            t.view(*ahead.shape, *t.shape[1:]) for t in self.drafter.rope.lookup(ahead.reshape(-1), hidden.dtype)
-        )
+        cos, sin = self._rotary_grid(ahead, hidden.dtype)  # [depth, ..., 1, D/2]
         used = 0
         for depth in range(1, tree.depth):
             size = frontier_tokens.shape[1]

@@ -233,13 +233,17 @@ def test_requests_the_drafter_skips_register_nothing() -> None:
     assert run.outputs.tokens("plain") == run.outputs.tokens("drafting") == run.outputs.tokens("plain-again")
 
 
+def seed_and_later(rng_seed: int) -> tuple[dict[str, list[int]], dict[str, list[int]]]:
+    """A seed request's prompt (3 blocks of system prompt and 5 tokens) and a later one extending it by 3."""
+    rng = random.Random(rng_seed)
+    seed = {"seed": tokens(rng, 3 * BLOCK) + tokens(rng, 5)}
+    return seed, {"later": seed["seed"] + tokens(rng, 3)}
+
+
 def held_context_runs(method: str, seed_cycle: list[int]) -> tuple[Run, Run]:
     """A seed request at k = `seed_cycle` whose drafter context is held up to 64 rows (its whole life at k = 0:
     deferred_context.py), then a request sharing its 3 blocks, drafting every step; cache on, then off."""
-    rng = random.Random(9)
-    system = tokens(rng, 3 * BLOCK)
-    seed = {"seed": system + tokens(rng, 5)}
-    later = {"later": seed["seed"] + tokens(rng, 3)}
+    seed, later = seed_and_later(9)
     runs = []
     for caching in (True, False):
         run = Run(session(method, caching))
@@ -279,10 +283,7 @@ def released_seed_runs(after_prompt: bool) -> tuple[Run, Run]:
     """A seed request released from the drafter (drafter_release.py): from its admission (drafting already ruled
     out), or after the drafter's pass over its prompt; then a request sharing its 3 blocks, followed and drafting
     every step. Cache on, then off."""
-    rng = random.Random(10)
-    system = tokens(rng, 3 * BLOCK)
-    seed = {"seed": system + tokens(rng, 5)}
-    later = {"later": seed["seed"] + tokens(rng, 3)}
+    seed, later = seed_and_later(10)
     runs = []
     for caching in (True, False):
         run = Run(session("eagle3", caching))
