@@ -13,6 +13,8 @@
 #   b1       tp_bench --graphs, batch 1 (decode latency: decode_step_ms), target-only and EAGLE-3, 128 tokens a request
 #            (DECODE_TOKENS_B1): $OUT/b1/tp_*.json
 #   tests2   test_tp_gpu.py again (the issue asks for two passes in a row): $OUT/tp_gpu_tests_2.log
+#   ar       bench/all_reduce_bench.py at each TP size > 1: NCCL, one-shot and two-shot per call in a graph, 8 KiB to
+#            8 MiB (where parallel/all_reduce.py's size limits come from): $OUT/ar/all_reduce_*.json
 # Both bench steps run EAGLE-3 with --drafts always-right (DRAFTS; `synthetic` for the step's cost alone): the target
 # echoes on every rank and every draft is accepted, so the logs' "speedup over target-only" lines give issue 33's
 # EAGLE-3 bar (that speedup at TP N over TP 1's >= 0.9, with 0 requests unlike target-only's; the JSON's `speedups`).
@@ -71,6 +73,12 @@ for step in ${steps//,/ }; do
         tests/executor/tp/test_tp_gpu.py tests/executor/tp/test_all_reduce_gpu.py 2>&1 | tee "$out/tp_gpu_tests_$n.log" | grep -E "passed|failed|FAILED|Error|graph replays" ;;
     b32) bench b32 32 330 "${ALL_REDUCE:-auto,nccl}" "${DECODE_TOKENS:-64}" ;;
     b1) bench b1 1 200 "${ALL_REDUCE_B1:-auto}" "${DECODE_TOKENS_B1:-128}" ;;
+    ar) sizes=${TP_SIZES:-1,2,4}
+      for world in ${sizes//,/ }; do
+        ((world > 1)) && ((world <= $(nvidia-smi -L | wc -l))) || continue
+        timeout -k 10 "$(left 60)" python3 bench/all_reduce_bench.py --world "$world" --out "$out/ar" 2>&1 \
+          | grep -v Warning | tee -a "$out/ar.log"
+      done ;;
     *) echo "unknown step $step" ;;
   esac
 done

@@ -1,7 +1,8 @@
 """One rank of the all-reduce check (test_all_reduce_gpu.py): `--rank R --world N --init tcp://...` joins the
 group through init_tensor_parallel (SPECDEC_TP_ALL_REDUCE from the environment), then all-reduces chains of
-tensors eagerly and inside a CUDA graph, and rank 0 prints JSON: what the all-reduces used, and per case whether
-the one-shot results equal a reference sum of the ranks' inputs computed on every rank in rank order."""
+tensors eagerly and inside a CUDA graph, at sizes on both sides of each limit (one-shot, two-shot, NCCL), and rank
+0 prints JSON: what the all-reduces used, and per case whether the results equal a reference sum of the ranks'
+inputs computed on every rank in rank order."""
 
 from __future__ import annotations
 
@@ -14,7 +15,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[3]))
 
-from executor_service.parallel.all_reduce import ONE_SHOT_MAX_BYTES, all_reduce
+from executor_service.parallel.all_reduce import ONE_SHOT_MAX_BYTES, TWO_SHOT_MAX_BYTES, all_reduce
 from executor_service.parallel.state import destroy_tensor_parallel, init_tensor_parallel
 
 CHAIN = 6  # dependent all-reduces in a row: a rank refilling the buffer while a peer reads it would show
@@ -49,8 +50,12 @@ def main() -> None:
     device = torch.device("cuda", args.rank)
     group = init_tensor_parallel(args.rank, args.world, args.init, device)
     results: dict[str, bool] = {}
-    sizes = [8, 4096, 32 * 4096, ONE_SHOT_MAX_BYTES // 2, ONE_SHOT_MAX_BYTES // 2 + 8]  # the last: NCCL (bf16)
     for dtype in (torch.bfloat16, torch.float32):
+        # one-shot; around its limit at 4 and at 2 ranks; two-shot and an unaligned size past one-shot (NCCL);
+        # two-shot's limit and one past it (NCCL)
+        limits = [ONE_SHOT_MAX_BYTES, 2 * ONE_SHOT_MAX_BYTES, TWO_SHOT_MAX_BYTES]
+        sizes = [8, 4096, 32 * 4096] + [n // dtype.itemsize + d for n in limits for d in (0, 8)]
+        sizes.append(2 * ONE_SHOT_MAX_BYTES // dtype.itemsize + 1)
         for numel in sizes:
             x = inputs(args.rank, numel, dtype, device, 0)
             results[f"eager {dtype} {numel}"] = torch.equal(chain(x), expected(args.world, numel, dtype, device, 0))

@@ -33,3 +33,19 @@ def test_cpu_group_sums_through_gloo(tmp_path) -> None:
     finally:
         all_reduce_module.forget_all_reduce()
         dist.destroy_process_group()
+
+
+def test_sizes_route_by_the_measured_limits() -> None:
+    """At 2 ranks one-shot up to 1 MiB, two-shot up to 8 MiB (whole 16-byte vectors), NCCL above; at 4 one-shot
+    only up to 512 KiB; with two-shot off (the `one-shot` choice) nothing past the one-shot limit."""
+    limits = all_reduce_module.size_limits(2, two_shot=True)
+    assert limits == (1 << 20, 8 << 20)
+    route = all_reduce_module.route
+    assert [route(n, *limits) for n in (0, 16, 8192, 1 << 20)] == ["nccl", "one-shot", "one-shot", "one-shot"]
+    assert [route(n, *limits) for n in ((1 << 20) + 16, 2 << 20, 8 << 20)] == ["two-shot"] * 3
+    assert route((1 << 20) + 2, *limits) == "nccl"  # not whole vectors: two-shot cannot split it
+    assert route((8 << 20) + 16, *limits) == "nccl"
+    four = all_reduce_module.size_limits(4, two_shot=True)
+    assert four == (512 << 10, 8 << 20) and route(1 << 20, *four) == "two-shot"
+    alone = all_reduce_module.size_limits(2, two_shot=False)
+    assert alone == (1 << 20, 1 << 20) and route((1 << 20) + 16, *alone) == "nccl"
