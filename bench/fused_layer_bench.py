@@ -18,6 +18,7 @@ Times are CUDA-graph replays of REPS back-to-back calls, divided by REPS. Writes
 
     python bench/fused_layer_bench.py [--dtypes bfloat16,float32] [--write-table] [--step-presets smollm2,llama3-8b]
     python bench/fused_layer_bench.py --presets smollm2 --rows 8 --step-rows 8 [--write-table]
+    python bench/fused_layer_bench.py --presets llama3-8b,llama3-8b:tp2 --no-decode-steps --write-table  # TP shards
 """
 
 from __future__ import annotations
@@ -79,12 +80,19 @@ TRIAL_ROUNDS = 7  # interleaved timing rounds of the step-level trials
 
 
 def model_config(preset: str, num_layers: int | None = None) -> ModelConfig:
-    p = PRESETS[preset]
+    """A preset's shape; "NAME:tpN" is one rank's shard of it under tensor parallelism over N GPUs (its heads, KV
+    heads and MLP width divided by N, parallel/layers.py): the column-parallel QKV and gate/up GEMMs stay plain
+    linears there, so the table's entries for these shapes serve every rank."""
+    name, _, tp = preset.partition(":tp")
+    ranks = int(tp or 1)
+    p = PRESETS[name]
+    if p["heads"] % ranks or p["kv_heads"] % ranks or p["intermediate"] % ranks:
+        raise SystemExit(f"{preset}: heads, KV heads and MLP width must divide by {ranks}")
     return ModelConfig(
-        architecture="llama", vocab_size=p["vocab"], hidden_size=p["hidden"], intermediate_size=p["intermediate"],
-        num_layers=num_layers or p["layers"], num_heads=p["heads"], num_kv_heads=p["kv_heads"],
-        head_size=p["head_size"], max_position_embeddings=4096, rope_theta=100000.0,
-        tie_word_embeddings=preset == "smollm2",
+        architecture="llama", vocab_size=p["vocab"], hidden_size=p["hidden"],
+        intermediate_size=p["intermediate"] // ranks, num_layers=num_layers or p["layers"],
+        num_heads=p["heads"] // ranks, num_kv_heads=p["kv_heads"] // ranks, head_size=p["head_size"],
+        max_position_embeddings=4096, rope_theta=100000.0, tie_word_embeddings=name == "smollm2",
     )  # fmt: skip
 
 
@@ -295,7 +303,9 @@ def step_trials(preset: str, rows: int, gemms: list[dict], dtype: torch.dtype, d
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     parser.add_argument("--dtypes", default="bfloat16")
-    parser.add_argument("--presets", default="smollm2,llama3-8b", help="shapes of the per-op table")
+    parser.add_argument(
+        "--presets", default="smollm2,llama3-8b", help="shapes of the per-op table; NAME:tpN for one rank's shard"
+    )
     parser.add_argument("--step-presets", default="smollm2", help="models of the decode-step runs")
     parser.add_argument("--rows", default=",".join(map(str, ROWS)), help="rows of the per-op table")
     parser.add_argument("--step-rows", default="", help="rows of the step-level trials (3.), e.g. 8")
