@@ -130,7 +130,7 @@ EXECUTOR_LAYERS: tuple[Layer, ...] = (
             "models.config models.json_fields models.limits models.rope models.rotary_cache models.fused_layer "
             "models.model models.weights models.loader models.model_loading models.model_paths models.gguf_loader "
             "models.gguf_tokenizer models.chat models.draft_config models.draft_models models.draft_weights "
-            "models.draft_id_tables parallel.all_reduce parallel.state parallel.layers"
+            "models.draft_id_tables parallel.all_reduce parallel.fused_all_reduce parallel.state parallel.layers"
         ),
     ),
     Layer(

@@ -14,6 +14,7 @@ prologue, the unfused path writes the concatenation first (one kernel: fused_ops
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -22,12 +23,18 @@ from torch import nn
 from executor_service.models.fused_ops import add_rms_norm, concat_rms_norm, silu_and_mul
 from kernels.small_gemm_table import GemmConfig, choose
 
+# A partial sum's reduction over the tensor-parallel ranks with the residual add and RMSNorm after it:
+# (x, residual, norm weight, eps) -> (normed, stream), as add_rms_norm of the summed x.
+ReduceNorm = Callable[[torch.Tensor, torch.Tensor | None, torch.Tensor, float], tuple[torch.Tensor, torch.Tensor]]
+
 
 @dataclass(frozen=True)
 class NormInput:
     """A GEMM's input still to be formed: rms_norm(x + residual, weight, eps); without a residual rms_norm(x);
     without a norm weight (EAGLE-1's first layer) x + residual as is. With `x2` (no residual): the concatenation
-    [rms_norm(x, weight) | rms_norm(x2, weight2)], or [x | x2] without the weights (both or neither)."""
+    [rms_norm(x, weight) | rms_norm(x2, weight2)], or [x | x2] without the weights (both or neither). With
+    `reduce` (tensor parallelism), x is this rank's partial sum and `reduce(x, residual, weight, eps)` sums it over
+    the ranks, adds and norms in one (parallel/fused_all_reduce.py)."""
 
     x: torch.Tensor
     residual: torch.Tensor | None = None
@@ -35,6 +42,7 @@ class NormInput:
     eps: float = 1e-6
     x2: torch.Tensor | None = None
     weight2: torch.Tensor | None = None
+    reduce: ReduceNorm | None = None
 
     @property
     def width(self) -> int:
@@ -43,6 +51,8 @@ class NormInput:
 
     def apply(self) -> tuple[torch.Tensor, torch.Tensor]:
         """(the GEMM's input, the residual stream x + residual) as separate ops; with x2 the stream is x."""
+        if self.reduce is not None and self.weight is not None:
+            return self.reduce(self.x, self.residual, self.weight, self.eps)
         if self.x2 is not None:
             if self.weight is None or self.weight2 is None:
                 return torch.cat([self.x, self.x2], dim=-1), self.x
@@ -53,10 +63,12 @@ class NormInput:
         return stream, stream
 
 
-def norm_input(x: torch.Tensor, residual: torch.Tensor | None, norm: nn.Module) -> NormInput:
-    """`norm` an RMSNorm (its weight and eps), or nn.Identity for none."""
+def norm_input(
+    x: torch.Tensor, residual: torch.Tensor | None, norm: nn.Module, reduce: ReduceNorm | None = None
+) -> NormInput:
+    """`norm` an RMSNorm (its weight and eps), or nn.Identity for none; `reduce`: x is a partial sum (NormInput)."""
     weight = getattr(norm, "weight", None)
-    return NormInput(x, residual, weight, getattr(norm, "eps", 1e-6))
+    return NormInput(x, residual, weight, getattr(norm, "eps", 1e-6), reduce=reduce)
 
 
 def _fusable(*tensors: torch.Tensor | None) -> bool:
@@ -65,8 +77,10 @@ def _fusable(*tensors: torch.Tensor | None) -> bool:
 
 def fused_config(op: str, inp: NormInput, layer: nn.Module, n: int) -> GemmConfig | None:
     """The fused kernel's config for `layer` (a plain nn.Linear: a tensor-parallel row-parallel layer all-reduces
-    and stays unfused) on this input, or None."""
-    if type(layer) is not nn.Linear or not _fusable(inp.x, inp.residual, inp.x2, layer.weight):
+    and stays unfused) on this input (not a partial sum: its reduction comes first), or None."""
+    if type(layer) is not nn.Linear or inp.reduce is not None:
+        return None
+    if not _fusable(inp.x, inp.residual, inp.x2, layer.weight):
         return None
     if inp.x2 is not None and (inp.residual is not None or (inp.weight is None) != (inp.weight2 is None)):
         return None

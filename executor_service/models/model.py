@@ -12,13 +12,22 @@ write, attention (two with split-KV), o_proj, (add + norm +) gate/up + SiLU-and-
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from executor_service.models.attention_step import AttentionStep
 from executor_service.models.config import ModelConfig
-from executor_service.models.fused_layer import NormInput, fused_config, gate_up_silu, linear, norm_input
+from executor_service.models.fused_layer import (
+    NormInput,
+    ReduceNorm,
+    fused_config,
+    gate_up_silu,
+    linear,
+    norm_input,
+)
 from executor_service.models.fused_ops import add_rms_norm, linear_residual, rms_norm, silu_and_mul
 from executor_service.models.rope import RotaryEmbedding
 from executor_service.models.rotary_cache import rotate_and_store
@@ -150,6 +159,8 @@ class DecoderLayer(nn.Module):
         self.self_attn = Attention(config)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.mlp = MLP(config)
+        # Tensor parallelism (parallel/layers.py): the sublayers' outputs are partial sums, reduced in the next norm
+        self.reduce_norm: ReduceNorm | None = None
 
     def forward(
         self,
@@ -161,8 +172,9 @@ class DecoderLayer(nn.Module):
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """(this layer's MLP output, the residual stream it is to be added to) from the previous layer's pair
         (residual None: `hidden` is the stream itself, the embeddings)."""
-        out, stream = self.self_attn(norm_input(hidden, residual, self.input_layernorm), rotary, kv_cache, step)
-        return self.mlp.fused(norm_input(out, stream, self.post_attention_layernorm))
+        reduce = self.reduce_norm
+        out, stream = self.self_attn(norm_input(hidden, residual, self.input_layernorm, reduce), rotary, kv_cache, step)
+        return self.mlp.fused(norm_input(out, stream, self.post_attention_layernorm, reduce))
 
 
 class DecoderModel(nn.Module):
@@ -178,6 +190,10 @@ class DecoderModel(nn.Module):
         if config.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
         self.rope = RotaryEmbedding(config)
+        # Tensor parallelism (parallel/layers.py): the embedding and the layers leave partial sums; `reduce_norm`
+        # sums one with the final norm, `reduce` alone (the features drafters read)
+        self.reduce_norm: ReduceNorm | None = None
+        self.reduce: Callable[[torch.Tensor], torch.Tensor] | None = None
 
     def forward(
         self,
@@ -196,8 +212,12 @@ class DecoderModel(nn.Module):
         for index, layer in enumerate(self.layers):
             hidden, residual = layer(hidden, residual, rotary, kv_caches[index], step)
             if index in aux_layer_ids:
-                captured[index] = hidden + residual
-        normed, _ = self.norm.add_forward(hidden, residual)
+                summed = self.reduce(hidden) if self.reduce is not None else hidden
+                captured[index] = summed + residual
+        if self.reduce_norm is not None:
+            normed, _ = self.reduce_norm(hidden, residual, self.norm.weight, self.norm.eps)
+        else:
+            normed, _ = self.norm.add_forward(hidden, residual)
         return normed, [captured[i] for i in aux_layer_ids]
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:

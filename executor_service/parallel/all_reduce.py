@@ -25,9 +25,10 @@ Above TWO_SHOT_MAX_BYTES (prefill chunks) NCCL's ring is the right tool. At 4 GP
 512 KiB on 4x H200 (docs/benchmarks.md); two-shot's 4-GPU limits are not measured yet (the same 8 MiB as at 2).
 
 SPECDEC_TP_ALL_REDUCE picks: `auto` (default: one-shot and two-shot by size where symmetric memory sets up on
-CUDA, else NCCL), `nccl`, or `one-shot` (one-shot alone up to its limit, NCCL above; an error if it cannot be set
-up: the comparison before two-shot). Every rank reads the same environment (the followers inherit rank 0's), and
-the ranks agree on the outcome before the first forward.
+CUDA, else NCCL; and the one-shot sizes fused with the norm after them, fused_all_reduce.py), `unfused` (the same
+all-reduces, the norm apart: the comparison), `nccl`, or `one-shot` (one-shot alone up to its limit, NCCL above;
+an error if it cannot be set up: the comparison before two-shot). Every rank reads the same environment (the
+followers inherit rank 0's), and the ranks agree on the outcome before the first forward.
 """
 
 from __future__ import annotations
@@ -41,7 +42,7 @@ import torch.distributed as dist
 log = logging.getLogger("specdec.executor")
 
 ENV = "SPECDEC_TP_ALL_REDUCE"
-CHOICES = ("auto", "nccl", "one-shot")
+CHOICES = ("auto", "unfused", "nccl", "one-shot")
 ONE_SHOT_MAX_BYTES = 512 * 1024  # batch 64 of an 8B model's hidden states in bf16
 TWO_SHOT_MAX_BYTES = 8 * 1024 * 1024  # a verify step of batch 128 at k = 7 (8B); prefill chunks go to NCCL
 DTYPES = (torch.bfloat16, torch.float16, torch.float32)
@@ -114,12 +115,22 @@ _symmetric: SymmetricAllReduce | None = None
 
 def all_reduce(x: torch.Tensor) -> torch.Tensor:
     """The sum of `x` over the ranks: through symmetric memory for a small or mid-sized tensor where set up, else
-    NCCL's (or gloo's) in place."""
+    NCCL's (or gloo's) in place (`x` is then the sum too; sum_of leaves it)."""
     kind = _symmetric.route(x) if _symmetric is not None else "nccl"
     if _symmetric is not None and kind != "nccl":
         return _symmetric(x, kind)
     dist.all_reduce(x)
     return x
+
+
+def sum_of(x: torch.Tensor) -> torch.Tensor:
+    """The sum of `x` over the ranks in a new tensor, `x` left as it is (a partial sum still to be read)."""
+    kind = _symmetric.route(x) if _symmetric is not None else "nccl"
+    if _symmetric is not None and kind != "nccl":
+        return _symmetric(x, kind)
+    out = x.clone()
+    dist.all_reduce(out)
+    return out
 
 
 def all_reduce_kind() -> str:
@@ -147,7 +158,8 @@ def set_up_all_reduce(device: torch.device, world_size: int) -> str:
         return all_reduce_kind()
     symmetric, reason = None, ""
     try:
-        symmetric = SymmetricAllReduce(dist.group.WORLD.group_name, device, world_size, two_shot=wanted == "auto")
+        two_shot = wanted in ("auto", "unfused")
+        symmetric = SymmetricAllReduce(dist.group.WORLD.group_name, device, world_size, two_shot=two_shot)
     except Exception as err:  # an old torch, no peer access: NCCL does the same job, slower
         reason = f"{type(err).__name__}: {str(err)[:200]}"
     ready = torch.tensor([1 if symmetric is not None else 0], device=device)
@@ -159,6 +171,11 @@ def set_up_all_reduce(device: torch.device, world_size: int) -> str:
     else:
         log.warning("tensor parallelism: symmetric-memory all-reduce unavailable (%s); NCCL's instead", reason)
     return all_reduce_kind()
+
+
+def one_shot_limit() -> int:
+    """The largest tensor (bytes) the one-shot path takes in this process; 0 where it is not set up."""
+    return _symmetric.one_shot_max if _symmetric is not None else 0
 
 
 def forget_all_reduce() -> None:

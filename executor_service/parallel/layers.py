@@ -1,12 +1,15 @@
 """Megatron-style sharding of a loaded target, in place, for one rank of `world_size`.
 
 Column-parallel (each rank keeps a slice of the output rows): qkv_proj by heads (its q, k and v heads) and
-gate_up_proj (its slice of gate and of up). Row-parallel (a slice of the input columns, partial sums
-all-reduced): o_proj and down_proj; the residual and the bias are added on rank 0 only, before the
-all-reduce, so they count once. Each rank attends over its own heads with its own KV cache. The embedding
-and the LM head are vocabulary-parallel: each rank holds ceil(V / N) rows; the embedding masks ids outside
-its rows and all-reduces, the LM head all-gathers its logits' columns. After sharding every rank holds the
-same full hidden states between layers, so rank 0's drafter reads the target's features without a gather.
+gate_up_proj (its slice of gate and of up). Row-parallel (a slice of the input columns, partial sums): o_proj
+and down_proj; the bias is added on rank 0 only, so it counts once. Each rank attends over its own heads with
+its own KV cache. The embedding and the LM head are vocabulary-parallel: each rank holds ceil(V / N) rows; the
+embedding masks ids outside its rows, the LM head all-gathers its logits' columns.
+
+The embedding's and the row-parallel layers' partial sums are summed over the ranks by the norm after them, with
+its residual add (`reduce_norm`: one kernel on GPUs, fused_all_reduce.py), so every rank holds the same full
+residual stream; the layers drafters read are summed on their own (`reduce`), so rank 0's drafter reads the
+target's features without a gather.
 """
 
 from __future__ import annotations
@@ -18,7 +21,8 @@ from torch import nn
 
 from executor_service.models.config import ModelConfig
 from executor_service.models.model import Attention, DecoderModel
-from executor_service.parallel.all_reduce import all_reduce
+from executor_service.parallel.all_reduce import all_reduce, sum_of
+from executor_service.parallel.fused_all_reduce import all_reduce_add_rms_norm, begin_pass
 
 
 def vocab_shard(vocab_size: int, rank: int, world_size: int) -> tuple[int, int, int]:
@@ -44,11 +48,12 @@ class VocabParallelEmbedding(nn.Module):
         self.weight = nn.Parameter(_rows(weight, self.start, count, padded), requires_grad=False)
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
-        """Rows this rank holds, zeros elsewhere, summed over the ranks."""
+        """Rows this rank holds, zeros elsewhere: a partial sum, which the first layer's norm sums over the ranks.
+        A target pass starts here, so the fused all-reduces' buffer rotation restarts (fused_all_reduce.py)."""
+        begin_pass()
         held = (input_ids >= self.start) & (input_ids < self.end)
         local = torch.where(held, input_ids - self.start, 0)
-        out = F.embedding(local, self.weight) * held.unsqueeze(-1).to(self.weight.dtype)
-        return all_reduce(out)
+        return F.embedding(local, self.weight) * held.unsqueeze(-1).to(self.weight.dtype)
 
 
 class ParallelLMHead(nn.Module):
@@ -71,7 +76,8 @@ class ParallelLMHead(nn.Module):
 
 
 class RowParallelLinear(nn.Linear):
-    """x [T, in / N] @ weight[:, slice].T, summed over the ranks; bias and residual added once (rank 0)."""
+    """x [T, in / N] @ weight[:, slice].T, bias and residual added once (rank 0): `forward` leaves the partial sum
+    to the next norm, `residual_forward` sums it over the ranks itself."""
 
     def __init__(self, full: nn.Linear, rank: int, world_size: int) -> None:
         per_rank = full.in_features // world_size
@@ -92,7 +98,9 @@ class RowParallelLinear(nn.Linear):
         return all_reduce(out)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.residual_forward(x, None)
+        """This rank's partial sum (bias on rank 0): the next norm sums it over the ranks (`reduce_norm`)."""
+        out = x @ self.weight.t()
+        return out + self.bias if self.bias is not None else out
 
 
 def _column(linear: nn.Linear, slices: list[tuple[int, int]]) -> None:
@@ -132,6 +140,9 @@ def shard_model(model: DecoderModel, rank: int, world_size: int) -> DecoderModel
         if config.tie_word_embeddings:
             head.weight = embed.weight
         model.embed_tokens, model.lm_head = embed, head
+    for layer in model.layers:  # each sublayer's partial sum is reduced in the norm after it
+        layer.reduce_norm = all_reduce_add_rms_norm
+    model.reduce_norm, model.reduce = all_reduce_add_rms_norm, sum_of
     return model
 
 

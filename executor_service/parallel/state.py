@@ -19,8 +19,9 @@ import torch
 import torch.distributed as dist
 
 from executor_service.errors import EngineUnavailable
-from executor_service.parallel.all_reduce import forget_all_reduce, set_up_all_reduce
+from executor_service.parallel.all_reduce import choice, forget_all_reduce, one_shot_limit, set_up_all_reduce
 from executor_service.parallel.channel import ControlRing
+from executor_service.parallel.fused_all_reduce import forget_fused, set_up_fused
 
 FLAG = "--tensor-parallel-size"
 MAX_TENSOR_PARALLEL_SIZE = 64
@@ -97,6 +98,8 @@ def init_tensor_parallel(
     control = dist.new_group(backend="gloo", timeout=CONTROL_TIMEOUT)
     _group = TensorParallelGroup(rank, world_size, device, control, ring)
     _group.all_reduce = set_up_all_reduce(device, world_size)
+    if choice() == "auto" and set_up_fused(device, world_size, one_shot_limit()):
+        _group.all_reduce += "; fused with the norm after it up to the one-shot limit"
     return _group
 
 
@@ -123,6 +126,7 @@ def destroy_tensor_parallel(timeout_s: float = 10.0) -> bool:
     global _group
     group, _group = _group, None
     forget_all_reduce()
+    forget_fused()
     if not dist.is_initialized():
         return True
     if group is not None and group.failure is not None:
