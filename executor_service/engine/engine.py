@@ -296,10 +296,11 @@ class Engine(EngineLoop):
 
     def _book(self, outcomes: list[StepOutcome]) -> tuple[int, list[int]]:
         """Book a step's outcomes, the one place for both paths: each request's computed tokens (its accepted
-        path kept, the rejected drafts' K/V rolled back by not counting them), its verification's statistics,
-        then its emitted tokens up to a stop (a finish frees its blocks: without a drafter the prompt's blocks
-        are registered in the prefix cache first). Returns the tokens kept and the drafts each verifying request
-        verified (the metrics and the adaptive speculation are told)."""
+        path kept, the rejected drafts' K/V rolled back by not counting them), its verification's statistics
+        (the metrics and the adaptive speculation are told, before a finish makes the speculation forget the
+        request), then its emitted tokens up to a stop (a finish frees its blocks: without a drafter the prompt's
+        blocks are registered in the prefix cache first). Returns the tokens kept and the drafts each verifying
+        request verified."""
         for outcome in outcomes:
             request = outcome.request
             request.num_computed_tokens = outcome.num_computed
@@ -308,14 +309,13 @@ class Engine(EngineLoop):
                 request.record_verification(outcome.num_drafts, outcome.accepted, positions=outcome.depth)
         if self.proposer is None:  # the K/V is all written: register before a finish frees the blocks
             self._cache_prefixes([o.request for o in outcomes])
+        verifying = [o for o in outcomes if o.num_drafts]
+        self._observe_verify(verifying)
         generated = 0
         for outcome in outcomes:
             if outcome.emitted:
                 generated += self._emit(outcome.request, outcome.emitted, outcome.num_drafts, outcome.logprobs)
-        verifying = [o for o in outcomes if o.num_drafts]
-        drafted = [o.num_drafts for o in verifying]
-        self._observe_verify(drafted, [o.accepted for o in verifying], [o.depth for o in verifying])
-        return generated, drafted
+        return generated, [o.num_drafts for o in verifying]
 
     def _launch_on_device(self, inputs: StepInputs, requests: list[Request]) -> PendingStep | None:
         """The step on the device (spec_step.py) when every request verifies a whole draft of the loaded shape
@@ -380,16 +380,17 @@ class Engine(EngineLoop):
 
     # ---- adaptive speculation (adaptive_k.py) ---------------------------------------------------
     def _plan(self, requests: list[Request]) -> int | None:
-        """The drafts per request of the next step for these requests' batch; None: the loaded k, always. Where
-        the measured acceptance rules drafting out, the requests are released from the drafter first, and a batch
-        the drafter follows none of is planned at k = 0 without a choice (drafter_release.py)."""
+        """The drafts per request of the next step for these requests' batch (planned for its running requests'
+        own acceptance); None: the loaded k, always. Where the measured acceptance rules drafting out, the
+        requests are released from the drafter first, and a batch the drafter follows none of is planned at k = 0
+        without a choice (drafter_release.py)."""
         speculation = self.speculation
         if speculation is None:
             return None
         if self._planned is None:  # once a step: a step run in two parts plans for all its requests
             running = [r for r in requests if r.status is Status.RUNNING]
             if self.release is None or not running or self.release.followed(running, speculation):
-                self._planned = speculation.plan(len(running) or 1)
+                self._planned = speculation.plan([r.request_id for r in running])
             else:
                 self._planned = 0
                 speculation.count_plan(0)
@@ -423,15 +424,17 @@ class Engine(EngineLoop):
         if k_next is not None and batch and verified == {k_next}:
             self._steady = (batch, k_next)
 
-    def _observe_verify(self, drafted: list[int], accepted: list[int], depths: list[int] | None = None) -> None:
-        """Per verified request (drafts, accepted, and for trees the depth reached): metrics and the speculation."""
-        if not any(drafted):
+    def _observe_verify(self, verifying: list[StepOutcome]) -> None:
+        """Per verified request (drafts, accepted, and the depth its drafts reached): the metrics, and the
+        speculation by request (its acceptance per request: adaptive_k.py)."""
+        if not verifying:
             return
         if self.on_verify is not None:
-            self.on_verify(drafted, accepted)
+            self.on_verify([o.num_drafts for o in verifying], [o.accepted for o in verifying])
         if self.speculation is not None:
-            pairs = [(d, a) for d, a in zip(depths or drafted, accepted, strict=True) if d]
-            self.speculation.observe_verify([d for d, _ in pairs], [a for _, a in pairs])
+            reached = [o for o in verifying if o.depth]
+            ids, depths = [o.request.request_id for o in reached], [o.depth for o in reached]
+            self.speculation.observe_verify(ids, depths, [o.accepted for o in reached])
 
     def _launch_following(self, requests: list[Request], pending: PendingStep) -> PendingStep | None:
         """The step after `pending`, launched before `pending` is read back, when nothing could change the
@@ -567,6 +570,8 @@ class Engine(EngineLoop):
             self.deferred.drop(request)
         if self.spec_step is not None:
             self.spec_step.table.release(request.request_id)
+        if self.speculation is not None:  # its own acceptance: only live requests are planned for
+            self.speculation.forget_request(request.request_id)
         with self._lock:
             self._live.pop(request.request_id, None)
         finish: Finish | None = request.finish(reason) if reason is not None else None

@@ -6,8 +6,8 @@ depth), which is what the acceptance per depth prices.
 
 Drafting pays while the target verifies k + 1 rows per request for about the price of one; at high batch the
 verify rows are no longer free (the pass becomes compute bound, or the speculative step runs eagerly past its
-graphs' batch) and a plain decode step gives more tokens per second. The engine asks `plan(batch)` after each
-step for the next step's k and tells this model what it measured:
+graphs' batch) and a plain decode step gives more tokens per second. The engine asks `plan(request_ids)` (the
+batch's running requests) after each step for the next step's k and tells this model what it measured:
 
 - `record(batch, k, seconds)`: the wall time of a steady step (it verified k drafts per request and drafted k for
   the next one; k = 0: a target decode step, the drafter's context held for later, deferred_context.py). Per
@@ -19,15 +19,26 @@ step for the next step's k and tells this model what it measured:
   about DEFER_MAX steps): the time it added to the steps it landed in, beyond plain k = 0 steps, spread over
   the k = 0 steps whose rows it ran. k = 0's price is its median plus the median of these surcharges, so
   neither the median (which would outvote the rare flush) nor a flush step taken as a plain sample misprices it.
-- `observe_verify(depths, accepted)`: per verified request, how deep its drafts went and how many were accepted.
-  The acceptance rate per depth d (the share of steps that verified depth d whose accepted drafts reached it) is
-  a decayed count, so it follows the traffic.
+- `observe_verify(request_ids, depths, accepted)`: per verified request, how deep its drafts went and how many
+  were accepted. The acceptance rate per depth d (the share of steps that verified depth d whose accepted drafts
+  reached it) is a decayed count, so it follows the traffic: one over all requests (the global rate), and one per
+  live request, shrunk towards the global rate as a prior of PRIOR steps, (reached + PRIOR x global) / (tried +
+  PRIOR): a request without history has the global rate (so traffic of one kind plans as with the global rate
+  alone), one with a few dozen verify steps mostly its own. `forget_request` drops a request's counts when it
+  finishes (the engine's `_finish`: a stop, an abort, a failure; a preempted request keeps them, it is still live).
 
-The choice maximises expected tokens per second, `batch x (1 + sum of the rates up to num_steps(k))` over the
-step's measured time, over the candidates (the k values with captured graphs: no capture at run time). A candidate
-not yet measured at a bucket is tried first (the configured k, then 0, then the rest), for a few steps; a losing
-one is measured again after a while (its acceptance may have changed), each time later (a doubled interval) while
-it keeps losing, so a batch whose best k is clear pays almost nothing for the check. The interval is never shorter
+Per request because acceptance differs between the requests of one batch (greedy against sampled or penalised
+requests: ~3.2 against ~1.4 tokens a step with the shipped SmolLM2 drafters), and the requests that accept most
+finish first: a batch of 16 mixing them ended in a tail of two penalised requests, ~30 % of the wall time, that
+kept paying a speculative step (~2.4x a decode step on a GPU) for ~1.4 tokens, planned on a global rate the greedy
+requests' history still dominated. So the choice of k for a batch uses its own requests' rates.
+
+The choice maximises the batch's expected tokens per second, the sum over its requests of `1 + the sum of their
+rates up to num_steps(k)` over the step's measured time at the batch's bucket (a power of two of the batch size),
+over the candidates (the k values with captured graphs: no capture at run time). A candidate not yet measured at
+a bucket is tried first (the configured k, then 0, then the rest), for a few steps; a losing one is measured
+again after a while (its acceptance may have changed), each time later (a doubled interval) while it keeps
+losing, so a batch whose best k is clear pays almost nothing for the check. The interval is never shorter
 than what keeps the checks to about EXPLORE_SHARE of the bucket's time (a check runs about two steps at the
 loser's price: at high batch a speculative step can cost several plain ones), and it is the longest one
 (MAX_REFRESH_STEPS) for a candidate that could not win with every draft accepted (`batch x (1 + num_steps)` over its
@@ -36,15 +47,19 @@ above the drafting incumbent: the least work a step does cannot cost more, so it
 checked at its refresh interval and measured afresh (`_doubted`). A drafting k whose measured acceptance adds too
 few tokens to win anywhere is not tested at a bucket that never measured it (`_hopeless`; a bucket a round passes
 through once would pay a speculative step in every round), and a test the batch left for more than
-MAX_EXPLORE_STEPS steps elsewhere is dropped, to be retried later. The choice is a function of these
-measurements and the step count alone (deterministic given the costs), and it changes no token: greedy
-verification is exact whatever k. Where the measured acceptance rules every drafting k out (`drafting_ruled_out`),
-the engine releases requests from the drafter and plans their steps at k = 0 without this model, until a retry
-forgets the acceptance (`forget_acceptance`; drafter_release.py).
+MAX_EXPLORE_STEPS steps elsewhere is dropped, to be retried later. The choice of k, the judging of a test and the
+check intervals read the batch's acceptance (the step and its checks are this batch's); what outlasts the batch
+reads the global one: `_hopeless` (a test skipped at a bucket for MAX_REFRESH_STEPS, `measured`) and
+`drafting_ruled_out`. The choice is a function of these measurements, the batch's requests and the step count
+alone (deterministic given the costs), and it changes no token: greedy verification is exact whatever k. Where the
+measured global acceptance rules every drafting k out (`drafting_ruled_out`), the engine releases requests from
+the drafter and plans their steps at k = 0 without this model, until a retry forgets the global acceptance
+(`forget_acceptance`; drafter_release.py).
 """
 
 from __future__ import annotations
 
+import itertools
 import math
 from collections import Counter, deque
 from collections.abc import Callable, Iterable, Sequence
@@ -52,7 +67,8 @@ from dataclasses import dataclass, field
 from statistics import median
 
 WINDOW = 5  # recent steady step times per (bucket, k); their median is its cost
-DECAY = 0.995  # per observed request-step: the acceptance counts' memory (~200 request-steps)
+DECAY = 0.995  # per observed request-step: the acceptance counts' memory (~200 request-steps; a request's: its own)
+PRIOR = 4.0  # pseudo-steps at the global rate in a request's own rate: without history it is the global rate
 MIN_SAMPLES = 3  # steady steps that measure a candidate before it is compared (a median of 3 outvotes one outlier)
 MAX_EXPLORE_STEPS = 6  # a candidate under test is given up after this many steps without enough steady samples
 REFRESH_STEPS = 128  # steps at a bucket before a losing candidate is measured again; doubled while it loses
@@ -102,6 +118,40 @@ class StepCost:
 
 
 @dataclass
+class RequestAcceptance:
+    """One request's decayed counts per depth (index d, as the global ones), and what a batch's sum of rates reads
+    of them, worked out when they change: per depth its own part of its rate, reached / (tried + PRIOR), and the
+    global rate's weight in it, PRIOR / (tried + PRIOR). The global rate is kept out of them because it changes at
+    every verify step of any request: a batch's sum at depth d is then sum(own) + global(d) x sum(weight), and no
+    request's figures are worked out again for a plan."""
+
+    reached: list[float]
+    tried: list[float]
+    own: list[float]
+    weight: list[float]
+
+    @classmethod
+    def fresh(cls, depths: int) -> RequestAcceptance:
+        """No history: its rate is the global one at every depth (weight 1)."""
+        return cls([0.0] * depths, [0.0] * depths, [0.0] * depths, [1.0] * depths)
+
+    def observe(self, depth: int, accepted: int, tried: list[float], reached: list[float]) -> None:
+        """A verify step of its drafts to `depth` that accepted `accepted` of them, counted in its counts and in the
+        global ones (`tried`, `reached`) in one loop: it runs for every verified request of every step (at batch
+        256, depth 7, on the CPU host: ~0.3 ms a step, ~0.4 ms in two loops; the global counts alone took ~0.14)."""
+        own_tried, own_reached, own, weight = self.tried, self.reached, self.own, self.weight
+        for d in range(1, depth + 1):
+            hit = 1.0 if accepted >= d else 0.0
+            tried[d] = tried[d] * DECAY + 1.0
+            reached[d] = reached[d] * DECAY + hit
+            steps = own_tried[d] = own_tried[d] * DECAY + 1.0
+            scale = 1.0 / (steps + PRIOR)
+            own_reached[d] = own_reached[d] * DECAY + hit
+            own[d] = own_reached[d] * scale
+            weight[d] = PRIOR * scale
+
+
+@dataclass
 class Exploration:
     num_draft_tokens: int
     until_samples: int
@@ -136,6 +186,8 @@ class AdaptiveK:
         self._reached = [0.0] * (max_depth + 1)  # decayed counts, index d: accepted drafts reached depth d
         self._tried = [0.0] * (max_depth + 1)  # index d: steps that verified depth d
         self._expected: dict[int, float] = {}  # k -> expected_tokens(k), until the acceptance changes
+        self._requests: dict[str, RequestAcceptance] = {}  # live requests' own counts, by id (forget_request)
+        self._batch: tuple[tuple[str, ...], dict[int, float]] | None = None  # the last batch's expected tokens
 
     @staticmethod
     def bucket(batch: int) -> int:
@@ -169,48 +221,94 @@ class AdaptiveK:
             return
         cost.add_surcharge(max(seconds - landed * cost.plain, 0.0) / steps)
 
-    def observe_verify(self, depths: Sequence[int], accepted: Sequence[int]) -> None:
-        """Per verified request: the depth its drafts reached and the drafts (the path's length) accepted."""
-        for depth, count in zip(depths, accepted, strict=True):
-            for d in range(1, min(depth, len(self._tried) - 1) + 1):
-                self._tried[d] = self._tried[d] * DECAY + 1.0
-                self._reached[d] = self._reached[d] * DECAY + (1.0 if count >= d else 0.0)
+    def observe_verify(self, request_ids: Sequence[str], depths: Sequence[int], accepted: Sequence[int]) -> None:
+        """Per verified request: its id, the depth its drafts reached and the drafts (the path's length) accepted.
+        Counted in the global rates and in the request's own (kept until `forget_request`)."""
+        deepest = len(self._tried) - 1
+        for request_id, depth, count in zip(request_ids, depths, accepted, strict=True):
+            own = self._requests.get(request_id)
+            if own is None:
+                own = self._requests[request_id] = RequestAcceptance.fresh(len(self._tried))
+            own.observe(min(depth, deepest), count, self._tried, self._reached)
         self._expected.clear()
+        self._batch = None
+
+    @property
+    def tracked_requests(self) -> int:
+        """The requests with counts of their own: live ones only (the engine forgets a request as it finishes)."""
+        return len(self._requests)
+
+    def forget_request(self, request_id: str) -> None:
+        """The request finished (or was aborted or failed): its own counts go (the global ones keep its evidence)."""
+        if self._requests.pop(request_id, None) is not None:
+            self._batch = None
 
     # ---- the model ---------------------------------------------------------------------------------
-    def acceptance(self, depth: int) -> float:
-        """The share of verify steps reaching `depth` whose accepted drafts reached it (1.0 until observed:
-        drafting is tried before it is judged)."""
+    def acceptance(self, depth: int, request_id: str | None = None) -> float:
+        """The share of verify steps reaching `depth` whose accepted drafts reached it: over all requests (1.0
+        until observed: drafting is tried before it is judged), or `request_id`'s own, shrunk towards that global
+        rate as a prior of PRIOR steps, (reached + PRIOR x global) / (tried + PRIOR): the global rate while it has
+        no history, its own once it has some."""
         tried = self._tried[depth]
-        return self._reached[depth] / tried if tried > 0 else 1.0
+        rate = self._reached[depth] / tried if tried > 0 else 1.0
+        own = self._requests.get(request_id) if request_id is not None else None
+        return rate if own is None else own.own[depth] + rate * own.weight[depth]
 
-    def expected_tokens(self, num_draft_tokens: int) -> float:
+    def expected_tokens(self, num_draft_tokens: int, request_ids: Sequence[str] | None = None) -> float:
         """Tokens a request emits per step at `num_draft_tokens`: the bonus token and each depth's chance to be
-        reached (a depth is reached only if the one before it was: the rates are each depth's own share). Kept
-        until the acceptance changes (`observe_verify`): a plan reads it for every candidate."""
+        reached (a depth is reached only if the one before it was: the rates are each depth's own share). At the
+        global rates, or (`request_ids`) the mean over these requests at their own (`acceptance`). Kept until the
+        acceptance changes (`observe_verify`): a plan reads it for every candidate."""
+        if request_ids is not None:
+            return self._batch_expected(request_ids)[num_draft_tokens]
         found = self._expected.get(num_draft_tokens)
         if found is None:
             depths = range(1, self.num_steps[num_draft_tokens] + 1)
             found = self._expected[num_draft_tokens] = 1.0 + sum(self.acceptance(d) for d in depths)
         return found
 
-    def throughput(self, batch: int, num_draft_tokens: int) -> float | None:
-        """Expected tokens per second at `num_draft_tokens` for this batch, or None where its step time is not
-        measured."""
+    def _batch_expected(self, request_ids: Sequence[str]) -> dict[int, float]:
+        """k -> the mean expected tokens per step of these requests at their own rates (none: the global rates).
+        Per depth the sum of their rates is sum(own) + global x (sum(weight) + the requests without history),
+        each request's parts worked out when its counts changed (RequestAcceptance): a plan adds up a few floats
+        per request, in C, and not even that while neither the batch nor any count changed (k = 0 steps)."""
+        if not request_ids:
+            return {k: self.expected_tokens(k) for k in self.num_steps}
+        key = tuple(request_ids)
+        if self._batch is not None and self._batch[0] == key:
+            return self._batch[1]
+        known = [own for rid in key if (own := self._requests.get(rid)) is not None]
+        depths, newcomers = len(self._tried), len(key) - len(known)
+        own = [math.fsum(d) for d in zip(*(a.own for a in known), strict=True)] if known else [0.0] * depths
+        weight = [math.fsum(d) for d in zip(*(a.weight for a in known), strict=True)] if known else [0.0] * depths
+        rates = [0.0] + [own[d] + self.acceptance(d) * (weight[d] + newcomers) for d in range(1, depths)]
+        reached = list(itertools.accumulate(rates))  # index d: the sum of the rates up to depth d
+        expected = {k: 1.0 + reached[steps] / len(key) for k, steps in self.num_steps.items()}
+        self._batch = (key, expected)
+        return expected
+
+    def throughput(self, request_ids: Sequence[str], num_draft_tokens: int) -> float | None:
+        """Expected tokens per second at `num_draft_tokens` for the batch of these requests (at their own rates),
+        or None where its step time is not measured (no requests: a batch of one at the global rates, as `plan`)."""
+        batch = max(len(request_ids), 1)
         cost = self.costs.get(self.bucket(batch), {}).get(num_draft_tokens)
         if cost is None:
             return None
-        return batch * self.expected_tokens(num_draft_tokens) / cost.seconds
+        return batch * self.expected_tokens(num_draft_tokens, request_ids) / cost.seconds
 
     # ---- the choice --------------------------------------------------------------------------------
-    def plan(self, batch: int) -> int:
-        """The k of the next step for `batch` requests: a candidate under test, else the best measured one."""
-        bucket = self.bucket(batch)
+    def plan(self, request_ids: Sequence[str]) -> int:
+        """The k of the next step for the batch of these requests (none: a batch of one at the global rates): a
+        candidate under test, else the best measured one at the batch's bucket for these requests' own acceptance
+        (`acceptance`): a batch's tail of requests whose drafts are rarely accepted is planned for them, not for
+        the requests that finished before them."""
+        bucket = self.bucket(len(request_ids))
         self.plans[bucket] += 1
         self.total_plans += 1
-        k = self._explore(bucket)
+        expected = self._batch_expected(request_ids)
+        k = self._explore(bucket, expected)
         if k is None:
-            k = self._best(batch, bucket)
+            k = self._best(bucket, expected)
         self.count_plan(k)
         return k
 
@@ -225,23 +323,29 @@ class AdaptiveK:
     def drafting_ruled_out(self, min_verified: float) -> bool:
         """Whether the measured acceptance, over at least `min_verified` verified request-steps (decayed), rules
         every drafting candidate out (`_hopeless`): the engine then stops following requests with the drafter
-        (drafter_release.py)."""
+        (drafter_release.py). The global acceptance: a release lasts the requests' lives and covers the requests
+        admitted meanwhile, so it is judged on the traffic, not on one batch."""
         drafting = [k for k in self.candidates if k > 0]
         return bool(drafting) and self._tried[1] >= min_verified and all(self._hopeless(k) for k in drafting)
 
     def forget_acceptance(self) -> None:
-        """Start the acceptance afresh (unobserved: 1.0, so drafting is tried again before it is judged): the
-        drafter's retry after a long release (drafter_release.py), in case the traffic changed."""
+        """Start the global acceptance afresh (unobserved: 1.0, so drafting is tried again before it is judged):
+        the drafter's retry after a long release (drafter_release.py), in case the traffic changed. The requests'
+        own counts stay: they are still their evidence (a released request verifies no more)."""
         self._reached = [0.0] * len(self._reached)
         self._tried = [0.0] * len(self._tried)
         self._expected.clear()
+        self._batch = None
 
     def _order(self) -> list[int]:
         """Candidates in the order they are first tried: the configured k, no drafting, then the rest, largest first."""
         first = [k for k in (self.configured, 0) if k in self.num_steps and k in self.candidates]
         return first + [k for k in reversed(self.candidates) if k not in first]
 
-    def _explore(self, bucket: int) -> int | None:
+    def _explore(self, bucket: int, expected: dict[int, float]) -> int | None:
+        """A candidate to test at the bucket (not yet measured, or stale), or None. Which candidates are skipped
+        as hopeless is decided on the global acceptance (the skip lasts MAX_REFRESH_STEPS at the bucket, beyond
+        this batch); when a test ends it is judged, and the intervals set, for this batch (`expected`)."""
         table = self.costs.setdefault(bucket, {})
         exploring = self._exploring.get(bucket)
         if exploring is not None:
@@ -254,7 +358,7 @@ class AdaptiveK:
             del self._exploring[bucket]
             if (cost.samples if cost else 0) < exploring.until_samples:  # no steady step came: not before a while
                 self._retry_at[bucket, exploring.num_draft_tokens] = self.plans[bucket] + REFRESH_STEPS
-            self._judge(bucket, exploring.num_draft_tokens)
+            self._judge(bucket, exploring.num_draft_tokens, expected)
         for k in self._order():
             cost = table.get(k)
             samples = cost.samples if cost is not None else 0
@@ -267,7 +371,7 @@ class AdaptiveK:
                 cost is not None
                 and k != self._current.get(bucket)
                 and self.plans[bucket] - cost.measured_at > cost.refresh  # the interval's least: told at once
-                and self.plans[bucket] - cost.measured_at > self._interval(bucket, k, cost)
+                and self.plans[bucket] - cost.measured_at > self._interval(bucket, k, cost, expected)
             )
             if samples < MIN_SAMPLES or stale:
                 if cost is not None and samples >= MIN_SAMPLES:
@@ -283,28 +387,32 @@ class AdaptiveK:
         costs at least a k = 0 step (the same target pass, more rows, and the drafter's), so k cannot beat it by
         HYSTERESIS unless it makes that many more tokens a step. Such a k is not tested at a bucket that never
         measured it (a batch size a round passes through once: the H200 paid a 23 ms step for a 7 ms one in every
-        round); where it is measured, its checks keep the acceptance current."""
-        observed = self._tried[1] > 0
-        return num_draft_tokens > 0 and observed and self.expected_tokens(num_draft_tokens) < 1 + HYSTERESIS
+        round); where it is measured, its checks keep the acceptance current. The global acceptance: it decides
+        for the traffic (tests skipped for long, `measured`, the drafter's release), not for one batch."""
+        return self._adds_too_little(num_draft_tokens, self.expected_tokens(num_draft_tokens))
 
-    def _interval(self, bucket: int, num_draft_tokens: int, cost: StepCost) -> int:
+    def _adds_too_little(self, num_draft_tokens: int, expected: float) -> bool:
+        """Whether drafts expected to make `expected` tokens a step (acceptance observed) cannot beat k = 0."""
+        return num_draft_tokens > 0 and self._tried[1] > 0 and expected < 1 + HYSTERESIS
+
+    def _interval(self, bucket: int, num_draft_tokens: int, cost: StepCost, expected: dict[int, float]) -> int:
         """Plans at the bucket between checks of a measured candidate the bucket does not exploit, never fewer
         than its `refresh` (doubled while it loses): that interval, stretched so the checks cost at most
         EXPLORE_SHARE of the time (a check loses, over CHECK_STEPS steps at its price, the tokens the incumbent
         would have made meanwhile), and the longest where it could not replace the incumbent even with every draft
         accepted (only a changed cost could make it win: its own, measured again then, or the incumbent's,
-        measured every step it runs)."""
+        measured every step it runs). Tokens per step are this batch's (`expected`): the check is paid by it."""
         current = self._current.get(bucket)
         incumbent = self.costs[bucket].get(current) if current is not None else None
         if incumbent is None or incumbent.samples < MIN_SAMPLES or cost.samples < MIN_SAMPLES:
             return cost.refresh
         if self._doubted(bucket, num_draft_tokens, cost):
             return cost.refresh
-        rate = self.expected_tokens(current) / incumbent.seconds  # per request and second
+        rate = expected[current] / incumbent.seconds  # per request and second
         best_case = (1 + self.num_steps[num_draft_tokens]) / cost.seconds
         if best_case < rate * (1 + HYSTERESIS):
             return MAX_REFRESH_STEPS
-        share = self.expected_tokens(num_draft_tokens) / cost.seconds / rate  # of the incumbent's throughput
+        share = expected[num_draft_tokens] / cost.seconds / rate  # of the incumbent's throughput
         lost = CHECK_STEPS * cost.seconds * max(0.0, 1.0 - share)
         return min(max(cost.refresh, math.ceil(lost / (EXPLORE_SHARE * incumbent.seconds))), MAX_REFRESH_STEPS)
 
@@ -323,30 +431,35 @@ class AdaptiveK:
         incumbent = self.costs[bucket].get(current)
         return incumbent is not None and cost.seconds >= incumbent.seconds
 
-    def _judge(self, bucket: int, num_draft_tokens: int) -> None:
-        """After a test: a candidate that still loses is measured again twice as late; one that wins, as often
-        as at first."""
+    def _judge(self, bucket: int, num_draft_tokens: int, expected: dict[int, float]) -> None:
+        """After a test: a candidate that still loses (for this batch's acceptance, `expected`) is measured again
+        twice as late; one that wins, as often as at first."""
         cost = self.costs[bucket].get(num_draft_tokens)
         if cost is None:
             return
-        best = self._best_measured(bucket)
+        best = self._best_measured(bucket, expected)
         cost.refresh = REFRESH_STEPS if best == num_draft_tokens else min(cost.refresh * 2, MAX_REFRESH_STEPS)
 
-    def _best_measured(self, bucket: int) -> int | None:
+    def _best_measured(self, bucket: int, expected: dict[int, float]) -> int | None:
+        """The measured candidate with the most tokens per second for a batch making `expected` tokens a step."""
         table = self.costs.get(bucket, {})
-        scored = [(self.expected_tokens(k) / c.seconds, k) for k, c in table.items() if c.samples >= MIN_SAMPLES]
+        scored = [(expected[k] / c.seconds, k) for k, c in table.items() if c.samples >= MIN_SAMPLES]
         if not scored:
             return None
         return max(scored, key=lambda s: (s[0], s[1]))[1]  # ties: the larger k (the configured behaviour)
 
-    def _best(self, batch: int, bucket: int) -> int:
-        best = self._best_measured(bucket)
+    def _best(self, bucket: int, expected: dict[int, float]) -> int:
+        """The k this batch exploits at the bucket, for its acceptance (`expected`): the best measured one, unless
+        the current one is within the hysteresis of it."""
+        best = self._best_measured(bucket, expected)
         current = self._current.get(bucket)
         if best is None:  # nothing measured here yet: the configured k, unless the acceptance rules drafting out
-            best = 0 if 0 in self.num_steps and self._hopeless(self.configured) else self.configured
+            adds_nothing = self._adds_too_little(self.configured, expected[self.configured])
+            best = 0 if 0 in self.num_steps and adds_nothing else self.configured
         elif current is not None and current != best and current in self.costs[bucket]:
-            kept, other = self.throughput(batch, current), self.throughput(batch, best)
-            if kept is not None and other is not None and other < kept * (1 + HYSTERESIS):
+            table = self.costs[bucket]
+            kept, other = expected[current] / table[current].seconds, expected[best] / table[best].seconds
+            if other < kept * (1 + HYSTERESIS):
                 best = current
         self._current[bucket] = best
         return best
@@ -363,10 +476,11 @@ class AdaptiveK:
         return compared and (exploring is None or self._hopeless(exploring.num_draft_tokens))
 
     def describe(self) -> dict[str, object]:
-        """What it measured and chose (benchmarks and logs)."""
+        """What it measured and chose (benchmarks and logs): the acceptance is the global one."""
         return {
             "chosen_k_steps": dict(sorted(self.chosen.items())),
             "acceptance_per_depth": [round(self.acceptance(d), 4) for d in range(1, len(self._tried))],
+            "tracked_requests": self.tracked_requests,
             "step_ms": {
                 bucket: {k: round(c.seconds * 1e3, 4) for k, c in sorted(table.items())}
                 for bucket, table in sorted(self.costs.items())

@@ -7,7 +7,8 @@ the scheduler reserves the drafter's lookahead slots. With a drafter that is nev
 adds to a target-only one, and it is what kept the adaptive engine at 0.955x target-only at batch 64 on the H200.
 
 So once the measured acceptance rules drafting out (every drafting candidate hopeless in AdaptiveK's sense: too
-few accepted drafts to beat a k = 0 step anywhere, over at least MIN_VERIFIED verified request-steps), the engine
+few accepted drafts to beat a k = 0 step anywhere, over at least MIN_VERIFIED verified request-steps; the global
+acceptance, not a batch's: a release lasts the requests' lives and covers those admitted meanwhile), the engine
 stops following. At each step's plan, before the drafter runs for the step:
 
 - every request of the batch that the drafter follows is released: its held context is dropped and its own
@@ -20,7 +21,7 @@ stops following. At each step's plan, before the drafter runs for the step:
 
 Retry, in case the traffic changed: after RETRY_STEPS steps planned with drafting ruled out (AdaptiveK's
 MAX_REFRESH_STEPS, the longest interval at which it tests again a candidate it has given up on), the cost model
-forgets its acceptance. Drafting is then no longer ruled out, so requests admitted from then on are followed and
+forgets its global acceptance. Drafting is then no longer ruled out, so requests admitted from then on are followed and
 drafted for, which measures the acceptance afresh: still hopeless after MIN_VERIFIED request-steps, they are
 released too and the clock starts again; otherwise the drafter is used as before. A retry costs those requests'
 prompt passes and a few speculative steps, once every RETRY_STEPS steps. Requests released earlier stay released.

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import itertools
+from collections.abc import Sequence
 
 import torch
 from executor_builders import TINY, load_request
@@ -121,7 +122,7 @@ class Scripted(AdaptiveK):
     def drafting_ruled_out(self, min_verified: float) -> bool:
         return self.releases and super().drafting_ruled_out(min_verified)
 
-    def plan(self, batch: int) -> int:
+    def plan(self, request_ids: Sequence[str]) -> int:
         k = next(self.cycle)
         self.chosen[k] += 1
         self.last_planned = k
@@ -129,9 +130,13 @@ class Scripted(AdaptiveK):
 
 
 def rule_out(speculation: AdaptiveK | None) -> None:
-    """Acceptance measured at nothing over twice MIN_VERIFIED request-steps, at every depth: every drafting k is
-    hopeless, and the engine releases requests from the drafter (drafter_release.py) where the model lets it."""
+    """Acceptance measured at nothing over twice MIN_VERIFIED request-steps, at every depth, of requests that have
+    finished since (their own counts forgotten): every drafting k is hopeless, and the engine releases requests
+    from the drafter (drafter_release.py) where the model lets it."""
     assert speculation is not None
     count, depth = 2 * MIN_VERIFIED, max(speculation.num_steps.values())
-    speculation.observe_verify([depth] * count, [0] * count)
+    past = [f"past{i}" for i in range(count)]
+    speculation.observe_verify(past, [depth] * count, [0] * count)
+    for request_id in past:
+        speculation.forget_request(request_id)
     assert AdaptiveK.drafting_ruled_out(speculation, MIN_VERIFIED)

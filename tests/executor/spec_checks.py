@@ -18,8 +18,11 @@ def prompts(count: int, seed: int, longest: int = 40, vocab: int = VOCAB) -> dic
 
 
 def assert_no_leak(session: ModelSession) -> None:
+    """Nothing left of finished requests: cache blocks, scheduled work, adaptive speculation's counts per request."""
     assert session.kv_cache.allocator.num_used == 0
     assert not session.engine.scheduler.has_work()
+    speculation = session.engine.speculation
+    assert speculation is None or speculation.tracked_requests == 0
 
 
 def scripted_verify_steps(max_tokens: int, k: int, wrong_at: int | None) -> int:

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import itertools
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 import pytest
 
@@ -16,17 +16,30 @@ from executor_service.spec_decode.adaptive_k import MAX_REFRESH_STEPS, REFRESH_S
 K = 7
 
 
-def drive(model: AdaptiveK, batch: int, seconds: Callable[[int, int], float], accepted: int, steps: int) -> list[int]:
+def requests(batch: int, traffic: str = "r") -> list[str]:
+    """The ids of a batch of `batch` requests of one traffic (another traffic: other requests, without history)."""
+    return [f"{traffic}{i}" for i in range(batch)]
+
+
+def drive(
+    model: AdaptiveK,
+    batch: int,
+    seconds: Callable[[int, int], float],
+    accepted: int,
+    steps: int,
+    traffic: str = "r",
+) -> list[int]:
     """Run `steps` engine steps as the engine does: plan, a step that verifies the previous plan, its time
-    recorded when it was steady (verified k, drafted k), and its acceptance (`accepted` drafts, at most k)."""
-    chosen, verifying = [], None
+    recorded when it was steady (verified k, drafted k), and its acceptance (`accepted` drafts, at most k) for each
+    of the batch's requests (`traffic`: their ids' prefix)."""
+    chosen, verifying, ids = [], None, requests(batch, traffic)
     for _ in range(steps):
-        k = model.plan(batch)
+        k = model.plan(ids)
         chosen.append(k)
         if verifying is not None and verifying == k:
             model.record(batch, k, seconds(batch, k))
         if verifying:
-            model.observe_verify([verifying] * batch, [min(accepted, verifying)] * batch)
+            model.observe_verify(ids, [verifying] * batch, [min(accepted, verifying)] * batch)
         verifying = k
     return chosen
 
@@ -45,7 +58,7 @@ def test_no_drafting_when_rows_are_dear_and_acceptance_low() -> None:
     model = AdaptiveK(range(K + 1), configured=K)
     chosen = drive(model, 128, compute_bound, accepted=0, steps=300)
     assert chosen[-100:].count(0) >= 80  # the rest: the 7 losers tested again
-    assert model.throughput(128, 0) > model.throughput(128, K)  # type: ignore[operator]
+    assert model.throughput(requests(128), 0) > model.throughput(requests(128), K)  # type: ignore[operator]
 
 
 def test_configured_k_when_verification_is_free_and_acceptance_high() -> None:
@@ -74,7 +87,8 @@ def test_the_choice_is_a_function_of_the_measurements() -> None:
     runs = []
     for _ in range(2):
         model = AdaptiveK(range(K + 1), configured=K)
-        runs.append(drive(model, 64, compute_bound, accepted=3, steps=400) + drive(model, 2, gpu_like, 6, 200))
+        first = drive(model, 64, compute_bound, accepted=3, steps=400)
+        runs.append(first + drive(model, 2, gpu_like, 6, 200, traffic="b"))
     assert runs[0] == runs[1]
 
 
@@ -89,17 +103,18 @@ def test_batch_one_rarely_leaves_the_configured_k() -> None:
 
 
 def test_switches_when_the_cost_changes() -> None:
-    """Acceptance collapses (another kind of prompt): the next test of k = 0 finds it better and keeps it."""
+    """Acceptance collapses (other requests, another kind of prompt): the next test of k = 0 finds it better and
+    keeps it."""
     model = AdaptiveK((0, K), configured=K)
     drive(model, 16, compute_bound, accepted=K, steps=50)
-    assert model.plan(16) == K
-    chosen = drive(model, 16, compute_bound, accepted=0, steps=1000)
+    assert model.plan(requests(16)) == K
+    chosen = drive(model, 16, compute_bound, accepted=0, steps=1000, traffic="b")
     assert chosen[-100:].count(0) >= 95
 
 
 def test_acceptance_per_depth_counts_steps_that_reached_the_depth() -> None:
     model = AdaptiveK(range(4))
-    model.observe_verify([3, 3, 3, 1], [0, 1, 3, 1])
+    model.observe_verify(requests(4), [3, 3, 3, 1], [0, 1, 3, 1])
     assert model.acceptance(1) == pytest.approx(3 / 4, rel=0.01)
     assert model.acceptance(2) == pytest.approx(1 / 3, rel=0.01)  # only the steps that verified depth 2
     assert model.acceptance(3) == pytest.approx(1 / 3, rel=0.01)
@@ -108,7 +123,7 @@ def test_acceptance_per_depth_counts_steps_that_reached_the_depth() -> None:
 def test_an_unmeasurable_candidate_is_not_tried_forever() -> None:
     """A candidate whose steps never come steady (no time recorded) is given up for a while."""
     model = AdaptiveK((0, K), configured=K)
-    chosen = [model.plan(8) for _ in range(100)]
+    chosen = [model.plan(requests(8)) for _ in range(100)]
     assert chosen.count(0) <= 6  # one test, then not before REFRESH_STEPS
     assert chosen[-50:] == [K] * 50  # nothing measured: the configured k
 
@@ -145,14 +160,19 @@ ROUND = 128  # steps of one round at batch 64: 128 tokens per request, one per s
 
 
 def timed_steps(
-    model: AdaptiveK, batch: int, costs: dict[int, tuple[float, float]], accepted: int, steps: int
+    model: AdaptiveK,
+    batch: int,
+    costs: dict[int, tuple[float, float]],
+    accepted: int,
+    steps: int,
+    traffic: str = "r",
 ) -> tuple[float, int, list[int]]:
     """`steps` engine steps, each timed as verify + draft: `costs[k]` = (seconds to verify k drafts per request,
     seconds to draft k for the next step), so a switch pays for both ks' parts as the engine's does. Returns the
     seconds, the tokens (a bonus token per request and step, and the drafts accepted) and the plans."""
-    seconds, tokens, chosen, verifying = 0.0, 0, [], 0
+    seconds, tokens, chosen, verifying, ids = 0.0, 0, [], 0, requests(batch, traffic)
     for _ in range(steps):
-        k = model.plan(batch)
+        k = model.plan(ids)
         chosen.append(k)
         step = costs[verifying][0] + costs[k][1]
         seconds += step
@@ -160,7 +180,7 @@ def timed_steps(
         if verifying == k:
             model.record(batch, k, step)
         if verifying:
-            model.observe_verify([verifying] * batch, [min(accepted, verifying)] * batch)
+            model.observe_verify(ids, [verifying] * batch, [min(accepted, verifying)] * batch)
         verifying = k
     return seconds, tokens, chosen
 
@@ -189,7 +209,7 @@ class Fixed(AdaptiveK):
         super().__init__((0, K))
         self.k = k
 
-    def plan(self, batch: int) -> int:
+    def plan(self, request_ids: Sequence[str]) -> int:
         return self.k
 
 
@@ -242,12 +262,12 @@ def test_a_loser_that_could_win_is_still_checked() -> None:
 
 
 def test_a_check_finds_a_drafter_that_became_right() -> None:
-    """The drafts become right (other traffic) while k = 0 is exploited at batch 64: the next check sees it and
-    k = 7 is kept from then on."""
+    """The drafts become right (other traffic: requests without history) while k = 0 is exploited at batch 64: the
+    next check sees it and k = 7 is kept from then on."""
     model = AdaptiveK((0, K), configured=K)
     timed_steps(model, 64, CHEAPER_64, 0, 3 * ROUND)
-    assert model.plan(64) == 0
-    chosen = timed_steps(model, 64, CHEAPER_64, K, 1000)[2]
+    assert model.plan(requests(64)) == 0
+    chosen = timed_steps(model, 64, CHEAPER_64, K, 1000, traffic="b")[2]
     assert chosen[-200:] == [K] * 200
 
 
@@ -255,7 +275,8 @@ def test_dear_checks_are_a_function_of_the_measurements() -> None:
     runs = []
     for _ in range(2):
         model = AdaptiveK((0, K), configured=K)
-        runs.append(timed_steps(model, 64, EAGER_64, 0, 1500)[2] + timed_steps(model, 128, EAGER_128, 3, 1500)[2])
+        first = timed_steps(model, 64, EAGER_64, 0, 1500)[2]
+        runs.append(first + timed_steps(model, 128, EAGER_128, 3, 1500, traffic="b")[2])
     assert runs[0] == runs[1]
 
 
@@ -287,14 +308,14 @@ def test_a_deferred_flush_is_part_of_the_k0_price() -> None:
     model.record_deferred(64, 0.015, 16, landed=2)  # faster than two plain steps (noise): no negative price
     model.record_deferred(64, 2 * 0.010 + 0.032, 16, landed=2)
     assert cost.seconds == pytest.approx(0.011)  # the median of 1, 0 and 2 ms
-    assert model.throughput(64, 0) == pytest.approx(64 / 0.011)
+    assert model.throughput(requests(64), 0) == pytest.approx(64 / 0.011)
 
 
 def after_a_stall(model: AdaptiveK, steps: int) -> list[int]:
     """Batch 64, an always-wrong drafter: k = 0 settles, then 4 steps in a row take half a second more (the host or
     the device stalled: another process, a long collection), then `steps` steps as before. The plans after."""
     timed_steps(model, 64, EAGER_64, 0, ROUND)
-    assert model.plan(64) == 0
+    assert model.plan(requests(64)) == 0
     stalled = {k: (verify + 0.5, draft) for k, (verify, draft) in EAGER_64.items()}
     timed_steps(model, 64, stalled, 0, 4)
     return timed_steps(model, 64, EAGER_64, 0, steps)[2]
@@ -332,13 +353,13 @@ def ramped_round(model: AdaptiveK, accepted: int, steps: int = 63) -> list[int]:
     """One round: a decode step at batch 64, then `steps` at batch 128 (each verifying the step before's plan)."""
     chosen, verifying = [], 0
     for batch in [64] + [128] * steps:
-        k = model.plan(batch)
+        k = model.plan(requests(batch))
         chosen.append(k)
         costs = RAMP_COSTS[batch]
         if verifying == k:
             model.record(batch, k, costs[verifying][0] + costs[k][1])
         if verifying:
-            model.observe_verify([verifying] * batch, [min(accepted, verifying)] * batch)
+            model.observe_verify(requests(batch), [verifying] * batch, [min(accepted, verifying)] * batch)
         verifying = k
     return chosen
 
@@ -370,14 +391,14 @@ def test_drafting_is_ruled_out_on_enough_hopeless_evidence_and_retried_afresh() 
     right drafter never; forgetting the acceptance makes drafting worth trying again (unobserved: 1.0)."""
     model = AdaptiveK((0, 3, K), configured=K)
     assert not model.drafting_ruled_out(32)  # nothing observed
-    model.observe_verify([K] * 20, [0] * 20)
+    model.observe_verify(requests(20), [K] * 20, [0] * 20)
     assert model.expected_tokens(K) < 1.03 and not model.drafting_ruled_out(32)  # too few request-steps yet
-    model.observe_verify([K] * 20, [0] * 20)
+    model.observe_verify(requests(20), [K] * 20, [0] * 20)
     assert model.drafting_ruled_out(32)
     model.forget_acceptance()
     assert not model.drafting_ruled_out(32) and model.expected_tokens(K) == 1 + K
     right = AdaptiveK((0, K), configured=K)
-    right.observe_verify([K] * 200, [1] * 200)  # its first draft accepted: 2 tokens a step
+    right.observe_verify(requests(200), [K] * 200, [1] * 200)  # its first draft accepted: 2 tokens a step
     assert not right.drafting_ruled_out(32)
     assert not AdaptiveK([0]).drafting_ruled_out(0)  # no drafting candidate: nothing to rule out
 
@@ -386,8 +407,100 @@ def test_a_hopeless_test_left_unfinished_does_not_hold_the_warm_up() -> None:
     """The engine releases a batch from a hopeless drafter while the bucket tests the configured k, and plans
     without the model from then on: the bucket counts as measured once k = 0 is."""
     model = AdaptiveK((0, K), configured=K)
-    assert model.plan(64) == K  # the configured k's test begins
-    model.observe_verify([K] * 64, [0] * 64)
+    assert model.plan(requests(64)) == K  # the configured k's test begins
+    model.observe_verify(requests(64), [K] * 64, [0] * 64)
     for _ in range(4):
         model.record(64, 0, 0.010)  # the released batch's k = 0 steps, planned without the model
     assert 64 in model._exploring and model.measured(64)
+
+
+# ---- acceptance per request: a mixed batch's tail (issue 31) ----------------------------------------------------
+# A batch of 16: 14 requests whose drafts go ~2.5 deep (greedy: ~3.5 tokens a step at k = 7), 2 penalised ones
+# accepting ~0.5 drafts a step (~1.5 tokens). A speculative step costs 2.4 decode steps at every bucket.
+TAIL_COSTS = {0: 0.010, K: 0.024}
+GREEDY, PENALISED = requests(14, "greedy"), requests(2, "penalised")
+
+
+def mixed_history(model: AdaptiveK, steps: int = 60) -> None:
+    """Costs measured at the buckets the batch passes through (no test left to run), then `steps` verify steps of
+    the mixed batch at k = 7, after which the greedy requests finish."""
+    for batch in (16, 2):
+        for k, seconds in TAIL_COSTS.items():
+            for _ in range(adaptive_k.MIN_SAMPLES + 1):  # the warm-up, then enough samples
+                model.record(batch, k, seconds)
+    for step in range(steps):
+        model.observe_verify(GREEDY + PENALISED, [K] * 16, [2 + step % 2] * 14 + [step % 2] * 2)
+    for request_id in GREEDY:
+        model.forget_request(request_id)
+
+
+def test_a_tail_of_low_acceptance_plans_no_drafting() -> None:
+    """The two penalised requests left are planned at k = 0: 1.5 tokens for 2.4 steps' time loses to a decode step,
+    while the global acceptance, still the greedy requests' (~3.3 tokens a step), would keep drafting."""
+    model = AdaptiveK((0, K), configured=K)
+    mixed_history(model)
+    assert model.expected_tokens(K) > 3.0  # the global rate: k = 7 would win at 2.4x the time
+    assert model.expected_tokens(K, PENALISED) < 1.7
+    assert [model.plan(PENALISED) for _ in range(50)] == [0] * 50
+
+
+def test_the_tail_check_fails_on_the_global_acceptance() -> None:
+    """Negative control: the same observations, the tail planned as requests without history of their own (the
+    global rate alone, the rule before): it keeps drafting."""
+    model = AdaptiveK((0, K), configured=K)
+    mixed_history(model)
+    assert [model.plan(requests(2, "newcomer")) for _ in range(50)] == [K] * 50
+
+
+def test_a_request_without_history_takes_the_global_rate() -> None:
+    """A request's rate is its own counts shrunk towards the global rate by PRIOR steps: the global rate without
+    history, (reached + PRIOR x global) / (tried + PRIOR) with it; a batch's expected tokens are its requests' mean,
+    and change when a request's counts do."""
+    model = AdaptiveK(range(4))
+    model.observe_verify(requests(8), [3] * 8, [3, 3, 3, 3, 3, 3, 0, 1])  # global: 7/8 at depth 1, 6/8 at 2 and 3
+    assert model.acceptance(1, "newcomer") == model.acceptance(1) == pytest.approx(7 / 8, rel=0.01)
+    assert model.expected_tokens(3, ["newcomer"]) == pytest.approx(model.expected_tokens(3))
+    assert model.expected_tokens(3) == pytest.approx(1 + 7 / 8 + 12 / 8, rel=0.01)
+    rate = model.acceptance(2)
+    own = (0.0 + adaptive_k.PRIOR * rate) / (1.0 + adaptive_k.PRIOR)  # r7: depth 2 tried once, not reached
+    assert model.acceptance(2, "r7") == pytest.approx(own)
+    assert model.acceptance(1, "r7") == pytest.approx((1.0 + adaptive_k.PRIOR * model.acceptance(1)) / 5)
+    batch = ["r0", "r7", "newcomer"]
+    mean = sum(1 + sum(model.acceptance(d, r) for d in (1, 2, 3)) for r in batch) / 3
+    assert model.expected_tokens(3, batch) == pytest.approx(mean)
+    model.observe_verify(["r0"], [3], [0])
+    assert model.expected_tokens(3, batch) < mean  # not the batch's figure from before
+
+
+def test_finished_requests_leave_no_state() -> None:
+    """Thousands of requests observed and finished: only the live ones keep counts of their own."""
+    model = AdaptiveK((0, K), configured=K)
+    for wave in range(100):
+        batch = requests(32, f"wave{wave}-")
+        for _ in range(3):
+            model.plan(batch)
+            model.observe_verify(batch, [K] * 32, [wave % 4] * 32)
+        assert model.tracked_requests == 32
+        for request_id in batch:
+            model.forget_request(request_id)
+    model.observe_verify(["live"], [K], [1])
+    assert model.tracked_requests == 1 and model.describe()["tracked_requests"] == 1
+    assert model.acceptance(1, "live") != model.acceptance(1)  # its own counts kept
+
+
+def test_per_request_plans_are_a_function_of_the_measurements() -> None:
+    """The same observations and costs give the same plans, whatever order the batch lists its requests in."""
+    runs = []
+    for order in (1, 1, -1):
+        model = AdaptiveK((0, 3, K), configured=K)
+        chosen = []
+        for batch, accepted in ((16, [3] * 12 + [0] * 4), (4, [1, 0, 0, 2])):
+            ids = requests(batch)[::order]
+            for step in range(300):
+                chosen.append(model.plan(ids))
+                model.record(batch, chosen[-1], compute_bound(batch, chosen[-1]) * (1 + 0.1 * (step % 3)))
+                if chosen[-1]:
+                    model.observe_verify(ids, [chosen[-1]] * batch, accepted[::order])
+        runs.append(chosen)
+    assert runs[0] == runs[1] == runs[2]
+    assert len(set(runs[0])) > 1  # it chose, not a constant

@@ -53,9 +53,9 @@ def replayed_verifications(method: str, wrong_at: int | None) -> list[tuple[int,
     verified: list[tuple[int, int]] = []
     observe = scripted.observe_verify
 
-    def observing(depths: list[int], accepted: list[int]) -> None:
+    def observing(request_ids: list[str], depths: list[int], accepted: list[int]) -> None:
         verified.extend(zip(depths, accepted, strict=True))
-        observe(depths, accepted)
+        observe(request_ids, depths, accepted)
 
     scripted.observe_verify = observing  # type: ignore[method-assign]
     batch = prompts(4, seed=3)

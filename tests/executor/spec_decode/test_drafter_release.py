@@ -8,7 +8,7 @@ released and every step keeps the cost model's choice. Abort and preemption of r
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 import pytest
 from engine_driving import Collector, run_bounded
@@ -129,9 +129,9 @@ def test_a_right_drafter_is_never_released() -> None:
     plans = [0]
     plan = speculation.plan
 
-    def counting(batch: int) -> int:
+    def counting(request_ids: Sequence[str]) -> int:
         plans[0] += 1
-        return plan(batch)
+        return plan(request_ids)
 
     speculation.plan = counting  # type: ignore[method-assign]
     drafting.add(prompts(8, seed=6))
