@@ -390,7 +390,8 @@ class Engine(EngineLoop):
         if self._planned is None:  # once a step: a step run in two parts plans for all its requests
             running = [r for r in requests if r.status is Status.RUNNING]
             if self.release is None or not running or self.release.followed(running, speculation):
-                self._planned = speculation.plan([r.request_id for r in running])
+                drafting = [r.request_id for r in running if r.num_draft_tokens != 0]
+                self._planned = speculation.plan(drafting, undrafted=len(running) - len(drafting))
             else:
                 self._planned = 0
                 speculation.count_plan(0)

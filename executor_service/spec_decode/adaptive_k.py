@@ -267,23 +267,26 @@ class AdaptiveK:
             found = self._expected[num_draft_tokens] = 1.0 + sum(self.acceptance(d) for d in depths)
         return found
 
-    def _batch_expected(self, request_ids: Sequence[str]) -> dict[int, float]:
+    def _batch_expected(self, request_ids: Sequence[str], undrafted: int = 0) -> dict[int, float]:
         """k -> the mean expected tokens per step of these requests at their own rates (none: the global rates).
         Per depth the sum of their rates is sum(own) + global x (sum(weight) + the requests without history),
         each request's parts worked out when its counts changed (RequestAcceptance): a plan adds up a few floats
         per request, in C, and not even that while neither the batch nor any count changed (k = 0 steps)."""
         if not request_ids:
+            if undrafted:  # none of the batch drafts: one token a step whatever k
+                return dict.fromkeys(self.num_steps, 1.0)
             return {k: self.expected_tokens(k) for k in self.num_steps}
-        key = tuple(request_ids)
+        key = (*request_ids, undrafted)
         if self._batch is not None and self._batch[0] == key:
             return self._batch[1]
-        known = [own for rid in key if (own := self._requests.get(rid)) is not None]
-        depths, newcomers = len(self._tried), len(key) - len(known)
+        known = [own for rid in request_ids if (own := self._requests.get(rid)) is not None]
+        depths, newcomers = len(self._tried), len(request_ids) - len(known)
         own = [math.fsum(d) for d in zip(*(a.own for a in known), strict=True)] if known else [0.0] * depths
         weight = [math.fsum(d) for d in zip(*(a.weight for a in known), strict=True)] if known else [0.0] * depths
         rates = [0.0] + [own[d] + self.acceptance(d) * (weight[d] + newcomers) for d in range(1, depths)]
         reached = list(itertools.accumulate(rates))  # index d: the sum of the rates up to depth d
-        expected = {k: 1.0 + reached[steps] / len(key) for k, steps in self.num_steps.items()}
+        batch = len(request_ids) + undrafted  # the undrafted requests make one token a step at any k
+        expected = {k: 1.0 + reached[steps] / batch for k, steps in self.num_steps.items()}
         self._batch = (key, expected)
         return expected
 
@@ -297,15 +300,16 @@ class AdaptiveK:
         return batch * self.expected_tokens(num_draft_tokens, request_ids) / cost.seconds
 
     # ---- the choice --------------------------------------------------------------------------------
-    def plan(self, request_ids: Sequence[str]) -> int:
+    def plan(self, request_ids: Sequence[str], undrafted: int = 0) -> int:
         """The k of the next step for the batch of these requests (none: a batch of one at the global rates): a
         candidate under test, else the best measured one at the batch's bucket for these requests' own acceptance
         (`acceptance`): a batch's tail of requests whose drafts are rarely accepted is planned for them, not for
-        the requests that finished before them."""
-        bucket = self.bucket(len(request_ids))
+        the requests that finished before them. `undrafted`: the batch's other requests, which draft nothing (they
+        asked for none, or were released from the drafter): one token a step at any k, in the batch's size."""
+        bucket = self.bucket(len(request_ids) + undrafted)
         self.plans[bucket] += 1
         self.total_plans += 1
-        expected = self._batch_expected(request_ids)
+        expected = self._batch_expected(request_ids, undrafted)
         k = self._explore(bucket, expected)
         if k is None:
             k = self._best(bucket, expected)

@@ -122,7 +122,7 @@ class Scripted(AdaptiveK):
     def drafting_ruled_out(self, min_verified: float) -> bool:
         return self.releases and super().drafting_ruled_out(min_verified)
 
-    def plan(self, request_ids: Sequence[str]) -> int:
+    def plan(self, request_ids: Sequence[str], undrafted: int = 0) -> int:
         k = next(self.cycle)
         self.chosen[k] += 1
         self.last_planned = k

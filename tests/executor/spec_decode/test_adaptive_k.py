@@ -209,7 +209,7 @@ class Fixed(AdaptiveK):
         super().__init__((0, K))
         self.k = k
 
-    def plan(self, request_ids: Sequence[str]) -> int:
+    def plan(self, request_ids: Sequence[str], undrafted: int = 0) -> int:
         return self.k
 
 
@@ -450,6 +450,24 @@ def test_the_tail_check_fails_on_the_global_acceptance() -> None:
     model = AdaptiveK((0, K), configured=K)
     mixed_history(model)
     assert [model.plan(requests(2, "newcomer")) for _ in range(50)] == [K] * 50
+
+
+def test_requests_that_draft_nothing_count_one_token_a_step() -> None:
+    """A batch of 16 whose two drafting requests accept every draft (8 tokens a step) and whose 14 others asked for
+    no drafts: 23 tokens a step drafted against 16 plain, at 2.4x the price, so k = 0; counted as drafting at the
+    batch's rates (the rule before), it would draft."""
+    model = AdaptiveK((0, K), configured=K)
+    for k, seconds in TAIL_COSTS.items():
+        for _ in range(adaptive_k.MIN_SAMPLES + 1):
+            model.record(16, k, seconds)
+    drafting = requests(2, "right")
+    model.observe_verify(drafting * 40, [K] * 80, [K] * 80)
+    assert model.expected_tokens(K, drafting) > 7.5
+    assert [model.plan(drafting, undrafted=14) for _ in range(20)] == [0] * 20
+    counted_as_drafting = AdaptiveK((0, K), configured=K)
+    counted_as_drafting.costs, counted_as_drafting.plans = model.costs, model.plans
+    counted_as_drafting.observe_verify(drafting * 40, [K] * 80, [K] * 80)
+    assert counted_as_drafting.plan(drafting + requests(14, "plain")) == K
 
 
 def test_a_request_without_history_takes_the_global_rate() -> None:

@@ -129,9 +129,9 @@ def test_a_right_drafter_is_never_released() -> None:
     plans = [0]
     plan = speculation.plan
 
-    def counting(request_ids: Sequence[str]) -> int:
+    def counting(request_ids: Sequence[str], undrafted: int = 0) -> int:
         plans[0] += 1
-        return plan(request_ids)
+        return plan(request_ids, undrafted)
 
     speculation.plan = counting  # type: ignore[method-assign]
     drafting.add(prompts(8, seed=6))

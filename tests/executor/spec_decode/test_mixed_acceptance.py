@@ -45,9 +45,9 @@ class Priced(AdaptiveK):
     def record_deferred(self, batch: int, seconds: float, steps: int, landed: int) -> None:
         return
 
-    def plan(self, request_ids: Sequence[str]) -> int:
+    def plan(self, request_ids: Sequence[str], undrafted: int = 0) -> int:
         planned = [f"newcomer{i}" for i in range(len(request_ids))] if self.global_only else request_ids
-        k = super().plan(planned)
+        k = super().plan(planned, undrafted)
         self.planned.append((tuple(request_ids), k))
         return k
 
