@@ -88,7 +88,7 @@ def argmax(logits: torch.Tensor) -> torch.Tensor:
 def triton_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     out = torch.empty_like(x)
     size = x.shape[1]
-    block = _next_power_of_2(size)
+    block = next_power_of_2(size)
     _kernels()["rms_norm"][(x.shape[0],)](
         x, weight, out, x.stride(0), out.stride(0), size, eps, BLOCK=block, num_warps=min(16, max(1, block // 512))
     )
@@ -100,7 +100,7 @@ def triton_add_rms_norm(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     out, stream = torch.empty_like(x), torch.empty_like(x)
     size = x.shape[1]
-    block = _next_power_of_2(size)
+    block = next_power_of_2(size)
     _kernels()["add_rms_norm"][(x.shape[0],)](
         x, residual, weight, out, stream, x.stride(0), residual.stride(0), out.stride(0), stream.stride(0), size,
         eps, BLOCK=block, num_warps=min(16, max(1, block // 512)),
@@ -113,7 +113,7 @@ def triton_concat_rms_norm(
 ) -> torch.Tensor:
     size, size2 = x.shape[1], x2.shape[1]
     out = torch.empty(x.shape[0], size + size2, dtype=x.dtype, device=x.device)
-    block = _next_power_of_2(max(size, size2))
+    block = next_power_of_2(max(size, size2))
     _kernels()["concat_rms_norm"][(x.shape[0], 2)](
         x, weight, x2, weight2, out, x.stride(0), x2.stride(0), out.stride(0), size, size2, eps, BLOCK=block,
         num_warps=min(16, max(1, block // 512)),
@@ -141,11 +141,11 @@ def triton_argmax(logits: torch.Tensor, chunk: int = ARGMAX_CHUNK) -> torch.Tens
     kernels["argmax_chunks"][(rows, chunks)](
         logits, partial_max, partial_idx, logits.stride(0), vocab, chunks, BLOCK=chunk, num_warps=8
     )
-    kernels["argmax_combine"][(rows,)](partial_max, partial_idx, out, chunks, BLOCK=_next_power_of_2(chunks))
+    kernels["argmax_combine"][(rows,)](partial_max, partial_idx, out, chunks, BLOCK=next_power_of_2(chunks))
     return out
 
 
-def _next_power_of_2(n: int) -> int:
+def next_power_of_2(n: int) -> int:
     return 1 << (max(1, n) - 1).bit_length()
 
 

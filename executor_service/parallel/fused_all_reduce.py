@@ -25,7 +25,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from executor_service.models.fused_ops import add_rms_norm
+from executor_service.models.fused_ops import add_rms_norm, next_power_of_2
 from executor_service.parallel.all_reduce import DTYPES, all_reduce
 
 SLICES = 3  # 0: a pass's first call; 1 and 2 alternate after it
@@ -76,7 +76,7 @@ class FusedAllReduceNorm:
         slot = 0 if self.calls == 0 else 1 + (self.calls - 1) % 2
         self.calls += 1
         normed, stream = torch.empty_like(x), torch.empty_like(x)
-        block = triton_next_power_of_2(width)
+        block = next_power_of_2(width)
         _kernel()[(rows,)](
             x, residual if residual is not None else x, weight, normed, stream,
             self.handles[x.dtype].buffer_ptrs_dev, self.flag_handle.buffer_ptrs_dev,
@@ -139,10 +139,6 @@ def _sums_right(fused: FusedAllReduceNorm, device: torch.device, world_size: int
 def forget_fused() -> None:
     global _fused
     _fused = None
-
-
-def triton_next_power_of_2(n: int) -> int:
-    return 1 << max(n - 1, 0).bit_length()
 
 
 @functools.cache
