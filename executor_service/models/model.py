@@ -214,10 +214,7 @@ class DecoderModel(nn.Module):
             if index in aux_layer_ids:
                 summed = self.reduce(hidden) if self.reduce is not None else hidden
                 captured[index] = summed + residual
-        if self.reduce_norm is not None:
-            normed, _ = self.reduce_norm(hidden, residual, self.norm.weight, self.norm.eps)
-        else:
-            normed, _ = self.norm.add_forward(hidden, residual)
+        normed, _ = norm_input(hidden, residual, self.norm, self.reduce_norm).apply()
         return normed, [captured[i] for i in aux_layer_ids]
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:

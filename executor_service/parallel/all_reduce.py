@@ -113,24 +113,21 @@ class SymmetricAllReduce:
 _symmetric: SymmetricAllReduce | None = None
 
 
-def all_reduce(x: torch.Tensor) -> torch.Tensor:
-    """The sum of `x` over the ranks: through symmetric memory for a small or mid-sized tensor where set up, else
-    NCCL's (or gloo's) in place (`x` is then the sum too; sum_of leaves it)."""
+def all_reduce(x: torch.Tensor, keep_input: bool = False) -> torch.Tensor:
+    """The sum of `x` over the ranks: through symmetric memory for a small or mid-sized tensor where set up (a new
+    tensor), else NCCL's (or gloo's) in place, on a copy where `keep_input` (a partial sum still to be read)."""
     kind = _symmetric.route(x) if _symmetric is not None else "nccl"
     if _symmetric is not None and kind != "nccl":
         return _symmetric(x, kind)
+    if keep_input:
+        x = x.clone()
     dist.all_reduce(x)
     return x
 
 
 def sum_of(x: torch.Tensor) -> torch.Tensor:
-    """The sum of `x` over the ranks in a new tensor, `x` left as it is (a partial sum still to be read)."""
-    kind = _symmetric.route(x) if _symmetric is not None else "nccl"
-    if _symmetric is not None and kind != "nccl":
-        return _symmetric(x, kind)
-    out = x.clone()
-    dist.all_reduce(out)
-    return out
+    """The sum of `x` over the ranks in a new tensor, `x` left as it is."""
+    return all_reduce(x, keep_input=True)
 
 
 def all_reduce_kind() -> str:

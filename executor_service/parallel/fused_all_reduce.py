@@ -72,19 +72,29 @@ class FusedAllReduceNorm:
     def __call__(
         self, x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        rows, width = x.shape
         slot = 0 if self.calls == 0 else 1 + (self.calls - 1) % 2
         self.calls += 1
-        normed, stream = torch.empty_like(x), torch.empty_like(x)
-        block = next_power_of_2(width)
-        _kernel()[(rows,)](
-            x, residual if residual is not None else x, weight, normed, stream,
-            self.handles[x.dtype].buffer_ptrs_dev, self.flag_handle.buffer_ptrs_dev,
-            slot * self.max_bytes // x.element_size(), width, eps,
-            RANK=self.rank, WORLD=self.world, HAS_RESIDUAL=residual is not None, BLOCK=block,
-            num_warps=min(16, max(1, block // 512)),
+        return launch(
+            x, residual, weight, eps, self.handles[x.dtype].buffer_ptrs_dev, self.flag_handle.buffer_ptrs_dev,
+            slot * self.max_bytes // x.element_size(), self.rank, self.world,
         )  # fmt: skip
-        return normed, stream
+
+
+def launch(
+    x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float, buffer_ptrs: int,
+    flag_ptrs: int, slice_offset: int, rank: int, world: int,
+) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+    """The kernel over one call's rows: `buffer_ptrs` / `flag_ptrs` are the addresses of arrays of every rank's
+    buffer and flags as mapped in this process, `slice_offset` the call's slice in elements. (normed, stream)."""
+    rows, width = x.shape
+    normed, stream = torch.empty_like(x), torch.empty_like(x)
+    block = next_power_of_2(width)
+    _kernel()[(rows,)](
+        x, residual if residual is not None else x, weight, normed, stream, buffer_ptrs, flag_ptrs, slice_offset,
+        width, eps, RANK=rank, WORLD=world, HAS_RESIDUAL=residual is not None, BLOCK=block,
+        num_warps=min(16, max(1, block // 512)),
+    )  # fmt: skip
+    return normed, stream
 
 
 _fused: FusedAllReduceNorm | None = None

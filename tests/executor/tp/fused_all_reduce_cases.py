@@ -5,9 +5,10 @@ from __future__ import annotations
 
 import torch
 
-from executor_service.parallel.fused_all_reduce import SLICES, _kernel
+from executor_service.parallel import fused_all_reduce
+from executor_service.parallel.fused_all_reduce import SLICES
 
-ROWS, WIDTH, BLOCK, EPS = 3, 40, 64, 1e-6
+ROWS, WIDTH, EPS = 3, 40, 1e-6
 NUMEL = SLICES * ROWS * WIDTH  # one rank's buffer
 FLAGS = ROWS  # flags per peer
 CALLS = (0, 1, 2, 1, 2)  # a pass's slices: its first call, then alternating
@@ -20,13 +21,10 @@ def launch(
     """The kernel as FusedAllReduceNorm launches it, over `buffers` and `flags` mapped in this process."""
     buffer_ptrs = torch.tensor([b.data_ptr() for b in buffers], dtype=torch.uint64)
     flag_ptrs = torch.tensor([f.data_ptr() for f in flags], dtype=torch.uint64)
-    normed, stream = torch.empty_like(x), torch.empty_like(x)
-    _kernel()[(x.shape[0],)](
-        x, residual if residual is not None else x, weight, normed, stream, buffer_ptrs.data_ptr(),
-        flag_ptrs.data_ptr(), slot * ROWS * WIDTH, WIDTH, EPS,
-        RANK=rank, WORLD=world, HAS_RESIDUAL=residual is not None, BLOCK=BLOCK,
-    )  # fmt: skip
-    return normed, stream
+    offset = slot * ROWS * WIDTH
+    return fused_all_reduce.launch(
+        x, residual, weight, EPS, buffer_ptrs.data_ptr(), flag_ptrs.data_ptr(), offset, rank, world
+    )
 
 
 def inputs(rank: int, call: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
