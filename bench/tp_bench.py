@@ -20,8 +20,9 @@ target-only, divided by TP 1's, at least 0.9): every rank's target echoes its ne
 models/weights.echoing_target), and rank 0's drafter drafts that token (spec_builders.EchoDrafts), so every draft
 is accepted (k + 1 tokens a verify step) and the speculative tokens must equal target-only's at each size
 (`mismatched_requests`). The report's `speedups` has per size and method the decode-phase speedup, TP 1's, their
-ratio and whether the bar is met. Scripted drafts keep the engine from launching a speculative step before the last
-one is read back (engine.py, `_launch_following`), so the speedup is a lower bound at every size.
+ratio and whether the bar is met. The echo is applied inside the device step too (Proposer.device_replay), so the
+engine launches each speculative step before the last one is read back, as with a real drafter; `--echo-on host`
+scripts the drafts on the host alone, which keeps every step waiting for the last (the older, lower-bound figure).
 
 Each size runs under --size-timeout seconds; the result file is written again after each size, so a run cut
 short keeps what it measured (a size that failed or ran out of time is recorded with its error).
@@ -42,6 +43,7 @@ import tempfile
 import time
 from collections import Counter
 from collections.abc import Callable
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -93,10 +95,8 @@ def burst(args: argparse.Namespace, method: str) -> dict[str, Any]:
     settings = EngineSettings(max_num_seqs=args.batch, cuda_graphs=args.graphs)
     session = build_session(
         source, request, decision, torch.device(args.device), settings, start=False, draft=draft,
-        draft_decision=decision if draft is not None else None,
+        draft_decision=decision if draft is not None else None, before_warm_up=partial(script_drafts, args),
     )  # fmt: skip
-    if session.proposer is not None and args.drafts == "always-right":  # rank 0 drafts for every rank
-        session.proposer.replay = EchoDrafts()
     try:
         run_burst(session, args, args.decode_tokens, seed=0)  # untimed: warm-up
         runs = []  # --repeats timed bursts of the same prompts; the figures are the median decode rate's run
@@ -125,6 +125,18 @@ def burst(args: argparse.Namespace, method: str) -> dict[str, Any]:
         return figures
     finally:
         session.shutdown()
+
+
+def script_drafts(args: argparse.Namespace, session: ModelSession) -> None:
+    """Always-right drafts (rank 0 drafts for every rank): the echo applied in the device step, so steps launch
+    ahead as a real drafter's do, or on the host alone (`--echo-on host`, the older measurement: no step launched
+    ahead)."""
+    if session.proposer is None or args.drafts != "always-right":
+        return
+    if args.echo_on == "device":
+        EchoDrafts().install(session.proposer)
+    else:
+        session.proposer.replay = EchoDrafts()
 
 
 class TimedOutputs(Outputs):
@@ -302,6 +314,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="synthetic: the drafter's own (acceptance ~0: the step's cost); always-right: an echoing target and "
         "drafts of its newest token (every draft accepted: the speedup and issue 33's bar)",
     )
+    parser.add_argument(
+        "--echo-on",
+        choices=["device", "host"],
+        default="device",
+        help="always-right drafts applied in the device step (steps launch ahead, as a drafter's do) or on the host "
+        "(each step read back before the next: the older measurement)",
+    )
     parser.add_argument("--batch", type=int)
     parser.add_argument("--repeats", type=int, default=3, help="timed bursts per size and method (median reported)")
     parser.add_argument("--prompt-len", type=int)
@@ -341,7 +360,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.drafts == "always-right":  # every rank's target echoes (the sizes' processes and their followers)
         env[ECHOING_TARGET_ENV] = "1"
     commit, dirty = commit_id()
-    keys = ("preset", "backend", "method", "drafts", "batch", "prompt_len", "decode_tokens", "graphs")
+    keys = ("preset", "backend", "method", "drafts", "echo_on", "batch", "prompt_len", "decode_tokens", "graphs")
     report = {"commit": commit, "dirty": dirty, "versions": versions(), "workload": {k: getattr(args, k) for k in keys}}
     failed = False
     reference: dict[str, Any] | None = None

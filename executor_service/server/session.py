@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from functools import partial
 
@@ -264,12 +265,14 @@ def build_session(
     preloaded: LoadedModel | None = None,
     memory: MemoryEstimate | None = None,
     on_plan: PlanObserver | None = None,
+    before_warm_up: Callable[[ModelSession], None] | None = None,
 ) -> ModelSession:
     """Load weights (and the drafter's), size and allocate the KV caches, warm the kernels up, capture
     graphs, start the engine thread (`start=False`: the caller drives `engine.run_until_idle()` itself,
     as deterministic tests do). `preloaded`: target weights already loaded (benchmarks pairing one target
     with several drafters). `memory`: the estimate it was admitted with (prepare_load), kept on the session.
-    `on_plan(k)`: each step's k chosen by adaptive speculation (metrics).
+    `on_plan(k)`: each step's k chosen by adaptive speculation (metrics). `before_warm_up(session)`: benchmarks
+    script the drafter there (Proposer.device_replay), before the graphs capture the device step.
     Under `cancellation.cancellable`, it stops (LoadCancelled) between tensors, phases and warm-up steps."""
     started = time.perf_counter()
     phases = LoadPhases()
@@ -369,6 +372,8 @@ def build_session(
     session = ModelSession(
         loaded, decision, dtype, kv_cache, engine, limits, info, 0.0, draft_decision, proposer, memory
     )
+    if before_warm_up is not None:
+        before_warm_up(session)
     phases.enter("warm-up")
     warm_up(session)
     if settings.cuda_graphs and device.type == "cuda":  # with TP: every rank captures (parallel/graphs.py)

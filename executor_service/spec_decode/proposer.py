@@ -53,6 +53,8 @@ from executor_service.spec_decode.verifier import Verdict
 
 Replay = Callable[[Request, list[int]], list[int]]  # test drafters: rewrite a request's drafts
 TreeReplay = Callable[[Request, list[int], list[int]], tuple[list[int], list[int]]]  # test drafters: rewrite a tree
+# `replay`'s rule on the device step: (each request's bonus token [B], its next drafts [B, N]) -> the drafts.
+DeviceReplay = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 PassForward = Callable[[AttentionStep, torch.Tensor, dict[str, torch.Tensor]], tuple[torch.Tensor, ...]]
 # (block table, one position per request, inputs) -> outputs: a pass that builds its metadata on the device
 OwnMetadataForward = Callable[[torch.Tensor, torch.Tensor, dict[str, torch.Tensor]], tuple[torch.Tensor, ...]]
@@ -118,6 +120,9 @@ class Proposer:
         self.parents: dict[str, list[int]] = {}  # a tree's drafts' parents, by request id
         self.replay: Replay | None = None
         self.replay_tree: TreeReplay | None = None  # scripted trees need the host: no step launched ahead
+        # `replay`'s rule written for the device step too (benchmarks' always-right drafter), set before its graphs
+        # are captured: the step applies it to its drafts on the device, so steps launch ahead as a drafter's do.
+        self.device_replay: DeviceReplay | None = None
         # Sampled requests' drafts: True drawn from q (draft_sampling.py; on the device step and the host path
         # alike), False or None (auto) the argmax, verified as point masses (verifier.py). The rule does not depend
         # on CUDA graphs; auto is the argmax for every method, the faster at T = 0.7 (docs/executor.md).
@@ -165,9 +170,9 @@ class Proposer:
 
     @property
     def scripted(self) -> bool:
-        """Whether tests script the drafts (`replay`, `replay_tree`): they need the host, so no step is launched
-        ahead."""
-        return self.replay is not None or self.replay_tree is not None
+        """Whether tests script the drafts on the host alone (`replay` without `device_replay`, `replay_tree`):
+        they need the host, so no step is launched ahead."""
+        return (self.replay is not None and self.device_replay is None) or self.replay_tree is not None
 
     def tree_of(self, request: Request) -> list[int]:
         """The parents of the request's drafts: a chain's draft j's is j - 1; a tree's as drafted (the scheduler

@@ -49,7 +49,7 @@ from executor_service.spec_decode.device_penalties import unpack_logprobs
 from executor_service.spec_decode.draft_penalties import DraftPenalties
 from executor_service.spec_decode.draft_sampling import StepDraws
 from executor_service.spec_decode.host_verify import DraftTree
-from executor_service.spec_decode.proposer import Proposer
+from executor_service.spec_decode.proposer import DeviceReplay, Proposer
 from executor_service.spec_decode.step_variants import (
     DEFAULT_PENALTY_SLOTS,
     StepSampling,
@@ -155,6 +155,7 @@ class SpecStep(VariantSteps):
         elif not self.tree.dynamic:
             self.static_parents = static_parents(self.tree)
         self.static_layout: tuple[torch.Tensor, ...] | None = None
+        self.captured_replay: DeviceReplay | None = None  # the proposer's device_replay when the graphs were captured
         self.vocab_ids = proposer.draft_vocab_ids()  # drawn drafts' q ids in the target's vocabulary
         if not chain and self.static_parents is not None:
             parents = torch.tensor([self.static_parents], dtype=torch.int64, device=runner.device)
@@ -168,7 +169,10 @@ class SpecStep(VariantSteps):
 
     def replays(self, variant: str, graphs: StepGraphs) -> bool:
         """A sampled variant's graph was captured for one drafting rule (drawn: it reads each request's q); under
-        the other one (a test or benchmark switching `sample_drafts` after the load) the step runs eagerly."""
+        the other one (a test or benchmark switching `sample_drafts` after the load) the step runs eagerly. So it
+        does when the proposer's `device_replay` is not the one the graphs captured."""
+        if self.proposer.device_replay is not self.captured_replay:
+            return False
         return variant == GREEDY or ("q_ids" in graphs.request_inputs) == self.draws
 
     @property
@@ -310,6 +314,9 @@ class SpecStep(VariantSteps):
         next_tokens, next_parents = self.proposer.propose_verified(
             step, positions, features, verdict, ahead, draws, drafting
         )
+        if self.proposer.device_replay is not None:  # a benchmark's scripted drafter, on the device
+            bonus = verdict.emitted.gather(1, verdict.accepted[:, None])[:, 0]
+            next_tokens = self.proposer.device_replay(bonus, next_tokens)
         parts = [verdict.emitted, verdict.accepted[:, None], next_tokens]
         if self.dynamic:
             assert next_parents is not None
@@ -367,6 +374,7 @@ class SpecStep(VariantSteps):
                 lockstep=lockstep_for(self.runner.model, self.runner.feature_layers or ()),
             )  # fmt: skip
 
+        self.captured_replay = self.proposer.device_replay
         base = {"slots_ahead": ((self.ahead_width,), torch.int64, -1)}
         if self.dynamic:
             base["parents"] = ((self.num_draft_tokens,), torch.int64, -1)

@@ -14,6 +14,7 @@ from executor_service.server.session import EngineSettings, ModelSession, build_
 from executor_service.server.wire import resolve_target
 from executor_service.spec_decode.adaptive_k import AdaptiveK
 from executor_service.spec_decode.drafter_release import MIN_VERIFIED
+from executor_service.spec_decode.proposer import Proposer
 from specdec.v1 import common_pb2, executor_pb2
 
 METHODS = {
@@ -107,6 +108,16 @@ class EchoDrafts:
     def __call__(self, request: Request, drafts: list[int]) -> list[int]:
         newest = request.output_ids[-1] if request.output_ids else request.prompt_ids[-1]
         return [newest] * len(drafts)
+
+    @staticmethod
+    def on_device(bonus: torch.Tensor, drafts: torch.Tensor) -> torch.Tensor:
+        """The same rule inside the device step (Proposer.device_replay): the newest token is the step's bonus."""
+        return bonus[:, None].expand_as(drafts)
+
+    def install(self, proposer: Proposer) -> None:
+        """On the host path and in the device step, so steps launch ahead as a drafter's do (set before the
+        device step's graphs are captured, or they are not replayed)."""
+        proposer.replay, proposer.device_replay = self, self.on_device
 
 
 class Scripted(AdaptiveK):

@@ -10,12 +10,13 @@ import random
 
 import pytest
 import torch
-from engine_driving import Collector
+from engine_driving import Collector, Outputs
 from greedy_reference import greedy_reference
-from spec_builders import spec_session
+from spec_builders import EchoDrafts, spec_session
 
 from executor_service.engine.request import Request, Status
 from executor_service.engine.scheduler import ScheduledStep
+from executor_service.models.weights import echoing_target
 from executor_service.sample.sampling import SamplingSettings
 
 K = 4
@@ -107,3 +108,44 @@ def test_an_abort_while_a_step_is_in_flight() -> None:
         assert sink.tokens(rid) == greedy_reference(session.loaded.model, batch[rid], 40)
     assert engine._in_flight is None and session.kv_cache.allocator.num_used == 0
     assert not engine.live_ids()
+
+
+@pytest.mark.parametrize("on_device", [True, False])
+def test_always_right_drafts_on_the_device_launch_ahead(on_device: bool) -> None:
+    """Benchmarks' always-right drafter (an echoing target, drafts of its newest token): written for the device step
+    too (Proposer.device_replay), its steps launch ahead as a drafter's do and every draft is accepted; scripted on
+    the host alone (the control), no step launches ahead."""
+    session = spec_session("eagle3", K)
+    echoing_target(session.loaded.model)
+    assert session.proposer is not None and session.engine.spec_step is not None
+    if on_device:
+        EchoDrafts().install(session.proposer)
+    else:
+        session.proposer.replay = EchoDrafts()
+    counts = session.engine.spec_step.counts
+    launched_ahead = counts["eager following"]  # the warm-up's
+    batch, sink = prompts(3, seed=5), Outputs()
+    for rid, prompt in batch.items():
+        session.engine.add(session.new_request(rid, prompt, SamplingSettings(), 30, sink))
+    session.engine.run_until_idle()
+    for rid, prompt in batch.items():
+        assert sink.tokens(rid) == greedy_reference(session.loaded.model, prompt, 30), rid
+        assert set(sink.tokens(rid)) == {prompt[-1]}  # the target echoed throughout
+    assert (counts["eager following"] > launched_ahead) is on_device, counts
+    verified = sink.acceptance()
+    assert verified["drafted"] > 0 and verified["accepted"] == verified["drafted"], verified  # always right
+
+
+def test_graphs_replay_only_the_device_replay_they_captured() -> None:
+    """A device step's graphs captured without a device rule do not replay once one is set (they would drop it):
+    the step runs eagerly until graphs are captured with it."""
+    session = spec_session("eagle3", K)
+    spec_step, proposer = session.engine.spec_step, session.proposer
+    assert spec_step is not None and proposer is not None
+    spec_step.capture_graphs(4, session.loaded.model.config.max_position_embeddings)  # the CPU's stand-in graphs
+    graphs = spec_step.graphs["greedy"]
+    assert spec_step.replays("greedy", graphs)
+    EchoDrafts().install(proposer)
+    assert not spec_step.replays("greedy", graphs)
+    spec_step.capture_graphs(4, session.loaded.model.config.max_position_embeddings)
+    assert spec_step.replays("greedy", spec_step.graphs["greedy"])

@@ -88,9 +88,9 @@ def test_graphs_replay_in_lockstep(single_process: dict[str, dict[str, list[int]
 def test_always_right_drafts_are_all_accepted(monkeypatch: pytest.MonkeyPatch) -> None:
     """bench/tp_bench.py --drafts always-right at TP 2, with the CPU's graphs: every rank's shard echoes (the
     target's next token is its newest: ECHOING_TARGET_ENV, set before the followers start), rank 0's EAGLE-3
-    drafts that token (EchoDrafts), and every draft is accepted (k + 1 tokens a verify step, the last steps' too);
-    the tokens of both runs equal one process's target-only run. A follower that did not echo would give rank 0
-    other logits for its vocabulary's half."""
+    drafts that token (EchoDrafts, in the device step too, so steps launch ahead), and every draft is accepted
+    (k + 1 tokens a verify step, the last steps' too); the tokens of both runs equal one process's target-only run.
+    A follower that did not echo would give rank 0 other logits for its vocabulary's half."""
     monkeypatch.setenv(ECHOING_TARGET_ENV, "1")
     reference = greedy_outputs("none")  # one process, target-only
     assert reference == {f"r{i}": [prompt[-1]] * MAX_TOKENS for i, prompt in enumerate(PROMPTS)}  # it echoes
@@ -99,6 +99,7 @@ def test_always_right_drafts_are_all_accepted(monkeypatch: pytest.MonkeyPatch) -
     eagle3 = accepted["eagle3"]
     assert eagle3["drafted"] > 0 and eagle3["accepted"] == eagle3["drafted"] == K * eagle3["verify_steps"], eagle3
     assert replays["eagle3"]["spec step graph"] > 0  # the graphed speculative step, in lockstep
+    assert replays["eagle3"]["spec step graph following"] > 0  # launched ahead: the echo is in the device step
 
 
 def test_sharded_loading_from_a_checkpoint(tmp_path: Path) -> None:

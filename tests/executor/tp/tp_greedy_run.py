@@ -168,6 +168,11 @@ def select_forced(
     return select_backends(selection_request(request, source.config, hardware, dtype, draft))
 
 
+def install_echo(session: ModelSession) -> None:
+    if session.proposer is not None:
+        EchoDrafts().install(session.proposer)
+
+
 def greedy_outputs(
     method: str,
     device: str = "cpu",
@@ -181,7 +186,8 @@ def greedy_outputs(
     """Each prompt's greedy tokens, all prompts in one engine (batched, prefill chunked at 32 tokens); fp32,
     eager unless `graphs` (CUDA graphs; on the CPU, capture_cpu_graphs). `replays`: gets graph_replays. `echo`:
     the drafter drafts the request's newest token (EchoDrafts: always right where ECHOING_TARGET_ENV makes the
-    target echo). `accepted`: gets Outputs.acceptance."""
+    target echo; on the host and in the device step, before its graphs are captured). `accepted`: gets
+    Outputs.acceptance."""
     request = load_request(method, checkpoint)
     source = resolve_target(request.target, checkpoint.parent if checkpoint else None, "target")
     draft = resolve_draft(request.draft, source.config, None) if request.HasField("draft") else None
@@ -190,6 +196,7 @@ def greedy_outputs(
         source, request, decision.target, torch.device(device), replace(SETTINGS, cuda_graphs=graphs), start=False,
         draft=draft,
         draft_decision=decision.drafter if draft is not None else None,
+        before_warm_up=install_echo if echo else None,
     )  # fmt: skip
     if graphs and device == "cpu":
         capture_cpu_graphs(session)
@@ -197,8 +204,6 @@ def greedy_outputs(
     if method == "eagle3_tree":  # accepted drafts: the tree mask and the K/V move decide the next tokens
         references = greedy_outputs("none", device, backend, checkpoint)
         session.proposer.set_tree = ReplayOnLastBranch(session.proposer.set_tree, references)  # type: ignore[union-attr]
-    if echo and session.proposer is not None:
-        session.proposer.replay = EchoDrafts()
     session.engine.step_counts.clear()  # the warm-up's steps (before any graph was captured)
     try:
         for index, prompt in enumerate(PROMPTS):
