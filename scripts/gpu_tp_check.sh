@@ -18,7 +18,8 @@
 # Both bench steps run EAGLE-3 with --drafts always-right (DRAFTS; `synthetic` for the step's cost alone): the target
 # echoes on every rank and every draft is accepted, so the logs' "speedup over target-only" lines give issue 33's
 # EAGLE-3 bar (that speedup at TP N over TP 1's >= 0.9, with 0 requests unlike target-only's; the JSON's `speedups`).
-# The echoing weights leave the target-only figures' cost as it was (values never change a pass's cost).
+# The echoing weights leave the target-only figures' cost as it was (values never change a pass's cost). The drafts
+# are echoed in the device step (steps launch ahead, as with a real drafter); ECHO_ON=host: the older host-only echo.
 # Output stays under the device tool's 8 files: info.txt, two test logs, two bench logs and their JSON files.
 # Each step has a cap (nccl 45 s, tests 260 s (TESTS_CAP_S), b32 330 s, b1 200 s) and gets at most what is left of BUDGET_S, so
 # tests2 may be squeezed: if its log says it ran out, run `... gpu_tp_check.sh tests2` in a second call. A step cut
@@ -56,7 +57,7 @@ python3 -c "import torch; print('torch', torch.__version__, 'nccl', torch.cuda.n
 
 bench() {  # bench NAME BATCH CAP ALL_REDUCE DECODE_TOKENS
   timeout -s USR1 -k 15 "$(left "$3")" python3 bench/tp_bench.py --graphs --batch "$2" --decode-tokens "$5" \
-    --method eagle3 --drafts "${DRAFTS:-always-right}" --tp-sizes "${TP_SIZES:-1,2,4}" --all-reduce "${4:-auto}" \
+    --method eagle3 --drafts "${DRAFTS:-always-right}" --echo-on "${ECHO_ON:-device}" --tp-sizes "${TP_SIZES:-1,2,4}" --all-reduce "${4:-auto}" \
     --repeats "${REPEATS:-3}" --size-timeout "${SIZE_TIMEOUT_S:-75}" --out "$out/$1" 2>&1 \
     | grep -v "Warning\|return func" | tee "$out/$1.log"
 }
