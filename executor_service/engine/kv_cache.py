@@ -41,13 +41,12 @@ def blocks_for_memory_fraction(
     return int(count)
 
 
-def copy_kv_slots(layers: list[tuple[torch.Tensor, torch.Tensor]], src: torch.Tensor, dst: torch.Tensor) -> None:
-    """Copy the K/V of cache slots `src` to `dst` in every layer (gathered first, so a slot both read and
-    written is read before it is overwritten): tree drafting moves the accepted drafts' K/V into place."""
-    for layer in layers:
-        for cache in layer:
-            flat = cache.view(-1, *cache.shape[2:])
-            flat[dst] = flat[src]
+def copy_kv_slots(storage: torch.Tensor, src: torch.Tensor, dst: torch.Tensor) -> None:
+    """Copy the K/V of cache slots `src` to `dst` in every layer of `storage` (KVCache.storage), gathered first, so
+    a slot both read and written is read before it is overwritten: a tree's accepted drafts' K/V moved into place.
+    Two kernels for all layers (every layer's K and V viewed by slot)."""
+    by_slot = storage.view(storage.shape[0] * 2, -1, *storage.shape[4:])
+    by_slot[:, dst] = by_slot[:, src]
 
 
 class KVCache:

@@ -99,7 +99,9 @@ class TensorParallelModel(nn.Module):
         """A forward and its logits as one op (`forward_with_logits`): one message, one payload. Every rank holds
         the same final hidden states, so each picks the rows itself."""
         args = (call.input_ids, call.positions, kv_caches, call.step, call.aux_layer_ids, call.logits_rows)
-        if self._local:
+        if self._local:  # a captured pass: a tree step's positions and masks, built on the device, go in the graph
+            if call.step.tree_mask is not None:
+                protocol.share_tree(call.positions, call.step.tree_mask)
             return forward_with_logits(self.model, *args)
         with on_all_ranks(self.group, step=True):
             protocol.send_forward(self.group, self.model_id, call)
@@ -112,11 +114,16 @@ class TensorParallelModel(nn.Module):
             protocol.send_logits(self.group, self.model_id, hidden)
             return self.model.compute_logits(hidden)
 
-    def move_kv(self, src: torch.Tensor, dst: torch.Tensor, layers: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
-        """Every rank copies the K/V of cache slots `src` to `dst` in its own cache (a tree's accepted path)."""
+    def move_kv(self, src: torch.Tensor, dst: torch.Tensor, storage: torch.Tensor) -> None:
+        """Every rank copies the K/V of cache slots `src` to `dst` in its own cache (a tree's accepted path). Inside
+        a captured tree step the slots travel in the graph, where the followers' graphs receive them (graphs.py)."""
+        if self._local:
+            protocol.share_moves(src, dst)
+            copy_kv_slots(storage, src, dst)
+            return
         with on_all_ranks(self.group, step=True):
             protocol.send_move(self.group, self.model_id, src, dst)
-            copy_kv_slots(layers, src, dst)
+            copy_kv_slots(storage, src, dst)
 
     def profile(self, on: bool) -> None:
         """Every follower starts or stops its profile of the steps between (rank_profile.py)."""
@@ -130,15 +137,13 @@ class TensorParallelModel(nn.Module):
                 protocol.send_header(self.group, Op.UNLOAD, self.model_id)
 
 
-def move_kv_slots(
-    model: nn.Module, layers: list[tuple[torch.Tensor, torch.Tensor]], src: torch.Tensor, dst: torch.Tensor
-) -> None:
-    """Copy the K/V of cache slots `src` to `dst` in every layer: under tensor parallelism every rank moves its
-    own heads' K/V (one op on every rank), else the local cache's copy."""
+def move_kv_slots(model: nn.Module, storage: torch.Tensor, src: torch.Tensor, dst: torch.Tensor) -> None:
+    """Copy the K/V of cache slots `src` to `dst` in every layer of `storage` (KVCache.storage): under tensor
+    parallelism every rank moves its own heads' K/V, else the local cache's copy."""
     if isinstance(model, TensorParallelModel):
-        model.move_kv(src, dst, layers)
+        model.move_kv(src, dst, storage)
     else:
-        copy_kv_slots(layers, src, dst)
+        copy_kv_slots(storage, src, dst)
 
 
 def forward_with_logits(

@@ -31,10 +31,12 @@ from __future__ import annotations
 import itertools
 from collections.abc import Iterator
 from contextlib import AbstractContextManager, contextmanager, nullcontext
+from dataclasses import replace
 
 import torch
 import torch.distributed as dist
 
+from executor_service.engine.kv_cache import KVCache, copy_kv_slots
 from executor_service.models.attention_step import AttentionStep
 from executor_service.models.model import DecoderModel
 from executor_service.parallel import protocol
@@ -46,18 +48,22 @@ _graph_ids = itertools.count(1)
 
 
 class TargetLockstep:
-    """Rank 0's side of one StepGraphs whose forward runs the sharded target."""
+    """Rank 0's side of one StepGraphs whose forward runs the sharded target. `tree_depth`: a tree step's (its
+    graphs share the tree's layout and the path's K/V moves in the graph), else 0."""
 
-    def __init__(self, model: TensorParallelModel, aux_layer_ids: tuple[int, ...]) -> None:
-        self.model, self.aux_layer_ids = model, aux_layer_ids
+    def __init__(self, model: TensorParallelModel, aux_layer_ids: tuple[int, ...], tree_depth: int = 0) -> None:
+        self.model, self.aux_layer_ids, self.tree_depth = model, aux_layer_ids, tree_depth
         self.graph_id = next(_graph_ids)
 
     @contextmanager
     def capturing(self, graphs: StepGraphs) -> Iterator[None]:
         model = self.model
         with on_all_ranks(model.group), model.locally():
-            shape = (graphs.query_len, graphs.max_batch, graphs.max_model_len)
-            protocol.send_capture(model.group, model.model_id, self.graph_id, shape, self.aux_layer_ids)
+            call = protocol.CaptureCall(
+                self.graph_id, graphs.query_len, graphs.max_batch, graphs.max_model_len, self.aux_layer_ids,
+                self.tree_depth,
+            )  # fmt: skip
+            protocol.send_capture(model.group, model.model_id, call)
             yield
 
     @contextmanager
@@ -99,35 +105,38 @@ def share_inputs(graphs: StepGraphs, size: int, rank: int) -> None:
     protocol.unpack_graph_inputs(payload, inputs)
 
 
-def lockstep_for(model: torch.nn.Module, aux_layer_ids: tuple[int, ...]) -> TargetLockstep | None:
-    """A lockstep for graphs around `model`'s passes: None without tensor parallelism."""
-    return TargetLockstep(model, aux_layer_ids) if isinstance(model, TensorParallelModel) else None
+def lockstep_for(model: torch.nn.Module, aux_layer_ids: tuple[int, ...], tree_depth: int = 0) -> TargetLockstep | None:
+    """A lockstep for graphs around `model`'s passes (a tree step's: `tree_depth`): None without tensor
+    parallelism."""
+    return TargetLockstep(model, aux_layer_ids, tree_depth) if isinstance(model, TensorParallelModel) else None
 
 
-def capture_follower(
-    group: TensorParallelGroup,
-    model: DecoderModel,
-    kv_layers: list[tuple[torch.Tensor, torch.Tensor]],
-    backend: str,
-    block_size: int,
-    values: list[int],
-) -> tuple[int, StepGraphs]:
-    """A follower's side of CAPTURE: (graph id, its graphs), captured in step with rank 0's."""
-    graph_id, (query_len, max_batch, max_model_len), aux_layer_ids = protocol.receive_capture(values)
+def capture_follower(group: TensorParallelGroup, kv: KVCache, model: DecoderModel, backend: str,
+                     values: list[int]) -> tuple[int, StepGraphs]:  # fmt: skip
+    """A follower's side of CAPTURE: (graph id, its graphs), captured in step with rank 0's. A tree step's pass
+    takes its positions and masks from rank 0's graph, then moves the accepted path's K/V as rank 0 does."""
+    call = protocol.receive_capture(values)
+    aux_layer_ids, depth = call.aux_layer_ids, call.tree_depth
 
     def forward(step: AttentionStep, positions: torch.Tensor, x: dict[str, torch.Tensor]) -> tuple[torch.Tensor]:
-        hidden, _ = model(x["input_ids"], positions, kv_layers, step, aux_layer_ids)
-        return (model.compute_logits(hidden),)  # rank 0's pass reads every row's logits (the all-gather)
+        if depth:
+            positions, tree_mask = protocol.receive_tree(positions.shape[0], positions.device)
+            step = replace(step, causal=True, tree_mask=tree_mask, _flex=None)
+        hidden, _ = model(x["input_ids"], positions, kv.layers, step, aux_layer_ids)
+        logits = model.compute_logits(hidden)  # rank 0's pass reads every row's logits (the all-gather)
+        if depth:  # after rank 0's verification: the accepted drafts' K/V into place (spec_step._move_path)
+            copy_kv_slots(kv.storage, *protocol.receive_moves(step.seq_lens.shape[0] * depth, positions.device))
+        return (logits,)
 
+    name = f"target shard (graph {call.graph_id}, query length {call.query_len}{', tree' if depth else ''})"
     graphs = StepGraphs(
-        f"target shard (graph {graph_id}, query length {query_len})", forward, backend, query_len, max_batch,
-        max_model_len, block_size, group.device, {"input_ids": ((), torch.int64)},
-        lockstep=FollowerLockstep(group.rank),
+        name, forward, backend, call.query_len, call.max_batch, call.max_model_len, kv.block_size, group.device,
+        {"input_ids": ((), torch.int64)}, lockstep=FollowerLockstep(group.rank),
     )  # fmt: skip
-    if graphs.max_batch != max_batch:
-        raise ValueError(f"rank {group.rank} buckets up to {graphs.max_batch}, rank 0 up to {max_batch}")
+    if graphs.max_batch != call.max_batch:
+        raise ValueError(f"rank {group.rank} buckets up to {graphs.max_batch}, rank 0 up to {call.max_batch}")
     graphs.capture()
-    return graph_id, graphs
+    return call.graph_id, graphs
 
 
 def replay_follower(graphs: StepGraphs, values: list[int]) -> None:

@@ -14,8 +14,10 @@ tensors, no host copy). Followers never wait on the device to learn what to run 
   and its logits are one message (every rank holds the same final hidden states: no hidden rows travel).
 - LOGITS (model id, rows): the hidden rows [rows, hidden] whose logits rank 0 wants (calls outside a step).
 - MOVE_KV (model id, slots): source and destination cache slots (tree drafting's accepted K/V), int64.
-- CAPTURE (model id, graph id, query length, largest batch, context length, captured layers..., their ids):
-  every rank captures the target's CUDA graphs of one kind, bucket by bucket in the same order (graphs.py).
+- CAPTURE (model id, graph id, query length, largest batch, context length, tree depth, captured layers..., their
+  ids): every rank captures the target's CUDA graphs of one kind, bucket by bucket in the same order (graphs.py).
+  A tree step's graphs (tree depth > 0) also broadcast, inside them, the verify pass's positions and tree masks
+  (`share_tree`) and the accepted path's K/V moves (`share_moves`).
 - REPLAY (model id, graph id, bucket): every rank replays that bucket's graph. No payload: the graph itself
   starts with a broadcast of rank 0's static inputs (graphs.py), captured with the rest.
 - PROFILE (model id, on): every follower starts (1) or stops (0) torch.profiler; at stop it writes where its
@@ -164,16 +166,40 @@ def receive_forward(values: list[int], backend: str, device: torch.device) -> Fo
     return ForwardCall(input_ids, positions, step, aux, rows, logits_of)
 
 
+def share_tree(positions: torch.Tensor, tree_mask: torch.Tensor) -> None:
+    """Rank 0, inside a tree step's graph: the verify pass's positions and tree masks, built on the device from the
+    drafts' layout, to the followers' graphs (`receive_tree`). Captured with the pass: no message."""
+    dist.broadcast(torch.cat([positions.to(torch.int64), tree_mask.to(torch.int64)]), src=0)
+
+
+def receive_tree(tokens: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """A follower's side of `share_tree` for a pass of `tokens` rows: (positions, tree masks)."""
+    payload = torch.empty(2 * tokens, dtype=torch.int64, device=device)
+    dist.broadcast(payload, src=0)
+    positions, tree_mask = payload.chunk(2)
+    return positions, tree_mask
+
+
+def share_moves(src: torch.Tensor, dst: torch.Tensor) -> None:
+    """Rank 0, inside a tree step's graph: the accepted path's K/V moves (source and destination slots), which every
+    rank applies to its own heads (`receive_moves`). Captured with the step: no message."""
+    dist.broadcast(torch.cat([src, dst]), src=0)
+
+
+def receive_moves(count: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    slots = torch.empty(2 * count, dtype=torch.int64, device=device)
+    dist.broadcast(slots, src=0)
+    src, dst = slots.chunk(2)
+    return src, dst
+
+
 def send_move(group: TensorParallelGroup, model_id: int, src: torch.Tensor, dst: torch.Tensor) -> None:
     send_header(group, Op.MOVE_KV, model_id, src.shape[0])
     dist.broadcast(torch.cat([src, dst]), src=0)
 
 
 def receive_move(values: list[int], device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-    slots = torch.empty(2 * values[1], dtype=torch.int64, device=device)
-    dist.broadcast(slots, src=0)
-    src, dst = slots.chunk(2)
-    return src, dst
+    return receive_moves(values[1], device)
 
 
 def send_logits(group: TensorParallelGroup, model_id: int, hidden: torch.Tensor) -> None:
@@ -187,21 +213,33 @@ def receive_logits(values: list[int], hidden_size: int, dtype: torch.dtype, devi
     return hidden
 
 
-def send_capture(group: TensorParallelGroup, model_id: int, graph_id: int, shape: tuple[int, int, int],
-                 aux_layer_ids: tuple[int, ...]) -> None:  # fmt: skip
-    """`shape`: the graphs' query length, largest batch and context length."""
-    if len(aux_layer_ids) > MAX_FEATURE_LAYERS:
-        raise ValueError(f"a capture of {len(aux_layer_ids)} feature layers")
-    send_message(group, Op.CAPTURE, model_id, graph_id, *shape, len(aux_layer_ids), *aux_layer_ids)
+@dataclass(frozen=True)
+class CaptureCall:
+    """What a CAPTURE tells the followers: the graphs' id and shape, the layers a drafter reads, and for a tree
+    step its depth (0 otherwise): its graphs also receive the tree's layout and the path's K/V moves."""
+
+    graph_id: int
+    query_len: int
+    max_batch: int
+    max_model_len: int
+    aux_layer_ids: tuple[int, ...]
+    tree_depth: int = 0
 
 
-def receive_capture(values: list[int]) -> tuple[int, tuple[int, int, int], tuple[int, ...]]:
-    """(graph id, (query length, largest batch, context length), captured layer ids) of a CAPTURE."""
-    graph_id, query_len, max_batch, max_model_len, num_aux = values[1:6]
-    aux = tuple(values[6 : 6 + num_aux])
-    if not 0 <= num_aux <= MAX_FEATURE_LAYERS or len(aux) != num_aux:
-        raise ValueError(f"a capture of {num_aux} feature layers")
-    return graph_id, (query_len, max_batch, max_model_len), aux
+def send_capture(group: TensorParallelGroup, model_id: int, call: CaptureCall) -> None:
+    aux = call.aux_layer_ids
+    if len(aux) > MAX_FEATURE_LAYERS:
+        raise ValueError(f"a capture of {len(aux)} feature layers")
+    shape = (call.query_len, call.max_batch, call.max_model_len)
+    send_message(group, Op.CAPTURE, model_id, call.graph_id, *shape, call.tree_depth, len(aux), *aux)
+
+
+def receive_capture(values: list[int]) -> CaptureCall:
+    graph_id, query_len, max_batch, max_model_len, tree_depth, num_aux = values[1:7]
+    aux = tuple(values[7 : 7 + num_aux])
+    if not 0 <= num_aux <= MAX_FEATURE_LAYERS or len(aux) != num_aux or tree_depth < 0:
+        raise ValueError(f"a malformed capture message {values[:7]}")
+    return CaptureCall(graph_id, query_len, max_batch, max_model_len, aux, tree_depth)
 
 
 def pack_graph_inputs(inputs: list[torch.Tensor]) -> torch.Tensor:

@@ -138,12 +138,11 @@ def run_op(
     elif op == Op.MOVE_KV:
         shard = shards[model_id]
         assert shard.kv_cache is not None, "a K/V move before the KV cache"
-        copy_kv_slots(shard.kv_cache.layers, *protocol.receive_move(values, group.device))
+        copy_kv_slots(shard.kv_cache.storage, *protocol.receive_move(values, group.device))
     elif op == Op.CAPTURE:
         shard = shards[model_id]
         assert shard.kv_cache is not None, "a capture before the KV cache"
-        kv = shard.kv_cache
-        graph_id, graphs = capture_follower(group, shard.model, kv.layers, shard.backend, kv.block_size, values)
+        graph_id, graphs = capture_follower(group, shard.kv_cache, shard.model, shard.backend, values)
         shard.graphs[graph_id] = graphs
     elif op == Op.REPLAY:
         replay_follower(shards[model_id].graphs[values[1]], values)

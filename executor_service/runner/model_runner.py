@@ -135,7 +135,7 @@ class ModelRunner:
     def move_kv(self, sources: torch.Tensor, targets: torch.Tensor) -> None:
         """Copy the K/V of cache slots `sources` to `targets` in every layer (gathered first, so a slot both read
         and written is read before it is overwritten)."""
-        move_kv_slots(self.model, self.kv_cache.layers, sources, targets)
+        move_kv_slots(self.model, self.kv_cache.storage, sources, targets)
 
     def _tensor(self, values: list, dtype: torch.dtype) -> torch.Tensor:
         return to_device(values, dtype, self.device)

@@ -335,7 +335,7 @@ def build_session(
         graphs = settings.cuda_graphs and device.type == "cuda" and decision.backend in GRAPH_BACKENDS
         speculation = adaptive_speculation(proposer, graphs)
         speculation.observer = on_plan
-    spec_step = device_step(runner, proposer, slots, settings.device_spec_step, tp_group is not None)
+    spec_step = device_step(runner, proposer, slots, settings.device_spec_step)
     engine = Engine(
         runner, scheduler, max_model_len, on_step, proposer, on_verify, spec_step, speculation,
         defer_context=settings.defer_drafter_context, overlap_decode=settings.overlap_decode,
@@ -392,14 +392,10 @@ def proposer_class(config: DraftConfig) -> type[Proposer]:
     return DFlashProposer if config.method == "dflash" else EagleProposer
 
 
-def device_step(
-    runner: ModelRunner, proposer: Proposer | None, penalty_slots: int, wanted: bool, tensor_parallel: bool
-) -> SpecStep | None:
-    """The speculative step on the device for the proposer's drafts, chains or trees (None: the host path runs
-    every step). Tensor parallelism keeps trees on the host path (their K/V move is an op of every rank there)."""
+def device_step(runner: ModelRunner, proposer: Proposer | None, penalty_slots: int, wanted: bool) -> SpecStep | None:
+    """The speculative step on the device for the proposer's drafts, chains or trees, under tensor parallelism too
+    (None: the host path runs every step)."""
     if proposer is None or not wanted:
-        return None
-    if proposer.tree is not None and tensor_parallel:
         return None
     return SpecStep(runner, proposer, penalty_slots)
 

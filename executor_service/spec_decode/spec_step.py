@@ -145,6 +145,7 @@ class SpecStep(VariantSteps):
         self.num_draft_tokens = proposer.num_draft_tokens  # drafts verified per request
         self.rows = self.num_draft_tokens + 1  # the root and the drafts
         self.dynamic = self.tree is not None and self.tree.dynamic  # its parents are drafted, not constant
+        self.tree_depth = 0 if self.tree is None else self.num_steps  # a tree's path moves num_steps drafts' K/V
         self.ahead_width = proposer.ahead_width  # slots of positions root, root + 1, ... its passes may write
         self.constants = StepConstants(runner.device)
         # A chain's or a static tree's drafts keep one layout: its parents, depths, ancestors and masks are
@@ -358,9 +359,7 @@ class SpecStep(VariantSteps):
         moves = (levels <= accepted[:, None]) & (slots[:, :1] >= 0)
         anchor = slots[:1, :1]  # the first request's root: no move reads or writes it
         src, dst = torch.where(moves, source, anchor).reshape(-1), torch.where(moves, target, anchor).reshape(-1)
-        storage = self.runner.kv_cache.storage  # [layers, 2, blocks, block_size, heads, head_size], one allocation
-        by_slot = storage.view(storage.shape[0] * 2, -1, *storage.shape[4:])  # every layer's K and V by slot
-        by_slot[:, dst] = by_slot[:, src]  # two kernels for all layers (copy_kv_slots: two per layer, K and V)
+        self.runner.move_kv(src, dst)  # under tensor parallelism on every rank, in the graph where captured
 
     def capture_graphs(self, max_batch: int, max_model_len: int) -> None:
         """One graph per sampling variant and batch bucket (target and drafter backends both capture-safe: the
@@ -371,7 +370,7 @@ class SpecStep(VariantSteps):
                 f"speculative step ({self.describe()}, {variant})", functools.partial(self.forward, variant=variant),
                 self.runner.backend, self.rows, max_batch, max_model_len, self.runner.block_size,
                 self.runner.device, {"input_ids": ((), torch.int64)}, request_inputs=request_inputs,
-                lockstep=lockstep_for(self.runner.model, self.runner.feature_layers or ()),
+                lockstep=lockstep_for(self.runner.model, self.runner.feature_layers or (), self.tree_depth),
             )  # fmt: skip
 
         self.captured_replay = self.proposer.device_replay

@@ -65,10 +65,12 @@ def run_tp_printed(tp: int, *args: str) -> tuple[dict[str, Any], dict[str, Any],
 
 @pytest.mark.parametrize("tp", [2, 4])
 def test_greedy_equals_single_process(tp: int, single_process: dict[str, dict[str, list[int]]]) -> None:
-    outputs = run_tp(tp)
+    outputs, replays = run_tp_with_replays(tp)
     for method in METHODS:
         assert outputs[method] == single_process[method], f"TP {tp}, drafter {method}"
     assert all(len(tokens) == 12 for tokens in single_process["none"].values()) and len(PROMPTS) == 3
+    # Chains and the tree verify on the device step: the tree's accepted path moves K/V on every rank (MOVE_KV).
+    assert all(replays[m]["engine device"] > 0 for m in ("eagle3", "eagle3_tree", "dflash")), replays
 
 
 def test_graphs_replay_in_lockstep(single_process: dict[str, dict[str, list[int]]]) -> None:
@@ -76,8 +78,9 @@ def test_graphs_replay_in_lockstep(single_process: dict[str, dict[str, list[int]
     their collectives): rank 0 sends each replay's bucket and static inputs, the follower replays the same
     graph from them. Decode steps and the speculative step replay graphs, and the tokens are the eager ones;
     without a drafter, decode steps launch the step after them before their read-back (overlap_decode.py), graph
-    replays and their lockstep included."""
-    methods = ("none", "eagle3", "dflash")
+    replays and their lockstep included. A tree step's graphs also carry the tree's layout and the accepted path's
+    K/V moves from rank 0 to the follower (a follower that skipped the moves gave other tokens here)."""
+    methods = ("none", "eagle3", "dflash", "eagle3_tree")
     outputs, replays = run_tp_with_replays(2, "--graphs", "--methods", ",".join(methods))
     for method in methods:
         assert outputs[method] == single_process[method], f"drafter {method}"
