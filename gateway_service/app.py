@@ -26,6 +26,7 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 
 from gateway_service.body import read_json_object
 from gateway_service.caller_auth import CallerAuth
+from gateway_service.choices import Choices, choice_requests
 from gateway_service.errors import ApiError, from_rpc_error
 from gateway_service.generation import Disconnected, Generation, watch_disconnect
 from gateway_service.metrics import GatewayMetrics
@@ -118,10 +119,14 @@ class Gateway:
         if (wrong_model := model_error(parsed.model, self.config.model_name)) is not None:
             raise wrong_model
         assert self.upstream is not None
-        call = self.upstream.generate(parsed.generate, token)  # sent as soon as this task yields
-        generation = Generation(
-            call, parsed, Shaper(parsed, self.config.model_name), self.metrics, route, time.perf_counter()
-        )
+        shaper, started = Shaper(parsed, self.config.model_name), time.perf_counter()
+        generation: Generation | Choices
+        if parsed.n == 1:
+            call = self.upstream.generate(parsed.generate, token)  # sent as soon as this task yields
+            generation = Generation(call, parsed, shaper, self.metrics, route, started)
+        else:
+            calls = [self.upstream.generate(r, token) for r in choice_requests(parsed.generate, parsed.n)]
+            generation = Choices([Generation(c, parsed, shaper, self.metrics, route, started) for c in calls], shaper)
         watcher = watch_disconnect(receive, generation)
         self.metrics.open.inc()
         streaming = False
@@ -192,8 +197,8 @@ class EventStream:
 
     def __init__(
         self,
-        generation: Generation,
-        first: executor_pb2.GenerateResponse,
+        generation: Generation | Choices,
+        first: Any,  # the first message (of each choice: a list)
         watcher: asyncio.Task[None],
         metrics: GatewayMetrics,
     ) -> None:

@@ -11,7 +11,7 @@ import asyncio
 import logging
 import time
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import grpc
 from starlette.types import Receive, Send
@@ -19,8 +19,11 @@ from starlette.types import Receive, Send
 from gateway_service.errors import ApiError, from_rpc_error
 from gateway_service.metrics import GatewayMetrics
 from gateway_service.requests import ParsedRequest
-from gateway_service.responses import Shaper, encode
+from gateway_service.responses import Collected, Shaper, encode
 from specdec.v1 import executor_pb2
+
+if TYPE_CHECKING:
+    from gateway_service.choices import Choices
 
 log = logging.getLogger("specdec.gateway")
 DONE = b"data: [DONE]\n\n"
@@ -30,7 +33,7 @@ class Disconnected(Exception):
     """The caller closed the connection before the answer was ready."""
 
 
-def watch_disconnect(receive: Receive, generation: Generation) -> asyncio.Task[None]:
+def watch_disconnect(receive: Receive, generation: Generation | Choices) -> asyncio.Task[None]:
     """A task that cancels `generation` (its gRPC call, hence the executor's request) when the caller goes away;
     cancel it once the answer is sent. One per request, started once the body is read (the next ASGI message is
     then the disconnect), for the wait for the first message and the whole answer or stream after it."""
@@ -79,11 +82,14 @@ class Generation:
         task = asyncio.current_task()
         return self.gone and not (task is not None and task.cancelling())
 
-    async def first(self) -> executor_pb2.GenerateResponse:
+    async def first(self, timed: bool = True) -> executor_pb2.GenerateResponse:
+        """The first message; `timed`: observed as the request's time to its first token (a choice's is not:
+        choices.py observes the request's)."""
         message = await self.read()
         if message is None:
             raise ApiError(502, "the executor ended the stream without an answer", code="bad_gateway")
-        self.metrics.first_token_after(self.route, time.perf_counter() - self.started)
+        if timed:
+            self.metrics.first_token_after(self.route, time.perf_counter() - self.started)
         return message
 
     def caller_gone(self) -> None:
@@ -91,25 +97,35 @@ class Generation:
         self.cancel()
 
     def cancel(self) -> None:
-        """Abort the executor's request (nothing if it has ended)."""
-        if not self.ended and not self.call.done():
-            self.call.cancel()
+        """Abort the executor's request (nothing if it has ended), counted and logged."""
+        if self.abort():
             self.metrics.disconnects.inc()
             log.info("caller went away: request aborted", extra={"request_id": self.parsed.generate.request_id})
 
-    def _finished(self, finished: executor_pb2.Finished) -> None:
+    def abort(self) -> bool:
+        """Cancel the gRPC call if it is live; whether it was."""
+        if self.ended or self.call.done():
+            return False
+        self.call.cancel()
+        return True
+
+    def count_finished(self, finished: executor_pb2.Finished) -> None:
         self.metrics.prompt_tokens.inc(finished.prompt_tokens)
         self.metrics.completion_tokens.inc(finished.completion_tokens)
 
     async def whole(self, first: executor_pb2.GenerateResponse) -> dict[str, Any]:
-        """The non-streamed answer: every message's text and log probabilities joined."""
+        """The non-streamed answer."""
+        return self.shaper.whole([await self.collect(first)])
+
+    async def collect(self, first: executor_pb2.GenerateResponse) -> Collected:
+        """Every message's text and log probabilities joined, and the final message's Finished."""
         texts, entries, message = [], [], first
         while True:
             texts.append(message.text)
             entries.extend(message.logprobs)
             if message.HasField("finished"):
-                self._finished(message.finished)
-                return self.shaper.whole("".join(texts), entries, message.finished)
+                self.count_finished(message.finished)
+                return "".join(texts), entries, message.finished
             following = await self.read()
             if following is None:
                 raise ApiError(502, "the executor's stream ended without its final message", code="bad_gateway")
@@ -134,9 +150,9 @@ class Generation:
                     self.ended = True
                     finished = message.finished
                     last = chunk(message, is_first)  # an aborted finish raises ApiError here
-                    self._finished(finished)
+                    self.count_finished(finished)
                     if self.parsed.include_usage:
-                        last += _event(self.shaper.usage_chunk(finished))
+                        last += event(self.shaper.usage_chunk([finished]))
                     tail = last + DONE
                     break
                 body["body"] = chunk(message, is_first)  # one dict for every event: send() is done with it
@@ -148,9 +164,9 @@ class Generation:
                     break
         except grpc.aio.AioRpcError as err:
             self.ended = True
-            tail = _event(from_rpc_error(err, self.parsed.param_for).body()) + DONE
+            tail = event(from_rpc_error(err, self.parsed.param_for).body()) + DONE
         except ApiError as err:
-            tail = _event(err.body()) + DONE
+            tail = event(err.body()) + DONE
         except asyncio.CancelledError:
             if not self._cancelled_by_caller():
                 raise
@@ -160,5 +176,5 @@ class Generation:
         await send({"type": "http.response.body", "body": tail, "more_body": False})
 
 
-def _event(data: dict[str, Any]) -> bytes:
+def event(data: dict[str, Any]) -> bytes:
     return b"data: " + encode(data).encode() + b"\n\n"

@@ -22,6 +22,7 @@ MAX_STOP = 16
 MAX_STOP_CHARS = 256
 MAX_NAME_CHARS = 256  # model, user
 MAX_LOGPROBS = 20
+MAX_CHOICES = 128  # `n`, as OpenAI bounds it
 # OpenAI fields accepted only with the value that asks for nothing.
 NEUTRAL = {"logit_bias": {}, "tools": [], "tool_choice": "none", "response_format": {"type": "text"}}
 ROLES = {"developer": "system"}  # OpenAI's newer name for the system turn
@@ -43,6 +44,7 @@ class ParsedRequest:
     stream: bool = False
     include_usage: bool = False
     logprobs: bool = False
+    n: int = 1  # choices: a Generate each (choices.py)
     user: str | None = None
     params: dict[str, str] = field(default_factory=dict)  # gRPC field -> the OpenAI param it came from
 
@@ -116,9 +118,7 @@ def _common(fields: Fields, kind: str) -> ParsedRequest:
             raise bad_field("stream_options", "is only allowed with stream: true")
         parsed.include_usage = bool(options.boolean("include_usage"))
         options.refuse_unknown({"continuous_usage_stats": False})
-    n = fields.integer("n", 1, INT32_MAX)
-    if n is not None and n > 1:
-        raise ApiError(400, f"n: {n} choices per request are not supported yet; send n = 1", "n", "unsupported_value")
+    parsed.n = fields.integer("n", 1, MAX_CHOICES) or 1
     parsed.user = fields.string("user", MAX_NAME_CHARS)
     _sampling(fields, parsed)
     speculative = fields.integer("num_speculative_tokens", 0, INT32_MAX)

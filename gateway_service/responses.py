@@ -43,20 +43,44 @@ def finish_reason(finished: executor_pb2.Finished) -> str:
     return finished.finish_reason
 
 
-def usage(finished: executor_pb2.Finished) -> dict[str, Any]:
-    """OpenAI's usage, with the prefix cache's hits as prompt_tokens_details.cached_tokens and the speculative
-    statistics in `speculative`."""
+def usage(finished: Sequence[executor_pb2.Finished]) -> dict[str, Any]:
+    """OpenAI's usage of a request's choices (one each), with the prefix cache's hits as
+    prompt_tokens_details.cached_tokens and the speculative statistics in `speculative`. Several choices (`n`) share
+    the prompt, counted once (the first choice's figures); their completions add up, and so do their verify steps,
+    which weigh each choice's acceptance (per position: accepted there over verify steps)."""
+    first = finished[0]
+    completion = sum(f.completion_tokens for f in finished)
+    speculative = {
+        "drafted_tokens": sum(f.drafted_tokens for f in finished),
+        "accepted_tokens": sum(f.accepted_tokens for f in finished),
+        "mean_acceptance_length": round(first.mean_acceptance_length, 6),
+        "acceptance_rate_per_position": [round(rate, 6) for rate in first.acceptance_rate_per_position],
+    }
+    if len(finished) > 1:
+        steps = sum(f.verify_steps for f in finished)
+        accepted = speculative["accepted_tokens"]
+        speculative["mean_acceptance_length"] = (
+            round(1 + accepted / steps, 6) if steps else (1.0 if completion else 0.0)
+        )
+        width = max(len(f.acceptance_rate_per_position) for f in finished)
+        rates = [
+            sum(
+                f.acceptance_rate_per_position[j] * f.verify_steps
+                for f in finished
+                if j < len(f.acceptance_rate_per_position)
+            )
+            / steps
+            if steps
+            else 0.0
+            for j in range(width)
+        ]
+        speculative["acceptance_rate_per_position"] = [round(rate, 6) for rate in rates]
     return {
-        "prompt_tokens": finished.prompt_tokens,
-        "completion_tokens": finished.completion_tokens,
-        "total_tokens": finished.prompt_tokens + finished.completion_tokens,
-        "prompt_tokens_details": {"cached_tokens": finished.cached_prompt_tokens},
-        "speculative": {
-            "drafted_tokens": finished.drafted_tokens,
-            "accepted_tokens": finished.accepted_tokens,
-            "mean_acceptance_length": round(finished.mean_acceptance_length, 6),
-            "acceptance_rate_per_position": [round(rate, 6) for rate in finished.acceptance_rate_per_position],
-        },
+        "prompt_tokens": first.prompt_tokens,
+        "completion_tokens": completion,
+        "total_tokens": first.prompt_tokens + completion,
+        "prompt_tokens_details": {"cached_tokens": first.cached_prompt_tokens},
+        "speculative": speculative,
     }
 
 
@@ -125,6 +149,9 @@ def _top_object(tops: Sequence[executor_pb2.TopLogprob]) -> str:
     return encode({token_name(top.token_id): top.logprob for top in tops})
 
 
+Collected = tuple[str, list[executor_pb2.TokenLogprob], executor_pb2.Finished]  # one choice: text, logprobs, finish
+
+
 @dataclass
 class Shaper:
     """Builds every object of one request's answer (same id, model and creation time)."""
@@ -146,41 +173,49 @@ class Shaper:
             return None
         return chat_logprobs(entries) if self.chat else completion_logprobs(entries)
 
-    def whole(self, text: str, entries: list[executor_pb2.TokenLogprob], finished: executor_pb2.Finished) -> dict:
-        """The non-streamed answer."""
-        choice: dict[str, Any] = {"index": 0, "finish_reason": finish_reason(finished)}
-        if self.chat:
-            choice["message"] = {"role": "assistant", "content": text, "refusal": None}
-        else:
-            choice["text"] = text
-        choice["logprobs"] = self._logprobs(entries)
-        return {**self._base(False), "choices": [choice], "usage": usage(finished)}
+    def whole(self, choices: Sequence[Collected]) -> dict:
+        """The non-streamed answer: every choice, in order."""
+        shaped = []
+        for index, (text, entries, finished) in enumerate(choices):
+            choice: dict[str, Any] = {"index": index, "finish_reason": finish_reason(finished)}
+            if self.chat:
+                choice["message"] = {"role": "assistant", "content": text, "refusal": None}
+            else:
+                choice["text"] = text
+            choice["logprobs"] = self._logprobs(entries)
+            shaped.append(choice)
+        return {**self._base(False), "choices": shaped, "usage": usage([c[2] for c in choices])}
 
     def __post_init__(self) -> None:
         """The streamed chunk's fixed text (id, object, created, model, and what wraps the delta), rendered once
-        per request: `chunk` puts the delta's text, log probabilities and finish reason between these, so that
-        the event reads exactly as json.dumps(chunk, separators=(",", ":")) would write the chunk object."""
-        head = "data: " + encode(self._base(True))[:-1] + ',"choices":[{"index":0,'
-        if self.chat:
-            self._head, self._first_head = head + '"delta":{"content":', head + '"delta":{"role":"assistant","content":'
-        else:
-            self._head = self._first_head = head + '"text":'
+        per request (and choice: `_heads`): `chunk` puts the delta's text, log probabilities and finish reason
+        between these, so that the event reads exactly as json.dumps(chunk, separators=(",", ":")) would write
+        the chunk object."""
+        self._prefix = "data: " + encode(self._base(True))[:-1] + ',"choices":[{"index":'
+        self._choice_heads = [self._heads(index) for index in range(self.parsed.n)]
         self._close_delta = "}" if self.chat else ""
         self._tail = "}]" + (',"usage":null' if self.parsed.include_usage else "") + "}\n\n"
 
-    def chunk(self, message: executor_pb2.GenerateResponse, first: bool) -> bytes:
-        """One server-sent event for one executor message (one engine step: its delta carries every token's text,
-        its log probabilities one entry per token, in order); the first chat chunk carries the assistant's role,
-        a final message's finish reason is the chunk's."""
+    def _heads(self, index: int) -> tuple[str, str]:
+        """(a chunk's head, the choice's first chunk's head) for choice `index`."""
+        head = f"{self._prefix}{index},"
+        if self.chat:
+            return head + '"delta":{"content":', head + '"delta":{"role":"assistant","content":'
+        return head + '"text":', head + '"text":'
+
+    def chunk(self, message: executor_pb2.GenerateResponse, first: bool, index: int = 0) -> bytes:
+        """One server-sent event for one executor message of choice `index` (one engine step: its delta carries
+        every token's text, its log probabilities one entry per token, in order); the first chat chunk of a
+        choice carries the assistant's role, a final message's finish reason is the chunk's."""
         reason = _string(finish_reason(message.finished)) if message.HasField("finished") else "null"
         if self.parsed.logprobs:
             render = chat_logprobs_json if self.chat else completion_logprobs_json
             logprobs = f',"logprobs":{render(message.logprobs)},"finish_reason":'
         else:
             logprobs = _NULL_LOGPROBS
-        head = self._first_head if first else self._head
+        head = self._choice_heads[index][first]
         return f"{head}{_string(message.text)}{self._close_delta}{logprobs}{reason}{self._tail}".encode()
 
-    def usage_chunk(self, finished: executor_pb2.Finished) -> dict[str, Any]:
-        """stream_options.include_usage: the last chunk, with no choices."""
+    def usage_chunk(self, finished: Sequence[executor_pb2.Finished]) -> dict[str, Any]:
+        """stream_options.include_usage: the last chunk, with no choices (`finished`: every choice's)."""
         return {**self._base(True), "choices": [], "usage": usage(finished)}

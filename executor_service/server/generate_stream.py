@@ -66,6 +66,7 @@ class GenerateStream:
             mean_acceptance_length=tokens_per_step(finish),
             acceptance_rate_per_position=finish.acceptance_per_position,
             cached_prompt_tokens=finish.cached_prompt_tokens,
+            verify_steps=finish.verify_steps,
         )
 
 

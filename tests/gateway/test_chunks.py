@@ -12,6 +12,7 @@ from typing import Any
 
 import grpc
 import pytest
+from gateway_fakes import FakeCall, Sent, events, message, payload
 from grpc.aio import Metadata
 
 from gateway_service import responses
@@ -21,16 +22,6 @@ from gateway_service.metrics import GatewayMetrics
 from gateway_service.requests import parse_chat, parse_completion
 from gateway_service.responses import Shaper, encode
 from specdec.v1 import executor_pb2
-
-
-def message(text: str, tokens: list[tuple[int, float]], reason: str | None = None) -> executor_pb2.GenerateResponse:
-    response = executor_pb2.GenerateResponse(request_id="r", text=text, token_ids=[t for t, _ in tokens])
-    for token, logprob in tokens:
-        entry = response.logprobs.add(token_id=token, logprob=logprob)
-        entry.top_logprobs.add(token_id=token + 1, logprob=logprob - 1)
-    if reason is not None:
-        response.finished.finish_reason = reason
-    return response
 
 
 def expected(shaper: Shaper, text: str, logprobs: Any, reason: str | None, first: bool) -> bytes:
@@ -133,75 +124,9 @@ def test_an_aborted_finish_is_an_error_not_a_chunk():
     assert raised.value.status == 503
 
 
-class FakeCall:
-    """A Generate call whose messages the test hands over one by one (grpc.aio's read(), done(), cancel(): a
-    cancelled call's pending read raises CancelledError, as grpc.aio's does)."""
-
-    def __init__(self) -> None:
-        self.queue: asyncio.Queue[Any] = asyncio.Queue()
-        self.reads = 0
-        self.cancelled = False
-        self.pending: asyncio.Future[Any] | None = None
-
-    async def read(self) -> Any:
-        self.reads += 1
-        if self.cancelled:
-            raise asyncio.CancelledError
-        self.pending = asyncio.ensure_future(self.queue.get())
-        item = await self.pending
-        if isinstance(item, BaseException):
-            raise item
-        return item
-
-    def done(self) -> bool:
-        return self.cancelled
-
-    def cancel(self) -> bool:
-        self.cancelled = True
-        if self.pending is not None:
-            self.pending.cancel()
-        return True
-
-
 def generation(call: FakeCall, **body: Any) -> Generation:
     parsed = parse_completion({"prompt": "x", "stream": True, "logprobs": 0, **body})
     return Generation(call, parsed, Shaper(parsed, "bench"), GatewayMetrics(), "completion", 0.0)  # type: ignore[arg-type]
-
-
-class Sent:
-    """The ASGI body messages of a stream, as a server's send gets them (each message's body copied: the stream
-    reuses one dict), and whether the stream is waiting for a send."""
-
-    def __init__(self) -> None:
-        self.bodies: list[tuple[bytes, bool]] = []
-        self.changed = asyncio.Event()
-        self.open = asyncio.Event()  # cleared: a send waits (a caller reading slowly)
-        self.open.set()
-
-    async def __call__(self, message: dict[str, Any]) -> None:
-        assert message["type"] == "http.response.body"
-        self.bodies.append((bytes(message["body"]), message["more_body"]))
-        self.changed.set()
-        await self.open.wait()
-
-    async def next(self) -> tuple[bytes, bool]:
-        while len(self.bodies) <= self.seen:
-            self.changed.clear()
-            await asyncio.wait_for(self.changed.wait(), 5)
-        self.seen += 1
-        return self.bodies[self.seen - 1]
-
-    seen = 0
-
-
-def payload(event: bytes) -> dict[str, Any]:
-    return json.loads(event.removeprefix(b"data: "))
-
-
-def events(body: bytes) -> list[bytes]:
-    *parts, rest = body.split(b"\n\n")
-    assert rest == b""
-    return [part + b"\n\n" for part in parts]
 
 
 def test_a_chunk_per_message_each_read_once_the_one_before_is_sent():

@@ -35,7 +35,9 @@ def post(stack, body, path: str = "/v1/chat/completions", headers: dict | None =
         ({"stop": [7]}, "stop[0]"),
         ({"stream": "yes"}, "stream"),
         ({"stream_options": {"include_usage": True}}, "stream_options"),
-        ({"n": 3}, "n"),
+        ({"n": 129}, "n"),
+        ({"n": 0}, "n"),
+        ({"n": "3"}, "n"),
         ({"logprobs": False, "top_logprobs": 2}, "top_logprobs"),
         ({"tools": [{"type": "function"}]}, "tools"),
         ({"frobnicate": 1}, "frobnicate"),
@@ -54,6 +56,16 @@ def test_a_bad_field_is_a_400_naming_it(stack, change, param):
     status, body = post(stack, {**CHAT, **change})
     assert status == 400, body
     assert body["error"]["param"] == param and body["error"]["type"] == "invalid_request_error", body
+
+
+def test_n_copies_of_a_large_prompt_are_refused_before_they_are_built(stack):
+    """n choices send the prompt n times: 128 copies of a 1 MiB prompt pass the gateway's bound (64 MiB) and are
+    refused naming n; the same prompt with n = 2 is the executor's to judge (its context: 400 on the prompt)."""
+    body = {"model": MODEL, "prompt": "ab " * (350 << 10), "max_tokens": 4}
+    status, answer = post(stack, {**body, "n": 128}, "/v1/completions")
+    assert status == 400 and answer["error"]["param"] == "n" and len(answer["error"]["message"]) < 300, answer
+    status, answer = post(stack, {**body, "n": 2}, "/v1/completions")
+    assert status == 400 and answer["error"]["param"] != "n", answer
 
 
 def test_nan_and_infinity_are_refused_naming_the_field(stack):

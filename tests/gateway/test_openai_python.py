@@ -133,6 +133,50 @@ def test_a_seed_makes_sampling_repeatable(stack):
     assert len({first, sampled(12), sampled(13), sampled(14)}) > 1
 
 
+def test_n_choices_greedy_are_the_one_answer_n_times(stack):
+    client = stack.client()
+    one = client.completions.create(
+        model=MODEL, prompt="abc", temperature=0, max_tokens=12, extra_body={"ignore_eos": True}
+    )
+    three = client.completions.create(
+        model=MODEL, prompt="abc", temperature=0, max_tokens=12, n=3, extra_body={"ignore_eos": True}
+    )
+    assert [c.index for c in three.choices] == [0, 1, 2] and len({c.text for c in three.choices}) == 1
+    assert three.choices[0].text == one.choices[0].text
+    assert three.id.startswith("cmpl-") and three.id.count("-") == 1  # the request's id, not a choice's
+    assert (three.usage.prompt_tokens, three.usage.completion_tokens) == (one.usage.prompt_tokens, 36)
+    speculative = three.usage.model_extra["speculative"]
+    assert speculative["drafted_tokens"] > 0 and speculative["mean_acceptance_length"] >= 1.0
+
+
+def test_n_seeded_choices_are_the_seeds_one_by_one(stack):
+    """Choice i of a seeded request is the same request alone with seed + i (vLLM's rule): reproducible, and
+    the choices differ."""
+    client = stack.client()
+    sampled = {"model": MODEL, "messages": CHAT, "temperature": 1.0, "max_tokens": 16}
+    together = client.chat.completions.create(n=3, seed=40, **sampled)
+    alone = [client.chat.completions.create(seed=40 + i, **sampled).choices[0].message.content for i in range(3)]
+    assert [c.message.content for c in together.choices] == alone
+    assert len(set(alone)) > 1
+
+
+def test_n_streamed_choices_join_to_the_whole_answer(stack):
+    client = stack.client()
+    sampled = {"model": MODEL, "messages": CHAT, "temperature": 1.0, "max_tokens": 16, "seed": 7, "n": 2}
+    whole = client.chat.completions.create(**sampled)
+    chunks = list(client.chat.completions.create(stream=True, stream_options={"include_usage": True}, **sampled))
+    texts, reasons, roles = ["", ""], [[], []], [[], []]
+    for chunk in chunks[:-1]:
+        (choice,) = chunk.choices
+        texts[choice.index] += choice.delta.content or ""
+        roles[choice.index].append(choice.delta.role)
+        reasons[choice.index].append(choice.finish_reason)
+    assert texts == [c.message.content for c in whole.choices]
+    assert all(r[0] == "assistant" and not any(r[1:]) for r in roles)  # each choice's first chunk has the role
+    assert [[x for x in r if x] for r in reasons] == [[c.finish_reason] for c in whole.choices]
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == whole.usage.completion_tokens
+
+
 def test_num_speculative_tokens_per_request(stack):
     answer = stack.client().chat.completions.create(
         model=MODEL, messages=CHAT, extra_body={"num_speculative_tokens": 0}, **GREEDY
@@ -160,8 +204,8 @@ def test_errors_come_back_as_the_sdks_exceptions(stack):
         client.completions.create(model=MODEL, prompt="abc", max_tokens=100_000)
     assert too_long.value.body["param"] == "max_tokens"
     with pytest.raises(openai.BadRequestError) as n:
-        client.chat.completions.create(model=MODEL, messages=CHAT, n=2)
-    assert n.value.body["param"] == "n" and "not supported" in n.value.message
+        client.chat.completions.create(model=MODEL, messages=CHAT, n=129)
+    assert n.value.body["param"] == "n" and "[1, 128]" in n.value.message
     with pytest.raises(openai.AuthenticationError) as unauthenticated:
         stack.client(api_key="wrong").chat.completions.create(model=MODEL, messages=CHAT)
     assert unauthenticated.value.status_code == 401

@@ -95,6 +95,21 @@ def test_a_caller_that_goes_away_aborts_the_executors_request(stack, stream):
     assert "specdec_gateway_open_generations 0.0" in text
 
 
+def test_a_caller_that_goes_away_aborts_every_choice(stack):
+    """n = 3, streamed: the caller closes after the first event; the executor ends all three requests early."""
+    before = wait_running(stack, 0)
+    body = {"model": MODEL, "prompt": [1, 2, 3], "max_tokens": LONG, "ignore_eos": True, "stream": True, "n": 3}
+    sock = open_request(stack.gateway.address, body)
+    received = b""
+    while b"data: {" not in received:
+        received += sock.recv(65536)
+    assert received.startswith(b"HTTP/1.1 200")
+    sock.close()
+    after = wait_running(stack, 0)
+    generated = after.generation_tokens_total - before.generation_tokens_total
+    assert generated < LONG, f"{generated} tokens for 3 choices of {LONG}: they were not aborted"
+
+
 CONCURRENT = 32
 
 

@@ -337,4 +337,5 @@ async def test_speculative_generation_over_grpc(executor: RunningExecutor, stub)
     mean = sample(samples, "specdec_mean_acceptance_length")
     assert mean == pytest.approx(1 + finished.accepted_tokens / verify_steps)
     assert mean == pytest.approx(finished.mean_acceptance_length)
+    assert finished.verify_steps == verify_steps  # the request's own count, as the metrics counted it
     assert sample(samples, "specdec_generated_tokens_total") == finished.completion_tokens == 16

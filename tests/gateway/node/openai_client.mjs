@@ -58,7 +58,7 @@ check((await sampled(7)) === (await sampled(7)), "the same seed, the same text")
 
 const errors = {
   bad_temperature: await status(() => client.chat.completions.create({ ...greedy, temperature: -1 })),
-  n: await status(() => client.chat.completions.create({ ...greedy, n: 2 })),
+  n: await status(() => client.chat.completions.create({ ...greedy, n: 129 })),
   wrong_model: await status(() => client.chat.completions.create({ ...greedy, model: "gpt-4o" })),
   wrong_key: await status(() =>
     new OpenAI({ baseURL, apiKey: "wrong", maxRetries: 0 }).chat.completions.create(greedy),

@@ -1,0 +1,142 @@
+"""`n` > 1: a request's choices, each its own Generate on the executors (vLLM's parallel sampling, fanned out to
+the executors instead of forked inside one engine; with prefix caching on, the later choices find the prompt's
+K/V cached). Choice i is the request with id `<id>-<i>` and, where a seed is given, seed + i (vLLM's rule), so
+seeded choices differ and each one reproduces alone.
+
+They are answered as one: the HTTP status waits for every choice's first message (a refusal of any is the
+request's 4xx, the others cancelled); the whole answer lists the choices in order; a stream interleaves their
+chunks as they come, each with its `index`, and ends once every choice has finished. An error in any choice ends
+the request (its error, the other choices cancelled); the caller going away cancels them all."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from typing import Any
+
+from starlette.types import Send
+
+from gateway_service.errors import ApiError
+from gateway_service.generation import DONE, Disconnected, Generation, event
+from gateway_service.responses import Shaper
+from specdec.v1 import executor_pb2
+
+log = logging.getLogger("specdec.gateway")
+MAX_FANOUT_BYTES = 64 << 20  # n copies of one request (its prompt) the gateway builds and sends, at most
+INT64 = 1 << 64
+
+
+def choice_requests(generate: executor_pb2.GenerateRequest, n: int) -> list[executor_pb2.GenerateRequest]:
+    """The n Generate requests of a request's choices. Refused (400 naming `n`) when their copies of the prompt
+    would pass MAX_FANOUT_BYTES, before any is built."""
+    size = generate.ByteSize()
+    if n * size > MAX_FANOUT_BYTES:
+        message = f"n: {n} choices of a {size}-byte request are over {MAX_FANOUT_BYTES} bytes; send fewer"
+        raise ApiError(400, message, "n", "invalid_value")
+    seeded = generate.sampling.HasField("seed")
+    requests = []
+    for index in range(n):
+        choice = executor_pb2.GenerateRequest()
+        choice.CopyFrom(generate)
+        choice.request_id = f"{generate.request_id}-{index}"
+        if seeded:  # wrapped into int64, as the field holds it
+            choice.sampling.seed = (generate.sampling.seed + index + INT64 // 2) % INT64 - INT64 // 2
+        requests.append(choice)
+    return requests
+
+
+class Choices:
+    """The Generations of one request's choices, answered as one (Generation's interface: first, whole, stream,
+    cancel, caller_gone)."""
+
+    def __init__(self, generations: list[Generation], shaper: Shaper) -> None:
+        self.generations, self.shaper = generations, shaper
+        self.parsed = shaper.parsed
+
+    async def first(self) -> list[executor_pb2.GenerateResponse]:
+        """Every choice's first message; the first error raised, with every choice cancelled."""
+        firsts = await self._together([asyncio.ensure_future(g.first(timed=False)) for g in self.generations])
+        one = self.generations[0]
+        one.metrics.first_token_after(one.route, time.perf_counter() - one.started)
+        return firsts
+
+    async def whole(self, firsts: list[executor_pb2.GenerateResponse]) -> dict[str, Any]:
+        tasks = [asyncio.ensure_future(g.collect(f)) for g, f in zip(self.generations, firsts, strict=True)]
+        return self.shaper.whole(await self._together(tasks))
+
+    async def _together(self, tasks: list[asyncio.Future]) -> list[Any]:
+        try:
+            return list(await asyncio.gather(*tasks))
+        except BaseException:
+            for task in tasks:
+                task.cancel()
+            self.cancel()
+            raise
+
+    async def stream(self, firsts: list[executor_pb2.GenerateResponse], send: Send) -> None:
+        """The server-sent events of every choice, as Generation.stream's for one: a chunk per executor message,
+        sent as it comes; the last choice's last chunk goes out with the usage chunk (if asked for) and
+        `data: [DONE]`. An error is the stream's last event before [DONE]; the caller gone, the body just ends."""
+        try:
+            tail = await self._events(firsts, send)
+        except ApiError as err:
+            tail = event(err.body()) + DONE
+        except Disconnected:
+            tail = b""
+        except asyncio.CancelledError:
+            if not any(g.gone for g in self.generations):
+                raise
+            tail = b""
+        finally:
+            self.cancel()  # the caller went away, or a choice broke: the others end too
+        await send({"type": "http.response.body", "body": tail, "more_body": False})
+
+    async def _events(self, firsts: list[executor_pb2.GenerateResponse], send: Send) -> bytes:
+        """Send every chunk but the last; return the last with what follows it. One message per choice is read
+        ahead at most, so a caller reading slowly holds every executor stream back (gRPC's flow control)."""
+        body: dict[str, Any] = {"type": "http.response.body", "body": b"", "more_body": True}
+        finished: dict[int, executor_pb2.Finished] = {}
+        reads: dict[asyncio.Future, int] = {}
+        ready, started = list(enumerate(firsts)), set()
+        try:
+            while True:
+                for index, message in ready:
+                    chunk = self.shaper.chunk(message, index not in started, index)  # an aborted finish: ApiError
+                    started.add(index)
+                    if message.HasField("finished"):
+                        finished[index] = message.finished
+                        self.generations[index].count_finished(message.finished)
+                        if len(finished) == len(self.generations):
+                            return chunk + self._usage(finished) + DONE
+                    else:
+                        reads[asyncio.ensure_future(self.generations[index].read())] = index
+                    body["body"] = chunk
+                    await send(body)
+                done, _ = await asyncio.wait(reads, return_when=asyncio.FIRST_COMPLETED)
+                ready = []
+                for task in sorted(done, key=reads.__getitem__):  # in choice order
+                    index, message = reads.pop(task), task.result()  # raises ApiError, Disconnected
+                    if message is None:
+                        raise ApiError(502, "the executor's stream ended without its final message", code="bad_gateway")
+                    ready.append((index, message))
+        finally:
+            for task in reads:
+                task.cancel()
+
+    def _usage(self, finished: dict[int, executor_pb2.Finished]) -> bytes:
+        if not self.parsed.include_usage:
+            return b""
+        return event(self.shaper.usage_chunk([finished[index] for index in range(len(self.generations))]))
+
+    def caller_gone(self) -> None:
+        for generation in self.generations:
+            generation.gone = True
+        self.cancel()
+
+    def cancel(self) -> None:
+        """Abort every choice still live: one disconnect counted and logged for the request."""
+        if any([generation.abort() for generation in self.generations]):  # a list: every one aborted
+            one = self.generations[0]
+            one.metrics.disconnects.inc()
+            log.info("request aborted with its choices", extra={"request_id": self.parsed.generate.request_id})
