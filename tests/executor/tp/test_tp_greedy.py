@@ -1,6 +1,7 @@
 """Tensor parallelism on the CPU (gloo): greedy tokens at TP 2 and 4 equal the single-process ones, token
-for token, with no drafter and with the synthetic EAGLE-3 and DFlash drafters (rank 0's drafter reads the
-sharded target's features and heads); and the benchmarks' always-right configuration at TP 2 accepts every draft."""
+for token, with no drafter and with the synthetic EAGLE-3 and DFlash drafters, chains and EAGLE-3 trees (static and
+dynamic) verified on the device step (rank 0's drafter reads the sharded target's features and heads); and the
+benchmarks' always-right configuration at TP 2 accepts every draft."""
 
 from __future__ import annotations
 
@@ -70,7 +71,7 @@ def test_greedy_equals_single_process(tp: int, single_process: dict[str, dict[st
         assert outputs[method] == single_process[method], f"TP {tp}, drafter {method}"
     assert all(len(tokens) == 12 for tokens in single_process["none"].values()) and len(PROMPTS) == 3
     # Chains and the tree verify on the device step: the tree's accepted path moves K/V on every rank (MOVE_KV).
-    assert all(replays[m]["engine device"] > 0 for m in ("eagle3", "eagle3_tree", "dflash")), replays
+    assert all(replays[m]["engine device"] > 0 for m in METHODS if m != "none"), replays
 
 
 def test_graphs_replay_in_lockstep(single_process: dict[str, dict[str, list[int]]]) -> None:
@@ -80,7 +81,7 @@ def test_graphs_replay_in_lockstep(single_process: dict[str, dict[str, list[int]
     without a drafter, decode steps launch the step after them before their read-back (overlap_decode.py), graph
     replays and their lockstep included. A tree step's graphs also carry the tree's layout and the accepted path's
     K/V moves from rank 0 to the follower (a follower that skipped the moves gave other tokens here)."""
-    methods = ("none", "eagle3", "dflash", "eagle3_tree")
+    methods = ("none", "eagle3", "dflash", "eagle3_tree", "eagle3_dynamic_tree")
     outputs, replays = run_tp_with_replays(2, "--graphs", "--methods", ",".join(methods))
     for method in methods:
         assert outputs[method] == single_process[method], f"drafter {method}"

@@ -60,6 +60,7 @@ METHODS = {
     "none": None,
     "eagle3": common_pb2.SPEC_METHOD_EAGLE3,
     "eagle3_tree": common_pb2.SPEC_METHOD_EAGLE3,  # a static tree, drafts replayed on its last branch
+    "eagle3_dynamic_tree": common_pb2.SPEC_METHOD_EAGLE3,  # top-2, 5 drafts verified, depth 3: parents drafted
     "dflash": common_pb2.SPEC_METHOD_DFLASH,
 }
 PROMPTS = [[(7 * i + 3 * n) % SIZES["vocab_size"] for i in range(n)] for n in (5, 23, 40)]
@@ -104,6 +105,8 @@ def load_request(method: str, checkpoint: Path | None = None) -> executor_pb2.Lo
     if method == "eagle3_tree":
         request.draft.num_speculative_tokens = 0  # the tree's depth
         request.draft.tree.CopyFrom(common_pb2.DraftTree(branching=[2, 2, 1]))
+    if method == "eagle3_dynamic_tree":
+        request.draft.tree.CopyFrom(common_pb2.DraftTree(top_k=2, verify_budget=5))  # depth: K
     if dflash:
         request.draft.dflash_config.mask_token_id = SIZES["vocab_size"] - 1
         request.draft.dflash_config.block_size = K + 1
@@ -201,7 +204,7 @@ def greedy_outputs(
     if graphs and device == "cpu":
         capture_cpu_graphs(session)
     outputs = Outputs()
-    if method == "eagle3_tree":  # accepted drafts: the tree mask and the K/V move decide the next tokens
+    if method.endswith("_tree"):  # accepted drafts: the tree mask and the K/V move decide the next tokens
         references = greedy_outputs("none", device, backend, checkpoint)
         session.proposer.set_tree = ReplayOnLastBranch(session.proposer.set_tree, references)  # type: ignore[union-attr]
     session.engine.step_counts.clear()  # the warm-up's steps (before any graph was captured)
