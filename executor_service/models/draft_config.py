@@ -87,8 +87,10 @@ def feature_layers(config: DraftConfig) -> tuple[int, ...]:
 
 
 def default_eagle3_layers(num_target_layers: int) -> tuple[int, ...]:
-    """EAGLE-3's low / middle / high features: inputs of layers 2, L/2 and L-3, i.e. outputs of the layers before."""
-    return tuple(sorted({max(i - 1, 0) for i in (2, num_target_layers // 2, num_target_layers - 3)}))
+    """EAGLE-3's low / middle / high features: inputs of layers 2, L/2 and L-3, i.e. outputs of the layers before
+    (a target of fewer than 5 layers: clamped into its layers, without repeats)."""
+    last = num_target_layers - 1
+    return tuple(sorted({max(min(i - 1, last), 0) for i in (2, num_target_layers // 2, num_target_layers - 3)}))
 
 
 def default_dflash_layers(num_target_layers: int, num_draft_layers: int) -> tuple[int, ...]:
@@ -189,7 +191,7 @@ def finish_draft_config(
     violations: list[FieldProblem] = []
     method = config.method
     layers = config.target_layer_ids
-    layers_field = f"{field}.target_layer_ids"
+    layers_field = field  # the drafter's own config names them; the defaults below always fit the target
     block_size, mask, causal = config.block_size, config.mask_token_id, config.causal
     if method == "dflash":
         override = request.dflash_config
@@ -214,10 +216,13 @@ def finish_draft_config(
     bad_layers = [i for i in layers if not 0 <= i < target.num_layers]
     if bad_layers:
         violations.append(
-            FieldProblem(layers_field, f"{short_repr(bad_layers, 80)} outside the target's {target.num_layers} layers")
+            FieldProblem(
+                layers_field,
+                f"target_layer_ids {short_repr(bad_layers, 80)} outside the target's {target.num_layers} layers",
+            )
         )
     elif len(set(layers)) != len(layers):
-        violations.append(FieldProblem(layers_field, f"duplicate layers in {short_repr(list(layers), 80)}"))
+        violations.append(FieldProblem(layers_field, f"duplicate target_layer_ids in {short_repr(list(layers), 80)}"))
     if config.model.hidden_size != target.hidden_size:
         violations.append(
             FieldProblem(

@@ -13,6 +13,7 @@ from greedy_reference import greedy_reference
 from spec_builders import draft_model, spec_session
 
 from executor_service.errors import InvalidField
+from executor_service.models.draft_config import default_eagle3_layers
 from executor_service.models.draft_weights import save_drafter
 from executor_service.server.drafting import check_drafter_backend, resolve_draft
 from executor_service.server.session import EngineSettings, build_session
@@ -115,3 +116,35 @@ def test_non_causal_drafter_on_a_causal_only_backend_fails_clearly() -> None:
     causal = request.draft
     causal.dflash_config.causal = True
     check_drafter_backend(resolve_draft(causal, source.config, None).config, "ROCM_AITER_UNIFIED_ATTN")
+
+
+def test_eagle3_default_feature_layers_fit_any_target() -> None:
+    """EAGLE-3's defaults (the inputs of layers 2, L/2 and L - 3) clamp into a target of fewer than 5 layers: a
+    1-layer target reads its one layer (the fuzzer found a 1-layer target refused with a field that does not exist,
+    `draft.source.synthetic.target_layer_ids`)."""
+    assert [default_eagle3_layers(n) for n in (1, 2, 3, 4, 5, 32)] == [
+        (0,), (0, 1), (0, 1), (0, 1), (1,), (1, 15, 28)
+    ]  # fmt: skip
+    request = load_request()
+    request.target.synthetic.num_layers = 1
+    request.draft.CopyFrom(draft_model("eagle3", 3))
+    source = resolve_target(request.target, None, "target")
+    assert resolve_draft(request.draft, source.config, None).config.target_layer_ids == (0,)
+
+
+def test_a_drafter_configs_layers_outside_the_target_name_its_source(tmp_path: Path) -> None:
+    synthetic = spec_session("eagle3", 3)
+    assert synthetic.proposer is not None
+    save_drafter(synthetic.proposer.drafter, 2, tmp_path / "d")
+    config_path = tmp_path / "d" / "config.json"
+    config = json.loads(config_path.read_text())
+    config["eagle_config"] = {"eagle_aux_hidden_state_layer_ids": [0, 1, 99]}
+    config_path.write_text(json.dumps(config))
+    request = load_request()
+    request.draft.CopyFrom(draft_model("eagle3", 3))
+    request.draft.source.path = "d"
+    source = resolve_target(request.target, None, "target")
+    with pytest.raises(InvalidField) as err:
+        resolve_draft(request.draft, source.config, tmp_path)
+    (violation,) = status_error(err.value).field_violations
+    assert violation.field == "draft.source.path" and "target_layer_ids [99]" in violation.description
