@@ -24,7 +24,8 @@ MAX_NAME_CHARS = 256  # model, user
 MAX_LOGPROBS = 20
 MAX_CHOICES = 128  # `n`, as OpenAI bounds it
 # OpenAI fields accepted only with the value that asks for nothing.
-NEUTRAL = {"logit_bias": {}, "tools": [], "tool_choice": "none", "response_format": {"type": "text"}}
+NEUTRAL = {"tools": [], "tool_choice": "none", "response_format": {"type": "text"}}
+MAX_LOGIT_BIAS = 1024  # entries of logit_bias, as the executor bounds them
 ROLES = {"developer": "system"}  # OpenAI's newer name for the system turn
 # The sampling fields named as the OpenAI request names them (the gRPC path -> the param), every request's.
 SAMPLING_PARAMS = {
@@ -142,6 +143,7 @@ def _sampling(fields: Fields, parsed: ParsedRequest) -> None:
     if seed is not None:
         sampling.seed = seed
     sampling.ignore_eos = bool(fields.boolean("ignore_eos"))
+    _logit_bias(fields.object("logit_bias"), parsed)
     stop_ids = fields.raw("stop_token_ids")
     if stop_ids is not None:
         if not isinstance(stop_ids, list) or len(stop_ids) > 1024:
@@ -158,6 +160,27 @@ def _sampling(fields: Fields, parsed: ParsedRequest) -> None:
         named = (lambda i: "stop") if isinstance(stop, str) else (lambda i: f"stop[{i}]")
         sampling.stop.extend(checked_string(text, named(i), MAX_STOP_CHARS) for i, text in enumerate(stops))
     parsed.params.update(SAMPLING_PARAMS)
+
+
+def _logit_bias(bias: Fields | None, parsed: ParsedRequest) -> None:
+    """OpenAI's logit_bias, {"<token id>": bias}: each entry as sampling.logit_bias[i], its executor fields named
+    back as logit_bias.<token id>. Shapes here; the vocabulary and the [-100, 100] range are the executor's."""
+    if bias is None or not bias.data:
+        return
+    if len(bias.data) > MAX_LOGIT_BIAS:
+        raise bad_field("logit_bias", f"{len(bias.data)} entries; at most {MAX_LOGIT_BIAS}")
+    entries = parsed.generate.sampling.logit_bias
+    for index, key in enumerate(bias.data):
+        param = bias.param(key[:32])
+        if not (key.isascii() and key.isdigit()) or int(key) > INT32_MAX:
+            raise bad_field(param, "keys must be token ids (decimal integers)")
+        value = bias.number(key)
+        if value is None:
+            raise bad_field(param, "must be a number")
+        entries.add(token_id=int(key), bias=value)
+        for part in ("token_id", "bias"):
+            parsed.params[f"sampling.logit_bias[{index}].{part}"] = param
+    parsed.params["sampling.logit_bias"] = "logit_bias"
 
 
 def _max_tokens(fields: Fields, parsed: ParsedRequest, names: tuple[str, ...]) -> bool:

@@ -1,5 +1,6 @@
 """Repetition, presence and frequency penalties, as vLLM (and OpenAI, transformers) define them, applied to the
-target's logits before temperature, min-p, top-k and top-p (sampling.py):
+target's logits before temperature, min-p, top-k and top-p (sampling.py), after a request's logit bias (added to
+its tokens' logits first, as vLLM orders them):
 
 - `repetition_penalty` r: a token of the prompt or of the output has its logit divided by r if it is positive,
   multiplied by r if not;
@@ -184,7 +185,23 @@ def _penalise_group(out: torch.Tensor, group: list[Penalised]) -> None:
     counts = torch.cat([_row_counts(e) for e in group])
     index = to_device(rows, torch.int64, device)
     repetition, presence, frequency = to_device(params, torch.float32, device).t()
-    out[index] = penalise(out[index], in_prompt, counts, repetition, presence, frequency)
+    out[index] = penalise(_biased(out[index], group), in_prompt, counts, repetition, presence, frequency)
+
+
+def _biased(rows: torch.Tensor, group: list[Penalised]) -> torch.Tensor:
+    """The group's rows [R, V] with each request's logit bias added to every one of its rows (one copy of the
+    positions and values to the device)."""
+    vocab, positions, values, row = rows.shape[-1], [], [], 0
+    for entry in group:
+        for _ in range(len(entry.drafts) + 1):
+            positions += [row * vocab + token for token, _ in entry.settings.logit_bias]
+            values += [bias for _, bias in entry.settings.logit_bias]
+            row += 1
+    if not positions:
+        return rows
+    biased = rows.float().reshape(-1).clone()
+    biased.index_add_(0, to_device(positions, torch.int64, rows.device), to_device(values, torch.float32, rows.device))
+    return biased.view(rows.shape)
 
 
 def _row_counts(entry: Penalised) -> torch.Tensor:

@@ -19,6 +19,7 @@ from executor_service.models.attention_step import to_device
 # Below this a temperature is greedy: logits / 1e-38 overflow float32 to inf and softmax turns them into
 # NaN, while at 1e-5 the distribution is already the argmax's point mass (validation and docs/api.md).
 MIN_TEMPERATURE = 1e-5
+MAX_LOGIT_BIAS = 1024  # a request's logit_bias entries, at most (penalties.py; the device step's table)
 
 
 class DraftProbs(NamedTuple):
@@ -53,6 +54,7 @@ class SamplingSettings:
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     logprobs: int | None = None  # None: none; n: the emitted token's and the top n (logprobs.py)
+    logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, added to its logit), each token once
 
     @property
     def greedy(self) -> bool:
@@ -60,7 +62,9 @@ class SamplingSettings:
 
     @property
     def has_penalties(self) -> bool:
-        return self.repetition_penalty != 1.0 or self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
+        """Whether the logits change before sampling: a penalty, or a logit bias (penalties.py)."""
+        penalised = self.repetition_penalty != 1.0 or self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
+        return penalised or bool(self.logit_bias)
 
     @property
     def plain_greedy(self) -> bool:

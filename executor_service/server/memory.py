@@ -21,6 +21,7 @@ from executor_service.models.config import ModelConfig
 from executor_service.models.draft_config import DraftConfig
 from executor_service.models.draft_weights import draft_layout
 from executor_service.models.weights import Placement, hf_layout
+from executor_service.sample.sampling import MAX_LOGIT_BIAS
 from executor_service.spec_decode.deferred_context import DEFER_MAX
 from specdec_runtime.errors import FieldViolation, ResourceExhausted
 
@@ -32,8 +33,10 @@ CUDA_MARGIN_BYTES = 2 << 30  # CUDA graphs' pools, the caching allocator's slack
 LOGITS_COPIES = 3
 ACTIVATION_WIDTHS = 8  # hidden-sized tensors alive at once in a layer (residual, norms, attention out, ...)
 # The device steps' penalty table (device_penalties.PenaltyTable): per slot (one per running request, and a
-# scratch slot) and vocabulary entry, a bool (in the prompt) and an int32 (output count).
+# scratch slot) and vocabulary entry, a bool (in the prompt) and an int32 (output count); per slot, the logit bias
+# (MAX_LOGIT_BIAS int64 ids and float32 values).
 PENALTY_TABLE_BYTES_PER_ENTRY = 1 + 4
+LOGIT_BIAS_BYTES_PER_SLOT = MAX_LOGIT_BIAS * (8 + 4)
 
 
 @dataclass(frozen=True)
@@ -89,7 +92,8 @@ def estimate_memory(
         activations += max_num_seqs * DEFER_MAX * features  # the drafter's context held at k = 0
         rows = max_num_seqs * (draft.block_size if draft.method == "dflash" else 1)  # EAGLE: one row per chain step
         activations += rows * (draft.draft_vocab_size or target.vocab_size) * 4 * LOGITS_COPIES
-        activations += (max_num_seqs + 1) * target.vocab_size * PENALTY_TABLE_BYTES_PER_ENTRY
+        per_slot = target.vocab_size * PENALTY_TABLE_BYTES_PER_ENTRY + LOGIT_BIAS_BYTES_PER_SLOT
+        activations += (max_num_seqs + 1) * per_slot
     activations += CUDA_MARGIN_BYTES if device.type == "cuda" else CPU_MARGIN_BYTES
     return MemoryEstimate(weights, kv_cache, activations)
 

@@ -16,7 +16,7 @@ from typing import Any
 
 from executor_service.models.chat import MAX_CHAT_BYTES, MAX_CHAT_MESSAGES
 from executor_service.models.limits import MAX_POSITION_EMBEDDINGS, MAX_VOCAB_SIZE
-from executor_service.sample.sampling import SamplingSettings
+from executor_service.sample.sampling import MAX_LOGIT_BIAS, SamplingSettings
 from executor_service.server.stop_strings import MAX_STOP_STRING_CHARS, MAX_STOP_STRINGS
 from executor_service.server.validation import ModelLimits, chat_size_violations, check_generate
 from specdec.v1 import executor_pb2
@@ -31,7 +31,11 @@ MAX_PROMPT_TOKENS = MAX_POSITION_EMBEDDINGS
 TOKEN_ID_BYTES = -(-(MAX_VOCAB_SIZE - 1).bit_length() // 7)  # 7 bits a byte: 3 for ids below 2^21
 MAX_PROMPT_TEXT_BYTES = 8 << 20  # 4 bytes a token for a 2M-token context, with room to spare
 # The executor's message limit: the largest valid GenerateRequest (LoadModel's are far smaller).
-_SMALL_FIELDS = {"request_id": MAX_REQUEST_ID_BYTES, "sampling.stop_token_ids": MAX_STOP_TOKEN_IDS}
+_SMALL_FIELDS = {
+    "request_id": MAX_REQUEST_ID_BYTES,
+    "sampling.stop_token_ids": MAX_STOP_TOKEN_IDS,
+    "sampling.logit_bias": MAX_LOGIT_BIAS,
+}
 _PROMPTS = {"token_ids.ids": 0, "text": 0, "messages.messages": 0, "sampling.stop": 0}  # added below
 CHAT_MESSAGE_BYTES = 32  # a ChatMessage's tags, lengths and role ("assistant") around its content
 MAX_REQUEST_BYTES = (
@@ -63,6 +67,9 @@ def oversized(request: executor_pb2.GenerateRequest, limits: ModelLimits) -> lis
     stops = len(request.sampling.stop_token_ids)
     if stops > MAX_STOP_TOKEN_IDS:
         found.append(FieldViolation("sampling.stop_token_ids", f"{stops} ids; at most {MAX_STOP_TOKEN_IDS}"))
+    biased = len(request.sampling.logit_bias)
+    if biased > MAX_LOGIT_BIAS:
+        found.append(FieldViolation("sampling.logit_bias", f"{biased} entries; at most {MAX_LOGIT_BIAS}"))
     kind = request.WhichOneof("input")
     if kind == "token_ids" and len(request.token_ids.ids) >= limits.max_model_len:
         found.append(

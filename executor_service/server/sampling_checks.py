@@ -13,6 +13,7 @@ from specdec.v1 import executor_pb2
 from specdec_runtime.errors import FieldViolation
 
 PENALTY_BOUND = 2.0  # presence and frequency penalties: [-2, 2], as OpenAI and vLLM
+LOGIT_BIAS_BOUND = 100.0  # OpenAI's: -100 bans a token, 100 all but forces it
 
 
 def sampling_violations(params: executor_pb2.SamplingParams) -> list[FieldViolation]:
@@ -43,4 +44,28 @@ def sampling_violations(params: executor_pb2.SamplingParams) -> list[FieldViolat
                 f"got {params.logprobs}",
             )
         )
+    return found
+
+
+def logit_bias_violations(params: executor_pb2.SamplingParams, vocab_size: int) -> list[FieldViolation]:
+    """Each logit_bias entry's token in the vocabulary, once, its bias finite within +-LOGIT_BIAS_BOUND (its count
+    is bounded before: prompt_intake.oversized)."""
+    found, seen = [], set()
+    for index, entry in enumerate(params.logit_bias):
+        name = f"sampling.logit_bias[{index}]"
+        if not 0 <= entry.token_id < vocab_size:
+            found.append(
+                FieldViolation(f"{name}.token_id", f"{entry.token_id} is outside the vocabulary of {vocab_size}")
+            )
+        elif entry.token_id in seen:
+            found.append(FieldViolation(f"{name}.token_id", f"token {entry.token_id} is biased twice"))
+        seen.add(entry.token_id)
+        if not -LOGIT_BIAS_BOUND <= entry.bias <= LOGIT_BIAS_BOUND:
+            found.append(
+                FieldViolation(
+                    f"{name}.bias", f"must be in [-{LOGIT_BIAS_BOUND:g}, {LOGIT_BIAS_BOUND:g}], got {entry.bias}"
+                )
+            )
+        if len(found) >= 8:  # enough to act on; the message stays short
+            break
     return found

@@ -12,7 +12,7 @@ from executor_service.models.draft_config import METHODS
 from executor_service.models.limits import MAX_BLOCK_SIZE, MAX_NUM_KV_BLOCKS
 from executor_service.parallel.state import FLAG as TP_FLAG
 from executor_service.sample.sampling import MIN_TEMPERATURE, SamplingSettings
-from executor_service.server.sampling_checks import sampling_violations
+from executor_service.server.sampling_checks import logit_bias_violations, sampling_violations
 from executor_service.server.stop_strings import stop_violations
 from executor_service.server.wire import sampling_settings
 from specdec.v1 import common_pb2, executor_pb2
@@ -160,6 +160,7 @@ def check_generate(
     bad_stops = [i for i in params.stop_token_ids if not 0 <= i < limits.vocab_size]
     if bad_stops:
         violations.append(FieldViolation("sampling.stop_token_ids", f"ids outside the vocabulary: {bad_stops[:8]}"))
+    violations += logit_bias_violations(params, limits.vocab_size)
     violations += sampling_violations(params)  # min_p, the penalties, logprobs
     violations += _speculation_violations(request, limits)
     violations += stop_violations(params.stop)

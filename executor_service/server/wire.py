@@ -64,6 +64,7 @@ def sampling_settings(params: executor_pb2.SamplingParams) -> SamplingSettings:
         presence_penalty=params.presence_penalty,
         frequency_penalty=params.frequency_penalty,
         logprobs=params.logprobs if params.HasField("logprobs") else None,
+        logit_bias=tuple((entry.token_id, entry.bias) for entry in params.logit_bias),
     )
 
 

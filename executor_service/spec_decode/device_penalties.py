@@ -23,6 +23,7 @@ from executor_service.engine.request import Request
 from executor_service.models.attention_step import to_device
 from executor_service.sample.logprobs import MAX_LOGPROBS, TokenLogprob
 from executor_service.sample.penalties import penalise_values
+from executor_service.sample.sampling import MAX_LOGIT_BIAS
 
 
 @dataclass
@@ -32,19 +33,25 @@ class Slot:
 
 
 class PenaltyTable:
-    """Per-slot prompt tokens [slots + 1, V] (bool) and output counts [slots + 1, V] (int32); the last row is the
-    scratch slot. Allocated at the first penalised request, or before graphs capture the step (they read it)."""
+    """Per-slot prompt tokens [slots + 1, V] (bool), output counts [slots + 1, V] (int32) and logit bias (token ids
+    and biases [slots + 1, MAX_LOGIT_BIAS], padded with token 0 and bias 0); the last row is the scratch slot.
+    Allocated at the first penalised request, or before graphs capture the step (they read it)."""
 
     def __init__(self, slots: int, vocab: int, device: torch.device) -> None:
         self.slots, self.vocab, self.device = slots, vocab, device
         self.in_prompt: torch.Tensor | None = None
         self.output: torch.Tensor | None = None
+        self.bias_ids: torch.Tensor | None = None
+        self.bias_values: torch.Tensor | None = None
         self.assigned: dict[str, Slot] = {}
 
     def allocate(self) -> None:
         if self.output is None:
-            self.in_prompt = torch.zeros(self.slots + 1, self.vocab, dtype=torch.bool, device=self.device)
-            self.output = torch.zeros(self.slots + 1, self.vocab, dtype=torch.int32, device=self.device)
+            rows, device = self.slots + 1, self.device
+            self.in_prompt = torch.zeros(rows, self.vocab, dtype=torch.bool, device=device)
+            self.output = torch.zeros(rows, self.vocab, dtype=torch.int32, device=device)
+            self.bias_ids = torch.zeros(rows, MAX_LOGIT_BIAS, dtype=torch.int64, device=device)
+            self.bias_values = torch.zeros(rows, MAX_LOGIT_BIAS, dtype=torch.float32, device=device)
 
     def fits(self, requests: list[Request]) -> bool:
         """Whether every penalised request of the batch has a slot or can get one."""
@@ -78,6 +85,13 @@ class PenaltyTable:
         self.output[index].zero_()
         self.in_prompt[index].zero_()
         self.in_prompt[index].index_fill_(0, to_device(request.prompt_ids, torch.int64, self.device), True)
+        assert self.bias_ids is not None and self.bias_values is not None
+        self.bias_ids[index].zero_()
+        self.bias_values[index].zero_()
+        bias = request.settings.logit_bias
+        if bias:
+            self.bias_ids[index, : len(bias)].copy_(to_device([t for t, _ in bias], torch.int64, self.device))
+            self.bias_values[index, : len(bias)].copy_(to_device([b for _, b in bias], torch.float32, self.device))
         slot = self.assigned[request.request_id] = Slot(index, 0)
         return slot
 
@@ -105,15 +119,19 @@ def penalise_rows(
     slot: torch.Tensor,
     params: torch.Tensor,
 ) -> torch.Tensor:
-    """Penalised float32 logits [B * R, V] of B requests' R verify rows. tokens [B, N]: the drafts; on_path
-    [B or 1, R, N]: whether draft j is on row r's path (counted as emitted there); slot [B]; params [B, 3]."""
+    """Penalised float32 logits [B * R, V] of B requests' R verify rows, each request's logit bias added first.
+    tokens [B, N]: the drafts; on_path [B or 1, R, N]: whether draft j is on row r's path (counted as emitted there);
+    slot [B]; params [B, 3]."""
     assert table.output is not None and table.in_prompt is not None
+    assert table.bias_ids is not None and table.bias_values is not None
     count, num = tokens.shape
     vocab = logits.shape[-1]
     rows = logits.shape[0] // count
     repetition, presence, frequency = (params[:, i, None, None] for i in range(3))
     in_prompt, output = table.in_prompt[slot], table.output[slot]  # [B, V]; slot -1: the scratch row
-    by_row = logits.view(count, rows, vocab)
+    shape = (count, rows, MAX_LOGIT_BIAS)  # the padding adds 0 to token 0
+    bias_ids, bias_values = table.bias_ids[slot][:, None].expand(shape), table.bias_values[slot][:, None].expand(shape)
+    by_row = logits.view(count, rows, vocab).float().scatter_add(2, bias_ids, bias_values)
     out = penalise_values(by_row, in_prompt[:, None], output[:, None], repetition, presence, frequency)
     # A draft's token at row r: its emitted count plus the drafts on r's path with the same token.
     same = (tokens[:, :, None] == tokens[:, None, :]).float()

@@ -14,6 +14,9 @@ MAX_TOKENS = 10
 PENALISED = greedy(MAX_TOKENS, repetition_penalty=1.8, presence_penalty=1.5, frequency_penalty=1.0)
 WITH_LOGPROBS = greedy(MAX_TOKENS, logprobs=4)
 PENALISED_WITH_LOGPROBS = greedy(MAX_TOKENS, repetition_penalty=0.6, frequency_penalty=-0.8, logprobs=0)
+# A logit bias (OpenAI's logit_bias): tokens lifted, one banned (-100), alone and under penalties.
+BIASED = greedy(MAX_TOKENS, logit_bias=((5, 6.0), (7, -100.0), (1, 2.5)))
+BIASED_PENALISED = greedy(MAX_TOKENS, repetition_penalty=1.3, logit_bias=((3, 4.0), (9, -100.0)), logprobs=1)
 
 
 def check_logprobs(session: ModelSession, sink: Collector, rid: str, prompt: list[int], n: int) -> None:

@@ -13,8 +13,11 @@ from executor_service.sample.sampling import SamplingSettings
 def reference_logits(
     row: torch.Tensor, prompt: list[int], output: list[int], settings: SamplingSettings
 ) -> torch.Tensor:
-    """Penalised logits [V] (float64) of the position after prompt + output."""
+    """Penalised logits [V] (float64) of the position after prompt + output: the logit bias first (vLLM's order),
+    then the penalties."""
     logits = row.double().clone()
+    for token, bias in settings.logit_bias:
+        logits[token] += bias
     for token in range(logits.shape[0]):
         count = output.count(token)
         if token in prompt or count:

@@ -177,6 +177,27 @@ def test_n_streamed_choices_join_to_the_whole_answer(stack):
     assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == whole.usage.completion_tokens
 
 
+def test_logit_bias_forces_or_bans_tokens(stack):
+    client = stack.client()
+    greedy = {"model": MODEL, "prompt": [1, 2, 3], "temperature": 0, "max_tokens": 6, "logprobs": 0}
+    forced = client.completions.create(logit_bias={"7": 100}, **greedy)
+    assert forced.choices[0].logprobs.tokens == ["token_id:7"] * 6
+    own = client.completions.create(**greedy).choices[0].logprobs.tokens
+    banned = client.completions.create(logit_bias={t.removeprefix("token_id:"): -100 for t in own}, **greedy)
+    assert not set(banned.choices[0].logprobs.tokens) & set(own)
+    for bias, param in (
+        ({"7": 101}, "logit_bias.7"),
+        ({"seven": 1}, "logit_bias.seven"),
+        ({"7": "up"}, "logit_bias.7"),
+    ):
+        with pytest.raises(openai.BadRequestError) as bad:
+            client.completions.create(logit_bias=bias, **greedy)
+        assert bad.value.body["param"] == param, bad.value.body
+    with pytest.raises(openai.BadRequestError) as many:
+        client.completions.create(logit_bias={str(i): 1 for i in range(1025)}, **greedy)
+    assert many.value.body["param"] == "logit_bias"
+
+
 def test_num_speculative_tokens_per_request(stack):
     answer = stack.client().chat.completions.create(
         model=MODEL, messages=CHAT, extra_body={"num_speculative_tokens": 0}, **GREEDY

@@ -77,6 +77,32 @@ async def test_hostile_values_name_their_fields(executor: RunningExecutor, stub)
     assert executor.servicer.session.kv_cache.allocator.num_used == 0
 
 
+async def test_logit_bias_is_checked_entry_by_entry_and_bites(executor: RunningExecutor, stub) -> None:
+    """Out of the vocabulary, twice, past +-100 or not finite: a violation naming the entry's field; more than 1024
+    entries: refused before anything is read. A +100 bias forces its token; -100 bans the target's own choice."""
+    await load(stub)
+    vocab = executor.servicer.session.limits.vocab_size
+    bias = executor_pb2.LogitBias
+    hostile = {
+        "sampling.logit_bias[0].token_id": [bias(token_id=vocab, bias=1.0)],
+        "sampling.logit_bias[1].token_id": [bias(token_id=3, bias=1.0), bias(token_id=3, bias=2.0)],
+        "sampling.logit_bias[0].bias": [bias(token_id=3, bias=100.5)],
+        "sampling.logit_bias[2].bias": [bias(token_id=1), bias(token_id=2), bias(token_id=4, bias=math.nan)],
+        "sampling.logit_bias": [bias(token_id=i % vocab, bias=1.0) for i in range(1025)],
+    }
+    for field, entries in hostile.items():
+        with pytest.raises(grpc.aio.AioRpcError) as err:
+            await generate(stub, "bad", logit_bias=entries)
+        assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT and set(violations(err.value)) == {field}, field
+        assert len(err.value.details()) < 500
+    forced = tokens(await generate(stub, "forced", logit_bias=[bias(token_id=7, bias=100.0)]))
+    assert forced == [7] * MAX_TOKENS
+    own = greedy_reference(executor.servicer.session.loaded.model, PROMPT, MAX_TOKENS)
+    banned = tokens(await generate(stub, "banned", logit_bias=[bias(token_id=t, bias=-100.0) for t in set(own)]))
+    assert len(banned) == MAX_TOKENS and not set(banned) & set(own)
+    assert executor.servicer.session.kv_cache.allocator.num_used == 0
+
+
 async def test_penalties_min_p_and_logprobs_against_references(executor: RunningExecutor, stub) -> None:
     await load(stub)
     model = executor.servicer.session.loaded.model

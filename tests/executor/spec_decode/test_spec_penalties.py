@@ -12,7 +12,15 @@ import pytest
 from engine_driving import Collector
 from executor_builders import greedy, tiny_session
 from greedy_reference import greedy_reference
-from penalty_cases import MAX_TOKENS, PENALISED, PENALISED_WITH_LOGPROBS, WITH_LOGPROBS, check_logprobs
+from penalty_cases import (
+    BIASED,
+    BIASED_PENALISED,
+    MAX_TOKENS,
+    PENALISED,
+    PENALISED_WITH_LOGPROBS,
+    WITH_LOGPROBS,
+    check_logprobs,
+)
 from penalty_reference import greedy_penalised
 from spec_builders import ReplayDrafts, spec_session
 
@@ -53,11 +61,13 @@ def test_penalised_greedy_is_the_same_with_every_drafter(method: str | None, wro
     runs on the device step (the host path verifies no draft)."""
     session = tiny_session() if method is None else spec_session(method, 3, max_num_batched_tokens=64)
     session.engine.step_counts.clear()  # the warm-up's steps
-    settings = [PENALISED, greedy(MAX_TOKENS), WITH_LOGPROBS, PENALISED_WITH_LOGPROBS]
-    batch = {rid: (prompt, settings[i % 4]) for i, (rid, prompt) in enumerate(prompts(8, seed=3).items())}
+    settings = [PENALISED, greedy(MAX_TOKENS), WITH_LOGPROBS, PENALISED_WITH_LOGPROBS, BIASED, BIASED_PENALISED]
+    batch = {rid: (prompt, settings[i % 6]) for i, (rid, prompt) in enumerate(prompts(12, seed=3).items())}
     expected = {rid: expected_tokens(session, prompt, s) for rid, (prompt, s) in batch.items()}
     plain = {rid: greedy_reference(session.loaded.model, p, MAX_TOKENS) for rid, (p, s) in batch.items()}
     assert any(expected[rid] != plain[rid] for rid, (_, s) in batch.items() if s.has_penalties)  # penalties bite
+    biased = [rid for rid, (_, s) in batch.items() if s.logit_bias]
+    assert all(expected[rid] != plain[rid] and 7 not in expected[rid] for rid in biased[::2])  # BIASED bites
     if method is not None:
         session.proposer.replay = ReplayDrafts(expected, VOCAB, wrong_at)
     sink = run(session, batch)

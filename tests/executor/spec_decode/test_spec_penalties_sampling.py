@@ -1,5 +1,5 @@
 """Speculative sampling keeps the penalised target distribution (repetition, presence and frequency penalties,
-min-p), measured as test_spec_sampling does: the emitted tokens of many seeded requests against the exact
+min-p, a logit bias), measured as test_spec_sampling does: the emitted tokens of many seeded requests against the exact
 marginals, every continuation enumerated with the penalties written out from their definitions
 (penalty_reference.py). The requests run on the device step (its extras variant: device_penalties.py). A
 verification that penalises each row without the drafts before it (as if they had not been emitted) is caught
@@ -51,6 +51,13 @@ SETTINGS = {
         repetition_penalty=0.7,
         presence_penalty=-0.5,
         frequency_penalty=-0.3,
+        max_tokens=MAX_TOKENS,
+        ignore_eos=True,
+    ),
+    "biased": SamplingSettings(  # a logit bias (one token lifted, one banned) under a penalty; drafts unbiased
+        temperature=0.9,
+        repetition_penalty=1.2,
+        logit_bias=((2, 1.5), (4, -100.0)),
         max_tokens=MAX_TOKENS,
         ignore_eos=True,
     ),
