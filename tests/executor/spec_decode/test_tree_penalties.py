@@ -1,9 +1,9 @@
-"""Penalties and logprobs with tree drafting, on the device tree step and the host path: greedy requests give
-the penalised reference token for token while the accepted paths run off the first branch (a row that did not
-count the drafts on its path, or counted its siblings', would pick another token), logprobs are the target's
-raw log-softmax along the accepted path, and a batch mixing greedy, sampled, penalised and logprob requests
-stays on the device step (the host path verifies no tree), through the graph buffers too (chains and trees);
-the extras step's op count is guarded."""
+"""Penalties (and a logit bias) and logprobs with tree drafting, on the device tree step and the host path: greedy
+requests give the penalised reference token for token while the accepted paths run off the first branch (a row
+that did not count the drafts on its path, or counted its siblings', would pick another token), logprobs are the
+target's raw log-softmax along the accepted path, and a batch mixing greedy, sampled, penalised and logprob
+requests stays on the device step (the host path verifies no tree), through the graph buffers too (chains and
+trees); the extras step's op count is guarded."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ from typing import Any
 import pytest
 from engine_driving import Collector
 from greedy_reference import greedy_reference
-from penalty_cases import PENALISED, PENALISED_WITH_LOGPROBS, WITH_LOGPROBS, check_logprobs
+from penalty_cases import BIASED_PENALISED, PENALISED, PENALISED_WITH_LOGPROBS, WITH_LOGPROBS, check_logprobs
 from penalty_reference import greedy_penalised
 from spec_builders import spec_session
 from tree_cases import TREES, ReplayOnLastBranch, prompts, tree_session, use_device_step
@@ -38,8 +38,8 @@ def test_penalised_trees_equal_the_penalised_reference(shape: str, on_device: bo
     tree, k = TREES[shape]
     session = tree_session("eagle3", tree, k)
     use_device_step(session, on_device)
-    kinds = [PENALISED, GREEDY, WITH_LOGPROBS, PENALISED_WITH_LOGPROBS]
-    batch = {rid: (prompt, kinds[i % 4]) for i, (rid, prompt) in enumerate(prompts(4, seed=11, longest=12).items())}
+    kinds = [PENALISED, GREEDY, WITH_LOGPROBS, PENALISED_WITH_LOGPROBS, BIASED_PENALISED]
+    batch = {rid: (prompt, kinds[i % 5]) for i, (rid, prompt) in enumerate(prompts(5, seed=11, longest=12).items())}
     references = {rid: expected(session, prompt, s) for rid, (prompt, s) in batch.items()}
     plain = {rid: greedy_reference(session.loaded.model, p, MAX_TOKENS) for rid, (p, _) in batch.items()}
     assert any(references[rid] != plain[rid] for rid, (_, s) in batch.items() if s.has_penalties)  # they bite
