@@ -15,7 +15,7 @@ from pathlib import Path
 from hypothesis import HealthCheck, Phase, settings
 
 TESTS = Path(__file__).resolve().parents[1]
-for folder in ("executor", "selector"):  # executor_builders, spec_builders, builders
+for folder in ("executor", "selector", "gateway"):  # executor_builders, spec_builders, builders, gateway_stack
     if str(TESTS / folder) not in sys.path:
         sys.path.append(str(TESTS / folder))
 
