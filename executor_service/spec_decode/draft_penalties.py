@@ -11,6 +11,9 @@ still taken position by position, each counting the ones before it (no drafter p
 candidates (tree_drafting.py) are ranked under the history alone, the same for every node of a request: a
 node's ancestors are not counted.
 
+A request's logit bias (target ids) is added to the drafter's logits before the penalties, as the verifier adds
+it to the target's, so the drafter stops proposing the tokens a request bans.
+
 Counts are indexed by target ids. EAGLE-3's head drafts over a reduced vocabulary: the counts are gathered once
 per proposal at each draft id's target id (`vocab_ids`), so the picks penalise the head's own rows; d2t maps
 draft ids to distinct target ids (a draft vocabulary is a subset of the target's), so counting a pick at its
@@ -41,10 +44,10 @@ class DraftPenalties:
     """B proposing requests' prompt tokens and counts so far (history, then the drafts picked) over the drafter's
     vocabulary, and their (repetition, presence, frequency)."""
 
-    def __init__(self, in_prompt: torch.Tensor, counts: torch.Tensor, params: torch.Tensor) -> None:
+    def __init__(self, in_prompt: torch.Tensor, counts: torch.Tensor, params: torch.Tensor, bias: torch.Tensor) -> None:
         """`in_prompt` [B, Vd] bool and `counts` [B, Vd] int32 over the drafter's ids, fresh tensors this object
-        writes (advanced indexing copies); `params` [B, 3]."""
-        self.in_prompt, self.counts = in_prompt[:, None], counts
+        writes (advanced indexing copies); `params` [B, 3]; `bias` [B, Vd] float32, each request's logit bias."""
+        self.in_prompt, self.counts, self.bias = in_prompt[:, None], counts, bias[:, None]
         self.repetition, self.presence, self.frequency = (params[:, i, None, None] for i in range(3))
         self.ones = torch.ones_like(counts[:, :1])  # one more occurrence of each pick
 
@@ -56,10 +59,13 @@ class DraftPenalties:
         emitted tokens, its params [B, 3]; `vocab_ids` [Vd]: each draft id's target id (None: the same ids). One
         gather per table, no host work: it runs inside the step's graph."""
         assert table.output is not None and table.in_prompt is not None
+        assert table.bias_ids is not None and table.bias_values is not None
+        bias = torch.zeros(slot.shape[0], table.vocab, dtype=torch.float32, device=slot.device)
+        bias.scatter_add_(1, table.bias_ids[slot], table.bias_values[slot])  # the padding adds 0 to token 0
         if vocab_ids is None:
-            return cls(table.in_prompt[slot], table.output[slot], params)
+            return cls(table.in_prompt[slot], table.output[slot], params, bias)
         index = (slot[:, None], vocab_ids[None, :])
-        return cls(table.in_prompt[index], table.output[index], params)
+        return cls(table.in_prompt[index], table.output[index], params, bias[:, vocab_ids])
 
     @classmethod
     def from_requests(
@@ -72,15 +78,16 @@ class DraftPenalties:
         found = [current_counts(r, vocab, device) if r.settings.has_penalties else None for r in requests]
         in_prompt = torch.stack([zeros.bool() if c is None else c.in_prompt for c in found])
         counts = torch.stack([zeros if c is None else c.output for c in found])
+        bias = dense_bias(requests, vocab, device)
         if vocab_ids is not None:
-            in_prompt, counts = in_prompt[:, vocab_ids], counts[:, vocab_ids]
+            in_prompt, counts, bias = in_prompt[:, vocab_ids], counts[:, vocab_ids], bias[:, vocab_ids]
         params = to_device(penalty_params(list(requests)), torch.float32, device).view(len(requests), 3)
-        return cls(in_prompt, counts, params)
+        return cls(in_prompt, counts, params, bias)
 
     def apply(self, logits: torch.Tensor) -> torch.Tensor:
         """Float32 logits [B * n, Vd] (each request's n rows in turn), every row penalised by its request's counts
         so far."""
-        by_request = logits.view(self.counts.shape[0], -1, logits.shape[-1])
+        by_request = logits.view(self.counts.shape[0], -1, logits.shape[-1]).float() + self.bias
         counts = self.counts[:, None]
         out = penalise_values(by_request, self.in_prompt, counts, self.repetition, self.presence, self.frequency)
         return out.view(logits.shape)
@@ -93,3 +100,13 @@ class DraftPenalties:
         ids = choose(self.apply(logits))
         self.counts.scatter_add_(1, ids[:, None], self.ones)
         return ids
+
+
+def dense_bias(requests: Sequence[Request], vocab: int, device: torch.device) -> torch.Tensor:
+    """[B, V] float32: each request's logit bias at its tokens, 0 elsewhere (one copy to the device)."""
+    positions = [row * vocab + token for row, r in enumerate(requests) for token, _ in r.settings.logit_bias]
+    values = [bias for r in requests for _, bias in r.settings.logit_bias]
+    bias = torch.zeros(len(requests) * vocab, dtype=torch.float32, device=device)
+    if positions:
+        bias.index_put_((to_device(positions, torch.int64, device),), to_device(values, torch.float32, device))
+    return bias.view(len(requests), vocab)

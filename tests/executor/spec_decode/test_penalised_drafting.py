@@ -4,9 +4,10 @@ target applies to the rows verifying them, on the device step and the host path,
 - The drafts are penalised: a drafter whose logits are a fixed row (a large logit on a prompt token, smaller
   ones on three others) proposes, for a penalised request, each chain's sequential penalised argmax (the history
   plus the drafts before it, written out from the definitions: penalty_reference.py), for a plain one the raw
-  argmax; a tree's first level is the ranking under the history. EAGLE-3's reduced vocabulary is mapped: the
-  prompt token is a draft id's target id, not the draft id itself. Negative control: with the penalty off in the
-  drafter the same check fails.
+  argmax, for one with a logit bias (the prompt token banned, another lifted) the biased argmax; a tree's first
+  level is the ranking under the history. EAGLE-3's reduced vocabulary is mapped: the prompt token is a draft id's
+  target id, not the draft id itself. Negative control: with the penalty off in the drafter the same check fails
+  (and without the bias in the drafter, every case fails on the biased request).
 - Lossless: greedy penalised requests with the drafters' own drafts give the penalised reference token for token
   (EAGLE-1, EAGLE-3, DFlash; chains and trees; device step and host path); seeded sampled penalised requests give
   the same tokens alone and in a batch, argmax drafts and drafts drawn from q alike.
@@ -125,7 +126,8 @@ def drafted_mismatches(method: str, shape: str, on_device: bool) -> tuple[int, i
     session = session_for(method, shape, on_device)
     tokens, prompt = pick_tokens(session)
     fixed = FixedRowDrafter(session, tokens)
-    batch = {"penalised": (prompt, PENALISED), "plain": (prompt, PLAIN)}
+    biased = greedy(MAX_TOKENS, logit_bias=((tokens[0], -100.0), (tokens[3], 15.0)))  # X banned, V lifted first
+    batch = {"penalised": (prompt, PENALISED), "plain": (prompt, PLAIN), "biased": (prompt, biased)}
     sink = Collector()
     for rid, (request_prompt, settings) in batch.items():
         session.engine.add(session.new_request(rid, request_prompt, settings, MAX_TOKENS, sink))
