@@ -121,11 +121,11 @@ class Gateway:
         assert self.upstream is not None
         shaper, started = Shaper(parsed, self.config.model_name), time.perf_counter()
         generation: Generation | Choices
-        if parsed.n == 1:
+        if parsed.num_choices == 1:
             call = self.upstream.generate(parsed.generate, token)  # sent as soon as this task yields
             generation = Generation(call, parsed, shaper, self.metrics, route, started)
         else:
-            calls = [self.upstream.generate(r, token) for r in choice_requests(parsed.generate, parsed.n)]
+            calls = [self.upstream.generate(r, token) for r in choice_requests(parsed)]
             generation = Choices([Generation(c, parsed, shaper, self.metrics, route, started) for c in calls], shaper)
         watcher = watch_disconnect(receive, generation)
         self.metrics.open.inc()

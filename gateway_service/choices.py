@@ -19,6 +19,7 @@ from starlette.types import Send
 
 from gateway_service.errors import ApiError
 from gateway_service.generation import DONE, Disconnected, Generation, event
+from gateway_service.requests import MAX_CHOICES, ParsedRequest, set_prompt
 from gateway_service.responses import Shaper
 from specdec.v1 import executor_pb2
 
@@ -27,22 +28,37 @@ MAX_FANOUT_BYTES = 64 << 20  # n copies of one request (its prompt) the gateway 
 INT64 = 1 << 64
 
 
-def choice_requests(generate: executor_pb2.GenerateRequest, n: int) -> list[executor_pb2.GenerateRequest]:
-    """The n Generate requests of a request's choices. Refused (400 naming `n`) when their copies of the prompt
-    would pass MAX_FANOUT_BYTES, before any is built."""
-    size = generate.ByteSize()
+def choice_requests(parsed: ParsedRequest) -> list[executor_pb2.GenerateRequest]:
+    """The Generate requests of a request's choices: n per prompt (a completion may batch several), choice i of
+    prompt p the request `<id>-<p * n + i>` with seed + i. Refused (400 naming `n`, or `prompt` for a batch) when
+    their copies of the prompts would pass MAX_FANOUT_BYTES or MAX_CHOICES in all, before any is built."""
+    generate, n, prompts = parsed.generate, parsed.n, parsed.prompts or [None]
+    param = "n" if parsed.prompts is None else "prompt"
+    if parsed.num_choices > MAX_CHOICES:
+        message = f"{len(prompts)} prompts x n = {n} are {parsed.num_choices} choices; at most {MAX_CHOICES}"
+        raise ApiError(400, message, param, "invalid_value")
+    bases = []
+    for prompt in prompts:
+        base = executor_pb2.GenerateRequest()
+        base.CopyFrom(generate)
+        if prompt is not None:
+            base.ClearField("input")
+            set_prompt(base, prompt)
+        bases.append(base)
+    size = sum(base.ByteSize() for base in bases)
     if n * size > MAX_FANOUT_BYTES:
-        message = f"n: {n} choices of a {size}-byte request are over {MAX_FANOUT_BYTES} bytes; send fewer"
-        raise ApiError(400, message, "n", "invalid_value")
+        message = f"{parsed.num_choices} choices of {size} bytes of prompts are over {MAX_FANOUT_BYTES} bytes"
+        raise ApiError(400, message, param, "invalid_value")
     seeded = generate.sampling.HasField("seed")
     requests = []
-    for index in range(n):
-        choice = executor_pb2.GenerateRequest()
-        choice.CopyFrom(generate)
-        choice.request_id = f"{generate.request_id}-{index}"
-        if seeded:  # wrapped into int64, as the field holds it
-            choice.sampling.seed = (generate.sampling.seed + index + INT64 // 2) % INT64 - INT64 // 2
-        requests.append(choice)
+    for index, base in enumerate(bases):
+        for choice_index in range(n):
+            choice = executor_pb2.GenerateRequest()
+            choice.CopyFrom(base)
+            choice.request_id = f"{generate.request_id}-{index * n + choice_index}"
+            if seeded:  # wrapped into int64, as the field holds it
+                choice.sampling.seed = (generate.sampling.seed + choice_index + INT64 // 2) % INT64 - INT64 // 2
+            requests.append(choice)
     return requests
 
 

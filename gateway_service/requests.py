@@ -45,9 +45,15 @@ class ParsedRequest:
     stream: bool = False
     include_usage: bool = False
     logprobs: bool = False
-    n: int = 1  # choices: a Generate each (choices.py)
+    n: int = 1  # choices per prompt: a Generate each (choices.py)
+    prompts: list[str | list[int]] | None = None  # a completion's batch of prompts (None: one, in `generate`)
     user: str | None = None
     params: dict[str, str] = field(default_factory=dict)  # gRPC field -> the OpenAI param it came from
+
+    @property
+    def num_choices(self) -> int:
+        """Choices in the answer: n per prompt."""
+        return self.n * (len(self.prompts) if self.prompts else 1)
 
     def param_for(self, grpc_field: str) -> str | None:
         """The OpenAI parameter behind a gRPC field path from the executor (`messages.messages[2].role` ->
@@ -87,7 +93,10 @@ def parse_chat(data: dict[str, Any]) -> ParsedRequest:
 def parse_completion(data: dict[str, Any]) -> ParsedRequest:
     fields = Fields(data)
     parsed = _common(fields, "completion")
-    _prompt(fields.raw("prompt"), parsed.generate)
+    prompts = _prompts(fields.raw("prompt"))
+    set_prompt(parsed.generate, prompts[0])
+    if len(prompts) > 1:
+        parsed.prompts = prompts
     parsed.params.update({"text": "prompt", "token_ids.ids": "prompt", "token_ids": "prompt"})
     logprobs = fields.integer("logprobs", 0, MAX_LOGPROBS)
     if logprobs is not None:
@@ -223,19 +232,33 @@ def _text_part(part: Any, param: str) -> str:
     return text
 
 
-def _prompt(prompt: Any, request: executor_pb2.GenerateRequest) -> None:
-    """A completion's prompt: a string or token ids, alone or as the only entry of an array."""
-    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str | list):
-        prompt = prompt[0]
+def _prompts(prompt: Any) -> list[str | list[int]]:
+    """A completion's prompts: a string or token ids, or an array of either (a batch of prompts, vLLM's and
+    OpenAI's), at most MAX_CHOICES."""
+    if isinstance(prompt, str) or (isinstance(prompt, list) and prompt and type(prompt[0]) is int):
+        return [_one_prompt(prompt, "prompt")]
+    if not isinstance(prompt, list) or not prompt:
+        raise bad_field("prompt", "must be a string, token ids, or an array of strings or of token-id arrays")
+    if len(prompt) > MAX_CHOICES:
+        raise bad_field("prompt", f"{len(prompt)} prompts; at most {MAX_CHOICES}")
+    return [_one_prompt(entry, f"prompt[{index}]") for index, entry in enumerate(prompt)]
+
+
+def _one_prompt(prompt: Any, param: str) -> str | list[int]:
     if isinstance(prompt, str):
-        request.text = checked_string(prompt, "prompt", MAX_TEXT_CHARS)
-        return
+        return checked_string(prompt, param, MAX_TEXT_CHARS)
     if isinstance(prompt, list) and prompt and all(type(t) is int and 0 <= t <= INT32_MAX for t in prompt):
         if len(prompt) > MAX_TEXT_CHARS // 4:
-            raise bad_field("prompt", f"{len(prompt)} token ids; at most {MAX_TEXT_CHARS // 4}")
-        request.token_ids.ids.extend(prompt)
-        return
-    raise bad_field("prompt", "must be a string, or an array of token ids (one prompt per request)")
+            raise bad_field(param, f"{len(prompt)} token ids; at most {MAX_TEXT_CHARS // 4}")
+        return prompt
+    raise bad_field(param, "must be a string or a non-empty array of token ids (integers >= 0)")
+
+
+def set_prompt(request: executor_pb2.GenerateRequest, prompt: str | list[int]) -> None:
+    if isinstance(prompt, str):
+        request.text = prompt
+    else:
+        request.token_ids.ids[:] = prompt
 
 
 def model_error(requested: str | None, served: str) -> ApiError | None:

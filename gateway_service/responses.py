@@ -43,45 +43,46 @@ def finish_reason(finished: executor_pb2.Finished) -> str:
     return finished.finish_reason
 
 
-def usage(finished: Sequence[executor_pb2.Finished]) -> dict[str, Any]:
-    """OpenAI's usage of a request's choices (one each), with the prefix cache's hits as
-    prompt_tokens_details.cached_tokens and the speculative statistics in `speculative`. Several choices (`n`) share
-    the prompt, counted once (the first choice's figures); their completions add up, and so do their verify steps,
-    which weigh each choice's acceptance (per position: accepted there over verify steps)."""
-    first = finished[0]
+def usage(finished: Sequence[executor_pb2.Finished], per_prompt: int = 1) -> dict[str, Any]:
+    """OpenAI's usage of a request's choices (one Finished each, `per_prompt` choices of each prompt in turn), with
+    the prefix cache's hits as prompt_tokens_details.cached_tokens and the speculative statistics in `speculative`.
+    The choices of a prompt share it: it counts once (its first choice's figures). Completions add up, and so do
+    the verify steps, which weigh each choice's acceptance (per position: accepted there over verify steps)."""
+    firsts = finished[::per_prompt]
+    prompt = sum(f.prompt_tokens for f in firsts)
     completion = sum(f.completion_tokens for f in finished)
+    accepted = sum(f.accepted_tokens for f in finished)
     speculative = {
         "drafted_tokens": sum(f.drafted_tokens for f in finished),
-        "accepted_tokens": sum(f.accepted_tokens for f in finished),
-        "mean_acceptance_length": round(first.mean_acceptance_length, 6),
-        "acceptance_rate_per_position": [round(rate, 6) for rate in first.acceptance_rate_per_position],
+        "accepted_tokens": accepted,
+        "mean_acceptance_length": round(finished[0].mean_acceptance_length, 6),
+        "acceptance_rate_per_position": [round(rate, 6) for rate in finished[0].acceptance_rate_per_position],
     }
     if len(finished) > 1:
         steps = sum(f.verify_steps for f in finished)
-        accepted = speculative["accepted_tokens"]
-        speculative["mean_acceptance_length"] = (
-            round(1 + accepted / steps, 6) if steps else (1.0 if completion else 0.0)
-        )
-        width = max(len(f.acceptance_rate_per_position) for f in finished)
-        rates = [
-            sum(
-                f.acceptance_rate_per_position[j] * f.verify_steps
-                for f in finished
-                if j < len(f.acceptance_rate_per_position)
-            )
-            / steps
-            if steps
-            else 0.0
-            for j in range(width)
-        ]
-        speculative["acceptance_rate_per_position"] = [round(rate, 6) for rate in rates]
+        mean = 1 + accepted / steps if steps else (1.0 if completion else 0.0)
+        speculative["mean_acceptance_length"] = round(mean, 6)
+        speculative["acceptance_rate_per_position"] = [round(r, 6) for r in _rates_by_steps(finished, steps)]
     return {
-        "prompt_tokens": first.prompt_tokens,
+        "prompt_tokens": prompt,
         "completion_tokens": completion,
-        "total_tokens": first.prompt_tokens + completion,
-        "prompt_tokens_details": {"cached_tokens": first.cached_prompt_tokens},
+        "total_tokens": prompt + completion,
+        "prompt_tokens_details": {"cached_tokens": sum(f.cached_prompt_tokens for f in firsts)},
         "speculative": speculative,
     }
+
+
+def _rates_by_steps(finished: Sequence[executor_pb2.Finished], steps: int) -> list[float]:
+    """Acceptance per position over several requests: each request's rate times its verify steps, summed, over
+    all the steps (a request that never drafted a position adds nothing there)."""
+    width = max(len(f.acceptance_rate_per_position) for f in finished)
+    if not steps:
+        return [0.0] * width
+    totals = [0.0] * width
+    for f in finished:
+        for position, rate in enumerate(f.acceptance_rate_per_position):
+            totals[position] += rate * f.verify_steps
+    return [total / steps for total in totals]
 
 
 def chat_logprobs(entries: list[executor_pb2.TokenLogprob]) -> dict[str, Any]:
@@ -184,7 +185,7 @@ class Shaper:
                 choice["text"] = text
             choice["logprobs"] = self._logprobs(entries)
             shaped.append(choice)
-        return {**self._base(False), "choices": shaped, "usage": usage([c[2] for c in choices])}
+        return {**self._base(False), "choices": shaped, "usage": usage([c[2] for c in choices], self.parsed.n)}
 
     def __post_init__(self) -> None:
         """The streamed chunk's fixed text (id, object, created, model, and what wraps the delta), rendered once
@@ -192,7 +193,7 @@ class Shaper:
         between these, so that the event reads exactly as json.dumps(chunk, separators=(",", ":")) would write
         the chunk object."""
         self._prefix = "data: " + encode(self._base(True))[:-1] + ',"choices":[{"index":'
-        self._choice_heads = [self._heads(index) for index in range(self.parsed.n)]
+        self._choice_heads = [self._heads(index) for index in range(self.parsed.num_choices)]
         self._close_delta = "}" if self.chat else ""
         self._tail = "}]" + (',"usage":null' if self.parsed.include_usage else "") + "}\n\n"
 
@@ -218,4 +219,4 @@ class Shaper:
 
     def usage_chunk(self, finished: Sequence[executor_pb2.Finished]) -> dict[str, Any]:
         """stream_options.include_usage: the last chunk, with no choices (`finished`: every choice's)."""
-        return {**self._base(True), "choices": [], "usage": usage(finished)}
+        return {**self._base(True), "choices": [], "usage": usage(finished, self.parsed.n)}

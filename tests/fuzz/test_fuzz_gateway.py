@@ -67,6 +67,11 @@ PLAUSIBLE = {
     "num_speculative_tokens": st.integers(0, 3),
     "top_k": st.integers(-1, 50),
     "repetition_penalty": st.floats(0.5, 2),
+    "prompt": st.one_of(
+        st.text(max_size=8),
+        st.lists(st.integers(0, 300), min_size=1, max_size=5),
+        st.lists(st.text(max_size=5) | st.lists(st.integers(0, 300), min_size=1, max_size=4), min_size=1, max_size=3),
+    ),
 }
 
 
@@ -129,7 +134,10 @@ def check_answer(status: int, text: str, body: dict[str, Any]) -> None:
         return
     answer = json.loads(text)
     n = body.get("n") if type(body.get("n")) is int else 1
-    assert [c["index"] for c in answer["choices"]] == list(range(n or 1)), where
+    prompt = body.get("prompt")
+    batch = isinstance(prompt, list) and bool(prompt) and type(prompt[0]) is not int  # a completion's prompts
+    expected = (n or 1) * (len(prompt) if batch and "messages" not in body else 1)
+    assert [c["index"] for c in answer["choices"]] == list(range(expected)), where
     assert answer["usage"]["completion_tokens"] >= 0, where
 
 

@@ -27,20 +27,37 @@ INT64_MAX = 2**63 - 1
 
 def test_each_choice_is_the_request_with_its_own_id_and_seed():
     parsed = parse_completion({"prompt": "x", "n": 3, "seed": INT64_MAX - 1, "temperature": 0.7})
-    requests = choice_requests(parsed.generate, parsed.n)
+    requests = choice_requests(parsed)
     assert [r.request_id for r in requests] == [f"{parsed.generate.request_id}-{i}" for i in range(3)]
     assert [r.sampling.seed for r in requests] == [INT64_MAX - 1, INT64_MAX, -(2**63)]  # seed + i, wrapped
     assert all(r.text == "x" and r.sampling.temperature == pytest.approx(0.7) for r in requests)
-    unseeded = choice_requests(parse_completion({"prompt": "x", "n": 2}).generate, 2)
+    unseeded = choice_requests(parse_completion({"prompt": "x", "n": 2}))
     assert not any(r.sampling.HasField("seed") for r in unseeded)  # each draws its own
+
+
+def test_a_batch_of_prompts_is_n_choices_of_each_in_turn():
+    parsed = parse_completion({"prompt": ["ab", [5, 6], "c"], "n": 2, "seed": 9, "max_tokens": 3})
+    requests = choice_requests(parsed)
+    assert parsed.num_choices == 6 and [r.request_id[-2:] for r in requests] == [f"-{i}" for i in range(6)]
+    assert [r.text or list(r.token_ids.ids) for r in requests] == ["ab", "ab", [5, 6], [5, 6], "c", "c"]
+    assert [r.sampling.seed for r in requests] == [9, 10] * 3  # a prompt's choices: seed + i (vLLM's rule)
+    assert all(r.sampling.max_tokens == 3 for r in requests)
+    with pytest.raises(ApiError) as err:
+        choice_requests(parse_completion({"prompt": ["a"] * 65, "n": 2}))
+    assert err.value.param == "prompt" and "130 choices" in err.value.message
+    for prompt, param in ((["a"] * 129, "prompt"), ([[]], "prompt[0]"), (["a", 5], "prompt[1]"), ([], "prompt")):
+        with pytest.raises(ApiError) as err:
+            parse_completion({"prompt": prompt})
+        assert err.value.param == param, prompt
 
 
 def test_the_fan_out_is_bounded_before_it_is_built():
     parsed = parse_completion({"prompt": "x" * (1 << 20), "n": 128})
     with pytest.raises(ApiError) as err:
-        choice_requests(parsed.generate, parsed.n)
+        choice_requests(parsed)
     assert err.value.status == 400 and err.value.param == "n" and str(MAX_FANOUT_BYTES) in err.value.message
-    assert len(choice_requests(parsed.generate, 8)) == 8  # 8 MiB of copies: allowed
+    parsed.n = 8
+    assert len(choice_requests(parsed)) == 8  # 8 MiB of copies: allowed
 
 
 @pytest.mark.parametrize("n", [0, 129, -1, "2", 2.5, True])
@@ -61,8 +78,9 @@ def finished(completion: int, steps: int, accepted: int, rates: list[float]) -> 
 def test_usage_counts_the_prompt_once_and_weighs_acceptance_by_verify_steps():
     a = finished(10, steps=4, accepted=6, rates=[1.0, 0.5])  # accepted per position: 4, 2
     b = finished(7, steps=6, accepted=1, rates=[1 / 6])  # 1 at the first position, none drafted past it
-    combined = usage([a, b])
+    combined = usage([a, b], per_prompt=2)  # two choices of one prompt
     assert (combined["prompt_tokens"], combined["completion_tokens"], combined["total_tokens"]) == (5, 17, 22)
+    assert usage([a, b])["prompt_tokens"] == 10  # two prompts' choices: each prompt counts
     assert combined["prompt_tokens_details"] == {"cached_tokens": 2}
     speculative = combined["speculative"]
     assert (speculative["drafted_tokens"], speculative["accepted_tokens"]) == (30, 7)

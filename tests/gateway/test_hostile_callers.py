@@ -79,10 +79,11 @@ def test_nan_and_infinity_are_refused_naming_the_field(stack):
         assert status == 400 and body["error"]["param"] == "temperature", body
 
 
-def test_a_completion_without_a_prompt_or_with_several(stack):
-    for prompt in (None, ["a", "b"], [[1, 2], [3]], [-1], {"text": "x"}):
+def test_a_completion_without_a_usable_prompt(stack):
+    for prompt, param in ((None, "prompt"), ([], "prompt"), ([-1], "prompt"), ({"text": "x"}, "prompt"),
+                          (["a", 5], "prompt[1]"), ([[1], []], "prompt[1]"), (["a"] * 129, "prompt")):  # fmt: skip
         status, body = post(stack, {"model": MODEL, "prompt": prompt}, "/v1/completions")
-        assert status == 400 and body["error"]["param"] == "prompt", body
+        assert status == 400 and body["error"]["param"] == param, (prompt, body)
     status, body = post(stack, {"model": MODEL, "prompt": "a", "echo": True}, "/v1/completions")
     assert status == 400 and body["error"]["param"] == "echo"
 

@@ -149,6 +149,20 @@ def test_n_choices_greedy_are_the_one_answer_n_times(stack):
     assert speculative["drafted_tokens"] > 0 and speculative["mean_acceptance_length"] >= 1.0
 
 
+def test_a_batch_of_prompts_answers_each_in_turn(stack):
+    """A completion's prompt as an array (vLLM's and OpenAI's batch): n choices of each prompt in turn, each the
+    prompt's own answer; usage counts every prompt once."""
+    client = stack.client()
+    greedy = {"model": MODEL, "temperature": 0, "max_tokens": 6, "extra_body": {"ignore_eos": True}}
+    prompts = ["abc", [5, 17, 42, 7], "abc def"]
+    alone = [client.completions.create(prompt=p, **greedy) for p in prompts]
+    batch = client.completions.create(prompt=prompts, n=2, **greedy)
+    assert [c.index for c in batch.choices] == list(range(6))
+    assert [c.text for c in batch.choices] == [a.choices[0].text for a in alone for _ in range(2)]
+    assert batch.usage.prompt_tokens == sum(a.usage.prompt_tokens for a in alone)
+    assert batch.usage.completion_tokens == 36
+
+
 def test_n_seeded_choices_are_the_seeds_one_by_one(stack):
     """Choice i of a seeded request is the same request alone with seed + i (vLLM's rule): reproducible, and
     the choices differ."""
