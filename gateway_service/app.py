@@ -73,6 +73,7 @@ class Gateway:
         routes = [
             *(Route(path, handler, methods=["POST"]) for path, handler in generate.items()),  # their 405s
             Route("/v1/models", self._route("models", self.models), methods=["GET"]),
+            Route("/v1/models/{model:path}", self._route("model", self.model), methods=["GET"]),
             Route("/health", self._route("health", self.health), methods=["GET"]),
             Route("/metrics", self._route("metrics", self.metrics_page), methods=["GET"]),
         ]
@@ -146,6 +147,22 @@ class Gateway:
 
     async def models(self, request: Request, route: str) -> Response:
         """The model the executors serve, from GetServerInfo; no model loaded: an empty list."""
+        served = await self._served_model(request)
+        return JSONResponse({"object": "list", "data": [] if served is None else [served]})
+
+    async def model(self, request: Request, route: str) -> Response:
+        """GET /v1/models/{model} (the SDKs' models.retrieve): the served model, or 404 model_not_found."""
+        requested = request.path_params["model"]
+        served = await self._served_model(request)
+        wrong = model_error(requested, self.config.model_name)
+        if wrong is not None:
+            raise wrong
+        if served is None:
+            raise ApiError(404, "no model is loaded on the executors yet", "model", "model_not_found")
+        return JSONResponse(served)
+
+    async def _served_model(self, request: Request) -> dict[str, Any] | None:
+        """The served model's object, from GetServerInfo (None: no model loaded)."""
         token = self.config.auth.token(request.scope["headers"])
         assert self.upstream is not None
         try:
@@ -153,8 +170,8 @@ class Gateway:
         except grpc.aio.AioRpcError as err:
             raise from_rpc_error(err, lambda _: None) from None
         if not info.model_loaded:
-            return JSONResponse({"object": "list", "data": []})
-        model = {
+            return None
+        return {
             "id": self.config.model_name,
             "object": "model",
             "created": info.started_unix_ms // 1000,
@@ -162,7 +179,6 @@ class Gateway:
             "max_model_len": info.info.max_model_len,
             "specdec": _model_details(info),
         }
-        return JSONResponse({"object": "list", "data": [model]})
 
     async def health(self, request: Request, route: str) -> Response:
         assert self.upstream is not None

@@ -17,7 +17,7 @@ from starlette.responses import Response
 
 from specdec_runtime.observability import LATENCY_BUCKETS
 
-ROUTES = ("chat", "completion", "models", "health", "metrics")
+ROUTES = ("chat", "completion", "models", "model", "health", "metrics")
 
 
 def workers_registry(directory: str) -> CollectorRegistry:

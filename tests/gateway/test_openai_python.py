@@ -225,6 +225,12 @@ def test_models_lists_the_loaded_model(stack):
     assert [m.id for m in models] == [MODEL]
     details = models[0].model_extra["specdec"]
     assert details["spec_method"] == "SPEC_METHOD_EAGLE3" and details["num_speculative_tokens"] == 3
+    client = stack.client()
+    assert client.models.retrieve(MODEL) == models[0]  # GET /v1/models/{model}
+    for other in ("gpt-4o", "x" * 5000, "a/b"):
+        with pytest.raises(openai.NotFoundError) as missing:
+            client.models.retrieve(other)
+        assert missing.value.body["param"] == "model" and len(missing.value.message) < 300
 
 
 def test_errors_come_back_as_the_sdks_exceptions(stack):
