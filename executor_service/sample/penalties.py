@@ -189,19 +189,23 @@ def _penalise_group(out: torch.Tensor, group: list[Penalised]) -> None:
 
 
 def _biased(rows: torch.Tensor, group: list[Penalised]) -> torch.Tensor:
-    """The group's rows [R, V] with each request's logit bias added to every one of its rows (one copy of the
-    positions and values to the device)."""
-    vocab, positions, values, row = rows.shape[-1], [], [], 0
-    for entry in group:
-        for _ in range(len(entry.drafts) + 1):
-            positions += [row * vocab + token for token, _ in entry.settings.logit_bias]
-            values += [bias for _, bias in entry.settings.logit_bias]
-            row += 1
-    if not positions:
+    """The group's rows [R, V] with each request's logit bias added to every one of its rows."""
+    if not any(entry.settings.logit_bias for entry in group):
         return rows
-    biased = rows.float().reshape(-1).clone()
-    biased.index_add_(0, to_device(positions, torch.int64, rows.device), to_device(values, torch.float32, rows.device))
-    return biased.view(rows.shape)
+    bias = dense_bias([entry.settings for entry in group], rows.shape[-1], rows.device)
+    per_request = to_device([len(entry.drafts) + 1 for entry in group], torch.int64, rows.device)
+    return rows.float() + bias.repeat_interleave(per_request, dim=0, output_size=rows.shape[0])
+
+
+def dense_bias(settings: Sequence[SamplingSettings], vocab: int, device: torch.device) -> torch.Tensor:
+    """[B, V] float32: each request's logit bias at its tokens, 0 elsewhere (one copy to the device): the host
+    path's verify rows (`_biased`) and its penalised drafting (draft_penalties.py) add it."""
+    positions = [row * vocab + token for row, s in enumerate(settings) for token, _ in s.logit_bias]
+    values = [bias for s in settings for _, bias in s.logit_bias]
+    bias = torch.zeros(len(settings) * vocab, dtype=torch.float32, device=device)
+    if positions:
+        bias.index_put_((to_device(positions, torch.int64, device),), to_device(values, torch.float32, device))
+    return bias.view(len(settings), vocab)
 
 
 def _row_counts(entry: Penalised) -> torch.Tensor:

@@ -95,6 +95,13 @@ class PenaltyTable:
         slot = self.assigned[request.request_id] = Slot(index, 0)
         return slot
 
+    def bias_rows(self, slot: torch.Tensor) -> torch.Tensor:
+        """[B, V] float32: each request's logit bias from its slot [B] (-1: the zero scratch slot), 0 elsewhere (the
+        padding adds 0 to token 0). Built once a step; the verifier and the drafter's picks both add it."""
+        assert self.bias_ids is not None and self.bias_values is not None
+        bias = torch.zeros(slot.shape[0], self.vocab, dtype=torch.float32, device=slot.device)
+        return bias.scatter_add_(1, self.bias_ids[slot], self.bias_values[slot])
+
     def booked(self, request: Request) -> None:
         """A device step's tokens are in the request's output: the step counted them in its slot too."""
         slot = self.assigned.get(request.request_id)
@@ -118,20 +125,18 @@ def penalise_rows(
     table: PenaltyTable,
     slot: torch.Tensor,
     params: torch.Tensor,
+    bias: torch.Tensor,
 ) -> torch.Tensor:
-    """Penalised float32 logits [B * R, V] of B requests' R verify rows, each request's logit bias added first.
-    tokens [B, N]: the drafts; on_path [B or 1, R, N]: whether draft j is on row r's path (counted as emitted there);
-    slot [B]; params [B, 3]."""
+    """Penalised float32 logits [B * R, V] of B requests' R verify rows, each request's logit bias (`bias` [B, V]:
+    PenaltyTable.bias_rows) added first. tokens [B, N]: the drafts; on_path [B or 1, R, N]: whether draft j is on
+    row r's path (counted as emitted there); slot [B]; params [B, 3]."""
     assert table.output is not None and table.in_prompt is not None
-    assert table.bias_ids is not None and table.bias_values is not None
     count, num = tokens.shape
     vocab = logits.shape[-1]
     rows = logits.shape[0] // count
     repetition, presence, frequency = (params[:, i, None, None] for i in range(3))
     in_prompt, output = table.in_prompt[slot], table.output[slot]  # [B, V]; slot -1: the scratch row
-    shape = (count, rows, MAX_LOGIT_BIAS)  # the padding adds 0 to token 0
-    bias_ids, bias_values = table.bias_ids[slot][:, None].expand(shape), table.bias_values[slot][:, None].expand(shape)
-    by_row = logits.view(count, rows, vocab).float().scatter_add(2, bias_ids, bias_values)
+    by_row = logits.view(count, rows, vocab).float() + bias[:, None]
     out = penalise_values(by_row, in_prompt[:, None], output[:, None], repetition, presence, frequency)
     # A draft's token at row r: its emitted count plus the drafts on r's path with the same token.
     same = (tokens[:, :, None] == tokens[:, None, :]).float()

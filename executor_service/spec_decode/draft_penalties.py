@@ -34,8 +34,9 @@ import torch
 
 from executor_service.engine.request import Request
 from executor_service.models.attention_step import to_device
-from executor_service.sample.penalties import current_counts, penalise_values
-from executor_service.spec_decode.device_penalties import PenaltyTable, penalty_params
+from executor_service.sample.penalties import current_counts, dense_bias, penalise_values
+from executor_service.spec_decode.device_penalties import penalty_params
+from executor_service.spec_decode.verifier import StepPenalties
 
 Choose = Callable[[torch.Tensor], torch.Tensor]  # the drafter's logits [B, Vd] -> draft ids [B]
 
@@ -52,16 +53,12 @@ class DraftPenalties:
         self.ones = torch.ones_like(counts[:, :1])  # one more occurrence of each pick
 
     @classmethod
-    def from_table(
-        cls, table: PenaltyTable, slot: torch.Tensor, params: torch.Tensor, vocab_ids: torch.Tensor | None
-    ) -> DraftPenalties:
-        """The device step's: each request's slot [B] (-1: the zero scratch slot) after the step counted its
-        emitted tokens, its params [B, 3]; `vocab_ids` [Vd]: each draft id's target id (None: the same ids). One
-        gather per table, no host work: it runs inside the step's graph."""
+    def from_table(cls, penalties: StepPenalties, vocab_ids: torch.Tensor | None) -> DraftPenalties:
+        """The device step's: each request's slot (-1: the zero scratch slot) after the step counted its emitted
+        tokens, its params and the logit bias the verifier added; `vocab_ids` [Vd]: each draft id's target id
+        (None: the same ids). One gather per table, no host work: it runs inside the step's graph."""
+        table, slot, params, bias = penalties.table, penalties.slot, penalties.params, penalties.bias
         assert table.output is not None and table.in_prompt is not None
-        assert table.bias_ids is not None and table.bias_values is not None
-        bias = torch.zeros(slot.shape[0], table.vocab, dtype=torch.float32, device=slot.device)
-        bias.scatter_add_(1, table.bias_ids[slot], table.bias_values[slot])  # the padding adds 0 to token 0
         if vocab_ids is None:
             return cls(table.in_prompt[slot], table.output[slot], params, bias)
         index = (slot[:, None], vocab_ids[None, :])
@@ -78,7 +75,7 @@ class DraftPenalties:
         found = [current_counts(r, vocab, device) if r.settings.has_penalties else None for r in requests]
         in_prompt = torch.stack([zeros.bool() if c is None else c.in_prompt for c in found])
         counts = torch.stack([zeros if c is None else c.output for c in found])
-        bias = dense_bias(requests, vocab, device)
+        bias = dense_bias([r.settings for r in requests], vocab, device)
         if vocab_ids is not None:
             in_prompt, counts, bias = in_prompt[:, vocab_ids], counts[:, vocab_ids], bias[:, vocab_ids]
         params = to_device(penalty_params(list(requests)), torch.float32, device).view(len(requests), 3)
@@ -100,13 +97,3 @@ class DraftPenalties:
         ids = choose(self.apply(logits))
         self.counts.scatter_add_(1, ids[:, None], self.ones)
         return ids
-
-
-def dense_bias(requests: Sequence[Request], vocab: int, device: torch.device) -> torch.Tensor:
-    """[B, V] float32: each request's logit bias at its tokens, 0 elsewhere (one copy to the device)."""
-    positions = [row * vocab + token for row, r in enumerate(requests) for token, _ in r.settings.logit_bias]
-    values = [bias for r in requests for _, bias in r.settings.logit_bias]
-    bias = torch.zeros(len(requests) * vocab, dtype=torch.float32, device=device)
-    if positions:
-        bias.index_put_((to_device(positions, torch.int64, device),), to_device(values, torch.float32, device))
-    return bias.view(len(requests), vocab)

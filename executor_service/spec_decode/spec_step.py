@@ -311,7 +311,7 @@ class SpecStep(VariantSteps):
             draws = StepDraws(sampling.params, sampling.seed, first, sorts(variant), self.vocab_ids, q.ids.shape[2])
         drafting = None  # the penalised requests' drafts picked under their penalties, the emitted tokens counted
         if penalties is not None:
-            drafting = DraftPenalties.from_table(penalties.table, penalties.slot, penalties.params, self.vocab_ids)
+            drafting = DraftPenalties.from_table(penalties, self.vocab_ids)
         next_tokens, next_parents = self.proposer.propose_verified(
             step, positions, features, verdict, ahead, draws, drafting
         )

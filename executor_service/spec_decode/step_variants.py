@@ -102,7 +102,7 @@ class VariantSteps:
         if "slot" not in x:
             return None
         self.table.allocate()
-        return StepPenalties(self.table, x["slot"], x["penalty"])
+        return StepPenalties(self.table, x["slot"], x["penalty"], self.table.bias_rows(x["slot"]))
 
     def extras(
         self,

@@ -89,15 +89,17 @@ class DraftQ:
 
 @dataclass(frozen=True)
 class StepPenalties:
-    """A step's penalties: the table, each request's slot [B] (-1: none) and (repetition, presence, frequency)
-    [B, 3]."""
+    """A step's penalties: the table, each request's slot [B] (-1: none), (repetition, presence, frequency) [B, 3]
+    and logit bias [B, V] (PenaltyTable.bias_rows: the verifier and the drafter's picks read it)."""
 
     table: PenaltyTable
     slot: torch.Tensor
     params: torch.Tensor
+    bias: torch.Tensor
 
     def apply(self, logits: torch.Tensor, layout: DraftLayout, constants: StepConstants) -> torch.Tensor:
-        return penalise_rows(logits, layout.tokens, on_path(layout, constants), self.table, self.slot, self.params)
+        path = on_path(layout, constants)
+        return penalise_rows(logits, layout.tokens, path, self.table, self.slot, self.params, self.bias)
 
 
 def on_path(layout: DraftLayout, constants: StepConstants) -> torch.Tensor:

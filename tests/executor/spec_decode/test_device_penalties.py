@@ -30,7 +30,7 @@ TREE = [-1, -1, 0, 0, 1, 2, 5]  # drafts 0, 1 under the root; 2, 3 under 0; 4 un
 SETTINGS = [
     SamplingSettings(temperature=0.8, repetition_penalty=1.4, presence_penalty=0.5, frequency_penalty=0.7),
     SamplingSettings(),  # greedy, no penalty: its rows are left as they are
-    SamplingSettings(repetition_penalty=0.6, frequency_penalty=-0.4),  # greedy, penalised
+    SamplingSettings(repetition_penalty=0.6, frequency_penalty=-0.4, logit_bias=((2, 1.5), (7, -3.0))),  # greedy
     SamplingSettings(temperature=1.1, top_k=4, presence_penalty=-0.3, logprobs=3),
 ]
 
@@ -69,7 +69,8 @@ def layout_of(drafts: torch.Tensor, parents: list[int], chain: bool) -> DraftLay
 def device_penalties(requests: list[FakeRequest]) -> StepPenalties:
     table = PenaltyTable(8, VOCAB, torch.device("cpu"))
     slot = torch.tensor(table.slots_of(requests))  # type: ignore[arg-type]
-    return StepPenalties(table, slot, torch.tensor(penalty_params(requests)))  # type: ignore[arg-type]
+    params = torch.tensor(penalty_params(requests))  # type: ignore[arg-type]
+    return StepPenalties(table, slot, params, table.bias_rows(slot))
 
 
 @pytest.mark.parametrize("seed", range(6))

@@ -152,8 +152,8 @@ def test_a_warm_step_keeps_its_op_count(shape: str, name: str, most: int) -> Non
     extras 495 (sampled 447), static_2_2_1 extras 539 (sampled 489; greedy 228: test_tree_step). Penalised
     drafting (draft_penalties.py) adds to the extras variants alone: 3 ops to gather the slots' counts, 12 per
     pick to penalise the drafter's logits and 1 to count a chain's pick: chain extras 537, static_2_2_1 578. The
-    logit bias (2026-11-28): 1-3 in verification (538, 581), then 5 to build the drafter's bias rows from the slots
-    and 1 a pick to add them: chain extras 546, static_2_2_1 589."""
+    logit bias (2026-11-28): its rows built once a step from the slots (PenaltyTable.bias_rows) and added to the
+    verify rows, gathered for the drafter's vocabulary and added at each pick: chain extras 544, static_2_2_1 587."""
     from op_counting import OpCounter, count_each_call
 
     mode = OpCounter(lambda func: not func.is_view)
