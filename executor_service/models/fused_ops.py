@@ -90,7 +90,7 @@ def triton_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.
     size = x.shape[1]
     block = next_power_of_2(size)
     _kernels()["rms_norm"][(x.shape[0],)](
-        x, weight, out, x.stride(0), out.stride(0), size, eps, BLOCK=block, num_warps=min(16, max(1, block // 512))
+        x, weight, out, x.stride(0), out.stride(0), size, eps, BLOCK=block, num_warps=row_warps(block)
     )
     return out
 
@@ -103,7 +103,7 @@ def triton_add_rms_norm(
     block = next_power_of_2(size)
     _kernels()["add_rms_norm"][(x.shape[0],)](
         x, residual, weight, out, stream, x.stride(0), residual.stride(0), out.stride(0), stream.stride(0), size,
-        eps, BLOCK=block, num_warps=min(16, max(1, block // 512)),
+        eps, BLOCK=block, num_warps=row_warps(block),
     )  # fmt: skip
     return out, stream
 
@@ -116,7 +116,7 @@ def triton_concat_rms_norm(
     block = next_power_of_2(max(size, size2))
     _kernels()["concat_rms_norm"][(x.shape[0], 2)](
         x, weight, x2, weight2, out, x.stride(0), x2.stride(0), out.stride(0), size, size2, eps, BLOCK=block,
-        num_warps=min(16, max(1, block // 512)),
+        num_warps=row_warps(block),
     )  # fmt: skip
     return out
 
@@ -147,6 +147,11 @@ def triton_argmax(logits: torch.Tensor, chunk: int = ARGMAX_CHUNK) -> torch.Tens
 
 def next_power_of_2(n: int) -> int:
     return 1 << (max(1, n) - 1).bit_length()
+
+
+def row_warps(block: int) -> int:
+    """Warps of a one-row-a-program kernel over `block` columns: one per 512, 1 to 16."""
+    return min(16, max(1, block // 512))
 
 
 @functools.cache

@@ -116,8 +116,7 @@ _symmetric: SymmetricAllReduce | None = None
 def all_reduce(x: torch.Tensor, keep_input: bool = False) -> torch.Tensor:
     """The sum of `x` over the ranks: through symmetric memory for a small or mid-sized tensor where set up (a new
     tensor), else NCCL's (or gloo's) in place, on a copy where `keep_input` (a partial sum still to be read)."""
-    kind = _symmetric.route(x) if _symmetric is not None else "nccl"
-    if _symmetric is not None and kind != "nccl":
+    if _symmetric is not None and (kind := _symmetric.route(x)) != "nccl":
         return _symmetric(x, kind)
     if keep_input:
         x = x.clone()

@@ -25,7 +25,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from executor_service.models.fused_ops import add_rms_norm, next_power_of_2
+from executor_service.models.fused_ops import add_rms_norm, next_power_of_2, row_warps
 from executor_service.parallel.all_reduce import DTYPES, all_reduce
 
 SLICES = 3  # 0: a pass's first call; 1 and 2 alternate after it
@@ -92,7 +92,7 @@ def launch(
     _kernel()[(rows,)](
         x, residual if residual is not None else x, weight, normed, stream, buffer_ptrs, flag_ptrs, slice_offset,
         width, eps, RANK=rank, WORLD=world, HAS_RESIDUAL=residual is not None, BLOCK=block,
-        num_warps=min(16, max(1, block // 512)),
+        num_warps=row_warps(block),
     )  # fmt: skip
     return normed, stream
 

@@ -194,8 +194,9 @@ def receive_moves(count: int, device: torch.device) -> tuple[torch.Tensor, torch
 
 
 def send_move(group: TensorParallelGroup, model_id: int, src: torch.Tensor, dst: torch.Tensor) -> None:
+    """An eager K/V move: the MOVE_KV message, then the slots as a captured step shares them."""
     send_header(group, Op.MOVE_KV, model_id, src.shape[0])
-    dist.broadcast(torch.cat([src, dst]), src=0)
+    share_moves(src, dst)
 
 
 def receive_move(values: list[int], device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
