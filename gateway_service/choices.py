@@ -114,12 +114,11 @@ class Choices:
         body: dict[str, Any] = {"type": "http.response.body", "body": b"", "more_body": True}
         finished: dict[int, executor_pb2.Finished] = {}
         reads: dict[asyncio.Future, int] = {}
-        ready, started = list(enumerate(firsts)), set()
+        ready = [(index, message, True) for index, message in enumerate(firsts)]  # (choice, message, its first)
         try:
             while True:
-                for index, message in ready:
-                    chunk = self.shaper.chunk(message, index not in started, index)  # an aborted finish: ApiError
-                    started.add(index)
+                for index, message, first in ready:
+                    chunk = self.shaper.chunk(message, first, index)  # an aborted finish raises ApiError
                     if message.HasField("finished"):
                         finished[index] = message.finished
                         self.generations[index].count_finished(message.finished)
@@ -135,7 +134,7 @@ class Choices:
                     index, message = reads.pop(task), task.result()  # raises ApiError, Disconnected
                     if message is None:
                         raise ApiError(502, "the executor's stream ended without its final message", code="bad_gateway")
-                    ready.append((index, message))
+                    ready.append((index, message, False))
         finally:
             for task in reads:
                 task.cancel()
