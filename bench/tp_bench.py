@@ -207,7 +207,7 @@ def collective_share(session: ModelSession, args: argparse.Namespace) -> dict[st
     from torch.profiler import ProfilerActivity, profile
 
     from executor_service.parallel.driver import TensorParallelModel
-    from executor_service.parallel.rank_profile import PROFILE_DIR_ENV, summarize
+    from executor_service.parallel.rank_profile import PROFILE_DIR_ENV, summarize, write_timeline
 
     cuda = torch.device(args.device).type == "cuda"
     model = session.loaded.model
@@ -235,6 +235,8 @@ def collective_share(session: ModelSession, args: argparse.Namespace) -> dict[st
         followers.profile(False)
     steps = sum(step_replays(session).values()) - state["before"]
     report = summarize(prof, seconds, steps, cuda)
+    if cuda:
+        write_timeline(prof, 0)
     folder = os.environ.get(PROFILE_DIR_ENV)
     if followers is not None and folder:  # each follower's own summary of the same steps
         report["followers"] = {}

@@ -13,6 +13,9 @@
 #   b1       tp_bench --graphs, batch 1 (decode latency: decode_step_ms), target-only and EAGLE-3, 128 tokens a request
 #            (DECODE_TOKENS_B1): $OUT/b1/tp_*.json
 #   tests2   test_tp_gpu.py again (the issue asks for two passes in a row): $OUT/tp_gpu_tests_2.log
+#   timeline tp_bench --graphs, batch 1, target-only, at each TP size > 1 with every rank's kernel timeline kept
+#            (SPECDEC_TP_TIMELINE_DIR), lined up by bench/tp_timeline.py: which rank reaches each collective last
+#            and why: $OUT/timeline_tp*.json, the raw timelines in $OUT/timelines.tar.gz
 #   ar       bench/all_reduce_bench.py at each TP size > 1: NCCL, one-shot and two-shot per call in a graph, 8 KiB to
 #            8 MiB (where parallel/all_reduce.py's size limits come from): $OUT/ar/all_reduce_*.json
 # Both bench steps run EAGLE-3 with --drafts always-right (DRAFTS; `synthetic` for the step's cost alone): the target
@@ -74,6 +77,15 @@ for step in ${steps//,/ }; do
         tests/executor/tp/test_tp_gpu.py tests/executor/tp/test_all_reduce_gpu.py 2>&1 | tee "$out/tp_gpu_tests_$n.log" | grep -E "passed|failed|FAILED|Error|graph replays" ;;
     b32) bench b32 32 330 "${ALL_REDUCE:-auto,nccl}" "${DECODE_TOKENS:-64}" ;;
     b1) bench b1 1 200 "${ALL_REDUCE_B1:-auto}" "${DECODE_TOKENS_B1:-128}" ;;
+    timeline) sizes=${TP_SIZES:-1,2,4}
+      for world in ${sizes//,/ }; do
+        ((world > 1)) && ((world <= $(nvidia-smi -L | wc -l))) || continue
+        SPECDEC_TP_TIMELINE_DIR=/tmp/timelines/tp$world timeout -s USR1 -k 15 "$(left 120)" python3 bench/tp_bench.py \
+          --graphs --batch 1 --decode-tokens 32 --method none --tp-sizes "$world" --all-reduce "${ALL_REDUCE_B1:-auto}" \
+          --repeats 1 --size-timeout 100 --out /tmp/timelines/bench 2>&1 | grep -v "Warning\|return func" | tee -a "$out/timeline.log"
+        python3 bench/tp_timeline.py /tmp/timelines/tp$world --out "$out/timeline_tp$world.json" | head -40
+      done
+      tar -czf "$out/timelines.tar.gz" -C /tmp timelines ;;
     ar) sizes=${TP_SIZES:-1,2,4}
       for world in ${sizes//,/ }; do
         ((world > 1)) && ((world <= $(nvidia-smi -L | wc -l))) || continue

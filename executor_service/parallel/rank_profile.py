@@ -17,9 +17,14 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from torch.autograd import DeviceType
 from torch.profiler import ProfilerActivity, profile
 
 PROFILE_DIR_ENV = "SPECDEC_TP_PROFILE_DIR"
+# Where each rank also writes its kernels' timeline (timeline_rank<r>.json): the ranks' kernels on one host share
+# the host's clock, so lining them up shows which rank reaches each collective last (bench/tp_timeline.py).
+TIMELINE_DIR_ENV = "SPECDEC_TP_TIMELINE_DIR"
+TIMELINE_KERNELS = 4000
 TOP_KERNELS = 12
 
 log = logging.getLogger("specdec.parallel")
@@ -59,6 +64,27 @@ def summarize(prof: profile, seconds: float, steps: int, cuda: bool) -> dict[str
     return report
 
 
+def kernel_timeline(prof: profile) -> list[tuple[str, float, float]]:
+    """The profiled GPU kernels in start order, at most TIMELINE_KERNELS: (name, start us, duration us), the starts
+    on the host's clock (the profiler's events count from its own trace start, which differs by rank)."""
+    results = getattr(prof.profiler, "kineto_results", None)
+    origin = results.trace_start_ns() / 1000 if results is not None else 0.0
+    kernels = [e for e in prof.events() if e.device_type == DeviceType.CUDA]
+    kernels.sort(key=lambda e: e.time_range.start)
+    return [
+        (e.name[:60], round(origin + e.time_range.start, 2), round(e.time_range.elapsed_us(), 2))
+        for e in kernels[:TIMELINE_KERNELS]
+    ]
+
+
+def write_timeline(prof: profile, rank: int) -> None:
+    """timeline_rank<rank>.json under $SPECDEC_TP_TIMELINE_DIR, where it is set (GPU profiles only)."""
+    folder = os.environ.get(TIMELINE_DIR_ENV)
+    if folder:
+        Path(folder).mkdir(parents=True, exist_ok=True)
+        (Path(folder) / f"timeline_rank{rank}.json").write_text(json.dumps(kernel_timeline(prof)))
+
+
 class RankProfile:
     """A follower's profile between PROFILE on and off; `count_step` is told of each FORWARD and REPLAY."""
 
@@ -79,6 +105,8 @@ class RankProfile:
             seconds = time.perf_counter() - self.started
             self.prof.__exit__(None, None, None)
             summary = summarize(self.prof, seconds, self.steps, self.cuda)
+            if self.cuda:
+                write_timeline(self.prof, self.rank)
             self.prof = None
             self._write(summary)
 
