@@ -23,7 +23,8 @@
 # EAGLE-3 bar (that speedup at TP N over TP 1's >= 0.9, with 0 requests unlike target-only's; the JSON's `speedups`).
 # The echoing weights leave the target-only figures' cost as it was (values never change a pass's cost). The drafts
 # are echoed in the device step (steps launch ahead, as with a real drafter); ECHO_ON=host: the older host-only echo.
-# Output stays under the device tool's 8 files: info.txt, two test logs, two bench logs and their JSON files.
+# Output stays under the device tool's 8 files: info.txt, the test logs, the bench logs and their JSON files (with
+# ar's JSON files too, one more than 8 when every step runs: run ar in a call of its own, or beside fewer steps).
 # Each step has a cap (nccl 45 s, tests 260 s (TESTS_CAP_S), b32 330 s, b1 200 s) and gets at most what is left of BUDGET_S, so
 # tests2 may be squeezed: if its log says it ran out, run `... gpu_tp_check.sh tests2` in a second call. A step cut
 # short keeps what it wrote (tp_bench writes its file after each TP size). NVLink multicast stays off (the host's
@@ -90,7 +91,7 @@ for step in ${steps//,/ }; do
       for world in ${sizes//,/ }; do
         ((world > 1)) && ((world <= $(nvidia-smi -L | wc -l))) || continue
         timeout -k 10 "$(left 60)" python3 bench/all_reduce_bench.py --world "$world" --out "$out/ar" 2>&1 \
-          | grep -v Warning | tee -a "$out/ar.log"
+          | grep -v Warning  # its JSON files are the record (the tool returns at most 8 files)
       done ;;
     *) echo "unknown step $step" ;;
   esac
