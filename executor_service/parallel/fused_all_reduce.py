@@ -13,6 +13,13 @@ has passed a later call's barrier, which its peers reach only after reading that
 embedding's) takes slice 0 and its later calls alternate between 1 and 2 (`begin_pass`), so the same slice is
 never used twice in a row, within a pass or across passes and graphs, whatever a pass's number of calls.
 
+Push (`SPECDEC_TP_ALL_REDUCE=push`, under measurement): each rank stores its row straight into every peer's buffer
+(its own section of the slice) and reads its peers' rows from its own buffer, waiting until no element still holds
+the empty mark (-0.0, which no sent value is: a sender adds +0.0 first), then puts the mark back. One NVLink hop,
+posted, where the flags cost a signal's round trip and a remote read; no flags at all. A slice is reused no sooner
+than two calls later, when every peer has read it and put its marks back (a rank at call c has read its peers'
+rows of c - 1, which they sent after finishing c - 2).
+
 Where the kernel cannot run or does not pay (the CPU, gloo, more than MAX_FUSED_ROWS rows, a tensor over the
 one-shot limit, another layout) the same result comes from the all-reduce and add_rms_norm apart.
 """
@@ -29,22 +36,27 @@ from executor_service.models.fused_ops import add_rms_norm, next_power_of_2, row
 from executor_service.parallel.all_reduce import DTYPES, all_reduce
 
 SLICES = 3  # 0: a pass's first call; 1 and 2 alternate after it
+EMPTY = -0.0  # a pushed buffer's mark for "not yet written" (push)
 # Rows a call fuses: one program a row. On 2x H200 (8B shape) a batch-1 decode step ran 4.8 % faster fused, an 8-row
 # verify as fast, but batch 32 1.3 % slower (32 programs read 256 KiB more slowly than PyTorch's one-shot kernel).
 MAX_FUSED_ROWS = 8  # and the flags per peer: one per program
 
 
 class FusedAllReduceNorm:
-    """Symmetric buffers (SLICES slices of `max_bytes` per float dtype) and flags, set up on every rank at once."""
+    """Symmetric buffers (SLICES slices of `max_bytes` per float dtype; pushed: a section of `max_bytes` per rank in
+    each slice, filled with the empty mark) and flags, set up on every rank at once."""
 
-    def __init__(self, group_name: str, device: torch.device, max_bytes: int) -> None:
+    def __init__(self, group_name: str, device: torch.device, max_bytes: int, push: bool = False) -> None:
         import torch.distributed._symmetric_memory as symm_mem
 
-        self.max_bytes = max_bytes
+        self.max_bytes, self.push = max_bytes, push
         self.handles: dict[torch.dtype, Any] = {}
         self.buffers: dict[torch.dtype, torch.Tensor] = {}
+        sections = dist.get_world_size() if push else 1
         for dtype in DTYPES:
-            buffer = symm_mem.empty(SLICES * max_bytes // dtype.itemsize, dtype=dtype, device=device)
+            buffer = symm_mem.empty(SLICES * sections * max_bytes // dtype.itemsize, dtype=dtype, device=device)
+            if push:
+                buffer.fill_(EMPTY)
             self.handles[dtype] = symm_mem.rendezvous(buffer, group_name)
             self.buffers[dtype] = buffer
         self.flags = symm_mem.empty(MAX_FUSED_ROWS * dist.get_world_size(), dtype=torch.int32, device=device)
@@ -74,25 +86,31 @@ class FusedAllReduceNorm:
     ) -> tuple[torch.Tensor, torch.Tensor]:
         slot = 0 if self.calls == 0 else 1 + (self.calls - 1) % 2
         self.calls += 1
+        section = self.max_bytes // x.element_size() if self.push else 0
+        sections = self.world if self.push else 1
         return launch(
             x, residual, weight, eps, self.handles[x.dtype].buffer_ptrs_dev, self.flag_handle.buffer_ptrs_dev,
-            slot * self.max_bytes // x.element_size(), self.rank, self.world,
+            slot * sections * self.max_bytes // x.element_size(), self.rank, self.world, section,
         )  # fmt: skip
 
 
 def launch(
     x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float, buffer_ptrs: int,
-    flag_ptrs: int, slice_offset: int, rank: int, world: int,
+    flag_ptrs: int, slice_offset: int, rank: int, world: int, section: int = 0,
 ) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
     """The kernel over one call's rows: `buffer_ptrs` / `flag_ptrs` are the addresses of arrays of every rank's
-    buffer and flags as mapped in this process, `slice_offset` the call's slice in elements. (normed, stream)."""
+    buffer and flags as mapped in this process, `slice_offset` the call's slice in elements; `section` (elements)
+    > 0: pushed, each rank's rows at that stride within the slice (the flags unused). (normed, stream)."""
+    import triton.language as tl
+
     rows, width = x.shape
     normed, stream = torch.empty_like(x), torch.empty_like(x)
     block = next_power_of_2(width)
+    bits, mark = (tl.int16, -(1 << 15)) if x.element_size() == 2 else (tl.int32, -(1 << 31))  # -0.0's bits
     _kernel()[(rows,)](
         x, residual if residual is not None else x, weight, normed, stream, buffer_ptrs, flag_ptrs, slice_offset,
-        width, eps, RANK=rank, WORLD=world, HAS_RESIDUAL=residual is not None, BLOCK=block,
-        num_warps=row_warps(block),
+        section, width, eps, RANK=rank, WORLD=world, HAS_RESIDUAL=residual is not None, PUSH=section > 0,
+        BITS=bits, MARK=mark, BLOCK=block, num_warps=row_warps(block),
     )  # fmt: skip
     return normed, stream
 
@@ -115,16 +133,17 @@ def begin_pass() -> None:
         _fused.begin_pass()
 
 
-def set_up_fused(device: torch.device, world_size: int, max_bytes: int) -> bool:
-    """Every rank, after the group's all-reduces are set up: the fused kernel where symmetric memory and Triton
-    are there on every rank (the ranks agree), else the all-reduce and norm apart. Returns whether it is on."""
+def set_up_fused(device: torch.device, world_size: int, max_bytes: int, push: bool = False) -> bool:
+    """Every rank, after the group's all-reduces are set up: the fused kernel (`push`: its pushed exchange) where
+    symmetric memory and Triton are there on every rank (the ranks agree), else the all-reduce and norm apart.
+    Returns whether it is on."""
     global _fused
     _fused = None
     if device.type != "cuda" or world_size < 2:
         return False
     fused = None
     try:
-        fused = FusedAllReduceNorm(dist.group.WORLD.group_name, device, max_bytes)
+        fused = FusedAllReduceNorm(dist.group.WORLD.group_name, device, max_bytes, push)
         if not _sums_right(fused, device, world_size):
             fused = None
     except Exception:  # no peer access, an old torch or Triton: the unfused path
@@ -158,8 +177,9 @@ def _kernel() -> Any:
 
     @triton.jit
     def all_reduce_add_rms_norm_kernel(
-        x_ptr, r_ptr, w_ptr, out_ptr, h_ptr, buffer_ptrs, flag_ptrs, slice_offset, size, eps,
-        RANK: tl.constexpr, WORLD: tl.constexpr, HAS_RESIDUAL: tl.constexpr, BLOCK: tl.constexpr,
+        x_ptr, r_ptr, w_ptr, out_ptr, h_ptr, buffer_ptrs, flag_ptrs, slice_offset, section, size, eps,
+        RANK: tl.constexpr, WORLD: tl.constexpr, HAS_RESIDUAL: tl.constexpr, PUSH: tl.constexpr, BITS: tl.constexpr,
+        MARK: tl.constexpr, BLOCK: tl.constexpr,
     ):  # fmt: skip
         row = tl.program_id(0).to(tl.int64)
         offs = tl.arange(0, BLOCK)
@@ -170,27 +190,45 @@ def _kernel() -> Any:
         flag_ptrs = flag_ptrs.to(tl.pointer_type(tl.uint64))
         x = tl.load(x_ptr + row * size + offs, mask=mask, other=0.0)
         own = tl.load(buffer_ptrs + RANK).to(tl.pointer_type(element))
-        tl.store(own + at, x, mask=mask)
-        tl.debug_barrier()  # the whole row written before the flags say so
-        program = tl.program_id(0)
-        for peer in tl.static_range(WORLD):
-            if peer != RANK:
-                flags = tl.load(flag_ptrs + peer).to(tl.pointer_type(tl.int32))
-                while tl.atomic_cas(flags + program * WORLD + RANK, 0, 1, sem="release", scope="sys") != 0:
-                    pass
-        for peer in tl.static_range(WORLD):
-            if peer != RANK:
-                flags = tl.load(flag_ptrs + RANK).to(tl.pointer_type(tl.int32))
-                while tl.atomic_cas(flags + program * WORLD + peer, 1, 0, sem="acquire", scope="sys") != 1:
-                    pass
-        tl.debug_barrier()  # every peer's row read after its flag
         total = tl.zeros([BLOCK], dtype=tl.float32)
-        for peer in tl.static_range(WORLD):  # rank order: every rank sums the same bits the same way
-            if peer == RANK:
-                total += x.to(tl.float32)
-            else:
-                base = tl.load(buffer_ptrs + peer).to(tl.pointer_type(element))
-                total += tl.load(base + at, mask=mask, other=0.0, volatile=True).to(tl.float32)
+        if PUSH:
+            x = (x.to(tl.float32) + 0.0).to(element)  # -0.0 -> +0.0: the empty mark is never sent
+            for peer in tl.static_range(WORLD):
+                if peer != RANK:
+                    base = tl.load(buffer_ptrs + peer).to(tl.pointer_type(element))
+                    tl.store(base + at + RANK * section, x, mask=mask)
+            empty = tl.full([BLOCK], MARK, BITS).to(element, bitcast=True)  # -0.0: the sign bit alone
+            for peer in tl.static_range(WORLD):  # rank order: every rank sums the same bits the same way
+                if peer == RANK:
+                    total += x.to(tl.float32)
+                else:
+                    part = own + at + peer * section
+                    v = tl.load(part, mask=mask, other=1.0, volatile=True)
+                    while tl.sum((v.to(BITS, bitcast=True) == MARK).to(tl.int32), 0) > 0:
+                        v = tl.load(part, mask=mask, other=1.0, volatile=True)
+                    total += tl.where(mask, v.to(tl.float32), 0.0)  # (the lanes past the row read 1.0)
+                    tl.store(part, empty, mask=mask)  # read: empty again for the slice's next call
+        else:
+            tl.store(own + at, x, mask=mask)
+            tl.debug_barrier()  # the whole row written before the flags say so
+            program = tl.program_id(0)
+            for peer in tl.static_range(WORLD):
+                if peer != RANK:
+                    flags = tl.load(flag_ptrs + peer).to(tl.pointer_type(tl.int32))
+                    while tl.atomic_cas(flags + program * WORLD + RANK, 0, 1, sem="release", scope="sys") != 0:
+                        pass
+            for peer in tl.static_range(WORLD):
+                if peer != RANK:
+                    flags = tl.load(flag_ptrs + RANK).to(tl.pointer_type(tl.int32))
+                    while tl.atomic_cas(flags + program * WORLD + peer, 1, 0, sem="acquire", scope="sys") != 1:
+                        pass
+            tl.debug_barrier()  # every peer's row read after its flag
+            for peer in tl.static_range(WORLD):  # rank order: every rank sums the same bits the same way
+                if peer == RANK:
+                    total += x.to(tl.float32)
+                else:
+                    base = tl.load(buffer_ptrs + peer).to(tl.pointer_type(element))
+                    total += tl.load(base + at, mask=mask, other=0.0, volatile=True).to(tl.float32)
         summed = total.to(element)  # rounded as the all-reduce's output is
         h = summed.to(tl.float32)
         if HAS_RESIDUAL:

@@ -98,8 +98,10 @@ def init_tensor_parallel(
     control = dist.new_group(backend="gloo", timeout=CONTROL_TIMEOUT)
     _group = TensorParallelGroup(rank, world_size, device, control, ring)
     _group.all_reduce = set_up_all_reduce(device, world_size)
-    if choice() == "auto" and set_up_fused(device, world_size, one_shot_limit()):
-        _group.all_reduce += "; fused with the norm after it up to the one-shot limit"
+    wanted = choice()
+    if wanted in ("auto", "push") and set_up_fused(device, world_size, one_shot_limit(), push=wanted == "push"):
+        pushed = " (pushed)" if wanted == "push" else ""
+        _group.all_reduce += f"; fused with the norm after it up to the one-shot limit{pushed}"
     return _group
 
 

@@ -2,7 +2,9 @@
 group through init_tensor_parallel (SPECDEC_TP_ALL_REDUCE from the environment), then all-reduces chains of
 tensors eagerly and inside a CUDA graph, at sizes on both sides of each limit (one-shot, two-shot, NCCL), and rank
 0 prints JSON: what the all-reduces used, and per case whether the results equal a reference sum of the ranks'
-inputs computed on every rank in rank order."""
+inputs computed on every rank in rank order. Then the all-reduce fused with the residual add and RMSNorm
+(fused_all_reduce.py; SPECDEC_TP_ALL_REDUCE auto: the flags, push: the pushed rows) over 1 to 8 rows, a pass of
+calls at a time, eagerly and in a graph: its stream must equal add_rms_norm's of the exact sum, its norm be close."""
 
 from __future__ import annotations
 
@@ -15,7 +17,9 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[3]))
 
+from executor_service.models.fused_ops import add_rms_norm
 from executor_service.parallel.all_reduce import ONE_SHOT_MAX_BYTES, TWO_SHOT_MAX_BYTES, all_reduce
+from executor_service.parallel.fused_all_reduce import all_reduce_add_rms_norm, begin_pass
 from executor_service.parallel.state import destroy_tensor_parallel, init_tensor_parallel
 
 CHAIN = 6  # dependent all-reduces in a row: a rank refilling the buffer while a peer reads it would show
@@ -39,6 +43,63 @@ def expected(world: int, numel: int, dtype: torch.dtype, device: torch.device, r
     for _ in range(CHAIN - 1):
         total = total * world * 0.5
     return (total * 0.5).to(dtype)
+
+
+def fused_pass(xs: list[torch.Tensor], residual: torch.Tensor, weight: torch.Tensor) -> list[torch.Tensor]:
+    """One pass's fused calls (their slices rotate from the pass's start): each call's normed and stream."""
+    begin_pass()
+    out: list[torch.Tensor] = []
+    for x in xs:
+        out.extend(all_reduce_add_rms_norm(x, residual, weight, 1e-6))
+    return out
+
+
+def fused_case(world: int, rank: int, rows: int, dtype: torch.dtype, device: torch.device, round_: int) -> tuple:
+    """(this rank's partials of a pass's CHAIN calls, residual, weight, the expected normed and streams)."""
+    width = 4096
+    xs = [inputs(rank, rows * width, dtype, device, 10 * round_ + c).view(rows, width) for c in range(CHAIN)]
+    for c, x in enumerate(xs):
+        x[0, c] = -0.0  # a pushed buffer's empty mark: the kernel must send it as +0.0 (or wait forever)
+    residual = inputs(world, rows * width, dtype, device, 10 * round_ + 9).view(rows, width)
+    weight = torch.linspace(0.5, 1.5, width, device=device, dtype=dtype)
+    want: list[torch.Tensor] = []
+    for c in range(CHAIN):
+        total = sum(inputs(r, rows * width, dtype, device, 10 * round_ + c).double() for r in range(world))
+        want.extend(add_rms_norm(total.to(dtype).view(rows, width), residual, weight, 1e-6))
+    return xs, residual, weight, want
+
+
+def same(got: list[torch.Tensor], want: list[torch.Tensor], dtype: torch.dtype) -> bool:
+    """The streams equal, the norms close (the fused kernel rounds as add_rms_norm does)."""
+    tolerance = 2e-2 if dtype == torch.bfloat16 else 1e-5
+    streams = all(torch.equal(g, w) for g, w in zip(got[1::2], want[1::2], strict=True))
+    normed = all(torch.allclose(g, w, rtol=tolerance, atol=tolerance) for g, w in zip(got[::2], want[::2], strict=True))
+    return streams and normed
+
+
+def fused_cases(world: int, rank: int, device: torch.device, results: dict[str, bool]) -> None:
+    """The fused all-reduce + norm against add_rms_norm of the exact sum, eagerly and replayed in a graph."""
+    for dtype in (torch.bfloat16, torch.float32):
+        for rows in (1, 4, 8):
+            xs, residual, weight, want = fused_case(world, rank, rows, dtype, device, 0)
+            results[f"fused eager {dtype} {rows}"] = same(fused_pass(xs, residual, weight), want, dtype)
+            static, static_residual = [torch.zeros_like(x) for x in xs], torch.zeros_like(residual)
+            warm = torch.cuda.Stream()
+            warm.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(warm):
+                fused_pass(static, static_residual, weight)
+            torch.cuda.current_stream().wait_stream(warm)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph):
+                out = fused_pass(static, static_residual, weight)
+            for round_ in (1, 2, 3):
+                xs, residual, _, want = fused_case(world, rank, rows, dtype, device, round_)
+                for target, x in zip(static, xs, strict=True):
+                    target.copy_(x)
+                static_residual.copy_(residual)
+                graph.replay()
+                results[f"fused graph {dtype} {rows} #{round_}"] = same(out, want, dtype)
+            del graph
 
 
 def main() -> None:
@@ -74,6 +135,7 @@ def main() -> None:
                 good = torch.equal(out, expected(args.world, numel, dtype, device, round_))
                 results[f"graph {dtype} {numel} #{round_}"] = good
             del graph
+    fused_cases(args.world, args.rank, device, results)
     torch.cuda.synchronize()
     if args.rank == 0:
         print(json.dumps({"all_reduce": group.all_reduce, "results": results}), flush=True)

@@ -17,7 +17,7 @@ def test_unknown_choice_names_the_variable(monkeypatch: pytest.MonkeyPatch) -> N
     assert len(str(info.value)) < 200  # the echoed value is cut
 
 
-@pytest.mark.parametrize("choice", ["", "auto", "NCCL", "one-shot", "Unfused"])
+@pytest.mark.parametrize("choice", ["", "auto", "NCCL", "one-shot", "Unfused", "push"])
 def test_known_choices(monkeypatch: pytest.MonkeyPatch, choice: str) -> None:
     monkeypatch.setenv(all_reduce_module.ENV, choice)
     assert all_reduce_module.choice() == (choice.lower() or "auto")
