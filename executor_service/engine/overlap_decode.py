@@ -41,7 +41,7 @@ from executor_service.engine.outcome import StepOutcome
 from executor_service.engine.request import Request, Status
 from executor_service.engine.scheduler import ScheduledStep, Scheduler
 from executor_service.models.attention_step import AttentionStep, block_table_tensor, cache_slot, to_device
-from executor_service.models.fused_ops import argmax
+from executor_service.models.fused_ops import checked_argmax
 from executor_service.runner.host_copy import HostCopy
 from executor_service.runner.model_runner import ModelRunner, StepInputs
 from executor_service.runner.step_constants import StepConstants
@@ -200,10 +200,10 @@ class DecodeOverlap:
     ) -> LaunchedDecode:
         """Sample each row as the host path does (host_verify.verify_on_host with no drafts: the same checks, the
         same verify call) and queue the read-back. `roots`: each row's position, its draws' key."""
-        finite = torch.isfinite(logits.gather(-1, logits.argmax(dim=-1, keepdim=True))[:, 0])
+        top, finite = checked_argmax(logits)
         settings = [r.settings for r in requests]
         if all(s.greedy for s in settings):
-            tokens = argmax(logits)  # verifier.verify_greedy's token after no drafts
+            tokens = top  # verifier.verify_greedy's token after no drafts
             packed = torch.cat([finite.long(), tokens])
         else:
             count, device = len(requests), logits.device

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 import torch
 
 from executor_service.engine.request import Request
+from executor_service.models.fused_ops import checked_argmax
 from executor_service.sample.device_sampling import SamplingTensors, StepKeys
 from executor_service.sample.penalties import penalised_logits
 from executor_service.sample.sampling import DraftProbs, host_sort, to_host
@@ -92,8 +93,7 @@ def verify_on_host(
         starts.append(starts[-1] + len(request_tokens) + 1)
     settings = [r.settings for r in requests]
     processed = penalised_logits(logits, settings, requests, tokens, trees)
-    raw_argmax = logits.argmax(dim=-1)
-    finite = torch.isfinite(logits.gather(-1, raw_argmax[:, None])[:, 0])  # argmax finds a NaN or +inf if any
+    finite = checked_argmax(logits)[1]  # no NaN or +inf, not all -inf
     kept = [[] if e is not None else t for t, e in zip(tokens, errors, strict=True)]  # a bad request: its root
     verdict = _verify_batch(processed, requests, kept, trees, starts, draft_probs)
     valid = verdict.valid if verdict.valid is not None else torch.ones_like(verdict.accepted, dtype=torch.bool)

@@ -127,10 +127,29 @@ def test_triton_argmax_matches_reference_including_ties_across_chunks() -> None:
     logits[3, 99] = 50.0  # in the partial last chunk
     logits[4] = -1e30  # all equal (and far below zero): index 0
     logits = logits.to(DEVICE)
-    got = fused_ops.triton_argmax(logits, chunk=16)
+    got, finite = fused_ops.triton_argmax(logits, chunk=16)
     assert got.dtype == torch.int64
     assert got.tolist() == argmax_reference(logits)
     assert got.tolist()[1:] == [37, 64, 99, 0]
+    assert finite.tolist() == [True] * 5
+
+
+@triton_runs
+@pytest.mark.parametrize("fused", [True, False], ids=["triton", "torch"])
+def test_checked_argmax_flags_rows_whose_maximum_is_not_finite(fused: bool) -> None:
+    """A NaN or +inf anywhere in a row (in any chunk), or a row of -inf alone, is not finite; -inf entries beside
+    finite ones are (masked tokens). The argmax of the finite rows is torch's."""
+    generator = torch.Generator().manual_seed(3)
+    logits = torch.randn(6, 100, generator=generator)
+    logits[1, 70] = float("nan")  # in a later chunk than the maximum
+    logits[2, 3] = float("inf")
+    logits[3] = float("-inf")
+    logits[4, :50] = float("-inf")  # masked tokens: still finite
+    logits[5, 99] = float("nan")  # in the partial last chunk
+    logits = logits.to(DEVICE)
+    ids, finite = fused_ops.triton_argmax(logits, chunk=16) if fused else fused_ops.checked_argmax(logits.cpu())
+    assert finite.tolist() == [True, False, False, False, True, False]
+    assert ids[[0, 4]].tolist() == [argmax_reference(logits)[i] for i in (0, 4)]
 
 
 def test_public_functions_match_the_references_on_this_device() -> None:
