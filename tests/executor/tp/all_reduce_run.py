@@ -3,7 +3,7 @@ group through init_tensor_parallel (SPECDEC_TP_ALL_REDUCE from the environment),
 tensors eagerly and inside a CUDA graph, at sizes on both sides of each limit (one-shot, two-shot, NCCL), and rank
 0 prints JSON: what the all-reduces used, and per case whether the results equal a reference sum of the ranks'
 inputs computed on every rank in rank order. Then the all-reduce fused with the residual add and RMSNorm
-(fused_all_reduce.py; SPECDEC_TP_ALL_REDUCE auto: the flags, push: the pushed rows) over 1 to 8 rows, a pass of
+(fused_all_reduce.py; SPECDEC_TP_ALL_REDUCE auto: the flags, push: the pushed rows) over 1 to 32 rows, a pass of
 calls at a time, eagerly and in a graph: its stream must equal add_rms_norm's of the exact sum, its norm be close."""
 
 from __future__ import annotations
@@ -80,7 +80,7 @@ def same(got: list[torch.Tensor], want: list[torch.Tensor], dtype: torch.dtype) 
 def fused_cases(world: int, rank: int, device: torch.device, results: dict[str, bool]) -> None:
     """The fused all-reduce + norm against add_rms_norm of the exact sum, eagerly and replayed in a graph."""
     for dtype in (torch.bfloat16, torch.float32):
-        for rows in (1, 4, 8):
+        for rows in (1, 4, 8, 32):  # past 8 rows only the pushed kernel fuses
             xs, residual, weight, want = fused_case(world, rank, rows, dtype, device, 0)
             results[f"fused eager {dtype} {rows}"] = same(fused_pass(xs, residual, weight), want, dtype)
             static, static_residual = [torch.zeros_like(x) for x in xs], torch.zeros_like(residual)

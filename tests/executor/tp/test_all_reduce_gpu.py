@@ -2,7 +2,7 @@
 their sums exact (integer inputs) for bf16 and fp32, from 8 elements through the one-shot and two-shot limits and
 one past each, eagerly and replayed in a CUDA graph, through chains of dependent all-reduces that reuse one buffer
 (`auto`: one-shot and two-shot by size; `one-shot`: one-shot alone; `push`: auto's, with the all-reduce fused with
-the norm pushing its rows), and the fused all-reduce + norm over 1-8 rows against add_rms_norm of the exact sum. A
+the norm pushing its rows), and the fused all-reduce + norm over 1-32 rows against add_rms_norm of the exact sum. A
 negative control runs the same cases on NCCL alone (SPECDEC_TP_ALL_REDUCE=nccl: the kind reported changes)."""
 
 from __future__ import annotations
