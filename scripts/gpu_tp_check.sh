@@ -9,7 +9,7 @@
 #            run under SPECDEC_TP_TEST_TIMEOUT_S (90 s); and test_all_reduce_gpu.py (the one-shot all-reduce's
 #            sums at 2 and 4 GPUs): $OUT/tp_gpu_tests_1.log
 #   b32      tp_bench --graphs, 8B shape bf16, batch 32, target-only and EAGLE-3, each TP > 1 under every
-#            ALL_REDUCE choice (default auto,nccl): $OUT/b32/tp_*.json
+#            ALL_REDUCE choice (default auto,nccl; e.g. auto,push for the pushed fused all-reduce): $OUT/b32/tp_*.json
 #   b1       tp_bench --graphs, batch 1 (decode latency: decode_step_ms), target-only and EAGLE-3, 128 tokens a request
 #            (DECODE_TOKENS_B1): $OUT/b1/tp_*.json
 #   tests2   test_tp_gpu.py again (the issue asks for two passes in a row): $OUT/tp_gpu_tests_2.log
