@@ -7,7 +7,8 @@ collectives in the same order, so the i-th collective of each rank is one meetin
 makes the others wait, and a collective's time on a rank (its kernel's duration) is mostly that wait. Per rank
 this prints how late it arrives (start minus the earliest rank's start), the idle time on its GPU before it
 (the gap after the kernel before: host launches, dependencies), and its work between two meetings (the other
-kernels' time), per step (a step: one of the graph's input broadcasts to the next).
+kernels' time), per step (a step: one of the graph's input broadcasts to the next), from the second step on (the
+profile starts on rank 0 first).
 
     python bench/tp_timeline.py DIR [--out FILE]
 """
@@ -43,27 +44,31 @@ def analyse(ranks: dict[int, list[Kernel]]) -> dict:
     met = {r: meetings(kernels) for r, kernels in ranks.items()}
     count = min(len(m) for m in met.values())
     names_agree = all(met[r][i][1][0] == met[0][i][1][0] for r in met for i in range(count))
+    # The profile starts on rank 0 first, so the first step's broadcast holds a follower's wait for it: steady
+    # state starts at the second step's broadcast.
+    starts = [i for i in range(count) if "Broadcast" in met[0][i][1][0]]
+    first = starts[1] if len(starts) > 2 else 0
     late: dict[int, list[float]] = {r: [] for r in ranks}
     gap: dict[int, list[float]] = {r: [] for r in ranks}
     work: dict[int, list[float]] = {r: [] for r in ranks}
     last_counts = dict.fromkeys(ranks, 0)
-    for i in range(count):
-        starts = {r: met[r][i][1][1] for r in ranks}
-        first = min(starts.values())
-        last_counts[max(starts, key=starts.__getitem__)] += 1
+    for i in range(first, count):
+        arrivals = {r: met[r][i][1][1] for r in ranks}
+        earliest = min(arrivals.values())
+        last_counts[max(arrivals, key=arrivals.__getitem__)] += 1
         for r, kernels in ranks.items():
             index, kernel = met[r][i]
-            late[r].append(starts[r] - first)
+            late[r].append(arrivals[r] - earliest)
             if index > 0:
                 before = kernels[index - 1]
                 gap[r].append(max(0.0, kernel[1] - (before[1] + before[2])))
-            if i > 0:
+            if i > first:
                 previous = met[r][i - 1][0]
                 work[r].append(sum(k[2] for k in kernels[previous + 1 : index] if not is_collective(k[0])))
-    steps = max(1, sum(1 for k in ranks[0] if "Broadcast" in k[0]))
-    report: dict = {"collectives": count, "steps": steps, "names_agree": names_agree, "ranks": {}}
+    steps = max(1, len(starts) - (1 if first else 0))
+    report: dict = {"collectives": count - first, "steps": steps, "names_agree": names_agree, "ranks": {}}
     for r in sorted(ranks):
-        collective_us = sum(met[r][i][1][2] for i in range(count))
+        collective_us = sum(met[r][i][1][2] for i in range(first, count))
         report["ranks"][r] = {
             "arrives_last": last_counts[r],
             "late_us_median": round(statistics.median(late[r]), 2),
@@ -74,15 +79,15 @@ def analyse(ranks: dict[int, list[Kernel]]) -> dict:
             "collective_us_per_step": round(collective_us / steps, 1),
             "kernels": len(ranks[r]),
         }
-    worst = sorted(range(count), key=lambda i: -max(late[r][i] for r in ranks))[:8]
+    worst = sorted(range(count - first), key=lambda j: -max(late[r][j] for r in ranks))[:8]
     report["latest_arrivals"] = [
         {
-            "collective": i,
-            "name": met[0][i][1][0][:40],
-            "late_us": {r: round(late[r][i], 1) for r in ranks},
-            "kernel_before": {r: ranks[r][met[r][i][0] - 1][0][:40] for r in ranks if met[r][i][0] > 0},
+            "collective": first + j,
+            "name": met[0][first + j][1][0][:40],
+            "late_us": {r: round(late[r][j], 1) for r in ranks},
+            "kernel_before": {r: ranks[r][met[r][first + j][0] - 1][0][:40] for r in ranks if met[r][first + j][0] > 0},
         }
-        for i in worst
+        for j in worst
     ]
     return report
 
