@@ -41,7 +41,7 @@ from executor_service.engine.outcome import StepOutcome
 from executor_service.engine.request import Request, Status
 from executor_service.engine.scheduler import ScheduledStep, Scheduler
 from executor_service.models.attention_step import AttentionStep, block_table_tensor, cache_slot, to_device
-from executor_service.models.fused_ops import checked_argmax
+from executor_service.models.fused_ops import checked_argmax, packed_checked_argmax
 from executor_service.runner.host_copy import HostCopy
 from executor_service.runner.model_runner import ModelRunner, StepInputs
 from executor_service.runner.step_constants import StepConstants
@@ -200,13 +200,14 @@ class DecodeOverlap:
     ) -> LaunchedDecode:
         """Sample each row as the host path does (host_verify.verify_on_host with no drafts: the same checks, the
         same verify call) and queue the read-back. `roots`: each row's position, its draws' key."""
-        top, finite = checked_argmax(logits)
         settings = [r.settings for r in requests]
+        count = len(requests)
         if all(s.greedy for s in settings):
-            tokens = top  # verifier.verify_greedy's token after no drafts
-            packed = torch.cat([finite.long(), tokens])
+            packed = packed_checked_argmax(logits)  # verifier.verify_greedy's token after no drafts
+            tokens = packed[count:]
         else:
-            count, device = len(requests), logits.device
+            finite = checked_argmax(logits)[1]
+            device = logits.device
             seeds = [r.seed for r in requests]
             sampling = SamplingTensors.build(settings, seeds, device)
             keys = StepKeys.on_host(seeds, roots, device)

@@ -94,6 +94,17 @@ def checked_argmax(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return ids, torch.isfinite(logits.gather(-1, ids[:, None])[:, 0])
 
 
+def packed_checked_argmax(logits: torch.Tensor) -> torch.Tensor:
+    """checked_argmax as one int64 tensor [2N]: [finite (0 / 1) | argmax], what a greedy decode step reads back;
+    the fused kernels write it in place (no cast and concatenation after them)."""
+    if _use_triton(logits):
+        packed = torch.empty(2 * logits.shape[0], dtype=torch.int64, device=logits.device)
+        triton_argmax(logits, packed=packed)
+        return packed
+    ids, finite = checked_argmax(logits)
+    return torch.cat([finite.long(), ids])
+
+
 # The launchers: on GPUs, or on the CPU under TRITON_INTERPRET=1 (the kernel tests).
 def triton_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     out = torch.empty_like(x)
@@ -139,17 +150,23 @@ def triton_silu_and_mul(gate_up: torch.Tensor, block: int = 1024) -> torch.Tenso
     return out
 
 
-def triton_argmax(logits: torch.Tensor, chunk: int = ARGMAX_CHUNK) -> tuple[torch.Tensor, torch.Tensor]:
-    """(argmax, finite) as checked_argmax. Two passes, so that a handful of rows still spread over the whole GPU:
-    the maximum of each chunk of the vocabulary (and whether it holds a NaN or +inf), then of the chunks. A row with
-    a NaN has an unspecified argmax here (torch's is the NaN's index); it is not finite either way."""
+def triton_argmax(
+    logits: torch.Tensor, chunk: int = ARGMAX_CHUNK, packed: torch.Tensor | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(argmax, finite) as checked_argmax; `packed` (int64 [2N]): written as [finite | argmax] instead, its halves
+    returned. Two passes, so that a handful of rows still spread over the whole GPU: the maximum of each chunk of
+    the vocabulary (and whether it holds a NaN or +inf), then of the chunks. A row with a NaN has an unspecified
+    argmax here (torch's is the NaN's index); it is not finite either way."""
     rows, vocab = logits.shape
     chunks = -(-vocab // chunk)
     partial_max = torch.empty(rows, chunks, dtype=torch.float32, device=logits.device)
     partial_idx = torch.empty(rows, chunks, dtype=torch.int64, device=logits.device)
     partial_bad = torch.empty(rows, chunks, dtype=torch.int32, device=logits.device)
-    out = torch.empty(rows, dtype=torch.int64, device=logits.device)
-    finite = torch.empty(rows, dtype=torch.bool, device=logits.device)
+    if packed is None:
+        out = torch.empty(rows, dtype=torch.int64, device=logits.device)
+        finite = torch.empty(rows, dtype=torch.bool, device=logits.device)
+    else:
+        finite, out = packed[:rows], packed[rows:]
     kernels = _kernels()
     kernels["argmax_chunks"][(rows, chunks)](
         logits, partial_max, partial_idx, partial_bad, logits.stride(0), vocab, chunks, BLOCK=chunk, num_warps=8

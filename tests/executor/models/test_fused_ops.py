@@ -150,6 +150,13 @@ def test_checked_argmax_flags_rows_whose_maximum_is_not_finite(fused: bool) -> N
     ids, finite = fused_ops.triton_argmax(logits, chunk=16) if fused else fused_ops.checked_argmax(logits.cpu())
     assert finite.tolist() == [True, False, False, False, True, False]
     assert ids[[0, 4]].tolist() == [argmax_reference(logits)[i] for i in (0, 4)]
+    packed = torch.empty(12, dtype=torch.int64, device=logits.device)  # what a greedy decode step reads back
+    if fused:
+        fused_ops.triton_argmax(logits, chunk=16, packed=packed)
+    else:
+        packed = fused_ops.packed_checked_argmax(logits.cpu())
+    assert packed[:6].tolist() == [1, 0, 0, 0, 1, 0]
+    assert packed[[6, 10]].tolist() == ids[[0, 4]].tolist()
 
 
 def test_public_functions_match_the_references_on_this_device() -> None:
