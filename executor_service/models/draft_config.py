@@ -231,7 +231,15 @@ def finish_draft_config(
                 "(the drafter embeds tokens with the target's embedding)",
             )
         )
-    if method == "eagle3" and not 0 <= config.draft_vocab_size <= target.vocab_size:
+    if method == "eagle3" and config.model.vocab_size != target.vocab_size:
+        violations.append(
+            FieldProblem(
+                f"{field}.vocab_size",
+                f"{config.model.vocab_size} differs from the target's {target.vocab_size} "
+                "(EAGLE-3's d2t maps its head's ids onto the target's vocabulary)",
+            )
+        )
+    elif method == "eagle3" and not 0 <= config.draft_vocab_size <= target.vocab_size:
         violations.append(FieldProblem(f"{field}.draft_vocab_size", f"must be in [0, {target.vocab_size}]"))
     if method == "eagle3" and config.model.num_layers != 1:
         violations.append(FieldProblem(f"{field}.num_layers", "EAGLE-3 drafters have exactly one layer"))

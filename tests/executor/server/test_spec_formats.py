@@ -105,6 +105,27 @@ def test_drafter_fields_are_checked_against_the_target() -> None:
     } <= fields
 
 
+def test_an_eagle3_drafter_of_another_vocabulary_is_refused_naming_it() -> None:
+    """EAGLE-3's d2t maps its head onto the target's vocabulary, so the drafter's vocab_size must be the target's
+    (the deep fuzzer found a synthetic drafter of vocab 2 with a head of 256 answered INTERNAL: a tensor size
+    mismatch while building its d2t)."""
+    request = load_request()
+    request.draft.CopyFrom(draft_model("eagle3", 3))
+    target_vocab = request.target.synthetic.vocab_size
+    request.draft.source.synthetic.vocab_size = 2
+    request.draft.source.synthetic.draft_vocab_size = 256
+    source = resolve_target(request.target, None, "target")
+    with pytest.raises(InvalidField) as err:
+        resolve_draft(request.draft, source.config, None)
+    status = status_error(err.value)
+    assert isinstance(status, InvalidArgument)
+    (violation,) = status.field_violations
+    assert violation.field == "draft.source.synthetic.vocab_size"
+    assert f"the target's {target_vocab}" in violation.description
+    request.draft.source.synthetic.vocab_size = target_vocab  # the same drafter on the target's vocabulary loads
+    assert resolve_draft(request.draft, source.config, None).config.draft_vocab_size == 256
+
+
 def test_non_causal_drafter_on_a_causal_only_backend_fails_clearly() -> None:
     """R9 at load time: a non-causal DFlash drafter on a backend without non-causal attention."""
     request = load_request()
