@@ -35,11 +35,12 @@ def stub(server: FuzzedServer) -> executor_pb2_grpc.ExecutorStub:
 
 
 def probe(server: FuzzedServer) -> None:
-    """The known-good request: three prompt tokens, four new ones, on whatever model is loaded."""
+    """The known-good request: three prompt tokens, four new ones, on whatever model is loaded (token 0 alone and
+    EOS ignored: a loaded vocabulary may hold a single token, as the deep fuzzer's did)."""
     request = executor_pb2.GenerateRequest(
         request_id=unique_id("probe"),
-        token_ids=executor_pb2.TokenIds(ids=[0, 1, 0]),
-        sampling=executor_pb2.SamplingParams(max_tokens=4),
+        token_ids=executor_pb2.TokenIds(ids=[0, 0, 0]),
+        sampling=executor_pb2.SamplingParams(max_tokens=4, ignore_eos=True),
     )
     responses = list(stub(server).Generate(request, timeout=RPC_TIMEOUT_S))
     tokens = [t for r in responses for t in r.token_ids]
