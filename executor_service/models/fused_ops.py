@@ -80,7 +80,7 @@ def linear_residual(x: torch.Tensor, layer: nn.Linear, residual: torch.Tensor | 
 def argmax(logits: torch.Tensor) -> torch.Tensor:
     """Row-wise argmax [N, V] -> [N] int64: the first index of the maximum, as torch.argmax."""
     if _use_triton(logits):
-        return triton_argmax(logits)[0]
+        return triton_argmax(logits)
     return logits.argmax(dim=-1)
 
 
@@ -89,7 +89,7 @@ def checked_argmax(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     is not all -inf (the logits checks of verification). The fused kernels find both in one read of the row; torch's
     argmax alone took 28 us a step on a batch-1 row of 128k logits (an 8B target's)."""
     if _use_triton(logits):
-        return triton_argmax(logits)
+        return triton_checked_argmax(logits)
     ids = logits.argmax(dim=-1)  # torch's argmax finds a NaN (or +inf) where there is one
     return ids, torch.isfinite(logits.gather(-1, ids[:, None])[:, 0])
 
@@ -99,7 +99,7 @@ def packed_checked_argmax(logits: torch.Tensor) -> torch.Tensor:
     the fused kernels write it in place (no cast and concatenation after them)."""
     if _use_triton(logits):
         packed = torch.empty(2 * logits.shape[0], dtype=torch.int64, device=logits.device)
-        triton_argmax(logits, packed=packed)
+        triton_checked_argmax(logits, packed=packed)
         return packed
     ids, finite = checked_argmax(logits)
     return torch.cat([finite.long(), ids])
@@ -150,31 +150,48 @@ def triton_silu_and_mul(gate_up: torch.Tensor, block: int = 1024) -> torch.Tenso
     return out
 
 
-def triton_argmax(
+def triton_argmax(logits: torch.Tensor, chunk: int = ARGMAX_CHUNK) -> torch.Tensor:
+    """Two passes, so that a handful of rows still spread over the whole GPU: the maximum of each chunk of
+    the vocabulary, then of the chunks."""
+    out = torch.empty(logits.shape[0], dtype=torch.int64, device=logits.device)
+    _launch_argmax(logits, chunk, out, None)
+    return out
+
+
+def triton_checked_argmax(
     logits: torch.Tensor, chunk: int = ARGMAX_CHUNK, packed: torch.Tensor | None = None
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """(argmax, finite) as checked_argmax; `packed` (int64 [2N]): written as [finite | argmax] instead, its halves
-    returned. Two passes, so that a handful of rows still spread over the whole GPU: the maximum of each chunk of
-    the vocabulary (and whether it holds a NaN or +inf), then of the chunks. A row with a NaN has an unspecified
+    """(argmax, finite) as checked_argmax, the chunks also telling whether they hold a NaN or +inf; `packed`
+    (int64 [2N]): written as [finite | argmax] instead, its halves returned. A row with a NaN has an unspecified
     argmax here (torch's is the NaN's index); it is not finite either way."""
-    rows, vocab = logits.shape
-    chunks = -(-vocab // chunk)
-    partial_max = torch.empty(rows, chunks, dtype=torch.float32, device=logits.device)
-    partial_idx = torch.empty(rows, chunks, dtype=torch.int64, device=logits.device)
-    partial_bad = torch.empty(rows, chunks, dtype=torch.int32, device=logits.device)
+    rows = logits.shape[0]
     if packed is None:
         out = torch.empty(rows, dtype=torch.int64, device=logits.device)
         finite = torch.empty(rows, dtype=torch.bool, device=logits.device)
     else:
         finite, out = packed[:rows], packed[rows:]
+    _launch_argmax(logits, chunk, out, finite)
+    return out, finite
+
+
+def _launch_argmax(logits: torch.Tensor, chunk: int, out: torch.Tensor, finite: torch.Tensor | None) -> None:
+    """The two argmax kernels into `out`; where `finite` is given, the NaN / +inf check into it too (the plain
+    argmax, the drafter's picks and greedy verification, skips that reduction)."""
+    rows, vocab = logits.shape
+    chunks = -(-vocab // chunk)
+    partial_max = torch.empty(rows, chunks, dtype=torch.float32, device=logits.device)
+    partial_idx = torch.empty(rows, chunks, dtype=torch.int64, device=logits.device)
+    check = finite is not None
+    partial_bad = torch.empty(rows, chunks, dtype=torch.int32, device=logits.device) if check else partial_idx
     kernels = _kernels()
     kernels["argmax_chunks"][(rows, chunks)](
-        logits, partial_max, partial_idx, partial_bad, logits.stride(0), vocab, chunks, BLOCK=chunk, num_warps=8
-    )
+        logits, partial_max, partial_idx, partial_bad, logits.stride(0), vocab, chunks, CHECK=check, BLOCK=chunk,
+        num_warps=8,
+    )  # fmt: skip
     kernels["argmax_combine"][(rows,)](
-        partial_max, partial_idx, partial_bad, out, finite, chunks, BLOCK=next_power_of_2(chunks)
-    )
-    return out, finite
+        partial_max, partial_idx, partial_bad, out, finite if check else out, chunks, CHECK=check,
+        BLOCK=next_power_of_2(chunks),
+    )  # fmt: skip
 
 
 def next_power_of_2(n: int) -> int:
@@ -244,29 +261,34 @@ def _kernels() -> dict[str, Callable[..., Any]]:
         tl.store(out_ptr + row * stride_o + offs, result.to(out_ptr.dtype.element_ty), mask=mask)
 
     @triton.jit
-    def argmax_chunks_kernel(x_ptr, max_ptr, idx_ptr, bad_ptr, stride_x, vocab, chunks, BLOCK: tl.constexpr):
+    def argmax_chunks_kernel(
+        x_ptr, max_ptr, idx_ptr, bad_ptr, stride_x, vocab, chunks, CHECK: tl.constexpr, BLOCK: tl.constexpr
+    ):
         row, chunk = tl.program_id(0).to(tl.int64), tl.program_id(1)
         offs = chunk * BLOCK + tl.arange(0, BLOCK)
         x = tl.load(x_ptr + row * stride_x + offs, mask=offs < vocab, other=float("-inf")).to(tl.float32)
-        bad = tl.sum(((x != x) | (x == float("inf"))).to(tl.int32), 0)  # NaN or +inf in the chunk
         best = tl.max(x, 0)
         first = tl.min(tl.where(x == best, offs, vocab), 0)  # the lowest index holding the maximum
         tl.store(max_ptr + row * chunks + chunk, best)
         tl.store(idx_ptr + row * chunks + chunk, first.to(tl.int64))
-        tl.store(bad_ptr + row * chunks + chunk, bad)
+        if CHECK:  # NaN or +inf in the chunk
+            tl.store(bad_ptr + row * chunks + chunk, tl.sum(((x != x) | (x == float("inf"))).to(tl.int32), 0))
 
     @triton.jit
-    def argmax_combine_kernel(max_ptr, idx_ptr, bad_ptr, out_ptr, finite_ptr, chunks, BLOCK: tl.constexpr):
+    def argmax_combine_kernel(
+        max_ptr, idx_ptr, bad_ptr, out_ptr, finite_ptr, chunks, CHECK: tl.constexpr, BLOCK: tl.constexpr
+    ):
         row = tl.program_id(0).to(tl.int64)
         offs = tl.arange(0, BLOCK)
         mask = offs < chunks
         best = tl.load(max_ptr + row * chunks + offs, mask=mask, other=float("-inf"))
         idx = tl.load(idx_ptr + row * chunks + offs, mask=mask, other=0)
-        bad = tl.sum(tl.load(bad_ptr + row * chunks + offs, mask=mask, other=0), 0)
         top = tl.max(best, 0)
         big = tl.full([BLOCK], 2**62, tl.int64)
         tl.store(out_ptr + row, tl.min(tl.where(mask & (best == top), idx, big), 0))
-        tl.store(finite_ptr + row, (bad == 0) & (top > float("-inf")))
+        if CHECK:
+            bad = tl.sum(tl.load(bad_ptr + row * chunks + offs, mask=mask, other=0), 0)
+            tl.store(finite_ptr + row, (bad == 0) & (top > float("-inf")))
 
     return {
         "rms_norm": rms_norm_kernel,

@@ -127,10 +127,12 @@ def test_triton_argmax_matches_reference_including_ties_across_chunks() -> None:
     logits[3, 99] = 50.0  # in the partial last chunk
     logits[4] = -1e30  # all equal (and far below zero): index 0
     logits = logits.to(DEVICE)
-    got, finite = fused_ops.triton_argmax(logits, chunk=16)
+    got = fused_ops.triton_argmax(logits, chunk=16)
     assert got.dtype == torch.int64
     assert got.tolist() == argmax_reference(logits)
     assert got.tolist()[1:] == [37, 64, 99, 0]
+    checked, finite = fused_ops.triton_checked_argmax(logits, chunk=16)
+    assert checked.tolist() == got.tolist()
     assert finite.tolist() == [True] * 5
 
 
@@ -147,12 +149,15 @@ def test_checked_argmax_flags_rows_whose_maximum_is_not_finite(fused: bool) -> N
     logits[4, :50] = float("-inf")  # masked tokens: still finite
     logits[5, 99] = float("nan")  # in the partial last chunk
     logits = logits.to(DEVICE)
-    ids, finite = fused_ops.triton_argmax(logits, chunk=16) if fused else fused_ops.checked_argmax(logits.cpu())
+    if fused:
+        ids, finite = fused_ops.triton_checked_argmax(logits, chunk=16)
+    else:
+        ids, finite = fused_ops.checked_argmax(logits.cpu())
     assert finite.tolist() == [True, False, False, False, True, False]
     assert ids[[0, 4]].tolist() == [argmax_reference(logits)[i] for i in (0, 4)]
     packed = torch.empty(12, dtype=torch.int64, device=logits.device)  # what a greedy decode step reads back
     if fused:
-        fused_ops.triton_argmax(logits, chunk=16, packed=packed)
+        fused_ops.triton_checked_argmax(logits, chunk=16, packed=packed)
     else:
         packed = fused_ops.packed_checked_argmax(logits.cpu())
     assert packed[:6].tolist() == [1, 0, 0, 0, 1, 0]
