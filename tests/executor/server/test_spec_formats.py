@@ -18,7 +18,7 @@ from executor_service.models.draft_weights import save_drafter
 from executor_service.server.drafting import check_drafter_backend, resolve_draft
 from executor_service.server.session import EngineSettings, build_session
 from executor_service.server.wire import resolve_target, status_error
-from specdec.v1 import common_pb2
+from specdec.v1 import common_pb2, executor_pb2
 from specdec_runtime.errors import FailedPrecondition, InvalidArgument
 
 CPU = torch.device("cpu")
@@ -86,18 +86,23 @@ def test_bad_drafter_checkpoint_names_what_is_wrong(tmp_path: Path) -> None:
     assert "midlayer.hidden_norm.weight" in message and "fc.weight" in message and "draft.source.path" in message
 
 
+def draft_refusal(request: executor_pb2.LoadModelRequest) -> InvalidArgument:
+    """The INVALID_ARGUMENT that resolving the request's drafter against its target raises."""
+    source = resolve_target(request.target, None, "target")
+    with pytest.raises(InvalidField) as err:
+        resolve_draft(request.draft, source.config, None)
+    status = status_error(err.value)
+    assert isinstance(status, InvalidArgument)
+    return status
+
+
 def test_drafter_fields_are_checked_against_the_target() -> None:
     request = load_request()
     request.draft.CopyFrom(draft_model("dflash", 3))
     request.draft.dflash_config.ClearField("mask_token_id")
     request.draft.num_speculative_tokens = 9  # more than block_size - 1
     request.draft.source.synthetic.hidden_size = 32
-    source = resolve_target(request.target, None, "target")
-    with pytest.raises(InvalidField) as err:
-        resolve_draft(request.draft, source.config, None)
-    status = status_error(err.value)
-    assert isinstance(status, InvalidArgument)
-    fields = {v.field for v in status.field_violations}
+    fields = {v.field for v in draft_refusal(request).field_violations}
     assert {
         "draft.dflash_config.mask_token_id",
         "draft.num_speculative_tokens",
@@ -114,15 +119,11 @@ def test_an_eagle3_drafter_of_another_vocabulary_is_refused_naming_it() -> None:
     target_vocab = request.target.synthetic.vocab_size
     request.draft.source.synthetic.vocab_size = 2
     request.draft.source.synthetic.draft_vocab_size = 256
-    source = resolve_target(request.target, None, "target")
-    with pytest.raises(InvalidField) as err:
-        resolve_draft(request.draft, source.config, None)
-    status = status_error(err.value)
-    assert isinstance(status, InvalidArgument)
-    (violation,) = status.field_violations
+    (violation,) = draft_refusal(request).field_violations
     assert violation.field == "draft.source.synthetic.vocab_size"
     assert f"the target's {target_vocab}" in violation.description
     request.draft.source.synthetic.vocab_size = target_vocab  # the same drafter on the target's vocabulary loads
+    source = resolve_target(request.target, None, "target")
     assert resolve_draft(request.draft, source.config, None).config.draft_vocab_size == 256
 
 
