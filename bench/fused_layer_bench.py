@@ -72,6 +72,10 @@ SWEEP = [GemmConfig(n, k, 4) for n in (16, 32, 64) for k in (64, 128, 256)] + [
 ]  # the wide K steps: a whole SmolLM2 row slice (K = 576) loaded before PDL's wait
 GEMV_SWEEP = [GemmConfig(n, k, w, gemv=True) for n, k, w in [(4, 1024, 4), (8, 1024, 4), (8, 512, 4), (16, 256, 4),
     (16, 1024, 8), (32, 128, 4), (32, 256, 4)]]  # fmt: skip
+# More rows than a GEMV program holds well (its products are rows x block_k x block_n registers): programs of 2 or 4
+# rows each, the later ones reading the weights from L2. (Smaller K and N tiles at 8 rows, tried on the H200: slower.)
+GEMV_SPLIT_SWEEP = [GemmConfig(n, k, 4, gemv=True, block_m=m) for m in (1, 2, 4) for n, k in [(4, 1024), (8, 1024),
+    (8, 512), (4, 512)]]  # fmt: skip
 CONTEXT, BLOCK_SIZE = 300, 16
 DRAFTER_MLP = {"smollm2": {"eagle3": 1024, "dflash": 768}}  # the shipped drafters' MLP widths (drafters/*/config.json)
 WIN_MARGIN = 0.95  # a fused kernel replaces cuBLAS only 5 % faster alone: a tie in isolation is no win in a step
@@ -178,8 +182,14 @@ def drafter_cases(preset: str, rows: int, dtype: torch.dtype, device: torch.devi
     return cases
 
 
+def op_sweep(rows: int, kind: str) -> list[GemmConfig]:
+    """The tile configs timed for `rows` rows: `kind` "all", or "gemv" alone (a shorter run at 4-32 rows)."""
+    gemv = (GEMV_SWEEP if rows <= MAX_GEMV_ROWS else []) + (GEMV_SPLIT_SWEEP if 4 < rows <= 32 else [])
+    return gemv if kind == "gemv" else SWEEP + gemv
+
+
 def gemm_table(
-    presets: list[str], dtypes: list[torch.dtype], rows_list: list[int], device: torch.device
+    presets: list[str], dtypes: list[torch.dtype], rows_list: list[int], device: torch.device, sweep_kind: str = "all"
 ) -> tuple[list, dict]:
     rows_out, winners = [], {}
     set_policy("off")
@@ -191,7 +201,9 @@ def gemm_table(
                     preset, rows, dtype, device
                 ):
                     base = per_call_ms(unfused, device)
-                    sweep = SWEEP + (GEMV_SWEEP if rows <= MAX_GEMV_ROWS else [])
+                    sweep = op_sweep(rows, sweep_kind)
+                    if not sweep:
+                        continue
                     if op == "qkv_rope":  # an MMA program takes a whole head: block_n unused
                         sweep = [c for c in sweep if c.gemv or c.block_n == 32]
                     timed = [(per_call_ms(lambda c=c, f=fused: f(c), device), c) for c in sweep]
@@ -309,6 +321,7 @@ def main() -> int:
     parser.add_argument("--step-presets", default="smollm2", help="models of the decode-step runs")
     parser.add_argument("--rows", default=",".join(map(str, ROWS)), help="rows of the per-op table")
     parser.add_argument("--step-rows", default="", help="rows of the step-level trials (3.), e.g. 8")
+    parser.add_argument("--sweep", choices=("all", "gemv"), default="all", help="gemv: time the GEMV tiles only")
     parser.add_argument("--no-decode-steps", action="store_true", help="skip 2. (the batch-1 decode steps)")
     parser.add_argument("--write-table", action="store_true", help="merge the winners into small_gemm_table.json")
     parser.add_argument("--out", default=str(REPO / "bench" / "results"))
@@ -317,12 +330,14 @@ def main() -> int:
     dtypes = [getattr(torch, name) for name in args.dtypes.split(",")]
     report: dict[str, Any] = provenance("fused_layer_bench", device)
     rows_list = [int(r) for r in args.rows.split(",")]
-    report["gemms"], winners = gemm_table(args.presets.split(","), dtypes, rows_list, device)
+    report["gemms"], winners = gemm_table(args.presets.split(","), dtypes, rows_list, device, args.sweep)
     report["winners"] = winners
     if args.write_table:
         measured: dict[str, set[str]] = {}
-        for row in report["gemms"]:
-            measured.setdefault(row["dtype"], set()).add(table_key(row["op"], row["rows"], row["n"], row["k"]))
+        for row in report["gemms"]:  # a GEMV-only sweep replaces only what it beat: its losers keep the MMA entries
+            key = table_key(row["op"], row["rows"], row["n"], row["k"])
+            if args.sweep == "all" or key in winners.get(row["dtype"], {}):
+                measured.setdefault(row["dtype"], set()).add(key)
         merge_winners(winners, torch.cuda.get_device_name(device), measured)
     trials = [
         step_trials(preset, int(rows), report["gemms"], dtypes[0], device)

@@ -31,16 +31,18 @@ from kernels.pdl import wait_for_inputs
 from kernels.small_gemm_table import DEFAULT_CONFIG, GemmConfig
 
 BLOCK_M = 16  # tl.dot's smallest tile side; rows past M are masked
-MAX_GEMV_ROWS = 8  # a GemmConfig with gemv=True runs rows up to this as a GEMV (block_m: their bucket): decode
-# batches and a k = 7 chain's verify rows at batch 1
+MAX_GEMV_ROWS = 8  # a GEMV program takes at most this many rows (its config's block_m, or all): decode batches
+# and a k = 7 chain's verify rows at batch 1
 
 
 def block_m(rows: int, config: GemmConfig) -> int:
-    """Rows a program takes: the MMA's 16, or a GEMV's rows rounded up to a power of two."""
+    """Rows a program takes: the MMA's 16, or a GEMV's rows (at most its config's block_m) rounded up to a power
+    of two."""
     if config.gemv:
-        if rows > MAX_GEMV_ROWS:
-            raise ValueError(f"a GEMV config takes at most {MAX_GEMV_ROWS} rows, got {rows}")
-        return triton.next_power_of_2(rows)
+        per_program = min(rows, config.block_m) if config.block_m else rows
+        if per_program > MAX_GEMV_ROWS:
+            raise ValueError(f"a GEMV program takes at most {MAX_GEMV_ROWS} rows, got {per_program}")
+        return triton.next_power_of_2(per_program)
     return BLOCK_M
 
 

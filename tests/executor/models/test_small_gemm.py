@@ -6,6 +6,7 @@ write. Shapes are odd on purpose (rows, N and K not multiples of the tiles), bf1
 from __future__ import annotations
 
 import os
+from dataclasses import replace
 
 import pytest
 import torch
@@ -23,6 +24,7 @@ DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 EPS = 1e-5
 SMALL_TILES = GemmConfig(block_n=16, block_k=32, num_warps=4)  # several K steps and column tiles at test sizes
 GEMV_TILES = GemmConfig(block_n=8, block_k=32, num_warps=4, gemv=True)  # the same on the CUDA cores, rows <= 8
+SPLIT_GEMV_TILES = GemmConfig(block_n=8, block_k=32, num_warps=4, gemv=True, block_m=2)  # programs of 2 rows each
 TRITON_ATTN_HEADS = (32, 64, 80, 96, 128, 160, 192, 224, 256)  # kernels/capabilities.py's TRITON_ATTN claim
 
 
@@ -57,14 +59,14 @@ def norm_reference(x: torch.Tensor, residual: torch.Tensor | None, weight: torch
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize(("rows", "n", "k"), [(1, 40, 72), (3, 100, 200), (8, 24, 40), (17, 33, 48)])
 @pytest.mark.parametrize("prologue", ["none", "norm", "add_norm"])
-@pytest.mark.parametrize("config", [SMALL_TILES, GEMV_TILES], ids=["mma", "gemv"])
+@pytest.mark.parametrize("config", [SMALL_TILES, GEMV_TILES, SPLIT_GEMV_TILES], ids=["mma", "gemv", "gemv_rows2"])
 def test_small_gemm_matches_norm_then_linear(
     dtype: torch.dtype, rows: int, n: int, k: int, prologue: str, config: GemmConfig
 ) -> None:
     from kernels.small_gemm import MAX_GEMV_ROWS, small_gemm
 
-    if config.gemv and rows > MAX_GEMV_ROWS:
-        pytest.skip("a GEMV config takes a few rows")
+    if config.gemv and rows > MAX_GEMV_ROWS and not config.block_m:
+        pytest.skip("a GEMV program takes a few rows")
     x, residual = randn(rows, k, dtype=dtype, seed=1), randn(rows, k, dtype=dtype, seed=2)
     weight, bias, norm_w = (
         randn(n, k, dtype=dtype, seed=3) / k**0.5,
@@ -82,7 +84,8 @@ def test_small_gemm_matches_norm_then_linear(
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize(
-    ("rows", "half", "k", "config"), [(1, 24, 40, SMALL_TILES), (5, 50, 72, SMALL_TILES), (2, 24, 40, GEMV_TILES)]
+    ("rows", "half", "k", "config"),
+    [(1, 24, 40, SMALL_TILES), (5, 50, 72, SMALL_TILES), (2, 24, 40, GEMV_TILES), (7, 24, 40, SPLIT_GEMV_TILES)],
 )
 def test_small_gemm_silu_and_mul_epilogue(dtype: torch.dtype, rows: int, half: int, k: int, config: GemmConfig) -> None:
     from kernels.small_gemm import small_gemm
@@ -133,6 +136,7 @@ def rotary_tables(positions: list[int], size: int, dtype: torch.dtype) -> tuple[
         (torch.float32, 32, 4, 2, "add_norm", "qk_norm,gemv"),
         (torch.bfloat16, 80, 2, 2, "none", "gemv"),  # halves of 40 in column chunks of 16: the last one partial
         (torch.bfloat16, 64, 3, 1, "add_norm", "gemv,rows8"),  # a k = 7 chain's verify rows at batch 1
+        (torch.bfloat16, 64, 3, 1, "add_norm", "gemv,rows8,split"),  # the same as four programs of 2 rows
     ],
 )
 def test_qkv_rope_store_matches_the_unfused_path(
@@ -154,7 +158,7 @@ def test_qkv_rope_store_matches_the_unfused_path(
     k_cache, v_cache = (c.clone() for c in caches)
     q, stream = qkv_rope_store(
         x, weight, bias, residual, norm_w, EPS, heads, kv_heads, cos, sin, k_cache, v_cache, slots, qk_norm,
-        GemmConfig(block_n=16 if size == 80 else 8, block_k=16, gemv="gemv" in extras),
+        GemmConfig(block_n=16 if size == 80 else 8, block_k=16, gemv="gemv" in extras, block_m=2 * ("split" in extras)),
     )  # fmt: skip
     tol = tolerance(dtype)
     torch.testing.assert_close(stream.cpu(), expected[1].cpu(), **stream_tolerance(dtype))
@@ -267,3 +271,5 @@ def test_gemv_config_refuses_more_rows_than_it_takes() -> None:
     x = randn(MAX_GEMV_ROWS + 1, 16, dtype=torch.float32, seed=1)
     with pytest.raises(ValueError, match="GEMV"):
         small_gemm(x, randn(8, 16, dtype=torch.float32, seed=2), config=GEMV_TILES)
+    with pytest.raises(ValueError, match="GEMV"):  # its programs' rows, not the call's, are what is bounded
+        small_gemm(x, randn(8, 16, dtype=torch.float32, seed=2), config=replace(GEMV_TILES, block_m=16))
