@@ -10,7 +10,8 @@ K/V slot reserved ahead. The host then reads the step back and books it while th
 engine books that one at its next step (engine.py: `_decode_overlapped`).
 
 Tokens are the host path's bit for bit: sampling is verifier.verify with no drafts, called as host_verify calls it
-(greedy rows: the argmax; sampled rows: the counter-based draw keyed by seed and position, device_sampling.py).
+(greedy rows: the argmax; sampled rows: the counter-based draw keyed by seed and position, device_sampling.py),
+on CUDA one graph replay instead of some sixty launches (sampler_graphs.py).
 Requests with penalties or logprobs read the host's view of the step before (token counts, the logprob
 read-back): a step with one keeps the serial path.
 
@@ -41,14 +42,13 @@ from executor_service.engine.outcome import StepOutcome
 from executor_service.engine.request import Request, Status
 from executor_service.engine.scheduler import ScheduledStep, Scheduler
 from executor_service.models.attention_step import AttentionStep, block_table_tensor, cache_slot, to_device
-from executor_service.models.fused_ops import checked_argmax, packed_checked_argmax
+from executor_service.models.fused_ops import packed_checked_argmax
 from executor_service.runner.host_copy import HostCopy
 from executor_service.runner.model_runner import ModelRunner, StepInputs
 from executor_service.runner.step_constants import StepConstants
-from executor_service.sample.device_sampling import SamplingTensors, StepKeys
-from executor_service.sample.sampling import host_sort
+from executor_service.sample.sampler_graphs import SamplerGraphs, eager_draw
+from executor_service.sample.sampling import host_sort, needs_sort
 from executor_service.spec_decode.host_verify import NOT_A_DISTRIBUTION, NOT_FINITE, VerifyError
-from executor_service.spec_decode.verifier import DraftLayout, verify
 
 
 @dataclass
@@ -80,6 +80,7 @@ class DecodeOverlap:
     def __init__(self, runner: ModelRunner, scheduler: Scheduler, max_model_len: int) -> None:
         self.runner, self.scheduler, self.max_model_len = runner, scheduler, max_model_len
         self.constants = StepConstants(runner.device)
+        self.sampler: SamplerGraphs | None = None
 
     def applies(self, scheduled: ScheduledStep) -> bool:
         """A steady decode step: every running request decodes one token (no prompt chunk, no drafts), nobody
@@ -206,22 +207,20 @@ class DecodeOverlap:
             packed = packed_checked_argmax(logits)  # verifier.verify_greedy's token after no drafts
             tokens = packed[count:]
         else:
-            finite = checked_argmax(logits)[1]
-            device = logits.device
-            seeds = [r.seed for r in requests]
-            sampling = SamplingTensors.build(settings, seeds, device)
-            keys = StepKeys.on_host(seeds, roots, device)
-            sort = host_sort(settings, logits.shape[-1])
-            verdict = verify(logits, self._no_drafts(count), sampling, keys, sort, check=True)
-            tokens = verdict.emitted[:, 0].contiguous()
-            valid = verdict.valid if verdict.valid is not None else torch.ones_like(finite)
-            packed = torch.cat([finite.long(), valid.long(), tokens])
+            seeds, vocab = [r.seed for r in requests], logits.shape[-1]
+            sampler = self._sampler(logits)
+            if sampler is not None:
+                packed = sampler.draw(logits, settings, seeds, roots, needs_sort(settings, vocab))
+            else:
+                packed = eager_draw(logits, settings, seeds, roots, host_sort(settings, vocab))
+            tokens = packed[2 * count :]
         return LaunchedDecode(requests, tokens, HostCopy(packed), ahead, features)
 
-    def _no_drafts(self, count: int) -> DraftLayout:
-        """The layout of `count` requests verifying no drafts (host_verify's, without its copy)."""
-        device = self.constants.device
-        empty = self.constants.get(
-            ("no drafts", count), lambda: torch.zeros(count, 0, dtype=torch.int64, device=device)
-        )
-        return DraftLayout(empty, empty, None, None, 0, chain=True, present=empty.bool())
+    def _sampler(self, logits: torch.Tensor) -> SamplerGraphs | None:
+        """The sampled draws' graphs where the target's decode step is a graph too (CUDA), made on first use."""
+        decode_graphs = self.runner.graphs.get(1)
+        if decode_graphs is None or not logits.is_cuda:
+            return None
+        if self.sampler is None:
+            self.sampler = SamplerGraphs(decode_graphs.max_batch)
+        return self.sampler

@@ -30,9 +30,10 @@ PROMPT = [5, 17, 250, 3, 99]
 
 
 def config(architecture: str) -> ModelConfig:
+    """Head size 32: the smallest TRITON_ATTN takes on a GPU."""
     return ModelConfig(
         architecture=architecture, vocab_size=256, hidden_size=64, intermediate_size=96, num_layers=2,
-        num_heads=4, num_kv_heads=2, head_size=16, max_position_embeddings=64, rope_theta=10000.0,
+        num_heads=2, num_kv_heads=1, head_size=32, max_position_embeddings=64, rope_theta=10000.0,
         attention_bias=architecture == "qwen3",
     )  # fmt: skip
 
