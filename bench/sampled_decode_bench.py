@@ -1,6 +1,6 @@
 #!/usr/bin/env python
 """Target-only decoding, greedy against sampled (GPU; not a test): what the sampled draw costs a decode step, with
-the draw replayed as a CUDA graph (sample/sampler_graphs.py) and launched op by op as before it.
+the draw replayed as a CUDA graph (engine/sampler_graphs.py) and launched op by op as before it.
 
 A synthetic target of a preset's shape (default SmolLM2-135M, whose batch-1 step is short enough for the host's
 sampling launches to decide the pace), CUDA graphs on, every request generating --tokens tokens (EOS ignored), at

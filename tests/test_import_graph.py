@@ -166,7 +166,10 @@ EXECUTOR_LAYERS: tuple[Layer, ...] = (
     Layer(
         "engine",
         wire_free=True,
-        modules=("engine.engine_loop engine.engine engine.host_step engine.step_parts engine.overlap_decode"),
+        modules=(
+            "engine.engine_loop engine.engine engine.host_step engine.step_parts engine.overlap_decode "
+            "engine.sampler_graphs"
+        ),
     ),
     Layer(
         "server",

@@ -77,7 +77,7 @@ class Engine(EngineLoop):
         # staged in the log before the next step is launched); `overlap_decode` False: every step serially (a
         # benchmark may switch it between runs).
         overlapping = proposer is None or self.deferred is not None
-        self.overlap = DecodeOverlap(runner, scheduler, max_model_len) if overlapping else None
+        self.overlap = DecodeOverlap(runner, scheduler, max_model_len, extras=proposer is None) if overlapping else None
         self.overlap_decode = overlap_decode
         self._decoding: LaunchedDecode | None = None  # an overlapped decode step launched, not yet booked
 
@@ -162,6 +162,7 @@ class Engine(EngineLoop):
         self.step_counts["overlapped decode" if step.ahead else "decode on device"] += 1
         self._fail_alone(failed)
         generated, _ = self._book(outcomes)
+        self.overlap.booked([o.request for o in outcomes])  # after their emit: the step counted what it appended
         if follows:  # its rows held (staged) or, where nothing was launched after it, proposed
             self._propose(outcomes, step.features, k_next, staged=step.staged)
             self._cache_prefixes(step.requests)
@@ -571,6 +572,8 @@ class Engine(EngineLoop):
             self.deferred.drop(request)
         if self.spec_step is not None:
             self.spec_step.table.release(request.request_id)
+        if self.overlap is not None:
+            self.overlap.release(request.request_id)
         if self.speculation is not None:  # its own acceptance: only live requests are planned for
             self.speculation.forget_request(request.request_id)
         with self._lock:

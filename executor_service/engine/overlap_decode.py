@@ -12,8 +12,11 @@ engine books that one at its next step (engine.py: `_decode_overlapped`).
 Tokens are the host path's bit for bit: sampling is verifier.verify with no drafts, called as host_verify calls it
 (greedy rows: the argmax; sampled rows: the counter-based draw keyed by seed and position, device_sampling.py),
 on CUDA one graph replay instead of some sixty launches (sampler_graphs.py).
-Requests with penalties or logprobs read the host's view of the step before (token counts, the logprob
-read-back): a step with one keeps the serial path.
+Requests with penalties (or a logit bias) or logprobs overlap too without a drafter: each penalised request owns a
+slot of a penalty table on the device (spec_decode/device_penalties.py, as the device step keeps them), the draw
+penalises its row from the slot and counts the drawn token there, so the step launched before the read-back is
+penalised for it; the host uploads only tokens emitted off this path (a prefill, a serial step). Each token's
+raw logprobs and the top ones come back with it. With a drafter a step with one keeps the serial path.
 
 With a drafter, a decode step that adaptive speculation planned at k = 0 is launched so too (engine.py). At its
 booking the next step's k is planned first; only k = 0 goes on: the step's feature rows are copied into the held
@@ -40,15 +43,17 @@ import torch
 
 from executor_service.engine.outcome import StepOutcome
 from executor_service.engine.request import Request, Status
+from executor_service.engine.sampler_graphs import HostExtras, SamplerGraphs, eager_draw
 from executor_service.engine.scheduler import ScheduledStep, Scheduler
 from executor_service.models.attention_step import AttentionStep, block_table_tensor, cache_slot, to_device
 from executor_service.models.fused_ops import packed_checked_argmax
 from executor_service.runner.host_copy import HostCopy
 from executor_service.runner.model_runner import ModelRunner, StepInputs
 from executor_service.runner.step_constants import StepConstants
-from executor_service.sample.sampler_graphs import SamplerGraphs, eager_draw
 from executor_service.sample.sampling import host_sort, needs_sort
+from executor_service.spec_decode.device_penalties import PenaltyTable, logprob_width, penalty_params, unpack_logprobs
 from executor_service.spec_decode.host_verify import NOT_A_DISTRIBUTION, NOT_FINITE, VerifyError
+from executor_service.spec_decode.step_variants import DEFAULT_PENALTY_SLOTS
 
 
 @dataclass
@@ -57,30 +62,35 @@ class LaunchedDecode:
 
     requests: list[Request]  # its rows, in order
     tokens: torch.Tensor  # each row's sampled token
-    checks: HostCopy  # [finite (B) | a distribution (B; sampled steps only) | tokens (B)]
+    checks: HostCopy  # [finite (B) | a distribution (B; sampled steps only) | tokens (B) | logprobs (B x W)]
     ahead: bool  # launched before the step before it was read back
     features: torch.Tensor | None = None  # what a drafter reads of each row (a graph's: until the next replay)
     staged: int | None = None  # with a drafter at k = 0: where its feature rows went in the held context's log
+    logprob_width: int = 0  # W: each token's packed logprobs (a batch with extras), 0 without
 
     def live(self) -> bool:
         """Whether any of its requests still runs (else nothing of it would be booked)."""
         return any(r.status is Status.RUNNING for r in self.requests)
 
 
-def overlaps(request: Request) -> bool:
-    """A request whose next token needs nothing the host learns from its previous step: no penalties (token
-    counts), no logprobs."""
+def has_extras(request: Request) -> bool:
+    """A request whose token needs what the host path reads from its history: a penalty or a logit bias (its token
+    counts), or logprobs."""
     settings = request.settings
-    return not settings.has_penalties and settings.logprobs is None
+    return settings.has_penalties or settings.logprobs is not None
 
 
 class DecodeOverlap:
-    """Launches steady decode steps and the steps after them (the module's docstring); the engine books them."""
+    """Launches steady decode steps and the steps after them (the module's docstring); the engine books them.
+    `extras`: requests with penalties or logprobs overlap too, their counts kept in a penalty table on the device
+    (target-only engines; with a drafter the device step's own table keeps them)."""
 
-    def __init__(self, runner: ModelRunner, scheduler: Scheduler, max_model_len: int) -> None:
+    def __init__(self, runner: ModelRunner, scheduler: Scheduler, max_model_len: int, extras: bool = False) -> None:
         self.runner, self.scheduler, self.max_model_len = runner, scheduler, max_model_len
         self.constants = StepConstants(runner.device)
         self.sampler: SamplerGraphs | None = None
+        self.extras = extras
+        self.table: PenaltyTable | None = None  # made at the first batch with extras (it needs the vocabulary)
 
     def applies(self, scheduled: ScheduledStep) -> bool:
         """A steady decode step: every running request decodes one token (no prompt chunk, no drafts), nobody
@@ -92,9 +102,26 @@ class DecodeOverlap:
             return False
         for request, num_new in zip(scheduled.requests, scheduled.num_new_tokens, strict=True):
             decoding = num_new == 1 and request.num_computed_tokens == request.num_tokens - 1
-            if not decoding or request.draft_ids or request.status is not Status.RUNNING or not overlaps(request):
+            if not decoding or request.draft_ids or request.status is not Status.RUNNING:
                 return False
+        if any(has_extras(r) for r in scheduled.requests) and not self._extras_fit(scheduled.requests):
+            return False
         return any(not self._ends_by_length(r) for r in scheduled.requests)
+
+    def _extras_fit(self, requests: list[Request]) -> bool:
+        """Whether this overlap takes requests with extras, and the penalised ones all have slots or can get one."""
+        return self.extras and (self.table is None or self.table.fits(requests))
+
+    def booked(self, requests: list[Request]) -> None:
+        """A step's tokens are in its requests' outputs: the step counted them in their slots too."""
+        if self.table is not None:
+            for request in requests:
+                self.table.booked(request)
+
+    def release(self, request_id: str) -> None:
+        """The request finished: its penalty slot is free (filled afresh when given out again)."""
+        if self.table is not None:
+            self.table.release(request_id)
 
     @torch.inference_mode()
     def launch(self, inputs: StepInputs, requests: list[Request]) -> LaunchedDecode:
@@ -131,10 +158,14 @@ class DecodeOverlap:
     def outcomes(self, step: LaunchedDecode) -> tuple[list[StepOutcome], list[tuple[Request, BaseException]]]:
         """Read the step back (waits for the device): each still running request's outcome (one token, its K/V
         kept), and those whose logits or distribution were not sound (failed alone, as the host path's)."""
-        values = step.checks.values()
+        host = step.checks.wait()
         count = len(step.requests)
+        sampled = host.shape[0] != 2 * count  # a greedy step reads back [finite | tokens]
+        values = host[: 3 * count if sampled else 2 * count].tolist()
         finite, tokens = values[:count], values[-count:]
-        valid = values[count : 2 * count] if len(values) == 3 * count else [1] * count
+        valid = values[count : 2 * count] if sampled else [1] * count
+        logprobs = host[3 * count :].view(count, step.logprob_width) if step.logprob_width else None
+        top = (step.logprob_width - 1) // 2
         outcomes, failed = [], []
         rows = zip(step.requests, finite, valid, tokens, strict=True)
         for row, (request, ok, distribution, token) in enumerate(rows):
@@ -143,7 +174,11 @@ class DecodeOverlap:
             if not ok or not distribution:
                 failed.append((request, VerifyError(NOT_FINITE if not ok else NOT_A_DISTRIBUTION)))
                 continue
-            outcome = StepOutcome(request, request.num_computed_tokens + 1, [token])
+            asked = request.settings.logprobs
+            token_logprobs = None
+            if logprobs is not None and asked is not None:
+                token_logprobs = unpack_logprobs(logprobs[row], [token], top, asked)
+            outcome = StepOutcome(request, request.num_computed_tokens + 1, [token], logprobs=token_logprobs)
             outcome.row_start, outcome.num_rows, outcome.verified_rows = row, 1, [row]  # a drafter reads its row
             outcomes.append(outcome)
         return outcomes, failed
@@ -203,18 +238,26 @@ class DecodeOverlap:
         same verify call) and queue the read-back. `roots`: each row's position, its draws' key."""
         settings = [r.settings for r in requests]
         count = len(requests)
-        if all(s.greedy for s in settings):
+        if all(s.plain_greedy for s in settings):
             packed = packed_checked_argmax(logits)  # verifier.verify_greedy's token after no drafts
-            tokens = packed[count:]
+            return LaunchedDecode(requests, packed[count:], HostCopy(packed), ahead, features)
+        seeds, vocab = [r.seed for r in requests], logits.shape[-1]
+        extras = self._extras(requests, vocab) if any(has_extras(r) for r in requests) else None
+        sampler = self._sampler(logits)
+        if sampler is not None:
+            packed = sampler.draw(logits, settings, seeds, roots, needs_sort(settings, vocab), extras)
         else:
-            seeds, vocab = [r.seed for r in requests], logits.shape[-1]
-            sampler = self._sampler(logits)
-            if sampler is not None:
-                packed = sampler.draw(logits, settings, seeds, roots, needs_sort(settings, vocab))
-            else:
-                packed = eager_draw(logits, settings, seeds, roots, host_sort(settings, vocab))
-            tokens = packed[2 * count :]
-        return LaunchedDecode(requests, tokens, HostCopy(packed), ahead, features)
+            packed = eager_draw(logits, settings, seeds, roots, host_sort(settings, vocab), extras)
+        width = logprob_width(vocab) * 2 + 1 if extras is not None else 0
+        tokens = packed[2 * count : 3 * count]
+        return LaunchedDecode(requests, tokens, HostCopy(packed), ahead, features, logprob_width=width)
+
+    def _extras(self, requests: list[Request], vocab: int) -> HostExtras:
+        """The batch's penalty slots (assigning new ones, uploading tokens counted nowhere yet) and parameters."""
+        if self.table is None:
+            self.table = PenaltyTable(DEFAULT_PENALTY_SLOTS, vocab, self.constants.device)
+        self.table.allocate()  # the draw reads the table (the bias rows) even where no request is penalised
+        return HostExtras(self.table, self.table.slots_of(requests), penalty_params(requests))
 
     def _sampler(self, logits: torch.Tensor) -> SamplerGraphs | None:
         """The sampled draws' graphs where the target's decode step is a graph too (CUDA), made on first use."""

@@ -271,18 +271,37 @@ def test_seeded_sampling_draws_the_serial_tokens(model: DecoderModel) -> None:
     assert counts[OVERLAPPED] > 0, counts
 
 
-def test_penalties_and_logprobs_keep_the_serial_path() -> None:
-    prompts = random_prompts(3, seed=9)
+def test_penalties_bias_and_logprobs_overlap_and_match_serial() -> None:
+    """Penalised and biased requests (greedy and sampled) and requests asking for logprobs, beside plain ones, of
+    different lengths: the same tokens and logprobs as the serial path, while the steady stretches overlap."""
+    prompts = random_prompts(6, seed=9)
     jobs = {
-        "penalised": Job(prompts[0], greedy(6, repetition_penalty=1.3), 6),
-        "logprobs": Job(prompts[1], greedy(8, logprobs=2), 8),
+        "penalised": Job(prompts[0], greedy(16, repetition_penalty=1.3, frequency_penalty=0.4), 16),
+        "logprobs": Job(prompts[1], greedy(12, logprobs=2), 12),
+        "sampled": Job(prompts[2], SamplingSettings(0.9, top_k=40, presence_penalty=0.8, seed=5, logprobs=0), 18),
+        "biased": Job(prompts[3], greedy(10, logit_bias=((7, 5.0), (11, -100.0))), 10),
+        "plain": Job(prompts[4], greedy(20), 20),
+        "plain sampled": Job(prompts[5], SamplingSettings(0.7, seed=6), 14),
     }
-    _, counts, _ = overlapped_and_serial(jobs)
-    assert counts[OVERLAPPED] == counts[ON_DEVICE] == 0, counts
-    jobs["plain"] = Job(prompts[2], greedy(20), 20)  # overlaps once the other two are done
     sink, counts, _ = overlapped_and_serial(jobs)
-    assert sink.outputs["logprobs"][-1].logprobs
-    assert 0 < counts[OVERLAPPED] <= 20 - 8, counts
+    assert sink.outputs["logprobs"][-1].logprobs and sink.outputs["sampled"][-1].logprobs
+    assert counts[OVERLAPPED] >= 8, counts
+
+
+def test_penalties_count_tokens_from_the_prefill_and_serial_steps() -> None:
+    """A penalised request joining a running batch: its first token comes from the serial path (the prefill's
+    step), the next ones overlapped; a repetition-heavy penalty makes any missed count change the tokens."""
+    prompts = random_prompts(2, seed=13)
+    jobs = {
+        "first": Job(prompts[0], greedy(40, frequency_penalty=0.15), 40),  # repeats, broken by the counts
+        "second": Job(prompts[1], greedy(24, repetition_penalty=2.0, presence_penalty=2.0), 24),
+    }
+
+    def arrive(session: ModelSession, sink: Collector) -> None:
+        add(session, sink, "late", Job(prompts[0][:5], greedy(12, frequency_penalty=2.0), 12))
+
+    _, counts, _ = overlapped_and_serial(jobs, events={6: arrive})
+    assert counts[OVERLAPPED] > 0, counts
 
 
 def test_logits_that_are_not_finite_fail_their_request_alone() -> None:

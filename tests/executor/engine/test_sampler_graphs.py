@@ -1,7 +1,8 @@
-"""The sampled decode draw replayed from static inputs (sample/sampler_graphs.py) against the same draw launched op by
+"""The sampled decode draw replayed from static inputs (engine/sampler_graphs.py) against the same draw launched op by
 op (`eager_draw`, as the serial path samples): equal flags and tokens bit for bit, for batches that mix greedy,
 temperature, top-k, top-p and min-p rows, across buckets whose padded rows hold an earlier batch's values, with a
-row of logits that is not finite, and past the largest bucket. On the CPU the buffers and padding are exercised
+row of logits that is not finite, past the largest bucket, and with penalties, a logit bias and logprobs (the
+penalty table counting each drawn token once). On the CPU the buffers and padding are exercised
 without graphs; on a GPU every (sort, bucket) is a captured graph replayed with new inputs."""
 
 from __future__ import annotations
@@ -9,8 +10,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from executor_service.sample.sampler_graphs import SamplerGraphs, eager_draw
+from executor_service.engine.sampler_graphs import HostExtras, SamplerGraphs, eager_draw
 from executor_service.sample.sampling import SamplingSettings, host_sort, needs_sort
+from executor_service.spec_decode.device_penalties import PenaltyTable, logprob_width
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 VOCAB = 300
@@ -49,7 +51,7 @@ def test_draws_equal_the_eager_path_across_buckets_and_stale_padding() -> None:
     for count, seed in [(3, 7), (2, 8)]:
         replayed, eager = both(sampler, *batch(count, seed, only_temperature))
         assert replayed == eager
-    assert {sort for sort, _ in sampler.graphs} == {True, False}
+    assert {sort for sort, _, _ in sampler.graphs} == {True, False}
     if DEVICE.type == "cuda":
         assert all(graph is not None for graph in sampler.graphs.values()), "every key captured"
 
@@ -78,3 +80,42 @@ def test_a_seeded_row_draws_the_same_alone_and_in_a_batch(count: int) -> None:
     alone = [sampler.draw(logits[i : i + 1], settings[i : i + 1], seeds[i : i + 1], roots[i : i + 1], True)[2].item()
              for i in range(count)]  # fmt: skip
     assert together == alone
+
+
+def penalty_table(seed: int) -> PenaltyTable:
+    """Two penalised slots with prompt tokens and earlier output counts, one with a logit bias."""
+    table = PenaltyTable(4, VOCAB, DEVICE)
+    table.allocate()
+    assert table.in_prompt is not None and table.output is not None
+    assert table.bias_ids is not None and table.bias_values is not None
+    generator = torch.Generator().manual_seed(seed)
+    for slot in (0, 1):
+        table.in_prompt[slot, torch.randint(VOCAB, (20,), generator=generator).to(DEVICE)] = True
+        table.output[slot] = torch.randint(0, 3, (VOCAB,), generator=generator, dtype=torch.int32).to(DEVICE)
+    table.bias_ids[1, :2] = torch.tensor([3, 4], device=DEVICE)
+    table.bias_values[1, :2] = torch.tensor([8.0, -50.0], device=DEVICE)
+    return table
+
+
+def test_penalties_and_logprobs_draw_and_count_as_the_eager_path() -> None:
+    """Rows penalised from their slots (greedy and sampled, sorted and not), every row's logprobs read back; each
+    draw counts its penalised rows' tokens in their slots once (a capture's run before it counts nothing)."""
+    sampler, tables = SamplerGraphs(max_batch=8), [penalty_table(3), penalty_table(3)]
+    slots, params = [0, -1, 1], [(1.3, 0.5, 0.2), (1.0, 0.0, 0.0), (1.0, 0.0, 0.8)]
+    for seed, kinds in [(12, [SamplingSettings(), SamplingSettings(0.8)]), (13, KINDS), (14, KINDS)]:
+        logits, settings, seeds, roots = batch(3, seed, kinds)
+        before = tables[0].output.clone()  # type: ignore[union-attr]
+        replayed = sampler.draw(
+            logits, settings, seeds, roots, needs_sort(settings, VOCAB), HostExtras(tables[0], slots, params)
+        )
+        eager = eager_draw(
+            logits, settings, seeds, roots, host_sort(settings, VOCAB), HostExtras(tables[1], slots, params)
+        )
+        assert replayed.tolist() == eager.tolist(), seed
+        assert torch.equal(tables[0].output, tables[1].output)  # type: ignore[arg-type]
+        tokens = replayed[6:9].tolist()
+        added = tables[0].output - before  # type: ignore[operator]
+        assert added.sum().item() == 2 and added[0, tokens[0]] == 1 and added[1, tokens[2]] == 1
+        assert replayed.shape[0] == 3 * 3 + 3 * (1 + 2 * logprob_width(VOCAB))
+    if DEVICE.type == "cuda":
+        assert all(graph is not None for graph in sampler.graphs.values()), "every key captured"
