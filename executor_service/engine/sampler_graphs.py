@@ -24,14 +24,7 @@ import torch
 from executor_service.models.attention_step import to_device
 from executor_service.models.fused_ops import checked_argmax
 from executor_service.runner.cuda_graphs import batch_buckets, collector_paused
-from executor_service.sample.device_sampling import (
-    NOISE_STREAM,
-    UNIFORM_STREAM,
-    SamplingTensors,
-    StepKeys,
-    seed_value,
-    step_keys,
-)
+from executor_service.sample.device_sampling import SamplingTensors, StepKeys, host_keys
 from executor_service.sample.sampling import SamplingSettings, sampling_params
 from executor_service.spec_decode.device_penalties import PenaltyTable, count_emitted, emitted_logprobs
 from executor_service.spec_decode.verifier import DraftLayout, StepPenalties, verify
@@ -117,12 +110,10 @@ class SamplerGraphs:
             return eager_draw(logits, settings, seeds, roots, sort, extras)
         static = self._inputs(size, logits)
         pad = size - count
-        seed_values = [seed_value(s) for s in seeds]
-        uniform = [step_keys(s, r, UNIFORM_STREAM) for s, r in zip(seed_values, roots, strict=True)]
-        noise = [step_keys(s, r, NOISE_STREAM) for s, r in zip(seed_values, roots, strict=True)]
+        keys = host_keys(seeds, roots)
         static["logits"][:count].copy_(logits)
         _copy_in(static["params"], sampling_params(settings) + [[0.0] * 4] * pad, torch.float32)  # padded: greedy
-        _copy_in(static["ints"], [row + [0] * pad for row in (seed_values, uniform, noise)], torch.int64)
+        _copy_in(static["ints"], [row + [0] * pad for row in keys], torch.int64)
         if extras is not None:
             assert self.table is None or self.table is extras.table, "one penalty table for the graphs' lives"
             self.table = extras.table
