@@ -77,7 +77,7 @@ class Engine(EngineLoop):
         # staged in the log before the next step is launched); `overlap_decode` False: every step serially (a
         # benchmark may switch it between runs).
         overlapping = proposer is None or self.deferred is not None
-        self.overlap = DecodeOverlap(runner, scheduler, max_model_len, extras=proposer is None) if overlapping else None
+        self.overlap = DecodeOverlap(runner, scheduler, max_model_len) if overlapping else None
         self.overlap_decode = overlap_decode
         self._decoding: LaunchedDecode | None = None  # an overlapped decode step launched, not yet booked
 

@@ -12,11 +12,11 @@ engine books that one at its next step (engine.py: `_decode_overlapped`).
 Tokens are the host path's bit for bit: sampling is verifier.verify with no drafts, called as host_verify calls it
 (greedy rows: the argmax; sampled rows: the counter-based draw keyed by seed and position, device_sampling.py),
 on CUDA one graph replay instead of some sixty launches (sampler_graphs.py).
-Requests with penalties (or a logit bias) or logprobs overlap too without a drafter: each penalised request owns a
-slot of a penalty table on the device (spec_decode/device_penalties.py, as the device step keeps them), the draw
-penalises its row from the slot and counts the drawn token there, so the step launched before the read-back is
-penalised for it; the host uploads only tokens emitted off this path (a prefill, a serial step). Each token's
-raw logprobs and the top ones come back with it. With a drafter a step with one keeps the serial path.
+Requests with penalties (or a logit bias) or logprobs overlap too: each penalised request owns a slot of a penalty
+table on the device (spec_decode/device_penalties.py, as the device step keeps them), the draw penalises its row
+from the slot and counts the drawn token there, so the step launched before the read-back is penalised for it; the
+host uploads only tokens emitted off this path (a prefill, a serial step, a device step with its own table). Each
+token's raw logprobs and the top ones come back with it.
 
 With a drafter, a decode step that adaptive speculation planned at k = 0 is launched so too (engine.py). At its
 booking the next step's k is planned first; only k = 0 goes on: the step's feature rows are copied into the held
@@ -82,14 +82,14 @@ def has_extras(request: Request) -> bool:
 
 class DecodeOverlap:
     """Launches steady decode steps and the steps after them (the module's docstring); the engine books them.
-    `extras`: requests with penalties or logprobs overlap too, their counts kept in a penalty table on the device
-    (target-only engines; with a drafter the device step's own table keeps them)."""
+    Requests with penalties or logprobs overlap too, their counts kept in a penalty table of its own on the device
+    (beside the device step's, if any: each table counts what its own steps drew and uploads the rest when a
+    request comes back to it)."""
 
-    def __init__(self, runner: ModelRunner, scheduler: Scheduler, max_model_len: int, extras: bool = False) -> None:
+    def __init__(self, runner: ModelRunner, scheduler: Scheduler, max_model_len: int) -> None:
         self.runner, self.scheduler, self.max_model_len = runner, scheduler, max_model_len
         self.constants = StepConstants(runner.device)
         self.sampler: SamplerGraphs | None = None
-        self.extras = extras
         self.table: PenaltyTable | None = None  # made at the first batch with extras (it needs the vocabulary)
 
     def applies(self, scheduled: ScheduledStep) -> bool:
@@ -104,13 +104,15 @@ class DecodeOverlap:
             decoding = num_new == 1 and request.num_computed_tokens == request.num_tokens - 1
             if not decoding or request.draft_ids or request.status is not Status.RUNNING:
                 return False
-        if any(has_extras(r) for r in scheduled.requests) and not self._extras_fit(scheduled.requests):
+        if not self._slots_fit(scheduled.requests):
             return False
         return any(not self._ends_by_length(r) for r in scheduled.requests)
 
-    def _extras_fit(self, requests: list[Request]) -> bool:
-        """Whether this overlap takes requests with extras, and the penalised ones all have slots or can get one."""
-        return self.extras and (self.table is None or self.table.fits(requests))
+    def _slots_fit(self, requests: list[Request]) -> bool:
+        """Whether every penalised request has a slot of the penalty table or can get one."""
+        if self.table is None:
+            return sum(r.settings.has_penalties for r in requests) <= DEFAULT_PENALTY_SLOTS
+        return self.table.fits(requests)
 
     def booked(self, requests: list[Request]) -> None:
         """A step's tokens are in its requests' outputs: the step counted them in their slots too."""

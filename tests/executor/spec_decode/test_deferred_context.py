@@ -395,3 +395,36 @@ def test_a_flush_is_priced_where_it_belongs() -> None:
     assert len(cost.surcharges) == len(at_zero) - 1  # the first flush is a warm-up (it compiles)
     assert cost.seconds >= cost.plain and cost.recent
     engine.run_until_idle()
+
+
+@pytest.mark.parametrize(("method", "tree", "device_step"), [("eagle3", False, True), ("dflash", True, False)])
+def test_k0_steps_with_penalties_and_logprobs_match_serial(method: str, tree: bool, device_step: bool) -> None:
+    """Penalised requests asking for logprobs through k = 0 stretches (overlapped, the decode overlap's penalty
+    table) and drafting steps (the device step's table, or the host path's counts): the same tokens, logprobs and
+    drafts as every step serially."""
+    stretch, max_tokens = 2 * DEFER_MAX + 3, 2 * (2 * DEFER_MAX + 3) + 12
+    settings = greedy(max_tokens, frequency_penalty=0.3, repetition_penalty=1.2, logprobs=1)
+    traces, sessions = [], []
+    for overlap in (True, False):
+        session = session_for(method, tree, device_step)
+        engine, proposer = session.engine, session.proposer
+        assert proposer is not None
+        engine.overlap_decode = overlap
+        engine.speculation = Scripted([0] * stretch + [proposer.num_draft_tokens] * 4, [0, proposer.num_draft_tokens])
+        sink = Collector()
+        add_all(session, BATCH, settings, sink)
+        engine._drain_commands()
+        while engine._has_work():
+            engine.step()
+        engine._flush_outbox()
+        traces.append(sink)
+        sessions.append(session)
+    on, off = traces
+    for rid in BATCH:
+        assert on.tokens(rid) == off.tokens(rid), rid
+        assert [o.logprobs for o in on.outputs[rid]] == [o.logprobs for o in off.outputs[rid]], rid
+    counts = sessions[0].engine.step_counts
+    assert counts["overlapped decode"] > stretch and sessions[1].engine.step_counts["overlapped decode"] == 0
+    assert counts["device"] > 0 or not device_step, counts
+    for session in sessions:
+        assert_no_leak(session)
