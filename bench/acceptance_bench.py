@@ -106,10 +106,11 @@ def open_session(
 
 def generate(
     session: ModelSession, prompts: list[list[int]], mix: list[SamplingSettings], max_tokens: int, batch: bool,
-    seeded: bool = True,
+    seeded: bool = True, ignore_eos: bool = False,
 ) -> tuple[list[Finish], float, int]:  # fmt: skip
     """Finish records, seconds and generated tokens; all prompts at once (`batch`) or one after another.
-    Sampled requests are `seeded` (reproducible) or not (as most served requests: their draws batch)."""
+    Sampled requests are `seeded` (reproducible) or not (as most served requests: their draws batch);
+    `ignore_eos`: every request generates max_tokens (sampled runs then compare equal lengths)."""
     finishes: list[Finish] = []
     generated = 0
     started = time.perf_counter()
@@ -118,7 +119,10 @@ def generate(
         outputs: dict[int, list[RequestOutput]] = {i: [] for i, _ in group}
         for i, prompt in group:
             own = replace(mix[i % len(mix)], max_tokens=max_tokens, seed=1000 + i if seeded else None)
-            session.engine.add(session.new_request(f"p{i}", prompt, own, max_tokens, outputs[i].append))
+            request = session.new_request(f"p{i}", prompt, own, max_tokens, outputs[i].append)
+            if ignore_eos:
+                request.eos_token_ids = frozenset()
+            session.engine.add(request)
         session.engine.run_until_idle()
         for outs in outputs.values():
             assert outs and outs[-1].finish is not None, "a request failed"
@@ -225,6 +229,7 @@ def measure_speedup(
     configs += [(name, True, False, True) for name in argmax_sessions if cost_model(sessions[name]) is not None]
     report: dict[str, Any] = {"prompts": len(chosen), "max_tokens": max_tokens, "repeats": args.repeats}
     report["adaptive"] = args.adaptive
+    report["ignore_eos"] = args.ignore_eos
     for temperature in args.speedup_temperatures:
         mix = MIXED if temperature == "mixed" else [SamplingSettings(float(temperature))]
         for batch in args.speedup_batches:
@@ -238,7 +243,7 @@ def measure_speedup(
                     session = sessions[f"{name}_q" if q_drafts else name]
                     run = label(name, device_step, q_drafts, adapts)
                     with device_steps(session, on=device_step, q_drafts=q_drafts), speculating(session, adapts):
-                        finishes, seconds, tokens = generate_groups(session, groups, max_tokens, mix)
+                        finishes, seconds, tokens = generate_groups(session, groups, max_tokens, mix, args.ignore_eos)
                         if adapts and not round_index:
                             adaptive[run] = warm_up(session, groups, max_tokens, mix, batch)
                     if round_index:
@@ -364,11 +369,12 @@ def batch_groups(prompts: list[list[int]], batch: int) -> list[list[list[int]]]:
 
 
 def generate_groups(
-    session: ModelSession, groups: list[list[list[int]]], max_tokens: int, mix: list[SamplingSettings]
-) -> tuple[list[Finish], float, int]:
+    session: ModelSession, groups: list[list[list[int]]], max_tokens: int, mix: list[SamplingSettings],
+    ignore_eos: bool = False,
+) -> tuple[list[Finish], float, int]:  # fmt: skip
     finishes, seconds, tokens = [], 0.0, 0
     for group in groups:
-        group_finishes, group_seconds, group_tokens = generate(session, group, mix, max_tokens, True, False)
+        group_finishes, group_seconds, group_tokens = generate(session, group, mix, max_tokens, True, False, ignore_eos)
         finishes += group_finishes
         seconds += group_seconds
         tokens += group_tokens
@@ -423,6 +429,9 @@ def parse_args() -> argparse.Namespace:
         "--speedup-temperatures", default="0", help="temperatures of the timed runs, e.g. 0,0.7; mixed: MIXED's kinds"
     )
     parser.add_argument("--repeats", type=int, default=3, help="timed rounds; medians and spread are reported")
+    parser.add_argument(
+        "--ignore-eos", action="store_true", help="timed runs generate max_tokens each (equal lengths when sampled)"
+    )
     parser.add_argument("--hf", default="", help="Hugging Face's batch-1 figure beside ours: static, compiled, or both")
     parser.add_argument("--hf-prompts", type=int, default=3, help="prompts Hugging Face decodes (one of each kind)")
     parser.add_argument("--host-step-too", action="store_true", help="also time the drafters on the host path")
