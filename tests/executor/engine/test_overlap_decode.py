@@ -233,6 +233,17 @@ def test_preemption_in_a_tiny_cache(model: DecoderModel) -> None:
     assert counts[OVERLAPPED] > 0, counts
 
 
+def test_penalised_requests_through_preemption() -> None:
+    """Penalised requests asking for logprobs, preempted and recomputed in a tiny cache: their slots keep the counts
+    across the preemption (the same tokens and logprobs as the serial path)."""
+    prompts = [[(7 * i + j) % VOCAB for j in range(30 + i)] for i in range(4)]
+    settings = greedy(24, frequency_penalty=0.3, logprobs=1)
+    jobs = {f"r{i}": Job(p, settings, 24) for i, p in enumerate(prompts)}
+    _, counts, serial = overlapped_and_serial(jobs, num_kv_blocks=12, max_num_batched_tokens=64)
+    assert counts["preempted"] and serial["preempted"], "the cache was sized to force preemption"
+    assert counts[OVERLAPPED] > 0, counts
+
+
 def context_of(length: int) -> Callable[[ModelSession], None]:
     """A context of `length` tokens (a synthetic target's is 8192: more than the tiny cache holds)."""
 
