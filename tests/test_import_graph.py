@@ -136,7 +136,7 @@ EXECUTOR_LAYERS: tuple[Layer, ...] = (
     Layer(
         "sampling",
         wire_free=True,
-        modules=("sample.sampling sample.penalties sample.logprobs sample.device_sampling"),
+        modules=("sample.sampling sample.penalties sample.logprobs sample.hash_kernels sample.device_sampling"),
     ),
     Layer(
         "engine core",

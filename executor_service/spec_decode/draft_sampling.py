@@ -22,7 +22,13 @@ import torch
 from executor_service.engine.request import Request
 from executor_service.models.attention_step import to_device
 from executor_service.models.fused_ops import argmax
-from executor_service.sample.device_sampling import DRAFT_STREAM, exponential_noise, seed_value, step_keys
+from executor_service.sample.device_sampling import (
+    DRAFT_STREAM,
+    exponential_noise,
+    position_keys,
+    seed_value,
+    step_keys,
+)
 from executor_service.sample.sampling import (
     MIN_TEMPERATURE,
     DraftProbs,
@@ -145,7 +151,7 @@ class StepDraws:
         """Draft ids (the drafter's vocabulary) of one position [B, Vd] -> [B], or of n at once [B, n, Vd] -> [B, n]."""
         count, positions = logits.shape[0], logits.shape[1] if logits.dim() == 3 else 1
         at = self.first[:, None] + self.picked + torch.arange(positions, device=logits.device)[None, :]
-        keys = step_keys(self.seed[:, None], at, DRAFT_STREAM).reshape(-1)
+        (keys,) = position_keys(self.seed, at, (DRAFT_STREAM,))
         params = self.params[:, None, :].expand(count, positions, -1).reshape(count * positions, -1)
         rows = logits.reshape(count * positions, -1)
         ids, kept, q = draw_from_q(rows, params, keys, self.sort, self.support)
