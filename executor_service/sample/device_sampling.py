@@ -154,9 +154,12 @@ def position_keys(seed: torch.Tensor, positions: torch.Tensor, streams: tuple[in
     """step_keys of seeds [B] and positions [B] or [B, n] (each row the seed's), per stream, flat [B * n]: on GPUs
     one kernel a stream instead of ~50 ops (sample/hash_kernels.py, the same bits)."""
     if positions.is_cuda:
-        from executor_service.sample.hash_kernels import triton_step_keys
+        from executor_service.sample.hash_kernels import launched, triton_step_keys
 
-        return list(triton_step_keys(seed.contiguous(), positions.contiguous().view(-1), streams))
+        flat = positions.contiguous().view(-1)
+        keys = launched(lambda: triton_step_keys(seed.contiguous(), flat, streams))
+        if keys is not None:
+            return list(keys)
     rows = seed if positions.dim() == 1 else seed[:, None]
     return [step_keys(rows, positions, stream).reshape(-1) for stream in streams]
 
@@ -165,9 +168,11 @@ def uniforms(keys: torch.Tensor, count: int) -> torch.Tensor:
     """[B, count] uniforms in (0, 1) from keys [B]: the hash of each key and index, 24 bits of it (on GPUs one
     kernel, sample/hash_kernels.py, the same bits)."""
     if keys.is_cuda:
-        from executor_service.sample.hash_kernels import triton_uniforms
+        from executor_service.sample.hash_kernels import launched, triton_uniforms
 
-        return triton_uniforms(keys.contiguous(), count)
+        drawn = launched(lambda: triton_uniforms(keys.contiguous(), count))
+        if drawn is not None:
+            return drawn
     index = torch.arange(count, device=keys.device)
     bits = mix32(keys[:, None] ^ (index[None, :] * 0x9E3779B9 & MASK32)) >> 8
     return (bits.float() + 0.5) * (1.0 / (1 << 24))

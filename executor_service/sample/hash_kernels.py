@@ -10,14 +10,35 @@ a uniform's conversion to float is exact, so the numbers are the torch path's bi
 
 from __future__ import annotations
 
+import logging
+from collections.abc import Callable
+
 import torch
 import triton
 import triton.language as tl
+
+log = logging.getLogger("specdec.executor")
 
 MASK32 = 0xFFFFFFFF
 # lowbias32's multipliers 0x7FEB352D and 0x846CA68B (device_sampling.mix32) and the index's 0x9E3779B9
 # (device_sampling.uniforms) appear in the kernels as 16-bit halves.
 UNIFORM_BLOCK = 1024
+
+
+_refused: list[BaseException] = []  # a kernel the compiler or driver refused once: the torch expressions from then on
+
+
+def launched(launch: Callable[[], torch.Tensor]) -> torch.Tensor | None:
+    """launch(), or None (the caller's torch expression: the same numbers) once a launch failed on this machine.
+    A first launch runs eagerly, before any graph captures it (the graphs' warm-up runs), so a refusal shows there."""
+    if _refused:
+        return None
+    try:
+        return launch()
+    except Exception as err:  # a compiler or driver without what the kernel needs: the torch ops instead
+        _refused.append(err)
+        log.warning("the sampling hash kernels are unavailable here; the torch ops run instead: %s", err)
+        return None
 
 
 def triton_step_keys(seed: torch.Tensor, step_key: torch.Tensor, streams: tuple[int, ...]) -> torch.Tensor:

@@ -66,3 +66,18 @@ def test_the_dispatchers_take_the_kernels_on_a_gpu_and_torch_elsewhere() -> None
     assert torch.equal(flat.cpu(), step_keys(SEEDS, positions, UNIFORM_STREAM))
     keys = StepKeys.on_device(SEEDS.to(DEVICE), positions.to(DEVICE))
     assert torch.equal(keys.noise.cpu(), step_keys(SEEDS, positions, NOISE_STREAM))
+
+
+def test_a_refused_kernel_leaves_the_torch_expressions(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A launch the compiler or driver refuses returns None (the caller then runs the torch ops, the same numbers),
+    and so does every later one: the choice is made once, before any graph captures a launch."""
+    from executor_service.sample import hash_kernels
+
+    monkeypatch.setattr(hash_kernels, "_refused", [])
+
+    def refused() -> torch.Tensor:
+        raise RuntimeError("no such instruction")
+
+    assert hash_kernels.launched(lambda: torch.ones(1)) is not None
+    assert hash_kernels.launched(refused) is None
+    assert hash_kernels.launched(lambda: torch.ones(1)) is None
