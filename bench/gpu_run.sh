@@ -5,7 +5,8 @@
 #   bash bench/gpu_run.sh run STEPS        later calls on the same machine: FA4 already in /tmp/fa-site
 #   bash bench/gpu_run.sh smol-stash / smol-install   the SmolLM2 GGUF, likewise (to /root/models/smollm2)
 # STEPS: comma-separated from tests, bench, sweep, bench16, executor-tests, gpu-tests, pytest, executor-bench, specdec-bench,
-# acceptance-bench, sampled-profile, profile, prefix-cache-bench, gateway-bench. Results and logs go to $OUT.
+# acceptance-bench, sampled-profile, sampled-check, profile, prefix-cache-bench, gateway-bench. Results and logs go to
+# $OUT.
 # gateway-bench: SmolLM2 (smol-install first) behind specdec-gateway vs direct gRPC; needs starlette and uvicorn
 # in the carried .whl (bench/README.md); GATEWAY_ARGS= adds flags (e.g. --streams 128, or --gateway-args=--workers=4
 # with httptools in .whl too: the host has uvloop), GATEWAY_TIMEOUT= its limit.
@@ -76,6 +77,12 @@ for step in ${steps//,/ }; do
     gateway-bench) timeout ${GATEWAY_TIMEOUT:-480} python3 bench/gateway_bench.py --device cuda \
         --target /root/models/smollm2/SmolLM2-135M-Instruct.Q4_1.gguf --drafter eagle3=drafters/smollm2-eagle3 \
         ${GATEWAY_ARGS:-} --out "$out" 2>&1 | tee "$out/gateway_bench.log" | tail -30 ;;
+    # The sampled draw's graphs, the hash kernels, penalties and logprobs on the overlapped path, then their speed.
+    sampled-check) timeout 300 python3 -m pytest -q -p no:cacheprovider tests/executor/sample/test_hash_kernels.py \
+        tests/executor/engine/test_sampler_graphs.py tests/executor/engine/test_overlap_decode.py \
+        tests/executor/sample/test_gpu_penalties.py tests/executor/spec_decode/test_gpu_sampled_step.py \
+        tests/executor/spec_decode/test_gpu_device_penalties.py 2>&1 | tee "$out/sampled_check.log" | tail -20
+      timeout 280 python3 bench/sampled_decode_bench.py --out "$out" 2>&1 | tee -a "$out/sampled_check.log" | tail -5 ;;
     none) ;;
     *) echo "unknown step $step" ;;
   esac
