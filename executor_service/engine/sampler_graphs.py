@@ -5,8 +5,9 @@ temperature, min-p, top-k / top-p, the counter-based draw, the finiteness and di
 by op, that sampling costs the host ~0.3-0.6 ms a step, as much as SmolLM2's whole batch-1 step on the GPU, and a
 step cannot be launched faster than the host prepares it: sampled decoding ran at a third of greedy's tokens/s.
 Here the same ops are captured once per (sorted or not, extras or not, batch bucket), on first use, and replayed
-from static inputs: the logits (one device copy), the settings and the random numbers' keys (two copies from
-pinned memory, padded rows greedy). Same ops, same kernels: the tokens are those of the eager path bit for bit.
+from static inputs: the logits (one device copy), the settings and the seeds and positions the random numbers are
+keyed by (two copies from pinned memory, padded rows greedy; the keys are hashed in the graph, where the host
+hashed ~10 us a request a step). The same ops and the same integer hash: the eager path's tokens bit for bit.
 
 With extras (a batch where some request sets a penalty or a logit bias, or asks for logprobs), each row is
 penalised from its slot of the penalty table first, the drawn token is counted in that slot on the device (so the
@@ -24,7 +25,7 @@ import torch
 from executor_service.models.attention_step import to_device
 from executor_service.models.fused_ops import checked_argmax
 from executor_service.runner.cuda_graphs import batch_buckets, collector_paused
-from executor_service.sample.device_sampling import SamplingTensors, StepKeys, host_keys
+from executor_service.sample.device_sampling import SamplingTensors, StepKeys, seed_value
 from executor_service.sample.sampling import SamplingSettings, sampling_params
 from executor_service.spec_decode.device_penalties import PenaltyTable, count_emitted, emitted_logprobs
 from executor_service.spec_decode.verifier import DraftLayout, StepPenalties, verify
@@ -110,10 +111,10 @@ class SamplerGraphs:
             return eager_draw(logits, settings, seeds, roots, sort, extras)
         static = self._inputs(size, logits)
         pad = size - count
-        keys = host_keys(seeds, roots)
+        seed_values = [seed_value(s) for s in seeds]
         static["logits"][:count].copy_(logits)
         _copy_in(static["params"], sampling_params(settings) + [[0.0] * 4] * pad, torch.float32)  # padded: greedy
-        _copy_in(static["ints"], [row + [0] * pad for row in keys], torch.int64)
+        _copy_in(static["ints"], [seed_values + [0] * pad, roots + [0] * pad], torch.int64)
         if extras is not None:
             assert self.table is None or self.table is extras.table, "one penalty table for the graphs' lives"
             self.table = extras.table
@@ -132,7 +133,7 @@ class SamplerGraphs:
             self.inputs[size] = {
                 "logits": torch.zeros(size, logits.shape[-1], dtype=logits.dtype, device=device),
                 "params": torch.zeros(size, 4, dtype=torch.float32, device=device),
-                "ints": torch.zeros(3, size, dtype=torch.int64, device=device),  # seed, uniform key, noise key
+                "ints": torch.zeros(2, size, dtype=torch.int64, device=device),  # seed, root position
                 "slot": torch.full((size,), -1, dtype=torch.int64, device=device),
                 "penalty": torch.zeros(size, 3, dtype=torch.float32, device=device),
             }
@@ -150,7 +151,8 @@ class SamplerGraphs:
             slot = torch.full_like(static["slot"], -1) if warm_up else static["slot"]
             extras = DecodeExtras(self.table, slot, static["penalty"])
         sampling = SamplingTensors(static["params"], ints[0])
-        return draw_read_back(static["logits"], sampling, StepKeys(ints[1], ints[2]), sort, extras)
+        keys = StepKeys.on_device(ints[0], ints[1])
+        return draw_read_back(static["logits"], sampling, keys, sort, extras)
 
     def _capture(self, key: Key) -> torch.cuda.CUDAGraph | None:
         """The graph of `key`, after one eager run (Triton compiles for the shape); None where capture fails

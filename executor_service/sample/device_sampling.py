@@ -137,17 +137,10 @@ class StepKeys:
     @classmethod
     def on_host(cls, seeds: list[int], roots: list[int], device: torch.device) -> StepKeys:
         """From seeds and root positions the host holds: one copy."""
-        _, uniform, noise = host_keys(seeds, roots)
-        both = to_device(uniform + noise, torch.int64, device)
+        pairs = [(seed_value(s), r) for s, r in zip(seeds, roots, strict=True)]
+        keys = [step_keys(s, r, stream) for stream in (UNIFORM_STREAM, NOISE_STREAM) for s, r in pairs]
+        both = to_device(keys, torch.int64, device)
         return cls(both[: len(seeds)], both[len(seeds) :])
-
-
-def host_keys(seeds: list[int], roots: list[int]) -> tuple[list[int], list[int], list[int]]:
-    """Each request's seed value, uniform key and noise key, on the host's integers (StepKeys' values)."""
-    values = [seed_value(s) for s in seeds]
-    pairs = list(zip(values, roots, strict=True))
-    uniform, noise = ([step_keys(s, r, stream) for s, r in pairs] for stream in (UNIFORM_STREAM, NOISE_STREAM))
-    return values, uniform, noise
 
 
 def position_keys(seed: torch.Tensor, positions: torch.Tensor, streams: tuple[int, ...]) -> list[torch.Tensor]:
