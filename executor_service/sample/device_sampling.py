@@ -143,10 +143,16 @@ class StepKeys:
         return cls(both[: len(seeds)], both[len(seeds) :])
 
 
+def hash_kernels_take(tensor: torch.Tensor) -> bool:
+    """Whether the hash runs as the Triton kernels for this tensor: on GPUs (a test may also route the CPU's
+    through them under Triton's interpreter)."""
+    return tensor.is_cuda
+
+
 def position_keys(seed: torch.Tensor, positions: torch.Tensor, streams: tuple[int, ...]) -> list[torch.Tensor]:
     """step_keys of seeds [B] and positions [B] or [B, n] (each row the seed's), per stream, flat [B * n]: on GPUs
     one kernel a stream instead of ~50 ops (sample/hash_kernels.py, the same bits)."""
-    if positions.is_cuda:
+    if hash_kernels_take(positions):
         from executor_service.sample.hash_kernels import launched, triton_step_keys
 
         flat = positions.contiguous().view(-1)
@@ -160,7 +166,7 @@ def position_keys(seed: torch.Tensor, positions: torch.Tensor, streams: tuple[in
 def uniforms(keys: torch.Tensor, count: int) -> torch.Tensor:
     """[B, count] uniforms in (0, 1) from keys [B]: the hash of each key and index, 24 bits of it (on GPUs one
     kernel, sample/hash_kernels.py, the same bits)."""
-    if keys.is_cuda:
+    if hash_kernels_take(keys):
         from executor_service.sample.hash_kernels import launched, triton_uniforms
 
         drawn = launched(lambda: triton_uniforms(keys.contiguous(), count))

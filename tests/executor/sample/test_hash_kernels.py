@@ -81,3 +81,33 @@ def test_a_refused_kernel_leaves_the_torch_expressions(monkeypatch: pytest.Monke
     assert hash_kernels.launched(lambda: torch.ones(1)) is not None
     assert hash_kernels.launched(refused) is None
     assert hash_kernels.launched(lambda: torch.ones(1)) is None
+
+
+def test_a_sampled_device_step_on_the_kernels_draws_the_same_in_fewer_ops(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A chain's sampled device step at batch 1 with the hash on the kernels (the interpreter standing in for a GPU):
+    the same tokens as with the torch ops, and the step's own ops fall by the keys' and the uniforms' (2026-11-29,
+    the sorted variant: 463 -> 328; the kernels' launches are not ops)."""
+    from engine_driving import Collector
+    from op_counting import OpCounter, count_each_call
+    from spec_builders import spec_session
+
+    from executor_service.sample import device_sampling
+    from executor_service.sample.sampling import SamplingSettings
+
+    runs = []
+    for kernels in (False, True):
+        monkeypatch.setattr(device_sampling, "hash_kernels_take", lambda tensor, on=kernels: on)
+        mode = OpCounter(lambda func: not func.is_view)
+        session = spec_session("eagle3", 3, max_num_batched_tokens=64)
+        step = session.engine.spec_step
+        session.engine.runner.forward = mode.paused(session.engine.runner.forward)
+        counts = count_each_call(mode, step)
+        sink = Collector()
+        settings = SamplingSettings(0.8, top_p=0.95, seed=7)
+        session.engine.add(session.new_request("a", [3, 4, 5, 6], settings, 10, sink))
+        session.engine.run_until_idle()
+        assert step.counts["sorted"] > 0
+        runs.append((sink.tokens("a"), max(counts[1:])))
+    (torch_tokens, torch_ops), (kernel_tokens, kernel_ops) = runs
+    assert kernel_tokens == torch_tokens
+    assert kernel_ops <= torch_ops - 120, runs
