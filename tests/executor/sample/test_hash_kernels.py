@@ -86,7 +86,7 @@ def test_a_refused_kernel_leaves_the_torch_expressions(monkeypatch: pytest.Monke
 def test_a_sampled_device_step_on_the_kernels_draws_the_same_in_fewer_ops(monkeypatch: pytest.MonkeyPatch) -> None:
     """A chain's sampled device step at batch 1 with the hash on the kernels (the interpreter standing in for a GPU):
     the same tokens as with the torch ops, and the step's own ops fall by the keys' and the uniforms' (2026-11-29,
-    the sorted variant: 463 -> 328; the kernels' launches are not ops)."""
+    the sorted variant: 463 -> 328, ~75 of them the interpreter's copies around its launches)."""
     from engine_driving import Collector
     from op_counting import OpCounter, count_each_call
     from spec_builders import spec_session
