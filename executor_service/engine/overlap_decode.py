@@ -90,7 +90,8 @@ class DecodeOverlap:
         self.runner, self.scheduler, self.max_model_len = runner, scheduler, max_model_len
         self.constants = StepConstants(runner.device)
         self.sampler: SamplerGraphs | None = None
-        self.table: PenaltyTable | None = None  # made at the first batch with extras (it needs the vocabulary)
+        # Its tensors are allocated at the first batch with extras (PenaltyTable.allocate).
+        self.table = PenaltyTable(DEFAULT_PENALTY_SLOTS, runner.model.config.vocab_size, runner.device)
 
     def applies(self, scheduled: ScheduledStep) -> bool:
         """A steady decode step: every running request decodes one token (no prompt chunk, no drafts), nobody
@@ -104,26 +105,18 @@ class DecodeOverlap:
             decoding = num_new == 1 and request.num_computed_tokens == request.num_tokens - 1
             if not decoding or request.draft_ids or request.status is not Status.RUNNING:
                 return False
-        if not self._slots_fit(scheduled.requests):
+        if not self.table.fits(scheduled.requests):  # a penalised request without a slot to take
             return False
         return any(not self._ends_by_length(r) for r in scheduled.requests)
 
-    def _slots_fit(self, requests: list[Request]) -> bool:
-        """Whether every penalised request has a slot of the penalty table or can get one."""
-        if self.table is None:
-            return sum(r.settings.has_penalties for r in requests) <= DEFAULT_PENALTY_SLOTS
-        return self.table.fits(requests)
-
     def booked(self, requests: list[Request]) -> None:
         """A step's tokens are in its requests' outputs: the step counted them in their slots too."""
-        if self.table is not None:
-            for request in requests:
-                self.table.booked(request)
+        for request in requests:
+            self.table.booked(request)
 
     def release(self, request_id: str) -> None:
         """The request finished: its penalty slot is free (filled afresh when given out again)."""
-        if self.table is not None:
-            self.table.release(request_id)
+        self.table.release(request_id)
 
     @torch.inference_mode()
     def launch(self, inputs: StepInputs, requests: list[Request]) -> LaunchedDecode:
@@ -244,7 +237,7 @@ class DecodeOverlap:
             packed = packed_checked_argmax(logits)  # verifier.verify_greedy's token after no drafts
             return LaunchedDecode(requests, packed[count:], HostCopy(packed), ahead, features)
         seeds, vocab = [r.seed for r in requests], logits.shape[-1]
-        extras = self._extras(requests, vocab) if any(has_extras(r) for r in requests) else None
+        extras = self._extras(requests) if any(has_extras(r) for r in requests) else None
         sampler = self._sampler(logits)
         if sampler is not None:
             packed = sampler.draw(logits, settings, seeds, roots, needs_sort(settings, vocab), extras)
@@ -254,10 +247,8 @@ class DecodeOverlap:
         tokens = packed[2 * count : 3 * count]
         return LaunchedDecode(requests, tokens, HostCopy(packed), ahead, features, logprob_width=width)
 
-    def _extras(self, requests: list[Request], vocab: int) -> HostExtras:
+    def _extras(self, requests: list[Request]) -> HostExtras:
         """The batch's penalty slots (assigning new ones, uploading tokens counted nowhere yet) and parameters."""
-        if self.table is None:
-            self.table = PenaltyTable(DEFAULT_PENALTY_SLOTS, vocab, self.constants.device)
         self.table.allocate()  # the draw reads the table (the bias rows) even where no request is penalised
         return HostExtras(self.table, self.table.slots_of(requests), penalty_params(requests))
 
