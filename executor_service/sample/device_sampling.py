@@ -6,9 +6,10 @@ with its own values read from `SamplingTensors.params`. Top-k and top-p need eac
 requests set neither skips the sort (`needs_sort`, decided on the host per step, a separate captured graph).
 
 Random numbers are counter-based: each is a hash of (the request's seed, a per-step key, an index, a stream).
-The step key is the position of the step's root (the newest token before the drafts), which grows every step.
-So a seeded request draws the same numbers alone or in any batch, in a graph or eagerly, on the host path or
-the device step, with no generator per request and no launch per request. The hash is 32-bit "lowbias32"
+The step key is a position: the draw of the token at position p + 1 is keyed by p, whether it is drawn by a decode
+step or at a verify row (StepKeys). So a seeded request draws the same numbers alone or in any batch, in a graph
+or eagerly, on the host path or the device step, with or without drafts, with no generator per request and no
+launch per request. The hash is 32-bit "lowbias32"
 (a multiply-xorshift mix), computed in int64 arithmetic that never overflows, so CPU and GPU agree bit for bit.
 """
 
@@ -24,8 +25,9 @@ from executor_service.models.fused_ops import argmax
 from executor_service.sample.sampling import MIN_TEMPERATURE, SamplingSettings, needs_sort, sampling_params
 
 MASK32 = 0xFFFFFFFF
-# The drafts' acceptance uniforms and the final token's exponential noise (keyed by the root's position), and a
-# sampled draft's noise (keyed by the position the draft is for: draft_sampling.py).
+# Drafts drawn from q: their acceptance uniforms (keyed by the root's position); every row's draw: its exponential
+# noise (keyed by the position before the token drawn: StepKeys); a sampled draft's noise (keyed by the position the
+# draft is for: draft_sampling.py).
 UNIFORM_STREAM, NOISE_STREAM, DRAFT_STREAM = 1, 2, 3
 
 
@@ -122,25 +124,34 @@ def seed_value(seed: int) -> int:
 
 @dataclass(frozen=True)
 class StepKeys:
-    """A verify step's keys [B]: the drafts' acceptance uniforms' and the final token's noise's, keyed by each
-    request's seed and root position."""
+    """A verify step's keys. `noise` [B, D + 1]: the draw of the token after a row at depth j (the token for
+    position root + j + 1) is keyed by root + j, the key target-only decoding uses for that same token, so a
+    request's sampled tokens are the ones it would draw without drafts. `uniform` [B] (None unless asked for):
+    the acceptance tests of drafts drawn from the drafter's q (verifier.py), keyed by the root."""
 
-    uniform: torch.Tensor
+    uniform: torch.Tensor | None
     noise: torch.Tensor
 
     @classmethod
-    def on_device(cls, seed: torch.Tensor, root: torch.Tensor) -> StepKeys:
-        """From seeds and root positions on the device (a device step derives its roots there)."""
-        uniform, noise = position_keys(seed, root, (UNIFORM_STREAM, NOISE_STREAM))
-        return cls(uniform, noise)
+    def on_device(cls, seed: torch.Tensor, root: torch.Tensor, depth: int = 0, q_drafts: bool = False) -> StepKeys:
+        """From seeds and root positions on the device (a device step derives its roots there), for drafts up to
+        `depth` deep; `q_drafts`: with the uniforms of drafts drawn from q."""
+        positions = root[:, None] + torch.arange(depth + 1, device=root.device)[None, :]
+        (noise,) = position_keys(seed, positions, (NOISE_STREAM,))
+        uniform = position_keys(seed, root, (UNIFORM_STREAM,))[0] if q_drafts else None
+        return cls(uniform, noise.view(-1, depth + 1))
 
     @classmethod
-    def on_host(cls, seeds: list[int], roots: list[int], device: torch.device) -> StepKeys:
+    def on_host(
+        cls, seeds: list[int], roots: list[int], device: torch.device, depth: int = 0, q_drafts: bool = False
+    ) -> StepKeys:
         """From seeds and root positions the host holds: one copy."""
         pairs = [(seed_value(s), r) for s, r in zip(seeds, roots, strict=True)]
-        keys = [step_keys(s, r, stream) for stream in (UNIFORM_STREAM, NOISE_STREAM) for s, r in pairs]
-        both = to_device(keys, torch.int64, device)
-        return cls(both[: len(seeds)], both[len(seeds) :])
+        keys = [step_keys(s, r + j, NOISE_STREAM) for s, r in pairs for j in range(depth + 1)]
+        keys += [step_keys(s, r, UNIFORM_STREAM) for s, r in pairs] if q_drafts else []
+        found = to_device(keys, torch.int64, device)
+        noise = found[: len(seeds) * (depth + 1)].view(len(seeds), depth + 1)
+        return cls(found[len(seeds) * (depth + 1) :] if q_drafts else None, noise)
 
 
 def hash_kernels_take(tensor: torch.Tensor) -> bool:

@@ -120,14 +120,14 @@ def _verify_batch(
     if starts != list(range(0, width * len(tokens) + 1, width)):  # uneven: each one's rows, padded with its last
         logits = logits[rows.reshape(-1)]
     settings, device = [r.settings for r in requests], logits.device
-    sampling = keys = None
-    if not all(s.greedy for s in settings):
-        seeds = [r.seed for r in requests]
-        sampling = SamplingTensors.build(settings, seeds, device)
-        keys = StepKeys.on_host(seeds, [r.num_tokens - 1 for r in requests], device)  # each root's position
     q = None
     if draft_probs is not None and any(p is not None for p in draft_probs) and layout.tokens.shape[1]:
         q = DraftQ.build(layout.tokens, draft_probs)
+    sampling = keys = None
+    if not all(s.greedy for s in settings):
+        seeds, roots = [r.seed for r in requests], [r.num_tokens - 1 for r in requests]  # each root's position
+        sampling = SamplingTensors.build(settings, seeds, device)
+        keys = StepKeys.on_host(seeds, roots, device, layout.depth, q_drafts=q is not None)
     return verify(logits, layout, sampling, keys, host_sort(settings, logits.shape[-1]), q=q, check=True)
 
 

@@ -299,8 +299,10 @@ class SpecStep(VariantSteps):
         logits, features = self.runner.forward(input_ids, verify_positions, verify_step, None)  # the target's pass
         assert features is not None, "a drafter reads the target's features"
         sampling, penalties = SamplingTensors.from_inputs(x), self.step_penalties(x)
-        keys = StepKeys.on_device(sampling.seed, root) if sampling is not None else None
         q = DraftQ(x["q_ids"], x["q_probs"]) if "q_ids" in x else None
+        keys = None
+        if sampling is not None:
+            keys = StepKeys.on_device(sampling.seed, root, layout.depth, q_drafts=q is not None)
         verdict = verify(logits, layout, sampling, keys, sorts(variant), self.constants, penalties, q)
         extras = self.extras(logits, verdict, penalties, self.constants, rows)
         if not layout.chain:

@@ -8,19 +8,21 @@ the first child that *hits*, and go on from it; where no child hits, the target'
 
 - Greedy rule: a child hits when it is the target's argmax at its parent's row; the token after the path is
   the argmax at its last row.
-- Sampled rule (speculative sampling of point-mass drafts; with several children SpecInfer's multi-candidate
-  form): at a node with distribution p the children are tried in order; child c hits with probability
-  r(c) / sum(r), r being p less the children already rejected there (a repeated child has r(c) = 0). When
-  none hits, the token is drawn from r (a leaf's: from p). Every emitted token is then distributed exactly as
-  the target's (chains: Leviathan et al.; trees: Miao et al.).
+- Sampled rule for point-mass drafts (argmax drafts, every tree): each row draws its token from the target's
+  distribution p there, as target-only decoding would (an exponential race keyed by the position, StepKeys); a
+  child hits when it is its parent row's draw, and the token after the path is its last row's draw. So the
+  greedy rule with the draws in place of the argmax. A child hits with probability p(child); where none hits,
+  the draw is one of the other tokens, distributed as p less the children: SpecInfer's multi-candidate rule
+  (Miao et al.; a chain's: Leviathan et al.), with its acceptance. And more: the emitted tokens *are* the draws
+  of target-only decoding, so a seeded request emits the same tokens with or without a drafter, whatever k,
+  chain or tree (adaptive speculation changes k by measured costs: it changes no token).
 - A chain's drafts drawn from the drafter's q (`DraftQ`, draft_sampling.py): draft j hits when
   u_j * q_j(d_j) < p_j(d_j) (accepted with min(1, p / q)); after a rejected draft a the token is drawn from
-  norm(max(0, p_a - q_a)) (from p_a if nothing is left). A point mass q is exactly the rule above, so a batch
-  mixes requests with q and without (their rows one-hot at the draft).
+  norm(max(0, p_a - q_a)) (from p_a if nothing is left). A point mass q is the point-mass rule in distribution
+  (not the same draws), so a batch mixes requests with q and without (their rows one-hot at the draft). The
+  tokens follow the target's distribution but depend on the drafts.
 
-Both rules reduce to a per-draft `hit` computed for all drafts at once (a child's chance and the mass left
-before it depend only on its earlier siblings), then the same path extraction. The uniforms and the final
-draw are counter-based (device_sampling.py), keyed by the request's seed and its root's position.
+Both rules reduce to a per-draft `hit` computed for all drafts at once, then the same path extraction.
 
 With `penalties` (device_penalties.py) both rules read penalised rows: row r as if the drafts on its path had
 been emitted, the distribution the target would have sampled from one token at a time (penalties.py).
@@ -137,7 +139,8 @@ def verify(
     check: bool = False,
 ) -> Verdict:
     """Verify B requests' drafts from their N + 1 rows of logits each ([B * (N + 1), V], request-major).
-    `sampling` None: every request is greedy (`keys` unused). `keys`: the random numbers' (seed and root position);
+    `sampling` None: every request is greedy (`keys` unused). `keys`: the random numbers' (StepKeys, to the layout's
+    depth);
     `sort`: target_logprobs' (the device steps: needs_sort; the host: host_sort); `penalties`: the rows are
     penalised first (requests without penalties are left as they are); `q`: a chain's drafts were drawn
     from these distributions (None: point masses; trees always are); `check`: the verdict says which requests'
@@ -155,16 +158,25 @@ def verify(
     row_params = sampling.params[:, None, :].expand(count, rows, -1).reshape(count * rows, -1)  # no host sync
     logprobs = target_logprobs(logits, row_params, sort).view(count, rows, -1)
     assert keys is not None, "a sampled step needs its random numbers' keys"
-    if num == 0:  # no drafts anywhere (target-only decode): the rule below reduces to one draw from p
+    if num == 0:  # no drafts anywhere (target-only decode): one draw from p
         return _next_tokens(logprobs[:, 0].exp(), target_ids[:, 0], sampling, keys, check)
-    sampled_hit = _sampled_hits(logprobs, layout, keys.uniform, constants, q)
+    if q is None:
+        probs = logprobs.exp()
+        tokens = torch.where(sampling.greedy[:, None], target_ids, _row_draws(probs, layout, keys))
+        verdict = verify_greedy(tokens, layout, constants)
+        if not check:
+            return verdict
+        drawn_from = is_distribution(probs).gather(1, verdict.path_rows).all(dim=1)  # the path's rows
+        return Verdict(verdict.accepted, verdict.path_rows, verdict.emitted, drawn_from | sampling.greedy)
+    assert keys.uniform is not None, "drafts drawn from q need their acceptance uniforms"
+    sampled_hit = _q_hits(logprobs, layout, keys.uniform, constants, q)
     hit = torch.where(sampling.greedy[:, None], _greedy_hits(target_ids, layout), sampled_hit)
     if layout.present is not None:
         hit = hit & layout.present
     accepted, path_rows = _walk(hit, layout, constants)
     last = path_rows.gather(1, accepted[:, None])[:, 0]
     final = target_ids.gather(1, last[:, None])[:, 0]
-    drawn, weights = _final_draws(logprobs, layout, last, keys.noise, constants, q)
+    drawn, weights = _q_final_draws(logprobs, layout, last, keys.noise.gather(1, last[:, None])[:, 0], constants, q)
     final = torch.where(sampling.greedy, final, drawn)
     row_tokens = torch.cat([layout.tokens[:, :1], layout.tokens], dim=1)  # row r's token is draft r - 1's
     emitted = torch.cat([row_tokens.gather(1, path_rows[:, 1:]), final[:, None]], dim=1)
@@ -173,12 +185,21 @@ def verify(
     return Verdict(accepted, path_rows, emitted, valid)
 
 
+def _row_draws(probs: torch.Tensor, layout: DraftLayout, keys: StepKeys) -> torch.Tensor:
+    """[B, N + 1]: each row's draw from its p [B, N + 1, V], keyed by its depth (the position of the token
+    drawn: StepKeys.noise)."""
+    count, rows, vocab = probs.shape
+    row_keys = keys.noise if layout.chain else keys.noise.gather(1, layout.node_depth)
+    assert row_keys.shape == (count, rows), "the keys reach every row's depth"
+    return exponential_race(probs.view(count * rows, vocab), row_keys.reshape(-1)).view(count, rows)
+
+
 def _next_tokens(
     probs: torch.Tensor, target_ids: torch.Tensor, sampling: SamplingTensors, keys: StepKeys, check: bool
 ) -> Verdict:
     """`verify`'s verdict for requests without drafts, in a few launches: the argmax, or the draw from p [B, V]
     (the same numbers as the general rule: no children, so the residual is p itself)."""
-    final = torch.where(sampling.greedy, target_ids, exponential_race(probs, keys.noise))
+    final = torch.where(sampling.greedy, target_ids, exponential_race(probs, keys.noise[:, 0]))
     zeros = torch.zeros_like(final)
     valid = is_distribution(probs) | sampling.greedy if check else None
     return Verdict(zeros, zeros[:, None], final[:, None], valid)
@@ -248,30 +269,15 @@ def verify_host_greedy(
     return verify_greedy(target_ids[rows], layout)
 
 
-def _sampled_hits(
-    logprobs: torch.Tensor,
-    layout: DraftLayout,
-    keys: torch.Tensor,
-    constants: StepConstants,
-    q: DraftQ | None = None,
+def _q_hits(
+    logprobs: torch.Tensor, layout: DraftLayout, keys: torch.Tensor, constants: StepConstants, q: DraftQ
 ) -> torch.Tensor:
-    """[B, N]: whether draft j is accepted when it is tried (its parent reached, its earlier siblings rejected):
-    u_j * (1 - mass of its earlier siblings) < p(j), p read at its parent's row; drawn from q: u_j * q(j) < p(j)."""
+    """[B, N]: whether a chain's draft j, drawn from q, is accepted when its parent is: u_j * q(j) < p(j), p read
+    at its parent's row."""
     count, rows, vocab = logprobs.shape
     parent_rows = constants.strided(count, rows)[:, None] + layout.parents + 1  # flat rows
     chance = logprobs.view(-1)[parent_rows * vocab + layout.tokens].exp()  # [B, N]
-    draws = uniforms(keys, chance.shape[1])
-    if q is not None:
-        return draws * q.at(layout.tokens) < chance
-    if layout.chain:
-        return draws < chance
-    num = chance.shape[1]
-    index = constants.arange(num)
-    earlier = (layout.parents[:, :, None] == layout.parents[:, None, :]) & (index[None, None, :] < index[None, :, None])
-    repeated = (earlier & (layout.tokens[:, :, None] == layout.tokens[:, None, :])).any(dim=2)
-    chance = torch.where(repeated, 0.0, chance)  # an earlier sibling with its token was rejected: no mass left
-    mass = 1.0 - (earlier.float() * chance[:, None, :]).sum(dim=2)
-    return (draws * mass < chance) & (mass > 0.0)
+    return uniforms(keys, chance.shape[1]) * q.at(layout.tokens) < chance
 
 
 def _walk(hit: torch.Tensor, layout: DraftLayout, constants: StepConstants) -> tuple[torch.Tensor, torch.Tensor]:
@@ -297,38 +303,32 @@ def _walk(hit: torch.Tensor, layout: DraftLayout, constants: StepConstants) -> t
     return accepted, path_rows[:, : layout.depth + 1]
 
 
-def _final_draws(
+def _q_final_draws(
     logprobs: torch.Tensor,
     layout: DraftLayout,
     last: torch.Tensor,
     keys: torch.Tensor,
     constants: StepConstants,
-    q: DraftQ | None = None,
+    q: DraftQ,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """[B] the token after each path, drawn from its last row's max(0, p - the rejected children's q): p less the
-    children's tokens for point masses; from p itself where nothing is left (rounding only: a child holding all
-    the rest is accepted). Also those weights [B, V]."""
+    """[B] the token after each chain's path, drawn from its last row's max(0, p - q of the rejected draft); from
+    p itself where nothing is left (rounding only). Also those weights [B, V]."""
     count, rows, vocab = logprobs.shape
     probs = logprobs.view(count * rows, vocab)[constants.strided(count, rows) + last].exp()
-    ids, weights = _rejected_mass(layout, last, q)
-    removed = torch.zeros_like(probs).scatter_add_(1, ids, weights)
-    residual = (probs - removed).clamp_min(0.0)
+    ids, mass = _rejected_q(layout, last, q)
+    residual = (probs - torch.zeros_like(probs).scatter_add_(1, ids, mass)).clamp_min(0.0)
     residual = torch.where(residual.sum(dim=1, keepdim=True) > 0.0, residual, probs)
     return exponential_race(residual, keys), residual
 
 
-def _rejected_mass(layout: DraftLayout, last: torch.Tensor, q: DraftQ | None) -> tuple[torch.Tensor, torch.Tensor]:
-    """Ids and weights [B, *] of the mass the last row's children (all rejected) take from p: each child's token
-    whole (point masses; p - 1 <= 0), or the rejected draft's q (a chain's one child: draft `last`)."""
-    children = layout.parents + 1 == last[:, None]
+def _rejected_q(layout: DraftLayout, last: torch.Tensor, q: DraftQ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Ids and weights [B, K] of the q of draft `last`, the one rejected after the path (weights 0 where the path
+    took every draft)."""
+    child = last.clamp(max=layout.tokens.shape[1] - 1)[:, None, None].expand(-1, 1, q.ids.shape[2])
+    rejected = last < layout.tokens.shape[1]
     if layout.present is not None:
-        children = children & layout.present
-    if q is None:
-        return layout.tokens, children.float()
-    width = q.ids.shape[2]
-    child = last.clamp(max=max(layout.tokens.shape[1] - 1, 0))[:, None, None].expand(-1, 1, width)
-    present = children.any(dim=1, keepdim=True)
-    return q.ids.gather(1, child)[:, 0], q.probs.gather(1, child)[:, 0] * present
+        rejected = rejected & layout.present.gather(1, child[:, :, 0])[:, 0]
+    return q.ids.gather(1, child)[:, 0], q.probs.gather(1, child)[:, 0] * rejected[:, None]
 
 
 def tree_layout(

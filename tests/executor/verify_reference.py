@@ -10,19 +10,21 @@ from executor_service.spec_decode.verifier import DraftLayout
 
 
 def without_residual(layout: DraftLayout, *_: object) -> tuple[torch.Tensor, torch.Tensor]:
-    """In place of verifier._rejected_mass: right acceptance test, wrong correction (nothing of the rejected
-    drafts removed: the final token from p, not norm(max(0, p - q))), so drafted tokens come out too often."""
+    """In place of verifier._rejected_q: right acceptance test, wrong correction (nothing of the rejected draft's q
+    removed: the final token from p, not norm(max(0, p - q))), so drafted tokens come out too often."""
     return layout.tokens, torch.zeros(layout.tokens.shape, device=layout.tokens.device)
 
 
-def accepts_all(logprobs: torch.Tensor, layout: DraftLayout, *_: object) -> torch.Tensor:
-    """In place of verifier._sampled_hits: every draft hits, so the drafter's choices leak through."""
+def accepts_all(target: torch.Tensor, layout: DraftLayout, *_: object) -> torch.Tensor:
+    """In place of verifier._greedy_hits or _q_hits: every draft hits, so the drafter's choices leak through."""
     return torch.ones_like(layout.tokens, dtype=torch.bool)
 
 
-def rejects_all(logprobs: torch.Tensor, layout: DraftLayout, *_: object) -> torch.Tensor:
-    """In place of verifier._sampled_hits: every draft misses."""
-    return torch.zeros_like(layout.tokens, dtype=torch.bool)
+def independent_hits(row_tokens: torch.Tensor, layout: DraftLayout) -> torch.Tensor:
+    """In place of verifier._greedy_hits: drafts tested against another request's draws (the batch rolled by one),
+    not the draws that are emitted: an acceptance test and a token that do not share their random numbers."""
+    rolled = row_tokens.roll(1, dims=0)
+    return layout.tokens == (rolled[:, :-1] if layout.chain else rolled.gather(1, layout.parents + 1))
 
 
 def greedy_walk(tokens: list[int], parents: list[int], argmax: list[int]) -> tuple[list[int], list[int]]:

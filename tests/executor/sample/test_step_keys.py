@@ -3,6 +3,7 @@ step's), bit for bit, so a seeded request draws the same numbers on either path.
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from executor_service.sample.device_sampling import (
@@ -30,11 +31,23 @@ def test_host_keys_equal_device_keys_for_every_seed_position_and_stream() -> Non
         assert [step_keys(seed_value(s), p, stream) for s, p in pairs] == expected
 
 
-def test_step_keys_on_the_host_equal_those_on_the_device() -> None:
+@pytest.mark.parametrize("depth", [0, 3])
+def test_step_keys_on_the_host_equal_those_on_the_device(depth: int) -> None:
     seeds, roots = SEEDS[:6], POSITIONS[:6]
-    on_device = StepKeys.on_device(
-        SamplingTensors.build([SamplingSettings(1.0)] * 6, seeds, CPU).seed, torch.tensor(roots)
-    )
-    on_host = StepKeys.on_host(seeds, roots, CPU)
+    seed = SamplingTensors.build([SamplingSettings(1.0)] * 6, seeds, CPU).seed
+    on_device = StepKeys.on_device(seed, torch.tensor(roots), depth, q_drafts=True)
+    on_host = StepKeys.on_host(seeds, roots, CPU, depth, q_drafts=True)
+    assert on_host.uniform is not None and on_device.uniform is not None
     assert torch.equal(on_host.uniform, on_device.uniform) and torch.equal(on_host.noise, on_device.noise)
-    assert not torch.equal(on_host.uniform, on_host.noise)  # the streams differ
+    assert not torch.equal(on_host.uniform, on_host.noise[:, 0])  # the streams differ
+    assert StepKeys.on_host(seeds, roots, CPU, depth).uniform is None  # only drafts drawn from q read them
+
+
+def test_a_row_at_depth_j_has_the_key_of_a_decode_step_at_root_plus_j() -> None:
+    """The token after a verify row at depth j is drawn with the key target-only decoding draws it with (its root
+    j positions later): the same numbers, so the same token."""
+    seeds, roots = SEEDS[:6], POSITIONS[:6]
+    deep = StepKeys.on_host(seeds, roots, CPU, 4)
+    for j in range(5):
+        later = StepKeys.on_host(seeds, [r + j for r in roots], CPU)
+        assert torch.equal(deep.noise[:, j], later.noise[:, 0])

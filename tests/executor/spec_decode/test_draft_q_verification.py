@@ -47,7 +47,7 @@ def verified(target: torch.Tensor, q: torch.Tensor | None, settings: SamplingSet
         logits,
         chain(tokens.contiguous()),
         sampling,
-        StepKeys.on_device(sampling.seed, torch.full((COUNT,), 9)),
+        StepKeys.on_device(sampling.seed, torch.full((COUNT,), 9), num, q_drafts=found is not None),
         q=found,
     )
 
@@ -78,12 +78,12 @@ def test_emitted_tokens_follow_the_target_distribution(num_drafts: int, drafter:
 
 def test_the_bound_catches_a_wrong_residual(monkeypatch: pytest.MonkeyPatch) -> None:
     """Right acceptance test, wrong correction: p instead of norm(max(0, p - q))."""
-    monkeypatch.setattr(verifier, "_rejected_mass", without_residual)
+    monkeypatch.setattr(verifier, "_rejected_q", without_residual)
     assert distances(3, "sampled")[0] > BOUND
 
 
 def test_the_bound_catches_accept_all(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(verifier, "_sampled_hits", accepts_all)
+    monkeypatch.setattr(verifier, "_q_hits", accepts_all)
     assert distances(3, "sampled")[0] > BOUND
 
 
@@ -94,9 +94,10 @@ def test_a_drafter_that_knows_the_target_has_every_draft_accepted() -> None:
     assert verified(target, None, SamplingSettings(temperature=1.0)).accepted.float().mean() < 2.0
 
 
-def test_a_point_mass_q_is_the_point_mass_rule_bit_for_bit() -> None:
-    """A batch of greedy and sampled requests (top-k, top-p too): q one-hot at each draft, built or given as
-    DraftProbs, gives the verdict of no q; and through the host path as well."""
+def test_a_point_mass_q_is_verified_as_one_built_for_a_request_without_q() -> None:
+    """A batch of greedy and sampled requests (top-k, top-p too): q one-hot at each draft given as DraftProbs gives
+    the verdict of the one-hot rows DraftQ.build makes for requests without q (a batch mixing them verifies both
+    by the q rule), and through the host path as well."""
     generator = torch.Generator().manual_seed(4)
     count, num, vocab = 64, 4, 50
     logits = torch.randn(count * (num + 1), vocab, generator=generator) * 2
@@ -104,16 +105,16 @@ def test_a_point_mass_q_is_the_point_mass_rule_bit_for_bit() -> None:
     settings = [[SamplingSettings(), SamplingSettings(0.9), SamplingSettings(1.2, top_k=5, top_p=0.8)][i % 3]
                 for i in range(count)]  # fmt: skip
     sampling = SamplingTensors.build(settings, [7 * i for i in range(count)], CPU)
-    keys = StepKeys.on_device(sampling.seed, torch.arange(count) + 30)
+    keys = StepKeys.on_device(sampling.seed, torch.arange(count) + 30, num, q_drafts=True)
     one_hot = [DraftProbs(tokens[i][:, None], torch.ones(num, 1)) for i in range(count)]
-    plain = verify(logits, chain(tokens), sampling, keys, True)
-    for q in (DraftQ.build(tokens, [None] * count), DraftQ.build(tokens, one_hot)):
-        found = verify(logits, chain(tokens), sampling, keys, True, q=q)
-        assert torch.equal(found.accepted, plain.accepted) and torch.equal(found.emitted, plain.emitted)
-    assert 0 < int(plain.accepted.sum()) < count * num
+    built = verify(logits, chain(tokens), sampling, keys, True, q=DraftQ.build(tokens, [None] * count))
+    given = verify(logits, chain(tokens), sampling, keys, True, q=DraftQ.build(tokens, one_hot))
+    assert torch.equal(given.accepted, built.accepted) and torch.equal(given.emitted, built.emitted)
+    assert 0 < int(built.accepted.sum()) < count * num
     requests = [request_of(s, 7 * i) for i, s in enumerate(settings)]
     drafts = tokens.tolist()
-    assert verify_on_host(logits, requests, drafts, one_hot) == verify_on_host(logits, requests, drafts)
+    half = [q if i % 2 else None for i, q in enumerate(one_hot)]
+    assert verify_on_host(logits, requests, drafts, one_hot) == verify_on_host(logits, requests, drafts, half)
 
 
 def test_a_tree_refuses_q() -> None:
@@ -127,7 +128,7 @@ def test_a_tree_refuses_q() -> None:
             torch.randn(4, VOCAB),
             layout,
             sampling,
-            StepKeys.on_device(sampling.seed, torch.zeros(1, dtype=torch.int64)),
+            StepKeys.on_device(sampling.seed, torch.zeros(1, dtype=torch.int64), 2, q_drafts=True),
             q=q,
         )
 

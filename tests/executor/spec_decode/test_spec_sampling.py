@@ -91,13 +91,12 @@ def uniform_step_q(self: StepDraws) -> tuple[torch.Tensor, torch.Tensor]:
 @pytest.mark.parametrize(
     ("path", "part", "broken"),
     [
-        ("host", "_sampled_hits", accepts_all),
-        ("host", "_rejected_mass", without_residual),
+        ("host", "_q_hits", accepts_all),
+        ("host", "_rejected_q", without_residual),
         ("host", "DraftSampler.probs_of", uniform_q),
-        ("device", "_sampled_hits", accepts_all),
-        ("device", "_rejected_mass", without_residual),
-        ("device drawn", "_sampled_hits", accepts_all),
-        ("device drawn", "_rejected_mass", without_residual),
+        ("device", "_greedy_hits", accepts_all),
+        ("device drawn", "_q_hits", accepts_all),
+        ("device drawn", "_rejected_q", without_residual),
         ("device drawn", "StepDraws.q", uniform_step_q),
     ],
 )

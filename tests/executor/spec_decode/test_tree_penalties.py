@@ -144,7 +144,13 @@ def test_graph_buffers_of_the_extras_variant(shape: str) -> None:
 
 @pytest.mark.parametrize(
     ("shape", "name", "most"),
-    [("chain", "greedy", 202), ("chain", "extras", 550), ("static_2_2_1", "extras", 593)],
+    [
+        ("chain", "greedy", 202),
+        ("chain", "sampled", 321),
+        ("chain", "extras", 550),
+        ("static_2_2_1", "sampled", 354),
+        ("static_2_2_1", "extras", 593),
+    ],
 )
 def test_a_warm_step_keeps_its_op_count(shape: str, name: str, most: int) -> None:
     """The step's own ops at batch 1 (the target's pass left out, views not counted; +4 of slack for other torch
@@ -153,14 +159,18 @@ def test_a_warm_step_keeps_its_op_count(shape: str, name: str, most: int) -> Non
     drafting (draft_penalties.py) adds to the extras variants alone: 3 ops to gather the slots' counts, 12 per
     pick to penalise the drafter's logits and 1 to count a chain's pick: chain extras 537, static_2_2_1 578. The
     logit bias (2026-11-28): its rows built once a step from the slots (PenaltyTable.bias_rows) and added to the
-    verify rows, gathered for the drafter's vocabulary and added at each pick: chain extras 544, static_2_2_1 587."""
+    verify rows, gathered for the drafter's vocabulary and added at each pick: chain extras 544, static_2_2_1 587.
+    Sampled point-mass drafts verified by each row's own draw (2026-11-29; verifier.py): chain sampled 445 -> 317,
+    static_2_2_1 489 -> 350 (a sampled request; the extras requests here are greedy and penalised)."""
     from op_counting import OpCounter, count_each_call
 
     mode = OpCounter(lambda func: not func.is_view)
     session, step = session_and_step(shape)
     session.engine.runner.forward = mode.paused(session.engine.runner.forward)
     counts = count_each_call(mode, step)
-    settings = GREEDY if name == "greedy" else SamplingSettings(repetition_penalty=1.3)
+    settings = {"greedy": GREEDY, "sampled": SamplingSettings(0.8, seed=1)}.get(
+        name, SamplingSettings(repetition_penalty=1.3)
+    )
     sink = Collector()
     session.engine.add(session.new_request("a", [3, 4, 5, 6], settings, 8, sink))
     session.engine.run_until_idle()

@@ -1,13 +1,14 @@
 """The one verifier (verifier.py): the greedy rule against the host's walk, the sampled rule's output distribution
-against the target's (total variation, with negative controls that must fail the same bound), and counter-based
-draws that do not depend on the batch."""
+against the target's (total variation), its emitted tokens those of target-only decoding (each row's draw, keyed
+by its position), accepted drafts always the emitted tokens (with negative controls that must fail), and
+counter-based draws that do not depend on the batch."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 from sampling_reference import reference_probs
-from verify_reference import accepts_all, greedy_walk, without_residual
+from verify_reference import accepts_all, greedy_walk, independent_hits
 
 from executor_service.sample.device_sampling import SamplingTensors, StepKeys
 from executor_service.sample.sampling import SamplingSettings, host_sort, sampling_params, target_logprobs, target_probs
@@ -16,9 +17,11 @@ from executor_service.spec_decode.host_verify import DraftTree
 from executor_service.spec_decode.verifier import DraftLayout, tree_layout, verify, verify_host_greedy
 
 VOCAB = 6
+CPU = torch.device("cpu")
 CHAIN = [-1, 0, 1]  # three drafts in a chain
 TREE = [-1, -1, -1, 0, 0, 3]  # the root's children 0, 1, 2 (2 repeats 0's token below); 3, 4 under 0; 5 under 3
 TREE_TOKENS = [1, 2, 1, 3, 0, 4]
+NO_DRAFTS = DraftLayout(torch.zeros(1, 0, dtype=torch.int64), torch.zeros(1, 0, dtype=torch.int64), None, None, 0, True)
 
 
 def layout_of(tokens: list[list[int]], parents: list[int], chain: bool = False) -> DraftLayout:
@@ -88,7 +91,8 @@ def sampled_first_tokens(parents: list[int], tokens: list[int], count: int, para
     layout = layout_of([tokens] * count, parents, chain=parents is CHAIN)
     sampling = SamplingTensors.build([params] * count, list(range(count)), torch.device("cpu"))
     sort = params.top_k > 0 or params.top_p < 1.0
-    verdict = verify(logits, layout, sampling, StepKeys.on_device(sampling.seed, torch.full((count,), 7)), sort=sort)
+    keys = StepKeys.on_device(sampling.seed, torch.full((count,), 7), layout.depth)
+    verdict = verify(logits, layout, sampling, keys, sort=sort)
     return verdict.emitted[:, 0], logits[:rows]
 
 
@@ -114,17 +118,52 @@ def test_sampled_rule_emits_the_target_distribution(shape: str, params: Sampling
     assert total_variation(first, target_probs(rows[0], params)) < BOUND
 
 
-def test_the_bound_catches_a_wrong_residual(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Negative control: drawing the final token from p without removing the rejected children."""
-    monkeypatch.setattr(verifier, "_rejected_mass", without_residual)
-    first, rows = sampled_first_tokens(TREE, TREE_TOKENS, COUNT, SETTINGS[0])
-    assert total_variation(first, target_probs(rows[0], SETTINGS[0])) > BOUND
+def sampled_verdicts(parents: list[int], seed: int) -> tuple[torch.Tensor, DraftLayout, verifier.Verdict]:
+    """64 requests' random rows and drafts (often the rows' likely tokens, so that paths get long) verified with
+    sampled settings of each kind, roots at 40 + i; the logits [64 * rows, V] and layout too."""
+    generator = torch.Generator().manual_seed(seed)
+    count, rows = 64, len(parents) + 1
+    logits = torch.randn(count * rows, VOCAB, generator=generator) * 2
+    tokens = logits.view(count, rows, VOCAB)[:, :-1].argmax(-1)
+    tokens = torch.where(torch.rand(tokens.shape, generator=generator) < 0.3, (tokens + 1) % VOCAB, tokens)
+    layout = layout_of(tokens.tolist(), parents, chain=parents is CHAIN)
+    sampling = SamplingTensors.build([SETTINGS[i % 3] for i in range(count)], list(range(count)), CPU)
+    keys = StepKeys.on_device(sampling.seed, torch.arange(count) + 40, layout.depth)
+    return logits, layout, verify(logits, layout, sampling, keys, sort=True)
 
 
-def test_the_bound_catches_accept_all(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(verifier, "_sampled_hits", accepts_all)
-    first, rows = sampled_first_tokens(CHAIN, [2, 3, 1], COUNT, SETTINGS[0])
-    assert total_variation(first, target_probs(rows[0], SETTINGS[0])) > BOUND
+@pytest.mark.parametrize("parents", [CHAIN, TREE], ids=["chain", "tree"])
+def test_sampled_tokens_are_the_draws_of_target_only_decoding(parents: list[int]) -> None:
+    """Each emitted token is what a decode step without drafts draws from the row it comes from, keyed by its own
+    position: the accepted drafts' rows, then the path's last row; the accepted drafts are the tokens emitted."""
+    logits, layout, verdict = sampled_verdicts(parents, 5)
+    count, rows = layout.tokens.shape[0], len(parents) + 1
+    assert int(verdict.accepted.sum()) > 0 and (verdict.accepted < layout.depth).any()
+    for i in range(count):
+        accepted = int(verdict.accepted[i])
+        for j in range(accepted + 1):
+            row = int(verdict.path_rows[i, j])
+            one = SamplingTensors.build([SETTINGS[i % 3]], [i], CPU)
+            alone = verify(
+                logits[i * rows + row][None], NO_DRAFTS, one,
+                StepKeys.on_device(one.seed, torch.tensor([40 + i + j])), sort=True,
+            )  # fmt: skip
+            assert int(verdict.emitted[i, j]) == int(alone.emitted[0, 0]), (i, j)
+            if j < accepted:
+                assert int(verdict.emitted[i, j]) == int(layout.tokens[i, int(verdict.path_rows[i, j + 1]) - 1])
+
+
+@pytest.mark.parametrize("broken", [accepts_all, independent_hits], ids=["accepts-all", "independent"])
+def test_a_hit_not_decided_by_the_draw_is_caught(broken: object, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Negative controls: drafts accepted whatever the draw, or by a draw other than the one emitted, emit tokens
+    that are not the accepted drafts (the target's later rows then read a text that was not emitted)."""
+    monkeypatch.setattr(verifier, "_greedy_hits", broken)
+    for parents in (CHAIN, TREE):
+        _, layout, verdict = sampled_verdicts(parents, 5)
+        path = verdict.path_rows[:, 1:]
+        drafts = torch.cat([layout.tokens[:, :1], layout.tokens], dim=1).gather(1, path)
+        on_path = torch.arange(path.shape[1])[None, :] < verdict.accepted[:, None]
+        assert ((drafts != verdict.emitted[:, : path.shape[1]]) & on_path).any()
 
 
 def test_second_token_follows_the_accepted_draft_row() -> None:
@@ -134,7 +173,7 @@ def test_second_token_follows_the_accepted_draft_row() -> None:
     logits = (torch.randn(4, VOCAB) * 1.5).repeat(COUNT, 1)
     layout = layout_of([[2, 3, 1]] * COUNT, CHAIN, chain=True)
     sampling = SamplingTensors.build([SETTINGS[0]] * COUNT, list(range(COUNT)), torch.device("cpu"))
-    verdict = verify(logits, layout, sampling, StepKeys.on_device(sampling.seed, torch.full((COUNT,), 7)))
+    verdict = verify(logits, layout, sampling, StepKeys.on_device(sampling.seed, torch.full((COUNT,), 7), 3))
     second = verdict.emitted[verdict.accepted >= 1, 1]
     assert second.shape[0] > 1000
     assert total_variation(second, target_probs(rows[1], SETTINGS[0])) < 3 * BOUND
@@ -149,14 +188,14 @@ def test_draws_do_not_depend_on_the_batch() -> None:
     seeds, roots = [11 * i + 3 for i in range(7)], (torch.arange(7) * 5 + 40).tolist()
     together = verify(
         logits, layout_of(tokens, TREE), SamplingTensors.build(settings, seeds, torch.device("cpu")),
-        StepKeys.on_host(seeds, roots, torch.device("cpu")), sort=True,
+        StepKeys.on_host(seeds, roots, torch.device("cpu"), 3), sort=True,
     )  # fmt: skip
     rows = len(TREE) + 1
     for i in range(7):
         alone = verify(
             logits[i * rows : (i + 1) * rows], layout_of([tokens[i]], TREE),
             SamplingTensors.build([settings[i]], [seeds[i]], torch.device("cpu")),
-            StepKeys.on_host([seeds[i]], [roots[i]], torch.device("cpu")), sort=True,
+            StepKeys.on_host([seeds[i]], [roots[i]], torch.device("cpu"), 3), sort=True,
         )  # fmt: skip
         assert alone.accepted.item() == together.accepted[i].item()
         count = alone.accepted.item() + 1
