@@ -244,9 +244,10 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument(
         "--adaptive-speculation",
-        action="store_true",
+        action=argparse.BooleanOptionalAction,
+        default=None,
         help="each step's k (or none) from measured step times and acceptance (docs/executor.md, adaptive "
-        "speculation); default: every step verifies the drafter's k drafts",
+        "speculation); default: on with --device cuda, off on the CPU; off: every step verifies the drafter's k drafts",
     )
     parser.add_argument(
         "--no-overlap-decode",

@@ -9,7 +9,8 @@ import random
 import pytest
 import torch
 from engine_driving import Collector
-from gpu_sampled_cases import session_of, step_of
+from executor_builders import tiny_session
+from gpu_sampled_cases import BACKEND, FP32, session_of, step_of
 
 from executor_service.sample.sampling import SamplingSettings
 from executor_service.server.session import ModelSession
@@ -69,3 +70,15 @@ def test_sampled_only_batches_replay_the_sampled_graph(shape: str) -> None:
     assert session.engine.step_counts["host drafts"] == 0  # every verify step on the device, drawn drafts too
     step = step_of(session)
     assert len({graphs.pool for graphs in step.graphs.values()}) == 1  # the variants share one memory pool
+
+
+@pytest.mark.parametrize("shape", ["chain", "tree"])
+def test_a_seeded_request_emits_target_only_decoding_s_tokens(shape: str) -> None:
+    """Point-mass drafts, graphs replayed: each row's draw is keyed by its position, as a decode step's, so the
+    seeded request's tokens are those of a target-only session (fp32, the same synthetic target)."""
+    with_drafter, sink = generate(session_of(shape), 3)
+    assert sink.outputs["seeded"][-1].finish.verify_steps > 0
+    target_only = tiny_session(BACKEND, num_kv_blocks=256, max_num_batched_tokens=512, max_num_seqs=16,
+                               device="cuda", dtype=FP32)  # fmt: skip
+    alone, _ = generate(target_only, 3)
+    assert with_drafter == alone
