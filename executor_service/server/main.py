@@ -245,9 +245,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--adaptive-speculation",
         action=argparse.BooleanOptionalAction,
-        default=None,
+        default=False,
         help="each step's k (or none) from measured step times and acceptance (docs/executor.md, adaptive "
-        "speculation); default: on with --device cuda, off on the CPU; off: every step verifies the drafter's k drafts",
+        "speculation); default off: every step verifies the drafter's k drafts",
     )
     parser.add_argument(
         "--no-overlap-decode",

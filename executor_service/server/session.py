@@ -68,12 +68,11 @@ class EngineSettings:
     device_spec_step: bool = True  # greedy verify + accept + propose as one device pass (spec_step.py)
     prefix_caching: bool = True  # for a LoadModel that leaves enable_prefix_caching unset (prefix_cache.py)
     sampled_drafts: str = "auto"  # sampled requests' drafts: "on" drawn from q, "off" argmax, "auto" (proposer.py)
-    # Each step's k (or none) from measured costs (adaptive_k.py), so that a drafter never makes a batch slower than
-    # target-only decoding; off: the loaded k every step. It changes no token (greedy and point-mass sampled
-    # verification emit target-only decoding's tokens whatever k), but the drafted / accepted counts follow the
-    # measured step times. None: on where the model runs on one CUDA GPU (measured there), off on the CPU (the demo
-    # and the tests see every step's drafts) and under tensor parallelism (not yet measured there).
-    adaptive_speculation: bool | None = None
+    # Each step's k (or none) from measured costs (adaptive_k.py); off: the loaded k every step. It changes no token
+    # (greedy and point-mass sampled verification emit target-only decoding's tokens whatever k), but the drafted /
+    # accepted counts follow the measured step times. Off by default: on the H200 it did not yet beat fixed k
+    # (docs/executor.md, adaptive speculation).
+    adaptive_speculation: bool = False
     # Steps without drafting (adaptive speculation's k = 0) hold the drafter's context for a batched pass later
     # (deferred_context.py); off: its context pass runs every such step.
     defer_drafter_context: bool = True
@@ -334,10 +333,7 @@ def build_session(
     scheduler = Scheduler(kv_cache.allocator, block_size, *batch, lookahead, max_model_len, prefix_cache)
     slots = settings.max_num_seqs  # every running request may set a penalty (device_penalties.py)
     speculation = None
-    adaptive = settings.adaptive_speculation
-    if adaptive is None:  # measured on one GPU; tensor-parallel ranks replay the loaded k
-        adaptive = device.type == "cuda" and tensor_parallel_size() == 1
-    if proposer is not None and adaptive:
+    if proposer is not None and settings.adaptive_speculation:
         graphs = settings.cuda_graphs and device.type == "cuda" and decision.backend in GRAPH_BACKENDS
         speculation = adaptive_speculation(proposer, graphs)
         speculation.observer = on_plan
