@@ -19,6 +19,7 @@ from executor_service.engine.outcome import StepOutcome
 from executor_service.engine.overlap_decode import DecodeOverlap, LaunchedDecode
 from executor_service.engine.request import Finish, Request, RequestOutput, Sink, Status
 from executor_service.engine.scheduler import ScheduledStep, Scheduler
+from executor_service.engine.slow_steps import SlowSteps
 from executor_service.engine.step_parts import split_for_device
 from executor_service.models.attention_step import to_device
 from executor_service.runner.model_runner import ModelRunner, StepInputs
@@ -80,6 +81,7 @@ class Engine(EngineLoop):
         self.overlap = DecodeOverlap(runner, scheduler, max_model_len) if overlapping else None
         self.overlap_decode = overlap_decode
         self._decoding: LaunchedDecode | None = None  # an overlapped decode step launched, not yet booked
+        self.slow = SlowSteps.from_env(self._counters())  # SPECDEC_SLOW_STEP_MS: slow steps logged (slow_steps.py)
 
     def _steps_pending(self) -> bool:
         return self._in_flight is not None or self._decoding is not None
@@ -88,9 +90,24 @@ class Engine(EngineLoop):
         """One step (`_step`); a step that ran steadily at one k gives the speculation its wall time."""
         started = time.perf_counter()
         self._steady, self._planned, self._flushed = None, None, None
+        if self.slow is not None:
+            self.slow.start()
         self._step(started)
         if self.speculation is not None:
             self._price(time.perf_counter() - started)
+        if self.slow is not None:
+            self.slow.finish(time.perf_counter() - started, len(self.scheduler.running), self._planned)
+
+    def _counters(self) -> dict[str, Callable[[], Counter[str]]]:
+        """What a slow step's log line reports the moves of (slow_steps.py)."""
+        sources: dict[str, Callable[[], Counter[str]]] = {"engine": lambda: self.step_counts}
+        if self.spec_step is not None:
+            sources["spec_step"] = lambda: self.spec_step.counts if self.spec_step is not None else Counter()
+        if self.deferred is not None:
+            sources["deferred"] = lambda: self.deferred.counts if self.deferred is not None else Counter()
+        if self.overlap is not None:
+            sources["sampler"] = lambda: self.overlap.captures() if self.overlap is not None else Counter()
+        return sources
 
     def _step(self, started: float) -> None:
         """One step, in the order a reader follows: schedule, run the target once, verify, accept (roll back

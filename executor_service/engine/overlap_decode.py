@@ -37,6 +37,7 @@ scheduled.
 
 from __future__ import annotations
 
+from collections import Counter
 from dataclasses import dataclass
 
 import torch
@@ -251,6 +252,10 @@ class DecodeOverlap:
         """The batch's penalty slots (assigning new ones, uploading tokens counted nowhere yet) and parameters."""
         self.table.allocate()  # the draw reads the table (the bias rows) even where no request is penalised
         return HostExtras(self.table, self.table.slots_of(requests), penalty_params(requests))
+
+    def captures(self) -> Counter[str]:
+        """The sampler graphs captured so far (slow_steps.py reports a step that captured one)."""
+        return Counter(graphs=len(self.sampler.graphs)) if self.sampler is not None else Counter()
 
     def _sampler(self, logits: torch.Tensor) -> SamplerGraphs | None:
         """The sampled draws' graphs where the target's decode step is a graph too (CUDA), made on first use."""
