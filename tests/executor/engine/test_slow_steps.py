@@ -44,3 +44,30 @@ def test_a_high_threshold_logs_nothing(monkeypatch: pytest.MonkeyPatch, caplog: 
         run(session)
     assert session.engine.slow is not None and session.engine.slow.logged == 0
     assert not [r for r in caplog.records if r.getMessage().startswith("slow step")]
+
+
+def test_triton_compiles_are_counted(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The hook on Triton's cache misses counts a kernel compiled for a new specialisation, once (GPU only: the
+    interpreter compiles nothing)."""
+    triton = pytest.importorskip("triton")
+    import torch
+
+    from executor_service.engine import slow_steps
+
+    if not torch.cuda.is_available():
+        pytest.skip("Triton compiles for a GPU")
+    read = slow_steps.count_triton_compiles()
+    before = sum(read().values())
+
+    @triton.jit
+    def add_one(x_ptr, size, BLOCK: triton.language.constexpr):  # type: ignore[no-untyped-def]
+        offs = triton.language.arange(0, BLOCK)
+        mask = offs < size
+        triton.language.store(x_ptr + offs, triton.language.load(x_ptr + offs, mask=mask) + 1, mask=mask)
+
+    x = torch.zeros(8, device="cuda")
+    add_one[(1,)](x, 8, BLOCK=8)
+    add_one[(1,)](x, 8, BLOCK=8)  # cached: not counted again
+    add_one[(1,)](x, 8, BLOCK=16)
+    assert sum(read().values()) - before == 2 and read()["add_one"] >= 2
+    assert x.tolist() == [3.0] * 8
