@@ -15,6 +15,7 @@ import torch
 
 from executor_service.engine.engine_loop import EngineLoop
 from executor_service.engine.host_step import draft_inputs, path_moves, verify_drafts
+from executor_service.engine.one_time_work import compiles, watch_triton_compiles
 from executor_service.engine.outcome import StepOutcome
 from executor_service.engine.overlap_decode import DecodeOverlap, LaunchedDecode
 from executor_service.engine.request import Finish, Request, RequestOutput, Sink, Status
@@ -82,6 +83,9 @@ class Engine(EngineLoop):
         self.overlap_decode = overlap_decode
         self._decoding: LaunchedDecode | None = None  # an overlapped decode step launched, not yet booked
         self.slow = SlowSteps.from_env(self._counters())  # SPECDEC_SLOW_STEP_MS: slow steps logged (slow_steps.py)
+        self._once_before = 0  # one-time work done before this step (`_one_time_work`)
+        if speculation is not None:
+            watch_triton_compiles()
 
     def _steps_pending(self) -> bool:
         return self._in_flight is not None or self._decoding is not None
@@ -92,11 +96,19 @@ class Engine(EngineLoop):
         self._steady, self._planned, self._flushed = None, None, None
         if self.slow is not None:
             self.slow.start()
+        if self.speculation is not None:
+            self._once_before = self._one_time_work()
         self._step(started)
         if self.speculation is not None:
             self._price(time.perf_counter() - started)
         if self.slow is not None:
             self.slow.finish(time.perf_counter() - started, len(self.scheduler.running), self._planned)
+
+    def _one_time_work(self) -> int:
+        """Kernels compiled and sampler graphs captured so far (one_time_work.py): a step that does either is
+        hundreds of milliseconds of work no later step of its kind repeats, so it prices nothing."""
+        captured = self.overlap.captures().total() if self.overlap is not None else 0
+        return compiles() + captured
 
     def _counters(self) -> dict[str, Callable[[], Counter[str]]]:
         """What a slow step's log line reports the moves of (slow_steps.py)."""
@@ -423,6 +435,9 @@ class Engine(EngineLoop):
         is spread over the k = 0 steps whose rows it ran (`record_deferred`). A flush where drafting resumes is
         the switch's cost, no k's."""
         assert self.speculation is not None
+        if self._one_time_work() != self._once_before:  # a kernel compiled or a graph captured: no price
+            self._last_flush = None
+            return
         steady, flushed = self._steady, self._flushed
         last, self._last_flush = self._last_flush, None
         if flushed is not None:

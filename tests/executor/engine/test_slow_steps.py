@@ -52,12 +52,12 @@ def test_triton_compiles_are_counted(monkeypatch: pytest.MonkeyPatch) -> None:
     triton = pytest.importorskip("triton")
     import torch
 
-    from executor_service.engine import slow_steps
+    from executor_service.engine.one_time_work import TRITON_COMPILES, watch_triton_compiles
 
     if not torch.cuda.is_available():
         pytest.skip("Triton compiles for a GPU")
-    read = slow_steps.count_triton_compiles()
-    before = sum(read().values())
+    watch_triton_compiles()
+    before = TRITON_COMPILES.total()
 
     @triton.jit
     def add_one(x_ptr, size, BLOCK: triton.language.constexpr):  # type: ignore[no-untyped-def]
@@ -69,6 +69,6 @@ def test_triton_compiles_are_counted(monkeypatch: pytest.MonkeyPatch) -> None:
     add_one[(1,)](x, 8, BLOCK=8)
     add_one[(1,)](x, 8, BLOCK=8)  # cached: not counted again
     add_one[(1,)](x, 8, BLOCK=16)
-    named = sum(count for name, count in read().items() if name.endswith("add_one"))  # its qualified name
-    assert sum(read().values()) - before == 2 and named >= 2
+    named = sum(count for name, count in TRITON_COMPILES.items() if name.endswith("add_one"))  # qualified name
+    assert TRITON_COMPILES.total() - before == 2 and named >= 2
     assert x.tolist() == [3.0] * 8
