@@ -168,7 +168,7 @@ EXECUTOR_LAYERS: tuple[Layer, ...] = (
         wire_free=True,
         modules=(
             "engine.engine_loop engine.engine engine.host_step engine.step_parts engine.overlap_decode "
-            "engine.sampler_graphs"
+            "engine.sampler_graphs engine.one_time_work engine.slow_steps"
         ),
     ),
     Layer(
