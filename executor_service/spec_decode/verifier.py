@@ -198,7 +198,7 @@ def _next_tokens(
     probs: torch.Tensor, target_ids: torch.Tensor, sampling: SamplingTensors, keys: StepKeys, check: bool
 ) -> Verdict:
     """`verify`'s verdict for requests without drafts, in a few launches: the argmax, or the draw from p [B, V]
-    (the same numbers as the general rule: no children, so the residual is p itself)."""
+    (a verify row's draw at depth 0: the same key, so the same token)."""
     final = torch.where(sampling.greedy, target_ids, exponential_race(probs, keys.noise[:, 0]))
     zeros = torch.zeros_like(final)
     valid = is_distribution(probs) | sampling.greedy if check else None
