@@ -83,7 +83,6 @@ class Engine(EngineLoop):
         self.overlap_decode = overlap_decode
         self._decoding: LaunchedDecode | None = None  # an overlapped decode step launched, not yet booked
         self.slow = SlowSteps.from_env(self._counters())  # SPECDEC_SLOW_STEP_MS: slow steps logged (slow_steps.py)
-        self._once_before = 0  # one-time work done before this step (`_one_time_work`)
         if speculation is not None:
             watch_triton_compiles()
 
@@ -96,11 +95,10 @@ class Engine(EngineLoop):
         self._steady, self._planned, self._flushed = None, None, None
         if self.slow is not None:
             self.slow.start()
-        if self.speculation is not None:
-            self._once_before = self._one_time_work()
+        once_before = self._one_time_work() if self.speculation is not None else 0
         self._step(started)
         if self.speculation is not None:
-            self._price(time.perf_counter() - started)
+            self._price(time.perf_counter() - started, once_before)
         if self.slow is not None:
             self.slow.finish(time.perf_counter() - started, len(self.scheduler.running), self._planned)
 
@@ -111,15 +109,14 @@ class Engine(EngineLoop):
         return compiles() + captured
 
     def _counters(self) -> dict[str, Callable[[], Counter[str]]]:
-        """What a slow step's log line reports the moves of (slow_steps.py)."""
-        sources: dict[str, Callable[[], Counter[str]]] = {"engine": lambda: self.step_counts}
-        if self.spec_step is not None:
-            sources["spec_step"] = lambda: self.spec_step.counts if self.spec_step is not None else Counter()
-        if self.deferred is not None:
-            sources["deferred"] = lambda: self.deferred.counts if self.deferred is not None else Counter()
-        if self.overlap is not None:
-            sources["sampler"] = lambda: self.overlap.captures() if self.overlap is not None else Counter()
-        return sources
+        """What a slow step's log line reports the moves of (slow_steps.py), read when it is logged (tests and
+        benchmarks swap the device step out)."""
+        return {
+            "engine": lambda: self.step_counts,
+            "spec_step": lambda: self.spec_step.counts if self.spec_step is not None else Counter(),
+            "deferred": lambda: self.deferred.counts if self.deferred is not None else Counter(),
+            "sampler": lambda: self.overlap.captures() if self.overlap is not None else Counter(),
+        }
 
     def _step(self, started: float) -> None:
         """One step, in the order a reader follows: schedule, run the target once, verify, accept (roll back
@@ -427,15 +424,16 @@ class Engine(EngineLoop):
                 speculation.count_plan(0)
         return self._planned
 
-    def _price(self, seconds: float) -> None:
+    def _price(self, seconds: float, once_before: int) -> None:
         """Give the speculation this step's wall time (`record`) if it ran steadily at one k. A flush of deferred
         drafter context lands in its own step (the pass's launch) and the next one (on a GPU its device time,
         which the next step's read-back waits for), so neither is a plain sample of its k. A flush at k = 0 (the
         rows reached their limit) is k = 0's own work put off: the two steps' time beyond two plain k = 0 steps
         is spread over the k = 0 steps whose rows it ran (`record_deferred`). A flush where drafting resumes is
-        the switch's cost, no k's."""
+        the switch's cost, no k's. `once_before`: `_one_time_work` before the step; a step that compiled a kernel or
+        captured a graph is no price."""
         assert self.speculation is not None
-        if self._one_time_work() != self._once_before:  # a kernel compiled or a graph captured: no price
+        if self._one_time_work() != once_before:
             self._last_flush = None
             return
         steady, flushed = self._steady, self._flushed

@@ -22,6 +22,7 @@ import torch
 
 from executor_service.models.attention_step import to_device
 from executor_service.models.fused_ops import argmax
+from executor_service.runner.step_constants import StepConstants
 from executor_service.sample.sampling import MIN_TEMPERATURE, SamplingSettings, needs_sort, sampling_params
 
 MASK32 = 0xFFFFFFFF
@@ -133,10 +134,20 @@ class StepKeys:
     noise: torch.Tensor
 
     @classmethod
-    def on_device(cls, seed: torch.Tensor, root: torch.Tensor, depth: int = 0, q_drafts: bool = False) -> StepKeys:
+    def on_device(
+        cls,
+        seed: torch.Tensor,
+        root: torch.Tensor,
+        depth: int = 0,
+        q_drafts: bool = False,
+        constants: StepConstants | None = None,
+    ) -> StepKeys:
         """From seeds and root positions on the device (a device step derives its roots there), for drafts up to
-        `depth` deep; `q_drafts`: with the uniforms of drafts drawn from q."""
-        positions = root[:, None] + torch.arange(depth + 1, device=root.device)[None, :]
+        `depth` deep; `q_drafts`: with the uniforms of drafts drawn from q; `constants`: the step's (the depths'
+        arange built once, not a kernel of each replay)."""
+        positions = root[:, None]
+        if depth:
+            positions = positions + (constants or StepConstants(root.device)).arange(depth + 1)[None, :]
         (noise,) = position_keys(seed, positions, (NOISE_STREAM,))
         uniform = position_keys(seed, root, (UNIFORM_STREAM,))[0] if q_drafts else None
         return cls(uniform, noise.view(-1, depth + 1))

@@ -302,7 +302,7 @@ class SpecStep(VariantSteps):
         q = DraftQ(x["q_ids"], x["q_probs"]) if "q_ids" in x else None
         keys = None
         if sampling is not None:
-            keys = StepKeys.on_device(sampling.seed, root, layout.depth, q_drafts=q is not None)
+            keys = StepKeys.on_device(sampling.seed, root, layout.depth, q is not None, self.constants)
         verdict = verify(logits, layout, sampling, keys, sorts(variant), self.constants, penalties, q)
         extras = self.extras(logits, verdict, penalties, self.constants, rows)
         if not layout.chain:
