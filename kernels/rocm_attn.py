@@ -79,7 +79,7 @@ def forward(
     return out
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_requests", "stride_table"])  # batch and table width vary per step
 def prefix_prefill_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, block_table_ptr, query_start_loc_ptr, seq_lens_ptr,
     scale_log2e, num_requests, num_queries_per_kv, head_size, block_size,

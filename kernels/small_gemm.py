@@ -158,7 +158,7 @@ def weight_tile(w_ptr, row0, offs_n, n_mask, k0, K, stride_w, BLOCK_K: tl.conste
     return tl.load(w_ptr + (row0 + offs_n[None, :]) * stride_w + offs_k[:, None], mask=mask, other=0.0)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["rows"])  # any row count: one compile per bucket
 def _small_gemm_kernel(
     x_ptr, r_ptr, h_ptr, nw_ptr, x2_ptr, nw2_ptr, w_ptr, b_ptr, out_ptr, rows, N, K1, K, eps, up_offset,
     stride_x, stride_r, stride_h, stride_x2, stride_w, stride_o,

@@ -11,6 +11,12 @@ unmasked loop; only the tail (the causal diagonal, the last partial tile) pays f
 
 Tree attention (TREE): each row also carries its token's tree mask, bits over its request's 64 newest keys
 (kernels/tree_mask.py); those keys go through the masked loop, which drops the ones whose bit is clear.
+
+Compiles: Triton compiles a kernel once per specialisation, its constexprs and whether each integer argument is 1
+or a multiple of 16, and a compile stalls the step that meets it for 0.8-1.2 s (an H200). The batch, the block
+table's width and the split buffers' strides change from step to step, so they are not specialised; the
+constexprs take few values (triton_attn_config: four tile classes and the prefill tile, split or not), which the
+executor compiles at load (executor_service/runner/eager_warm_up.py).
 """
 
 from __future__ import annotations
@@ -103,7 +109,7 @@ def _attend_range(
     return acc, m_i, l_i
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_requests", "stride_bt", "stride_split_o", "stride_split_lse"])  # Compiles, above
 def _paged_attention_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, lse_ptr,
     block_table_ptr, query_start_loc_ptr, seq_lens_ptr, tree_mask_ptr,
@@ -215,7 +221,7 @@ def _attend_keys(
     return acc, m_i, l_i
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["stride_split_o", "stride_split_lse"])  # see Compiles, above
 def _combine_splits_kernel(
     partial_ptr, lse_ptr, out_ptr, num_heads, head_size,
     stride_split_o, stride_split_lse, stride_ot, stride_oh,

@@ -114,19 +114,21 @@ def fit_shared_memory(
 
 
 def split_count(programs: int, num_sms: int, max_seq_len: int) -> tuple[int, int]:
-    """(key splits per (request, KV head), programs launched for them). The splits: as many as the longest
-    request uses (MIN_SPLIT_LEN keys or more each, at most MAX_SPLITS), a power of two. The programs: no more
-    than keep the GPU's SMs about full, each taking every n-th split when fewer than the splits (the kernel), so
-    where a request's keys split does not depend on the launch. No split unless the programs leave most SMs idle
-    (fewer than a MIN_FILL-th of them): a CUDA graph, launched for the longest context, writes and combines every
+    """(key splits per (request, KV head), programs launched for them). Split: always MAX_SPLITS, the kernel's
+    NUM_SPLITS (a constexpr: every other count would be another compile, met at run time by an eager pass whose
+    longest context crosses a power of two: 0.8-1.2 s on an H200); the kernel cuts a request's keys into
+    MAX_SPLITS parts of MIN_SPLIT_LEN keys or more, so a short context's parts past its keys are empty. The
+    programs: as many as the longest request's keys need, no more than keep the GPU's SMs about full, each
+    taking every n-th split when fewer than MAX_SPLITS (the kernel), so where a request's keys split does not
+    depend on the launch. No split unless the programs leave most SMs idle (fewer than a MIN_FILL-th of them) and
+    some key range needs two parts: a CUDA graph, launched for the longest context, writes and combines every
     split, the empty ones too. On 4x H200 at batch 32 (an 8B model, 200-token contexts) attention took 0.40 ms a
     step unsplit at 4 KV heads (128 programs) and 0.89 ms at 2 KV heads split over 16 (64 programs, 2 launched)."""
     fill = num_sms // max(1, programs)
     needed = min(MAX_SPLITS, -(-max_seq_len // MIN_SPLIT_LEN))
-    splits = 1 << (needed - 1).bit_length()
-    if fill < MIN_FILL or splits == 1:
+    if fill < MIN_FILL or needed == 1:
         return 1, 1
-    return splits, min(splits, 1 << (fill.bit_length() - 1))
+    return MAX_SPLITS, min(1 << (needed - 1).bit_length(), 1 << (fill.bit_length() - 1))
 
 
 def choose_config(

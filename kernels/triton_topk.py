@@ -100,7 +100,7 @@ def _store_pick(value, index, r, row, to_target_ptr, values_ptr, ids_ptr, k, row
     tl.store(ids_ptr + row * k + r, index)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["k"])  # each request's logprob count: one compile
 def _topk_log_softmax_kernel(
     logits_ptr, to_target_ptr, values_ptr, ids_ptr, stride_row, vocab, k,
     BLOCK: tl.constexpr, NORMALIZE: tl.constexpr, MAPPED: tl.constexpr, MAX_INDEX: tl.constexpr,
@@ -123,7 +123,7 @@ def _topk_log_softmax_kernel(
         _store_pick(value, index, r, row, to_target_ptr, values_ptr, ids_ptr, k, row_max, log_sum, NORMALIZE, MAPPED)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["k"])
 def _topk_piece_kernel(
     logits_ptr, keys_ptr, max_ptr, sum_ptr, stride_row, vocab, k,
     BLOCK: tl.constexpr, NORMALIZE: tl.constexpr, MAX_INDEX: tl.constexpr,
@@ -146,7 +146,7 @@ def _topk_piece_kernel(
         tl.store(keys_ptr + (row * pieces + piece) * k + r, previous)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["pieces", "k"])
 def _topk_merge_kernel(
     keys_ptr, max_ptr, sum_ptr, to_target_ptr, values_ptr, ids_ptr, pieces, k,
     KEYS: tl.constexpr, PIECES: tl.constexpr, NORMALIZE: tl.constexpr, MAPPED: tl.constexpr,

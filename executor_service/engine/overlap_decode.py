@@ -239,7 +239,7 @@ class DecodeOverlap:
             return LaunchedDecode(requests, packed[count:], HostCopy(packed), ahead, features)
         seeds, vocab = [r.seed for r in requests], logits.shape[-1]
         extras = self._extras(requests) if any(has_extras(r) for r in requests) else None
-        sampler = self._sampler(logits)
+        sampler = self._sampler(logits.is_cuda)
         if sampler is not None:
             packed = sampler.draw(logits, settings, seeds, roots, needs_sort(settings, vocab), extras)
         else:
@@ -257,10 +257,20 @@ class DecodeOverlap:
         """The sampler graphs captured so far (slow_steps.py reports a step that captured one)."""
         return Counter(graphs=len(self.sampler.graphs)) if self.sampler is not None else Counter()
 
-    def _sampler(self, logits: torch.Tensor) -> SamplerGraphs | None:
-        """The sampled draws' graphs where the target's decode step is a graph too (CUDA), made on first use."""
+    def capture_sampler(self) -> None:
+        """At load: every bucket's plain sampled draw captured (SamplerGraphs.capture_plain), where the target's
+        decode step is a graph (CUDA)."""
         decode_graphs = self.runner.graphs.get(1)
-        if decode_graphs is None or not logits.is_cuda:
+        if decode_graphs is None or self.runner.device.type != "cuda":
+            return
+        vocab = decode_graphs.outputs[decode_graphs.max_batch][0].shape[-1]  # the logits the draws read
+        self.sampler = self.sampler or SamplerGraphs(decode_graphs.max_batch)
+        self.sampler.capture_plain(vocab, self.runner.device)
+
+    def _sampler(self, on_cuda: bool) -> SamplerGraphs | None:
+        """The sampled draws' graphs where the target's decode step is a graph too (CUDA)."""
+        decode_graphs = self.runner.graphs.get(1)
+        if decode_graphs is None or not on_cuda:
             return None
         if self.sampler is None:
             self.sampler = SamplerGraphs(decode_graphs.max_batch)

@@ -4,10 +4,10 @@ Target-only decoding replays the model's captured step, then samples each row (v
 temperature, min-p, top-k / top-p, the counter-based draw, the finiteness and distribution checks). Launched op
 by op, that sampling costs the host ~0.3-0.6 ms a step, as much as SmolLM2's whole batch-1 step on the GPU, and a
 step cannot be launched faster than the host prepares it: sampled decoding ran at a third of greedy's tokens/s.
-Here the same ops are captured once per (sorted or not, extras or not, batch bucket), on first use, and replayed
-from static inputs: the logits (one device copy), the settings and the seeds and positions the random numbers are
-keyed by (two copies from pinned memory, padded rows greedy; the keys are hashed in the graph, where the host
-hashed ~10 us a request a step). The same ops and the same integer hash: the eager path's tokens bit for bit.
+Here the same ops are captured once per (sorted or not, extras or not, batch bucket), at load (with extras: at
+first use, `capture_plain`), and replayed from static inputs: the logits (one device copy), the settings and the
+seeds and positions the random numbers are keyed by (two copies from pinned memory, padded rows greedy; the keys
+are hashed in the graph, where the host hashed ~10 us a request a step). The same ops and the same integer hash: the eager path's tokens bit for bit.
 
 With extras (a batch where some request sets a penalty or a logit bias, or asks for logprobs), each row is
 penalised from its slot of the penalty table first, the drawn token is counted in that slot on the device (so the
@@ -82,9 +82,8 @@ Key = tuple[bool, bool, int]  # (sorted, with extras, bucket)
 
 
 class SamplerGraphs:
-    """Draws for up to `max_batch` rows, each (sorted, extras, bucket) captured on first use into one memory pool
-    (a step replays one at a time); a bucket's static inputs are allocated with its first graph. More rows than the
-    largest bucket draw eagerly."""
+    """Draws for up to `max_batch` rows, each (sorted, extras, bucket) captured into one memory pool (a step replays
+    one at a time), from static inputs that every bucket shares. More rows than the largest bucket draw eagerly."""
 
     def __init__(self, max_batch: int) -> None:
         self.buckets = batch_buckets(max_batch)
@@ -127,15 +126,33 @@ class SamplerGraphs:
         graph.replay()
         return packed(self.outputs[key], count)
 
+    def capture_plain(self, vocab: int, device: torch.device) -> None:
+        """Every bucket's draws without extras, sorted and not, captured now (load): a sampled decode step then
+        neither compiles nor captures. Draws with extras are captured at first use: they read the penalty table,
+        allocated when some request first has a penalty or asks for logprobs."""
+        logits = torch.zeros(1, vocab, dtype=torch.float32, device=device)  # the target's logits: fp32
+        for size in self.buckets:
+            self._inputs(size, logits)
+            for sort in (False, True):
+                if (sort, False, size) not in self.graphs:
+                    self._capture((sort, False, size))
+
     def _inputs(self, size: int, logits: torch.Tensor) -> dict[str, torch.Tensor]:
+        """Bucket `size`'s static inputs: the first rows of the largest bucket's (a step replays one graph at a
+        time, and copies its inputs in first), allocated with the first graph."""
+        if not self.inputs:
+            top, device = self.buckets[-1], logits.device
+            self.inputs[top] = {
+                "logits": torch.zeros(top, logits.shape[-1], dtype=logits.dtype, device=device),
+                "params": torch.zeros(top, 4, dtype=torch.float32, device=device),
+                "ints": torch.zeros(2, top, dtype=torch.int64, device=device),  # seed, root position
+                "slot": torch.full((top,), -1, dtype=torch.int64, device=device),
+                "penalty": torch.zeros(top, 3, dtype=torch.float32, device=device),
+            }
         if size not in self.inputs:
-            device = logits.device
             self.inputs[size] = {
-                "logits": torch.zeros(size, logits.shape[-1], dtype=logits.dtype, device=device),
-                "params": torch.zeros(size, 4, dtype=torch.float32, device=device),
-                "ints": torch.zeros(2, size, dtype=torch.int64, device=device),  # seed, root position
-                "slot": torch.full((size,), -1, dtype=torch.int64, device=device),
-                "penalty": torch.zeros(size, 3, dtype=torch.float32, device=device),
+                name: tensor[:, :size] if name == "ints" else tensor[:size]
+                for name, tensor in self.inputs[self.buckets[-1]].items()
             }
         return self.inputs[size]
 

@@ -82,7 +82,7 @@ def _mix32(x, mask32):
     return x ^ (x >> 16)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["count"])  # a batch of any size: one compile
 def _step_keys_kernel(seed_ptr, key_ptr, out_ptr, count, every, stream, mask32, BLOCK: tl.constexpr):
     offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     mask = offs < count

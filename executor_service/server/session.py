@@ -35,6 +35,7 @@ from executor_service.parallel.layers import rank_config
 from executor_service.parallel.loading import load_target_shard
 from executor_service.parallel.state import get_tp_group, tensor_parallel_size
 from executor_service.runner.cuda_graphs import GRAPH_BACKENDS
+from executor_service.runner.eager_warm_up import warm_up_models
 from executor_service.runner.model_runner import ModelRunner
 from executor_service.sample.sampling import SamplingSettings
 from executor_service.server.backend_claims import DRAFT_FIELD, TARGET_FIELD, check_backend_claims
@@ -381,6 +382,11 @@ def build_session(
     if settings.cuda_graphs and device.type == "cuda":  # with TP: every rank captures (parallel/graphs.py)
         phases.enter("CUDA graphs")
         capture_graphs(session, settings, max_model_len)
+    if device.type == "cuda":  # eager passes' kernels, compiled now rather than on a caller's step
+        phases.enter("eager kernels")
+        warm_up_models(engine.runner, proposer, max_model_len, settings.max_num_seqs)
+        if engine.overlap is not None:
+            engine.overlap.capture_sampler()
     check_cancelled()
     if start:
         engine.start()

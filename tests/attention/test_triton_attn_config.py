@@ -207,11 +207,13 @@ def test_split_count_fills_the_gpu_and_no_more() -> None:
     """An 8B model's decode on a 132-SM GPU: batch 32 at tensor parallelism 2 (4 KV heads, 128 programs) already
     fills it, so no split, whatever the context a CUDA graph is launched for; batch 1 splits a long context as it
     needs, batch 2 launches only the programs that fill the GPU over the splits its keys need; batch 8 (64
-    programs, half the SMs) does not split."""
+    programs, half the SMs) does not split. A split is always MAX_SPLITS (one compile), with as many programs as
+    the longest context's parts need."""
     assert split_count(32 * 4, 132, 8192) == (1, 1)
     assert split_count(32 * 8, 132, 8192) == (1, 1)
     assert split_count(1 * 8, 132, 8192) == (16, 16)
-    assert split_count(1 * 8, 132, 300) == (4, 4)
+    assert split_count(1 * 8, 132, 300) == (16, 4)
+    assert split_count(1 * 8, 132, 129) == (16, 2)
     assert split_count(2 * 8, 132, 8192) == (16, 8)
     assert split_count(2 * 8, 132, 100) == (1, 1)
     assert split_count(8 * 8, 132, 8192) == (1, 1)
