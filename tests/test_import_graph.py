@@ -168,7 +168,7 @@ EXECUTOR_LAYERS: tuple[Layer, ...] = (
         wire_free=True,
         modules=(
             "engine.engine_loop engine.engine engine.host_step engine.step_parts engine.overlap_decode "
-            "engine.sampler_graphs engine.one_time_work engine.slow_steps"
+            "engine.sampler_graphs engine.one_time_work engine.slow_steps runner.eager_warm_up"
         ),
     ),
     Layer(
