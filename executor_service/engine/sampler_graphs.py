@@ -26,6 +26,7 @@ import torch
 from executor_service.models.attention_step import to_device
 from executor_service.models.fused_ops import checked_argmax
 from executor_service.runner.cuda_graphs import batch_buckets, collector_paused
+from executor_service.runner.step_constants import StepConstants
 from executor_service.sample.device_sampling import SamplingTensors, StepKeys, seed_value
 from executor_service.sample.sampling import SamplingSettings, sampling_params
 from executor_service.spec_decode.device_penalties import PenaltyTable, count_emitted, emitted_logprobs
@@ -45,26 +46,32 @@ class DecodeExtras:
 
 
 def draw_read_back(
-    logits: torch.Tensor, sampling: SamplingTensors, keys: StepKeys, sort: bool | int, extras: DecodeExtras | None
+    logits: torch.Tensor,
+    sampling: SamplingTensors,
+    keys: StepKeys,
+    sort: bool | int,
+    extras: DecodeExtras | None,
+    constants: StepConstants | None = None,
 ) -> tuple[torch.Tensor, ...]:
     """([3, B] int64: each row's logits finite, its weights a distribution (greedy rows: always), its token), and
-    with `extras` each token's packed logprobs [B, W] (device_penalties.emitted_logprobs)."""
+    with `extras` each token's packed logprobs [B, W] (device_penalties.emitted_logprobs). `constants`: the graphs'
+    (their index tensors built once, not in every replay)."""
     count = logits.shape[0]
-    finite = checked_argmax(logits)[1]
-    empty = torch.zeros(count, 0, dtype=torch.int64, device=logits.device)
+    constants = constants or StepConstants(logits.device)
+    ids, finite = checked_argmax(logits)
+    empty = torch.zeros(count, 0, dtype=torch.int64, device=logits.device)  # size 0: no kernel
     no_drafts = DraftLayout(empty, empty, None, None, 0, chain=True, present=empty.bool())
     penalties = None
-    if extras is not None:
+    if extras is not None:  # penalties change the argmax: verify finds it after them
         penalties = StepPenalties(extras.table, extras.slot, extras.penalty, extras.table.bias_rows(extras.slot))
-    verdict = verify(logits, no_drafts, sampling, keys, sort, penalties=penalties, check=True)
+    row_argmax = ids if penalties is None else None
+    verdict = verify(logits, no_drafts, sampling, keys, sort, constants, penalties, check=True, row_argmax=row_argmax)
     assert verdict.valid is not None
     checks = torch.stack([finite.long(), verdict.valid.long(), verdict.emitted[:, 0]])
     if extras is None:
         return (checks,)
-    first = torch.zeros(1, dtype=torch.int64, device=logits.device)
-    count_emitted(extras.table, extras.slot, verdict.emitted, verdict.accepted, first)
-    rows = torch.arange(count, device=logits.device)[:, None]
-    return checks, emitted_logprobs(logits, rows, verdict.emitted)
+    count_emitted(extras.table, extras.slot, verdict.emitted, verdict.accepted, constants.arange(1))
+    return checks, emitted_logprobs(logits, constants.arange(count)[:, None], verdict.emitted)
 
 
 def packed(outputs: tuple[torch.Tensor, ...], count: int) -> torch.Tensor:
@@ -93,6 +100,7 @@ class SamplerGraphs:
         self.outputs: dict[Key, tuple[torch.Tensor, ...]] = {}
         self.pool: object | None = None
         self.table: PenaltyTable | None = None  # the extras' table (one object for the graphs' lives)
+        self.constants: StepConstants | None = None  # the graphs' index tensors, on their device
 
     def draw(
         self,
@@ -143,6 +151,7 @@ class SamplerGraphs:
         time, and copies its inputs in first), allocated with the first graph."""
         if not self.inputs:
             top, device = self.buckets[-1], logits.device
+            self.constants = StepConstants(device)
             self.inputs[top] = {
                 "logits": torch.zeros(top, logits.shape[-1], dtype=logits.dtype, device=device),
                 "params": torch.zeros(top, 4, dtype=torch.float32, device=device),
@@ -170,7 +179,7 @@ class SamplerGraphs:
             extras = DecodeExtras(self.table, slot, static["penalty"])
         sampling = SamplingTensors(static["params"], ints[0])
         keys = StepKeys.on_device(ints[0], ints[1])
-        return draw_read_back(static["logits"], sampling, keys, sort, extras)
+        return draw_read_back(static["logits"], sampling, keys, sort, extras, self.constants)
 
     def _capture(self, key: Key) -> torch.cuda.CUDAGraph | None:
         """The graph of `key`, after one eager run (Triton compiles for the shape); None where capture fails

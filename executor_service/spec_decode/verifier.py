@@ -137,6 +137,7 @@ def verify(
     penalties: StepPenalties | None = None,
     q: DraftQ | None = None,
     check: bool = False,
+    row_argmax: torch.Tensor | None = None,
 ) -> Verdict:
     """Verify B requests' drafts from their N + 1 rows of logits each ([B * (N + 1), V], request-major).
     `sampling` None: every request is greedy (`keys` unused). `keys`: the random numbers' (StepKeys, to the layout's
@@ -144,7 +145,10 @@ def verify(
     `sort`: target_logprobs' (the device steps: needs_sort; the host: host_sort); `penalties`: the rows are
     penalised first (requests without penalties are left as they are); `q`: a chain's drafts were drawn
     from these distributions (None: point masses; trees always are); `check`: the verdict says which requests'
-    last weights were a distribution (the host path, whose requests' settings no graph has vetted)."""
+    last weights were a distribution (the host path, whose requests' settings no graph has vetted); `row_argmax`:
+    the rows' argmax where the caller has it (a decode draw's checked argmax), never with penalties (they change it)."""
+    if row_argmax is not None and penalties is not None:
+        raise ValueError("penalties change the rows' argmax: verify finds it after them")
     if q is not None and not layout.chain:
         raise ValueError("drafts drawn from q are verified as a chain: a tree's drafts are point masses")
     constants = constants or StepConstants(logits.device)
@@ -152,7 +156,7 @@ def verify(
         logits = penalties.apply(logits, layout, constants)
     count, num = layout.tokens.shape
     rows = num + 1
-    target_ids = argmax(logits).view(count, rows)
+    target_ids = (argmax(logits) if row_argmax is None else row_argmax).view(count, rows)
     if sampling is None:
         return verify_greedy(target_ids, layout, constants)
     row_params = sampling.params[:, None, :].expand(count, rows, -1).reshape(count * rows, -1)  # no host sync

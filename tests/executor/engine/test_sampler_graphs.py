@@ -119,3 +119,37 @@ def test_penalties_and_logprobs_draw_and_count_as_the_eager_path() -> None:
         assert replayed.shape[0] == 3 * 3 + 3 * (1 + 2 * logprob_width(VOCAB))
     if DEVICE.type == "cuda":
         assert all(graph is not None for graph in sampler.graphs.values()), "every key captured"
+
+
+def test_the_captured_draw_finds_the_argmax_once_and_builds_no_index_tensors() -> None:
+    """The op-count guard of the draw the graphs capture: without penalties the rows' argmax found once (the
+    checked one, which verify then reads; before 2026-11-29 verify found its own), and with the graphs'
+    StepConstants warmed (as the eager run before a capture warms them) two aranges fewer than a draw that builds
+    its index tensors (the control: they are counted)."""
+    from op_counting import OpCounter
+
+    from executor_service.engine.sampler_graphs import DecodeExtras, draw_read_back
+    from executor_service.runner.step_constants import StepConstants
+    from executor_service.sample.device_sampling import SamplingTensors, StepKeys
+
+    logits, settings, seeds, roots = batch(4, 7)
+    table = PenaltyTable(4, VOCAB, DEVICE)
+    table.allocate()
+    slot = torch.tensor([0, -1, 1, -1], device=DEVICE)
+    penalty = torch.tensor([[1.2, 0.0, 0.0], [1.0, 0.0, 0.0], [1.0, 0.5, 0.1], [1.0, 0.0, 0.0]], device=DEVICE)
+
+    def count(name: str, extras: DecodeExtras | None, constants: StepConstants | None) -> int:
+        sampling = SamplingTensors.build(settings, seeds, DEVICE)
+        keys = StepKeys.on_host(seeds, roots, DEVICE)
+        counter = OpCounter(lambda func: name in str(func))
+        with counter:
+            draw_read_back(logits, sampling, keys, needs_sort(settings, VOCAB), extras, constants)
+        return counter.count
+
+    warmed = StepConstants(DEVICE)
+    extras = DecodeExtras(table, slot, penalty)
+    count("arange", extras, warmed)
+    assert count("arange", extras, warmed) <= count("arange", extras, None) - 2
+    if DEVICE.type == "cpu":  # torch's argmax (the GPU's is the fused kernel, not one op)
+        assert count("argmax", None, warmed) == 2  # the checked one and the draw's race (3 before)
+        assert count("argmax", extras, warmed) == 3  # penalties change it: verify finds its own

@@ -219,3 +219,26 @@ def test_the_target_distribution_matches_the_reference() -> None:
     together = target_logprobs(rows, params, True).exp().view(len(settings), 5, -1)
     for i, setting in enumerate(settings):
         assert torch.equal(together[i], target_probs(logits, setting))
+
+
+def test_a_given_row_argmax_is_the_one_verify_uses() -> None:
+    """`row_argmax` (a decode draw's checked argmax, passed to spare verify its own): the true argmax gives verify's
+    own verdict; another one moves a greedy row's token to it (so it is what verify reads); with penalties, which
+    change the argmax, it is refused."""
+    torch.manual_seed(5)
+    count = 4
+    logits = torch.randn(count, VOCAB)
+    empty = torch.zeros(count, 0, dtype=torch.int64)
+    layout = DraftLayout(empty, empty, None, None, 0, True)
+    settings = [SamplingSettings(), SamplingSettings(0.8), SamplingSettings(), SamplingSettings(1.0, top_k=3)]
+    sampling = SamplingTensors.build(settings, list(range(count)), CPU)
+    keys = StepKeys.on_host(list(range(count)), [9] * count, CPU)
+    own = verify(logits, layout, sampling, keys, host_sort(settings, VOCAB))
+    given = verify(logits, layout, sampling, keys, host_sort(settings, VOCAB), row_argmax=logits.argmax(-1))
+    assert torch.equal(own.emitted, given.emitted) and torch.equal(own.accepted, given.accepted)
+    other = (logits.argmax(-1) + 1) % VOCAB
+    moved = verify(logits, layout, sampling, keys, host_sort(settings, VOCAB), row_argmax=other)
+    assert moved.emitted[[0, 2], 0].tolist() == other[[0, 2]].tolist()
+    penalties = object()  # refused before it is read
+    with pytest.raises(ValueError, match="penalties change"):
+        verify(logits, layout, sampling, keys, penalties=penalties, row_argmax=other)  # type: ignore[arg-type]
