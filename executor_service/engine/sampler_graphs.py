@@ -23,13 +23,12 @@ from dataclasses import dataclass
 
 import torch
 
-from executor_service.models.attention_step import to_device
 from executor_service.models.fused_ops import checked_argmax
 from executor_service.runner.cuda_graphs import batch_buckets, collector_paused
 from executor_service.runner.step_constants import StepConstants
 from executor_service.sample.device_sampling import SamplingTensors, StepKeys, seed_value
 from executor_service.sample.sampling import SamplingSettings, sampling_params
-from executor_service.spec_decode.device_penalties import PenaltyTable, count_emitted, emitted_logprobs
+from executor_service.spec_decode.device_penalties import PenaltyTable, count_emitted, emitted_logprobs, penalty_inputs
 from executor_service.spec_decode.verifier import DraftLayout, StepPenalties, verify
 
 log = logging.getLogger("specdec.executor")
@@ -212,8 +211,7 @@ class HostExtras:
     params: list[tuple[float, float, float]]
 
     def on_device(self, device: torch.device) -> DecodeExtras:
-        penalty = to_device(self.params, torch.float32, device).view(len(self.slots), 3)
-        return DecodeExtras(self.table, to_device(self.slots, torch.int64, device), penalty)
+        return DecodeExtras(self.table, *penalty_inputs(self.slots, self.params, device))
 
 
 def eager_draw(

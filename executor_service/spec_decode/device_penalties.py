@@ -118,6 +118,15 @@ def penalty_params(requests: list[Request]) -> list[tuple[float, float, float]]:
     return [(s.repetition_penalty, s.presence_penalty, s.frequency_penalty) for s in (r.settings for r in requests)]
 
 
+def penalty_inputs(
+    slots: list[int], params: list[tuple[float, float, float]], device: torch.device
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """A batch's penalty table slots [B] (-1: none) and (repetition, presence, frequency) [B, 3] on the device,
+    without waiting for it."""
+    penalty = to_device(params, torch.float32, device).view(len(slots), 3)
+    return to_device(slots, torch.int64, device), penalty
+
+
 def penalise_rows(
     logits: torch.Tensor,
     tokens: torch.Tensor,

@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 import torch
 
 from executor_service.engine.request import Request
-from executor_service.models.attention_step import AttentionStep, to_device
+from executor_service.models.attention_step import AttentionStep
 from executor_service.runner.cuda_graphs import StepGraphs
 from executor_service.runner.step_constants import StepConstants
 from executor_service.sample.device_sampling import (
@@ -33,6 +33,7 @@ from executor_service.spec_decode.device_penalties import (
     count_emitted,
     emitted_logprobs,
     logprob_width,
+    penalty_inputs,
     penalty_params,
 )
 from executor_service.spec_decode.verifier import StepPenalties, Verdict
@@ -58,8 +59,7 @@ class StepSampling:
         sampling = SamplingTensors.build([r.settings for r in requests], [r.seed for r in requests], device)
         if not has_extras(variant):
             return cls(variant, sampling.inputs())
-        slot = to_device(table.slots_of(requests), torch.int64, device)
-        penalty = to_device(penalty_params(requests), torch.float32, device).view(len(requests), 3)
+        slot, penalty = penalty_inputs(table.slots_of(requests), penalty_params(requests), device)
         return cls(variant, sampling.inputs() | {"slot": slot, "penalty": penalty})
 
 
