@@ -31,6 +31,10 @@ CUDA_MARGIN_BYTES = 2 << 30  # CUDA graphs' pools, the caching allocator's slack
 # Logits in fp32, their probabilities (or log-probabilities), and a penalised copy (penalties.py, which works
 # in passes of ROWS_PER_PASS rows, so its own temporaries stay small).
 LOGITS_COPIES = 3
+# The decode sampler's graphs, captured at load on CUDA (engine/sampler_graphs.py) and kept: their static inputs
+# (an fp32 row of logits per sequence) and the sorted draw's intermediates in their pool (the sort's values and
+# int64 indices, the probabilities and their running sum, the log-probabilities), in fp32 rows a sequence.
+SAMPLER_ROW_COPIES = 8
 ACTIVATION_WIDTHS = 8  # hidden-sized tensors alive at once in a layer (residual, norms, attention out, ...)
 # The device steps' penalty table (device_penalties.PenaltyTable): per slot (one per running request, and a
 # scratch slot) and vocabulary entry, a bool (in the prompt) and an int32 (output count); per slot, the logit bias
@@ -94,7 +98,10 @@ def estimate_memory(
         activations += rows * (draft.draft_vocab_size or target.vocab_size) * 4 * LOGITS_COPIES
         per_slot = target.vocab_size * PENALTY_TABLE_BYTES_PER_ENTRY + LOGIT_BIAS_BYTES_PER_SLOT
         activations += (max_num_seqs + 1) * per_slot
-    activations += CUDA_MARGIN_BYTES if device.type == "cuda" else CPU_MARGIN_BYTES
+    if device.type == "cuda":
+        activations += max_num_seqs * target.vocab_size * 4 * SAMPLER_ROW_COPIES + CUDA_MARGIN_BYTES
+    else:
+        activations += CPU_MARGIN_BYTES
     return MemoryEstimate(weights, kv_cache, activations)
 
 

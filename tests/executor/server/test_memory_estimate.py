@@ -61,3 +61,23 @@ def test_the_estimate_counts_the_held_drafter_context(monkeypatch: pytest.Monkey
     store._buffer_like(torch.zeros(1, width))
     assert store._buffer is not None
     assert with_buffer - activations() == store._buffer.nbytes == 40 * DEFER_MAX * width * 4
+
+
+def test_on_cuda_the_estimate_counts_the_sampler_graphs_static_inputs() -> None:
+    """The decode sampler's graphs are captured at load on CUDA: the estimate counts SAMPLER_ROW_COPIES fp32 rows of
+    logits a running request there (not on the CPU, which has no graphs), at least the static inputs they keep."""
+    from executor_service.engine.sampler_graphs import SamplerGraphs
+
+    request = load_request()
+    request.target.synthetic.vocab_size = 512
+    config = resolve_target(request.target, None, "target").config
+
+    def activations(device: str) -> int:
+        return estimate_memory(config, None, torch.float32, 64, 16, 64, 40, torch.device(device)).activations
+
+    margins = memory.CUDA_MARGIN_BYTES - memory.CPU_MARGIN_BYTES
+    sampler = activations("cuda") - activations("cpu") - margins
+    assert sampler == 40 * 512 * 4 * memory.SAMPLER_ROW_COPIES
+    graphs = SamplerGraphs(max_batch=40)
+    inputs = graphs._inputs(40, torch.zeros(1, 512))
+    assert sampler >= sum(t.nbytes for t in inputs.values())
