@@ -91,7 +91,7 @@ class DecodeOverlap:
         self.runner, self.scheduler, self.max_model_len = runner, scheduler, max_model_len
         self.constants = StepConstants(runner.device)
         self.sampler: SamplerGraphs | None = None
-        # Its tensors are allocated at the first batch with extras (PenaltyTable.allocate).
+        # Its tensors are allocated at load where the sampler graphs are captured, else at the first batch with extras.
         self.table = PenaltyTable(DEFAULT_PENALTY_SLOTS, runner.model.config.vocab_size, runner.device)
 
     def applies(self, scheduled: ScheduledStep) -> bool:
@@ -258,14 +258,14 @@ class DecodeOverlap:
         return Counter(graphs=len(self.sampler.graphs)) if self.sampler is not None else Counter()
 
     def capture_sampler(self) -> None:
-        """At load: every bucket's plain sampled draw captured (SamplerGraphs.capture_plain), where the target's
+        """At load: every bucket's sampled draws captured (SamplerGraphs.capture_all), where the target's
         decode step is a graph (CUDA)."""
         decode_graphs = self.runner.graphs.get(1)
         if decode_graphs is None or self.runner.device.type != "cuda":
             return
         vocab = decode_graphs.outputs[decode_graphs.max_batch][0].shape[-1]  # the logits the draws read
         self.sampler = self.sampler or SamplerGraphs(decode_graphs.max_batch)
-        self.sampler.capture_plain(vocab, self.runner.device)
+        self.sampler.capture_all(vocab, self.runner.device, self.table)
 
     def _sampler(self, on_cuda: bool) -> SamplerGraphs | None:
         """The sampled draws' graphs where the target's decode step is a graph too (CUDA)."""

@@ -4,10 +4,10 @@ Target-only decoding replays the model's captured step, then samples each row (v
 temperature, min-p, top-k / top-p, the counter-based draw, the finiteness and distribution checks). Launched op
 by op, that sampling costs the host ~0.3-0.6 ms a step, as much as SmolLM2's whole batch-1 step on the GPU, and a
 step cannot be launched faster than the host prepares it: sampled decoding ran at a third of greedy's tokens/s.
-Here the same ops are captured once per (sorted or not, extras or not, batch bucket), at load (with extras: at
-first use, `capture_plain`), and replayed from static inputs: the logits (one device copy), the settings and the
-seeds and positions the random numbers are keyed by (two copies from pinned memory, padded rows greedy; the keys
-are hashed in the graph, where the host hashed ~10 us a request a step). The same ops and the same integer hash:
+Here the same ops are captured once per (sorted or not, extras or not, batch bucket), at load (`capture_all`),
+and replayed from static inputs: the logits (one device copy), the settings and the seeds and positions the random
+numbers are keyed by (two copies from pinned memory, padded rows greedy; the keys are hashed in the graph, where
+the host hashed ~10 us a request a step). The same ops and the same integer hash:
 the eager path's tokens bit for bit.
 
 With extras (a batch where some request sets a penalty or a logit bias, or asks for logprobs), each row is
@@ -134,16 +134,18 @@ class SamplerGraphs:
         graph.replay()
         return packed(self.outputs[key], count)
 
-    def capture_plain(self, vocab: int, device: torch.device) -> None:
-        """Every bucket's draws without extras, sorted and not, captured now (load): a sampled decode step then
-        neither compiles nor captures. Draws with extras are captured at first use: they read the penalty table,
-        allocated when some request first has a penalty or asks for logprobs."""
+    def capture_all(self, vocab: int, device: torch.device, table: PenaltyTable) -> None:
+        """Every (sorted, extras, bucket) captured now (load): a sampled decode step then neither compiles nor
+        captures (one took 0.25-0.65 s on an H200, with its compiles; a benchmark round of 16 requests ~0.5 s).
+        `table`: the extras' penalty table, allocated now (its slots x vocabulary: ~40 MiB for 128k ids)."""
+        table.allocate()
+        self.table = table
         logits = torch.zeros(1, vocab, dtype=torch.float32, device=device)  # the target's logits: fp32
         for size in self.buckets:
             self._inputs(size, logits)
-            for sort in (False, True):
-                if (sort, False, size) not in self.graphs:
-                    self._capture((sort, False, size))
+            for key in [(sort, extras, size) for sort in (False, True) for extras in (False, True)]:
+                if key not in self.graphs:
+                    self._capture(key)
 
     def _inputs(self, size: int, logits: torch.Tensor) -> dict[str, torch.Tensor]:
         """Bucket `size`'s static inputs: the first rows of the largest bucket's (a step replays one graph at a

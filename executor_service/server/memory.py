@@ -23,6 +23,7 @@ from executor_service.models.draft_weights import draft_layout
 from executor_service.models.weights import Placement, hf_layout
 from executor_service.sample.sampling import MAX_LOGIT_BIAS
 from executor_service.spec_decode.deferred_context import DEFER_MAX
+from executor_service.spec_decode.step_variants import DEFAULT_PENALTY_SLOTS
 from specdec_runtime.errors import FieldViolation, ResourceExhausted
 
 CPU_MEMORY_FRACTION = 0.75  # of MemAvailable: the rest stays for the OS, the other processes and our own heap
@@ -96,13 +97,18 @@ def estimate_memory(
         activations += max_num_seqs * DEFER_MAX * features  # the drafter's context held at k = 0
         rows = max_num_seqs * (draft.block_size if draft.method == "dflash" else 1)  # EAGLE: one row per chain step
         activations += rows * (draft.draft_vocab_size or target.vocab_size) * 4 * LOGITS_COPIES
-        per_slot = target.vocab_size * PENALTY_TABLE_BYTES_PER_ENTRY + LOGIT_BIAS_BYTES_PER_SLOT
-        activations += (max_num_seqs + 1) * per_slot
-    if device.type == "cuda":
-        activations += max_num_seqs * target.vocab_size * 4 * SAMPLER_ROW_COPIES + CUDA_MARGIN_BYTES
+        activations += penalty_table_bytes(max_num_seqs, target.vocab_size)  # the speculative step's
+    if device.type == "cuda":  # the decode sampler's graphs and their penalty table, captured at load
+        activations += max_num_seqs * target.vocab_size * 4 * SAMPLER_ROW_COPIES
+        activations += penalty_table_bytes(DEFAULT_PENALTY_SLOTS, target.vocab_size) + CUDA_MARGIN_BYTES
     else:
         activations += CPU_MARGIN_BYTES
     return MemoryEstimate(weights, kv_cache, activations)
+
+
+def penalty_table_bytes(slots: int, vocab: int) -> int:
+    """A PenaltyTable of `slots` (and its scratch slot): counts and prompt marks per id, and its logit biases."""
+    return (slots + 1) * (vocab * PENALTY_TABLE_BYTES_PER_ENTRY + LOGIT_BIAS_BYTES_PER_SLOT)
 
 
 def _numel(placement: Placement) -> int:

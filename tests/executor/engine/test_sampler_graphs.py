@@ -153,3 +153,21 @@ def test_the_captured_draw_finds_the_argmax_once_and_builds_no_index_tensors() -
     if DEVICE.type == "cpu":  # torch's argmax (the GPU's is the fused kernel, not one op)
         assert count("argmax", None, warmed) == 2  # the checked one and the draw's race (3 before)
         assert count("argmax", extras, warmed) == 3  # penalties change it: verify finds its own
+
+
+def test_capture_all_takes_every_key_at_load_and_draws_as_the_eager_path() -> None:
+    """`capture_all` (load): every (sorted, extras, bucket) captured (on the CPU: marked eager), the table
+    allocated, and draws with extras afterwards still the eager path's, counting in the same table."""
+    sampler = SamplerGraphs(max_batch=8)
+    table = PenaltyTable(4, VOCAB, DEVICE)
+    sampler.capture_all(VOCAB, DEVICE, table)
+    assert table.output is not None and sampler.table is table
+    assert set(sampler.graphs) == {(s, e, b) for s in (False, True) for e in (False, True) for b in sampler.buckets}
+    logits, settings, seeds, roots = batch(3, 9)
+    extras = HostExtras(table, [0, -1, 1], [(1.3, 0.0, 0.0), (1.0, 0.0, 0.0), (1.0, 0.4, 0.2)])
+    replayed = sampler.draw(logits, settings, seeds, roots, needs_sort(settings, VOCAB), extras)
+    counted = table.output.clone()
+    table.output.zero_()
+    eager = eager_draw(logits, settings, seeds, roots, host_sort(settings, VOCAB), extras)
+    assert replayed.tolist() == eager.tolist()
+    assert torch.equal(counted, table.output)

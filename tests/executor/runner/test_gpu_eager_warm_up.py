@@ -1,7 +1,7 @@
 """After load, no step compiles a Triton kernel (runner/eager_warm_up.py, the sampler graphs captured at load): eager
 forwards of random batches, row counts and contexts, and an engine whose k is scripted through held drafter context
-and its flushes, with greedy and seeded sampled requests of many prompt lengths. On a GPU (the CPU compiles
-nothing)."""
+and its flushes, with greedy, seeded sampled, penalised and logprob requests of many prompt lengths. On a GPU (the
+CPU compiles nothing)."""
 
 from __future__ import annotations
 
@@ -52,9 +52,12 @@ def test_nothing_compiles_after_load(method: str) -> None:
     sink = Collector()
     for index in range(12):
         prompt = [(7 * index + 3 * i) % 90 + 1 for i in range(3 + 6 * index)]
-        sampled = index % 2 == 1
-        temperature, seed = (0.8, index) if sampled else (0.0, None)
-        settings = SamplingSettings(temperature=temperature, seed=seed, top_p=0.9, ignore_eos=True)
+        kind = index % 4  # greedy, sampled, penalised, logprobs (the sampler's every graph key)
+        temperature, seed = (0.8, index) if kind == 1 else (0.0, None)
+        settings = SamplingSettings(
+            temperature=temperature, seed=seed, top_p=0.9, ignore_eos=True,
+            repetition_penalty=1.2 if kind == 2 else 1.0, logprobs=3 if kind == 3 else None,
+        )  # fmt: skip
         engine.add(session.new_request(f"r{index}", prompt, settings, 40, sink))
     run_bounded(engine)
     assert engine.deferred.counts["flushes to draft"] > 0 and engine.deferred.counts["deferred steps"] > 0

@@ -18,6 +18,7 @@ from executor_service.server.memory import PENALTY_TABLE_BYTES_PER_ENTRY, estima
 from executor_service.server.wire import resolve_target
 from executor_service.spec_decode.deferred_context import DEFER_MAX, DeferredContext
 from executor_service.spec_decode.device_penalties import PenaltyTable
+from executor_service.spec_decode.step_variants import DEFAULT_PENALTY_SLOTS
 
 
 def test_the_penalty_table_takes_what_the_estimate_counts() -> None:
@@ -65,7 +66,8 @@ def test_the_estimate_counts_the_held_drafter_context(monkeypatch: pytest.Monkey
 
 def test_on_cuda_the_estimate_counts_the_sampler_graphs_static_inputs() -> None:
     """The decode sampler's graphs are captured at load on CUDA: the estimate counts SAMPLER_ROW_COPIES fp32 rows of
-    logits a running request there (not on the CPU, which has no graphs), at least the static inputs they keep."""
+    logits a running request there (not on the CPU, which has no graphs), at least the static inputs they keep, and
+    their penalty table, as many bytes as it takes."""
     from executor_service.engine.sampler_graphs import SamplerGraphs
 
     request = load_request()
@@ -76,7 +78,12 @@ def test_on_cuda_the_estimate_counts_the_sampler_graphs_static_inputs() -> None:
         return estimate_memory(config, None, torch.float32, 64, 16, 64, 40, torch.device(device)).activations
 
     margins = memory.CUDA_MARGIN_BYTES - memory.CPU_MARGIN_BYTES
-    sampler = activations("cuda") - activations("cpu") - margins
+    table = PenaltyTable(DEFAULT_PENALTY_SLOTS, 512, torch.device("cpu"))
+    table.allocate()
+    tensors = (table.in_prompt, table.output, table.bias_ids, table.bias_values)
+    table_bytes = sum(t.nbytes for t in tensors if t is not None)
+    assert memory.penalty_table_bytes(DEFAULT_PENALTY_SLOTS, 512) == table_bytes
+    sampler = activations("cuda") - activations("cpu") - margins - table_bytes
     assert sampler == 40 * 512 * 4 * memory.SAMPLER_ROW_COPIES
     graphs = SamplerGraphs(max_batch=40)
     inputs = graphs._inputs(40, torch.zeros(1, 512))
