@@ -7,8 +7,8 @@ step cannot be launched faster than the host prepares it: sampled decoding ran a
 Here the same ops are captured once per (sorted or not, extras or not, batch bucket), at load (`capture_all`),
 and replayed from static inputs: the logits (one device copy), the settings and the seeds and positions the random
 numbers are keyed by (two copies from pinned memory, padded rows greedy; the keys are hashed in the graph, where
-the host hashed ~10 us a request a step). The same ops and the same integer hash:
-the eager path's tokens bit for bit.
+the host hashed ~10 us a request a step). The same ops and the same integer hash: the eager path's tokens bit for
+bit.
 
 With extras (a batch where some request sets a penalty or a logit bias, or asks for logprobs), each row is
 penalised from its slot of the penalty table first, the drawn token is counted in that slot on the device (so the

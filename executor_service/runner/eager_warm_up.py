@@ -10,8 +10,9 @@ The specialisations are few by design: the integer sizes that change every step 
 split or not (kernels/triton_attn_config.py), and a fused GEMM takes one config per power-of-two row bucket up to
 MAX_ROWS (kernels/small_gemm_table.py). So at load each model's eager forward runs once for each shape that meets a
 class no earlier shape met, over metadata that reads block 0 and writes no cache slot: `warm_up_shapes` finds them
-by asking the functions the kernels' launches ask. A Triton kernel compiled once is also on disk, so a restart
-loads it in milliseconds.
+by asking the functions the kernels' launches ask. A Triton kernel compiled once is also on disk, where a restart
+finds it (H200, SmolLM2's shape and an EAGLE-3 drafter: the phase took 7.2 s on a first start, 3.0 s on a restart,
+the sampler graphs' capture included).
 """
 
 from __future__ import annotations
