@@ -129,13 +129,20 @@ def warm_up_eager(
     return shapes
 
 
+# Compiled flex_attention compiles through dynamo once per set of shapes (kernels/flex_attn.py): warming it would
+# spend its compiles on shapes no caller sent, so a model on it is not warmed.
+UNWARMED_BACKENDS = frozenset({"FLEX_ATTENTION"})
+
+
 def warm_up_models(runner: ModelRunner, proposer: Proposer | None, max_model_len: int, max_batch: int) -> int:
     """The target's eager forward and the drafter's context passes (a prompt chunk's, a flush's), each over its
-    warm-up shapes; the forwards run."""
-    geometry = Geometry.of(runner.model.config, runner.kv_cache.layers[0][0])
+    warm-up shapes (not on a backend of UNWARMED_BACKENDS); the forwards run."""
+    runs = 0
     limits = max_model_len, max_batch, runner.device
-    runs = len(warm_up_eager(target_forward(runner), geometry, runner.backend, runner.block_size, *limits))
-    if proposer is None:
+    if runner.backend not in UNWARMED_BACKENDS:
+        geometry = Geometry.of(runner.model.config, runner.kv_cache.layers[0][0])
+        runs += len(warm_up_eager(target_forward(runner), geometry, runner.backend, runner.block_size, *limits))
+    if proposer is None or proposer.backend in UNWARMED_BACKENDS:
         return runs
     geometry = Geometry.of(proposer.config.model, proposer.kv_cache.layers[0][0])
     for forward in context_pass_forwards(proposer, runner.device):

@@ -91,3 +91,14 @@ def test_the_warm_up_runs_each_model_and_writes_no_cache(method: str) -> None:
     )
     assert torch.equal(engine.runner.kv_cache.storage, before[0])
     assert torch.equal(proposer.kv_cache.storage, before[1])
+
+
+def test_a_model_on_flex_attention_is_not_warmed() -> None:
+    """Flex compiles once per set of shapes (dynamo): the warm-up leaves it alone, and a TRITON_ATTN drafter beside a
+    flex target is still warmed (the control: the count is not zero for want of passes)."""
+    session = spec_session("eagle3", 3, "FLEX_ATTENTION")
+    assert session.proposer is not None
+    engine, max_model_len = session.engine, session.limits.max_model_len
+    assert warm_up_models(engine.runner, session.proposer, max_model_len, 16) == 0
+    session.proposer.backend = "CPU_ATTN"
+    assert warm_up_models(engine.runner, session.proposer, max_model_len, 16) > 0
