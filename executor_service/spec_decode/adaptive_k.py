@@ -480,7 +480,8 @@ class AdaptiveK:
         return compared and (exploring is None or self._hopeless(exploring.num_draft_tokens))
 
     def describe(self) -> dict[str, object]:
-        """What it measured and chose (benchmarks and logs): the acceptance is the global one."""
+        """What it measured and chose (benchmarks and logs): the acceptance is the global one; `step_ms` each price,
+        and of k = 0's the share that is the held context's flushes (`k0_flush_ms`, per k = 0 step)."""
         return {
             "chosen_k_steps": dict(sorted(self.chosen.items())),
             "acceptance_per_depth": [round(self.acceptance(d), 4) for d in range(1, len(self._tried))],
@@ -488,5 +489,10 @@ class AdaptiveK:
             "step_ms": {
                 bucket: {k: round(c.seconds * 1e3, 4) for k, c in sorted(table.items())}
                 for bucket, table in sorted(self.costs.items())
+            },
+            "k0_flush_ms": {
+                bucket: round((table[0].seconds - table[0].plain) * 1e3, 4)
+                for bucket, table in sorted(self.costs.items())
+                if 0 in table
             },
         }

@@ -309,6 +309,9 @@ def test_a_deferred_flush_is_part_of_the_k0_price() -> None:
     model.record_deferred(64, 2 * 0.010 + 0.032, 16, landed=2)
     assert cost.seconds == pytest.approx(0.011)  # the median of 1, 0 and 2 ms
     assert model.throughput(requests(64), 0) == pytest.approx(64 / 0.011)
+    described = model.describe()
+    assert described["step_ms"][model.bucket(64)][0] == pytest.approx(11.0)  # the price, flushes included
+    assert described["k0_flush_ms"][model.bucket(64)] == pytest.approx(1.0)  # their share, per k = 0 step
 
 
 def after_a_stall(model: AdaptiveK, steps: int) -> list[int]:
