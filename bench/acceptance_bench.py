@@ -243,9 +243,12 @@ def measure_speedup(
                     session = sessions[f"{name}_q" if q_drafts else name]
                     run = label(name, device_step, q_drafts, adapts)
                     with device_steps(session, on=device_step, q_drafts=q_drafts), speculating(session, adapts):
+                        chosen = Counter(cost_model(session).chosen) if adapts and round_index else None
                         finishes, seconds, tokens = generate_groups(session, groups, max_tokens, mix, args.ignore_eos)
                         if adapts and not round_index:
                             adaptive[run] = warm_up(session, groups, max_tokens, mix, batch)
+                        if chosen is not None:
+                            adaptive[run].add_round(tokens / seconds, chosen)
                     if round_index:
                         rounds[run].append((tokens / seconds, finishes))
             key = f"batch_{batch}" + ("_mixed" if mix is MIXED else "" if mix[0].greedy else f"_T{temperature}")
@@ -278,15 +281,27 @@ class Adaptive:
     def __init__(self, model: AdaptiveK, warm_up_runs: int) -> None:
         self.model, self.warm_up_runs = model, warm_up_runs
         self.chosen_before = Counter(model.chosen)
+        self.rounds: list[dict[str, Any]] = []  # per timed round: its rate, the k it chose, the prices after it
+
+    def add_round(self, tokens_per_s: float, chosen_before: Counter[int]) -> None:
+        """A timed round's figures, so that a slow round can be read beside what it chose and the prices then."""
+        described = self.model.describe()
+        self.rounds.append({
+            "tokens_per_s": round(tokens_per_s, 1),
+            "chosen_k_steps": dict(sorted((self.model.chosen - chosen_before).items())),
+            "step_ms": described["step_ms"],
+            "k0_flush_ms": described["k0_flush_ms"],
+        })  # fmt: skip
 
     def describe(self) -> dict[str, Any]:
-        """The cost model's describe() after the rounds (cumulative over the session), with the warm-up runs and
-        the k chosen per step in the timed rounds alone."""
+        """The cost model's describe() after the rounds (cumulative over the session), with the warm-up runs, the k
+        chosen per step in the timed rounds alone, and each timed round's own figures."""
         timed = self.model.chosen - self.chosen_before
         return {
             **self.model.describe(),
             "warm_up_runs": self.warm_up_runs,
             "timed_chosen_k_steps": dict(sorted(timed.items())),
+            "rounds": self.rounds,
         }
 
 
