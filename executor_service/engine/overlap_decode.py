@@ -260,12 +260,9 @@ class DecodeOverlap:
     def capture_sampler(self) -> None:
         """At load: every bucket's sampled draws captured (SamplerGraphs.capture_all), where the target's
         decode step is a graph (CUDA)."""
-        decode_graphs = self.runner.graphs.get(1)
-        if decode_graphs is None or self.runner.device.type != "cuda":
-            return
-        vocab = decode_graphs.outputs[decode_graphs.max_batch][0].shape[-1]  # the logits the draws read
-        self.sampler = self.sampler or SamplerGraphs(decode_graphs.max_batch)
-        self.sampler.capture_all(vocab, self.runner.device, self.table)
+        sampler = self._sampler(self.runner.device.type == "cuda")
+        if sampler is not None:
+            sampler.capture_all(self.table)
 
     def _sampler(self, on_cuda: bool) -> SamplerGraphs | None:
         """The sampled draws' graphs where the target's decode step is a graph too (CUDA)."""

@@ -134,13 +134,14 @@ class SamplerGraphs:
         graph.replay()
         return packed(self.outputs[key], count)
 
-    def capture_all(self, vocab: int, device: torch.device, table: PenaltyTable) -> None:
+    def capture_all(self, table: PenaltyTable) -> None:
         """Every (sorted, extras, bucket) captured now (load): a sampled decode step then neither compiles nor
         captures (one took 0.25-0.65 s on an H200, with its compiles; a benchmark round of 16 requests ~0.5 s).
-        `table`: the extras' penalty table, allocated now (its slots x vocabulary: ~40 MiB for 128k ids)."""
+        `table`: the extras' penalty table, allocated now (its slots x vocabulary: ~40 MiB for 128k ids); the
+        draws read logits of its vocabulary, on its device."""
         table.allocate()
         self.table = table
-        logits = torch.zeros(1, vocab, dtype=torch.float32, device=device)  # the target's logits: fp32
+        logits = torch.zeros(1, table.vocab, dtype=torch.float32, device=table.device)  # the target's logits: fp32
         for size in self.buckets:
             self._inputs(size, logits)
             for key in [(sort, extras, size) for sort in (False, True) for extras in (False, True)]:

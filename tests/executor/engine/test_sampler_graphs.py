@@ -160,7 +160,7 @@ def test_capture_all_takes_every_key_at_load_and_draws_as_the_eager_path() -> No
     allocated, and draws with extras afterwards still the eager path's, counting in the same table."""
     sampler = SamplerGraphs(max_batch=8)
     table = PenaltyTable(4, VOCAB, DEVICE)
-    sampler.capture_all(VOCAB, DEVICE, table)
+    sampler.capture_all(table)
     assert table.output is not None and sampler.table is table
     assert set(sampler.graphs) == {(s, e, b) for s in (False, True) for e in (False, True) for b in sampler.buckets}
     logits, settings, seeds, roots = batch(3, 9)
