@@ -1,0 +1,91 @@
+"""Where a prefill step's time goes at batch 1 (its time is the request's time to first token).
+
+Target-only and each --e2e-methods drafter (specdec_bench.py's synthetic sessions) prefill one prompt of each
+--prompt-lens length, a step at a time (k0_overhead.py's timers): the step's wall time, the target's pass and
+the drafter's, medians over --repeats. Then one prefill step per configuration under torch.profiler: how many
+kernels it launched, their summed device time, and the host ops that took the most time, so a step bound by
+launches (the eager forward's Python and dispatch) tells itself from one bound by its kernels.
+
+    python bench/prefill_profile.py --preset smollm2 --methods eagle3 --e2e-methods eagle3 --prompt-lens 16,64,512
+"""
+
+from __future__ import annotations
+
+import sys
+from collections import defaultdict
+from pathlib import Path
+from statistics import median
+from typing import Any
+
+REPO = Path(__file__).resolve().parent.parent
+for _path in (REPO / "bench", REPO / "tests" / "executor"):
+    sys.path.insert(0, str(_path))
+import torch  # noqa: E402
+from common import PRESETS, log, make_prompts, provenance, versions, write_result  # noqa: E402
+from k0_overhead import run_steps  # noqa: E402
+from specdec_bench import open_sessions, parse_args  # noqa: E402
+from torch.profiler import ProfilerActivity, profile  # noqa: E402
+
+from executor_service.server.session import ModelSession  # noqa: E402
+
+TOP_OPS = 15
+
+
+def timed_prefills(session: ModelSession, prompt: list[int], repeats: int) -> dict[str, float]:
+    """Median ms of the prefill step's wall time and of each timed part (target, drafter) over `repeats`."""
+    parts: dict[str, list[float]] = defaultdict(list)
+    for _ in range(repeats):
+        first = run_steps(session, [prompt], 2)[0]
+        for name, seconds in first.items():
+            if name != "kind":
+                parts[name].append(seconds * 1e3)
+    return {name: round(median(values), 3) for name, values in parts.items()}
+
+
+def profiled_prefill(session: ModelSession, prompt: list[int]) -> dict[str, Any]:
+    """One prefill step (and the decode step after it) under torch.profiler: kernels launched, their device time,
+    the host ops with the most own time."""
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
+    with profile(activities=activities) as prof:
+        run_steps(session, [prompt], 2)
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
+    kernels = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+    host: dict[str, float] = defaultdict(float)
+    for event in prof.key_averages():
+        if event.device_type == torch.autograd.DeviceType.CPU:
+            host[event.key] += event.self_cpu_time_total
+    top = sorted(host.items(), key=lambda item: -item[1])[:TOP_OPS]
+    return {
+        "kernels": len(kernels),
+        "kernel_ms": round(sum(e.device_time for e in kernels) / 1e3, 3),
+        "host_self_ms_top": {name[:80]: round(us / 1e3, 3) for name, us in top},
+    }
+
+
+def main() -> int:
+    args = parse_args(__doc__)
+    preset = PRESETS[args.preset]
+    lengths = [int(n) for n in args.prompt_lens.split(",")]
+    sessions = open_sessions(args, preset)
+    device = torch.device(args.device)
+    report: dict[str, Any] = {**provenance("prefill_profile", device), "versions": versions(), "preset": args.preset}
+    report |= {"backend": args.backend, "repeats": args.repeats}
+    chosen = {n: s for n, s in sessions.items() if s.proposer is None or n in args.e2e_methods}
+    for length in lengths:
+        prompt = make_prompts(1, length, preset["vocab"] - 1, seed=length)[0]
+        entry: dict[str, Any] = {}
+        for name, session in chosen.items():
+            run_steps(session, [prompt], 2)  # untimed: first use of this length
+            entry[name] = {"median_ms": timed_prefills(session, prompt, args.repeats)}
+            entry[name]["profile"] = profiled_prefill(session, prompt)
+        report[f"prompt_{length}"] = entry
+        log(f"prompt {length}: " + ", ".join(f"{n} {e['median_ms']}" for n, e in entry.items()))
+    for session in sessions.values():
+        session.shutdown()
+    write_result(args.out, "prefill_profile", device, report["commit"], report)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
