@@ -2,9 +2,11 @@
 
 Target-only and each --e2e-methods drafter (specdec_bench.py's synthetic sessions) prefill one prompt of each
 --prompt-lens length, a step at a time (k0_overhead.py's timers): the step's wall time, the target's pass and
-the drafter's, medians over --repeats. Then one prefill step per configuration under torch.profiler: how many
-kernels it launched, their summed device time, and the host ops that took the most time, so a step bound by
-launches (the eager forward's Python and dispatch) tells itself from one bound by its kernels.
+the drafter's, medians over --repeats; through the prefill graphs (runner/prefill_graphs.py) where the session
+captured them, and eagerly, one after the other in the same run. Then one prefill step per configuration under
+torch.profiler: how many kernels it launched, their summed device time, and the host ops that took the most
+time, so a step bound by launches (the eager forward's Python and dispatch) tells itself from one bound by its
+kernels.
 
     python bench/prefill_profile.py --preset smollm2 --methods eagle3 --e2e-methods eagle3 --prompt-lens 16,64,512
 """
@@ -76,9 +78,14 @@ def main() -> int:
         prompt = make_prompts(1, length, preset["vocab"] - 1, seed=length)[0]
         entry: dict[str, Any] = {}
         for name, session in chosen.items():
-            run_steps(session, [prompt], 2)  # untimed: first use of this length
-            entry[name] = {"median_ms": timed_prefills(session, prompt, args.repeats)}
-            entry[name]["profile"] = profiled_prefill(session, prompt)
+            runner = session.engine.runner
+            graphs = runner.prefill_graphs
+            for mode in ("graphs", "eager") if graphs is not None else ("eager",):
+                runner.prefill_graphs = graphs if mode == "graphs" else None
+                run_steps(session, [prompt], 2)  # untimed: first use of this length
+                entry[f"{name} {mode}"] = {"median_ms": timed_prefills(session, prompt, args.repeats)}
+                entry[f"{name} {mode}"]["profile"] = profiled_prefill(session, prompt)
+            runner.prefill_graphs = graphs
         report[f"prompt_{length}"] = entry
         log(f"prompt {length}: " + ", ".join(f"{n} {e['median_ms']}" for n, e in entry.items()))
     for session in sessions.values():

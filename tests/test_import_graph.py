@@ -149,8 +149,8 @@ EXECUTOR_LAYERS: tuple[Layer, ...] = (
         "runner",
         wire_free=True,
         modules=(
-            "runner.model_runner runner.cuda_graphs runner.host_copy parallel.driver parallel.graphs parallel.protocol "
-            "parallel.loading"
+            "runner.model_runner runner.cuda_graphs runner.prefill_graphs runner.host_copy parallel.driver "
+            "parallel.graphs parallel.protocol parallel.loading"
         ),
     ),
     Layer(

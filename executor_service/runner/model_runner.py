@@ -19,6 +19,7 @@ from executor_service.models.model import DecoderModel
 from executor_service.parallel.driver import forward_with_logits, move_kv_slots
 from executor_service.parallel.graphs import lockstep_for
 from executor_service.runner.cuda_graphs import StepGraphs
+from executor_service.runner.prefill_graphs import PrefillGraphs, prefill_buckets
 
 
 @dataclass
@@ -53,6 +54,7 @@ class ModelRunner:
         # None: no drafter. (): the final normed hidden state (EAGLE-1). Else these layers' outputs.
         self.feature_layers = feature_layers
         self.graphs: dict[int, StepGraphs] = {}  # by query length; set by the session where capturable
+        self.prefill_graphs: PrefillGraphs | None = None  # a lone request's prompt rows (prefill_graphs.py)
         self.step_counts: Counter[str] = Counter()  # "graph" / "eager": how steps ran (benchmarks read it)
 
     def prepare(self, step: ScheduledStep, causal: bool = True) -> StepInputs:
@@ -100,9 +102,21 @@ class ModelRunner:
                 step.block_table, step.seq_lens, step.slot_mapping, inputs.positions, input_ids=inputs.input_ids
             )
             return StepOutput(outputs[0], outputs[1] if len(outputs) > 1 else None)
+        rows = self._prefill_bucket(inputs)
+        if rows is not None:
+            assert self.prefill_graphs is not None
+            self.step_counts["prefill graph"] += 1
+            logits, features = self.prefill_graphs.run(rows, inputs.input_ids, inputs.positions, step)
+            return StepOutput(logits[: len(inputs.sampled)], features)
         self.step_counts["eager"] += 1
         logits, features = self.forward(inputs.input_ids, inputs.positions, step, inputs.logits_indices)
         return StepOutput(logits, features)
+
+    def _prefill_bucket(self, inputs: StepInputs) -> int | None:
+        """The prefill graph a step replays: one request's rows, none of them drafts (logits of its last row)."""
+        if self.prefill_graphs is None or any(inputs.num_drafts):
+            return None
+        return self.prefill_graphs.bucket(inputs.attention, inputs.input_ids.shape[0])
 
     def capture_graphs(self, query_lens: list[int], max_batch: int, max_model_len: int) -> None:
         """Graphs for uniform steps of each query length (1: decode; k + 1: verify)."""
@@ -119,6 +133,19 @@ class ModelRunner:
             )  # fmt: skip
             graphs.capture()
             self.graphs[query_len] = graphs
+
+    def capture_prefill_graphs(self, max_rows: int, max_model_len: int) -> None:
+        """Graphs for a lone request's prompt of up to `max_rows` rows (prefill_graphs.py)."""
+
+        def forward(input_ids: torch.Tensor, positions: torch.Tensor, step: AttentionStep, row: torch.Tensor) -> tuple:
+            logits, features = self.forward(input_ids, positions, step, row)
+            return (logits,) if features is None else (logits, features)
+
+        graphs = PrefillGraphs(
+            forward, self.backend, prefill_buckets(max_rows), max_model_len, self.block_size, self.device
+        )
+        graphs.capture()
+        self.prefill_graphs = graphs
 
     def forward(
         self, input_ids: torch.Tensor, positions: torch.Tensor, step: AttentionStep, logits_indices: torch.Tensor | None

@@ -21,6 +21,7 @@ from executor_service.models.config import ModelConfig
 from executor_service.models.draft_config import DraftConfig
 from executor_service.models.draft_weights import draft_layout
 from executor_service.models.weights import Placement, hf_layout
+from executor_service.runner.prefill_graphs import prefill_buckets
 from executor_service.sample.sampling import MAX_LOGIT_BIAS
 from executor_service.spec_decode.deferred_context import DEFER_MAX
 from executor_service.spec_decode.step_variants import DEFAULT_PENALTY_SLOTS
@@ -100,10 +101,25 @@ def estimate_memory(
         activations += penalty_table_bytes(max_num_seqs, target.vocab_size)  # the speculative step's
     if device.type == "cuda":  # the decode sampler's graphs and their penalty table, captured at load
         activations += max_num_seqs * target.vocab_size * 4 * SAMPLER_ROW_COPIES
+        activations += prefill_graph_bytes(target, draft, max_num_batched_tokens, element)
         activations += penalty_table_bytes(DEFAULT_PENALTY_SLOTS, target.vocab_size) + CUDA_MARGIN_BYTES
     else:
         activations += CPU_MARGIN_BYTES
     return MemoryEstimate(weights, kv_cache, activations)
+
+
+def prefill_graph_bytes(
+    target: ModelConfig, draft: DraftConfig | None, max_num_batched_tokens: int, element: int
+) -> int:
+    """The lone-prefill graphs' pool, kept (runner/prefill_graphs.py): a layer's transients at the largest bucket's
+    rows, the drafter's features of those rows, the last row's logits; and every bucket's static per-row inputs."""
+    buckets = prefill_buckets(max_num_batched_tokens)
+    if not buckets:
+        return 0
+    rows = buckets[-1]
+    features = (len(draft.target_layer_ids) or 1) * target.hidden_size * element if draft is not None else 0
+    static = sum(buckets) * 3 * 8  # input ids, positions, slots: int64
+    return _step_bytes(target, rows, element) + rows * features + target.vocab_size * 4 * LOGITS_COPIES + static
 
 
 def penalty_table_bytes(slots: int, vocab: int) -> int:

@@ -425,9 +425,9 @@ def headroom_by_draft_tokens(draft: DraftConfig) -> tuple[int, ...]:
 
 
 def capture_graphs(session: ModelSession, settings: EngineSettings, max_model_len: int) -> None:
-    """Target decode (and verify) graphs, and the drafter's, where each one's backend can be captured. Under
-    tensor parallelism the target's are captured on every rank, and replayed in lockstep (parallel/graphs.py);
-    the drafter's on rank 0 alone (it involves no other rank)."""
+    """Target decode, verify and lone-prefill graphs, and the drafter's, where each one's backend can be captured.
+    Under tensor parallelism the target's decode and verify graphs are captured on every rank, and replayed in
+    lockstep (parallel/graphs.py); the drafter's on rank 0 alone (it involves no other rank)."""
     runner, proposer = session.engine.runner, session.proposer
     spec_batch = min(settings.max_num_seqs, MAX_SPEC_GRAPH_BATCH)
     # The host path's tree steps run eagerly: decode graphs, and the device step's (spec_step.capture_graphs).
@@ -437,6 +437,8 @@ def capture_graphs(session: ModelSession, settings: EngineSettings, max_model_le
         runner.capture_graphs([1], settings.max_num_seqs, max_model_len)
         if proposer is not None:
             runner.capture_graphs([proposer.num_draft_tokens + 1], spec_batch, max_model_len)
+        if not isinstance(runner.model, TensorParallelModel):  # prefill_graphs.py: rank 0's alone
+            runner.capture_prefill_graphs(settings.max_num_batched_tokens, max_model_len)
     if proposer is not None and proposer.backend in GRAPH_BACKENDS:
         proposer.capture_graphs(spec_batch, settings.max_num_seqs)
     spec_step = session.engine.spec_step

@@ -67,7 +67,7 @@ def test_the_estimate_counts_the_held_drafter_context(monkeypatch: pytest.Monkey
 def test_on_cuda_the_estimate_counts_the_sampler_graphs_static_inputs() -> None:
     """The decode sampler's graphs are captured at load on CUDA: the estimate counts SAMPLER_ROW_COPIES fp32 rows of
     logits a running request there (not on the CPU, which has no graphs), at least the static inputs they keep, and
-    their penalty table, as many bytes as it takes."""
+    their penalty table, as many bytes as it takes; and the lone-prefill graphs' pool (its GPU test measures it)."""
     from executor_service.engine.sampler_graphs import SamplerGraphs
 
     request = load_request()
@@ -83,7 +83,9 @@ def test_on_cuda_the_estimate_counts_the_sampler_graphs_static_inputs() -> None:
     tensors = (table.in_prompt, table.output, table.bias_ids, table.bias_values)
     table_bytes = sum(t.nbytes for t in tensors if t is not None)
     assert memory.penalty_table_bytes(DEFAULT_PENALTY_SLOTS, 512) == table_bytes
-    sampler = activations("cuda") - activations("cpu") - margins - table_bytes
+    prefill = memory.prefill_graph_bytes(config, None, 64, 4)  # 64 rows: buckets 16, 32, 64
+    assert prefill == memory._step_bytes(config, 64, 4) + 512 * 4 * memory.LOGITS_COPIES + (16 + 32 + 64) * 24
+    sampler = activations("cuda") - activations("cpu") - margins - table_bytes - prefill
     assert sampler == 40 * 512 * 4 * memory.SAMPLER_ROW_COPIES
     graphs = SamplerGraphs(max_batch=40)
     inputs = graphs._inputs(40, torch.zeros(1, 512))

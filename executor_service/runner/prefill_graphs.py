@@ -1,0 +1,91 @@
+"""CUDA graphs for a lone request's prefill: its prompt (or a chunk of it) padded up to a bucket of rows.
+
+At batch 1 a prefill step's time is the caller's time to first token, and an eager forward of a small model is
+mostly Python and kernel launches: SmolLM2-135M's took ~16 ms on an H200 whatever the prompt's length, of which
+its kernels ran 1.8 ms (bench/prefill_profile.py). One graph per bucket of rows (PREFILL_GRAPH_ROWS), batch 1.
+
+A step of n rows replays bucket R >= n: rows n..R-1 are padding. They write no cache slot (slot -1), and the
+request's sequence length is given as start + R, so each real row still sees exactly the keys up to its own
+place (the kernels' causal rule counts a row's keys from the sequence's end); the padding rows read whatever
+the blocks past the prompt hold, and their outputs are dropped. Logits come for the last real row only (the
+one a prefill samples from). Every graph shares one memory pool (one replays at a time) and its own static
+inputs. Not under tensor parallelism: the other ranks replay rank 0's inputs, which these graphs' row index is not
+among (parallel/graphs.py); there prefill stays eager.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+
+from executor_service.models.attention_step import AttentionStep
+from executor_service.runner.cuda_graphs import StepGraphs
+
+PREFILL_GRAPH_ROWS = (16, 32, 64, 128, 256, 512, 1024)
+
+# (input ids, positions, attention metadata, the logits' row) -> (logits, features?)
+PrefillForward = Callable[[torch.Tensor, torch.Tensor, AttentionStep, torch.Tensor], tuple[torch.Tensor, ...]]
+
+
+def prefill_buckets(max_rows: int) -> list[int]:
+    """The buckets a load captures: those that a step of at most `max_rows` rows can fill."""
+    return [rows for rows in PREFILL_GRAPH_ROWS if rows <= max_rows]
+
+
+class PrefillGraphs:
+    def __init__(
+        self,
+        forward: PrefillForward,
+        backend: str,
+        buckets: list[int],
+        max_model_len: int,
+        block_size: int,
+        device: torch.device,
+    ) -> None:
+        self.max_model_len = max_model_len
+        self.graphs: dict[int, StepGraphs] = {}
+        for rows in buckets:
+            self.graphs[rows] = StepGraphs(
+                f"target prefill ({rows} rows)", self._graph_forward(forward), backend, rows, 1, max_model_len,
+                block_size, device, {"input_ids": ((), torch.int64)}, {"last_row": ((), torch.int64, 0)},
+            )  # fmt: skip
+
+    @staticmethod
+    def _graph_forward(forward: PrefillForward) -> Callable[..., tuple[torch.Tensor, ...]]:
+        def run(step: AttentionStep, positions: torch.Tensor, x: dict[str, torch.Tensor]) -> tuple[torch.Tensor, ...]:
+            return forward(x["input_ids"], positions, step, x["last_row"])
+
+        return run
+
+    def capture(self) -> None:
+        """Largest bucket first, every one into its pool: the smaller ones reuse its memory."""
+        pool = None
+        for rows in sorted(self.graphs, reverse=True):
+            self.graphs[rows].capture(pool)
+            pool = self.graphs[rows].pool
+
+    def bucket(self, step: AttentionStep, num_rows: int) -> int | None:
+        """The bucket a step of one request's `num_rows` causal rows replays; None: none fits (more than one
+        request, too many rows, a tree, or padding that would pass the model's length)."""
+        if step.block_table.shape[0] != 1 or not step.causal or step.tree_mask is not None:
+            return None
+        start = step.max_seq_len - num_rows
+        return next((r for r in sorted(self.graphs) if r >= num_rows and start + r <= self.max_model_len), None)
+
+    def run(
+        self, rows: int, input_ids: torch.Tensor, positions: torch.Tensor, step: AttentionStep
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """(logits of the last row [1, V], features of every real row or None) from bucket `rows` (`bucket`'s).
+        Both are views of the graph's outputs: the next prefill replay overwrites them."""
+        graphs, count = self.graphs[rows], input_ids.shape[0]
+        graphs.inputs["input_ids"][:count].copy_(input_ids)
+        graphs.positions[:count].copy_(positions)  # the padding rows' keep earlier replays' (valid) positions
+        graphs.slot_mapping[:count].copy_(step.slot_mapping)
+        graphs.slot_mapping[count:].fill_(-1)
+        graphs.seq_lens.fill_(step.max_seq_len - count + rows)
+        graphs.request_inputs["last_row"].fill_(count - 1)
+        graphs.block_table[:, : step.block_table.shape[1]].copy_(step.block_table)
+        graphs.graphs[1].replay()
+        outputs = graphs.outputs[1]
+        return outputs[0], outputs[1][:count] if len(outputs) > 1 else None

@@ -1,0 +1,66 @@
+"""Prefill graphs (runner/prefill_graphs.py) on the CPU's stand-in graphs, which replay the forward from the same
+static buffers and padding as CUDA graphs do: a lone request's prompt padded to its bucket gives the eager
+forward's logits and features, writes no cache slot but its own rows', and generations through the buckets
+(prompts shorter than a bucket, of a bucket's exact length, chunked, longer than any) are the target's own."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from executor_builders import tiny_config
+from prefill_graph_cases import check_lone_prefill, generate_one_by_one, prefill_engine
+
+from executor_service.models.attention_step import AttentionStep
+from executor_service.runner.prefill_graphs import PREFILL_GRAPH_ROWS, prefill_buckets
+
+CPU = torch.device("cpu")
+
+
+@pytest.mark.parametrize(("length", "bucket"), [(1, 16), (5, 16), (16, 16), (17, 32), (40, 64), (64, 64)])
+def test_a_lone_prefill_through_its_bucket_is_the_eager_one(length: int, bucket: int) -> None:
+    _, engine = prefill_engine(tiny_config(), CPU, "CPU_ATTN", torch.float32, max_rows=64)
+    prompt = [(7 * i + 3) % 200 for i in range(length)]
+    assert check_lone_prefill(engine, prompt, atol=1e-5) == bucket
+
+
+def test_generations_through_prefill_graphs_are_the_targets_own() -> None:
+    """Batch 1 prompts of 1 to 100 tokens with a 48-token step budget: short ones in one bucket, a 100-token one in
+    chunks (48, 48 at position 48, 4 at 96: the later chunks read the cached ones), then all of them in one batch
+    (eager: more than one request)."""
+    loaded, engine = prefill_engine(tiny_config(), CPU, "CPU_ATTN", torch.float32, max_rows=64, max_batched=48)
+    outputs, references = generate_one_by_one(loaded, engine, [1, 7, 16, 30, 100], max_tokens=6)
+    for rid, reference in references.items():
+        assert outputs[rid] == reference, rid
+        assert outputs[f"{rid}-batched"] == reference, rid
+    counts = engine.runner.step_counts
+    assert counts["prefill graph"] >= 7 and counts["eager"] > 0, counts  # 4 lone prompts and 3 chunks at least
+
+
+def test_buckets_refuse_what_padding_cannot_serve() -> None:
+    config = tiny_config()
+    _, engine = prefill_engine(config, CPU, "CPU_ATTN", torch.float32, max_rows=64)
+    graphs = engine.runner.prefill_graphs
+    assert graphs is not None and sorted(graphs.graphs) == [16, 32, 64]
+
+    def step(requests: int, seq_len: int, causal: bool = True, tree: bool = False) -> AttentionStep:
+        return AttentionStep(
+            "CPU_ATTN", torch.zeros(requests, 4, dtype=torch.int32), torch.zeros(requests + 1, dtype=torch.int32),
+            torch.zeros(requests, dtype=torch.int32), torch.zeros(1, dtype=torch.int64), 1, seq_len, causal,
+            torch.zeros(1, dtype=torch.int64) if tree else None,
+        )  # fmt: skip
+
+    limit = config.max_position_embeddings
+    assert graphs.bucket(step(1, 20), 20) == 32
+    assert graphs.bucket(step(1, 100), 20) == 32  # 80 tokens cached before these 20
+    assert graphs.bucket(step(1, 65), 65) is None  # more rows than any bucket
+    assert graphs.bucket(step(2, 20), 20) is None
+    assert graphs.bucket(step(1, 20, causal=False), 20) is None
+    assert graphs.bucket(step(1, 20, tree=True), 20) is None
+    assert graphs.bucket(step(1, limit - 2), 20) is None  # 32 rows from position limit - 22 pass the model's length
+    assert graphs.bucket(step(1, limit - 40), 20) == 32
+
+
+def test_buckets_follow_the_step_budget() -> None:
+    assert prefill_buckets(48) == [16, 32]
+    assert prefill_buckets(8) == []
+    assert prefill_buckets(1 << 20) == list(PREFILL_GRAPH_ROWS)
