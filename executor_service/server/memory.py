@@ -43,6 +43,9 @@ ACTIVATION_WIDTHS = 8  # hidden-sized tensors alive at once in a layer (residual
 # (MAX_LOGIT_BIAS int64 ids and float32 values).
 PENALTY_TABLE_BYTES_PER_ENTRY = 1 + 4
 LOGIT_BIAS_BYTES_PER_SLOT = MAX_LOGIT_BIAS * (8 + 4)
+# The CUDA caching allocator's segments, which a graph's pool keeps whole.
+LARGE_SEGMENT_BYTES = 20 << 20
+SMALL_SEGMENT_BYTES = 2 << 20
 
 
 @dataclass(frozen=True)
@@ -112,14 +115,16 @@ def prefill_graph_bytes(
     target: ModelConfig, draft: DraftConfig | None, max_num_batched_tokens: int, element: int
 ) -> int:
     """The lone-prefill graphs' pool, kept (runner/prefill_graphs.py): a layer's transients at the largest bucket's
-    rows, the drafter's features of those rows, the last row's logits; and every bucket's static per-row inputs."""
+    rows, the drafter's features of those rows, the last row's logits, every bucket's static per-row inputs; in the
+    caching allocator's segments (tensors of 1-10 MiB are cut from 20 MiB ones, smaller ones from 2 MiB ones)."""
     buckets = prefill_buckets(max_num_batched_tokens)
     if not buckets:
         return 0
     rows = buckets[-1]
     features = (len(draft.target_layer_ids) or 1) * target.hidden_size * element if draft is not None else 0
     static = sum(buckets) * 3 * 8  # input ids, positions, slots: int64
-    return _step_bytes(target, rows, element) + rows * features + target.vocab_size * 4 * LOGITS_COPIES + static
+    tensors = _step_bytes(target, rows, element) + rows * features + target.vocab_size * 4 * LOGITS_COPIES + static
+    return -(-tensors // LARGE_SEGMENT_BYTES) * LARGE_SEGMENT_BYTES + SMALL_SEGMENT_BYTES
 
 
 def penalty_table_bytes(slots: int, vocab: int) -> int:

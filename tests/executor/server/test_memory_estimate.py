@@ -84,7 +84,8 @@ def test_on_cuda_the_estimate_counts_the_sampler_graphs_static_inputs() -> None:
     table_bytes = sum(t.nbytes for t in tensors if t is not None)
     assert memory.penalty_table_bytes(DEFAULT_PENALTY_SLOTS, 512) == table_bytes
     prefill = memory.prefill_graph_bytes(config, None, 64, 4)  # 64 rows: buckets 16, 32, 64
-    assert prefill == memory._step_bytes(config, 64, 4) + 512 * 4 * memory.LOGITS_COPIES + (16 + 32 + 64) * 24
+    tensors = memory._step_bytes(config, 64, 4) + 512 * 4 * memory.LOGITS_COPIES + (16 + 32 + 64) * 24
+    assert tensors < memory.LARGE_SEGMENT_BYTES and prefill == memory.LARGE_SEGMENT_BYTES + memory.SMALL_SEGMENT_BYTES
     sampler = activations("cuda") - activations("cpu") - margins - table_bytes - prefill
     assert sampler == 40 * 512 * 4 * memory.SAMPLER_ROW_COPIES
     graphs = SamplerGraphs(max_batch=40)
