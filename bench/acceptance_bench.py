@@ -243,12 +243,12 @@ def measure_speedup(
                     session = sessions[f"{name}_q" if q_drafts else name]
                     run = label(name, device_step, q_drafts, adapts)
                     with device_steps(session, on=device_step, q_drafts=q_drafts), speculating(session, adapts):
-                        chosen = Counter(cost_model(session).chosen) if adapts and round_index else None
+                        chosen_k = Counter(cost_model(session).chosen) if adapts and round_index else None
                         finishes, seconds, tokens = generate_groups(session, groups, max_tokens, mix, args.ignore_eos)
                         if adapts and not round_index:
                             adaptive[run] = warm_up(session, groups, max_tokens, mix, batch)
-                        if chosen is not None:
-                            adaptive[run].add_round(tokens / seconds, chosen)
+                        if chosen_k is not None:
+                            adaptive[run].add_round(tokens / seconds, chosen_k)
                     if round_index:
                         rounds[run].append((tokens / seconds, finishes))
             key = f"batch_{batch}" + ("_mixed" if mix is MIXED else "" if mix[0].greedy else f"_T{temperature}")
