@@ -36,7 +36,8 @@ from kernels.small_gemm import (
 from kernels.small_gemm_table import DEFAULT_CONFIG, GemmConfig
 
 
-@triton.jit(do_not_specialize=["rows"])  # any row count: one compile per bucket
+# Any row count, and slot mappings that start anywhere (a step's slots are sliced per part): one compile per bucket.
+@triton.jit(do_not_specialize=["rows", "slot_ptr"])
 def _qkv_rope_kernel(
     x_ptr, r_ptr, h_ptr, nw_ptr, x2_ptr, nw2_ptr, w_ptr, b_ptr, qn_ptr, kn_ptr, cos_ptr, sin_ptr, q_ptr, k_cache_ptr,
     v_cache_ptr, slot_ptr, rows, K1, K, eps, head_eps, stride_x, stride_r, stride_h, stride_x2, stride_w, stride_qt,

@@ -39,7 +39,7 @@ def _kernel() -> Callable[..., None]:
     import triton
     import triton.language as tl
 
-    @triton.jit
+    @triton.jit(do_not_specialize=["slot_ptr"])  # a slot mapping sliced at an odd row: no second compile
     def rotary_store_kernel(
         q_ptr, k_ptr, v_ptr, cos_ptr, sin_ptr, k_cache_ptr, v_cache_ptr, slot_ptr,
         stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_ct, stride_slot,
@@ -86,4 +86,5 @@ def _kernel() -> Callable[..., None]:
             NUM_Q_HEADS=num_q_heads, HALF=half, BLOCK=triton.next_power_of_2(half),
         )  # fmt: skip
 
+    launch.jit = rotary_store_kernel  # type: ignore[attr-defined]  # what it compiles (tests read its flags)
     return launch
