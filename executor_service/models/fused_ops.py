@@ -274,7 +274,9 @@ def _kernels() -> dict[str, Callable[..., Any]]:
         if CHECK:  # NaN or +inf in the chunk
             tl.store(bad_ptr + row * chunks + chunk, tl.sum(((x != x) | (x == float("inf"))).to(tl.int32), 0))
 
-    @triton.jit
+    # `packed` puts the argmax right after a batch's finite flags: at an odd batch 8 bytes off alignment, which
+    # would compile the kernel again mid-run.
+    @triton.jit(do_not_specialize=["out_ptr", "finite_ptr"])
     def argmax_combine_kernel(
         max_ptr, idx_ptr, bad_ptr, out_ptr, finite_ptr, chunks, CHECK: tl.constexpr, BLOCK: tl.constexpr
     ):

@@ -1,4 +1,5 @@
-"""The fused QKV / RoPE / cache-write kernels compile nothing after load for the pointers a run hands them.
+"""The fused QKV / RoPE / cache-write kernels and the checked argmax compile nothing after load for the pointers a run
+hands them.
 
 Triton compiles a kernel again for each new specialisation of its arguments: an integer's being 1 or a multiple of
 16, a pointer's 16-byte alignment. The warm-up at load (runner/eager_warm_up.py) runs aligned slot mappings, but a
@@ -19,6 +20,7 @@ import pytest
 import torch
 from deferred_runs import run, session_for
 
+from executor_service.models import fused_ops
 from executor_service.models import model as model_module
 from executor_service.models.rotary_cache import _kernel as rotary_launcher
 from executor_service.runner.eager_warm_up import warm_up_models
@@ -116,3 +118,17 @@ def test_negative_control_a_specialised_slot_pointer_meets_new_ones() -> None:
     kernel, names = POINTERS["qkv_rope"]
     warmed = {key(kernel, inputs, names, honour_flags=False) for inputs in warm}
     assert {key(kernel, inputs, names, honour_flags=False) for inputs in ran} - warmed
+
+
+def test_the_argmax_combine_kernel_specialises_alike_at_every_batch() -> None:
+    """The checked argmax writes [finite | argmax] into one int64 buffer (fused_ops.triton_checked_argmax's
+    `packed`): at an odd batch the argmax half starts 8 bytes off alignment. Control: specialised, it would
+    compile once for odd batches and once for even ones."""
+    kernel = fused_ops._kernels()["argmax_combine"]
+    names = {"out_ptr": "out", "finite_ptr": "finite"}
+    outputs = []
+    for rows in (1, 2, 3, 4):
+        packed = torch.empty(2 * rows, dtype=torch.int64)
+        outputs.append({"finite": packed[:rows], "out": packed[rows:]})
+    assert len({key(kernel, inputs, names) for inputs in outputs}) == 1
+    assert len({key(kernel, inputs, names, honour_flags=False) for inputs in outputs}) == 2
