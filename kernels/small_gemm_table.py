@@ -60,7 +60,16 @@ def table_key(op: str, rows: int, n: int, k: int) -> str:
 
 
 def device_name(device: torch.device) -> str:
-    return torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
+    if device.type != "cuda":
+        return "cpu"
+    return _cuda_name(device.index if device.index is not None else torch.cuda.current_device())
+
+
+@functools.cache
+def _cuda_name(index: int) -> str:
+    """A GPU's name, asked of the driver once: every fused layer of an eager pass looks its tiles up by it (SmolLM2's
+    eager prefill asked 120 times a forward)."""
+    return torch.cuda.get_device_name(index)
 
 
 def dtype_name(dtype: torch.dtype) -> str:

@@ -9,7 +9,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from kernels.small_gemm_table import POLICY_ENV, GemmConfig, choose, merge_winners, trial_table
+from kernels import small_gemm_table
+from kernels.small_gemm_table import POLICY_ENV, GemmConfig, choose, device_name, merge_winners, trial_table
 
 
 def test_merge_replaces_only_the_shapes_the_run_timed(tmp_path: Path) -> None:
@@ -42,3 +43,21 @@ def test_a_trial_table_replaces_the_file_while_it_runs(monkeypatch: pytest.Monke
         assert choose("linear", 5, 64, 32, torch.float32, cpu) == config  # rows bucketed to 8
         assert choose("linear", 16, 64, 32, torch.float32, cpu) is None  # a key the trial lacks: unfused
     assert choose("linear", 8, 64, 32, torch.float32, cpu) is None
+
+
+def test_a_gpus_name_is_asked_of_the_driver_once(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Each fused layer of an eager pass looks its tiles up by the device's name: asked once per GPU, not per call."""
+    asked: list[int] = []
+
+    def name(index: int) -> str:
+        asked.append(index)
+        return f"GPU {index}"
+
+    monkeypatch.setattr(torch.cuda, "get_device_name", name)
+    small_gemm_table._cuda_name.cache_clear()
+    try:
+        names = [device_name(torch.device("cuda", i % 2)) for i in range(6)]
+        assert names == ["GPU 0", "GPU 1"] * 3 and asked == [0, 1]
+        assert device_name(torch.device("cpu")) == "cpu"
+    finally:
+        small_gemm_table._cuda_name.cache_clear()  # the real names, for the tests after this one
