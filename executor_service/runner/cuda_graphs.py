@@ -195,10 +195,12 @@ class StepGraphs:
         positions: torch.Tensor,
         **inputs: torch.Tensor,
     ) -> tuple[torch.Tensor, ...]:
-        """Outputs for the first `len(seq_lens)` requests (token-wise outputs: their rows only)."""
+        """Outputs for the first `len(seq_lens)` requests (token-wise outputs: their rows only). Token-wise inputs
+        cover the requests' rows; a lone request may bring fewer than `query_len` (prefill_graphs.py), the rows
+        after them padding that stores nothing."""
         count = seq_lens.shape[0]
         size = self._bucket(count)
-        tokens, padded = count * self.query_len, size * self.query_len
+        tokens, padded = slot_mapping.shape[0], size * self.query_len
         self.slot_mapping[:tokens].copy_(slot_mapping)
         self.slot_mapping[tokens:padded].fill_(-1)
         self.seq_lens[:count].copy_(seq_lens)
@@ -212,7 +214,7 @@ class StepGraphs:
         block table, positions and inputs are copied in. Padded requests' per-request inputs get their pad."""
         count = block_table.shape[0]
         size = self._bucket(count)
-        tokens, padded = count * self.query_len, size * self.query_len
+        tokens, padded = positions.shape[0], size * self.query_len
         for name, value in inputs.items():
             if name in self.request_inputs:
                 self.request_inputs[name][:count].copy_(value)

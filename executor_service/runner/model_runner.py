@@ -137,8 +137,8 @@ class ModelRunner:
     def capture_prefill_graphs(self, max_rows: int, max_model_len: int) -> None:
         """Graphs for a lone request's prompt of up to `max_rows` rows (prefill_graphs.py)."""
 
-        def forward(input_ids: torch.Tensor, positions: torch.Tensor, step: AttentionStep, row: torch.Tensor) -> tuple:
-            logits, features = self.forward(input_ids, positions, step, row)
+        def forward(step: AttentionStep, positions: torch.Tensor, x: dict[str, torch.Tensor]) -> tuple:
+            logits, features = self.forward(x["input_ids"], positions, step, x["last_row"])
             return (logits,) if features is None else (logits, features)
 
         graphs = PrefillGraphs(

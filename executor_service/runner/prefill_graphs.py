@@ -15,17 +15,12 @@ among (parallel/graphs.py); there prefill stays eager.
 
 from __future__ import annotations
 
-from collections.abc import Callable
-
 import torch
 
 from executor_service.models.attention_step import AttentionStep
-from executor_service.runner.cuda_graphs import StepGraphs
+from executor_service.runner.cuda_graphs import GraphForward, StepGraphs
 
 PREFILL_GRAPH_ROWS = (16, 32, 64, 128, 256, 512, 1024)
-
-# (input ids, positions, attention metadata, the logits' row) -> (logits, features?)
-PrefillForward = Callable[[torch.Tensor, torch.Tensor, AttentionStep, torch.Tensor], tuple[torch.Tensor, ...]]
 
 
 def prefill_buckets(max_rows: int) -> list[int]:
@@ -36,27 +31,22 @@ def prefill_buckets(max_rows: int) -> list[int]:
 class PrefillGraphs:
     def __init__(
         self,
-        forward: PrefillForward,
+        forward: GraphForward,
         backend: str,
         buckets: list[int],
         max_model_len: int,
         block_size: int,
         device: torch.device,
     ) -> None:
+        """`forward`: the target's pass over inputs "input_ids" (per row) and "last_row" (the row whose logits it
+        returns), as a StepGraphs forward."""
         self.max_model_len = max_model_len
         self.graphs: dict[int, StepGraphs] = {}
         for rows in buckets:
             self.graphs[rows] = StepGraphs(
-                f"target prefill ({rows} rows)", self._graph_forward(forward), backend, rows, 1, max_model_len,
-                block_size, device, {"input_ids": ((), torch.int64)}, {"last_row": ((), torch.int64, 0)},
+                f"target prefill ({rows} rows)", forward, backend, rows, 1, max_model_len, block_size, device,
+                {"input_ids": ((), torch.int64)}, {"last_row": ((), torch.int64, 0)},
             )  # fmt: skip
-
-    @staticmethod
-    def _graph_forward(forward: PrefillForward) -> Callable[..., tuple[torch.Tensor, ...]]:
-        def run(step: AttentionStep, positions: torch.Tensor, x: dict[str, torch.Tensor]) -> tuple[torch.Tensor, ...]:
-            return forward(x["input_ids"], positions, step, x["last_row"])
-
-        return run
 
     def capture(self) -> None:
         """Largest bucket first, every one into its pool: the smaller ones reuse its memory."""
@@ -78,14 +68,10 @@ class PrefillGraphs:
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """(logits of the last row [1, V], features of every real row or None) from bucket `rows` (`bucket`'s).
         Both are views of the graph's outputs: the next prefill replay overwrites them."""
-        graphs, count = self.graphs[rows], input_ids.shape[0]
-        graphs.inputs["input_ids"][:count].copy_(input_ids)
-        graphs.positions[:count].copy_(positions)  # the padding rows' keep earlier replays' (valid) positions
-        graphs.slot_mapping[:count].copy_(step.slot_mapping)
-        graphs.slot_mapping[count:].fill_(-1)
-        graphs.seq_lens.fill_(step.max_seq_len - count + rows)
-        graphs.request_inputs["last_row"].fill_(count - 1)
-        graphs.block_table[:, : step.block_table.shape[1]].copy_(step.block_table)
-        graphs.graphs[1].replay()
-        outputs = graphs.outputs[1]
+        count = input_ids.shape[0]
+        seq_lens = step.seq_lens + (rows - count)  # the padding rows counted: each real row keeps its own keys
+        last_row = step.query_start_loc[1:] - 1
+        outputs = self.graphs[rows].run(
+            step.block_table, seq_lens, step.slot_mapping, positions, input_ids=input_ids, last_row=last_row
+        )
         return outputs[0], outputs[1][:count] if len(outputs) > 1 else None
