@@ -3,7 +3,8 @@
 Target-only and each --e2e-methods drafter (specdec_bench.py's synthetic sessions) prefill one prompt of each
 --prompt-lens length, a step at a time (k0_overhead.py's timers): the step's wall time, the target's pass and
 the drafter's, medians over --repeats; through the prefill graphs (runner/prefill_graphs.py) where the session
-captured them, and eagerly, one after the other in the same run. Then one prefill step per configuration under
+captured them (the target's and the drafter's context pass: "graphs"; the target's alone: "target graphs"), and
+eagerly, one after the other in the same run. Then one prefill step per configuration under
 torch.profiler: how many kernels it launched, their summed device time, and the host ops that took the most
 time, so a step bound by launches (the eager forward's Python and dispatch) tells itself from one bound by its
 kernels.
@@ -65,6 +66,14 @@ def profiled_prefill(session: ModelSession, prompt: list[int]) -> dict[str, Any]
     }
 
 
+def modes(target: bool, drafter: bool) -> list[tuple[str, bool, bool]]:
+    """(name, target's prefill graphs on, drafter's context-pass graphs on) of each way a session is timed:
+    "graphs" both, "target graphs" the drafter's context pass eager, "eager" neither."""
+    found = [("graphs", target, drafter)] if target or drafter else []
+    found += [("target graphs", True, False)] if target and drafter else []
+    return [*found, ("eager", False, False)]
+
+
 def main() -> int:
     args = parse_args(__doc__)
     preset = PRESETS[args.preset]
@@ -78,14 +87,18 @@ def main() -> int:
         prompt = make_prompts(1, length, preset["vocab"] - 1, seed=length)[0]
         entry: dict[str, Any] = {}
         for name, session in chosen.items():
-            runner = session.engine.runner
-            graphs = runner.prefill_graphs
-            for mode in ("graphs", "eager") if graphs is not None else ("eager",):
-                runner.prefill_graphs = graphs if mode == "graphs" else None
+            runner, proposer = session.engine.runner, session.proposer
+            graphs, draft_graphs = runner.prefill_graphs, proposer.prefill_graphs if proposer else None
+            for mode, target_on, drafter_on in modes(graphs is not None, draft_graphs is not None):
+                runner.prefill_graphs = graphs if target_on else None
+                if proposer is not None:
+                    proposer.prefill_graphs = draft_graphs if drafter_on else None
                 run_steps(session, [prompt], 2)  # untimed: first use of this length
                 entry[f"{name} {mode}"] = {"median_ms": timed_prefills(session, prompt, args.repeats)}
                 entry[f"{name} {mode}"]["profile"] = profiled_prefill(session, prompt)
             runner.prefill_graphs = graphs
+            if proposer is not None:
+                proposer.prefill_graphs = draft_graphs
         report[f"prompt_{length}"] = entry
         log(f"prompt {length}: " + ", ".join(f"{n} {e['median_ms']}" for n, e in entry.items()))
     for session in sessions.values():

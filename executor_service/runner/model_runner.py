@@ -106,8 +106,12 @@ class ModelRunner:
         if rows is not None:
             assert self.prefill_graphs is not None
             self.step_counts["prefill graph"] += 1
-            logits, features = self.prefill_graphs.run(rows, inputs.input_ids, inputs.positions, step)
-            return StepOutput(logits[: len(inputs.sampled)], features)
+            last_row = step.query_start_loc[1:] - 1  # the logits of the prompt's last row
+            outputs = self.prefill_graphs.run(
+                rows, inputs.positions, step, input_ids=inputs.input_ids, last_row=last_row
+            )
+            features = outputs[1][: inputs.input_ids.shape[0]] if len(outputs) > 1 else None
+            return StepOutput(outputs[0][: len(inputs.sampled)], features)
         self.step_counts["eager"] += 1
         logits, features = self.forward(inputs.input_ids, inputs.positions, step, inputs.logits_indices)
         return StepOutput(logits, features)
@@ -142,8 +146,9 @@ class ModelRunner:
             return (logits,) if features is None else (logits, features)
 
         graphs = PrefillGraphs(
-            forward, self.backend, prefill_buckets(max_rows), max_model_len, self.block_size, self.device
-        )
+            "target prefill", forward, self.backend, prefill_buckets(max_rows), max_model_len, self.block_size,
+            self.device, {"input_ids": ((), torch.int64)}, {"last_row": ((), torch.int64, 0)},
+        )  # fmt: skip
         graphs.capture()
         self.prefill_graphs = graphs
 

@@ -1,4 +1,6 @@
-"""CUDA graphs for a lone request's prefill: its prompt (or a chunk of it) padded up to a bucket of rows.
+"""CUDA graphs for a lone request's rows: its prompt (or a chunk of it) padded up to a bucket of rows, through the
+target (`ModelRunner.capture_prefill_graphs`) and then the drafter's context pass (`Proposer.capture_prefill_graphs`:
+the prompt's rows, or a request's held rows flushed after steps without drafting).
 
 At batch 1 a prefill step's time is the caller's time to first token, and an eager forward of a small model is
 mostly Python and kernel launches: SmolLM2-135M's took ~16 ms on an H200 whatever the prompt's length, of which
@@ -7,10 +9,11 @@ its kernels ran 1.8 ms (bench/prefill_profile.py). One graph per bucket of rows 
 A step of n rows replays bucket R >= n: rows n..R-1 are padding. They write no cache slot (slot -1), and the
 request's sequence length is given as start + R, so each real row still sees exactly the keys up to its own
 place (the kernels' causal rule counts a row's keys from the sequence's end); the padding rows read whatever
-the blocks past the prompt hold, and their outputs are dropped. Logits come for the last real row only (the
-one a prefill samples from). Every graph shares one memory pool (one replays at a time) and its own static
-inputs. Not under tensor parallelism: the other ranks replay rank 0's inputs, which these graphs' row index is not
-among (parallel/graphs.py); there prefill stays eager.
+the blocks past the prompt hold, and their outputs are dropped (the target's logits come for the last real row
+only: the one a prefill samples from). A model's graphs share one memory pool (one replays at a time), the target's
+and the drafter's each their own (the drafter reads the target's outputs). The target's are not captured under
+tensor parallelism: the other ranks replay rank 0's inputs, which its row index is not among (parallel/graphs.py);
+there its prefill stays eager (the drafter runs on rank 0 alone, so its graphs are).
 """
 
 from __future__ import annotations
@@ -18,7 +21,7 @@ from __future__ import annotations
 import torch
 
 from executor_service.models.attention_step import AttentionStep
-from executor_service.runner.cuda_graphs import GraphForward, StepGraphs
+from executor_service.runner.cuda_graphs import GraphForward, RequestInputs, StepGraphs, TokenInputs
 
 PREFILL_GRAPH_ROWS = (16, 32, 64, 128, 256, 512, 1024)
 
@@ -31,21 +34,23 @@ def prefill_buckets(max_rows: int) -> list[int]:
 class PrefillGraphs:
     def __init__(
         self,
+        name: str,
         forward: GraphForward,
         backend: str,
         buckets: list[int],
         max_model_len: int,
         block_size: int,
         device: torch.device,
+        token_inputs: TokenInputs,
+        request_inputs: RequestInputs | None = None,
     ) -> None:
-        """`forward`: the target's pass over inputs "input_ids" (per row) and "last_row" (the row whose logits it
-        returns), as a StepGraphs forward."""
+        """`forward`: a StepGraphs forward over `token_inputs` (per row) and `request_inputs` (the one request's)."""
         self.max_model_len = max_model_len
         self.graphs: dict[int, StepGraphs] = {}
         for rows in buckets:
             self.graphs[rows] = StepGraphs(
-                f"target prefill ({rows} rows)", forward, backend, rows, 1, max_model_len, block_size, device,
-                {"input_ids": ((), torch.int64)}, {"last_row": ((), torch.int64, 0)},
+                f"{name} ({rows} rows)", forward, backend, rows, 1, max_model_len, block_size, device,
+                token_inputs, request_inputs,
             )  # fmt: skip
 
     def capture(self) -> None:
@@ -64,14 +69,10 @@ class PrefillGraphs:
         return next((r for r in sorted(self.graphs) if r >= num_rows and start + r <= self.max_model_len), None)
 
     def run(
-        self, rows: int, input_ids: torch.Tensor, positions: torch.Tensor, step: AttentionStep
-    ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """(logits of the last row [1, V], features of every real row or None) from bucket `rows` (`bucket`'s).
-        Both are views of the graph's outputs: the next prefill replay overwrites them."""
-        count = input_ids.shape[0]
-        seq_lens = step.seq_lens + (rows - count)  # the padding rows counted: each real row keeps its own keys
-        last_row = step.query_start_loc[1:] - 1
-        outputs = self.graphs[rows].run(
-            step.block_table, seq_lens, step.slot_mapping, positions, input_ids=input_ids, last_row=last_row
-        )
-        return outputs[0], outputs[1][:count] if len(outputs) > 1 else None
+        self, rows: int, positions: torch.Tensor, step: AttentionStep, **inputs: torch.Tensor
+    ) -> tuple[torch.Tensor, ...]:
+        """The outputs of bucket `rows` (`bucket`'s) over the step's rows (`positions` and `inputs`): views of the
+        graph's outputs, per-row ones padded to `rows` (the caller keeps the real ones); the next replay overwrites
+        them."""
+        seq_lens = step.seq_lens + (rows - positions.shape[0])  # padding rows counted: each real row keeps its keys
+        return self.graphs[rows].run(step.block_table, seq_lens, step.slot_mapping, positions, **inputs)

@@ -105,6 +105,8 @@ def estimate_memory(
     if device.type == "cuda":  # the decode sampler's graphs and their penalty table, captured at load
         activations += max_num_seqs * target.vocab_size * 4 * SAMPLER_ROW_COPIES
         activations += prefill_graph_bytes(target, draft, max_num_batched_tokens, element)
+        if draft is not None:
+            activations += draft_prefill_graph_bytes(target, draft, max_num_batched_tokens, element)
         activations += penalty_table_bytes(DEFAULT_PENALTY_SLOTS, target.vocab_size) + CUDA_MARGIN_BYTES
     else:
         activations += CPU_MARGIN_BYTES
@@ -116,7 +118,7 @@ def prefill_graph_bytes(
 ) -> int:
     """The lone-prefill graphs' pool, kept (runner/prefill_graphs.py): a layer's transients at the largest bucket's
     rows, the drafter's features of those rows, the last row's logits, every bucket's static per-row inputs; in the
-    caching allocator's segments (tensors of 1-10 MiB are cut from 20 MiB ones, smaller ones from 2 MiB ones)."""
+    caching allocator's segments (`_in_segments`)."""
     buckets = prefill_buckets(max_num_batched_tokens)
     if not buckets:
         return 0
@@ -124,7 +126,28 @@ def prefill_graph_bytes(
     features = (len(draft.target_layer_ids) or 1) * target.hidden_size * element if draft is not None else 0
     static = sum(buckets) * 3 * 8  # input ids, positions, slots: int64
     tensors = _step_bytes(target, rows, element) + rows * features + target.vocab_size * 4 * LOGITS_COPIES + static
-    return -(-tensors // LARGE_SEGMENT_BYTES) * LARGE_SEGMENT_BYTES + SMALL_SEGMENT_BYTES
+    return _in_segments(tensors)
+
+
+def draft_prefill_graph_bytes(
+    target: ModelConfig, draft: DraftConfig, max_num_batched_tokens: int, element: int
+) -> int:
+    """The drafter's lone-request context-pass graphs' pool, kept (Proposer.capture_prefill_graphs): its layer's
+    transients at the largest bucket's rows and its two outputs a row (EAGLE's feedback and head), every bucket's
+    static per-row inputs (the target's features, ids, positions, slots), in the allocator's segments."""
+    buckets = prefill_buckets(max_num_batched_tokens)
+    if not buckets:
+        return 0
+    rows, hidden = buckets[-1], draft.model.hidden_size
+    features = (len(draft.target_layer_ids) or 1) * target.hidden_size * element
+    static = sum(buckets) * (3 * 8 + features)
+    return _in_segments(_step_bytes(draft.model, rows, element) + 2 * rows * hidden * element + static)
+
+
+def _in_segments(num_bytes: int) -> int:
+    """What the caching allocator reserves for a graph pool of `num_bytes` of tensors: tensors of 1-10 MiB are cut
+    from 20 MiB segments, smaller ones from 2 MiB ones (one of those at least)."""
+    return -(-num_bytes // LARGE_SEGMENT_BYTES) * LARGE_SEGMENT_BYTES + SMALL_SEGMENT_BYTES
 
 
 def penalty_table_bytes(slots: int, vocab: int) -> int:

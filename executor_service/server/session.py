@@ -425,7 +425,8 @@ def headroom_by_draft_tokens(draft: DraftConfig) -> tuple[int, ...]:
 
 
 def capture_graphs(session: ModelSession, settings: EngineSettings, max_model_len: int) -> None:
-    """Target decode, verify and lone-prefill graphs, and the drafter's, where each one's backend can be captured.
+    """Target decode, verify and lone-prefill graphs, and the drafter's (its chain or block, its context pass's
+    one-row and lone-request graphs), where each one's backend can be captured.
     Under tensor parallelism the target's decode and verify graphs are captured on every rank, and replayed in
     lockstep (parallel/graphs.py); the drafter's on rank 0 alone (it involves no other rank)."""
     runner, proposer = session.engine.runner, session.proposer
@@ -441,6 +442,7 @@ def capture_graphs(session: ModelSession, settings: EngineSettings, max_model_le
             runner.capture_prefill_graphs(settings.max_num_batched_tokens, max_model_len)
     if proposer is not None and proposer.backend in GRAPH_BACKENDS:
         proposer.capture_graphs(spec_batch, settings.max_num_seqs)
+        proposer.capture_prefill_graphs(settings.max_num_batched_tokens)  # on rank 0, as the drafter's other graphs
     spec_step = session.engine.spec_step
     if spec_step is not None and {session.decision.backend, spec_step.proposer.backend} <= GRAPH_BACKENDS:
         spec_step.capture_graphs(spec_batch, max_model_len)

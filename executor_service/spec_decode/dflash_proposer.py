@@ -36,6 +36,8 @@ from executor_service.spec_decode.verifier import Verdict
 class DFlashProposer(Proposer):
     """DFlash drafters (draft_models.DFlashDrafter), chains and trees."""
 
+    CONTEXT_PASS = "dflash_context"
+
     @property
     def scratch_width(self) -> int:
         """The block pass writes the whole block, from the position after the newest verified token."""

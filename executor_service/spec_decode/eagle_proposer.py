@@ -39,6 +39,8 @@ from kernels.tree_mask import TREE_WINDOW, to_int64
 class EagleProposer(Proposer):
     """EAGLE-1 and EAGLE-3 drafters (draft_models.py), chains and trees."""
 
+    CONTEXT_PASS = "eagle_context"
+
     @property
     def scratch_width(self) -> int:
         """Keys a tree proposal's drafter passes write past the newest verified token: one per expanded node."""

@@ -44,6 +44,7 @@ from executor_service.models.attention_step import (
 from executor_service.models.draft_models import Drafter
 from executor_service.models.fused_ops import argmax
 from executor_service.runner.cuda_graphs import RequestInputs, StepGraphs, TokenInputs
+from executor_service.runner.prefill_graphs import PrefillGraphs, prefill_buckets
 from executor_service.runner.step_constants import StepConstants
 from executor_service.sample.sampling import DraftProbs, to_host
 from executor_service.spec_decode.draft_penalties import DraftPenalties
@@ -105,6 +106,8 @@ class Proposer:
     """What every drafting method shares; a method supplies its passes (`_passes`), its chain (`_draft_chain`,
     `_propose_verified_chain`), its tree (`context_pass_rows`, `draft_tree`, `scratch_width`)."""
 
+    CONTEXT_PASS = ""  # the name of the method's context pass among its passes
+
     def __init__(
         self, drafter: Drafter, kv_cache: KVCache, backend: str, max_model_len: int, device: torch.device
     ) -> None:
@@ -130,6 +133,7 @@ class Proposer:
         self.draft_support = DRAFT_SUPPORT  # ids each drawn draft's q keeps (draft_sampling.py)
         self.pass_counts: Counter[str] = Counter()  # "<pass> graph" / "<pass> eager" (benchmarks read it)
         self.graphs: dict[str, StepGraphs] = {}  # by pass name; see capture_graphs
+        self.prefill_graphs: PrefillGraphs | None = None  # a lone request's context pass (capture_prefill_graphs)
         self.passes = self._passes()
 
     @property
@@ -433,13 +437,21 @@ class Proposer:
         self, name: str, uniform: bool, step: AttentionStep, positions: torch.Tensor, **inputs: torch.Tensor
     ) -> tuple[torch.Tensor, ...]:
         """A pass over host-built metadata; replayed when the batch is uniform and fits a graph. A batch of one
-        row per request (steps without drafts: adaptive speculation's k = 0) replays the pass's one-row graphs."""
+        row per request (steps without drafts: adaptive speculation's k = 0) replays the pass's one-row graphs;
+        a lone request's rows (a prompt, held rows flushed) the context pass's prefill graphs."""
         if not uniform and step.max_query_len == 1 and f"{name} row" in self.graphs:
             name, uniform = f"{name} row", True
         graphs = self.graphs.get(name)
         if graphs is not None and uniform and step.seq_lens.shape[0] <= graphs.max_batch:
             self.pass_counts[f"{name} graph"] += 1
             return graphs.run(step.block_table, step.seq_lens, step.slot_mapping, positions, **inputs)
+        count = positions.shape[0]
+        rows = self.prefill_graphs.bucket(step, count) if self.prefill_graphs and name == self.CONTEXT_PASS else None
+        if rows is not None:
+            assert self.prefill_graphs is not None
+            self.pass_counts[f"{name} prefill graph"] += 1
+            outputs = self.prefill_graphs.run(rows, positions, step, **inputs)
+            return tuple(output[:count] for output in outputs)  # a context pass's outputs are per row
         self.pass_counts[f"{name} eager"] += 1
         return self.passes[name].forward(step, positions, inputs)
 
@@ -475,6 +487,17 @@ class Proposer:
             )  # fmt: skip
             graphs.capture()
             self.graphs[name] = graphs
+
+    def capture_prefill_graphs(self, max_rows: int) -> None:
+        """Graphs for a lone request's context pass of up to `max_rows` rows (runner/prefill_graphs.py): after
+        its prompt's prefill (or chunk), and when its held rows are flushed (deferred_context.py)."""
+        draft_pass = self.passes[self.CONTEXT_PASS]
+        graphs = PrefillGraphs(
+            f"drafter {self.CONTEXT_PASS}", draft_pass.forward, self.backend, prefill_buckets(max_rows),
+            self.max_model_len, self.block_size, self.device, draft_pass.inputs,
+        )  # fmt: skip
+        graphs.capture()
+        self.prefill_graphs = graphs
 
 
 def _reads_block_table(forward: OwnMetadataForward) -> PassForward:

@@ -1,0 +1,73 @@
+"""The drafter's lone-request context-pass graphs (Proposer.capture_prefill_graphs, runner/prefill_graphs.py) on the
+CPU's stand-in graphs, which replay from the same static buffers and padding as CUDA graphs do: every context pass
+that goes through a bucket (a prompt's, a prompt chunk's, a held context's flush) gives the eager pass's outputs on
+the same inputs and writes the drafter's cache exactly as it does, padding rows nowhere; generations through them
+are the target's own tokens."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from drafter_prefill_cases import checked_session, generate
+from engine_driving import Collector
+from executor_builders import greedy
+from greedy_reference import greedy_reference
+from spec_builders import Scripted, spec_session
+
+from executor_service.models.attention_step import AttentionStep
+from executor_service.runner.prefill_graphs import PrefillGraphs
+from executor_service.spec_decode.proposer import Proposer
+
+
+@pytest.mark.parametrize("method", ["eagle3", "dflash"])
+@pytest.mark.parametrize(("length", "bucket"), [(5, 16), (16, 16), (17, 32), (40, 64), (64, 64)])
+def test_a_lone_prompts_context_pass_through_its_bucket_is_the_eager_one(method: str, length: int, bucket: int) -> None:
+    session, buckets = checked_session(method)
+    prompt = [(7 * i + 3) % 200 for i in range(length)]
+    assert generate(session, prompt, 6) == greedy_reference(session.loaded.model, prompt, 6)
+    assert buckets and buckets[0] == bucket, buckets
+
+
+@pytest.mark.parametrize("method", ["eagle3", "dflash"])
+def test_chunks_and_flushed_held_rows_go_through_the_buckets(method: str) -> None:
+    """A 70-token prompt in chunks of at most 32 rows (the later ones over the cached ones), then steps without
+    drafting whose held rows flush at the switch back to drafting (deferred_context.py), and the host path's
+    verify steps: every context pass of the lone request goes through a bucket, checked."""
+    session, buckets = checked_session(method, max_rows=32)
+    session.engine.speculation = Scripted([0, 0, 0, 3, 0, 3], [0, 3])
+    prompt = [(11 * i + 5) % 200 for i in range(70)]
+    assert generate(session, prompt, 16) == greedy_reference(session.loaded.model, prompt, 16)
+    counts = session.proposer.pass_counts if session.proposer is not None else {}
+    name = f"{method.removesuffix('3')}_context"
+    assert buckets[:3] == [32, 32, 16] and len(buckets) >= 5, buckets  # the chunks, then flushes and verify steps
+    assert counts[f"{name} prefill graph"] == len(buckets) and counts[f"{name} eager"] == 0, counts
+
+
+def test_the_check_sees_padding_rows_that_hide_a_real_rows_keys(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Control: a replay whose sequence length leaves the padding rows out (each real row then sees keys past its
+    own place, or fewer) fails the comparison with the eager pass."""
+
+    def uncounted(self: PrefillGraphs, rows: int, positions: torch.Tensor, step: AttentionStep, **inputs):
+        return self.graphs[rows].run(step.block_table, step.seq_lens, step.slot_mapping, positions, **inputs)
+
+    monkeypatch.setattr(PrefillGraphs, "run", uncounted)
+    session, _ = checked_session("eagle3")
+    with pytest.raises(AssertionError, match="not close"):
+        generate(session, list(range(3, 12)), 4)
+
+
+def test_only_the_context_pass_of_one_request_takes_a_bucket() -> None:
+    session = spec_session("eagle3", 3)
+    proposer = session.proposer
+    assert isinstance(proposer, Proposer) and proposer.prefill_graphs is None  # CPU_ATTN: nothing captured at load
+    proposer.capture_prefill_graphs(64)
+    assert proposer.prefill_graphs is not None and sorted(proposer.prefill_graphs.graphs) == [16, 32, 64]
+    batch = {f"r{i}": [(5 * i + j) % 200 for j in range(9)] for i in range(3)}
+    sink = Collector()
+    for rid, prompt in batch.items():
+        session.engine.add(session.new_request(rid, prompt, greedy(), 4, sink))
+    session.engine.run_until_idle()
+    counts = proposer.pass_counts
+    assert counts["eagle_context prefill graph"] == 0 and counts["eagle_context eager"] > 0, counts
+    for rid, prompt in batch.items():
+        assert sink.tokens(rid) == greedy_reference(session.loaded.model, prompt, 4), rid

@@ -1,0 +1,71 @@
+"""The drafter's lone-request context-pass graphs on CUDA (Proposer.capture_prefill_graphs, captured at load): every
+context pass that replays a bucket gives the eager pass's outputs and cache writes (fp32 tightly, bf16 within
+rounding), generations through them equal the target's own greedy tokens (fp32), and the memory estimate covers
+the pool that the shipped drafters' shapes keep."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from drafter_prefill_cases import checked_session, generate
+from greedy_reference import greedy_reference
+
+from executor_service.engine.kv_cache import KVCache
+from executor_service.models.config import ModelConfig
+from executor_service.models.loader import build_synthetic
+from executor_service.server import memory
+from executor_service.server.drafting import build_drafter, resolve_draft
+from executor_service.server.session import proposer_class
+from kernels import unavailable_reason
+from specdec.v1 import common_pb2, executor_pb2
+
+pytestmark = pytest.mark.gpu
+if not torch.cuda.is_available():
+    pytest.skip("needs a CUDA GPU", allow_module_level=True)
+if unavailable_reason("TRITON_ATTN", torch.device("cuda")) is not None:
+    pytest.skip("TRITON_ATTN is unavailable here", allow_module_level=True)
+
+CUDA = torch.device("cuda")
+DRAFTERS = Path(__file__).resolve().parents[3] / "drafters"
+
+
+@pytest.mark.parametrize("method", ["eagle3", "dflash"])
+@pytest.mark.parametrize(("dtype", "atol"), [(common_pb2.DTYPE_FLOAT32, 1e-4), (common_pb2.DTYPE_BFLOAT16, 0.1)])
+def test_lone_context_passes_through_their_buckets_are_the_eager_ones(method: str, dtype: int, atol: float) -> None:
+    session, buckets = checked_session(method, max_rows=256, device="cuda", dtype=dtype, atol=atol)
+    for length in (3, 50, 200):
+        prompt = [(7 * i + 3) % 500 for i in range(length)]
+        tokens = generate(session, prompt, 8)
+        if dtype == common_pb2.DTYPE_FLOAT32:
+            assert tokens == greedy_reference(session.loaded.model, prompt, 8), length
+    assert buckets[:1] == [16] and 64 in buckets and 256 in buckets, buckets
+
+
+@pytest.mark.parametrize("method", ["eagle3", "dflash"])
+def test_the_memory_estimate_covers_the_drafters_prefill_graphs_pool(method: str) -> None:
+    """The shipped SmolLM2 drafter's shape in bf16 over a SmolLM2-shaped target: what capturing its context pass's
+    buckets up to 1,024 rows keeps reserved is within what estimate_memory counts for them."""
+    target_config = ModelConfig(
+        architecture="llama", vocab_size=49152, hidden_size=576, intermediate_size=1536, num_layers=30,
+        num_heads=9, num_kv_heads=3, head_size=64, max_position_embeddings=2048, rope_theta=10000.0,
+    )  # fmt: skip
+    method_enum = common_pb2.SPEC_METHOD_EAGLE3 if method == "eagle3" else common_pb2.SPEC_METHOD_DFLASH
+    draft = executor_pb2.DraftModel(method=method_enum, num_speculative_tokens=3)
+    draft.source.path = f"smollm2-{method}"
+    source = resolve_draft(draft, target_config, DRAFTERS)
+    target = build_synthetic(target_config, 0, torch.bfloat16, CUDA)
+    drafter = build_drafter(source, target.model, torch.bfloat16, CUDA)
+    cache = KVCache(source.config.model, 64, 16, torch.bfloat16, CUDA)
+    proposer = proposer_class(source.config)(drafter, cache, "TRITON_ATTN", 2048, CUDA)
+    torch.cuda.synchronize()
+    torch.cuda.empty_cache()
+    before = torch.cuda.memory_reserved(CUDA)
+    proposer.capture_prefill_graphs(1024)
+    torch.cuda.synchronize()
+    torch.cuda.empty_cache()
+    kept = torch.cuda.memory_reserved(CUDA) - before
+    estimate = memory.draft_prefill_graph_bytes(target_config, source.config, 1024, 2)
+    print(f"{method} drafter prefill graphs kept {kept / 2**20:.1f} MiB, estimated {estimate / 2**20:.1f} MiB")
+    assert 0 < kept <= estimate
