@@ -5,6 +5,7 @@ split-key attention path, captured for the model's whole length (2,048 positions
 
 from __future__ import annotations
 
+import gc
 from types import SimpleNamespace
 
 import pytest
@@ -65,6 +66,7 @@ def test_the_memory_estimate_covers_the_prefill_graphs_pool() -> None:
     loaded = build_synthetic(config, 0, torch.bfloat16, CUDA)
     cache = KVCache(config, 64, 16, torch.bfloat16, CUDA)
     runner = ModelRunner(loaded.model, cache, backend, CUDA, feature_layers=(0, config.num_layers - 1))
+    gc.collect()  # earlier tests' graphs freed now, not by the capture's own collection (their pools would count)
     torch.cuda.synchronize()
     torch.cuda.empty_cache()
     before = torch.cuda.memory_reserved(CUDA)

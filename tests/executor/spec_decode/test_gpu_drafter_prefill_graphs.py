@@ -5,6 +5,7 @@ the pool that the shipped drafters' shapes keep."""
 
 from __future__ import annotations
 
+import gc
 from pathlib import Path
 
 import pytest
@@ -59,6 +60,7 @@ def test_the_memory_estimate_covers_the_drafters_prefill_graphs_pool(method: str
     drafter = build_drafter(source, target.model, torch.bfloat16, CUDA)
     cache = KVCache(source.config.model, 64, 16, torch.bfloat16, CUDA)
     proposer = proposer_class(source.config)(drafter, cache, "TRITON_ATTN", 2048, CUDA)
+    gc.collect()  # earlier tests' graphs freed now, not by the capture's own collection (their pools would count)
     torch.cuda.synchronize()
     torch.cuda.empty_cache()
     before = torch.cuda.memory_reserved(CUDA)
