@@ -43,9 +43,12 @@ ACTIVATION_WIDTHS = 8  # hidden-sized tensors alive at once in a layer (residual
 # (MAX_LOGIT_BIAS int64 ids and float32 values).
 PENALTY_TABLE_BYTES_PER_ENTRY = 1 + 4
 LOGIT_BIAS_BYTES_PER_SLOT = MAX_LOGIT_BIAS * (8 + 4)
-# The CUDA caching allocator's segments, which a graph's pool keeps whole.
+# The CUDA caching allocator's segments, which a graph's pool keeps whole (empty ones too: the graph replays into
+# them). A prefill-graph pool of SmolLM2's shape kept 3 small segments, and its static inputs one more outside it
+# (H200, torch.cuda.memory_snapshot); one more for margin.
 LARGE_SEGMENT_BYTES = 20 << 20
 SMALL_SEGMENT_BYTES = 2 << 20
+POOL_SMALL_SEGMENTS = 5
 
 
 @dataclass(frozen=True)
@@ -145,9 +148,9 @@ def draft_prefill_graph_bytes(
 
 
 def _in_segments(num_bytes: int) -> int:
-    """What the caching allocator reserves for a graph pool of `num_bytes` of tensors: tensors of 1-10 MiB are cut
-    from 20 MiB segments, smaller ones from 2 MiB ones (one of those at least)."""
-    return -(-num_bytes // LARGE_SEGMENT_BYTES) * LARGE_SEGMENT_BYTES + SMALL_SEGMENT_BYTES
+    """What the caching allocator reserves for a graph pool of `num_bytes` of tensors and its static inputs:
+    tensors of 1-10 MiB are cut from 20 MiB segments, smaller ones from 2 MiB ones."""
+    return -(-num_bytes // LARGE_SEGMENT_BYTES) * LARGE_SEGMENT_BYTES + POOL_SMALL_SEGMENTS * SMALL_SEGMENT_BYTES
 
 
 def penalty_table_bytes(slots: int, vocab: int) -> int:

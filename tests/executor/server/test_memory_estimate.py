@@ -64,6 +64,19 @@ def test_the_estimate_counts_the_held_drafter_context(monkeypatch: pytest.Monkey
     assert with_buffer - activations() == store._buffer.nbytes == 40 * DEFER_MAX * width * 4
 
 
+def test_on_cuda_the_estimate_counts_the_drafters_prefill_graphs(monkeypatch: pytest.MonkeyPatch) -> None:
+    """With a drafter, a CUDA load's estimate adds its context pass's prefill-graph pool to the target's."""
+    target, draft, _ = eagle3_estimate()
+    cuda = torch.device("cuda")
+
+    def activations() -> int:
+        return estimate_memory(target, draft, torch.float32, 64, 16, 64, 40, cuda).activations
+
+    with_drafters, pool = activations(), memory.draft_prefill_graph_bytes(target, draft, 64, 4)
+    monkeypatch.setattr(memory, "draft_prefill_graph_bytes", lambda *args: 0)
+    assert with_drafters - activations() == pool >= memory.LARGE_SEGMENT_BYTES
+
+
 def test_on_cuda_the_estimate_counts_the_sampler_graphs_static_inputs() -> None:
     """The decode sampler's graphs are captured at load on CUDA: the estimate counts SAMPLER_ROW_COPIES fp32 rows of
     logits a running request there (not on the CPU, which has no graphs), at least the static inputs they keep, and
@@ -85,7 +98,8 @@ def test_on_cuda_the_estimate_counts_the_sampler_graphs_static_inputs() -> None:
     assert memory.penalty_table_bytes(DEFAULT_PENALTY_SLOTS, 512) == table_bytes
     prefill = memory.prefill_graph_bytes(config, None, 64, 4)  # 64 rows: buckets 16, 32, 64
     tensors = memory._step_bytes(config, 64, 4) + 512 * 4 * memory.LOGITS_COPIES + (16 + 32 + 64) * 24
-    assert tensors < memory.LARGE_SEGMENT_BYTES and prefill == memory.LARGE_SEGMENT_BYTES + memory.SMALL_SEGMENT_BYTES
+    small = memory.POOL_SMALL_SEGMENTS * memory.SMALL_SEGMENT_BYTES
+    assert tensors < memory.LARGE_SEGMENT_BYTES and prefill == memory.LARGE_SEGMENT_BYTES + small
     sampler = activations("cuda") - activations("cpu") - margins - table_bytes - prefill
     assert sampler == 40 * 512 * 4 * memory.SAMPLER_ROW_COPIES
     graphs = SamplerGraphs(max_batch=40)
