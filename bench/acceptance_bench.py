@@ -252,7 +252,7 @@ def measure_speedup(
                     if round_index:
                         rounds[run].append((tokens / seconds, finishes))
             key = f"batch_{batch}" + ("_mixed" if mix is MIXED else "" if mix[0].greedy else f"_T{temperature}")
-            report[key] = speedup_report(rounds, args.repeats)
+            report[key] = speedup_report(rounds, args.repeats, batched=batch > 1)
             report[key]["device_step_counts"] = {  # so far: graph / eager replays of each session's step
                 name: dict(step.counts) for name, session in sessions.items() if (step := device_step_of(session))
             }
@@ -386,17 +386,44 @@ def batch_groups(prompts: list[list[int]], batch: int) -> list[list[list[int]]]:
 def generate_groups(
     session: ModelSession, groups: list[list[list[int]]], max_tokens: int, mix: list[SamplingSettings],
     ignore_eos: bool = False,
-) -> tuple[list[Finish], float, int]:  # fmt: skip
+) -> tuple[list[tuple[str, Finish]], float, int]:  # fmt: skip
+    """Each request's kind in the mix (`kind_label`) and finish, the seconds and the tokens of the groups."""
     finishes, seconds, tokens = [], 0.0, 0
     for group in groups:
         group_finishes, group_seconds, group_tokens = generate(session, group, mix, max_tokens, True, False, ignore_eos)
-        finishes += group_finishes
+        finishes += [(kind_label(mix[i % len(mix)]), f) for i, f in enumerate(group_finishes)]  # generate's order
         seconds += group_seconds
         tokens += group_tokens
     return finishes, seconds, tokens
 
 
-def speedup_report(rounds: dict[str, list[tuple[float, Any]]], repeats: int) -> dict[str, Any]:
+def kind_label(settings: SamplingSettings) -> str:
+    """A mix kind's name: greedy, T0.7 top_p0.9, rep1.2, logprobs5, ..."""
+    parts = [] if settings.greedy else [f"T{settings.temperature:g}"]
+    parts += [f"top_p{settings.top_p:g}"] if settings.top_p < 1.0 else []
+    parts += [f"top_k{settings.top_k}"] if settings.top_k else []
+    parts += [f"rep{settings.repetition_penalty:g}"] if settings.repetition_penalty != 1.0 else []
+    parts += [f"logprobs{settings.logprobs}"] if settings.logprobs else []
+    return " ".join(parts) or "greedy"
+
+
+def kinds_report(runs: list[tuple[float, list[tuple[str, Finish]]]]) -> dict[str, dict[str, Any]]:
+    """Per kind of the mix, over every timed round: its requests' mean acceptance length, and the verify steps of
+    its slowest request in a round (median over rounds; a batch runs until its slowest request ends, so a kind that
+    accepts little sets the round's length for every kind)."""
+    kinds = sorted({kind for _, finishes in runs for kind, _ in finishes})
+    found = {}
+    for kind in kinds:
+        pooled = [f for _, finishes in runs for k, f in finishes if k == kind]
+        slowest = sorted(max(f.verify_steps for k, f in finishes if k == kind) for _, finishes in runs)
+        found[kind] = {
+            "mean_acceptance_length": acceptance(pooled)["mean_acceptance_length"],
+            "slowest_request_verify_steps": slowest[len(slowest) // 2],
+        }
+    return found
+
+
+def speedup_report(rounds: dict[str, list[tuple[float, Any]]], repeats: int, batched: bool = False) -> dict[str, Any]:
     baseline = [rate for rate, _ in rounds["target_only"]]
     report: dict[str, Any] = {"target_only": spread([round(r, 1) for r in baseline], "tokens_per_s")}
     for name, runs in rounds.items():
@@ -406,8 +433,10 @@ def speedup_report(rounds: dict[str, list[tuple[float, Any]]], repeats: int) -> 
         report[name] = {
             **spread([round(r, 1) for r in rates], "tokens_per_s"),
             **spread([round(r / b, 3) for r, b in zip(rates, baseline, strict=True)], "speedup"),
-            "mean_acceptance_length": acceptance(runs[0][1])["mean_acceptance_length"],
+            "mean_acceptance_length": acceptance([f for _, f in runs[0][1]])["mean_acceptance_length"],
         }
+        if batched:  # where the rounds' length came from
+            report[name]["by_kind"] = kinds_report(runs)
     return report
 
 
