@@ -26,7 +26,9 @@ def checked_session(
     session = spec_session(method, 3, backend, max_num_batched_tokens=max_rows, device=device, dtype=dtype)
     proposer = session.proposer
     assert proposer is not None
-    if proposer.prefill_graphs is None:
+    if device == "cuda":
+        assert proposer.prefill_graphs is not None  # the load captured them (session.capture_graphs)
+    else:
         proposer.capture_prefill_graphs(max_rows)
     proposer.kv_cache.storage.fill_(SENTINEL)
     proposer.pass_counts.clear()  # the load's warm-up ran before the graphs were captured

@@ -6,6 +6,8 @@ are the target's own tokens."""
 
 from __future__ import annotations
 
+from unittest import mock
+
 import pytest
 import torch
 from drafter_prefill_cases import checked_session, generate
@@ -15,7 +17,10 @@ from greedy_reference import greedy_reference
 from spec_builders import Scripted, spec_session
 
 from executor_service.models.attention_step import AttentionStep
+from executor_service.runner.cuda_graphs import GRAPH_BACKENDS
 from executor_service.runner.prefill_graphs import PrefillGraphs
+from executor_service.server import session as session_module
+from executor_service.server.session import EngineSettings, capture_graphs
 from executor_service.spec_decode.proposer import Proposer
 
 
@@ -71,3 +76,19 @@ def test_only_the_context_pass_of_one_request_takes_a_bucket() -> None:
     assert counts["eagle_context prefill graph"] == 0 and counts["eagle_context eager"] > 0, counts
     for rid, prompt in batch.items():
         assert sink.tokens(rid) == greedy_reference(session.loaded.model, prompt, 4), rid
+
+
+@pytest.mark.parametrize("method", ["eagle3", "dflash"])
+def test_a_load_captures_the_drafters_prefill_graphs(method: str) -> None:
+    """The session's capture (as on CUDA: CPU_ATTN let in, the CPU's stand-in graphs) takes the drafter's context
+    pass graphs beside the target's prefill graphs, and a lone prompt's proposal replays them."""
+    session = spec_session(method, 3, max_num_batched_tokens=64)
+    with mock.patch.object(session_module, "GRAPH_BACKENDS", GRAPH_BACKENDS | {"CPU_ATTN"}):
+        capture_graphs(session, EngineSettings(64, 16, True), session.limits.max_model_len)
+    proposer = session.proposer
+    assert proposer is not None and proposer.prefill_graphs is not None
+    assert sorted(proposer.prefill_graphs.graphs) == [16, 32, 64] and session.engine.runner.prefill_graphs is not None
+    prompt = [(3 * i + 1) % 200 for i in range(21)]
+    assert generate(session, prompt, 5) == greedy_reference(session.loaded.model, prompt, 5)
+    name = f"{method.removesuffix('3')}_context"
+    assert proposer.pass_counts[f"{name} prefill graph"] == 1, proposer.pass_counts
