@@ -431,8 +431,11 @@ def capture_graphs(session: ModelSession, settings: EngineSettings, max_model_le
     lockstep (parallel/graphs.py); the drafter's on rank 0 alone (it involves no other rank)."""
     runner, proposer = session.engine.runner, session.proposer
     spec_batch = min(settings.max_num_seqs, MAX_SPEC_GRAPH_BATCH)
-    # The host path's tree steps run eagerly: decode graphs, and the device step's (spec_step.capture_graphs).
+    # The host path's tree steps run eagerly but for a lone request's context pass: decode graphs, and the device
+    # step's (spec_step.capture_graphs).
     if proposer is not None and proposer.tree is not None:
+        if proposer.backend in GRAPH_BACKENDS:
+            proposer.capture_prefill_graphs(settings.max_num_batched_tokens)
         proposer = None
     if session.decision.backend in GRAPH_BACKENDS:
         runner.capture_graphs([1], settings.max_num_seqs, max_model_len)

@@ -25,6 +25,7 @@ from executor_service.spec_decode.draft_sampling import DraftSampler, StepDraws
 from executor_service.spec_decode.proposer import (
     DraftPass,
     OwnMetadataForward,
+    PassForward,
     Pick,
     ProposeBatch,
     Proposer,
@@ -154,11 +155,12 @@ class DFlashProposer(Proposer):
         return hidden.view(count, size, hidden.shape[-1])
 
     def context_pass_rows(
-        self, step: AttentionStep, positions: torch.Tensor, next_ids: torch.Tensor, features: torch.Tensor
-    ) -> tuple[torch.Tensor, torch.Tensor]:
+        self, step: AttentionStep, positions: torch.Tensor, next_ids: torch.Tensor, features: torch.Tensor,
+        forward: PassForward | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
         """Store the verified rows' context K/V. Returns, per row, the token after it (in the place of both of
         EAGLE's per-row outputs): at the newest verified row, the token that opens the next block."""
-        self.drafter.store_context(features, positions, step.slot_mapping, self.kv_cache.layers)
+        (forward or self._dflash_context)(step, positions, {"features": features})
         opening = next_ids[:, None]
         return opening, opening
 

@@ -27,6 +27,7 @@ from executor_service.spec_decode.draft_sampling import DraftSampler, StepDraws
 from executor_service.spec_decode.proposer import (
     DraftPass,
     OwnMetadataForward,
+    PassForward,
     Pick,
     ProposeBatch,
     Proposer,
@@ -181,10 +182,13 @@ class EagleProposer(Proposer):
         return cos.view(*positions.shape, *cos.shape[1:]), sin.view(*positions.shape, *sin.shape[1:])
 
     def context_pass_rows(
-        self, step: AttentionStep, positions: torch.Tensor, next_ids: torch.Tensor, features: torch.Tensor
-    ) -> tuple[torch.Tensor, torch.Tensor]:
+        self, step: AttentionStep, positions: torch.Tensor, next_ids: torch.Tensor, features: torch.Tensor,
+        forward: PassForward | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
         """EAGLE's context pass over the rows (Proposer.context_pass_rows)."""
-        return self._eagle_context(step, positions, {"input_ids": next_ids, "features": features})
+        inputs = {"input_ids": next_ids, "features": features}
+        feedback, head = (forward or self._eagle_context)(step, positions, inputs)
+        return feedback, head
 
     def draft_tree(
         self, block_table: torch.Tensor, last: torch.Tensor, scratch: torch.Tensor, head: torch.Tensor,

@@ -322,8 +322,7 @@ class Proposer:
             query_lens.append(len(request_rows))
         requests = [e.request for e in entries]
         step = self.attention(requests, query_lens, seq_lens, slots, causal=True)
-        self.pass_counts["tree_context eager"] += 1
-        feedback, head = self.context_pass_rows(
+        feedback, head = self._tree_context(
             step, self.tensor(positions, torch.int64), self.tensor(next_ids, torch.int64),
             features[self.tensor(rows, torch.int64)],
         )  # fmt: skip
@@ -345,6 +344,25 @@ class Proposer:
             for request, (tokens, parents) in zip(proposing, trees, strict=True):
                 self.set_tree(request, tokens, parents)
 
+    def _tree_context(
+        self, step: AttentionStep, positions: torch.Tensor, next_ids: torch.Tensor, features: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """`context_pass_rows` on the host path: a lone request's rows through the context pass's prefill graphs
+        (its outputs cut to the real rows), others eagerly."""
+        count = positions.shape[0]
+        rows = self.prefill_graphs.bucket(step, count) if self.prefill_graphs is not None else None
+        if rows is None:
+            self.pass_counts["tree_context eager"] += 1
+            return self.context_pass_rows(step, positions, next_ids, features)
+        graphs = self.prefill_graphs
+        assert graphs is not None
+        self.pass_counts["tree_context prefill graph"] += 1
+
+        def replayed(step: AttentionStep, positions: torch.Tensor, x: dict[str, torch.Tensor]) -> tuple:
+            return tuple(output[:count] for output in graphs.run(rows, positions, step, **x))
+
+        return self.context_pass_rows(step, positions, next_ids, features, replayed)
+
     def draft(
         self, requests: list[Request], head: torch.Tensor, hidden: torch.Tensor, penalties: DraftPenalties | None = None
     ) -> list[tuple[list[int], list[int]]]:
@@ -357,10 +375,12 @@ class Proposer:
         return [(flat[i : i + size], flat[i + size : i + 2 * size]) for i in range(0, len(flat), 2 * size)]
 
     def context_pass_rows(
-        self, step: AttentionStep, positions: torch.Tensor, next_ids: torch.Tensor, features: torch.Tensor
-    ) -> tuple[torch.Tensor, torch.Tensor]:
+        self, step: AttentionStep, positions: torch.Tensor, next_ids: torch.Tensor, features: torch.Tensor,
+        forward: PassForward | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
         """The drafter over verified target rows (`features`, each paired with the token after it): its
-        feedback and head per row, which `draft_tree` reads at the newest verified row."""
+        feedback and head per row, which `draft_tree` reads at the newest verified row. `forward`: what runs the
+        context pass over its inputs (CONTEXT_PASS's; None: its eager forward)."""
         raise NotImplementedError
 
     def draft_tree(

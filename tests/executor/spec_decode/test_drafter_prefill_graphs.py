@@ -15,6 +15,7 @@ from engine_driving import Collector
 from executor_builders import greedy
 from greedy_reference import greedy_reference
 from spec_builders import Scripted, spec_session
+from tree_cases import TREES
 
 from executor_service.models.attention_step import AttentionStep
 from executor_service.runner.cuda_graphs import GRAPH_BACKENDS
@@ -48,6 +49,26 @@ def test_chunks_and_flushed_held_rows_go_through_the_buckets(method: str) -> Non
     assert counts[f"{name} prefill graph"] == len(buckets) and counts[f"{name} eager"] == 0, counts
 
 
+@pytest.mark.parametrize(
+    ("method", "shape"),
+    [
+        ("eagle3", "static_2_2_1"),
+        ("eagle3", "dynamic_3_budget_8_depth_4"),
+        ("dflash", "static_3_2"),
+        ("dflash", "dynamic_2_budget_5_depth_3"),
+    ],
+)
+def test_a_trees_lone_context_passes_through_the_buckets_are_the_eager_ones(method: str, shape: str) -> None:
+    """Trees' proposals on the host path (a prompt's; a verify step's accepted path, the CPU's host path): a lone
+    request's context pass through its bucket, checked against the eager one; tokens the target's own."""
+    session, buckets = checked_session(method, tree=TREES[shape])
+    prompt = [(5 * i + 2) % 200 for i in range(23)]
+    assert generate(session, prompt, 8) == greedy_reference(session.loaded.model, prompt, 8)
+    counts = session.proposer.pass_counts if session.proposer is not None else {}
+    assert buckets[0] == 32 and counts["tree_context prefill graph"] == len(buckets), (buckets, counts)
+    assert counts["tree_context eager"] == 0, counts
+
+
 def test_the_check_sees_padding_rows_that_hide_a_real_rows_keys(monkeypatch: pytest.MonkeyPatch) -> None:
     """Control: a replay whose sequence length leaves the padding rows out (each real row then sees keys past its
     own place, or fewer) fails the comparison with the eager pass."""
@@ -56,9 +77,10 @@ def test_the_check_sees_padding_rows_that_hide_a_real_rows_keys(monkeypatch: pyt
         return self.graphs[rows].run(step.block_table, step.seq_lens, step.slot_mapping, positions, **inputs)
 
     monkeypatch.setattr(PrefillGraphs, "run", uncounted)
-    session, _ = checked_session("eagle3")
-    with pytest.raises(AssertionError, match="not close"):
-        generate(session, list(range(3, 12)), 4)
+    for tree in (None, TREES["static_2_2_1"]):
+        session, _ = checked_session("eagle3", tree=tree)
+        with pytest.raises(AssertionError, match="not close"):
+            generate(session, list(range(3, 12)), 4)
 
 
 def test_only_the_context_pass_of_one_request_takes_a_bucket() -> None:

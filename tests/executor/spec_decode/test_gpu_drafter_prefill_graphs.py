@@ -1,7 +1,7 @@
 """The drafter's lone-request context-pass graphs on CUDA (Proposer.capture_prefill_graphs, captured at load): every
 context pass that replays a bucket gives the eager pass's outputs and cache writes (fp32 tightly, bf16 within
-rounding), generations through them equal the target's own greedy tokens (fp32), and the memory estimate covers
-the pool that the shipped drafters' shapes keep."""
+rounding), for chains and trees, generations through them equal the target's own greedy tokens (fp32), and the memory
+estimate covers the pool that the shipped drafters' shapes keep."""
 
 from __future__ import annotations
 
@@ -12,6 +12,7 @@ import pytest
 import torch
 from drafter_prefill_cases import checked_session, generate
 from greedy_reference import greedy_reference
+from tree_cases import TREES
 
 from executor_service.engine.kv_cache import KVCache
 from executor_service.models.config import ModelConfig
@@ -41,6 +42,16 @@ def test_lone_context_passes_through_their_buckets_are_the_eager_ones(method: st
         tokens = generate(session, prompt, 8)
         if dtype == common_pb2.DTYPE_FLOAT32:
             assert tokens == greedy_reference(session.loaded.model, prompt, 8), length
+    assert buckets[:1] == [16] and 64 in buckets and 256 in buckets, buckets
+
+
+@pytest.mark.parametrize(("method", "shape"), [("eagle3", "dynamic_3_budget_8_depth_4"), ("dflash", "static_3_2")])
+def test_a_trees_lone_context_passes_through_their_buckets_are_the_eager_ones(method: str, shape: str) -> None:
+    """A tree drafter's prompt proposals (the host path's): through the buckets the load captured, fp32."""
+    session, buckets = checked_session(method, max_rows=256, device="cuda", atol=1e-4, tree=TREES[shape])
+    for length in (3, 50, 200):
+        prompt = [(5 * i + 2) % 500 for i in range(length)]
+        assert generate(session, prompt, 8) == greedy_reference(session.loaded.model, prompt, 8), length
     assert buckets[:1] == [16] and 64 in buckets and 256 in buckets, buckets
 
 
