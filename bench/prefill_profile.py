@@ -1,4 +1,5 @@
-"""Where a prefill step's time goes at batch 1 (its time is the request's time to first token).
+"""Where a prefill step's time goes at batch 1 (its time is the request's time to first token), or with
+--prefill-batch N prompts arriving together (several requests prefilling in one step: eager, no graph yet).
 
 Target-only and each --e2e-methods drafter (specdec_bench.py's synthetic sessions) prefill one prompt of each
 --prompt-lens length, a step at a time (k0_overhead.py's timers): the step's wall time, the target's pass and
@@ -34,23 +35,23 @@ from executor_service.server.session import ModelSession  # noqa: E402
 TOP_OPS = 15
 
 
-def timed_prefills(session: ModelSession, prompt: list[int], repeats: int) -> dict[str, float]:
+def timed_prefills(session: ModelSession, prompts: list[list[int]], repeats: int) -> dict[str, float]:
     """Median ms of the prefill step's wall time and of each timed part (target, drafter) over `repeats`."""
     parts: dict[str, list[float]] = defaultdict(list)
     for _ in range(repeats):
-        first = run_steps(session, [prompt], 2)[0]
+        first = run_steps(session, prompts, 2)[0]
         for name, seconds in first.items():
             if name != "kind":
                 parts[name].append(seconds * 1e3)
     return {name: round(median(values), 3) for name, values in parts.items()}
 
 
-def profiled_prefill(session: ModelSession, prompt: list[int]) -> dict[str, Any]:
+def profiled_prefill(session: ModelSession, prompts: list[list[int]]) -> dict[str, Any]:
     """One prefill step (and the decode step after it) under torch.profiler: kernels launched, their device time,
     the host ops with the most own time."""
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
     with profile(activities=activities) as prof:
-        run_steps(session, [prompt], 2)
+        run_steps(session, prompts, 2)
         if torch.cuda.is_available():
             torch.cuda.synchronize()
     kernels = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
@@ -81,10 +82,10 @@ def main() -> int:
     sessions = open_sessions(args, preset)
     device = torch.device(args.device)
     report: dict[str, Any] = {**provenance("prefill_profile", device), "versions": versions(), "preset": args.preset}
-    report |= {"backend": args.backend, "repeats": args.repeats}
+    report |= {"backend": args.backend, "repeats": args.repeats, "prefill_batch": args.prefill_batch}
     chosen = {n: s for n, s in sessions.items() if s.proposer is None or n in args.e2e_methods}
     for length in lengths:
-        prompt = make_prompts(1, length, preset["vocab"] - 1, seed=length)[0]
+        prompts = make_prompts(args.prefill_batch, length, preset["vocab"] - 1, seed=length)
         entry: dict[str, Any] = {}
         for name, session in chosen.items():
             runner, proposer = session.engine.runner, session.proposer
@@ -93,13 +94,13 @@ def main() -> int:
                 runner.prefill_graphs = graphs if target_on else None
                 if proposer is not None:
                     proposer.prefill_graphs = draft_graphs if drafter_on else None
-                run_steps(session, [prompt], 2)  # untimed: first use of this length
-                entry[f"{name} {mode}"] = {"median_ms": timed_prefills(session, prompt, args.repeats)}
-                entry[f"{name} {mode}"]["profile"] = profiled_prefill(session, prompt)
+                run_steps(session, prompts, 2)  # untimed: first use of this length
+                entry[f"{name} {mode}"] = {"median_ms": timed_prefills(session, prompts, args.repeats)}
+                entry[f"{name} {mode}"]["profile"] = profiled_prefill(session, prompts)
             runner.prefill_graphs = graphs
             if proposer is not None:
                 proposer.prefill_graphs = draft_graphs
-        report[f"prompt_{length}"] = entry
+        report[f"prompt_{length}" + (f"_x{args.prefill_batch}" if args.prefill_batch > 1 else "")] = entry
         log(f"prompt {length}: " + ", ".join(f"{n} {e['median_ms']}" for n, e in entry.items()))
     for session in sessions.values():
         session.shutdown()

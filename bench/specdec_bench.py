@@ -733,6 +733,9 @@ def parse_args(description: str | None = __doc__) -> argparse.Namespace:
         help="(d): the drafter follows every request, even where its acceptance rules drafting out (as before)",
     )
     parser.add_argument("--prompt-lens", default="16,64,512", help="prefill_profile.py: the prompts' lengths")
+    parser.add_argument(
+        "--prefill-batch", type=int, default=1, help="prefill_profile.py: prompts prefilled in one step (<= --batches')"
+    )
     parser.add_argument("--out", type=Path, default=REPO / "bench" / "results")
     shapes = parser.add_argument_group("drafter shapes (default: DRAFTERS', over the preset's MLP width)")
     for flag, metavar, text in (
