@@ -1,4 +1,5 @@
-"""What the GPU kernel-count guards share (test_gpu_fused_layer.py, test_gpu_fused_drafters.py): SmolLM2's shape,
+"""What the GPU kernel-count guards share (test_gpu_fused_layer.py, test_gpu_fused_drafters.py): SmolLM2's shape
+(the prefill graphs' memory tests take it too),
 the bounds, and counting the kernels one warm eager run launches (imported as `kernel_counting`: pytest puts this
 folder on sys.path)."""
 

@@ -10,6 +10,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
+from kernel_counting import smollm2
 from prefill_graph_cases import check_lone_prefill, generate_one_by_one, prefill_engine
 
 from executor_service.engine.kv_cache import KVCache
@@ -58,10 +59,7 @@ def test_the_memory_estimate_covers_the_prefill_graphs_pool() -> None:
     """SmolLM2-135M's shape in bf16 with two feature layers: what capturing the buckets up to 1,024 rows keeps
     reserved (their pool and static inputs, after the warm-ups' cached memory is released) is within what
     estimate_memory counts for them."""
-    config = ModelConfig(
-        architecture="llama", vocab_size=49152, hidden_size=576, intermediate_size=1536, num_layers=30,
-        num_heads=9, num_kv_heads=3, head_size=64, max_position_embeddings=2048, rope_theta=10000.0,
-    )  # fmt: skip
+    config = smollm2(30)
     backend = backend_or_skip("TRITON_ATTN")
     loaded = build_synthetic(config, 0, torch.bfloat16, CUDA)
     cache = KVCache(config, 64, 16, torch.bfloat16, CUDA)

@@ -12,10 +12,10 @@ import pytest
 import torch
 from drafter_prefill_cases import checked_session, generate
 from greedy_reference import greedy_reference
+from kernel_counting import smollm2
 from tree_cases import TREES
 
 from executor_service.engine.kv_cache import KVCache
-from executor_service.models.config import ModelConfig
 from executor_service.models.loader import build_synthetic
 from executor_service.server import memory
 from executor_service.server.drafting import build_drafter, resolve_draft
@@ -59,10 +59,7 @@ def test_a_trees_lone_context_passes_through_their_buckets_are_the_eager_ones(me
 def test_the_memory_estimate_covers_the_drafters_prefill_graphs_pool(method: str) -> None:
     """The shipped SmolLM2 drafter's shape in bf16 over a SmolLM2-shaped target: what capturing its context pass's
     buckets up to 1,024 rows keeps reserved is within what estimate_memory counts for them."""
-    target_config = ModelConfig(
-        architecture="llama", vocab_size=49152, hidden_size=576, intermediate_size=1536, num_layers=30,
-        num_heads=9, num_kv_heads=3, head_size=64, max_position_embeddings=2048, rope_theta=10000.0,
-    )  # fmt: skip
+    target_config = smollm2(30)
     method_enum = common_pb2.SPEC_METHOD_EAGLE3 if method == "eagle3" else common_pb2.SPEC_METHOD_DFLASH
     draft = executor_pb2.DraftModel(method=method_enum, num_speculative_tokens=3)
     draft.source.path = f"smollm2-{method}"
