@@ -106,9 +106,9 @@ class StepGraphs:
         self.name, self.forward, self.backend, self.device = name, forward, backend, device
         self.lockstep = lockstep
         self.query_len, self.max_model_len = query_len, max_model_len
-        self.buckets = batch_buckets(max_batch)
+        self.buckets = self._buckets(max_batch)
         top = self.buckets[-1]
-        tokens = top * query_len
+        tokens = self._tokens(top)
         max_blocks = -(-(max_model_len + MAX_LOOKAHEAD) // block_size)  # blocks reserved past the context
         self.inputs = {
             n: torch.zeros(tokens, *shape, dtype=dtype, device=device) for n, (shape, dtype) in inputs.items()
@@ -130,6 +130,14 @@ class StepGraphs:
     @property
     def max_batch(self) -> int:
         return self.buckets[-1]
+
+    def _buckets(self, max_batch: int) -> list[int]:
+        """The batch sizes captured."""
+        return batch_buckets(max_batch)
+
+    def _tokens(self, size: int) -> int:
+        """Rows a pass of `size` requests computes: `query_len` each."""
+        return size * self.query_len
 
     @torch.inference_mode()
     def capture(self, pool: object | None = None) -> None:
@@ -174,7 +182,7 @@ class StepGraphs:
     def _run_eager(self, size: int) -> tuple[torch.Tensor, ...]:
         if self.lockstep is not None:
             self.lockstep.share_inputs(self, size)
-        tokens = size * self.query_len
+        tokens = self._tokens(size)
         step = AttentionStep(
             backend=self.backend,
             block_table=self.block_table[:size],

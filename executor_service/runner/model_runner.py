@@ -19,7 +19,7 @@ from executor_service.models.model import DecoderModel
 from executor_service.parallel.driver import forward_with_logits, move_kv_slots
 from executor_service.parallel.graphs import lockstep_for
 from executor_service.runner.cuda_graphs import StepGraphs
-from executor_service.runner.prefill_graphs import PrefillGraphs, prefill_buckets
+from executor_service.runner.prefill_graphs import BatchPrefillGraphs, PrefillGraphs, prefill_buckets
 
 
 @dataclass
@@ -55,6 +55,7 @@ class ModelRunner:
         self.feature_layers = feature_layers
         self.graphs: dict[int, StepGraphs] = {}  # by query length; set by the session where capturable
         self.prefill_graphs: PrefillGraphs | None = None  # a lone request's prompt rows (prefill_graphs.py)
+        self.batch_prefill_graphs: BatchPrefillGraphs | None = None  # several requests' (prefill_graphs.py)
         self.step_counts: Counter[str] = Counter()  # "graph" / "eager": how steps ran (benchmarks read it)
 
     def prepare(self, step: ScheduledStep, causal: bool = True) -> StepInputs:
@@ -112,6 +113,14 @@ class ModelRunner:
             )
             features = outputs[1][: inputs.input_ids.shape[0]] if len(outputs) > 1 else None
             return StepOutput(outputs[0][: len(inputs.sampled)], features)
+        rows = self._batch_prefill_bucket(inputs)
+        if rows is not None:
+            assert self.batch_prefill_graphs is not None
+            self.step_counts["batch prefill graph"] += 1
+            graphs = self.batch_prefill_graphs.graphs[rows]
+            outputs = graphs.run_rows(step, inputs.input_ids, inputs.positions, inputs.logits_indices)
+            features = outputs[1][: inputs.input_ids.shape[0]] if len(outputs) > 1 else None
+            return StepOutput(outputs[0][: len(inputs.sampled)], features)
         self.step_counts["eager"] += 1
         logits, features = self.forward(inputs.input_ids, inputs.positions, step, inputs.logits_indices)
         return StepOutput(logits, features)
@@ -121,6 +130,13 @@ class ModelRunner:
         if self.prefill_graphs is None or any(inputs.num_drafts):
             return None
         return self.prefill_graphs.bucket(inputs.attention, inputs.input_ids.shape[0])
+
+    def _batch_prefill_bucket(self, inputs: StepInputs) -> int | None:
+        """The batch prefill graph a step replays: several requests' rows, none of them drafts (logits of each
+        sampling request's last row)."""
+        if self.batch_prefill_graphs is None or any(inputs.num_drafts):
+            return None
+        return self.batch_prefill_graphs.bucket(inputs.attention, inputs.input_ids.shape[0])
 
     def capture_graphs(self, query_lens: list[int], max_batch: int, max_model_len: int) -> None:
         """Graphs for uniform steps of each query length (1: decode; k + 1: verify)."""
@@ -138,19 +154,28 @@ class ModelRunner:
             graphs.capture()
             self.graphs[query_len] = graphs
 
+    def _prefill_forward(self, step: AttentionStep, positions: torch.Tensor, x: dict[str, torch.Tensor]) -> tuple:
+        """The prefill graphs' forward: logits of the rows `last_row`, features of every row."""
+        logits, features = self.forward(x["input_ids"], positions, step, x["last_row"])
+        return (logits,) if features is None else (logits, features)
+
     def capture_prefill_graphs(self, max_rows: int, max_model_len: int) -> None:
         """Graphs for a lone request's prompt of up to `max_rows` rows (prefill_graphs.py)."""
-
-        def forward(step: AttentionStep, positions: torch.Tensor, x: dict[str, torch.Tensor]) -> tuple:
-            logits, features = self.forward(x["input_ids"], positions, step, x["last_row"])
-            return (logits,) if features is None else (logits, features)
-
         graphs = PrefillGraphs(
-            "target prefill", forward, self.backend, prefill_buckets(max_rows), max_model_len, self.block_size,
-            self.device, {"input_ids": ((), torch.int64)}, {"last_row": ((), torch.int64, 0)},
+            "target prefill", self._prefill_forward, self.backend, prefill_buckets(max_rows), max_model_len,
+            self.block_size, self.device, {"input_ids": ((), torch.int64)}, {"last_row": ((), torch.int64, 0)},
         )  # fmt: skip
         graphs.capture()
         self.prefill_graphs = graphs
+
+    def capture_batch_prefill_graphs(self, max_rows: int, max_requests: int, max_model_len: int) -> None:
+        """Graphs for steps of up to `max_requests` requests' rows, up to `max_rows` of them (prefill_graphs.py)."""
+        graphs = BatchPrefillGraphs(
+            self._prefill_forward, self.backend, prefill_buckets(max_rows), max_requests, max_model_len,
+            self.block_size, self.device,
+        )  # fmt: skip
+        graphs.capture(self.prefill_graphs.pool if self.prefill_graphs is not None else None)
+        self.batch_prefill_graphs = graphs
 
     def forward(
         self, input_ids: torch.Tensor, positions: torch.Tensor, step: AttentionStep, logits_indices: torch.Tensor | None

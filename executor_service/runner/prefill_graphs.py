@@ -24,6 +24,9 @@ from executor_service.models.attention_step import AttentionStep
 from executor_service.runner.cuda_graphs import GraphForward, RequestInputs, StepGraphs, TokenInputs
 
 PREFILL_GRAPH_ROWS = (16, 32, 64, 128, 256, 512, 1024)
+# Requests a batch prefill graph serves at most: a step of more (a busy server's decodes beside an arrival) runs
+# eagerly. Each request bucket of each row bucket is a graph (six per row bucket at 32), captured at load.
+BATCH_PREFILL_MAX_REQUESTS = 32
 
 
 def prefill_buckets(max_rows: int) -> list[int]:
@@ -46,6 +49,7 @@ class PrefillGraphs:
     ) -> None:
         """`forward`: a StepGraphs forward over `token_inputs` (per row) and `request_inputs` (the one request's)."""
         self.max_model_len = max_model_len
+        self.pool: object | None = None  # the graphs' memory pool, once captured (CUDA)
         self.graphs: dict[int, StepGraphs] = {}
         for rows in buckets:
             self.graphs[rows] = StepGraphs(
@@ -59,6 +63,7 @@ class PrefillGraphs:
         for rows in sorted(self.graphs, reverse=True):
             self.graphs[rows].capture(pool)
             pool = self.graphs[rows].pool
+        self.pool = pool
 
     def bucket(self, step: AttentionStep, num_rows: int) -> int | None:
         """The bucket a step of one request's `num_rows` causal rows replays; None: none fits (more than one
@@ -76,3 +81,117 @@ class PrefillGraphs:
         them."""
         seq_lens = step.seq_lens + (rows - positions.shape[0])  # padding rows counted: each real row keeps its keys
         return self.graphs[rows].run(step.block_table, seq_lens, step.slot_mapping, positions, **inputs)
+
+
+def request_buckets(max_requests: int, rows: int) -> list[int]:
+    """Request counts a batch graph of `rows` rows is captured for, padding request included: powers of two from 2
+    (one request and the padding one) up to the step's most requests plus one, at most one request a row."""
+    top = min(max_requests + 1, rows)
+    sizes = [2]
+    while sizes[-1] < top:
+        sizes.append(sizes[-1] * 2)
+    return [min(size, top) for size in sizes]
+
+
+class VarlenGraphs(StepGraphs):
+    """One bucket of rows shared by several requests of any lengths (prefills, prompt chunks, decodes), one graph per
+    request bucket. After the real requests' rows, the rest of the bucket belongs to one padding request, of its own
+    length from position 0, that stores nothing; further padding requests have no rows. The real requests' metadata
+    is their own, so every real row sees exactly its keys."""
+
+    def __init__(
+        self, name: str, forward: GraphForward, backend: str, rows: int, max_requests: int, max_model_len: int,
+        block_size: int, device: torch.device,
+    ) -> None:  # fmt: skip
+        self.max_requests = max_requests
+        super().__init__(
+            name, forward, backend, rows, max_requests, max_model_len, block_size, device,
+            {"input_ids": ((), torch.int64)}, {"last_row": ((), torch.int64, 0)},
+        )  # fmt: skip
+        self.query_start_loc.fill_(rows)  # until a run: every row the first request's, the others empty
+        self.query_start_loc[0] = 0
+        self.seq_lens.zero_()
+        self.seq_lens[0] = rows
+        self.padding_positions = torch.arange(rows, dtype=torch.int64, device=device)  # its rows are its sequence
+        self.results: list[torch.Tensor] | None = None  # the outputs' buffers (`_run_eager`)
+
+    def _buckets(self, max_batch: int) -> list[int]:
+        return request_buckets(max_batch, self.query_len)
+
+    def _tokens(self, size: int) -> int:
+        return self.query_len
+
+    def _run_eager(self, size: int) -> tuple[torch.Tensor, ...]:
+        """The pass, its outputs copied into buffers that every request bucket shares (the logits rows of the
+        largest bucket, the per-row outputs): graphs of one pool would otherwise each keep their own outputs. The
+        first call is the largest bucket's warm-up, outside any capture: it allocates them."""
+        outputs = super()._run_eager(size)
+        if self.results is None:
+            self.results = [torch.empty((self.buckets[-1], *o.shape[1:]), dtype=o.dtype, device=o.device)
+                            if i == 0 else torch.empty_like(o) for i, o in enumerate(outputs)]  # fmt: skip
+        self.results[0][:size].copy_(outputs[0])
+        for result, output in zip(self.results[1:], outputs[1:], strict=True):
+            result.copy_(output)
+        return (self.results[0][:size], *self.results[1:])
+
+    def fits(self, num_requests: int) -> bool:
+        return num_requests < self.buckets[-1]
+
+    def run_rows(
+        self, step: AttentionStep, input_ids: torch.Tensor, positions: torch.Tensor, logits_rows: torch.Tensor
+    ) -> tuple[torch.Tensor, ...]:
+        """The graph's outputs over the step's requests (`fits`): logits of `logits_rows` (one row each, at most one
+        a request) first, then per-row outputs of all the bucket's rows."""
+        count, n, rows = step.seq_lens.shape[0], positions.shape[0], self.query_len
+        size = self._bucket(count + 1)
+        self.query_start_loc[: count + 1].copy_(step.query_start_loc)
+        self.query_start_loc[count + 1 : size + 1].fill_(rows)
+        self.seq_lens[:count].copy_(step.seq_lens)
+        self.seq_lens[count] = rows - n
+        self.seq_lens[count + 1 : size].zero_()
+        self.slot_mapping[:n].copy_(step.slot_mapping)
+        self.slot_mapping[n:rows].fill_(-1)
+        self.positions[:n].copy_(positions)
+        self.positions[n:rows].copy_(self.padding_positions[: rows - n])
+        self.inputs["input_ids"][:n].copy_(input_ids)
+        self.block_table[:count, : step.block_table.shape[1]].copy_(step.block_table)
+        last_row = self.request_inputs["last_row"]
+        last_row[: logits_rows.shape[0]].copy_(logits_rows)
+        last_row[logits_rows.shape[0] : size].zero_()
+        self.graphs[size].replay()
+        return self.outputs[size]
+
+
+class BatchPrefillGraphs:
+    """The target's steps of several requests whose every row but each request's last is a prompt row (prefills,
+    prompt chunks, decodes beside them; no drafts): a bucket of rows (PREFILL_GRAPH_ROWS), then of requests."""
+
+    def __init__(
+        self, forward: GraphForward, backend: str, buckets: list[int], max_requests: int, max_model_len: int,
+        block_size: int, device: torch.device,
+    ) -> None:  # fmt: skip
+        self.max_model_len = max_model_len
+        self.graphs: dict[int, VarlenGraphs] = {}
+        for rows in buckets:
+            self.graphs[rows] = VarlenGraphs(
+                f"target batch prefill ({rows} rows)", forward, backend, rows, max_requests, max_model_len,
+                block_size, device,
+            )  # fmt: skip
+
+    def capture(self, pool: object | None = None) -> None:
+        """Largest bucket first, all into one pool (`pool`: the lone prefill graphs', whose transients these reuse:
+        one target pass runs at a time)."""
+        for rows in sorted(self.graphs, reverse=True):
+            self.graphs[rows].capture(pool)
+            pool = self.graphs[rows].pool
+
+    def bucket(self, step: AttentionStep, num_rows: int) -> int | None:
+        """The rows bucket a causal step of several requests replays; None: none fits (too many rows or requests, a
+        tree, non-causal, or a padding request longer than the model's length)."""
+        if not step.causal or step.tree_mask is not None or step.block_table.shape[0] < 2:
+            return None
+        count = step.block_table.shape[0]
+        for rows in sorted(self.graphs):
+            if rows >= num_rows and rows - num_rows <= self.max_model_len and self.graphs[rows].fits(count):
+                return rows
+        return None

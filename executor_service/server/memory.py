@@ -21,7 +21,7 @@ from executor_service.models.config import ModelConfig
 from executor_service.models.draft_config import DraftConfig
 from executor_service.models.draft_weights import draft_layout
 from executor_service.models.weights import Placement, hf_layout
-from executor_service.runner.prefill_graphs import prefill_buckets
+from executor_service.runner.prefill_graphs import BATCH_PREFILL_MAX_REQUESTS, prefill_buckets, request_buckets
 from executor_service.sample.sampling import MAX_LOGIT_BIAS
 from executor_service.spec_decode.deferred_context import DEFER_MAX
 from executor_service.spec_decode.step_variants import DEFAULT_PENALTY_SLOTS
@@ -108,6 +108,7 @@ def estimate_memory(
     if device.type == "cuda":  # the decode sampler's graphs and their penalty table, captured at load
         activations += max_num_seqs * target.vocab_size * 4 * SAMPLER_ROW_COPIES
         activations += prefill_graph_bytes(target, draft, max_num_batched_tokens, element)
+        activations += batch_prefill_graph_bytes(target, draft, max_num_batched_tokens, max_num_seqs, element)
         if draft is not None:
             activations += draft_prefill_graph_bytes(target, draft, max_num_batched_tokens, element)
         activations += penalty_table_bytes(DEFAULT_PENALTY_SLOTS, target.vocab_size) + CUDA_MARGIN_BYTES
@@ -130,6 +131,22 @@ def prefill_graph_bytes(
     static = sum(buckets) * 3 * 8  # input ids, positions, slots: int64
     tensors = _step_bytes(target, rows, element) + rows * features + target.vocab_size * 4 * LOGITS_COPIES + static
     return _in_segments(tensors)
+
+
+def batch_prefill_graph_bytes(
+    target: ModelConfig, draft: DraftConfig | None, max_num_batched_tokens: int, max_num_seqs: int, element: int
+) -> int:
+    """The batch prefill graphs' own memory (runner/prefill_graphs.py; their transients reuse the lone prefill
+    graphs' pool): per bucket of rows, float32 logits of its largest request bucket and its rows' features, shared by
+    its graphs, and their static inputs (ids, positions, slots a row; a block table and four ints a request)."""
+    max_requests = min(max_num_seqs, BATCH_PREFILL_MAX_REQUESTS)
+    features = (len(draft.target_layer_ids) or 1) * target.hidden_size * element if draft is not None else 0
+    blocks = -(-target.max_position_embeddings // 16) + 1  # a block table row at the smallest block size, roughly
+    total = 0
+    for rows in prefill_buckets(max_num_batched_tokens):
+        top = request_buckets(max_requests, rows)[-1]
+        total += top * target.vocab_size * 4 + rows * features + rows * 3 * 8 + top * (blocks * 4 + 4 * 8)
+    return _in_segments(total) if total else 0
 
 
 def draft_prefill_graph_bytes(

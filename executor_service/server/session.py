@@ -37,6 +37,7 @@ from executor_service.parallel.state import get_tp_group, tensor_parallel_size
 from executor_service.runner.cuda_graphs import GRAPH_BACKENDS
 from executor_service.runner.eager_warm_up import warm_up_models
 from executor_service.runner.model_runner import ModelRunner
+from executor_service.runner.prefill_graphs import BATCH_PREFILL_MAX_REQUESTS
 from executor_service.sample.sampling import SamplingSettings
 from executor_service.server.backend_claims import DRAFT_FIELD, TARGET_FIELD, check_backend_claims
 from executor_service.server.drafting import DraftSource, build_drafter, speculative_config
@@ -83,6 +84,9 @@ class EngineSettings:
     # Without a drafter, steady decode steps launch the step after them before the host reads them back, so the host's
     # booking overlaps the device (engine/overlap_decode.py); off: every decode step serially.
     overlap_decode: bool = True
+    # Steps of several requests without drafts (prefills arriving together, or beside decodes) replay CUDA graphs of
+    # their rows and requests (runner/prefill_graphs.py); off: they run eagerly.
+    batch_prefill_graphs: bool = True
 
 
 def selection_request(
@@ -443,6 +447,9 @@ def capture_graphs(session: ModelSession, settings: EngineSettings, max_model_le
             runner.capture_graphs([proposer.num_draft_tokens + 1], spec_batch, max_model_len)
         if not isinstance(runner.model, TensorParallelModel):  # prefill_graphs.py: rank 0's alone
             runner.capture_prefill_graphs(settings.max_num_batched_tokens, max_model_len)
+            if settings.batch_prefill_graphs:
+                max_requests = min(settings.max_num_seqs, BATCH_PREFILL_MAX_REQUESTS)
+                runner.capture_batch_prefill_graphs(settings.max_num_batched_tokens, max_requests, max_model_len)
     if proposer is not None and proposer.backend in GRAPH_BACKENDS:
         proposer.capture_graphs(spec_batch, settings.max_num_seqs)
         proposer.capture_prefill_graphs(settings.max_num_batched_tokens)  # on rank 0, as the drafter's other graphs

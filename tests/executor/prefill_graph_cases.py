@@ -23,14 +23,17 @@ SENTINEL = 7.0  # what every cache slot holds before a prefill: a slot that stil
 
 
 def prefill_engine(
-    config: ModelConfig, device: torch.device, backend: str, dtype: torch.dtype, max_rows: int, max_batched: int = 64
-) -> tuple[LoadedModel, Engine]:
-    """A target-only engine whose runner reads two layers' features (as for an EAGLE-3 drafter) and has prefill
-    graphs for up to `max_rows` rows, no other graph."""
+    config: ModelConfig, device: torch.device, backend: str, dtype: torch.dtype, max_rows: int, max_batched: int = 64,
+    batched: bool = False,
+) -> tuple[LoadedModel, Engine]:  # fmt: skip
+    """A target-only engine (up to 8 requests) whose runner reads two layers' features (as for an EAGLE-3 drafter)
+    and has prefill graphs for up to `max_rows` rows (`batched`: several requests' too), no other graph."""
     loaded = build_synthetic(config, 0, dtype, device)
     cache = KVCache(config, 64, BLOCK_SIZE, dtype, device)
     runner = ModelRunner(loaded.model, cache, backend, device, feature_layers=(0, config.num_layers - 1))
     runner.capture_prefill_graphs(max_rows, config.max_position_embeddings)
+    if batched:
+        runner.capture_batch_prefill_graphs(max_rows, 8, config.max_position_embeddings)
     scheduler = Scheduler(cache.allocator, BLOCK_SIZE, max_batched, 8)
     return loaded, Engine(runner, scheduler, config.max_position_embeddings, overlap_decode=False)
 
@@ -60,6 +63,35 @@ def check_lone_prefill(engine: Engine, prompt: list[int], atol: float) -> int:
     torch.testing.assert_close(runner.kv_cache.storage, written, atol=atol, rtol=0)
     assert (written != SENTINEL).any()  # the eager pass wrote its rows: the comparison above can see a write
     engine._abort(["lone"])
+    return rows
+
+
+def check_batch_prefill(engine: Engine, prompts: list[list[int]], atol: float) -> int:
+    """Schedule the prompts' prefills in one step, run it eagerly, then through its batch graph over the same cache:
+    equal logits and features, the cache unchanged by the replay. Returns the rows bucket."""
+    runner = engine.runner
+    for index, prompt in enumerate(prompts):
+        engine.add(Request(f"b{index}", prompt, SamplingSettings(), 1, frozenset(), lambda _: None))
+    engine._drain_commands()
+    scheduled = engine.scheduler.schedule()
+    assert len(scheduled.requests) == len(prompts)
+    inputs = runner.prepare(scheduled)
+    assert runner.batch_prefill_graphs is not None
+    rows = runner.batch_prefill_graphs.bucket(inputs.attention, inputs.input_ids.shape[0])
+    assert rows is not None and rows >= sum(map(len, prompts))
+    runner.kv_cache.storage.fill_(SENTINEL)
+    logits, features = runner.forward(inputs.input_ids, inputs.positions, inputs.attention, inputs.logits_indices)
+    assert features is not None
+    written = runner.kv_cache.storage.clone()
+    before = runner.step_counts["batch prefill graph"]
+    output = runner.execute(inputs)
+    assert runner.step_counts["batch prefill graph"] == before + 1
+    assert output.logits.shape == logits.shape and output.features is not None
+    torch.testing.assert_close(output.logits, logits, atol=atol, rtol=0)
+    torch.testing.assert_close(output.features, features, atol=atol, rtol=0)
+    torch.testing.assert_close(runner.kv_cache.storage, written, atol=atol, rtol=0)
+    assert (written != SENTINEL).any()
+    engine._abort([f"b{index}" for index in range(len(prompts))])
     return rows
 
 

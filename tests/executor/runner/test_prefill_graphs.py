@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 from executor_builders import tiny_config
-from prefill_graph_cases import check_lone_prefill, generate_one_by_one, prefill_engine
+from prefill_graph_cases import check_batch_prefill, check_lone_prefill, generate_one_by_one, prefill_engine
 
 from executor_service.models.attention_step import AttentionStep
 from executor_service.runner.prefill_graphs import PREFILL_GRAPH_ROWS, prefill_buckets
@@ -64,3 +64,49 @@ def test_buckets_follow_the_step_budget() -> None:
     assert prefill_buckets(48) == [16, 32]
     assert prefill_buckets(8) == []
     assert prefill_buckets(1 << 20) == list(PREFILL_GRAPH_ROWS)
+
+
+@pytest.mark.parametrize(
+    ("lengths", "bucket"), [([1, 1], 16), ([3, 5, 2], 16), ([16, 16], 32), ([40, 1, 7], 64), ([30, 34], 64)]
+)
+def test_several_prefills_through_their_batch_bucket_are_the_eager_ones(lengths: list[int], bucket: int) -> None:
+    _, engine = prefill_engine(tiny_config(), CPU, "CPU_ATTN", torch.float32, max_rows=64, batched=True)
+    prompts = [[(7 * i + 3 * j) % 200 for i in range(n)] for j, n in enumerate(lengths)]
+    assert check_batch_prefill(engine, prompts, atol=1e-5) == bucket
+
+
+def test_generations_through_batch_prefill_graphs_are_the_targets_own() -> None:
+    """Prompts of 1 to 100 tokens arriving together and one by one while others decode (steps of prefills, chunks
+    and decodes at once), with a 48-token step budget: every request's tokens are the target's own."""
+    loaded, engine = prefill_engine(
+        tiny_config(), CPU, "CPU_ATTN", torch.float32, max_rows=64, max_batched=48, batched=True
+    )
+    outputs, references = generate_one_by_one(loaded, engine, [1, 7, 16, 30, 100], max_tokens=6)
+    for rid, reference in references.items():
+        assert outputs[rid] == reference, rid
+        assert outputs[f"{rid}-batched"] == reference, rid
+    counts = engine.runner.step_counts
+    assert counts["batch prefill graph"] >= 2 and counts["prefill graph"] >= 5, counts
+
+
+def test_batch_buckets_refuse_what_they_cannot_serve() -> None:
+    config = tiny_config()
+    _, engine = prefill_engine(config, CPU, "CPU_ATTN", torch.float32, max_rows=64, batched=True)
+    graphs = engine.runner.batch_prefill_graphs
+    assert graphs is not None and sorted(graphs.graphs) == [16, 32, 64]
+    assert graphs.graphs[16].buckets == [2, 4, 8, 9] and graphs.graphs[64].buckets == [2, 4, 8, 9]
+
+    def step(requests: int, causal: bool = True, tree: bool = False) -> AttentionStep:
+        return AttentionStep(
+            "CPU_ATTN", torch.zeros(requests, 4, dtype=torch.int32), torch.zeros(requests + 1, dtype=torch.int32),
+            torch.zeros(requests, dtype=torch.int32), torch.zeros(1, dtype=torch.int64), 1, 20, causal,
+            torch.zeros(1, dtype=torch.int64) if tree else None,
+        )  # fmt: skip
+
+    assert graphs.bucket(step(2), 20) == 32
+    assert graphs.bucket(step(8), 20) == 32  # 8 requests and the padding one: bucket 9
+    assert graphs.bucket(step(9), 20) is None  # no room for the padding request
+    assert graphs.bucket(step(1), 20) is None  # a lone request: the lone graphs'
+    assert graphs.bucket(step(3), 65) is None
+    assert graphs.bucket(step(3, causal=False), 20) is None
+    assert graphs.bucket(step(3, tree=True), 20) is None

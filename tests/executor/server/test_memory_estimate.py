@@ -100,7 +100,9 @@ def test_on_cuda_the_estimate_counts_the_sampler_graphs_static_inputs() -> None:
     tensors = memory._step_bytes(config, 64, 4) + 512 * 4 * memory.LOGITS_COPIES + (16 + 32 + 64) * 24
     small = memory.POOL_SMALL_SEGMENTS * memory.SMALL_SEGMENT_BYTES
     assert tensors < memory.LARGE_SEGMENT_BYTES and prefill == memory.LARGE_SEGMENT_BYTES + small
-    sampler = activations("cuda") - activations("cpu") - margins - table_bytes - prefill
+    batch_prefill = memory.batch_prefill_graph_bytes(config, None, 64, 40, 4)
+    assert batch_prefill >= (16 + 32 + 33) * 512 * 4  # buckets of 16, 32, 64 rows: 16, 32 and 33 requests' logits
+    sampler = activations("cuda") - activations("cpu") - margins - table_bytes - prefill - batch_prefill
     assert sampler == 40 * 512 * 4 * memory.SAMPLER_ROW_COPIES
     graphs = SamplerGraphs(max_batch=40)
     inputs = graphs._inputs(40, torch.zeros(1, 512))
