@@ -1,14 +1,13 @@
 """Where a prefill step's time goes at batch 1 (its time is the request's time to first token), or with
---prefill-batch N prompts arriving together (several requests prefilling in one step: eager, no graph yet).
+--prefill-batch N prompts arriving together (several requests prefilling in one step: the batch prefill graphs).
 
 Target-only and each --e2e-methods drafter (specdec_bench.py's synthetic sessions) prefill one prompt of each
 --prompt-lens length, a step at a time (k0_overhead.py's timers): the step's wall time, the target's pass and
 the drafter's, medians over --repeats; through the prefill graphs (runner/prefill_graphs.py) where the session
-captured them (the target's and the drafter's context pass: "graphs"; the target's alone: "target graphs"), and
-eagerly, one after the other in the same run. Then one prefill step per configuration under
-torch.profiler: how many kernels it launched, their summed device time, and the host ops that took the most
-time, so a step bound by launches (the eager forward's Python and dispatch) tells itself from one bound by its
-kernels.
+captured them (the target's, lone or batch, and the drafter's context pass: "graphs"; the target's alone: "target
+graphs"), and eagerly, one after the other in the same run. Then one prefill step per configuration under
+torch.profiler: how many kernels it launched, their summed device time, and the host ops that took the most time,
+so a step bound by launches (the eager forward's Python and dispatch) tells itself from one bound by its kernels.
 
     python bench/prefill_profile.py --preset smollm2 --methods eagle3 --e2e-methods eagle3 --prompt-lens 16,64,512
 """
@@ -90,14 +89,16 @@ def main() -> int:
         for name, session in chosen.items():
             runner, proposer = session.engine.runner, session.proposer
             graphs, draft_graphs = runner.prefill_graphs, proposer.prefill_graphs if proposer else None
+            batch_graphs = runner.batch_prefill_graphs
             for mode, target_on, drafter_on in modes(graphs is not None, draft_graphs is not None):
                 runner.prefill_graphs = graphs if target_on else None
+                runner.batch_prefill_graphs = batch_graphs if target_on else None
                 if proposer is not None:
                     proposer.prefill_graphs = draft_graphs if drafter_on else None
                 run_steps(session, prompts, 2)  # untimed: first use of this length
                 entry[f"{name} {mode}"] = {"median_ms": timed_prefills(session, prompts, args.repeats)}
                 entry[f"{name} {mode}"]["profile"] = profiled_prefill(session, prompts)
-            runner.prefill_graphs = graphs
+            runner.prefill_graphs, runner.batch_prefill_graphs = graphs, batch_graphs
             if proposer is not None:
                 proposer.prefill_graphs = draft_graphs
         report[f"prompt_{length}" + (f"_x{args.prefill_batch}" if args.prefill_batch > 1 else "")] = entry

@@ -1,7 +1,8 @@
-"""Prefill graphs on CUDA (runner/prefill_graphs.py): a lone request's prompt replayed through its bucket gives the
-eager forward's logits and features and writes no cache slot but its own rows' (fp32 tightly, bf16 within rounding),
-and greedy generations through the buckets equal the dense reference (fp32). The buckets' short rows take the
-split-key attention path, captured for the model's whole length (2,048 positions)."""
+"""Prefill graphs on CUDA (runner/prefill_graphs.py): a lone request's prompt, and several requests' rows, replayed
+through their buckets give the eager forward's logits and features and write no cache slot but their own rows' (fp32
+tightly, bf16 within rounding), greedy generations through the buckets equal the dense reference (fp32), and the
+memory estimate covers what their capture keeps. The buckets' short rows take the split-key attention path, captured
+for the model's whole length (2,048 positions)."""
 
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 from kernel_counting import smollm2
-from prefill_graph_cases import check_lone_prefill, generate_one_by_one, prefill_engine
+from prefill_graph_cases import check_batch_prefill, check_lone_prefill, generate_one_by_one, prefill_engine
 
 from executor_service.engine.kv_cache import KVCache
 from executor_service.models.config import ModelConfig
@@ -55,6 +56,28 @@ def test_generations_through_prefill_graphs_equal_the_dense_reference() -> None:
     assert engine.runner.step_counts["prefill graph"] >= 6, engine.runner.step_counts
 
 
+@pytest.mark.parametrize(("dtype", "atol"), [(torch.float32, 1e-4), (torch.bfloat16, 0.1)])
+@pytest.mark.parametrize("lengths", [[1, 1], [3, 50, 7], [200, 1, 300], [16] * 8])
+def test_several_prefills_through_their_batch_bucket_are_the_eager_ones(
+    dtype: torch.dtype, atol: float, lengths: list[int]
+) -> None:
+    _, engine = prefill_engine(
+        CONFIG, CUDA, backend_or_skip("TRITON_ATTN"), dtype, max_rows=1024, max_batched=1024, batched=True
+    )
+    prompts = [[(7 * i + 3 * j) % CONFIG.vocab_size for i in range(n)] for j, n in enumerate(lengths)]
+    check_batch_prefill(engine, prompts, atol=atol)
+
+
+def test_generations_through_batch_prefill_graphs_equal_the_dense_reference() -> None:
+    loaded, engine = prefill_engine(
+        CONFIG, CUDA, backend_or_skip("TRITON_ATTN"), torch.float32, 256, max_batched=96, batched=True
+    )
+    outputs, references = generate_one_by_one(loaded, engine, [1, 9, 33, 64, 250], max_tokens=8)
+    for rid, reference in references.items():
+        assert outputs[f"{rid}-batched"] == reference, rid
+    assert engine.runner.step_counts["batch prefill graph"] >= 4, engine.runner.step_counts
+
+
 def test_the_memory_estimate_covers_the_prefill_graphs_pool() -> None:
     """SmolLM2-135M's shape in bf16 with two feature layers: what capturing the buckets up to 1,024 rows keeps
     reserved (their pool and static inputs, after the warm-ups' cached memory is released) is within what
@@ -76,3 +99,10 @@ def test_the_memory_estimate_covers_the_prefill_graphs_pool() -> None:
     estimate = memory.prefill_graph_bytes(config, draft, 1024, 2)  # type: ignore[arg-type]
     print(f"prefill graphs kept {kept / 2**20:.1f} MiB, estimated {estimate / 2**20:.1f} MiB")
     assert 0 < kept <= estimate
+    runner.capture_batch_prefill_graphs(1024, 32, config.max_position_embeddings)  # into the same pool
+    torch.cuda.synchronize()
+    torch.cuda.empty_cache()
+    kept_batch = torch.cuda.memory_reserved(CUDA) - before - kept
+    estimate_batch = memory.batch_prefill_graph_bytes(config, draft, 1024, 32, 2)  # type: ignore[arg-type]
+    print(f"batch prefill graphs kept {kept_batch / 2**20:.1f} MiB, estimated {estimate_batch / 2**20:.1f} MiB")
+    assert 0 < kept_batch <= estimate_batch

@@ -67,7 +67,8 @@ def test_buckets_follow_the_step_budget() -> None:
 
 
 @pytest.mark.parametrize(
-    ("lengths", "bucket"), [([1, 1], 16), ([3, 5, 2], 16), ([16, 16], 32), ([40, 1, 7], 64), ([30, 34], 64)]
+    ("lengths", "bucket"),
+    [([1, 1], 16), ([3, 5, 2], 16), ([16, 16], 32), ([40, 1, 7], 64), ([30, 34], 64), ([2] * 8, 16)],
 )
 def test_several_prefills_through_their_batch_bucket_are_the_eager_ones(lengths: list[int], bucket: int) -> None:
     _, engine = prefill_engine(tiny_config(), CPU, "CPU_ATTN", torch.float32, max_rows=64, batched=True)
