@@ -27,6 +27,9 @@ PREFILL_GRAPH_ROWS = (16, 32, 64, 128, 256, 512, 1024)
 # Requests a batch prefill graph serves at most: a step of more (a busy server's decodes beside an arrival) runs
 # eagerly. Each request bucket of each row bucket is a graph (six per row bucket at 32), captured at load.
 BATCH_PREFILL_MAX_REQUESTS = 32
+# Backends whose kernels skip a request of no rows (the padding requests past the one that owns the spare rows), as
+# TRITON_ATTN's does; FLASH_ATTN's varlen kernels are not known to here.
+BATCH_PREFILL_BACKENDS = frozenset({"TRITON_ATTN"})
 
 
 def prefill_buckets(max_rows: int) -> list[int]:

@@ -37,7 +37,7 @@ from executor_service.parallel.state import get_tp_group, tensor_parallel_size
 from executor_service.runner.cuda_graphs import GRAPH_BACKENDS
 from executor_service.runner.eager_warm_up import warm_up_models
 from executor_service.runner.model_runner import ModelRunner
-from executor_service.runner.prefill_graphs import BATCH_PREFILL_MAX_REQUESTS
+from executor_service.runner.prefill_graphs import BATCH_PREFILL_BACKENDS, BATCH_PREFILL_MAX_REQUESTS
 from executor_service.sample.sampling import SamplingSettings
 from executor_service.server.backend_claims import DRAFT_FIELD, TARGET_FIELD, check_backend_claims
 from executor_service.server.drafting import DraftSource, build_drafter, speculative_config
@@ -85,8 +85,9 @@ class EngineSettings:
     # booking overlaps the device (engine/overlap_decode.py); off: every decode step serially.
     overlap_decode: bool = True
     # Steps of several requests without drafts (prefills arriving together, or beside decodes) replay CUDA graphs of
-    # their rows and requests (runner/prefill_graphs.py); off: they run eagerly.
-    batch_prefill_graphs: bool = True
+    # their rows and requests (runner/prefill_graphs.py, BATCH_PREFILL_BACKENDS); off: they run eagerly. Off by
+    # default until measured on a GPU (CPU-tested on the stand-in graphs).
+    batch_prefill_graphs: bool = False
 
 
 def selection_request(
@@ -447,7 +448,7 @@ def capture_graphs(session: ModelSession, settings: EngineSettings, max_model_le
             runner.capture_graphs([proposer.num_draft_tokens + 1], spec_batch, max_model_len)
         if not isinstance(runner.model, TensorParallelModel):  # prefill_graphs.py: rank 0's alone
             runner.capture_prefill_graphs(settings.max_num_batched_tokens, max_model_len)
-            if settings.batch_prefill_graphs:
+            if settings.batch_prefill_graphs and runner.backend in BATCH_PREFILL_BACKENDS:
                 max_requests = min(settings.max_num_seqs, BATCH_PREFILL_MAX_REQUESTS)
                 runner.capture_batch_prefill_graphs(settings.max_num_batched_tokens, max_requests, max_model_len)
     if proposer is not None and proposer.backend in GRAPH_BACKENDS:

@@ -5,6 +5,8 @@ chunks beside others) replay them, and every request's tokens are the target's o
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
 from unittest import mock
 
 import pytest
@@ -14,13 +16,26 @@ from greedy_reference import greedy_reference
 from spec_builders import spec_session
 
 from executor_service.runner.cuda_graphs import GRAPH_BACKENDS
+from executor_service.runner.prefill_graphs import BATCH_PREFILL_BACKENDS
 from executor_service.server import session as session_module
 from executor_service.server.session import EngineSettings, ModelSession, capture_graphs
 
 
+@contextmanager
+def cpu_graphs() -> Iterator[None]:
+    """CPU_ATTN let into the graph backends: the CPU's stand-in graphs."""
+    with (
+        mock.patch.object(session_module, "GRAPH_BACKENDS", GRAPH_BACKENDS | {"CPU_ATTN"}),
+        mock.patch.object(session_module, "BATCH_PREFILL_BACKENDS", BATCH_PREFILL_BACKENDS | {"CPU_ATTN"}),
+    ):
+        yield
+
+
 def captured(session: ModelSession, max_batched: int, max_seqs: int) -> ModelSession:
-    with mock.patch.object(session_module, "GRAPH_BACKENDS", GRAPH_BACKENDS | {"CPU_ATTN"}):
-        capture_graphs(session, EngineSettings(max_batched, max_seqs, True), session.limits.max_model_len)
+    """The session's graphs with batch prefill graphs on (CPU_ATTN skips requests of no rows, as TRITON_ATTN does)."""
+    settings = EngineSettings(max_batched, max_seqs, True, batch_prefill_graphs=True)
+    with cpu_graphs():
+        capture_graphs(session, settings, session.limits.max_model_len)
     session.engine.runner.step_counts.clear()  # the load's warm-up ran before the graphs were captured
     return session
 
@@ -63,9 +78,8 @@ def test_with_a_drafter_prefills_together_replay_them_and_verify_steps_do_not(me
     assert spec_step is not None and spec_step.counts.total() > 0, spec_step.counts  # verify steps: the device step's
 
 
-def test_off_in_the_settings_nothing_is_captured() -> None:
+def test_off_by_default_nothing_is_captured() -> None:
     session = tiny_session(max_num_batched_tokens=48, max_num_seqs=8)
-    settings = EngineSettings(48, 8, True, batch_prefill_graphs=False)
-    with mock.patch.object(session_module, "GRAPH_BACKENDS", GRAPH_BACKENDS | {"CPU_ATTN"}):
-        capture_graphs(session, settings, session.limits.max_model_len)
+    with cpu_graphs():
+        capture_graphs(session, EngineSettings(48, 8, True), session.limits.max_model_len)
     assert session.engine.runner.batch_prefill_graphs is None and session.engine.runner.prefill_graphs is not None
