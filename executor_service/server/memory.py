@@ -83,8 +83,10 @@ def estimate_memory(
     max_num_batched_tokens: int,
     max_num_seqs: int,
     device: torch.device,
+    batch_prefill_graphs: bool = False,
 ) -> MemoryEstimate:
-    """What loading `target` (and `draft`) with a cache of `num_kv_blocks` takes on `device`."""
+    """What loading `target` (and `draft`) with a cache of `num_kv_blocks` takes on `device` (`batch_prefill_graphs`:
+    EngineSettings')."""
     element = torch.empty((), dtype=dtype).element_size()
     layouts = [hf_layout(target)] + ([draft_layout(draft)] if draft is not None else [])
     parameters = sum(_numel(p) for layout in layouts for p in layout.values())
@@ -108,7 +110,8 @@ def estimate_memory(
     if device.type == "cuda":  # the decode sampler's graphs and their penalty table, captured at load
         activations += max_num_seqs * target.vocab_size * 4 * SAMPLER_ROW_COPIES
         activations += prefill_graph_bytes(target, draft, max_num_batched_tokens, element)
-        activations += batch_prefill_graph_bytes(target, draft, max_num_batched_tokens, max_num_seqs, element)
+        if batch_prefill_graphs:
+            activations += batch_prefill_graph_bytes(target, draft, max_num_batched_tokens, max_num_seqs, element)
         if draft is not None:
             activations += draft_prefill_graph_bytes(target, draft, max_num_batched_tokens, element)
         activations += penalty_table_bytes(DEFAULT_PENALTY_SLOTS, target.vocab_size) + CUDA_MARGIN_BYTES

@@ -254,6 +254,7 @@ def prepare_load(
         settings.max_num_batched_tokens,
         settings.max_num_seqs,
         device,
+        settings.batch_prefill_graphs,
     )
     size = tensor_parallel_size()  # rank 0's share: its device decides
     return rank_zero_estimate(whole, source.config, draft is not None, dtype, num_blocks, block_size, size)

@@ -77,6 +77,16 @@ def test_on_cuda_the_estimate_counts_the_drafters_prefill_graphs(monkeypatch: py
     assert with_drafters - activations() == pool >= memory.LARGE_SEGMENT_BYTES
 
 
+def test_the_estimate_counts_batch_prefill_graphs_where_they_are_on() -> None:
+    request = load_request()
+    config = resolve_target(request.target, None, "target").config
+    cuda = torch.device("cuda")
+    off = estimate_memory(config, None, torch.float32, 64, 16, 64, 40, cuda).activations
+    on = estimate_memory(config, None, torch.float32, 64, 16, 64, 40, cuda, batch_prefill_graphs=True).activations
+    batch_prefill = memory.batch_prefill_graph_bytes(config, None, 64, 40, 4)
+    assert on - off == batch_prefill >= (16 + 32 + 33) * 512 * 4  # rows 16, 32, 64: 16, 32, 33 requests' logits
+
+
 def test_on_cuda_the_estimate_counts_the_sampler_graphs_static_inputs() -> None:
     """The decode sampler's graphs are captured at load on CUDA: the estimate counts SAMPLER_ROW_COPIES fp32 rows of
     logits a running request there (not on the CPU, which has no graphs), at least the static inputs they keep, and
@@ -100,9 +110,7 @@ def test_on_cuda_the_estimate_counts_the_sampler_graphs_static_inputs() -> None:
     tensors = memory._step_bytes(config, 64, 4) + 512 * 4 * memory.LOGITS_COPIES + (16 + 32 + 64) * 24
     small = memory.POOL_SMALL_SEGMENTS * memory.SMALL_SEGMENT_BYTES
     assert tensors < memory.LARGE_SEGMENT_BYTES and prefill == memory.LARGE_SEGMENT_BYTES + small
-    batch_prefill = memory.batch_prefill_graph_bytes(config, None, 64, 40, 4)
-    assert batch_prefill >= (16 + 32 + 33) * 512 * 4  # buckets of 16, 32, 64 rows: 16, 32 and 33 requests' logits
-    sampler = activations("cuda") - activations("cpu") - margins - table_bytes - prefill - batch_prefill
+    sampler = activations("cuda") - activations("cpu") - margins - table_bytes - prefill
     assert sampler == 40 * 512 * 4 * memory.SAMPLER_ROW_COPIES
     graphs = SamplerGraphs(max_batch=40)
     inputs = graphs._inputs(40, torch.zeros(1, 512))
