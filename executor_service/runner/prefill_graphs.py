@@ -14,6 +14,10 @@ only: the one a prefill samples from). A model's graphs share one memory pool (o
 and the drafter's each their own (the drafter reads the target's outputs). The target's are not captured under
 tensor parallelism: the other ranks replay rank 0's inputs, which its row index is not among (parallel/graphs.py);
 there its prefill stays eager (the drafter runs on rank 0 alone, so its graphs are).
+
+Steps of several requests without drafts (prompts arriving together, an arrival beside decodes) have their own
+graphs (`BatchPrefillGraphs`, off by default: EngineSettings.batch_prefill_graphs): a bucket of rows, then of
+requests; the real requests keep their own metadata and the bucket's spare rows belong to one padding request.
 """
 
 from __future__ import annotations
@@ -106,7 +110,6 @@ class VarlenGraphs(StepGraphs):
         self, name: str, forward: GraphForward, backend: str, rows: int, max_requests: int, max_model_len: int,
         block_size: int, device: torch.device,
     ) -> None:  # fmt: skip
-        self.max_requests = max_requests
         super().__init__(
             name, forward, backend, rows, max_requests, max_model_len, block_size, device,
             {"input_ids": ((), torch.int64)}, {"last_row": ((), torch.int64, 0)},
@@ -166,8 +169,8 @@ class VarlenGraphs(StepGraphs):
 
 
 class BatchPrefillGraphs:
-    """The target's steps of several requests whose every row but each request's last is a prompt row (prefills,
-    prompt chunks, decodes beside them; no drafts): a bucket of rows (PREFILL_GRAPH_ROWS), then of requests."""
+    """The target's steps of several requests without drafts, each needing at most its last row's logits (prefills,
+    prompt chunks, decodes beside them): a bucket of rows (PREFILL_GRAPH_ROWS), then of requests."""
 
     def __init__(
         self, forward: GraphForward, backend: str, buckets: list[int], max_requests: int, max_model_len: int,
