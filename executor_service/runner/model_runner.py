@@ -111,16 +111,13 @@ class ModelRunner:
             outputs = self.prefill_graphs.run(
                 rows, inputs.positions, step, input_ids=inputs.input_ids, last_row=last_row
             )
-            features = outputs[1][: inputs.input_ids.shape[0]] if len(outputs) > 1 else None
-            return StepOutput(outputs[0][: len(inputs.sampled)], features)
+            return _step_rows(outputs, inputs)
         rows = self._batch_prefill_bucket(inputs)
         if rows is not None:
             assert self.batch_prefill_graphs is not None
             self.step_counts["batch prefill graph"] += 1
             graphs = self.batch_prefill_graphs.graphs[rows]
-            outputs = graphs.run_rows(step, inputs.input_ids, inputs.positions, inputs.logits_indices)
-            features = outputs[1][: inputs.input_ids.shape[0]] if len(outputs) > 1 else None
-            return StepOutput(outputs[0][: len(inputs.sampled)], features)
+            return _step_rows(graphs.run_rows(step, inputs.input_ids, inputs.positions, inputs.logits_indices), inputs)
         self.step_counts["eager"] += 1
         logits, features = self.forward(inputs.input_ids, inputs.positions, step, inputs.logits_indices)
         return StepOutput(logits, features)
@@ -196,3 +193,10 @@ class ModelRunner:
 
     def _tensor(self, values: list, dtype: torch.dtype) -> torch.Tensor:
         return to_device(values, dtype, self.device)
+
+
+def _step_rows(outputs: tuple[torch.Tensor, ...], inputs: StepInputs) -> StepOutput:
+    """A prefill graph's outputs, padded to its bucket, cut to the step: the sampling requests' logits, the real
+    rows' features."""
+    features = outputs[1][: inputs.input_ids.shape[0]] if len(outputs) > 1 else None
+    return StepOutput(outputs[0][: len(inputs.sampled)], features)

@@ -347,21 +347,24 @@ class Proposer:
     def _tree_context(
         self, step: AttentionStep, positions: torch.Tensor, next_ids: torch.Tensor, features: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """`context_pass_rows` on the host path: a lone request's rows through the context pass's prefill graphs
-        (its outputs cut to the real rows), others eagerly."""
-        count = positions.shape[0]
-        rows = self.prefill_graphs.bucket(step, count) if self.prefill_graphs is not None else None
-        if rows is None:
-            self.pass_counts["tree_context eager"] += 1
-            return self.context_pass_rows(step, positions, next_ids, features)
+        """`context_pass_rows` on the host path: a lone request's rows through the context pass's prefill graphs,
+        others eagerly."""
+        forward = self._prefill_replay(step, positions.shape[0])
+        self.pass_counts["tree_context eager" if forward is None else "tree_context prefill graph"] += 1
+        return self.context_pass_rows(step, positions, next_ids, features, forward)
+
+    def _prefill_replay(self, step: AttentionStep, num_rows: int) -> PassForward | None:
+        """The context pass over a lone request's `num_rows` rows as a replay of its prefill graphs' bucket, its
+        outputs cut to the real rows (a context pass's outputs are per row); None: no bucket fits."""
         graphs = self.prefill_graphs
-        assert graphs is not None
-        self.pass_counts["tree_context prefill graph"] += 1
+        rows = graphs.bucket(step, num_rows) if graphs is not None else None
+        if graphs is None or rows is None:
+            return None
 
         def replayed(step: AttentionStep, positions: torch.Tensor, x: dict[str, torch.Tensor]) -> tuple:
-            return tuple(output[:count] for output in graphs.run(rows, positions, step, **x))
+            return tuple(output[:num_rows] for output in graphs.run(rows, positions, step, **x))
 
-        return self.context_pass_rows(step, positions, next_ids, features, replayed)
+        return replayed
 
     def draft(
         self, requests: list[Request], head: torch.Tensor, hidden: torch.Tensor, penalties: DraftPenalties | None = None
@@ -465,13 +468,10 @@ class Proposer:
         if graphs is not None and uniform and step.seq_lens.shape[0] <= graphs.max_batch:
             self.pass_counts[f"{name} graph"] += 1
             return graphs.run(step.block_table, step.seq_lens, step.slot_mapping, positions, **inputs)
-        count = positions.shape[0]
-        rows = self.prefill_graphs.bucket(step, count) if self.prefill_graphs and name == self.CONTEXT_PASS else None
-        if rows is not None:
-            assert self.prefill_graphs is not None
+        forward = self._prefill_replay(step, positions.shape[0]) if name == self.CONTEXT_PASS else None
+        if forward is not None:
             self.pass_counts[f"{name} prefill graph"] += 1
-            outputs = self.prefill_graphs.run(rows, positions, step, **inputs)
-            return tuple(output[:count] for output in outputs)  # a context pass's outputs are per row
+            return forward(step, positions, inputs)
         self.pass_counts[f"{name} eager"] += 1
         return self.passes[name].forward(step, positions, inputs)
 
