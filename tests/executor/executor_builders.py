@@ -27,6 +27,14 @@ def tiny_config(architecture: str = "llama", **changes: object) -> ModelConfig:
     return ModelConfig(architecture=architecture, **fields)  # type: ignore[arg-type]
 
 
+def gpu_test_config() -> ModelConfig:
+    """The GPU tests' small target: 64-wide heads (the kernels' common size), GQA 8 / 2, 3 layers, 2,048 positions."""
+    return tiny_config(
+        "qwen3", vocab_size=1024, hidden_size=256, intermediate_size=512, num_layers=3, num_heads=8, head_size=64,
+        max_position_embeddings=2048,
+    )  # fmt: skip
+
+
 def tiny_model(architecture: str = "llama", seed: int = 0, **changes: object) -> LoadedModel:
     return build_synthetic(tiny_config(architecture, **changes), seed, torch.float32, torch.device("cpu"))
 

@@ -15,7 +15,7 @@ from executor_service.engine.request import Request, RequestOutput
 from executor_service.engine.scheduler import Scheduler
 from executor_service.models.config import ModelConfig
 from executor_service.models.loader import LoadedModel, build_synthetic
-from executor_service.runner.model_runner import ModelRunner
+from executor_service.runner.model_runner import ModelRunner, StepInputs
 from executor_service.sample.sampling import SamplingSettings
 
 BLOCK_SIZE = 16
@@ -39,60 +39,56 @@ def prefill_engine(
 
 
 def check_lone_prefill(engine: Engine, prompt: list[int], atol: float) -> int:
-    """Schedule `prompt`'s prefill, run it eagerly, then through its bucket's graph over the same cache: equal logits
-    and features, and the cache unchanged by the replay (its rows' K/V rewritten with the same values, nothing
-    else written). Returns the bucket."""
-    runner = engine.runner
+    """Schedule `prompt`'s prefill and check its replay (`check_replay`) through its lone bucket. Returns it."""
     engine.add(Request("lone", prompt, SamplingSettings(), 1, frozenset(), lambda _: None))
-    engine._drain_commands()
-    scheduled = engine.scheduler.schedule()
-    inputs = runner.prepare(scheduled)
-    assert runner.prefill_graphs is not None
-    rows = runner.prefill_graphs.bucket(inputs.attention, len(prompt))
+    inputs = scheduled_inputs(engine, 1)
+    assert engine.runner.prefill_graphs is not None
+    rows = engine.runner.prefill_graphs.bucket(inputs.attention, len(prompt))
     assert rows is not None and rows >= len(prompt)
-    runner.kv_cache.storage.fill_(SENTINEL)
-    logits, features = runner.forward(inputs.input_ids, inputs.positions, inputs.attention, inputs.logits_indices)
-    assert features is not None
-    written = runner.kv_cache.storage.clone()
-    before = runner.step_counts["prefill graph"]
-    output = runner.execute(inputs)
-    assert runner.step_counts["prefill graph"] == before + 1
-    assert output.logits.shape == logits.shape and output.features is not None
-    torch.testing.assert_close(output.logits, logits, atol=atol, rtol=0)
-    torch.testing.assert_close(output.features, features, atol=atol, rtol=0)
-    torch.testing.assert_close(runner.kv_cache.storage, written, atol=atol, rtol=0)
-    assert (written != SENTINEL).any()  # the eager pass wrote its rows: the comparison above can see a write
+    check_replay(engine, inputs, "prefill graph", atol)
     engine._abort(["lone"])
     return rows
 
 
 def check_batch_prefill(engine: Engine, prompts: list[list[int]], atol: float) -> int:
-    """Schedule the prompts' prefills in one step, run it eagerly, then through its batch graph over the same cache:
-    equal logits and features, the cache unchanged by the replay. Returns the rows bucket."""
-    runner = engine.runner
+    """Schedule the prompts' prefills in one step and check its replay (`check_replay`) through its batch graph.
+    Returns the rows bucket."""
     for index, prompt in enumerate(prompts):
         engine.add(Request(f"b{index}", prompt, SamplingSettings(), 1, frozenset(), lambda _: None))
+    inputs = scheduled_inputs(engine, len(prompts))
+    assert engine.runner.batch_prefill_graphs is not None
+    rows = engine.runner.batch_prefill_graphs.bucket(inputs.attention, inputs.input_ids.shape[0])
+    assert rows is not None and rows >= sum(map(len, prompts))
+    check_replay(engine, inputs, "batch prefill graph", atol)
+    engine._abort([f"b{index}" for index in range(len(prompts))])
+    return rows
+
+
+def scheduled_inputs(engine: Engine, num_requests: int) -> StepInputs:
+    """The next step's inputs, which must hold every one of the `num_requests` requests just added."""
     engine._drain_commands()
     scheduled = engine.scheduler.schedule()
-    assert len(scheduled.requests) == len(prompts)
-    inputs = runner.prepare(scheduled)
-    assert runner.batch_prefill_graphs is not None
-    rows = runner.batch_prefill_graphs.bucket(inputs.attention, inputs.input_ids.shape[0])
-    assert rows is not None and rows >= sum(map(len, prompts))
+    assert len(scheduled.requests) == num_requests
+    return engine.runner.prepare(scheduled)
+
+
+def check_replay(engine: Engine, inputs: StepInputs, counter: str, atol: float) -> None:
+    """The step run eagerly, then by `execute` through a graph (its step count `counter`) over the same cache: equal
+    logits and features, and the cache unchanged by the replay (its rows' K/V rewritten with the same values,
+    nothing else written)."""
+    runner = engine.runner
     runner.kv_cache.storage.fill_(SENTINEL)
     logits, features = runner.forward(inputs.input_ids, inputs.positions, inputs.attention, inputs.logits_indices)
     assert features is not None
     written = runner.kv_cache.storage.clone()
-    before = runner.step_counts["batch prefill graph"]
+    before = runner.step_counts[counter]
     output = runner.execute(inputs)
-    assert runner.step_counts["batch prefill graph"] == before + 1
+    assert runner.step_counts[counter] == before + 1
     assert output.logits.shape == logits.shape and output.features is not None
     torch.testing.assert_close(output.logits, logits, atol=atol, rtol=0)
     torch.testing.assert_close(output.features, features, atol=atol, rtol=0)
     torch.testing.assert_close(runner.kv_cache.storage, written, atol=atol, rtol=0)
-    assert (written != SENTINEL).any()
-    engine._abort([f"b{index}" for index in range(len(prompts))])
-    return rows
+    assert (written != SENTINEL).any()  # the eager pass wrote its rows: the comparison above can see a write
 
 
 def generate_one_by_one(

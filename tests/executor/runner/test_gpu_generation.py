@@ -13,13 +13,13 @@ import random
 
 import pytest
 import torch
+from executor_builders import gpu_test_config
 from greedy_reference import dense_logits, greedy_reference
 
 from executor_service.engine.engine import Engine
 from executor_service.engine.kv_cache import KVCache
 from executor_service.engine.request import RequestOutput
 from executor_service.engine.scheduler import Scheduler
-from executor_service.models.config import ModelConfig
 from executor_service.models.loader import build_synthetic
 from executor_service.runner.model_runner import ModelRunner
 from executor_service.sample.sampling import SamplingSettings
@@ -30,10 +30,7 @@ if not torch.cuda.is_available():
     pytest.skip("needs a CUDA GPU", allow_module_level=True)
 
 CUDA = torch.device("cuda")
-CONFIG = ModelConfig(
-    architecture="qwen3", vocab_size=1024, hidden_size=256, intermediate_size=512, num_layers=3,
-    num_heads=8, num_kv_heads=2, head_size=64, max_position_embeddings=2048, rope_theta=10000.0,
-)  # fmt: skip
+CONFIG = gpu_test_config()
 MARGIN = 0.25
 
 
