@@ -217,7 +217,7 @@ def open_session(
     settings = EngineSettings(
         max_num_batched_tokens=8192, max_num_seqs=max(args.batches), cuda_graphs=True,
         adaptive_speculation=bool(args.adaptive_batches), defer_drafter_context=not args.no_defer_context,
-        release_drafter=not args.no_drafter_release, batch_prefill_graphs=args.batch_prefill_graphs,
+        release_drafter=not args.no_drafter_release, batch_prefill_graphs=not args.no_batch_prefill_graphs,
     )  # fmt: skip
     started = time.perf_counter()
     session = build_session(
@@ -737,7 +737,7 @@ def parse_args(description: str | None = __doc__) -> argparse.Namespace:
         "--prefill-batch", type=int, default=1, help="prefill_profile.py: prompts prefilled in one step (<= --batches')"
     )
     parser.add_argument(
-        "--batch-prefill-graphs", action="store_true", help="sessions capture batch prefill graphs (EngineSettings')"
+        "--no-batch-prefill-graphs", action="store_true", help="sessions capture no batch prefill graphs (EngineSettings')"
     )
     parser.add_argument("--out", type=Path, default=REPO / "bench" / "results")
     shapes = parser.add_argument_group("drafter shapes (default: DRAFTERS', over the preset's MLP width)")

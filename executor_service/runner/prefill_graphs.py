@@ -16,7 +16,7 @@ tensor parallelism: the other ranks replay rank 0's inputs, which its row index 
 there its prefill stays eager (the drafter runs on rank 0 alone, so its graphs are).
 
 Steps of several requests without drafts (prompts arriving together, an arrival beside decodes) have their own
-graphs (`BatchPrefillGraphs`, off by default: EngineSettings.batch_prefill_graphs): a bucket of rows, then of
+graphs (`BatchPrefillGraphs`; EngineSettings.batch_prefill_graphs, on by default): a bucket of rows, then of
 requests; the real requests keep their own metadata and the bucket's spare rows belong to one padding request.
 """
 

@@ -256,10 +256,10 @@ def main(argv: list[str] | None = None) -> int:
         "reads this one back (for comparison)",
     )
     parser.add_argument(
-        "--batch-prefill-graphs",
+        "--no-batch-prefill-graphs",
         action="store_true",
-        help="steps of several requests without drafts (prompts arriving together, an arrival beside decodes) "
-        "replay CUDA graphs (TRITON_ATTN; docs/executor.md); default off until measured on a GPU",
+        help="run steps of several requests without drafts (prompts arriving together, an arrival beside decodes) "
+        "eagerly instead of replaying their CUDA graphs (TRITON_ATTN; docs/executor.md)",
     )
     parser.add_argument(
         "--no-prefix-caching",
@@ -292,7 +292,7 @@ def main(argv: list[str] | None = None) -> int:
                 sampled_drafts=args.sampled_drafts,
                 adaptive_speculation=args.adaptive_speculation,
                 overlap_decode=not args.no_overlap_decode,
-                batch_prefill_graphs=args.batch_prefill_graphs,
+                batch_prefill_graphs=not args.no_batch_prefill_graphs,
             ),
             max_live_requests=int(args.max_live_requests),
             tensor_parallel_size=int(args.tensor_parallel_size),

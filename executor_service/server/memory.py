@@ -83,7 +83,7 @@ def estimate_memory(
     max_num_batched_tokens: int,
     max_num_seqs: int,
     device: torch.device,
-    batch_prefill_graphs: bool = False,
+    batch_prefill_graphs: bool = True,
 ) -> MemoryEstimate:
     """What loading `target` (and `draft`) with a cache of `num_kv_blocks` takes on `device` (`batch_prefill_graphs`:
     EngineSettings')."""

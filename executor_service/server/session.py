@@ -85,9 +85,8 @@ class EngineSettings:
     # booking overlaps the device (engine/overlap_decode.py); off: every decode step serially.
     overlap_decode: bool = True
     # Steps of several requests without drafts (prefills arriving together, or beside decodes) replay CUDA graphs of
-    # their rows and requests (runner/prefill_graphs.py, BATCH_PREFILL_BACKENDS); off: they run eagerly. Off by
-    # default until measured on a GPU (CPU-tested on the stand-in graphs).
-    batch_prefill_graphs: bool = False
+    # their rows and requests (runner/prefill_graphs.py, BATCH_PREFILL_BACKENDS); off: they run eagerly.
+    batch_prefill_graphs: bool = True
 
 
 def selection_request(

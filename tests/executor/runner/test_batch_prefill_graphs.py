@@ -32,8 +32,9 @@ def cpu_graphs() -> Iterator[None]:
 
 
 def captured(session: ModelSession, max_batched: int, max_seqs: int) -> ModelSession:
-    """The session's graphs with batch prefill graphs on (CPU_ATTN skips requests of no rows, as TRITON_ATTN does)."""
-    settings = EngineSettings(max_batched, max_seqs, True, batch_prefill_graphs=True)
+    """The session's graphs, batch prefill graphs on by default (CPU_ATTN skips requests of no rows, as TRITON_ATTN
+    does)."""
+    settings = EngineSettings(max_batched, max_seqs, True)
     with cpu_graphs():
         capture_graphs(session, settings, session.limits.max_model_len)
     session.engine.runner.step_counts.clear()  # the load's warm-up ran before the graphs were captured
@@ -78,8 +79,8 @@ def test_with_a_drafter_prefills_together_replay_them_and_verify_steps_do_not(me
     assert spec_step is not None and spec_step.counts.total() > 0, spec_step.counts  # verify steps: the device step's
 
 
-def test_off_by_default_nothing_is_captured() -> None:
+def test_switched_off_nothing_is_captured() -> None:
     session = tiny_session(max_num_batched_tokens=48, max_num_seqs=8)
     with cpu_graphs():
-        capture_graphs(session, EngineSettings(48, 8, True), session.limits.max_model_len)
+        capture_graphs(session, EngineSettings(48, 8, True, batch_prefill_graphs=False), session.limits.max_model_len)
     assert session.engine.runner.batch_prefill_graphs is None and session.engine.runner.prefill_graphs is not None
