@@ -737,7 +737,7 @@ def parse_args(description: str | None = __doc__) -> argparse.Namespace:
         "--prefill-batch", type=int, default=1, help="prefill_profile.py: prompts prefilled in one step (<= --batches')"
     )
     parser.add_argument(
-        "--no-batch-prefill-graphs", action="store_true", help="sessions capture no batch prefill graphs (EngineSettings')"
+        "--no-batch-prefill-graphs", action="store_true", help="sessions capture no batch prefill graphs"
     )
     parser.add_argument("--out", type=Path, default=REPO / "bench" / "results")
     shapes = parser.add_argument_group("drafter shapes (default: DRAFTERS', over the preset's MLP width)")

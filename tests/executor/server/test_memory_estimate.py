@@ -98,8 +98,8 @@ def test_on_cuda_the_estimate_counts_the_sampler_graphs_static_inputs() -> None:
     config = resolve_target(request.target, None, "target").config
 
     def activations(device: str) -> int:  # the batch prefill graphs apart (the test above counts them)
-        cuda = torch.device(device)
-        return estimate_memory(config, None, torch.float32, 64, 16, 64, 40, cuda, batch_prefill_graphs=False).activations
+        on = torch.device(device)
+        return estimate_memory(config, None, torch.float32, 64, 16, 64, 40, on, batch_prefill_graphs=False).activations
 
     margins = memory.CUDA_MARGIN_BYTES - memory.CPU_MARGIN_BYTES
     table = PenaltyTable(DEFAULT_PENALTY_SLOTS, 512, torch.device("cpu"))
