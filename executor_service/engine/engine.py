@@ -389,7 +389,7 @@ class Engine(EngineLoop):
                 cap_drafts(request, k_next)
         self._cache_prefixes(requests)  # once the drafter wrote its K/V too
         if following is not None:
-            self._in_flight = (requests, following)
+            self._in_flight = following
         self._note_steady(len(drafted), set(drafted), k_next)
         if self.on_step is not None:  # `beside`: the host path's part of the same step (computed, generated)
             computed = len(requests) * self.spec_step.rows + beside[0]
@@ -468,26 +468,33 @@ class Engine(EngineLoop):
             ids, depths = [o.request.request_id for o in reached], [o.depth for o in reached]
             self.speculation.observe_verify(ids, depths, [o.accepted for o in reached])
 
-    def _launch_following(self, requests: list[Request], pending: PendingStep) -> PendingStep | None:
-        """The step after `pending`, launched before `pending` is read back, when nothing could change the
-        batch in between: no command or waiting request, nobody finished, every request keeps drafting whole
-        drafts of the loaded shape with room for them. Scripted drafts (the proposer's replay) need the host."""
+    def _launch_following(
+        self, requests: list[Request], pending: PendingStep
+    ) -> tuple[list[Request], PendingStep] | None:
+        """The step after `pending` for its requests still running, launched before `pending` is read back, when
+        nothing could change the batch in between: no command or waiting request, every running request keeps
+        drafting whole drafts of the loaded shape with room for them. Those that finished since `pending` was
+        launched (its rows of them are read back but not booked) are left out, so a finish does not break the
+        chain: the device goes on while the host books. Scripted drafts (the proposer's replay) need the host."""
         spec_step = self.spec_step
         assert spec_step is not None and self.proposer is not None
         if self.proposer.scripted or self.scheduler.waiting or not self._commands.empty():
             return None
         if self.deferred is not None and self.deferred.held:  # a flush needs the host path
             return None
-        if len(requests) != len(self.scheduler.running):  # others run beside them: they need the next step too
+        kept = [i for i, r in enumerate(requests) if r.status is Status.RUNNING]
+        if not kept or len(kept) != len(self.scheduler.running):  # others run beside them: they need the next step
             return None
-        for request in requests:
-            if request.status is not Status.RUNNING or self.proposer.num_drafts(request) != spec_step.num_draft_tokens:
+        going_on = [requests[i] for i in kept]
+        for request in going_on:
+            if self.proposer.num_drafts(request) != spec_step.num_draft_tokens:
                 return None
             if spec_step.reach_following(request) > self.max_model_len:
                 return None
-        if not all(self.scheduler.reserve(r, spec_step.reach_following(r)) for r in requests):
+        if not all(self.scheduler.reserve(r, spec_step.reach_following(r)) for r in going_on):
             return None
-        return spec_step.launch_following(pending, requests)
+        narrowed = kept if len(kept) < len(requests) else None
+        return going_on, spec_step.launch_following(pending, going_on, narrowed)
 
     def _emit(
         self, request: Request, tokens: list[int], num_drafted: int, logprobs: list[TokenLogprob] | None = None

@@ -36,7 +36,7 @@ from dataclasses import dataclass, field, replace
 import torch
 
 from executor_service.engine.request import Request
-from executor_service.models.attention_step import AttentionStep
+from executor_service.models.attention_step import AttentionStep, to_device
 from executor_service.parallel.graphs import lockstep_for
 from executor_service.runner.cuda_graphs import StepGraphs
 from executor_service.runner.host_copy import HostCopy
@@ -97,6 +97,16 @@ class VerifiedStep:
         return unpack_logprobs(self.logprobs[index], self.emitted(index), self.logprob_top, n)
 
 
+@dataclass(frozen=True)
+class FollowingInputs:
+    """What the step launched after a pending one reads of it, for part of its batch (`PendingStep.narrowed`)."""
+
+    packed: torch.Tensor
+    positions: torch.Tensor
+    sampling: StepSampling
+    draft_q: DraftQ | None
+
+
 class PendingStep:
     """A launched step's packed result [B, (num_steps + 1) + 1 + num_draft_tokens (+ a dynamic tree's parents)],
     copied to pinned host memory behind the step; its packed result, positions and sampling inputs stay on the
@@ -119,6 +129,20 @@ class PendingStep:
         self.logprob_top = logprob_top if has_extras(self.sampling.variant) else 0
         self.logprob_width = rows * (1 + 2 * logprob_top) if self.logprob_top else 0
         self.readback = HostCopy(packed)
+
+    def narrowed(self, kept: list[int]) -> FollowingInputs:
+        """What a following step reads of this one for its requests `kept` (indices into this step's batch, in
+        order): their packed rows, positions, sampling inputs and drafts' q, gathered on the device. The kept
+        requests' variant serves them: a batch's variant covers every need of its requests."""
+        index = to_device(kept, torch.int64, self.packed.device)
+        rows = self.positions.shape[0] // self.packed.shape[0]
+        positions = self.positions.view(-1, rows).index_select(0, index).reshape(-1)
+        inputs = {name: tensor.index_select(0, index) for name, tensor in self.sampling.inputs.items()}
+        draft_q = None
+        if self.draft_q is not None:
+            draft_q = DraftQ(self.draft_q.ids.index_select(0, index), self.draft_q.probs.index_select(0, index))
+        sampling = StepSampling(self.sampling.variant, inputs)
+        return FollowingInputs(self.packed.index_select(0, index), positions, sampling, draft_q)
 
     def result(self) -> VerifiedStep:
         """Waits for the device (runner/host_copy.py)."""
@@ -247,17 +271,22 @@ class SpecStep(VariantSteps):
         return PendingStep(packed, inputs.positions, self.num_steps + 1, sampling, self.logprob_top, tuple(draft_q))
 
     @torch.inference_mode()
-    def launch_following(self, previous: PendingStep, requests: list[Request]) -> PendingStep:
+    def launch_following(
+        self, previous: PendingStep, requests: list[Request], kept: list[int] | None = None
+    ) -> PendingStep:
         """Queue the step after `previous` for the same requests before the host has read `previous` back: its
         inputs (the bonus token and the next drafts), positions, sequence lengths and slots follow on the device
-        from `previous`'s packed result. The caller has reserved every request's blocks up to `reach_following`."""
+        from `previous`'s packed result. `kept`: the indices of `requests` in `previous`'s batch when some of it
+        finished since its launch (None: all of it, in order); the rest is left out, its rows in `previous`
+        unread. The caller has reserved every request's blocks up to `reach_following`."""
+        source = previous if kept is None else previous.narrowed(kept)
         count, rows, depth, size = len(requests), self.rows, self.num_steps, self.num_draft_tokens
         roots = [r.num_computed_tokens for r in requests]  # `previous`'s root (not yet booked)
         block_table = self.proposer.block_table(requests)
-        old_root = previous.positions.view(count, rows)[:, 0]
+        old_root = source.positions.view(count, rows)[:, 0]
         reach = max(rows, self.ahead_width)
         wide = self._slots(block_table, old_root, depth + 1 + reach)
-        packed = previous.packed
+        packed = source.packed
         accepted = packed[:, depth + 1]
         bonus = packed[:, : depth + 1].gather(1, accepted[:, None])
         input_ids = torch.cat([bonus, packed[:, depth + 2 : depth + 2 + size]], dim=1).reshape(-1)
@@ -270,12 +299,12 @@ class SpecStep(VariantSteps):
             seq_lens=(root + rows).to(torch.int32), slot_mapping=wide.gather(1, shift + offsets[:, :rows]).reshape(-1),
             max_query_len=rows, max_seq_len=max(roots) + depth + 1 + rows,
         )  # fmt: skip
-        sampling = previous.sampling
+        sampling = source.sampling
         x = {"input_ids": input_ids, "slots_ahead": wide.gather(1, shift + offsets[:, : self.ahead_width])}
         if self.dynamic:
             x["parents"] = packed[:, depth + 2 + size : depth + 2 + 2 * size]
-        if previous.draft_q is not None:
-            x |= {"q_ids": previous.draft_q.ids, "q_probs": previous.draft_q.probs}
+        if source.draft_q is not None:
+            x |= {"q_ids": source.draft_q.ids, "q_probs": source.draft_q.probs}
         out, *draft_q = self.run(sampling.variant, " following", step, positions, x | sampling.inputs)
         return PendingStep(out, positions, depth + 1, sampling, self.logprob_top, tuple(draft_q))
 

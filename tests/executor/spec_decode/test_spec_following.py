@@ -13,11 +13,13 @@ import torch
 from engine_driving import Collector, Outputs
 from greedy_reference import greedy_reference
 from spec_builders import EchoDrafts, spec_session
+from tree_cases import TREES, tree_session
 
 from executor_service.engine.request import Request, Status
 from executor_service.engine.scheduler import ScheduledStep
 from executor_service.models.weights import echoing_target
 from executor_service.sample.sampling import SamplingSettings
+from executor_service.server.session import ModelSession
 
 K = 4
 METHODS = ["eagle", "eagle3", "dflash", "dflash_causal"]
@@ -59,10 +61,10 @@ def test_following_inputs_are_what_the_host_builds_after_booking(monkeypatch: py
         calls["forward"] = {name: tensor.clone() for name, tensor in (metadata | x).items()}
         return forward(step, positions, x, variant)
 
-    def forced_following(previous, requests):  # type: ignore[no-untyped-def]
+    def forced_following(previous, requests, kept=None):  # type: ignore[no-untyped-def]
         with torch.inference_mode():
-            previous.packed[:, rows] = torch.tensor([(len(launched) + i) % rows for i in range(len(requests))])
-        pending = launch_following(previous, requests)
+            previous.packed[:, rows] = torch.tensor([(len(launched) + i) % rows for i in range(len(previous.packed))])
+        pending = launch_following(previous, requests, kept)
         launched.append((requests, calls["forward"]))
         return pending
 
@@ -91,6 +93,92 @@ def test_following_inputs_are_what_the_host_builds_after_booking(monkeypatch: py
         assert derived["slots_ahead"].tolist() == expected_ahead.tolist()
         checked += 1
     assert checked >= 3
+
+
+MIXED = [
+    SamplingSettings(),
+    SamplingSettings(0.7, top_p=0.9, seed=11),
+    SamplingSettings(0.7, top_k=20, seed=12),
+    SamplingSettings(repetition_penalty=1.2),
+    SamplingSettings(logprobs=3),
+    SamplingSettings(0.8, seed=13, presence_penalty=0.5),
+]
+
+
+def logprobs(outputs: Outputs, rid: str) -> list:
+    return [lp for o in outputs.by_id[rid] for lp in (o.logprobs or [])]
+
+
+def serve_finishing_apart(session: ModelSession, narrow: bool) -> tuple[Outputs, int]:
+    """MIXED's requests together, each finishing at its own step (their lengths), so most finishes land while a
+    step launched ahead is in flight: the outputs, and how many device steps were launched from the host (not
+    derived from the step before). `narrow` False: no step is launched after a finish, as before, so each finish
+    makes the host launch the next step afresh (the control)."""
+    spec_step = session.engine.spec_step
+    assert spec_step is not None
+    if not narrow:
+        original = session.engine._launch_following
+
+        def refuse_finished(requests, pending):  # type: ignore[no-untyped-def]
+            if any(r.status is not Status.RUNNING for r in requests):
+                return None
+            return original(requests, pending)
+
+        session.engine._launch_following = refuse_finished  # type: ignore[method-assign]
+    fresh = spec_step.counts["eager"] + spec_step.counts["graph"]
+    sink = Outputs()
+    for index, (rid, prompt) in enumerate(prompts(len(MIXED), seed=9).items()):
+        session.engine.add(session.new_request(rid, prompt, MIXED[index], 12 + 7 * index, sink))
+    session.engine.run_until_idle()
+    return sink, spec_step.counts["eager"] + spec_step.counts["graph"] - fresh
+
+
+@pytest.mark.parametrize(
+    ("method", "sampled_drafts", "graphs"),
+    [
+        ("eagle3", "off", False),
+        ("eagle3", "on", False),
+        ("dflash", "off", False),
+        ("eagle3", "on", True),
+        ("eagle3 tree", "off", False),
+        ("dflash tree", "off", True),
+    ],
+)
+def test_finished_requests_are_left_out_of_the_step_launched_after_them(
+    method: str, sampled_drafts: str, graphs: bool
+) -> None:
+    """Requests finishing apart in a batch mixing greedy, sampled, penalised and logprob requests (and drafts drawn
+    from q): the step launched after a finish goes on for those still running (their packed rows, positions,
+    sampling inputs, penalty slots and q gathered on the device), so only the first device step is launched from
+    the host; every token, logprob and acceptance count is the control's, where each finish makes the host launch
+    the next step afresh (one more host launch per finish), and greedy requests' tokens are the target's own.
+    `graphs`: the device step's stand-in graphs (the narrowed batch replays a smaller bucket). Trees: a dynamic
+    one (its parents in the packed rows)."""
+    tree, depth = TREES["dynamic_3_budget_8_depth_4"]
+    sessions = [
+        tree_session(method.split()[0], tree, depth) if method.endswith(" tree")
+        else spec_session(method, K, sampled_drafts=sampled_drafts)
+        for _ in range(2)
+    ]  # fmt: skip
+    for session in sessions if graphs else []:
+        assert session.engine.spec_step is not None
+        session.engine.spec_step.capture_graphs(8, session.loaded.model.config.max_position_embeddings)
+    narrowed, control = sessions
+    outputs, fresh = serve_finishing_apart(narrowed, narrow=True)
+    expected, control_fresh = serve_finishing_apart(control, narrow=False)
+    if graphs:
+        assert narrowed.engine.spec_step is not None and narrowed.engine.spec_step.counts["graph following"] > 0
+    batch = prompts(len(MIXED), seed=9)
+    for index, rid in enumerate(batch):
+        assert outputs.tokens(rid) == expected.tokens(rid), rid
+        assert logprobs(outputs, rid) == logprobs(expected, rid), rid
+        assert len(outputs.tokens(rid)) == 12 + 7 * index, rid
+    assert outputs.tokens("r0") == greedy_reference(narrowed.loaded.model, batch["r0"], 12)
+    assert outputs.acceptance() == expected.acceptance()
+    # The batch's first device steps come from the host (the first beside the others' prefill); after that every
+    # finish but the last cost the control a host launch, and none here.
+    assert fresh <= 2 and control_fresh - fresh == len(MIXED) - 1, (fresh, control_fresh)
+    assert narrowed.kv_cache.allocator.num_used == 0 and not narrowed.engine.live_ids()
 
 
 def test_an_abort_while_a_step_is_in_flight() -> None:
