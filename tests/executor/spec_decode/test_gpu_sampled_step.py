@@ -11,6 +11,7 @@ import torch
 from engine_driving import Collector
 from executor_builders import tiny_session
 from gpu_sampled_cases import BACKEND, FP32, session_of, step_of
+from test_spec_following import MIXED, logprobs, serve_finishing_apart
 
 from executor_service.sample.sampling import SamplingSettings
 from executor_service.server.session import ModelSession
@@ -82,3 +83,21 @@ def test_a_seeded_request_emits_target_only_decoding_s_tokens(shape: str) -> Non
                                device="cuda", dtype=FP32)  # fmt: skip
     alone, _ = generate(target_only, 3)
     assert with_drafter == alone
+
+
+@pytest.mark.parametrize("shape", ["chain", "tree", "chain drawn"])
+def test_a_finish_keeps_the_chain_of_graph_replays(shape: str) -> None:
+    """Requests mixing greedy, sampled, penalised and logprob requests, finishing apart, on CUDA with graphs: the
+    step after a finish replays for those still running (a smaller bucket), launched from the device, and every
+    token, logprob and acceptance count is a run's that launches afresh after each finish (test_spec_following.py's
+    CPU test, here with graph replays and the device's own kernels)."""
+    narrowed, control = session_of(shape), session_of(shape)
+    outputs, fresh = serve_finishing_apart(narrowed, narrow=True)
+    expected, control_fresh = serve_finishing_apart(control, narrow=False)
+    for rid in outputs.by_id:
+        assert outputs.tokens(rid) == expected.tokens(rid), rid
+        assert logprobs(outputs, rid) == logprobs(expected, rid), rid
+    assert outputs.acceptance() == expected.acceptance()
+    counts = step_of(narrowed).counts
+    assert counts["graph following"] > 0 and counts["eager following"] == 0, counts
+    assert fresh <= 2 and control_fresh - fresh == len(MIXED) - 1, (fresh, control_fresh)
