@@ -10,8 +10,8 @@ import pytest
 import torch
 from engine_driving import Collector
 from executor_builders import tiny_session
+from following_cases import MIXED, logprobs, serve_finishing_apart
 from gpu_sampled_cases import BACKEND, FP32, session_of, step_of
-from test_spec_following import MIXED, logprobs, serve_finishing_apart
 
 from executor_service.sample.sampling import SamplingSettings
 from executor_service.server.session import ModelSession

@@ -11,6 +11,7 @@ import random
 import pytest
 import torch
 from engine_driving import Collector, Outputs
+from following_cases import MIXED, finishing_prompts, logprobs, serve_finishing_apart
 from greedy_reference import greedy_reference
 from spec_builders import EchoDrafts, spec_session
 from tree_cases import TREES, tree_session
@@ -19,7 +20,6 @@ from executor_service.engine.request import Request, Status
 from executor_service.engine.scheduler import ScheduledStep
 from executor_service.models.weights import echoing_target
 from executor_service.sample.sampling import SamplingSettings
-from executor_service.server.session import ModelSession
 
 K = 4
 METHODS = ["eagle", "eagle3", "dflash", "dflash_causal"]
@@ -95,44 +95,6 @@ def test_following_inputs_are_what_the_host_builds_after_booking(monkeypatch: py
     assert checked >= 3
 
 
-MIXED = [
-    SamplingSettings(),
-    SamplingSettings(0.7, top_p=0.9, seed=11),
-    SamplingSettings(0.7, top_k=20, seed=12),
-    SamplingSettings(repetition_penalty=1.2),
-    SamplingSettings(logprobs=3),
-    SamplingSettings(0.8, seed=13, presence_penalty=0.5),
-]
-
-
-def logprobs(outputs: Outputs, rid: str) -> list:
-    return [lp for o in outputs.by_id[rid] for lp in (o.logprobs or [])]
-
-
-def serve_finishing_apart(session: ModelSession, narrow: bool) -> tuple[Outputs, int]:
-    """MIXED's requests together, each finishing at its own step (their lengths), so most finishes land while a
-    step launched ahead is in flight: the outputs, and how many device steps were launched from the host (not
-    derived from the step before). `narrow` False: no step is launched after a finish, as before, so each finish
-    makes the host launch the next step afresh (the control)."""
-    spec_step = session.engine.spec_step
-    assert spec_step is not None
-    if not narrow:
-        original = session.engine._launch_following
-
-        def refuse_finished(requests, pending):  # type: ignore[no-untyped-def]
-            if any(r.status is not Status.RUNNING for r in requests):
-                return None
-            return original(requests, pending)
-
-        session.engine._launch_following = refuse_finished  # type: ignore[method-assign]
-    fresh = spec_step.counts["eager"] + spec_step.counts["graph"]
-    sink = Outputs()
-    for index, (rid, prompt) in enumerate(prompts(len(MIXED), seed=9).items()):
-        session.engine.add(session.new_request(rid, prompt, MIXED[index], 12 + 7 * index, sink))
-    session.engine.run_until_idle()
-    return sink, spec_step.counts["eager"] + spec_step.counts["graph"] - fresh
-
-
 @pytest.mark.parametrize(
     ("method", "sampled_drafts", "graphs"),
     [
@@ -168,7 +130,7 @@ def test_finished_requests_are_left_out_of_the_step_launched_after_them(
     expected, control_fresh = serve_finishing_apart(control, narrow=False)
     if graphs:
         assert narrowed.engine.spec_step is not None and narrowed.engine.spec_step.counts["graph following"] > 0
-    batch = prompts(len(MIXED), seed=9)
+    batch = finishing_prompts()
     for index, rid in enumerate(batch):
         assert outputs.tokens(rid) == expected.tokens(rid), rid
         assert logprobs(outputs, rid) == logprobs(expected, rid), rid
@@ -237,3 +199,31 @@ def test_graphs_replay_only_the_device_replay_they_captured() -> None:
     assert not spec_step.replays("greedy", graphs)
     spec_step.capture_graphs(4, session.loaded.model.config.max_position_embeddings)
     assert spec_step.replays("greedy", spec_step.graphs["greedy"])
+
+
+def test_an_abort_while_a_narrowed_step_is_in_flight() -> None:
+    """A request finishes, the step after it goes on for the others (narrowed), and an abort arrives while that
+    step is in flight: the aborted request is dropped, the others' tokens are the target's own, nothing leaks."""
+    session = spec_session("eagle3", K)
+    engine, spec_step, batch, sink = session.engine, session.engine.spec_step, prompts(3, seed=6), Collector()
+    assert spec_step is not None
+    launch_following, narrowed = spec_step.launch_following, []
+
+    def recording(previous, requests, kept=None):  # type: ignore[no-untyped-def]
+        narrowed.append(kept is not None)
+        return launch_following(previous, requests, kept)
+
+    spec_step.launch_following = recording  # type: ignore[method-assign]
+    lengths = {"r0": 6, "r1": 60, "r2": 60}
+    for rid, prompt in batch.items():
+        engine.add(session.new_request(rid, prompt, SamplingSettings(), lengths[rid], sink))
+    engine._drain_commands()
+    while not any(narrowed) and engine._has_work():
+        engine.step()
+    assert any(narrowed) and engine._in_flight is not None and sink.finish_reason("r0") == "length"
+    assert engine.abort(["r1"]) == ["r1"]
+    engine.run_until_idle()
+    assert sink.finish_reason("r1") == "abort"
+    for rid in ("r0", "r2"):
+        assert sink.tokens(rid) == greedy_reference(session.loaded.model, batch[rid], lengths[rid]), rid
+    assert engine._in_flight is None and session.kv_cache.allocator.num_used == 0 and not engine.live_ids()
