@@ -332,6 +332,28 @@ class AdaptiveK:
         drafting = [k for k in self.candidates if k > 0]
         return bool(drafting) and self._tried[1] >= min_verified and all(self._hopeless(k) for k in drafting)
 
+    def drafting_loses(self, batch: int, min_verified: float) -> bool:
+        """Whether, at the bucket of a batch of `batch` requests, the measured step prices and the global acceptance
+        (over at least `min_verified` verified request-steps, decayed) leave no drafting candidate that beats k = 0:
+        each measured one makes fewer tokens a second, the others are hopeless. k = 0's price there was paid with
+        the drafter following the requests (held context, flushes, bookkeeping), more than a step of requests
+        released from it costs, so a drafting k that loses to it loses to target-only decoding too. The engine then
+        stops following requests, as where the acceptance rules drafting out (drafter_release.py). The global
+        acceptance: a release lasts the requests' lives, so it is judged on the traffic, not on one batch."""
+        if self._tried[1] < min_verified:
+            return False
+        table = self.costs.get(self.bucket(batch), {})
+        zero = table.get(0)
+        if zero is None or zero.samples < MIN_SAMPLES:
+            return False
+        for k in self.candidates:
+            if k == 0 or self._hopeless(k):
+                continue
+            cost = table.get(k)
+            if cost is None or cost.samples < MIN_SAMPLES or self.expected_tokens(k) / cost.seconds >= 1 / zero.seconds:
+                return False
+        return True
+
     def forget_acceptance(self) -> None:
         """Start the global acceptance afresh (unobserved: 1.0, so drafting is tried again before it is judged):
         the drafter's retry after a long release (drafter_release.py), in case the traffic changed. The requests'

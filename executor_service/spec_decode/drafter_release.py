@@ -1,4 +1,4 @@
-"""Releasing requests from a drafter whose measured acceptance rules drafting out (issue 31).
+"""Releasing requests from a drafter whose measured acceptance, or cost, rules drafting out (issue 31).
 
 At adaptive speculation's k = 0 the drafter still follows every request, so that drafting can resume at any step:
 each k = 0 step stages its feature rows in the held context's log (deferred_context.py), a flush runs the
@@ -8,8 +8,12 @@ adds to a target-only one, and it is what kept the adaptive engine at 0.955x tar
 
 So once the measured acceptance rules drafting out (every drafting candidate hopeless in AdaptiveK's sense: too
 few accepted drafts to beat a k = 0 step anywhere, over at least MIN_VERIFIED verified request-steps; the global
-acceptance, not a batch's: a release lasts the requests' lives and covers those admitted meanwhile), the engine
-stops following. At each step's plan, before the drafter runs for the step:
+acceptance, not a batch's: a release lasts the requests' lives and covers those admitted meanwhile), or the
+measured costs do at the batch's size (`AdaptiveK.drafting_loses`: every drafting candidate measured there makes
+fewer tokens a second than k = 0 at the global acceptance, over at least MIN_VERIFIED_COST request-steps; e.g.
+the shipped DFlash drafter for SmolLM2 at batch 1 on an H200, whose k = 0 step with the drafter following cost
+~1.0 ms against target-only's ~0.7), the engine stops following. At each step's plan, before the drafter runs
+for the step:
 
 - every request of the batch that the drafter follows is released: its held context is dropped and its own
   speculation set to none (no drafts, no lookahead slots), as for a request that asked for no drafts. It decodes
@@ -21,13 +25,17 @@ stops following. At each step's plan, before the drafter runs for the step:
 
 Retry, in case the traffic changed: after RETRY_STEPS steps planned with drafting ruled out (AdaptiveK's
 MAX_REFRESH_STEPS, the longest interval at which it tests again a candidate it has given up on), the cost model
-forgets its global acceptance. Drafting is then no longer ruled out, so requests admitted from then on are followed and
-drafted for, which measures the acceptance afresh: still hopeless after MIN_VERIFIED request-steps, they are
-released too and the clock starts again; otherwise the drafter is used as before. A retry costs those requests'
-prompt passes and a few speculative steps, once every RETRY_STEPS steps. Requests released earlier stay released.
+forgets its global acceptance. Drafting is then no longer ruled out (neither rule judges an acceptance never
+observed), so requests admitted from then on are followed and drafted for, which measures the acceptance
+afresh: still hopeless, or still losing on cost, once judged again, they are released too and the
+clock starts again; otherwise the drafter is used as before. A retry costs those requests' prompt passes and a few
+speculative steps, once every RETRY_STEPS steps. Requests released earlier stay released. The costs are judged at
+the batch's size: requests released while the batch is small (batch 1, where a drafter can lose) stay released if
+the load grows to a size where drafting wins or was never measured; the requests admitted then are followed and
+drafted for, the released ones served beside them on the host path until they finish.
 
-A drafter that is right is never released (its acceptance is not hopeless), and the choice of k for the requests
-the drafter follows is the cost model's, unchanged. Greedy tokens never change (verification is exact). The
+A drafter that is right, and pays for itself at the batch's size, is never released, and the choice of k for the
+requests the drafter follows is the cost model's, unchanged. Greedy tokens never change (verification is exact). The
 prefix cache registers blocks only for requests the drafter follows (engine.py, `_cache_prefixes`: one key stands
 for the target's and the drafter's K/V): a released request's blocks registered before its release stay valid,
 and it registers no more.
@@ -44,6 +52,12 @@ from executor_service.spec_decode.deferred_context import DeferredContext
 # Verified request-steps (AdaptiveK's decayed count at depth 1) before the acceptance may rule drafting out: a
 # release lasts a request's life, so a few unlucky first verifications must not decide it (at batch 64, one step).
 MIN_VERIFIED = 32
+# Verified request-steps before the costs may rule drafting out at a batch's size: where drafting loses there, the
+# cost model stops drafting after its first few steps and then verifies only in its rare checks (at batch 1 a step
+# or two each, 128 to 8192 steps apart), so MIN_VERIFIED would come after tens of thousands of steps. The cost
+# model has already chosen k = 0 there on that evidence; the release makes those k = 0 steps target-only ones and
+# lasts RETRY_STEPS, as long as the cost model's longest interval between checks.
+MIN_VERIFIED_COST = 8
 RETRY_STEPS = MAX_REFRESH_STEPS  # steps planned with drafting ruled out before it is tried again
 
 
@@ -58,17 +72,23 @@ class DrafterRelease:
     current cost model's (a benchmark swaps models between traffics: the release follows the one in use)."""
 
     def __init__(
-        self, deferred: DeferredContext | None, min_verified: float = MIN_VERIFIED, retry_steps: int = RETRY_STEPS
+        self,
+        deferred: DeferredContext | None,
+        min_verified: float = MIN_VERIFIED,
+        retry_steps: int = RETRY_STEPS,
+        min_verified_cost: float = MIN_VERIFIED_COST,
     ) -> None:
         self.deferred, self.min_verified, self.retry_steps = deferred, min_verified, retry_steps
+        self.min_verified_cost = min_verified_cost
         self.steps_ruled_out = 0  # steps planned since drafting was ruled out (0: not ruled out)
         self.counts: Counter[str] = Counter()  # "released" (requests), "retries"
 
     def followed(self, requests: list[Request], speculation: AdaptiveK) -> bool:
         """Once a step, before its next step is planned and the drafter runs for it: whether the drafter follows
-        any of the batch's running `requests` after releasing them where drafting is ruled out (the module's
-        docstring), or counting towards the retry."""
-        if not speculation.drafting_ruled_out(self.min_verified):
+        any of the batch's running `requests` after releasing them where drafting is ruled out, by the acceptance
+        or by the costs at the batch's size (the module's docstring), or counting towards the retry."""
+        ruled_out = speculation.drafting_ruled_out(self.min_verified)
+        if not ruled_out and not speculation.drafting_loses(len(requests), self.min_verified_cost):
             self.steps_ruled_out = 0
             return follows_any(requests)
         self.steps_ruled_out += 1

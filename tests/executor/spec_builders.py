@@ -12,7 +12,7 @@ from executor_service.engine.request import Request
 from executor_service.server.drafting import resolve_draft
 from executor_service.server.session import EngineSettings, ModelSession, build_session
 from executor_service.server.wire import resolve_target
-from executor_service.spec_decode.adaptive_k import AdaptiveK
+from executor_service.spec_decode.adaptive_k import MIN_SAMPLES, AdaptiveK
 from executor_service.spec_decode.drafter_release import MIN_VERIFIED
 from executor_service.spec_decode.proposer import Proposer
 from specdec.v1 import common_pb2, executor_pb2
@@ -133,10 +133,41 @@ class Scripted(AdaptiveK):
     def drafting_ruled_out(self, min_verified: float) -> bool:
         return self.releases and super().drafting_ruled_out(min_verified)
 
+    def drafting_loses(self, batch: int, min_verified: float) -> bool:
+        return self.releases and super().drafting_loses(batch, min_verified)
+
     def plan(self, request_ids: Sequence[str], undrafted: int = 0) -> int:
         k = next(self.cycle)
         self.chosen[k] += 1
         self.last_planned = k
+        return k
+
+
+class Priced(AdaptiveK):
+    """The engine's cost model with given step prices (seconds per step by k) in place of the CPU's measured times,
+    whose noise would make the plans vary: measured at every bucket up to batch 8 before the run (nothing left to
+    test), and each steady step recorded at its k's price (the held context's flushes add nothing). `global_only`:
+    the batch planned as requests without history of their own (the global acceptance alone)."""
+
+    def __init__(self, prices: dict[int, float], global_only: bool = False) -> None:
+        super().__init__(prices, configured=max(prices))
+        self.prices, self.global_only = prices, global_only
+        self.planned: list[tuple[tuple[str, ...], int]] = []  # each plan's running requests and k
+        for batch in (1, 2, 4, 8):
+            for k, seconds in prices.items():
+                for _ in range(MIN_SAMPLES + 1):  # the warm-up, then enough samples
+                    super().record(batch, k, seconds)
+
+    def record(self, batch: int, num_draft_tokens: int, seconds: float) -> None:
+        super().record(batch, num_draft_tokens, self.prices[num_draft_tokens])
+
+    def record_deferred(self, batch: int, seconds: float, steps: int, landed: int) -> None:
+        return
+
+    def plan(self, request_ids: Sequence[str], undrafted: int = 0) -> int:
+        planned = [f"newcomer{i}" for i in range(len(request_ids))] if self.global_only else request_ids
+        k = super().plan(planned, undrafted)
+        self.planned.append((tuple(request_ids), k))
         return k
 
 

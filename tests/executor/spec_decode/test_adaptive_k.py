@@ -406,6 +406,38 @@ def test_drafting_is_ruled_out_on_enough_hopeless_evidence_and_retried_afresh() 
     assert not AdaptiveK([0]).drafting_ruled_out(0)  # no drafting candidate: nothing to rule out
 
 
+def priced(costs: dict[int, float], batches: Sequence[int] = (1,)) -> AdaptiveK:
+    """A model with `costs` (seconds a step by k) measured at each batch's bucket."""
+    model = AdaptiveK(costs, configured=max(costs))
+    for batch, (k, seconds) in itertools.product(batches, costs.items()):
+        for _ in range(adaptive_k.MIN_SAMPLES + 1):  # the warm-up, then enough samples
+            model.record(batch, k, seconds)
+    return model
+
+
+def test_drafting_loses_on_cost_where_every_drafting_k_is_measured_slower() -> None:
+    """The release on cost (drafter_release.py): at the batch's bucket every drafting k measured and making fewer
+    tokens a second than k = 0 at the global acceptance, over at least the evidence asked for. Not where drafting
+    wins, nor before the evidence, nor where a drafting k or k = 0 is unmeasured, nor at another bucket."""
+    model = priced({0: 0.010, 3: 0.025})
+    assert not model.drafting_loses(1, 8)  # nothing observed
+    model.observe_verify(requests(6), [3] * 6, [1] * 6)  # two tokens a step: 80 against 100 tokens a second
+    assert not model.drafting_loses(1, 8)  # too few request-steps yet
+    model.observe_verify(requests(6), [3] * 6, [1] * 6)
+    assert model.drafting_loses(1, 8) and not model.drafting_ruled_out(8)  # the acceptance alone rules nothing out
+    assert not model.drafting_loses(2, 8)  # bucket 2: nothing measured
+    cheap = priced({0: 0.010, 3: 0.015})
+    cheap.observe_verify(requests(12), [3] * 12, [1] * 12)
+    assert not cheap.drafting_loses(1, 8)  # 133 against 100 tokens a second: drafting pays
+    three = priced({0: 0.010, 1: 0.012, 3: 0.025})
+    three.observe_verify(requests(12), [3] * 12, [1] * 12)
+    assert not three.drafting_loses(1, 8)  # k = 1 makes two tokens in 12 ms: it wins
+    unmeasured = AdaptiveK((0, 3), configured=3)
+    unmeasured.record(1, 0, 0.010)
+    unmeasured.observe_verify(requests(12), [3] * 12, [1] * 12)
+    assert not unmeasured.drafting_loses(1, 8)
+
+
 def test_a_hopeless_test_left_unfinished_does_not_hold_the_warm_up() -> None:
     """The engine releases a batch from a hopeless drafter while the bucket tests the configured k, and plans
     without the model from then on: the bucket counts as measured once k = 0 is."""

@@ -14,7 +14,7 @@ import pytest
 from engine_driving import Collector, run_bounded
 from executor_builders import greedy
 from greedy_reference import greedy_reference
-from spec_builders import ReplayDrafts, Scripted, rule_out, spec_session
+from spec_builders import Priced, ReplayDrafts, Scripted, rule_out, spec_session
 from spec_checks import assert_no_leak, prompts
 from tree_cases import tree_session
 
@@ -22,7 +22,7 @@ from executor_service.engine.request import Request
 from executor_service.engine.scheduler import ScheduledStep
 from executor_service.server.session import ModelSession
 from executor_service.spec_decode.adaptive_k import AdaptiveK
-from executor_service.spec_decode.drafter_release import MIN_VERIFIED
+from executor_service.spec_decode.drafter_release import MIN_VERIFIED, MIN_VERIFIED_COST
 from executor_service.spec_decode.proposer import ProposeBatch
 from specdec.v1 import common_pb2
 
@@ -258,3 +258,40 @@ def test_trees_are_released_midway() -> None:
     for rid, prompt in batch.items():
         assert sink.tokens(rid) == greedy_reference(session.loaded.model, prompt, 24), rid
     assert_no_leak(session)
+
+
+@pytest.mark.parametrize(
+    ("prices", "released"),
+    [({0: 0.010, K: 0.025}, True), ({0: 0.010, K: 0.015}, False)],
+    ids=["drafting-loses", "negative-control"],
+)
+def test_a_drafter_that_loses_on_cost_is_released(prices: dict[int, float], released: bool) -> None:
+    """A drafter whose first draft is right and the rest wrong (two tokens a step: its acceptance rules nothing
+    out), a speculative step priced at 2.5 decode steps: once MIN_VERIFIED_COST request-steps measure that, drafting
+    loses to k = 0 at the batch's size (80 against 100 tokens a second a request) and every request is released,
+    the rest of the run target-only work. Negative control: priced at 1.5 decode steps, drafting pays (133) and
+    nobody is released."""
+    session = spec_session("eagle3", K, max_num_batched_tokens=256)
+    speculation = session.engine.speculation = Priced(prices)
+    drafting = Drafting(session, wrong=None)
+    drafting.proposer.replay = ReplayDrafts(drafting.references, drafting.proposer.config.model.vocab_size, 1)
+    engine, deferred = drafting.engine, drafting.engine.deferred
+    assert deferred is not None
+    batch = prompts(8, seed=7)
+    drafting.add(batch)
+    if released:
+        drafting.step_until(lambda: drafting.release.counts["released"] == len(batch))
+        assert not speculation.drafting_ruled_out(MIN_VERIFIED) and speculation.drafting_loses(8, MIN_VERIFIED_COST)
+        assert all(r.num_draft_tokens == 0 and engine.scheduler.lookahead(r) == 0 for r in drafting.requests.values())
+        passes, steps = Counter(drafting.proposer.pass_counts), Counter(engine.step_counts)
+    run_bounded(engine)
+    drafting.check_tokens()
+    assert_no_leak(drafting.session)
+    finishes = [outputs[-1].finish for outputs in drafting.sink.outputs.values()]
+    assert all(f is not None and f.accepted_tokens > 0 for f in finishes)  # drafted, half right, before any release
+    if not released:
+        assert drafting.release.counts["released"] == 0 and not speculation.drafting_loses(8, MIN_VERIFIED_COST)
+        assert all(f is not None and f.verify_steps * 2 >= MAX_TOKENS - 2 for f in finishes)  # drafted throughout
+        return
+    assert drafting.proposer.pass_counts == passes and not deferred.held  # no drafter pass after the release
+    assert engine.step_counts["overlapped decode"] > steps["overlapped decode"] + 10

@@ -6,17 +6,14 @@ run planned on the global acceptance alone keeps drafting for the tail."""
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-
 import pytest
 from engine_driving import Collector, run_bounded
 from executor_builders import greedy
 from greedy_reference import greedy_reference
-from spec_builders import ReplayDrafts, spec_session
+from spec_builders import Priced, ReplayDrafts, spec_session
 from spec_checks import assert_no_leak, prompts
 
 from executor_service.engine.request import Request
-from executor_service.spec_decode.adaptive_k import MIN_SAMPLES, AdaptiveK
 
 K = 3
 PRICES = {0: 0.010, K: 0.025}  # seconds per step: a speculative step at k = 3 costs 2.5 decode steps
@@ -24,40 +21,12 @@ RIGHT, WRONG = 6, 2
 RIGHT_TOKENS, WRONG_TOKENS = 16, 48
 
 
-class Priced(AdaptiveK):
-    """The engine's cost model with given step prices in place of the CPU's measured times, whose noise would make
-    the plans vary: measured at every bucket the batch passes through before the run (nothing left to test), and
-    each steady step recorded at its k's price (the held context's flushes add nothing). `global_only`: the batch
-    planned as requests without history of their own (the global acceptance alone: the rule before)."""
-
-    def __init__(self, global_only: bool = False) -> None:
-        super().__init__((0, K), configured=K)
-        self.global_only = global_only
-        self.planned: list[tuple[tuple[str, ...], int]] = []  # each plan's running requests and k
-        for batch in (1, 2, 4, 8):
-            for k, seconds in PRICES.items():
-                for _ in range(MIN_SAMPLES + 1):  # the warm-up, then enough samples
-                    super().record(batch, k, seconds)
-
-    def record(self, batch: int, num_draft_tokens: int, seconds: float) -> None:
-        super().record(batch, num_draft_tokens, PRICES[num_draft_tokens])
-
-    def record_deferred(self, batch: int, seconds: float, steps: int, landed: int) -> None:
-        return
-
-    def plan(self, request_ids: Sequence[str], undrafted: int = 0) -> int:
-        planned = [f"newcomer{i}" for i in range(len(request_ids))] if self.global_only else request_ids
-        k = super().plan(planned, undrafted)
-        self.planned.append((tuple(request_ids), k))
-        return k
-
-
 def mixed_run(global_only: bool = False, abort: bool = False) -> tuple[Priced, dict[str, Request]]:
     """RIGHT requests whose drafts are the target's own next tokens (all accepted) and WRONG requests whose first
     draft is corrupted (none accepted), greedy, batched; the wrong ones generate longer. `abort`: one more wrong
     request, aborted midway. Returns the cost model and the requests; checks the tokens and that nothing leaks."""
     session = spec_session("eagle3", K, max_num_batched_tokens=256)
-    speculation = session.engine.speculation = Priced(global_only)
+    speculation = session.engine.speculation = Priced(PRICES, global_only)
     model = session.loaded.model
     proposer = session.proposer
     assert proposer is not None
