@@ -64,7 +64,7 @@ for step in ${steps//,/ }; do
     gpu-tests) timeout 400 python3 -m pytest ${GPU_TESTS:-tests/executor} -q -p no:cacheprovider -m gpu \
         --ignore=tests/executor/server/test_executor_auth_tls.py --ignore=tests/executor/server/test_executor_selector_auth.py \
         --ignore=tests/executor/server/test_executor_setup.py 2>&1 | tee "$out/gpu_tests.log" | tail -30 ;;
-    pytest) timeout 400 python3 -m pytest -q -p no:cacheprovider ${PYTEST_ARGS:?PYTEST_ARGS names the tests} 2>&1 | tee "$out/pytest.log" | tail -30 ;;
+    pytest) timeout ${PYTEST_TIMEOUT:-400} python3 -m pytest -q -p no:cacheprovider ${PYTEST_ARGS:?PYTEST_ARGS names the tests} 2>&1 | tee "$out/pytest.log" | tail -30 ;;
     specdec-bench) timeout ${SPEC_TIMEOUT:-540} python3 bench/specdec_bench.py ${SPEC_ARGS:-} --out "$out" 2>&1 | tee "$out/specdec_bench.log" | tail -80 ;;
     acceptance-bench) timeout ${ACC_TIMEOUT:-540} python3 bench/acceptance_bench.py --target /root/models/smollm2/SmolLM2-135M-Instruct.Q4_1.gguf \
         --drafter eagle3=drafters/smollm2-eagle3 --drafter dflash=drafters/smollm2-dflash --prompts drafters/prompts_heldout.jsonl \
