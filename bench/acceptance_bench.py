@@ -197,7 +197,7 @@ def measure_speedup(
     kernels for new shapes; an adaptive one until its cost model has measured the batch); then `args.repeats`
     rounds time every configuration once each, interleaved, so a slow moment of the machine hits all of them
     alike. Speedups are per round against that round's target-only run; the median and the spread are reported.
-    `save` gets the report after each section, so a run cut short still leaves its figures."""
+    `save` gets the report after each timed round, so a run cut short still leaves its figures."""
     loaded = load_target(args.source, torch.bfloat16 if device.type == "cuda" else torch.float32, device)
     chosen = [p for kind in KINDS for p in prompts[kind][: args.speedup_prompts]]
     max_tokens = args.max_tokens if device.type == "cuda" else args.cpu_max_tokens
@@ -234,6 +234,7 @@ def measure_speedup(
         mix = MIXED if temperature == "mixed" else [SamplingSettings(float(temperature))]
         for batch in args.speedup_batches:
             groups = batch_groups(chosen, batch)
+            key = f"batch_{batch}" + ("_mixed" if mix is MIXED else "" if mix[0].greedy else f"_T{temperature}")
             rounds: dict[str, list[tuple[float, Any]]] = defaultdict(list)
             adaptive: dict[str, Adaptive] = {}  # (d): each adaptive configuration's cost model and warm-up
             for round_index in range(args.repeats + 1):  # round 0: untimed
@@ -251,7 +252,8 @@ def measure_speedup(
                             adaptive[run].add_round(tokens / seconds, chosen_k)
                     if round_index:
                         rounds[run].append((tokens / seconds, finishes))
-            key = f"batch_{batch}" + ("_mixed" if mix is MIXED else "" if mix[0].greedy else f"_T{temperature}")
+                if round_index < args.repeats and round_index:  # a run cut short keeps its finished rounds
+                    save(report | {key: speedup_report(rounds, round_index, batch > 1) | {"rounds_done": round_index}})
             report[key] = speedup_report(rounds, args.repeats, batched=batch > 1)
             report[key]["device_step_counts"] = {  # so far: graph / eager replays of each session's step
                 name: dict(step.counts) for name, session in sessions.items() if (step := device_step_of(session))
