@@ -280,6 +280,8 @@ class SpecStep(VariantSteps):
         finished since its launch (None: all of it, in order); the rest is left out, its rows in `previous`
         unread. The caller has reserved every request's blocks up to `reach_following`."""
         source = previous if kept is None else previous.narrowed(kept)
+        if kept is not None:
+            self.counts["narrowed"] += 1  # launched for the requests still running after a finish
         count, rows, depth, size = len(requests), self.rows, self.num_steps, self.num_draft_tokens
         roots = [r.num_computed_tokens for r in requests]  # `previous`'s root (not yet booked)
         block_table = self.proposer.block_table(requests)

@@ -140,6 +140,8 @@ def test_finished_requests_are_left_out_of_the_step_launched_after_them(
     # The batch's first device steps come from the host (the first beside the others' prefill); after that every
     # finish but the last cost the control a host launch, and none here.
     assert fresh <= 2 and control_fresh - fresh == len(MIXED) - 1, (fresh, control_fresh)
+    counts = [session.engine.spec_step.counts["narrowed"] for session in sessions if session.engine.spec_step]
+    assert counts[0] == len(MIXED) - 1 and counts[1] == 0, counts  # a narrowed launch for each finish but the last
     assert narrowed.kv_cache.allocator.num_used == 0 and not narrowed.engine.live_ids()
 
 
