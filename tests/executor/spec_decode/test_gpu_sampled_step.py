@@ -101,5 +101,5 @@ def test_a_finish_keeps_the_chain_of_graph_replays(shape: str) -> None:
     assert outputs.acceptance() == expected.acceptance()
     counts = step_of(narrowed).counts
     assert counts["graph following"] > 0 and counts["eager following"] == 0, counts
-    assert counts["narrowed"] == len(MIXED) - 1, counts  # one launch after each finish but the last
+    assert counts["narrowed"] == control_fresh - fresh > 0, counts  # where the control launched afresh
     assert fresh <= 2 and control_fresh - fresh == len(MIXED) - 1, (fresh, control_fresh)
