@@ -22,6 +22,8 @@ requests; the real requests keep their own metadata and the bucket's spare rows 
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+
 import torch
 
 from executor_service.models.attention_step import AttentionStep
@@ -34,6 +36,20 @@ BATCH_PREFILL_MAX_REQUESTS = 32
 # Backends whose kernels skip a request of no rows (the padding requests past the one that owns the spare rows), as
 # TRITON_ATTN's does; FLASH_ATTN's varlen kernels are not known to here.
 BATCH_PREFILL_BACKENDS = frozenset({"TRITON_ATTN"})
+
+
+def batch_prefill_requests(max_num_seqs: int) -> int:
+    """Real requests a load's batch prefill graphs serve at most (a step never has more than max_num_seqs)."""
+    return min(max_num_seqs, BATCH_PREFILL_MAX_REQUESTS)
+
+
+def capture_largest_first(graphs: Mapping[int, StepGraphs], pool: object | None = None) -> object | None:
+    """Capture every bucket into one memory pool, largest first, so the smaller ones reuse its memory (`pool`: one to
+    share from the start). Returns the pool."""
+    for rows in sorted(graphs, reverse=True):
+        graphs[rows].capture(pool)
+        pool = graphs[rows].pool
+    return pool
 
 
 def prefill_buckets(max_rows: int) -> list[int]:
@@ -66,11 +82,7 @@ class PrefillGraphs:
 
     def capture(self) -> None:
         """Largest bucket first, every one into its pool: the smaller ones reuse its memory."""
-        pool = None
-        for rows in sorted(self.graphs, reverse=True):
-            self.graphs[rows].capture(pool)
-            pool = self.graphs[rows].pool
-        self.pool = pool
+        self.pool = capture_largest_first(self.graphs)
 
     def bucket(self, step: AttentionStep, num_rows: int) -> int | None:
         """The bucket a step of one request's `num_rows` causal rows replays; None: none fits (more than one
@@ -187,9 +199,7 @@ class BatchPrefillGraphs:
     def capture(self, pool: object | None = None) -> None:
         """Largest bucket first, all into one pool (`pool`: the lone prefill graphs', whose transients these reuse:
         one target pass runs at a time)."""
-        for rows in sorted(self.graphs, reverse=True):
-            self.graphs[rows].capture(pool)
-            pool = self.graphs[rows].pool
+        capture_largest_first(self.graphs, pool)
 
     def bucket(self, step: AttentionStep, num_rows: int) -> int | None:
         """The rows bucket a causal step of several requests replays; None: none fits (too many rows or requests, a

@@ -21,7 +21,7 @@ from executor_service.models.config import ModelConfig
 from executor_service.models.draft_config import DraftConfig
 from executor_service.models.draft_weights import draft_layout
 from executor_service.models.weights import Placement, hf_layout
-from executor_service.runner.prefill_graphs import BATCH_PREFILL_MAX_REQUESTS, prefill_buckets, request_buckets
+from executor_service.runner.prefill_graphs import batch_prefill_requests, prefill_buckets, request_buckets
 from executor_service.sample.sampling import MAX_LOGIT_BIAS
 from executor_service.spec_decode.deferred_context import DEFER_MAX
 from executor_service.spec_decode.step_variants import DEFAULT_PENALTY_SLOTS
@@ -101,7 +101,7 @@ def estimate_memory(
     if draft is not None:
         draft_tokens = max_num_seqs * max(draft.positions_ahead, 1)
         activations += _step_bytes(draft.model, draft_tokens, element)
-        features = (len(draft.target_layer_ids) or 1) * target.hidden_size * element  # bytes a target row
+        features = feature_bytes(target, draft, element)
         activations += tokens * features
         activations += max_num_seqs * DEFER_MAX * features  # the drafter's context held at k = 0
         rows = max_num_seqs * (draft.block_size if draft.method == "dflash" else 1)  # EAGLE: one row per chain step
@@ -130,7 +130,7 @@ def prefill_graph_bytes(
     if not buckets:
         return 0
     rows = buckets[-1]
-    features = (len(draft.target_layer_ids) or 1) * target.hidden_size * element if draft is not None else 0
+    features = feature_bytes(target, draft, element)
     static = sum(buckets) * 3 * 8  # input ids, positions, slots: int64
     tensors = _step_bytes(target, rows, element) + rows * features + target.vocab_size * 4 * LOGITS_COPIES + static
     return _in_segments(tensors)
@@ -142,8 +142,8 @@ def batch_prefill_graph_bytes(
     """The batch prefill graphs' own memory (runner/prefill_graphs.py; their transients reuse the lone prefill
     graphs' pool): per bucket of rows, float32 logits of its largest request bucket and its rows' features, shared by
     its graphs, and their static inputs (ids, positions, slots a row; a block table and four ints a request)."""
-    max_requests = min(max_num_seqs, BATCH_PREFILL_MAX_REQUESTS)
-    features = (len(draft.target_layer_ids) or 1) * target.hidden_size * element if draft is not None else 0
+    max_requests = batch_prefill_requests(max_num_seqs)
+    features = feature_bytes(target, draft, element)
     blocks = -(-target.max_position_embeddings // 16) + 1  # a block table row at the smallest block size, roughly
     total = 0
     for rows in prefill_buckets(max_num_batched_tokens):
@@ -162,9 +162,15 @@ def draft_prefill_graph_bytes(
     if not buckets:
         return 0
     rows, hidden = buckets[-1], draft.model.hidden_size
-    features = (len(draft.target_layer_ids) or 1) * target.hidden_size * element
+    features = feature_bytes(target, draft, element)
     static = sum(buckets) * (3 * 8 + features)
     return _in_segments(_step_bytes(draft.model, rows, element) + 2 * rows * hidden * element + static)
+
+
+def feature_bytes(target: ModelConfig, draft: DraftConfig | None, element: int) -> int:
+    """The bytes of a target row's features that the drafter reads (the captured layers' hidden states; none
+    without a drafter)."""
+    return (len(draft.target_layer_ids) or 1) * target.hidden_size * element if draft is not None else 0
 
 
 def _in_segments(num_bytes: int) -> int:

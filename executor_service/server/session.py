@@ -37,7 +37,7 @@ from executor_service.parallel.state import get_tp_group, tensor_parallel_size
 from executor_service.runner.cuda_graphs import GRAPH_BACKENDS
 from executor_service.runner.eager_warm_up import warm_up_models
 from executor_service.runner.model_runner import ModelRunner
-from executor_service.runner.prefill_graphs import BATCH_PREFILL_BACKENDS, BATCH_PREFILL_MAX_REQUESTS
+from executor_service.runner.prefill_graphs import BATCH_PREFILL_BACKENDS, batch_prefill_requests
 from executor_service.sample.sampling import SamplingSettings
 from executor_service.server.backend_claims import DRAFT_FIELD, TARGET_FIELD, check_backend_claims
 from executor_service.server.drafting import DraftSource, build_drafter, speculative_config
@@ -449,7 +449,7 @@ def capture_graphs(session: ModelSession, settings: EngineSettings, max_model_le
         if not isinstance(runner.model, TensorParallelModel):  # prefill_graphs.py: rank 0's alone
             runner.capture_prefill_graphs(settings.max_num_batched_tokens, max_model_len)
             if settings.batch_prefill_graphs and runner.backend in BATCH_PREFILL_BACKENDS:
-                max_requests = min(settings.max_num_seqs, BATCH_PREFILL_MAX_REQUESTS)
+                max_requests = batch_prefill_requests(settings.max_num_seqs)
                 runner.capture_batch_prefill_graphs(settings.max_num_batched_tokens, max_requests, max_model_len)
     if proposer is not None and proposer.backend in GRAPH_BACKENDS:
         proposer.capture_graphs(spec_batch, settings.max_num_seqs)
