@@ -9,14 +9,13 @@ from collections.abc import Callable
 import torch
 from engine_driving import Collector
 from executor_builders import greedy
+from prefill_graph_cases import SENTINEL  # every cache slot before a run: one still holding it was not written
 from spec_builders import spec_session
 from tree_cases import tree_session
 
 from executor_service.models.attention_step import AttentionStep
 from executor_service.server.session import ModelSession
 from specdec.v1 import common_pb2
-
-SENTINEL = 7.0  # every drafter cache slot before a run: a slot that still holds it was not written
 
 
 def checked_session(
