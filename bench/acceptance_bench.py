@@ -9,7 +9,10 @@
     penalised requests, whose drafts are picked under their penalties (spec_decode/draft_penalties.py).
 (b) Speedup at batch 1 and 16: tokens/s of speculative decoding against target-only decoding of the same
     prompts in the same run, greedy, on each device named (the GPU with CUDA graphs, and the CPU); medians
-    and spread over --repeats interleaved rounds; --speedup-temperatures 0,0.7 adds unseeded sampled runs.
+    and spread over --repeats interleaved rounds; --speedup-temperatures 0,0.7 adds sampled runs, seeded by each
+    request's place in the run (--unseeded: not), so every configuration draws the same numbers and, its drafts
+    argmax point masses, emits target-only's tokens: a ratio then compares speed alone, not the luck of the draws
+    (`same_tokens_as_target_only` reports the share of requests that did).
 (c) With --trees: the same for tree drafting (bench/tree_passes.py specs), beside the chains, e.g. a verify
     budget of 16 against the chain at k = 7: --trees dynamic:8:16:7 --ks 7 --speedup-ks 7.
 (d) With --adaptive: (b)'s drafter sessions are opened with adaptive speculation (each step's k from measured
@@ -34,7 +37,7 @@ import time
 from collections import Counter, defaultdict
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -106,19 +109,22 @@ def open_session(
 
 def generate(
     session: ModelSession, prompts: list[list[int]], mix: list[SamplingSettings], max_tokens: int, batch: bool,
-    seeded: bool = True, ignore_eos: bool = False,
-) -> tuple[list[Finish], float, int]:  # fmt: skip
-    """Finish records, seconds and generated tokens; all prompts at once (`batch`) or one after another.
-    Sampled requests are `seeded` (reproducible) or not (as most served requests: their draws batch);
+    first_seed: int | None = 1000, ignore_eos: bool = False,
+) -> tuple[list[Finish], float, int, list[list[int]]]:  # fmt: skip
+    """Finish records, seconds, generated tokens and each request's token ids; all prompts at once (`batch`) or
+    one after another. Sampled request i is seeded `first_seed + i` (reproducible: every configuration draws the
+    same numbers) or, with `first_seed` None, not (its draws differ from run to run);
     `ignore_eos`: every request generates max_tokens (sampled runs then compare equal lengths)."""
     finishes: list[Finish] = []
+    token_ids: list[list[int]] = []
     generated = 0
     started = time.perf_counter()
     groups = [list(enumerate(prompts))] if batch else [[(i, p)] for i, p in enumerate(prompts)]
     for group in groups:
         outputs: dict[int, list[RequestOutput]] = {i: [] for i, _ in group}
         for i, prompt in group:
-            own = replace(mix[i % len(mix)], max_tokens=max_tokens, seed=1000 + i if seeded else None)
+            seed = first_seed + i if first_seed is not None else None
+            own = replace(mix[i % len(mix)], max_tokens=max_tokens, seed=seed)
             request = session.new_request(f"p{i}", prompt, own, max_tokens, outputs[i].append)
             if ignore_eos:
                 request.eos_token_ids = frozenset()
@@ -127,8 +133,9 @@ def generate(
         for outs in outputs.values():
             assert outs and outs[-1].finish is not None, "a request failed"
             finishes.append(outs[-1].finish)
-            generated += sum(len(o.token_ids) for o in outs)
-    return finishes, time.perf_counter() - started, generated
+            token_ids.append([t for o in outs for t in o.token_ids])
+            generated += len(token_ids[-1])
+    return finishes, time.perf_counter() - started, generated, token_ids
 
 
 def acceptance(finishes: list[Finish]) -> dict[str, Any]:
@@ -172,7 +179,7 @@ def measure_acceptance(
             for temperature, sampled_drafts in runs:
                 session.engine.proposer.sample_drafts = sampled_drafts
                 mix = [SamplingSettings(temperature, repetition_penalty=args.repetition_penalty)]
-                finishes, seconds, _ = generate(session, everything, mix, args.max_tokens, batch=True)
+                finishes, seconds, _, _ = generate(session, everything, mix, args.max_tokens, batch=True)
                 by_kind: dict[str, list[Finish]] = defaultdict(list)
                 for kind, finish in zip(kinds, finishes, strict=True):
                     by_kind[kind].append(finish)
@@ -190,7 +197,8 @@ def measure_acceptance(
 def measure_speedup(
     args: argparse.Namespace, device: torch.device, prompts: dict[str, list[list[int]]], save: Callable[[dict], None]
 ) -> dict[str, Any]:
-    """On `device`, at each batch size and temperature (--speedup-temperatures; sampled requests unseeded):
+    """On `device`, at each batch size and temperature (--speedup-temperatures; sampled requests seeded unless
+    --unseeded):
     target-only and each drafter at each of `args.speedup_ks` (and,
     with --host-step-too, the same drafters with the device-resident step turned off; with --adaptive, the same
     sessions with adaptive speculation, (d)). Every configuration runs its prompts once untimed (Triton compiles
@@ -235,7 +243,7 @@ def measure_speedup(
         for batch in args.speedup_batches:
             groups = batch_groups(chosen, batch)
             key = f"batch_{batch}" + ("_mixed" if mix is MIXED else "" if mix[0].greedy else f"_T{temperature}")
-            rounds: dict[str, list[tuple[float, Any]]] = defaultdict(list)
+            rounds: dict[str, list[Timed]] = defaultdict(list)
             adaptive: dict[str, Adaptive] = {}  # (d): each adaptive configuration's cost model and warm-up
             for round_index in range(args.repeats + 1):  # round 0: untimed
                 for name, device_step, q_drafts, adapts in configs:
@@ -245,13 +253,13 @@ def measure_speedup(
                     run = label(name, device_step, q_drafts, adapts)
                     with device_steps(session, on=device_step, q_drafts=q_drafts), speculating(session, adapts):
                         chosen_k = Counter(cost_model(session).chosen) if adapts and round_index else None
-                        finishes, seconds, tokens = generate_groups(session, groups, max_tokens, mix, args.ignore_eos)
+                        timed = generate_groups(session, groups, max_tokens, mix, args.ignore_eos, not args.unseeded)
                         if adapts and not round_index:
                             adaptive[run] = warm_up(session, groups, max_tokens, mix, batch)
                         if chosen_k is not None:
-                            adaptive[run].add_round(tokens / seconds, chosen_k)
+                            adaptive[run].add_round(timed.tokens_per_s, chosen_k)
                     if round_index:
-                        rounds[run].append((tokens / seconds, finishes))
+                        rounds[run].append(timed)
                 if round_index < args.repeats and round_index:  # a run cut short keeps its finished rounds
                     save(report | {key: speedup_report(rounds, round_index, batch > 1) | {"rounds_done": round_index}})
             report[key] = speedup_report(rounds, args.repeats, batched=batch > 1)
@@ -385,18 +393,32 @@ def batch_groups(prompts: list[list[int]], batch: int) -> list[list[list[int]]]:
     return [[prompts[i % len(prompts)] for i in range(batch)]]
 
 
+@dataclass
+class Timed:
+    """One timed run of the groups: its rate, each request's kind in the mix (`kind_label`) and finish, and each
+    request's token ids (to compare with target-only's in the same round)."""
+
+    tokens_per_s: float
+    finishes: list[tuple[str, Finish]]
+    token_ids: list[list[int]]
+
+
 def generate_groups(
     session: ModelSession, groups: list[list[list[int]]], max_tokens: int, mix: list[SamplingSettings],
-    ignore_eos: bool = False,
-) -> tuple[list[tuple[str, Finish]], float, int]:  # fmt: skip
-    """Each request's kind in the mix (`kind_label`) and finish, the seconds and the tokens of the groups."""
-    finishes, seconds, tokens = [], 0.0, 0
+    ignore_eos: bool = False, seeded: bool = True,
+) -> Timed:  # fmt: skip
+    """The groups one after another; sampled requests seeded by their place in the run (`seeded`) or not."""
+    finishes, seconds, tokens, token_ids = [], 0.0, 0, []
     for group in groups:
-        group_finishes, group_seconds, group_tokens = generate(session, group, mix, max_tokens, True, False, ignore_eos)
+        first_seed = 1000 + len(token_ids) if seeded else None
+        group_finishes, group_seconds, group_tokens, group_ids = generate(
+            session, group, mix, max_tokens, True, first_seed, ignore_eos
+        )
         finishes += [(kind_label(mix[i % len(mix)]), f) for i, f in enumerate(group_finishes)]  # generate's order
         seconds += group_seconds
         tokens += group_tokens
-    return finishes, seconds, tokens
+        token_ids += group_ids
+    return Timed(tokens / seconds, finishes, token_ids)
 
 
 def kind_label(settings: SamplingSettings) -> str:
@@ -409,15 +431,15 @@ def kind_label(settings: SamplingSettings) -> str:
     return " ".join(parts) or "greedy"
 
 
-def kinds_report(runs: list[tuple[float, list[tuple[str, Finish]]]]) -> dict[str, dict[str, Any]]:
+def kinds_report(runs: list[Timed]) -> dict[str, dict[str, Any]]:
     """Per kind of the mix, over every timed round: its requests' mean acceptance length, and the verify steps of
     its slowest request in a round (median over rounds; a batch runs until its slowest request ends, so a kind that
     accepts little sets the round's length for every kind)."""
-    kinds = sorted({kind for _, finishes in runs for kind, _ in finishes})
+    kinds = sorted({kind for run in runs for kind, _ in run.finishes})
     found = {}
     for kind in kinds:
-        pooled = [f for _, finishes in runs for k, f in finishes if k == kind]
-        slowest = sorted(max(f.verify_steps for k, f in finishes if k == kind) for _, finishes in runs)
+        pooled = [f for run in runs for k, f in run.finishes if k == kind]
+        slowest = sorted(max(f.verify_steps for k, f in run.finishes if k == kind) for run in runs)
         found[kind] = {
             "mean_acceptance_length": acceptance(pooled)["mean_acceptance_length"],
             "slowest_request_verify_steps": slowest[len(slowest) // 2],
@@ -425,17 +447,27 @@ def kinds_report(runs: list[tuple[float, list[tuple[str, Finish]]]]) -> dict[str
     return found
 
 
-def speedup_report(rounds: dict[str, list[tuple[float, Any]]], repeats: int, batched: bool = False) -> dict[str, Any]:
-    baseline = [rate for rate, _ in rounds["target_only"]]
-    report: dict[str, Any] = {"target_only": spread([round(r, 1) for r in baseline], "tokens_per_s")}
+def speedup_report(rounds: dict[str, list[Timed]], repeats: int, batched: bool = False) -> dict[str, Any]:
+    """Per configuration: tokens/s and the speedup over target-only round by round (median, spread), the first
+    round's acceptance, and the share of its requests whose tokens equal target-only's in the same round (greedy
+    and seeded requests with argmax drafts emit target-only's tokens: below 1.0 only where bf16 verify rows round
+    differently from decode rows, or something is wrong)."""
+    baseline = rounds["target_only"]
+    report: dict[str, Any] = {"target_only": spread([round(t.tokens_per_s, 1) for t in baseline], "tokens_per_s")}
     for name, runs in rounds.items():
         if name == "target_only":
             continue
-        rates = [rate for rate, _ in runs]
+        rates = [t.tokens_per_s for t in runs]
+        pairs = [
+            pair
+            for run, ref in zip(runs, baseline, strict=True)
+            for pair in zip(run.token_ids, ref.token_ids, strict=True)
+        ]
         report[name] = {
             **spread([round(r, 1) for r in rates], "tokens_per_s"),
-            **spread([round(r / b, 3) for r, b in zip(rates, baseline, strict=True)], "speedup"),
-            "mean_acceptance_length": acceptance([f for _, f in runs[0][1]])["mean_acceptance_length"],
+            **spread([round(r / b.tokens_per_s, 3) for r, b in zip(rates, baseline, strict=True)], "speedup"),
+            "mean_acceptance_length": acceptance([f for _, f in runs[0].finishes])["mean_acceptance_length"],
+            "same_tokens_as_target_only": round(sum(a == b for a, b in pairs) / max(len(pairs), 1), 3),
         }
         if batched:  # where the rounds' length came from
             report[name]["by_kind"] = kinds_report(runs)
@@ -478,6 +510,7 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument(
         "--ignore-eos", action="store_true", help="timed runs generate max_tokens each (equal lengths when sampled)"
     )
+    parser.add_argument("--unseeded", action="store_true", help="timed sampled requests unseeded (draws differ by run)")
     parser.add_argument("--hf", default="", help="Hugging Face's batch-1 figure beside ours: static, compiled, or both")
     parser.add_argument("--hf-prompts", type=int, default=3, help="prompts Hugging Face decodes (one of each kind)")
     parser.add_argument("--host-step-too", action="store_true", help="also time the drafters on the host path")
