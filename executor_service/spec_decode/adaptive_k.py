@@ -33,6 +33,10 @@ finish first: a batch of 16 mixing them ended in a tail of two penalised request
 kept paying a speculative step (~2.4x a decode step on a GPU) for ~1.4 tokens, planned on a global rate the greedy
 requests' history still dominated. So the choice of k for a batch uses its own requests' rates.
 
+Until MIN_JUDGED verified request-steps are seen (the global count; again after `forget_acceptance`), every bucket
+exploits the configured k: a few first steps' acceptance is too noisy to judge drafting on, and k = 0 chosen on it
+stays chosen (drafting is then checked only now and then) and, where it loses on cost, releases the requests.
+
 The choice maximises the batch's expected tokens per second, the sum over its requests of `1 + the sum of their
 rates up to num_steps(k)` over the step's measured time at the batch's bucket (a power of two of the batch size),
 over the candidates (the k values with captured graphs: no capture at run time). A candidate not yet measured at
@@ -76,6 +80,10 @@ MAX_REFRESH_STEPS = 8192
 HYSTERESIS = 0.03  # another k must beat the current one by this share to replace it (no flapping on noise)
 EXPLORE_SHARE = 0.01  # checks of a losing candidate cost about this share of a bucket's time, at most
 CHECK_STEPS = 2  # steps a check runs at about the candidate's price (drafted for, verified; verified, back)
+# Verified request-steps (the decayed count at depth 1) before drafting is judged on its acceptance: until then a
+# bucket exploits the configured k. At batch 1 on the H200, EAGLE-3's first 10 verify steps at T = 0.7 accepted
+# [0.20, 0, 0] by depth where its run averaged 0.9 drafts a step, and k = 0 chosen on them lost 21 % for the run.
+MIN_JUDGED = 32
 
 PlanObserver = Callable[[int], None]  # each planned step's k (metrics)
 
@@ -479,7 +487,9 @@ class AdaptiveK:
         the current one is within the hysteresis of it."""
         best = self._best_measured(bucket, expected)
         current = self._current.get(bucket)
-        if best is None:  # nothing measured here yet: the configured k, unless the acceptance rules drafting out
+        if self._tried[1] < MIN_JUDGED:  # too few verify steps to judge drafting on: the configured k
+            best = self.configured
+        elif best is None:  # nothing measured here yet: the configured k, unless the acceptance rules drafting out
             adds_nothing = self._adds_too_little(self.configured, expected[self.configured])
             best = 0 if 0 in self.num_steps and adds_nothing else self.configured
         elif current is not None and current != best and current in self.costs[bucket]:

@@ -46,18 +46,17 @@ from __future__ import annotations
 from collections import Counter
 
 from executor_service.engine.request import Request
-from executor_service.spec_decode.adaptive_k import MAX_REFRESH_STEPS, AdaptiveK
+from executor_service.spec_decode.adaptive_k import MAX_REFRESH_STEPS, MIN_JUDGED, AdaptiveK
 from executor_service.spec_decode.deferred_context import DeferredContext
 
 # Verified request-steps (AdaptiveK's decayed count at depth 1) before the acceptance may rule drafting out: a
 # release lasts a request's life, so a few unlucky first verifications must not decide it (at batch 64, one step).
 MIN_VERIFIED = 32
-# Verified request-steps before the costs may rule drafting out at a batch's size: where drafting loses there, the
-# cost model stops drafting after its first few steps and then verifies only in its rare checks (at batch 1 a step
-# or two each, 128 to 8192 steps apart), so MIN_VERIFIED would come after tens of thousands of steps. The cost
-# model has already chosen k = 0 there on that evidence; the release makes those k = 0 steps target-only ones and
-# lasts RETRY_STEPS, as long as the cost model's longest interval between checks.
-MIN_VERIFIED_COST = 8
+# Verified request-steps before the costs may rule drafting out at a batch's size: the cost model drafts at the
+# configured k until it has seen as many (adaptive_k.MIN_JUDGED) and only then may choose k = 0 where drafting
+# loses; the release makes those k = 0 steps target-only ones and lasts RETRY_STEPS, as long as the cost model's
+# longest interval between checks. Fewer (8, before) released EAGLE-3 at batch 1 on ten unlucky first steps.
+MIN_VERIFIED_COST = MIN_JUDGED
 RETRY_STEPS = MAX_REFRESH_STEPS  # steps planned with drafting ruled out before it is tried again
 
 

@@ -557,3 +557,24 @@ def test_per_request_plans_are_a_function_of_the_measurements() -> None:
         runs.append(chosen)
     assert runs[0] == runs[1] == runs[2]
     assert len(set(runs[0])) > 1  # it chose, not a constant
+
+
+def test_drafting_is_not_judged_on_a_few_unlucky_verify_steps() -> None:
+    """At batch 1 a k = 3 step priced at 1.33 k = 0 steps: a drafter accepting one draft a step (two tokens) wins.
+    Its first ten verify steps accept none; the bucket keeps the configured k until MIN_JUDGED verify steps are
+    seen, and the drafter's true acceptance then keeps it. Negative control: a drafter that accepts nothing, judged
+    on that evidence, gives way to k = 0 once judged."""
+    prices = {0: 0.0075, 3: 0.010}
+    for accepted, kept in ((1, 3), (0, 0)):
+        model = priced(prices)
+        unlucky = []
+        for _ in range(10):
+            unlucky.append(model.plan(["r0"]))
+            model.observe_verify(["r0"], [3], [0])
+        assert unlucky == [3] * 10  # one token at 10 ms against 7.5: k = 0 would win on this evidence alone
+        chosen = drive(model, 1, lambda batch, k: prices[k], accepted=accepted, steps=200)
+        assert chosen[-100:].count(kept) >= 95
+    before = priced(prices)
+    for _ in range(10):
+        before.observe_verify(["r0"], [3], [0])
+    assert before.throughput(["r0"], 0) > before.throughput(["r0"], 3)  # type: ignore[operator]

@@ -58,29 +58,38 @@ def mixed_run(global_only: bool = False, abort: bool = False) -> tuple[Priced, d
     return speculation, requests
 
 
+def drafting_steps(speculation: Priced, requests: dict[str, Request]) -> int:
+    """Steps the batch drafts for before its tail can run without drafting: while right requests run, or before
+    drafting can be judged (MIN_JUDGED verify steps)."""
+    right_steps = max(r.verify_steps for r in requests.values() if r.request_id.startswith("right"))
+    return max(right_steps, sum(not judged for _, _, judged in speculation.planned))
+
+
 def tail_plans(speculation: Priced) -> list[int]:
-    """The k of each plan made once every right request had finished (a batch of wrong requests only)."""
-    return [k for ids, k in speculation.planned if ids and all(rid.startswith("wrong") for rid in ids)]
+    """The k of each plan made once every right request had finished (a batch of wrong requests only) and enough
+    verify steps were seen to judge drafting (adaptive_k.MIN_JUDGED: before, the configured k is planned)."""
+    return [
+        k for ids, k, judged in speculation.planned if ids and judged and all(rid.startswith("wrong") for rid in ids)
+    ]
 
 
 @pytest.mark.parametrize("abort", [False, True], ids=["finished", "one-aborted"])
 def test_the_tail_of_always_wrong_requests_runs_without_drafting(abort: bool) -> None:
     """While the right requests run the batch drafts (their ~4 tokens a step pay for 2.5 decode steps' time); once
-    they finish, every step of the wrong ones left is planned at k = 0, and they verify no more drafts (at most the
-    step planned before the right ones finished)."""
+    they finish (and MIN_JUDGED verify steps were seen), every step of the wrong ones left is planned at k = 0, and
+    they verify no more drafts (at most the step planned before then)."""
     speculation, requests = mixed_run(abort=abort)
-    mixed = [k for ids, k in speculation.planned if any(rid.startswith("right") for rid in ids)]
+    mixed = [k for ids, k, _ in speculation.planned if any(rid.startswith("right") for rid in ids)]
     tail = tail_plans(speculation)
     assert mixed.count(K) >= len(mixed) - 1 and len(tail) >= 20
     assert tail == [0] * len(tail)
     assert speculation.chosen[0] >= len(tail)
-    right_steps = max(r.verify_steps for r in requests.values() if r.request_id.startswith("right"))
     for request in requests.values():
         assert request.verify_steps > 0
         if request.request_id.startswith("right"):
             assert request.accepted_tokens == request.drafted_tokens
         else:
-            assert request.accepted_tokens == 0 and request.verify_steps <= right_steps + 1
+            assert request.accepted_tokens == 0 and request.verify_steps <= drafting_steps(speculation, requests) + 1
 
 
 def test_the_tail_check_fails_on_the_global_acceptance() -> None:
@@ -88,5 +97,5 @@ def test_the_tail_check_fails_on_the_global_acceptance() -> None:
     keeps drafting (until its own failures drag the global rate down)."""
     speculation, requests = mixed_run(global_only=True)
     assert tail_plans(speculation)[:3] == [K] * 3
-    right_steps = max(r.verify_steps for r in requests.values() if r.request_id.startswith("right"))
-    assert all(r.verify_steps > right_steps + 1 for r in requests.values() if r.request_id.startswith("wrong"))
+    drafted = drafting_steps(speculation, requests)
+    assert all(r.verify_steps > drafted + 1 for r in requests.values() if r.request_id.startswith("wrong"))
