@@ -65,7 +65,8 @@ BACKENDS = {"cuda": "TRITON_ATTN", "cpu": "CPU_ATTN"}
 WARM_UP_RUNS = 8  # (d): untimed runs of an adaptive configuration at most, until its cost model measured the batch
 
 
-# --speedup-temperatures mixed: a batch's request i takes MIXED[i % 16]: 8 greedy, 4 sampled (top-p 0.9 / top-k 50),
+# --speedup-temperatures mixed: the run's request i takes MIXED[i % 16] (at batch 16 a batch of all of them; at batch 1
+# one after another): 8 greedy, 4 sampled (top-p 0.9 / top-k 50),
 # 2 with a repetition penalty, 2 with logprobs = 5; every kind runs on the device step.
 MIXED = (
     [SamplingSettings()] * 8
@@ -109,12 +110,13 @@ def open_session(
 
 def generate(
     session: ModelSession, prompts: list[list[int]], mix: list[SamplingSettings], max_tokens: int, batch: bool,
-    first_seed: int | None = 1000, ignore_eos: bool = False,
+    first: int = 0, seeded: bool = True, ignore_eos: bool = False,
 ) -> tuple[list[Finish], float, int, list[list[int]]]:  # fmt: skip
     """Finish records, seconds, generated tokens and each request's token ids; all prompts at once (`batch`) or
-    one after another. Sampled request i is seeded `first_seed + i` (reproducible: every configuration draws the
-    same numbers) or, with `first_seed` None, not (its draws differ from run to run);
-    `ignore_eos`: every request generates max_tokens (sampled runs then compare equal lengths)."""
+    one after another. Prompt i is the run's request `first + i`: it takes that place's kind in the mix, and if
+    `seeded` the seed 1000 + its place (reproducible: every configuration draws the same numbers; unseeded, the
+    draws differ from run to run); `ignore_eos`: every request generates max_tokens (sampled runs then compare
+    equal lengths)."""
     finishes: list[Finish] = []
     token_ids: list[list[int]] = []
     generated = 0
@@ -123,8 +125,8 @@ def generate(
     for group in groups:
         outputs: dict[int, list[RequestOutput]] = {i: [] for i, _ in group}
         for i, prompt in group:
-            seed = first_seed + i if first_seed is not None else None
-            own = replace(mix[i % len(mix)], max_tokens=max_tokens, seed=seed)
+            place = first + i
+            own = replace(mix[place % len(mix)], max_tokens=max_tokens, seed=1000 + place if seeded else None)
             request = session.new_request(f"p{i}", prompt, own, max_tokens, outputs[i].append)
             if ignore_eos:
                 request.eos_token_ids = frozenset()
@@ -407,14 +409,15 @@ def generate_groups(
     session: ModelSession, groups: list[list[list[int]]], max_tokens: int, mix: list[SamplingSettings],
     ignore_eos: bool = False, seeded: bool = True,
 ) -> Timed:  # fmt: skip
-    """The groups one after another; sampled requests seeded by their place in the run (`seeded`) or not."""
+    """The groups one after another, their requests taking the run's places in turn: at batch 1 the mix's kinds
+    follow one another as they would arrive; sampled requests seeded by their place (`seeded`) or not."""
     finishes, seconds, tokens, token_ids = [], 0.0, 0, []
     for group in groups:
-        first_seed = 1000 + len(token_ids) if seeded else None
+        first = len(token_ids)  # a group's requests take the next places of the run (and of the mix)
         group_finishes, group_seconds, group_tokens, group_ids = generate(
-            session, group, mix, max_tokens, True, first_seed, ignore_eos
+            session, group, mix, max_tokens, True, first, seeded, ignore_eos
         )
-        finishes += [(kind_label(mix[i % len(mix)]), f) for i, f in enumerate(group_finishes)]  # generate's order
+        finishes += [(kind_label(mix[(first + i) % len(mix)]), f) for i, f in enumerate(group_finishes)]
         seconds += group_seconds
         tokens += group_tokens
         token_ids += group_ids
@@ -469,7 +472,7 @@ def speedup_report(rounds: dict[str, list[Timed]], repeats: int, batched: bool =
             "mean_acceptance_length": acceptance([f for _, f in runs[0].finishes])["mean_acceptance_length"],
             "same_tokens_as_target_only": round(sum(a == b for a, b in pairs) / max(len(pairs), 1), 3),
         }
-        if batched:  # where the rounds' length came from
+        if batched or len({kind for kind, _ in runs[0].finishes}) > 1:  # the rounds' length; each kind's acceptance
             report[name]["by_kind"] = kinds_report(runs)
     return report
 
