@@ -27,7 +27,7 @@ from executor_service.server.metrics import EngineMetrics
 from executor_service.server.prompt_intake import MAX_REQUEST_BYTES
 from executor_service.server.selection import BackendChooser, SelectorClientSettings
 from executor_service.server.servicer import SERVICE_NAME, ExecutorServicer
-from executor_service.server.session import SAMPLED_DRAFTS, EngineSettings
+from executor_service.server.session import SAMPLED_DRAFTS, EngineSettings, adaptive_by_default
 from specdec.v1 import executor_pb2, executor_pb2_grpc
 from specdec_runtime.auth import resolve_token
 from specdec_runtime.client import load_message, server_address
@@ -245,9 +245,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--adaptive-speculation",
         action=argparse.BooleanOptionalAction,
-        default=False,
+        default=None,
         help="each step's k (or none) from measured step times and acceptance (docs/executor.md, adaptive "
-        "speculation); default off: every step verifies the drafter's k drafts",
+        "speculation); default: on for one CUDA GPU, off on the CPU and under tensor parallelism; off: every step "
+        "verifies the drafter's k drafts",
     )
     parser.add_argument(
         "--no-overlap-decode",
@@ -278,8 +279,12 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     configure_logging(args.log_level, args.log_format)
     try:
+        device = _device(args.device) if args.device else default_device()
+        adaptive = args.adaptive_speculation
+        if adaptive is None:
+            adaptive = adaptive_by_default(device, int(args.tensor_parallel_size))
         options = ExecutorOptions(
-            device=_device(args.device) if args.device else default_device(),
+            device=device,
             model_root=check_model_root(args.model_root) if args.model_root else None,
             selector_address=args.selector_address,
             selector_client=selector_client_settings(args),
@@ -290,7 +295,7 @@ def main(argv: list[str] | None = None) -> int:
                 device_spec_step=not args.host_spec_step,
                 prefix_caching=not args.no_prefix_caching,
                 sampled_drafts=args.sampled_drafts,
-                adaptive_speculation=args.adaptive_speculation,
+                adaptive_speculation=adaptive,
                 overlap_decode=not args.no_overlap_decode,
                 batch_prefill_graphs=not args.no_batch_prefill_graphs,
             ),

@@ -72,8 +72,8 @@ class EngineSettings:
     sampled_drafts: str = "auto"  # sampled requests' drafts: "on" drawn from q, "off" argmax, "auto" (proposer.py)
     # Each step's k (or none) from measured costs (adaptive_k.py); off: the loaded k every step. It changes no token
     # (greedy and point-mass sampled verification emit target-only decoding's tokens whatever k), but the drafted /
-    # accepted counts follow the measured step times. Off by default: on the H200 it did not yet beat fixed k
-    # (docs/executor.md, adaptive speculation).
+    # accepted counts follow the measured step times. The server's default is `adaptive_by_default`'s; sessions
+    # built directly (tests, benchmarks) ask for it.
     adaptive_speculation: bool = False
     # Steps without drafting (adaptive speculation's k = 0) hold the drafter's context for a batched pass later
     # (deferred_context.py); off: its context pass runs every such step.
@@ -87,6 +87,14 @@ class EngineSettings:
     # Steps of several requests without drafts (prefills arriving together, or beside decodes) replay CUDA graphs of
     # their rows and requests (runner/prefill_graphs.py, BATCH_PREFILL_BACKENDS); off: they run eagerly.
     batch_prefill_graphs: bool = True
+
+
+def adaptive_by_default(device: torch.device, tensor_parallel_size: int) -> bool:
+    """The server's adaptive speculation when its command line leaves it unset: on where the model runs on one CUDA
+    GPU, where it was measured at or above the loaded k's speed and near target-only's where the drafter loses
+    (docs/executor.md, adaptive speculation); off on the CPU (the demo shows every step's drafts, and a shared
+    host's step times are noise) and under tensor parallelism (not measured there)."""
+    return device.type == "cuda" and tensor_parallel_size == 1
 
 
 def selection_request(
