@@ -21,7 +21,12 @@ from executor_service.models.config import ModelConfig
 from executor_service.models.draft_config import DraftConfig
 from executor_service.models.draft_weights import draft_layout
 from executor_service.models.weights import Placement, hf_layout
-from executor_service.runner.prefill_graphs import batch_prefill_requests, prefill_buckets, request_buckets
+from executor_service.runner.prefill_graphs import (
+    batch_prefill_requests,
+    prefill_buckets,
+    prefill_graph_rows,
+    request_buckets,
+)
 from executor_service.sample.sampling import MAX_LOGIT_BIAS
 from executor_service.spec_decode.deferred_context import DEFER_MAX
 from executor_service.spec_decode.step_variants import DEFAULT_PENALTY_SLOTS
@@ -109,24 +114,24 @@ def estimate_memory(
         activations += penalty_table_bytes(max_num_seqs, target.vocab_size)  # the speculative step's
     if device.type == "cuda":  # the decode sampler's graphs and their penalty table, captured at load
         activations += max_num_seqs * target.vocab_size * 4 * SAMPLER_ROW_COPIES
-        activations += prefill_graph_bytes(target, draft, max_num_batched_tokens, element)
+        # the prefill graphs' rows, at the longest model length a LoadModel may ask for
+        rows = prefill_graph_rows(max_num_batched_tokens, target.parameter_count(), target.max_position_embeddings)
+        activations += prefill_graph_bytes(target, draft, rows, element)
         if batch_prefill_graphs:
-            activations += batch_prefill_graph_bytes(target, draft, max_num_batched_tokens, max_num_seqs, element)
+            activations += batch_prefill_graph_bytes(target, draft, rows, max_num_seqs, element)
         if draft is not None:
-            activations += draft_prefill_graph_bytes(target, draft, max_num_batched_tokens, element)
+            activations += draft_prefill_graph_bytes(target, draft, rows, element)
         activations += penalty_table_bytes(DEFAULT_PENALTY_SLOTS, target.vocab_size) + CUDA_MARGIN_BYTES
     else:
         activations += CPU_MARGIN_BYTES
     return MemoryEstimate(weights, kv_cache, activations)
 
 
-def prefill_graph_bytes(
-    target: ModelConfig, draft: DraftConfig | None, max_num_batched_tokens: int, element: int
-) -> int:
+def prefill_graph_bytes(target: ModelConfig, draft: DraftConfig | None, graph_rows: int, element: int) -> int:
     """The lone-prefill graphs' pool, kept (runner/prefill_graphs.py): a layer's transients at the largest bucket's
     rows, the drafter's features of those rows, the last row's logits, every bucket's static per-row inputs; in the
-    caching allocator's segments (`_in_segments`)."""
-    buckets = prefill_buckets(max_num_batched_tokens)
+    caching allocator's segments (`_in_segments`). `graph_rows`: prefill_graph_rows'."""
+    buckets = prefill_buckets(graph_rows)
     if not buckets:
         return 0
     rows = buckets[-1]
@@ -137,7 +142,7 @@ def prefill_graph_bytes(
 
 
 def batch_prefill_graph_bytes(
-    target: ModelConfig, draft: DraftConfig | None, max_num_batched_tokens: int, max_num_seqs: int, element: int
+    target: ModelConfig, draft: DraftConfig | None, graph_rows: int, max_num_seqs: int, element: int
 ) -> int:
     """The batch prefill graphs' own memory (runner/prefill_graphs.py; their transients reuse the lone prefill
     graphs' pool): per bucket of rows, float32 logits of its largest request bucket and its rows' features, shared by
@@ -146,19 +151,17 @@ def batch_prefill_graph_bytes(
     features = feature_bytes(target, draft, element)
     blocks = -(-target.max_position_embeddings // 16) + 1  # a block table row at the smallest block size, roughly
     total = 0
-    for rows in prefill_buckets(max_num_batched_tokens):
+    for rows in prefill_buckets(graph_rows):
         top = request_buckets(max_requests, rows)[-1]
         total += top * target.vocab_size * 4 + rows * features + rows * 3 * 8 + top * (blocks * 4 + 4 * 8)
     return _in_segments(total) if total else 0
 
 
-def draft_prefill_graph_bytes(
-    target: ModelConfig, draft: DraftConfig, max_num_batched_tokens: int, element: int
-) -> int:
+def draft_prefill_graph_bytes(target: ModelConfig, draft: DraftConfig, graph_rows: int, element: int) -> int:
     """The drafter's lone-request context-pass graphs' pool, kept (Proposer.capture_prefill_graphs): its layer's
     transients at the largest bucket's rows and its two outputs a row (EAGLE's feedback and head), every bucket's
     static per-row inputs (the target's features, ids, positions, slots), in the allocator's segments."""
-    buckets = prefill_buckets(max_num_batched_tokens)
+    buckets = prefill_buckets(graph_rows)
     if not buckets:
         return 0
     rows, hidden = buckets[-1], draft.model.hidden_size

@@ -37,7 +37,7 @@ from executor_service.parallel.state import get_tp_group, tensor_parallel_size
 from executor_service.runner.cuda_graphs import GRAPH_BACKENDS
 from executor_service.runner.eager_warm_up import warm_up_models
 from executor_service.runner.model_runner import ModelRunner
-from executor_service.runner.prefill_graphs import BATCH_PREFILL_BACKENDS, batch_prefill_requests
+from executor_service.runner.prefill_graphs import BATCH_PREFILL_BACKENDS, batch_prefill_requests, prefill_graph_rows
 from executor_service.sample.sampling import SamplingSettings
 from executor_service.server.backend_claims import DRAFT_FIELD, TARGET_FIELD, check_backend_claims
 from executor_service.server.drafting import DraftSource, build_drafter, speculative_config
@@ -444,24 +444,26 @@ def capture_graphs(session: ModelSession, settings: EngineSettings, max_model_le
     lockstep (parallel/graphs.py); the drafter's on rank 0 alone (it involves no other rank)."""
     runner, proposer = session.engine.runner, session.proposer
     spec_batch = min(settings.max_num_seqs, MAX_SPEC_GRAPH_BATCH)
+    parameters = session.loaded.config.parameter_count()
+    prefill_rows = prefill_graph_rows(settings.max_num_batched_tokens, parameters, max_model_len)
     # The host path's tree steps run eagerly but for a lone request's context pass: decode graphs, and the device
     # step's (spec_step.capture_graphs).
     if proposer is not None and proposer.tree is not None:
         if proposer.backend in GRAPH_BACKENDS:
-            proposer.capture_prefill_graphs(settings.max_num_batched_tokens)
+            proposer.capture_prefill_graphs(prefill_rows)
         proposer = None
     if session.decision.backend in GRAPH_BACKENDS:
         runner.capture_graphs([1], settings.max_num_seqs, max_model_len)
         if proposer is not None:
             runner.capture_graphs([proposer.num_draft_tokens + 1], spec_batch, max_model_len)
         if not isinstance(runner.model, TensorParallelModel):  # prefill_graphs.py: rank 0's alone
-            runner.capture_prefill_graphs(settings.max_num_batched_tokens, max_model_len)
+            runner.capture_prefill_graphs(prefill_rows, max_model_len)
             if settings.batch_prefill_graphs and runner.backend in BATCH_PREFILL_BACKENDS:
                 max_requests = batch_prefill_requests(settings.max_num_seqs)
-                runner.capture_batch_prefill_graphs(settings.max_num_batched_tokens, max_requests, max_model_len)
+                runner.capture_batch_prefill_graphs(prefill_rows, max_requests, max_model_len)
     if proposer is not None and proposer.backend in GRAPH_BACKENDS:
         proposer.capture_graphs(spec_batch, settings.max_num_seqs)
-        proposer.capture_prefill_graphs(settings.max_num_batched_tokens)  # on rank 0, as the drafter's other graphs
+        proposer.capture_prefill_graphs(prefill_rows)  # on rank 0, as the drafter's other graphs
     spec_step = session.engine.spec_step
     if spec_step is not None and {session.decision.backend, spec_step.proposer.backend} <= GRAPH_BACKENDS:
         spec_step.capture_graphs(spec_batch, max_model_len)

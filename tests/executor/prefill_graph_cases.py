@@ -24,12 +24,13 @@ SENTINEL = 7.0  # what every cache slot holds before a prefill: a slot that stil
 
 def prefill_engine(
     config: ModelConfig, device: torch.device, backend: str, dtype: torch.dtype, max_rows: int, max_batched: int = 64,
-    batched: bool = False,
+    batched: bool = False, blocks: int = 64,
 ) -> tuple[LoadedModel, Engine]:  # fmt: skip
-    """A target-only engine (up to 8 requests) whose runner reads two layers' features (as for an EAGLE-3 drafter)
-    and has prefill graphs for up to `max_rows` rows (`batched`: several requests' too), no other graph."""
+    """A target-only engine (up to 8 requests, a cache of `blocks` blocks) whose runner reads two layers' features
+    (as for an EAGLE-3 drafter) and has prefill graphs for up to `max_rows` rows (`batched`: several requests' too),
+    no other graph."""
     loaded = build_synthetic(config, 0, dtype, device)
-    cache = KVCache(config, 64, BLOCK_SIZE, dtype, device)
+    cache = KVCache(config, blocks, BLOCK_SIZE, dtype, device)
     runner = ModelRunner(loaded.model, cache, backend, device, feature_layers=(0, config.num_layers - 1))
     runner.capture_prefill_graphs(max_rows, config.max_position_embeddings)
     if batched:

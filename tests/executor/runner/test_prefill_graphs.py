@@ -11,7 +11,7 @@ from executor_builders import tiny_config
 from prefill_graph_cases import check_batch_prefill, check_lone_prefill, generate_one_by_one, prefill_engine
 
 from executor_service.models.attention_step import AttentionStep
-from executor_service.runner.prefill_graphs import PREFILL_GRAPH_ROWS, prefill_buckets
+from executor_service.runner.prefill_graphs import PREFILL_GRAPH_ROWS, prefill_buckets, prefill_graph_rows
 
 CPU = torch.device("cpu")
 
@@ -64,6 +64,37 @@ def test_buckets_follow_the_step_budget() -> None:
     assert prefill_buckets(48) == [16, 32]
     assert prefill_buckets(8) == []
     assert prefill_buckets(1 << 20) == list(PREFILL_GRAPH_ROWS)
+
+
+def test_prefills_past_1024_rows_through_their_buckets() -> None:
+    """The buckets past 1,024 rows (a small model's): a lone prompt of 1,100 tokens and two of 600 and 700 in one
+    step replay the 2,048-row graphs and give the eager pass's logits, features and cache."""
+    config = tiny_config(max_position_embeddings=4096)
+    _, engine = prefill_engine(config, CPU, "CPU_ATTN", torch.float32, 2048, max_batched=2048, batched=True, blocks=256)
+    prompts = [[(7 * i + 3 * n) % 200 for i in range(n)] for n in (1100, 600, 700)]
+    assert check_lone_prefill(engine, prompts[0], atol=1e-5) == 2048
+    assert check_batch_prefill(engine, prompts[1:], atol=1e-5) == 2048
+
+
+def test_buckets_past_1024_rows_for_small_models_alone() -> None:
+    """A small model's long prefill is launch-bound: graphs up to the step's budget (SmolLM2-135M: 8,192 rows); a
+    large model's is compute-bound: up to 1,024 rows (Llama-3-8B); never past the model's length."""
+    smollm2 = tiny_config(
+        hidden_size=576, intermediate_size=1536, num_layers=30, vocab_size=49152, num_heads=9, num_kv_heads=3,
+        head_size=64, tie_word_embeddings=True,
+    )  # fmt: skip
+    llama_8b = tiny_config(
+        hidden_size=4096, intermediate_size=14336, num_layers=32, vocab_size=128256, num_heads=32, num_kv_heads=8,
+        head_size=128,
+    )  # fmt: skip
+    assert 1.3e8 < smollm2.parameter_count() < 1.4e8 and 7.9e9 < llama_8b.parameter_count() < 8.1e9
+    assert prefill_graph_rows(8192, smollm2.parameter_count(), 8192) == 8192
+    assert prefill_buckets(prefill_graph_rows(8192, smollm2.parameter_count(), 8192))[-3:] == [2048, 4096, 8192]
+    assert prefill_graph_rows(8192, llama_8b.parameter_count(), 131072) == 1024
+    assert prefill_graph_rows(8192, smollm2.parameter_count(), 2048) == 2048  # the model's length
+    assert prefill_graph_rows(512, smollm2.parameter_count(), 8192) == 512  # the step's budget
+    assert prefill_graph_rows(8192, 10**9, 8192) == 2000  # a 1B model: buckets up to 1,024
+    assert prefill_buckets(2000)[-1] == 1024
 
 
 @pytest.mark.parametrize(
