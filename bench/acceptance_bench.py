@@ -11,8 +11,9 @@
     prompts in the same run, greedy, on each device named (the GPU with CUDA graphs, and the CPU); medians
     and spread over --repeats interleaved rounds; --speedup-temperatures 0,0.7 adds sampled runs, seeded by each
     request's place in the run (--unseeded: not), so every configuration draws the same numbers and, its drafts
-    argmax point masses, emits target-only's tokens: a ratio then compares speed alone, not the luck of the draws
-    (`same_tokens_as_target_only` reports the share of requests that did).
+    argmax point masses, would emit target-only's tokens: `same_tokens_as_target_only` reports the share of requests
+    that did (all of them in fp32; in bf16 a verify pass's rows round differently from a decode step's, and one
+    flipped near-tie changes the rest of a request).
 (c) With --trees: the same for tree drafting (bench/tree_passes.py specs), beside the chains, e.g. a verify
     budget of 16 against the chain at k = 7: --trees dynamic:8:16:7 --ks 7 --speedup-ks 7.
 (d) With --adaptive: (b)'s drafter sessions are opened with adaptive speculation (each step's k from measured
