@@ -45,9 +45,11 @@ def default_eagle_k(device: str) -> int:
 
 
 def default_tree(method: str, device: str, sampled: bool = False) -> Tree | None:
-    """The tree `method` drafts by default on `device` (None: a chain). Sampled requests draft chains: a sampled
-    tree step takes the host path, where the trees ran at 0.18x of target-only on the H100
-    (acceptance_2026-11-27_h100_b7c9d1b_sampled-speed)."""
+    """The tree `method` drafts by default on `device` (None: a chain). Sampled requests draft chains, the rule from
+    when sampled tree steps took the host path (0.18x of target-only on the H100,
+    acceptance_2026-11-27_h100_b7c9d1b_sampled-speed). They run on the device step since, and are not timed there
+    yet: at T = 0.7 EAGLE-3's 16-draft tree accepted no more than its chain of 7 (2.55 against 2.65 tokens a step),
+    DFlash's more (2.32 against 1.71; acceptance_2026-11-27_h200_2abcdce_sampled-device-step)."""
     on_cuda = device.split(":", 1)[0] == "cuda"
     if sampled or method == "eagle" or (on_cuda and method != "dflash"):
         return None
