@@ -105,7 +105,7 @@ class Engine(EngineLoop):
     def _one_time_work(self) -> int:
         """Kernels compiled and sampler graphs captured so far (one_time_work.py): a step that does either is
         hundreds of milliseconds of work no later step of its kind repeats, so it prices nothing."""
-        captured = self.overlap.captures().total() if self.overlap is not None else 0
+        captured = self.overlap.captured() if self.overlap is not None else 0
         return compiles() + captured
 
     def _counters(self) -> dict[str, Callable[[], Counter[str]]]:

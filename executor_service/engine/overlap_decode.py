@@ -255,7 +255,11 @@ class DecodeOverlap:
 
     def captures(self) -> Counter[str]:
         """The sampler graphs captured so far (slow_steps.py reports a step that captured one)."""
-        return Counter(graphs=len(self.sampler.graphs)) if self.sampler is not None else Counter()
+        return Counter(graphs=self.captured())
+
+    def captured(self) -> int:
+        """How many sampler graphs are captured (read every step with adaptive speculation: no Counter built)."""
+        return len(self.sampler.graphs) if self.sampler is not None else 0
 
     def capture_sampler(self) -> None:
         """At load: every bucket's sampled draws captured (SamplerGraphs.capture_all), where the target's

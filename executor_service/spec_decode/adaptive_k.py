@@ -196,6 +196,7 @@ class AdaptiveK:
         self._expected: dict[int, float] = {}  # k -> expected_tokens(k), until the acceptance changes
         self._requests: dict[str, RequestAcceptance] = {}  # live requests' own counts, by id (forget_request)
         self._batch: tuple[tuple[str, ...], dict[int, float]] | None = None  # the last batch's expected tokens
+        self._all_hopeless: bool | None = None  # `_every_drafting_k_hopeless`, until the acceptance changes
 
     @staticmethod
     def bucket(batch: int) -> int:
@@ -240,6 +241,7 @@ class AdaptiveK:
             own.observe(min(depth, deepest), count, self._tried, self._reached)
         self._expected.clear()
         self._batch = None
+        self._all_hopeless = None
 
     @property
     def tracked_requests(self) -> int:
@@ -337,8 +339,15 @@ class AdaptiveK:
         every drafting candidate out (`_hopeless`): the engine then stops following requests with the drafter
         (drafter_release.py). The global acceptance: a release lasts the requests' lives and covers the requests
         admitted meanwhile, so it is judged on the traffic, not on one batch."""
-        drafting = [k for k in self.candidates if k > 0]
-        return bool(drafting) and self._tried[1] >= min_verified and all(self._hopeless(k) for k in drafting)
+        return self._every_drafting_k_hopeless() and self._tried[1] >= min_verified
+
+    def _every_drafting_k_hopeless(self) -> bool:
+        """Whether there is a drafting candidate and every one is `_hopeless`; kept until the acceptance changes (it
+        is asked every step of a batch released from the drafter)."""
+        if self._all_hopeless is None:
+            drafting = [k for k in self.candidates if k > 0]
+            self._all_hopeless = bool(drafting) and all(self._hopeless(k) for k in drafting)
+        return self._all_hopeless
 
     def drafting_loses(self, batch: int, min_verified: float) -> bool:
         """Whether, at the bucket of a batch of `batch` requests, the measured step prices and the global acceptance
@@ -370,6 +379,7 @@ class AdaptiveK:
         self._tried = [0.0] * len(self._tried)
         self._expected.clear()
         self._batch = None
+        self._all_hopeless = None
 
     def _order(self) -> list[int]:
         """Candidates in the order they are first tried: the configured k, no drafting, then the rest, largest first."""

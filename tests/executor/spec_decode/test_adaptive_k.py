@@ -400,6 +400,10 @@ def test_drafting_is_ruled_out_on_enough_hopeless_evidence_and_retried_afresh() 
     assert model.drafting_ruled_out(32)
     model.forget_acceptance()
     assert not model.drafting_ruled_out(32) and model.expected_tokens(K) == 1 + K
+    model.observe_verify(requests(40), [K] * 40, [0] * 40)
+    assert model.drafting_ruled_out(32)  # asked again and again: the same answer until the acceptance changes
+    model.observe_verify(requests(400), [K] * 400, [K] * 400)  # then right every time
+    assert not model.drafting_ruled_out(32)
     right = AdaptiveK((0, K), configured=K)
     right.observe_verify(requests(200), [K] * 200, [1] * 200)  # its first draft accepted: 2 tokens a step
     assert not right.drafting_ruled_out(32)
