@@ -65,6 +65,18 @@ def test_several_prefills_through_their_batch_bucket_are_the_eager_ones(
     check_batch_prefill(engine, prompts, atol=atol)
 
 
+@pytest.mark.parametrize(("dtype", "atol"), [(torch.float32, 1e-4), (torch.bfloat16, 0.1)])
+def test_prefills_past_1024_rows_through_their_buckets(dtype: torch.dtype, atol: float) -> None:
+    """A small model's buckets past 1,024 rows (prefill_graph_rows): a lone 1,500-token prompt and two of 700 and
+    900 in one step replay the 2,048-row graphs with the eager pass's logits, features and cache."""
+    _, engine = prefill_engine(
+        CONFIG, CUDA, backend_or_skip("TRITON_ATTN"), dtype, 2048, max_batched=2048, batched=True, blocks=256
+    )
+    prompts = [[(7 * i + 3 * n) % CONFIG.vocab_size for i in range(n)] for n in (1500, 700, 900)]
+    assert check_lone_prefill(engine, prompts[0], atol=atol) == 2048
+    assert check_batch_prefill(engine, prompts[1:], atol=atol) == 2048
+
+
 def test_generations_through_batch_prefill_graphs_equal_the_dense_reference() -> None:
     loaded, engine = prefill_engine(
         CONFIG, CUDA, backend_or_skip("TRITON_ATTN"), torch.float32, 256, max_batched=96, batched=True
