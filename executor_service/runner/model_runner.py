@@ -117,7 +117,9 @@ class ModelRunner:
             assert self.batch_prefill_graphs is not None
             self.step_counts["batch prefill graph"] += 1
             graphs = self.batch_prefill_graphs.graphs[rows]
-            return _step_rows(graphs.run_rows(step, inputs.input_ids, inputs.positions, inputs.logits_indices), inputs)
+            last_rows = {"last_row": inputs.logits_indices}
+            outputs = graphs.run_rows(step, inputs.positions, last_rows, input_ids=inputs.input_ids)
+            return _step_rows(outputs, inputs)
         self.step_counts["eager"] += 1
         logits, features = self.forward(inputs.input_ids, inputs.positions, step, inputs.logits_indices)
         return StepOutput(logits, features)
@@ -168,8 +170,9 @@ class ModelRunner:
     def capture_batch_prefill_graphs(self, max_rows: int, max_requests: int, max_model_len: int) -> None:
         """Graphs for steps of up to `max_requests` requests' rows, up to `max_rows` of them (prefill_graphs.py)."""
         graphs = BatchPrefillGraphs(
-            self._prefill_forward, self.backend, prefill_buckets(max_rows), max_requests, max_model_len,
-            self.block_size, self.device,
+            "target batch prefill", self._prefill_forward, self.backend, prefill_buckets(max_rows), max_requests,
+            max_model_len, self.block_size, self.device, {"input_ids": ((), torch.int64)},
+            {"last_row": ((), torch.int64, 0)}, request_outputs=1,
         )  # fmt: skip
         graphs.capture(self.prefill_graphs.pool if self.prefill_graphs is not None else None)
         self.batch_prefill_graphs = graphs

@@ -130,16 +130,18 @@ class VarlenGraphs(StepGraphs):
     """One bucket of rows shared by several requests of any lengths (prefills, prompt chunks, decodes), one graph per
     request bucket. After the real requests' rows, the rest of the bucket belongs to one padding request, of its own
     length from position 0, that stores nothing; further padding requests have no rows. The real requests' metadata
-    is their own, so every real row sees exactly its keys."""
+    is their own, so every real row sees exactly its keys. The pass's outputs are per row, but for its first
+    `request_outputs` (the target's logits: a row per request at most), per request of the bucket."""
 
     def __init__(
         self, name: str, forward: GraphForward, backend: str, rows: int, max_requests: int, max_model_len: int,
-        block_size: int, device: torch.device,
+        block_size: int, device: torch.device, token_inputs: TokenInputs, request_inputs: RequestInputs | None = None,
+        request_outputs: int = 0,
     ) -> None:  # fmt: skip
         super().__init__(
-            name, forward, backend, rows, max_requests, max_model_len, block_size, device,
-            {"input_ids": ((), torch.int64)}, {"last_row": ((), torch.int64, 0)},
+            name, forward, backend, rows, max_requests, max_model_len, block_size, device, token_inputs, request_inputs
         )  # fmt: skip
+        self.request_outputs = request_outputs
         self.query_start_loc.fill_(rows)  # until a run: every row the first request's, the others empty
         self.query_start_loc[0] = 0
         self.seq_lens.zero_()
@@ -154,26 +156,33 @@ class VarlenGraphs(StepGraphs):
         return self.query_len
 
     def _run_eager(self, size: int) -> tuple[torch.Tensor, ...]:
-        """The pass, its outputs copied into buffers that every request bucket shares (the logits rows of the
-        largest bucket, the per-row outputs): graphs of one pool would otherwise each keep their own outputs. The
-        first call is the largest bucket's warm-up, outside any capture: it allocates them."""
+        """The pass, its outputs copied into buffers that every request bucket shares (per-request outputs at the
+        largest bucket's size, per-row ones whole): graphs of one pool would otherwise each keep their own outputs.
+        The first call is the largest bucket's warm-up, outside any capture: it allocates them."""
         outputs = super()._run_eager(size)
         if self.results is None:
-            self.results = [torch.empty((self.buckets[-1], *o.shape[1:]), dtype=o.dtype, device=o.device)
-                            if i == 0 else torch.empty_like(o) for i, o in enumerate(outputs)]  # fmt: skip
-        self.results[0][:size].copy_(outputs[0])
-        for result, output in zip(self.results[1:], outputs[1:], strict=True):
+            largest = self.buckets[-1]
+            self.results = [
+                torch.empty((largest, *o.shape[1:]), dtype=o.dtype, device=o.device)
+                if i < self.request_outputs
+                else torch.empty_like(o)
+                for i, o in enumerate(outputs)
+            ]
+        kept = [r[:size] if i < self.request_outputs else r for i, r in enumerate(self.results)]
+        for result, output in zip(kept, outputs, strict=True):
             result.copy_(output)
-        return (self.results[0][:size], *self.results[1:])
+        return tuple(kept)
 
     def fits(self, num_requests: int) -> bool:
         return num_requests < self.buckets[-1]
 
     def run_rows(
-        self, step: AttentionStep, input_ids: torch.Tensor, positions: torch.Tensor, logits_rows: torch.Tensor
-    ) -> tuple[torch.Tensor, ...]:
-        """The graph's outputs over the step's requests (`fits`): logits of `logits_rows` (one row each, at most one
-        a request) first, then per-row outputs of all the bucket's rows."""
+        self, step: AttentionStep, positions: torch.Tensor, per_request: dict[str, torch.Tensor] | None = None,
+        **per_row: torch.Tensor,
+    ) -> tuple[torch.Tensor, ...]:  # fmt: skip
+        """The graph's outputs over the step's requests (`fits`), per-row ones over all the bucket's rows. `per_row`:
+        the token inputs of the step's rows; `per_request`: request inputs, as many values as given (the target's
+        logits rows: at most one a request), the rest of the bucket padded."""
         count, n, rows = step.seq_lens.shape[0], positions.shape[0], self.query_len
         size = self._bucket(count + 1)
         self.query_start_loc[: count + 1].copy_(step.query_start_loc)
@@ -185,34 +194,37 @@ class VarlenGraphs(StepGraphs):
         self.slot_mapping[n:rows].fill_(-1)
         self.positions[:n].copy_(positions)
         self.positions[n:rows].copy_(self.padding_positions[: rows - n])
-        self.inputs["input_ids"][:n].copy_(input_ids)
+        for name, value in per_row.items():
+            self.inputs[name][:n].copy_(value)
         self.block_table[:count, : step.block_table.shape[1]].copy_(step.block_table)
-        last_row = self.request_inputs["last_row"]
-        last_row[: logits_rows.shape[0]].copy_(logits_rows)
-        last_row[logits_rows.shape[0] : size].zero_()
+        for name, value in (per_request or {}).items():
+            self.request_inputs[name][: value.shape[0]].copy_(value)
+            self.request_inputs[name][value.shape[0] : size].fill_(self.pads[name])
         self.graphs[size].replay()
         return self.outputs[size]
 
 
 class BatchPrefillGraphs:
-    """The target's steps of several requests without drafts, each needing at most its last row's logits (prefills,
-    prompt chunks, decodes beside them): a bucket of rows (PREFILL_GRAPH_ROWS), then of requests."""
+    """Passes over several requests' rows: the target's steps without drafts, each request needing at most its last
+    row's logits (prefills, prompt chunks, decodes beside them), and the drafter's context pass over them (its
+    prompts', its held rows' flushes): a bucket of rows (PREFILL_GRAPH_ROWS), then of requests."""
 
     def __init__(
-        self, forward: GraphForward, backend: str, buckets: list[int], max_requests: int, max_model_len: int,
-        block_size: int, device: torch.device,
+        self, name: str, forward: GraphForward, backend: str, buckets: list[int], max_requests: int,
+        max_model_len: int, block_size: int, device: torch.device, token_inputs: TokenInputs,
+        request_inputs: RequestInputs | None = None, request_outputs: int = 0,
     ) -> None:  # fmt: skip
         self.max_model_len = max_model_len
         self.graphs: dict[int, VarlenGraphs] = {}
         for rows in buckets:
             self.graphs[rows] = VarlenGraphs(
-                f"target batch prefill ({rows} rows)", forward, backend, rows, max_requests, max_model_len,
-                block_size, device,
+                f"{name} ({rows} rows)", forward, backend, rows, max_requests, max_model_len, block_size, device,
+                token_inputs, request_inputs, request_outputs,
             )  # fmt: skip
 
     def capture(self, pool: object | None = None) -> None:
-        """Largest bucket first, all into one pool (`pool`: the lone prefill graphs', whose transients these reuse:
-        one target pass runs at a time)."""
+        """Largest bucket first, all into one pool (`pool`: the lone prefill graphs' of the same model, whose
+        transients these reuse: one of its passes runs at a time)."""
         capture_largest_first(self.graphs, pool)
 
     def bucket(self, step: AttentionStep, num_rows: int) -> int | None:

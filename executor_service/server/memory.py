@@ -121,6 +121,8 @@ def estimate_memory(
             activations += batch_prefill_graph_bytes(target, draft, rows, max_num_seqs, element)
         if draft is not None:
             activations += draft_prefill_graph_bytes(target, draft, rows, element)
+            if batch_prefill_graphs:
+                activations += draft_batch_prefill_graph_bytes(target, draft, rows, max_num_seqs, element)
         activations += penalty_table_bytes(DEFAULT_PENALTY_SLOTS, target.vocab_size) + CUDA_MARGIN_BYTES
     else:
         activations += CPU_MARGIN_BYTES
@@ -168,6 +170,24 @@ def draft_prefill_graph_bytes(target: ModelConfig, draft: DraftConfig, graph_row
     features = feature_bytes(target, draft, element)
     static = sum(buckets) * (3 * 8 + features)
     return _in_segments(_step_bytes(draft.model, rows, element) + 2 * rows * hidden * element + static)
+
+
+def draft_batch_prefill_graph_bytes(
+    target: ModelConfig, draft: DraftConfig, graph_rows: int, max_num_seqs: int, element: int
+) -> int:
+    """The drafter's several-request context-pass graphs' own memory (Proposer.capture_batch_prefill_graphs; their
+    transients reuse its lone graphs' pool): per bucket of rows, its rows' static inputs (the target's features,
+    ids, positions, slots) and two outputs a row (EAGLE's feedback and head), a block table and four ints a request
+    of its largest request bucket."""
+    max_requests = batch_prefill_requests(max_num_seqs)
+    features = feature_bytes(target, draft, element)
+    outputs = 2 * draft.model.hidden_size * element
+    blocks = -(-target.max_position_embeddings // 16) + 1  # a block table row at the smallest block size, roughly
+    total = 0
+    for rows in prefill_buckets(graph_rows):
+        top = request_buckets(max_requests, rows)[-1]
+        total += rows * (features + outputs + 4 * 8) + top * (blocks * 4 + 4 * 8)
+    return _in_segments(total) if total else 0
 
 
 def feature_bytes(target: ModelConfig, draft: DraftConfig | None, element: int) -> int:

@@ -446,11 +446,12 @@ def capture_graphs(session: ModelSession, settings: EngineSettings, max_model_le
     spec_batch = min(settings.max_num_seqs, MAX_SPEC_GRAPH_BATCH)
     parameters = session.loaded.config.parameter_count()
     prefill_rows = prefill_graph_rows(settings.max_num_batched_tokens, parameters, max_model_len)
-    # The host path's tree steps run eagerly but for a lone request's context pass: decode graphs, and the device
-    # step's (spec_step.capture_graphs).
+    max_requests = batch_prefill_requests(settings.max_num_seqs)
+    # The host path's tree steps run eagerly but for the context pass: decode graphs, and the device step's
+    # (spec_step.capture_graphs).
     if proposer is not None and proposer.tree is not None:
         if proposer.backend in GRAPH_BACKENDS:
-            proposer.capture_prefill_graphs(prefill_rows)
+            capture_context_graphs(proposer, settings, prefill_rows, max_requests)
         proposer = None
     if session.decision.backend in GRAPH_BACKENDS:
         runner.capture_graphs([1], settings.max_num_seqs, max_model_len)
@@ -459,14 +460,21 @@ def capture_graphs(session: ModelSession, settings: EngineSettings, max_model_le
         if not isinstance(runner.model, TensorParallelModel):  # prefill_graphs.py: rank 0's alone
             runner.capture_prefill_graphs(prefill_rows, max_model_len)
             if settings.batch_prefill_graphs and runner.backend in BATCH_PREFILL_BACKENDS:
-                max_requests = batch_prefill_requests(settings.max_num_seqs)
                 runner.capture_batch_prefill_graphs(prefill_rows, max_requests, max_model_len)
     if proposer is not None and proposer.backend in GRAPH_BACKENDS:
         proposer.capture_graphs(spec_batch, settings.max_num_seqs)
-        proposer.capture_prefill_graphs(prefill_rows)  # on rank 0, as the drafter's other graphs
+        capture_context_graphs(proposer, settings, prefill_rows, max_requests)  # on rank 0, as its other graphs
     spec_step = session.engine.spec_step
     if spec_step is not None and {session.decision.backend, spec_step.proposer.backend} <= GRAPH_BACKENDS:
         spec_step.capture_graphs(spec_batch, max_model_len)
+
+
+def capture_context_graphs(proposer: Proposer, settings: EngineSettings, rows: int, max_requests: int) -> None:
+    """The drafter's context-pass graphs: a lone request's, and several requests' where the batch prefill graphs
+    are on and its backend skips requests without rows (BATCH_PREFILL_BACKENDS)."""
+    proposer.capture_prefill_graphs(rows)
+    if settings.batch_prefill_graphs and proposer.backend in BATCH_PREFILL_BACKENDS:
+        proposer.capture_batch_prefill_graphs(rows, max_requests)
 
 
 def warm_up(session: ModelSession) -> None:

@@ -44,7 +44,7 @@ from executor_service.models.attention_step import (
 from executor_service.models.draft_models import Drafter
 from executor_service.models.fused_ops import argmax
 from executor_service.runner.cuda_graphs import RequestInputs, StepGraphs, TokenInputs
-from executor_service.runner.prefill_graphs import PrefillGraphs, prefill_buckets
+from executor_service.runner.prefill_graphs import BatchPrefillGraphs, PrefillGraphs, prefill_buckets
 from executor_service.runner.step_constants import StepConstants
 from executor_service.sample.sampling import DraftProbs, to_host
 from executor_service.spec_decode.draft_penalties import DraftPenalties
@@ -134,6 +134,7 @@ class Proposer:
         self.pass_counts: Counter[str] = Counter()  # "<pass> graph" / "<pass> eager" (benchmarks read it)
         self.graphs: dict[str, StepGraphs] = {}  # by pass name; see capture_graphs
         self.prefill_graphs: PrefillGraphs | None = None  # a lone request's context pass (capture_prefill_graphs)
+        self.batch_prefill_graphs: BatchPrefillGraphs | None = None  # several requests' (capture_batch_prefill_graphs)
         self.passes = self._passes()
 
     @property
@@ -349,22 +350,31 @@ class Proposer:
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """`context_pass_rows` on the host path: a lone request's rows through the context pass's prefill graphs,
         others eagerly."""
-        forward = self._prefill_replay(step, positions.shape[0])
-        self.pass_counts["tree_context eager" if forward is None else "tree_context prefill graph"] += 1
+        forward, kind = self._prefill_replay(step, positions.shape[0])
+        self.pass_counts[f"tree_context {kind}"] += 1
         return self.context_pass_rows(step, positions, next_ids, features, forward)
 
-    def _prefill_replay(self, step: AttentionStep, num_rows: int) -> PassForward | None:
-        """The context pass over a lone request's `num_rows` rows as a replay of its prefill graphs' bucket, its
-        outputs cut to the real rows (a context pass's outputs are per row); None: no bucket fits."""
-        graphs = self.prefill_graphs
-        rows = graphs.bucket(step, num_rows) if graphs is not None else None
-        if graphs is None or rows is None:
-            return None
+    def _prefill_replay(self, step: AttentionStep, num_rows: int) -> tuple[PassForward | None, str]:
+        """The context pass over `num_rows` rows as a replay of a prefill graph: a lone request's bucket, else
+        several requests' (the batch graphs), its outputs cut to the real rows (a context pass's outputs are per
+        row); and which it is ("prefill graph", "batch prefill graph"; None, "eager": no bucket fits)."""
+        lone, batch = self.prefill_graphs, self.batch_prefill_graphs
+        rows = lone.bucket(step, num_rows) if lone is not None else None
+        if lone is not None and rows is not None:
 
-        def replayed(step: AttentionStep, positions: torch.Tensor, x: dict[str, torch.Tensor]) -> tuple:
-            return tuple(output[:num_rows] for output in graphs.run(rows, positions, step, **x))
+            def replayed(step: AttentionStep, positions: torch.Tensor, x: dict[str, torch.Tensor]) -> tuple:
+                return tuple(output[:num_rows] for output in lone.run(rows, positions, step, **x))
 
-        return replayed
+            return replayed, "prefill graph"
+        rows = batch.bucket(step, num_rows) if batch is not None else None
+        if batch is not None and rows is not None:
+            graphs = batch.graphs[rows]
+
+            def batched(step: AttentionStep, positions: torch.Tensor, x: dict[str, torch.Tensor]) -> tuple:
+                return tuple(output[:num_rows] for output in graphs.run_rows(step, positions, **x))
+
+            return batched, "batch prefill graph"
+        return None, "eager"
 
     def draft(
         self, requests: list[Request], head: torch.Tensor, hidden: torch.Tensor, penalties: DraftPenalties | None = None
@@ -468,9 +478,9 @@ class Proposer:
         if graphs is not None and uniform and step.seq_lens.shape[0] <= graphs.max_batch:
             self.pass_counts[f"{name} graph"] += 1
             return graphs.run(step.block_table, step.seq_lens, step.slot_mapping, positions, **inputs)
-        forward = self._prefill_replay(step, positions.shape[0]) if name == self.CONTEXT_PASS else None
+        forward, kind = self._prefill_replay(step, positions.shape[0]) if name == self.CONTEXT_PASS else (None, "")
         if forward is not None:
-            self.pass_counts[f"{name} prefill graph"] += 1
+            self.pass_counts[f"{name} {kind}"] += 1
             return forward(step, positions, inputs)
         self.pass_counts[f"{name} eager"] += 1
         return self.passes[name].forward(step, positions, inputs)
@@ -518,6 +528,18 @@ class Proposer:
         )  # fmt: skip
         graphs.capture()
         self.prefill_graphs = graphs
+
+    def capture_batch_prefill_graphs(self, max_rows: int, max_requests: int) -> None:
+        """Graphs for the context pass over several requests' rows, up to `max_rows` rows and `max_requests`
+        requests (runner/prefill_graphs.py): prompts prefilled together, held rows flushed at once. Into the lone
+        graphs' pool (capture_prefill_graphs first): one context pass runs at a time."""
+        draft_pass = self.passes[self.CONTEXT_PASS]
+        graphs = BatchPrefillGraphs(
+            f"drafter {self.CONTEXT_PASS} batch", draft_pass.forward, self.backend, prefill_buckets(max_rows),
+            max_requests, self.max_model_len, self.block_size, self.device, draft_pass.inputs,
+        )  # fmt: skip
+        graphs.capture(self.prefill_graphs.pool if self.prefill_graphs is not None else None)
+        self.batch_prefill_graphs = graphs
 
 
 def _reads_block_table(forward: OwnMetadataForward) -> PassForward:

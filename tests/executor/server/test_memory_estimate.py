@@ -77,6 +77,19 @@ def test_on_cuda_the_estimate_counts_the_drafters_prefill_graphs(monkeypatch: py
     assert with_drafters - activations() == pool >= memory.LARGE_SEGMENT_BYTES
 
 
+def test_with_a_drafter_the_estimate_counts_its_batch_context_graphs_where_they_are_on() -> None:
+    """The drafter's several-request context-pass graphs (Proposer.capture_batch_prefill_graphs) come with the
+    target's batch prefill graphs: their rows' static inputs and outputs are counted beside the target's."""
+    target, draft, _ = eagle3_estimate()
+    cuda = torch.device("cuda")
+    off = estimate_memory(target, draft, torch.float32, 64, 16, 64, 40, cuda, batch_prefill_graphs=False).activations
+    on = estimate_memory(target, draft, torch.float32, 64, 16, 64, 40, cuda).activations
+    drafter = memory.draft_batch_prefill_graph_bytes(target, draft, 64, 40, 4)
+    assert on - off == memory.batch_prefill_graph_bytes(target, draft, 64, 40, 4) + drafter
+    features, outputs = memory.feature_bytes(target, draft, 4), 2 * draft.model.hidden_size * 4
+    assert drafter >= (16 + 32 + 64) * (features + outputs)
+
+
 def test_the_estimate_counts_batch_prefill_graphs_where_they_are_on() -> None:
     request = load_request()
     config = resolve_target(request.target, None, "target").config

@@ -10,7 +10,7 @@ from unittest import mock
 
 import pytest
 import torch
-from drafter_prefill_cases import checked_session, generate
+from drafter_prefill_cases import checked_session, generate, generate_together
 from engine_driving import Collector
 from executor_builders import greedy
 from greedy_reference import greedy_reference
@@ -19,7 +19,7 @@ from tree_cases import TREES
 
 from executor_service.models.attention_step import AttentionStep
 from executor_service.runner.cuda_graphs import GRAPH_BACKENDS
-from executor_service.runner.prefill_graphs import PrefillGraphs
+from executor_service.runner.prefill_graphs import PrefillGraphs, VarlenGraphs
 from executor_service.server import session as session_module
 from executor_service.server.session import EngineSettings, capture_graphs
 from executor_service.spec_decode.proposer import Proposer
@@ -83,6 +83,51 @@ def test_the_check_sees_padding_rows_that_hide_a_real_rows_keys(monkeypatch: pyt
             generate(session, list(range(3, 12)), 4)
 
 
+@pytest.mark.parametrize("method", ["eagle3", "dflash"])
+def test_several_requests_context_passes_through_the_batch_buckets(method: str) -> None:
+    """Three prompts prefilled in one step (one context pass over their 43 rows), then steps without drafting whose
+    held rows flush for all three at once (deferred_context.py): each pass through a batch bucket, checked against
+    the eager pass over the same inputs and cache; the tokens are the target's own."""
+    session, buckets = checked_session(method, batched=True)
+    session.engine.speculation = Scripted([0, 0, 0, 3, 0, 3], [0, 3])
+    prompts = {f"r{i}": [(11 * i + 5 * j) % 200 for j in range(n)] for i, n in enumerate((9, 20, 14))}
+    outputs = generate_together(session, prompts, 12)
+    for rid, prompt in prompts.items():
+        assert outputs[rid] == greedy_reference(session.loaded.model, prompt, 12), rid
+    counts = session.proposer.pass_counts if session.proposer is not None else {}
+    name = f"{method.removesuffix('3')}_context"
+    assert buckets[0] == 64 and counts[f"{name} batch prefill graph"] >= 2, (buckets, counts)
+    assert counts[f"{name} eager"] == 0, counts
+
+
+@pytest.mark.parametrize(("method", "shape"), [("eagle3", "static_2_2_1"), ("dflash", "static_3_2")])
+def test_several_requests_tree_context_passes_through_the_batch_buckets(method: str, shape: str) -> None:
+    """Trees: three prompts' context pass in one step (the host path's `_tree_context`) through a batch bucket,
+    checked against the eager pass; the target's tokens."""
+    session, buckets = checked_session(method, tree=TREES[shape], batched=True)
+    prompts = {f"r{i}": [(7 * i + 3 * j) % 200 for j in range(n)] for i, n in enumerate((5, 17, 11))}
+    outputs = generate_together(session, prompts, 8)
+    for rid, prompt in prompts.items():
+        assert outputs[rid] == greedy_reference(session.loaded.model, prompt, 8), rid
+    counts = session.proposer.pass_counts if session.proposer is not None else {}
+    assert buckets == [64] and counts["tree_context batch prefill graph"] == 1, (buckets, counts)
+    assert counts["tree_context eager"] == 0, counts
+
+
+def test_the_check_sees_a_batch_replay_that_drops_its_rows_positions(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Control: a batch replay that leaves its rows' positions out (RoPE at the wrong places) fails the comparison
+    with the eager pass."""
+    original = VarlenGraphs.run_rows
+
+    def unplaced(self: VarlenGraphs, step: AttentionStep, positions: torch.Tensor, *args, **kwargs):  # type: ignore[no-untyped-def]
+        return original(self, step, torch.zeros_like(positions), *args, **kwargs)
+
+    monkeypatch.setattr(VarlenGraphs, "run_rows", unplaced)
+    session, _ = checked_session("eagle3", batched=True)
+    with pytest.raises(AssertionError, match="not close"):
+        generate_together(session, {"a": list(range(3, 12)), "b": list(range(40, 60))}, 4)
+
+
 def test_only_the_context_pass_of_one_request_takes_a_bucket() -> None:
     session = spec_session("eagle3", 3)
     proposer = session.proposer
@@ -103,13 +148,18 @@ def test_only_the_context_pass_of_one_request_takes_a_bucket() -> None:
 @pytest.mark.parametrize("method", ["eagle3", "dflash"])
 def test_a_load_captures_the_drafters_prefill_graphs(method: str) -> None:
     """The session's capture (as on CUDA: CPU_ATTN let in, the CPU's stand-in graphs) takes the drafter's context
-    pass graphs beside the target's prefill graphs, and a lone prompt's proposal replays them."""
+    pass graphs, a lone request's and several requests', beside the target's prefill graphs, and a lone prompt's
+    proposal replays them."""
     session = spec_session(method, 3, max_num_batched_tokens=64)
-    with mock.patch.object(session_module, "GRAPH_BACKENDS", GRAPH_BACKENDS | {"CPU_ATTN"}):
+    with (
+        mock.patch.object(session_module, "GRAPH_BACKENDS", GRAPH_BACKENDS | {"CPU_ATTN"}),
+        mock.patch.object(session_module, "BATCH_PREFILL_BACKENDS", {"CPU_ATTN"}),
+    ):
         capture_graphs(session, EngineSettings(64, 16, True), session.limits.max_model_len)
     proposer = session.proposer
     assert proposer is not None and proposer.prefill_graphs is not None
     assert sorted(proposer.prefill_graphs.graphs) == [16, 32, 64] and session.engine.runner.prefill_graphs is not None
+    assert proposer.batch_prefill_graphs is not None and sorted(proposer.batch_prefill_graphs.graphs) == [16, 32, 64]
     prompt = [(3 * i + 1) % 200 for i in range(21)]
     assert generate(session, prompt, 5) == greedy_reference(session.loaded.model, prompt, 5)
     name = f"{method.removesuffix('3')}_context"

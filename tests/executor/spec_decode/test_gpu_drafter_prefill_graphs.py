@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from drafter_prefill_cases import checked_session, generate
+from drafter_prefill_cases import checked_session, generate, generate_together
 from greedy_reference import greedy_reference
 from kernel_counting import smollm2
 from tree_cases import TREES
@@ -43,6 +43,22 @@ def test_lone_context_passes_through_their_buckets_are_the_eager_ones(method: st
         if dtype == common_pb2.DTYPE_FLOAT32:
             assert tokens == greedy_reference(session.loaded.model, prompt, 8), length
     assert buckets[:1] == [16] and 64 in buckets and 256 in buckets, buckets
+
+
+@pytest.mark.parametrize("method", ["eagle3", "dflash"])
+@pytest.mark.parametrize(("dtype", "atol"), [(common_pb2.DTYPE_FLOAT32, 1e-4), (common_pb2.DTYPE_BFLOAT16, 0.1)])
+def test_several_requests_context_passes_through_the_batch_buckets(method: str, dtype: int, atol: float) -> None:
+    """Three prompts prefilled together: the drafter's context pass over their rows replays a batch bucket the load
+    captured, with the eager pass's outputs and cache writes; fp32 tokens the target's own."""
+    session, buckets = checked_session(method, max_rows=256, device="cuda", dtype=dtype, atol=atol, batched=True)
+    prompts = {f"r{i}": [(11 * i + 5 * j) % 500 for j in range(n)] for i, n in enumerate((9, 120, 40))}
+    outputs = generate_together(session, prompts, 8)
+    if dtype == common_pb2.DTYPE_FLOAT32:
+        for rid, prompt in prompts.items():
+            assert outputs[rid] == greedy_reference(session.loaded.model, prompt, 8), rid
+    counts = session.proposer.pass_counts if session.proposer is not None else {}
+    name = f"{method.removesuffix('3')}_context"
+    assert buckets[0] == 256 and counts[f"{name} batch prefill graph"] >= 1, (buckets, counts)
 
 
 @pytest.mark.parametrize(("method", "shape"), [("eagle3", "dynamic_3_budget_8_depth_4"), ("dflash", "static_3_2")])
