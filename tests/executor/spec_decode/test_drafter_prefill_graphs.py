@@ -128,6 +128,25 @@ def test_the_check_sees_a_batch_replay_that_drops_its_rows_positions(monkeypatch
         generate_together(session, {"a": list(range(3, 12)), "b": list(range(40, 60))}, 4)
 
 
+def test_a_loads_prefill_graphs_stop_at_the_models_length() -> None:
+    """With a step budget past the model's length (2,048 rows, 512 positions), the load's prefill graphs, the
+    target's and the drafter's, lone and batch, stop at the model's length (prefill_graph_rows): a capture runs one
+    request over all its rows."""
+    session = spec_session("eagle3", 3, max_num_batched_tokens=2048)
+    max_model_len = 512
+    with (
+        mock.patch.object(session_module, "GRAPH_BACKENDS", GRAPH_BACKENDS | {"CPU_ATTN"}),
+        mock.patch.object(session_module, "BATCH_PREFILL_BACKENDS", {"CPU_ATTN"}),
+    ):
+        capture_graphs(session, EngineSettings(2048, 16, True), max_model_len)
+    runner, proposer = session.engine.runner, session.proposer
+    assert proposer is not None and proposer.prefill_graphs is not None and proposer.batch_prefill_graphs is not None
+    assert runner.prefill_graphs is not None and runner.batch_prefill_graphs is not None
+    lone_and_batch = (runner.prefill_graphs, runner.batch_prefill_graphs, proposer.prefill_graphs)
+    for graphs in (*lone_and_batch, proposer.batch_prefill_graphs):
+        assert max(graphs.graphs) <= max_model_len < 2 * max(graphs.graphs), sorted(graphs.graphs)
+
+
 def test_only_the_context_pass_of_one_request_takes_a_bucket() -> None:
     session = spec_session("eagle3", 3)
     proposer = session.proposer
