@@ -239,9 +239,7 @@ class AdaptiveK:
             if own is None:
                 own = self._requests[request_id] = RequestAcceptance.fresh(len(self._tried))
             own.observe(min(depth, deepest), count, self._tried, self._reached)
-        self._expected.clear()
-        self._batch = None
-        self._all_hopeless = None
+        self._acceptance_changed()
 
     @property
     def tracked_requests(self) -> int:
@@ -377,6 +375,10 @@ class AdaptiveK:
         own counts stay: they are still their evidence (a released request verifies no more)."""
         self._reached = [0.0] * len(self._reached)
         self._tried = [0.0] * len(self._tried)
+        self._acceptance_changed()
+
+    def _acceptance_changed(self) -> None:
+        """Drop what was worked out of the global acceptance: expected tokens, the last batch's, the hopeless rule."""
         self._expected.clear()
         self._batch = None
         self._all_hopeless = None
@@ -497,7 +499,7 @@ class AdaptiveK:
         the current one is within the hysteresis of it."""
         best = self._best_measured(bucket, expected)
         current = self._current.get(bucket)
-        if self._tried[1] < MIN_JUDGED:  # too few verify steps to judge drafting on: the configured k
+        if not self.judged:  # too few verify steps to judge drafting on: the configured k
             best = self.configured
         elif best is None:  # nothing measured here yet: the configured k, unless the acceptance rules drafting out
             adds_nothing = self._adds_too_little(self.configured, expected[self.configured])
@@ -509,6 +511,12 @@ class AdaptiveK:
                 best = current
         self._current[bucket] = best
         return best
+
+    @property
+    def judged(self) -> bool:
+        """Whether MIN_JUDGED verified request-steps were seen, so that drafting may be judged on its acceptance
+        (nothing to judge without a drafting candidate)."""
+        return len(self._tried) < 2 or self._tried[1] >= MIN_JUDGED
 
     def measured(self, batch: int) -> bool:
         """Whether every candidate's cost at this batch's bucket is measured and none is under test: what a

@@ -12,7 +12,7 @@ from executor_service.engine.request import Request
 from executor_service.server.drafting import resolve_draft
 from executor_service.server.session import EngineSettings, ModelSession, build_session
 from executor_service.server.wire import resolve_target
-from executor_service.spec_decode.adaptive_k import MIN_JUDGED, MIN_SAMPLES, AdaptiveK
+from executor_service.spec_decode.adaptive_k import MIN_SAMPLES, AdaptiveK
 from executor_service.spec_decode.drafter_release import MIN_VERIFIED
 from executor_service.spec_decode.proposer import Proposer
 from specdec.v1 import common_pb2, executor_pb2
@@ -152,7 +152,7 @@ class Priced(AdaptiveK):
     def __init__(self, prices: dict[int, float], global_only: bool = False) -> None:
         super().__init__(prices, configured=max(prices))
         self.prices, self.global_only = prices, global_only
-        # each plan's running requests, k, and whether drafting could be judged (MIN_JUDGED verify steps seen)
+        # each plan's running requests, k, and whether drafting could be judged (`judged`)
         self.planned: list[tuple[tuple[str, ...], int, bool]] = []
         for batch in (1, 2, 4, 8):
             for k, seconds in prices.items():
@@ -167,7 +167,7 @@ class Priced(AdaptiveK):
 
     def plan(self, request_ids: Sequence[str], undrafted: int = 0) -> int:
         planned = [f"newcomer{i}" for i in range(len(request_ids))] if self.global_only else request_ids
-        judged = self._tried[1] >= MIN_JUDGED
+        judged = self.judged
         k = super().plan(planned, undrafted)
         self.planned.append((tuple(request_ids), k, judged))
         return k

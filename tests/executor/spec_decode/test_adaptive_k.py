@@ -582,3 +582,10 @@ def test_drafting_is_not_judged_on_a_few_unlucky_verify_steps() -> None:
     for _ in range(10):
         before.observe_verify(["r0"], [3], [0])
     assert before.throughput(["r0"], 0) > before.throughput(["r0"], 3)  # type: ignore[operator]
+
+
+def test_a_model_without_drafting_candidates_plans_k_0() -> None:
+    """Only k = 0 to choose: nothing to judge (no depth measured), every plan k = 0 once it is measured."""
+    model = AdaptiveK([0])
+    assert model.judged
+    assert drive(model, 1, gpu_like, accepted=0, steps=20) == [0] * 20
