@@ -149,14 +149,8 @@ def batch_prefill_graph_bytes(
     """The batch prefill graphs' own memory (runner/prefill_graphs.py; their transients reuse the lone prefill
     graphs' pool): per bucket of rows, float32 logits of its largest request bucket and its rows' features, shared by
     its graphs, and their static inputs (ids, positions, slots a row; a block table and four ints a request)."""
-    max_requests = batch_prefill_requests(max_num_seqs)
-    features = feature_bytes(target, draft, element)
-    blocks = -(-target.max_position_embeddings // 16) + 1  # a block table row at the smallest block size, roughly
-    total = 0
-    for rows in prefill_buckets(graph_rows):
-        top = request_buckets(max_requests, rows)[-1]
-        total += top * target.vocab_size * 4 + rows * features + rows * 3 * 8 + top * (blocks * 4 + 4 * 8)
-    return _in_segments(total) if total else 0
+    row = feature_bytes(target, draft, element) + 3 * 8
+    return _varlen_graph_bytes(target, graph_rows, max_num_seqs, row, target.vocab_size * 4)
 
 
 def draft_prefill_graph_bytes(target: ModelConfig, draft: DraftConfig, graph_rows: int, element: int) -> int:
@@ -179,14 +173,19 @@ def draft_batch_prefill_graph_bytes(
     transients reuse its lone graphs' pool): per bucket of rows, its rows' static inputs (the target's features,
     ids, positions, slots) and two outputs a row (EAGLE's feedback and head), a block table and four ints a request
     of its largest request bucket."""
+    row = feature_bytes(target, draft, element) + 2 * draft.model.hidden_size * element + 4 * 8
+    return _varlen_graph_bytes(target, graph_rows, max_num_seqs, row, 0)
+
+
+def _varlen_graph_bytes(target: ModelConfig, graph_rows: int, max_num_seqs: int, row: int, request: int) -> int:
+    """Batch graphs' own memory (prefill_graphs.VarlenGraphs): per bucket of rows, `row` bytes a row, and for each
+    request of its largest request bucket `request` bytes, a block table and four ints; in the allocator's segments."""
     max_requests = batch_prefill_requests(max_num_seqs)
-    features = feature_bytes(target, draft, element)
-    outputs = 2 * draft.model.hidden_size * element
     blocks = -(-target.max_position_embeddings // 16) + 1  # a block table row at the smallest block size, roughly
     total = 0
     for rows in prefill_buckets(graph_rows):
         top = request_buckets(max_requests, rows)[-1]
-        total += rows * (features + outputs + 4 * 8) + top * (blocks * 4 + 4 * 8)
+        total += rows * row + top * (request + blocks * 4 + 4 * 8)
     return _in_segments(total) if total else 0
 
 
