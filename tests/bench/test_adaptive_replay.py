@@ -1,0 +1,39 @@
+"""bench/adaptive_replay.py: a recorded trace's positions, the fixed k replayed exactly, and the real cost model
+driven over traces where drafting always wins or never does."""
+
+from __future__ import annotations
+
+import pytest
+
+adaptive_replay = pytest.importorskip("adaptive_replay")
+
+PRICES = {b: {0: 1.0, 3: 1.5} for b in (1, 2, 4)}  # ms a step by bucket and k: a k = 3 step costs 1.5 decode steps
+
+
+def test_each_position_takes_the_accepted_count_of_the_step_covering_it() -> None:
+    replayed = adaptive_replay.Replayed.of("r", [2, 0, 3], max_tokens=10)
+    assert replayed.accepted_at == [2, 2, 2, 0, 3, 3, 3, 3, 0, 0]
+
+
+def test_the_fixed_k_replays_its_trace_exactly() -> None:
+    """Every step at k = 3 accepting all three: 4 tokens a step, 16 steps for 64 tokens, at 1.5 ms each."""
+    trace = [{"kind": "greedy", "accepted": [3] * 16}] * 2
+    found = adaptive_replay.simulate(trace, PRICES, 3, 64, 2, "fixed", [0, 3])
+    assert found["chosen_k_steps"] == {0: 0, 3: 16}
+    assert found["tokens_per_s"] == pytest.approx(128 / 0.024)
+    target = adaptive_replay.simulate(trace, PRICES, 3, 64, 2, "target", [0, 3])
+    assert target["tokens_per_s"] == pytest.approx(128 / 0.064)
+
+
+@pytest.mark.parametrize("accepted", [3, 0])
+def test_the_cost_model_follows_the_trace(accepted: int) -> None:
+    """Drafts always right: adaptive drafts nearly every step and matches the fixed k; never right: it ends at
+    k = 0 (or releases the drafter) and beats the fixed k."""
+    trace = [{"kind": "greedy", "accepted": [accepted] * 256}] * 4
+    fixed = adaptive_replay.simulate(trace, PRICES, 3, 256, 1, "fixed", [0, 3])
+    adaptive = adaptive_replay.simulate(trace, PRICES, 3, 256, 1, "adaptive", [0, 3])
+    ratio = adaptive["tokens_per_s"] / fixed["tokens_per_s"]
+    if accepted:
+        assert ratio > 0.97
+    else:
+        assert ratio > 1.3 and adaptive["chosen_k_steps"][0] > 0.9 * sum(adaptive["chosen_k_steps"].values())
