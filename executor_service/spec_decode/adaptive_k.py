@@ -72,7 +72,12 @@ from statistics import median
 
 WINDOW = 5  # recent steady step times per (bucket, k); their median is its cost
 DECAY = 0.995  # per observed request-step: the acceptance counts' memory (~200 request-steps; a request's: its own)
-PRIOR = 4.0  # pseudo-steps at the global rate in a request's own rate: without history it is the global rate
+# Pseudo-steps at the global rate in a request's own rate: without history it is the global rate. A request planned
+# at k = 0 verifies nothing, so its rate stays where it fell until the bucket checks drafting again: with 4, sampled
+# EAGLE-3 requests at batch 1 (T = 0.7 on the H200) fell below break-even on a few unlucky steps, ran 22 % of their
+# steps at k = 0 and lost 5 % against the fixed k. Replayed on recorded acceptance (bench/adaptive_replay.py),
+# 12-24 lose nothing there and keep the gain on mixed batches (penalised requests: ~1.3 tokens a step).
+PRIOR = 16.0
 MIN_SAMPLES = 3  # steady steps that measure a candidate before it is compared (a median of 3 outvotes one outlier)
 MAX_EXPLORE_STEPS = 6  # a candidate under test is given up after this many steps without enough steady samples
 REFRESH_STEPS = 128  # steps at a bucket before a losing candidate is measured again; doubled while it loses

@@ -19,6 +19,7 @@ K = 3
 PRICES = {0: 0.010, K: 0.025}  # seconds per step: a speculative step at k = 3 costs 2.5 decode steps
 RIGHT, WRONG = 6, 2
 RIGHT_TOKENS, WRONG_TOKENS = 16, 48
+SETTLING = 2  # tail steps that may still draft, before the wrong requests' own rate is mostly their own
 
 
 def mixed_run(global_only: bool = False, abort: bool = False) -> tuple[Priced, dict[str, Request]]:
@@ -76,20 +77,22 @@ def tail_plans(speculation: Priced) -> list[int]:
 @pytest.mark.parametrize("abort", [False, True], ids=["finished", "one-aborted"])
 def test_the_tail_of_always_wrong_requests_runs_without_drafting(abort: bool) -> None:
     """While the right requests run the batch drafts (their ~4 tokens a step pay for 2.5 decode steps' time); once
-    they finish (and MIN_JUDGED verify steps were seen), every step of the wrong ones left is planned at k = 0, and
-    they verify no more drafts (at most the step planned before then)."""
+    they finish (and MIN_JUDGED verify steps were seen), the wrong ones left are planned at k = 0 as soon as their
+    own failures outweigh the global rate in their own (adaptive_k.PRIOR pseudo-steps: they had ~5 verify steps of
+    their own by then, so at most SETTLING more steps draft), and they verify no more drafts."""
     speculation, requests = mixed_run(abort=abort)
     mixed = [k for ids, k, _ in speculation.planned if any(rid.startswith("right") for rid in ids)]
     tail = tail_plans(speculation)
     assert mixed.count(K) >= len(mixed) - 1 and len(tail) >= 20
-    assert tail == [0] * len(tail)
-    assert speculation.chosen[0] >= len(tail)
+    assert tail[SETTLING:] == [0] * (len(tail) - SETTLING)
+    assert speculation.chosen[0] >= len(tail) - SETTLING
     for request in requests.values():
         assert request.verify_steps > 0
         if request.request_id.startswith("right"):
             assert request.accepted_tokens == request.drafted_tokens
         else:
-            assert request.accepted_tokens == 0 and request.verify_steps <= drafting_steps(speculation, requests) + 1
+            drafted = drafting_steps(speculation, requests) + SETTLING
+            assert request.accepted_tokens == 0 and request.verify_steps <= drafted + 1
 
 
 def test_the_tail_check_fails_on_the_global_acceptance() -> None:
