@@ -25,10 +25,12 @@ acceptance of nearby positions, exact for the fixed k.
 from __future__ import annotations
 
 import argparse
+import bisect
 import json
+import random
 import sys
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -88,6 +90,30 @@ Prices = dict[int, dict[int, float]]  # ms a step by batch bucket and k
 
 
 @dataclass
+class Stalls:
+    """Moments the machine is slow (another process, a collection): one every `every_ms` of simulated time on
+    average, `length_ms` long, in which steps cost `factor` times their price. Drawn over time from `seed`, so every
+    policy meets the same moments (0: none)."""
+
+    every_ms: float = 0.0
+    length_ms: float = 5.0
+    factor: float = 1.5
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        self._draw = random.Random(self.seed)
+        self._starts: list[float] = []
+
+    def factor_at(self, ms: float) -> float:
+        if not self.every_ms:
+            return 1.0
+        while not self._starts or self._starts[-1] <= ms:
+            self._starts.append((self._starts[-1] if self._starts else 0.0) + self._draw.expovariate(1 / self.every_ms))
+        last = bisect.bisect_right(self._starts, ms) - 1
+        return self.factor if last >= 0 and ms < self._starts[last] + self.length_ms else 1.0
+
+
+@dataclass
 class Replayed:
     """A request of the trace: the accepted drafts of the step covering each position, and where it is."""
 
@@ -128,13 +154,16 @@ class Release:
 
 
 def simulate(
-    trace: list[dict[str, Any]], prices: Prices, k: int, max_tokens: int, batch: int, policy: str, candidates: list[int]
-) -> dict[str, Any]:
+    trace: list[dict[str, Any]], prices: Prices, k: int, max_tokens: int, batch: int, policy: str,
+    candidates: list[int], stalls: Stalls | None = None,
+) -> dict[str, Any]:  # fmt: skip
     """Tokens per second and the k chosen per step for the trace's requests, `batch` at a time, under `policy`:
     "fixed" (k every step), "target" (k = 0 every step) or "adaptive" (a fresh AdaptiveK and drafter_release's
     rules, after one untimed pass: acceptance_bench's timed rounds follow a warm-up)."""
+    stalls = stalls or Stalls()
     if policy != "adaptive":
-        return run(trace, prices, k, max_tokens, batch, lambda running: k if policy == "fixed" else 0)
+        fixed = k if policy == "fixed" else 0
+        return run(trace, prices, k, max_tokens, batch, lambda running: fixed, replace(stalls))
     model, release = AdaptiveK(candidates, configured=k), Release()
 
     def plan(running: list[Replayed]) -> int:
@@ -144,22 +173,23 @@ def simulate(
             return 0
         return model.plan(drafting, undrafted=len(running) - len(drafting))
 
-    run(trace, prices, k, max_tokens, batch, plan, model)
-    return run(trace, prices, k, max_tokens, batch, plan, model)
+    run(trace, prices, k, max_tokens, batch, plan, replace(stalls, seed=stalls.seed + 1), model)
+    return run(trace, prices, k, max_tokens, batch, plan, replace(stalls), model)
 
 
 def run(
     trace: list[dict[str, Any]], prices: Prices, k: int, max_tokens: int, batch: int,
-    plan: Callable[[list[Replayed]], int], model: AdaptiveK | None = None,
+    plan: Callable[[list[Replayed]], int], stalls: Stalls, model: AdaptiveK | None = None,
 ) -> dict[str, Any]:  # fmt: skip
-    """One pass over the trace, each step planned by `plan`; `model` is told the steps' prices and acceptance."""
+    """One pass over the trace, each step planned by `plan` and priced at `prices` (and `stalls`); `model` is told
+    the steps' prices and acceptance."""
     seconds, tokens, chosen = 0.0, 0, {0: 0, k: 0}
     for start in range(0, len(trace), batch):
         group = enumerate(trace[start : start + batch], start)
         running = [Replayed.of(f"r{i}", entry["accepted"], max_tokens) for i, entry in group]
         while running:
             step_k = plan(running)
-            cost = prices[AdaptiveK.bucket(len(running))][step_k] / 1e3
+            cost = prices[AdaptiveK.bucket(len(running))][step_k] / 1e3 * stalls.factor_at(seconds * 1e3)
             seconds += cost
             chosen[step_k] = chosen.get(step_k, 0) + 1
             verified = [r for r in running if step_k and r.drafting]
@@ -196,7 +226,7 @@ def with_constants(assignments: str) -> dict[str, Any]:
     return old
 
 
-def replay_runs(traces: dict[str, Any], costs: Path, batch: int) -> dict[str, Any]:
+def replay_runs(traces: dict[str, Any], costs: Path, batch: int, stalls: Stalls) -> dict[str, Any]:
     """Every run of the trace at batch 1 and `batch`: the fixed k, k = 0 throughout and adaptive."""
     k, max_tokens = traces["k"], traces["max_tokens"]
     found: dict[str, Any] = {}
@@ -207,7 +237,7 @@ def replay_runs(traces: dict[str, Any], costs: Path, batch: int) -> dict[str, An
             prices = step_prices(costs, f"{method}_k{k}", case)
             requests = trace[: len(trace) - 1] if size == 1 else trace  # acceptance_bench: 15 prompts alone
             rates = {
-                policy: simulate(requests, prices, k, max_tokens, size, policy, [0, k])
+                policy: simulate(requests, prices, k, max_tokens, size, policy, [0, k], stalls)
                 for policy in ("fixed", "target", "adaptive")
             }
             fixed, target = rates["fixed"]["tokens_per_s"], rates["target"]["tokens_per_s"]
@@ -220,8 +250,14 @@ def replay_runs(traces: dict[str, Any], costs: Path, batch: int) -> dict[str, An
     return found
 
 
+def parse_stalls(spec: str) -> Stalls:
+    """EVERY_MS,LENGTH_MS,FACTOR[,SEED] ("none": no stalls)."""
+    figures = [float(f) for f in spec.split(",") if f and spec != "none"]
+    return Stalls(*figures[:3], seed=int(figures[3]) if len(figures) > 3 else 0) if figures else Stalls()
+
+
 def replay(args: argparse.Namespace) -> dict[str, Any]:
-    """The trace replayed with the code's constants and with each --variant's."""
+    """The trace replayed under each --stalls setting, with the code's constants and with each --variant's."""
     import torch
     from common import provenance
 
@@ -230,16 +266,19 @@ def replay(args: argparse.Namespace) -> dict[str, Any]:
         **provenance("adaptive_replay", torch.device("cpu")),
         "trace": {key: traces.get(key) for key in ("commit", "date", "k", "max_tokens")},
         "step_prices_from": args.costs.name,
-        "variants": {},
+        "runs": {},
     }
-    for variant in ["", *args.variant]:
-        old = with_constants(variant)
-        try:
-            report["variants"][variant or "as shipped"] = found = replay_runs(traces, args.costs, args.batch)
-        finally:
-            with_constants(",".join(f"{name}={value}" for name, value in old.items()))
-        for name, figures in found.items():
-            print(variant or "as shipped", name, figures, flush=True)
+    for spec in args.stalls or ["none"]:
+        stalls = parse_stalls(spec)
+        for variant in ["", *args.variant]:
+            old = with_constants(variant)
+            try:
+                found = replay_runs(traces, args.costs, args.batch, stalls)
+            finally:
+                with_constants(",".join(f"{name}={value}" for name, value in old.items()))
+            report["runs"][f"stalls {spec}, {variant or 'as shipped'}"] = found
+            for name, figures in found.items():
+                print(f"stalls {spec}, {variant or 'as shipped'}:", name, figures, flush=True)
     return report
 
 
@@ -263,6 +302,10 @@ def main() -> int:
     rep.add_argument(
         "--variant", action="append", default=[], help="NAME=VALUE,...: adaptive_k / drafter_release constants"
     )
+    rep.add_argument(
+        "--stalls", action="append", default=[], help="EVERY_MS,LENGTH_MS,FACTOR[,SEED] or none: slow moments of the "
+        "machine, one run each (default: none)",
+    )  # fmt: skip
     rep.add_argument("--out", type=Path, default=Path(__file__).resolve().parent / "results")
     args = parser.parse_args()
     if args.command == "record":

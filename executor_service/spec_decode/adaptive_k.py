@@ -42,13 +42,25 @@ rates up to num_steps(k)` over the step's measured time at the batch's bucket (a
 over the candidates (the k values with captured graphs: no capture at run time). A candidate not yet measured at
 a bucket is tried first (the configured k, then 0, then the rest), for a few steps; a losing one is measured
 again after a while (its acceptance may have changed), each time later (a doubled interval) while it keeps
-losing, so a batch whose best k is clear pays almost nothing for the check. The interval is never shorter
-than what keeps the checks to about EXPLORE_SHARE of the bucket's time (a check runs about two steps at the
+losing, so a batch whose best k is clear pays almost nothing for the check. A check measures the candidate afresh
+(its CHECK_SAMPLES samples replace its window). The interval is never shorter
+than what keeps the checks to about EXPLORE_SHARE of the bucket's time (a check runs about CHECK_STEPS steps at the
 loser's price: at high batch a speculative step can cost several plain ones), and it is the longest one
 (MAX_REFRESH_STEPS) for a candidate that could not win with every draft accepted (`batch x (1 + num_steps)` over its
 measured time below the incumbent's expected throughput and its margin), unless that candidate is k = 0 priced at or
 above the drafting incumbent: the least work a step does cannot cost more, so its samples met a stall, and it is
-checked at its refresh interval and measured afresh (`_doubted`). A drafting k whose measured acceptance adds too
+checked at its refresh interval (`_doubted`).
+
+Prices are compared as measured at about the same moment. The incumbent is priced every step it runs, the others
+only when checked, and the machine has slow moments (a stall of the host or the device: another process, a long
+collection), so: a bucket leaves its incumbent only for a candidate priced in its last FRESH_STEPS plans, else
+that candidate is checked first; and the candidate it leaves is checked again FRESH_STEPS later, and once more
+after, until CONFIRMING_CHECKS checks in a row find it losing or it wins back (`recheck`). Only a loss so confirmed
+counts for the release on cost (`drafting_loses`): a release lasts thousands of steps. Replayed on recorded
+acceptance with simulated stalls (bench/adaptive_replay.py), this keeps adaptive at the fixed k where drafting wins
+(it lost up to 27 % before); a stall longer than the two checks (~20 ms at batch 1) can still confirm a loss.
+
+A drafting k whose measured acceptance adds too
 few tokens to win anywhere is not tested at a bucket that never measured it (`_hopeless`; a bucket a round passes
 through once would pay a speculative step in every round), and a test the batch left for more than
 MAX_EXPLORE_STEPS steps elsewhere is dropped, to be retried later. The choice of k, the judging of a test and the
@@ -84,7 +96,20 @@ REFRESH_STEPS = 128  # steps at a bucket before a losing candidate is measured a
 MAX_REFRESH_STEPS = 8192
 HYSTERESIS = 0.03  # another k must beat the current one by this share to replace it (no flapping on noise)
 EXPLORE_SHARE = 0.01  # checks of a losing candidate cost about this share of a bucket's time, at most
-CHECK_STEPS = 2  # steps a check runs at about the candidate's price (drafted for, verified; verified, back)
+# Steady samples a check of a measured candidate collects: a majority of its window, so its price is what the check
+# measured, not what it was when it last lost (with one sample a stall that priced it out kept it out for checks at
+# doubling intervals).
+CHECK_SAMPLES = MIN_SAMPLES
+CHECK_STEPS = CHECK_SAMPLES + 1  # steps a check runs at about the candidate's price (drafted for, verified..., back)
+# A bucket leaves the k it exploits only for a candidate priced in the last FRESH_STEPS plans there; one priced
+# longer ago is checked first. The incumbent is priced every step, the others now and then: a stall of the machine
+# (5-8 ms on the shared H200 host, several batch-1 steps) raised the incumbent's median over a price measured before
+# it, and the bucket went over to k = 0 on a comparison of two moments (546 of 2,294 steps at batch 1, T = 0.7).
+FRESH_STEPS = 2 * WINDOW
+# Checks in a row, FRESH_STEPS apart, of a k the bucket left: its loss is confirmed (or it wins back) before the costs
+# may release requests from the drafter (drafter_release.py: a release lasts thousands of steps, and a check of
+# three steps can meet a stall too).
+CONFIRMING_CHECKS = 2
 # Verified request-steps (the decayed count at depth 1) before drafting is judged on its acceptance: until then a
 # bucket exploits the configured k. At batch 1 on the H200, EAGLE-3's first 10 verify steps at T = 0.7 accepted
 # [0.20, 0, 0] by depth where its run averaged 0.9 drafts a step, and k = 0 chosen on them lost 21 % for the run.
@@ -105,8 +130,12 @@ class StepCost:
     surcharges: deque[float] = field(default_factory=lambda: deque(maxlen=WINDOW))  # k = 0: deferred context, a step
     flushed: bool = False  # k = 0: its first flush seen (a warm-up: it compiles the flush's row count)
     samples: int = 0  # steady steps counted, the warm-up not among them
-    measured_at: int = 0  # the bucket's plan count at its last sample
+    measured_at: int = 0  # the bucket's plan count at its last sample, or at the start of its latest check
+    sampled_at: int = 0  # the bucket's plan count at its last sample
     refresh: int = REFRESH_STEPS
+    restarted: bool = False  # a check began: its first sample starts the window afresh (`restart`)
+    recheck: bool = False  # the bucket left it: checked FRESH_STEPS later, whatever its interval, until confirmed
+    lost_checks: int = 0  # checks in a row that found it losing since the bucket left it
     plain: float = field(init=False)  # the median of the recent samples (the warm-up's time until one is counted)
     seconds: float = field(init=False)  # the price: `plain` and, for k = 0, the deferred context's flushes per step
 
@@ -115,10 +144,18 @@ class StepCost:
 
     def add(self, seconds: float, measured_at: int) -> None:
         """A steady step's time, measured at the bucket's plan count `measured_at`."""
+        if self.restarted:
+            self.recent.clear()
+            self.restarted = False
         self.recent.append(seconds)
         self.samples += 1
-        self.measured_at = measured_at
+        self.measured_at = self.sampled_at = measured_at
         self._reprice()
+
+    def restart(self) -> None:
+        """A check of this candidate began: its samples replace the window's, which were measured when it last ran
+        (kept until the first one comes, so a check the batch leaves unmeasured keeps the old price)."""
+        self.restarted = True
 
     def add_surcharge(self, seconds: float) -> None:
         """k = 0: a flush of deferred context, the time it added per k = 0 step it served."""
@@ -218,7 +255,7 @@ class AdaptiveK:
         table = self.costs.setdefault(bucket, {})
         cost = table.get(num_draft_tokens)
         if cost is None:
-            table[num_draft_tokens] = StepCost(seconds, measured_at=self.plans[bucket])
+            table[num_draft_tokens] = StepCost(seconds, measured_at=self.plans[bucket], sampled_at=self.plans[bucket])
             return
         cost.add(seconds, self.plans[bucket])
 
@@ -360,9 +397,10 @@ class AdaptiveK:
         released from it costs, so a drafting k that loses to it loses to target-only decoding too. The engine then
         stops following requests, as where the acceptance rules drafting out (drafter_release.py). The global
         acceptance: a release lasts the requests' lives, so it is judged on the traffic, not on one batch."""
-        if self._tried[1] < min_verified:
+        bucket = self.bucket(batch)
+        if self._tried[1] < min_verified or self._current.get(bucket) != 0:  # the bucket chose k = 0 on fresh prices
             return False
-        table = self.costs.get(self.bucket(batch), {})
+        table = self.costs.get(bucket, {})
         zero = table.get(0)
         if zero is None or zero.samples < MIN_SAMPLES:
             return False
@@ -372,7 +410,17 @@ class AdaptiveK:
             cost = table.get(k)
             if cost is None or cost.samples < MIN_SAMPLES or self.expected_tokens(k) / cost.seconds >= 1 / zero.seconds:
                 return False
+            if not self._confirmed_loser(bucket, k, cost):
+                return False
         return True
+
+    def _confirmed_loser(self, bucket: int, num_draft_tokens: int, cost: StepCost) -> bool:
+        """Whether CONFIRMING_CHECKS checks in a row since the bucket left this candidate found it losing, and none
+        is under way: its price measured beside the incumbent's, not in one moment of the machine (a stall that
+        raised its price while it ran could have made the bucket leave it)."""
+        exploring = self._exploring.get(bucket)
+        checking = exploring is not None and exploring.num_draft_tokens == num_draft_tokens
+        return cost.lost_checks >= CONFIRMING_CHECKS and not checking
 
     def forget_acceptance(self) -> None:
         """Start the global acceptance afresh (unobserved: 1.0, so drafting is tried again before it is judged):
@@ -418,20 +466,22 @@ class AdaptiveK:
             if samples < MIN_SAMPLES and self._hopeless(k):  # tried now and then, in case the traffic changed
                 self._retry_at[bucket, k] = self.plans[bucket] + MAX_REFRESH_STEPS
                 continue
-            stale = (
-                cost is not None
-                and k != self._current.get(bucket)
-                and self.plans[bucket] - cost.measured_at > cost.refresh  # the interval's least: told at once
-                and self.plans[bucket] - cost.measured_at > self._interval(bucket, k, cost, expected)
-            )
+            stale = cost is not None and k != self._current.get(bucket) and self._due(bucket, k, cost, expected)
             if samples < MIN_SAMPLES or stale:
                 if cost is not None and samples >= MIN_SAMPLES:
                     cost.measured_at = self.plans[bucket]  # tried now: not stale again before its interval
-                afresh = samples < MIN_SAMPLES or (cost is not None and self._doubted(bucket, k, cost))
-                wanted = samples + (MIN_SAMPLES if afresh else 1)
-                self._exploring[bucket] = Exploration(k, wanted, MAX_EXPLORE_STEPS - 1, self.total_plans)
+                self._check(bucket, k, samples)
                 return k
         return None
+
+    def _check(self, bucket: int, num_draft_tokens: int, samples: int) -> None:
+        """Test a candidate at the bucket from this plan on, until CHECK_SAMPLES more steady samples (MIN_SAMPLES
+        for an unmeasured one) or MAX_EXPLORE_STEPS steps."""
+        cost = self.costs[bucket].get(num_draft_tokens)
+        if cost is not None and samples >= MIN_SAMPLES:
+            cost.restart()
+        wanted = samples + (MIN_SAMPLES if samples < MIN_SAMPLES else CHECK_SAMPLES)
+        self._exploring[bucket] = Exploration(num_draft_tokens, wanted, MAX_EXPLORE_STEPS - 1, self.total_plans)
 
     def _hopeless(self, num_draft_tokens: int) -> bool:
         """Whether the measured acceptance says a drafting k adds too few tokens to win anywhere: a speculative step
@@ -445,6 +495,14 @@ class AdaptiveK:
     def _adds_too_little(self, num_draft_tokens: int, expected: float) -> bool:
         """Whether drafts expected to make `expected` tokens a step (acceptance observed) cannot beat k = 0."""
         return num_draft_tokens > 0 and self._tried[1] > 0 and expected < 1 + HYSTERESIS
+
+    def _due(self, bucket: int, num_draft_tokens: int, cost: StepCost, expected: dict[int, float]) -> bool:
+        """Whether a measured candidate the bucket does not exploit is due a check: FRESH_STEPS after the bucket
+        left it (`recheck`: its price was raised while it ran, maybe by a stall), else at its interval."""
+        since = self.plans[bucket] - cost.measured_at
+        if cost.recheck:
+            return since > FRESH_STEPS
+        return since > cost.refresh and since > self._interval(bucket, num_draft_tokens, cost, expected)
 
     def _interval(self, bucket: int, num_draft_tokens: int, cost: StepCost, expected: dict[int, float]) -> int:
         """Plans at the bucket between checks of a measured candidate the bucket does not exploit, never fewer
@@ -474,8 +532,8 @@ class AdaptiveK:
         process, a long collection; seen on the shared CPU host), which moved the median. Taken at its word, k = 0
         could not win and would be checked only at the longest interval (8192 steps of the losing k, each several
         k = 0 steps' time); doubted, it is checked at its refresh interval (doubled while it loses, so a k = 0 truly
-        this dear, its flushes of held context included, is checked less and less often) and measured afresh: a
-        majority of its window, so the stall's samples no longer set the median."""
+        this dear, its flushes of held context included, is checked less and less often), measured afresh as every
+        check is, so the stall's samples no longer set the price."""
         current = self._current.get(bucket)
         if num_draft_tokens != 0 or not current:
             return False
@@ -489,7 +547,10 @@ class AdaptiveK:
         if cost is None:
             return
         best = self._best_measured(bucket, expected)
-        cost.refresh = REFRESH_STEPS if best == num_draft_tokens else min(cost.refresh * 2, MAX_REFRESH_STEPS)
+        won = best == num_draft_tokens
+        cost.refresh = REFRESH_STEPS if won else min(cost.refresh * 2, MAX_REFRESH_STEPS)
+        cost.lost_checks = 0 if won else cost.lost_checks + 1
+        cost.recheck = cost.recheck and 0 < cost.lost_checks < CONFIRMING_CHECKS  # the loss confirmed soon too
 
     def _best_measured(self, bucket: int, expected: dict[int, float]) -> int | None:
         """The measured candidate with the most tokens per second for a batch making `expected` tokens a step."""
@@ -514,8 +575,23 @@ class AdaptiveK:
             kept, other = expected[current] / table[current].seconds, expected[best] / table[best].seconds
             if other < kept * (1 + HYSTERESIS):
                 best = current
+            elif self.plans[bucket] - table[best].sampled_at > FRESH_STEPS:  # priced long ago: checked first
+                if self.plans[bucket] < self._retry_at.get((bucket, best), 0):  # its check found no steady step
+                    return current
+                self._check(bucket, best, table[best].samples)
+                return best
+        if best != current:
+            self._switch(bucket, current)
         self._current[bucket] = best
         return best
+
+    def _switch(self, bucket: int, left: int | None) -> None:
+        """The bucket leaves `left`: it is checked again soon (`recheck`), until CONFIRMING_CHECKS checks confirm the
+        loss or it wins back. Its price may have been raised by a stall while it ran; a request's rate that fell may
+        have been a few unlucky steps (at k = 0 it verifies nothing, so only a check corrects it)."""
+        old = self.costs[bucket].get(left) if left is not None else None
+        if old is not None:
+            old.recheck, old.lost_checks = True, 0
 
     @property
     def judged(self) -> bool:

@@ -37,3 +37,15 @@ def test_the_cost_model_follows_the_trace(accepted: int) -> None:
         assert ratio > 0.97
     else:
         assert ratio > 1.3 and adaptive["chosen_k_steps"][0] > 0.9 * sum(adaptive["chosen_k_steps"].values())
+
+
+def test_stalls_are_the_same_moments_whatever_asks() -> None:
+    """Drawn over simulated time from the seed: the same moments in whatever order they are asked (every policy
+    meets the same machine), about length / every of the time, none without `every_ms`."""
+    times = [t * 0.5 for t in range(2000)]
+    forward = [adaptive_replay.Stalls(10, 2, 1.5, seed=3).factor_at(t) for t in times]
+    backward = adaptive_replay.Stalls(10, 2, 1.5, seed=3)
+    assert forward == [backward.factor_at(t) for t in reversed(times)][::-1]
+    assert 0.1 < forward.count(1.5) / len(forward) < 0.3
+    assert adaptive_replay.parse_stalls("none").factor_at(5.0) == 1.0
+    assert adaptive_replay.parse_stalls("10,2,1.5,3").seed == 3

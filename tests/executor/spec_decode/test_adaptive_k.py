@@ -337,8 +337,10 @@ def test_a_stall_while_k0_runs_does_not_keep_a_losing_k() -> None:
 
 
 def test_the_stall_check_fails_on_a_k0_price_taken_at_its_word(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Negative control: a k = 0 price never doubted keeps k = 7 to the longest interval."""
+    """Negative control: a k = 0 price never doubted, nor checked again soon after the bucket left it, keeps k = 7
+    to the longest interval."""
     monkeypatch.setattr(AdaptiveK, "_doubted", lambda self, bucket, k, cost: False)
+    monkeypatch.setattr(adaptive_k, "FRESH_STEPS", MAX_REFRESH_STEPS)
     chosen = after_a_stall(AdaptiveK((0, K), configured=K), 4 * REFRESH_STEPS)
     assert chosen[-REFRESH_STEPS:] == [K] * REFRESH_STEPS
 
@@ -419,27 +421,63 @@ def priced(costs: dict[int, float], batches: Sequence[int] = (1,)) -> AdaptiveK:
     return model
 
 
+def settled(prices: dict[int, float], accepted: int, steps: int = 80) -> AdaptiveK:
+    """A model with `prices` measured at batch 1 after `steps` steps of drafts that accept `accepted` (at most k)."""
+    model = priced(prices)
+    drive(model, 1, lambda batch, k: prices[k], accepted=accepted, steps=steps)
+    return model
+
+
 def test_drafting_loses_on_cost_where_every_drafting_k_is_measured_slower() -> None:
-    """The release on cost (drafter_release.py): at the batch's bucket every drafting k measured and making fewer
-    tokens a second than k = 0 at the global acceptance, over at least the evidence asked for. Not where drafting
-    wins, nor before the evidence, nor where a drafting k or k = 0 is unmeasured, nor at another bucket."""
-    model = priced({0: 0.010, 3: 0.025})
+    """The release on cost (drafter_release.py): the bucket chose k = 0, every drafting k is measured and makes fewer
+    tokens a second there than k = 0 at the global acceptance, over at least the evidence asked for, and the checks
+    since the bucket left it confirmed that (CONFIRMING_CHECKS). Not before those checks, nor where drafting wins,
+    nor where a drafting k or k = 0 is unmeasured, nor at another bucket."""
+    prices = {0: 0.010, 3: 0.025}
+    model = priced(prices)
     assert not model.drafting_loses(1, 8)  # nothing observed
-    model.observe_verify(requests(6), [3] * 6, [1] * 6)  # two tokens a step: 80 against 100 tokens a second
-    assert not model.drafting_loses(1, 8)  # too few request-steps yet
-    model.observe_verify(requests(6), [3] * 6, [1] * 6)
+    chosen = drive(model, 1, lambda batch, k: prices[k], accepted=1, steps=adaptive_k.MIN_JUDGED + 6)
+    assert chosen[-1] == 0  # judged: two tokens a step, 80 against 100 tokens a second
+    assert not model.drafting_loses(1, 8)  # k = 3's loss not yet confirmed by a check
+    chosen = drive(model, 1, lambda batch, k: prices[k], accepted=1, steps=40)
+    assert chosen.count(3) >= adaptive_k.CONFIRMING_CHECKS * adaptive_k.CHECK_SAMPLES  # the checks
     assert model.drafting_loses(1, 8) and not model.drafting_ruled_out(8)  # the acceptance alone rules nothing out
+    assert not model.drafting_loses(1, 10_000)  # too few request-steps
     assert not model.drafting_loses(2, 8)  # bucket 2: nothing measured
-    cheap = priced({0: 0.010, 3: 0.015})
-    cheap.observe_verify(requests(12), [3] * 12, [1] * 12)
-    assert not cheap.drafting_loses(1, 8)  # 133 against 100 tokens a second: drafting pays
-    three = priced({0: 0.010, 1: 0.012, 3: 0.025})
-    three.observe_verify(requests(12), [3] * 12, [1] * 12)
-    assert not three.drafting_loses(1, 8)  # k = 1 makes two tokens in 12 ms: it wins
+    assert not settled({0: 0.010, 3: 0.015}, accepted=1).drafting_loses(1, 8)  # 133 against 100: drafting pays
+    assert not settled({0: 0.010, 1: 0.012, 3: 0.025}, accepted=1).drafting_loses(1, 8)  # k = 1 wins
     unmeasured = AdaptiveK((0, 3), configured=3)
     unmeasured.record(1, 0, 0.010)
     unmeasured.observe_verify(requests(12), [3] * 12, [1] * 12)
     assert not unmeasured.drafting_loses(1, 8)
+
+
+def stalled_drafting(steps: int) -> list[int]:
+    """Batch 1, a drafter whose first draft is right (k = 3 makes 2 tokens in 1.4 k = 0 steps' time): it settles on
+    k = 3, then 4 of its steps in a row take twice as long (a stall of the host), then `steps` steps as before. The
+    plans after the stall."""
+    prices = {0: 0.00075, 3: 0.00105}
+    model = settled(prices, accepted=1, steps=60)
+    assert model.plan(["r0"]) == 3
+    drive(model, 1, lambda batch, k: 2 * prices[k], accepted=1, steps=4)
+    return drive(model, 1, lambda batch, k: prices[k], accepted=1, steps=steps)
+
+
+def test_a_stall_while_drafting_runs_does_not_keep_k0() -> None:
+    """The stall raised k = 3's median over k = 0's (priced before it, so checked first, afresh): the bucket leaves
+    k = 3, checks it again FRESH_STEPS later (its price measured afresh: the check's samples replace its window) and
+    takes it back, instead of waiting REFRESH_STEPS or longer at k = 0 (the H200 at batch 1, T = 0.7: 546 of 2,294
+    steps). Then k = 0, left in turn, is checked twice, FRESH_STEPS apart (CONFIRMING_CHECKS), and loses."""
+    chosen = stalled_drafting(REFRESH_STEPS)
+    assert chosen[-REFRESH_STEPS // 2 :] == [3] * (REFRESH_STEPS // 2)
+    assert chosen.count(0) <= adaptive_k.FRESH_STEPS + adaptive_k.CONFIRMING_CHECKS * (adaptive_k.CHECK_STEPS + 1)
+
+
+def test_the_drafting_stall_check_fails_without_the_recheck(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Negative control: the left k checked only at its interval keeps the bucket at k = 0 for REFRESH_STEPS."""
+    monkeypatch.setattr(adaptive_k, "FRESH_STEPS", MAX_REFRESH_STEPS)
+    chosen = stalled_drafting(REFRESH_STEPS)
+    assert chosen.count(0) >= REFRESH_STEPS - 10
 
 
 def test_a_hopeless_test_left_unfinished_does_not_hold_the_warm_up() -> None:

@@ -14,12 +14,14 @@ from spec_builders import Priced, ReplayDrafts, spec_session
 from spec_checks import assert_no_leak, prompts
 
 from executor_service.engine.request import Request
+from executor_service.spec_decode import adaptive_k
 
 K = 3
 PRICES = {0: 0.010, K: 0.025}  # seconds per step: a speculative step at k = 3 costs 2.5 decode steps
 RIGHT, WRONG = 6, 2
 RIGHT_TOKENS, WRONG_TOKENS = 16, 48
 SETTLING = 2  # tail steps that may still draft, before the wrong requests' own rate is mostly their own
+CHECKING = adaptive_k.CONFIRMING_CHECKS * (adaptive_k.CHECK_STEPS + 1)  # steps the checks confirming k = 0 draft
 
 
 def mixed_run(global_only: bool = False, abort: bool = False) -> tuple[Priced, dict[str, Request]]:
@@ -79,19 +81,20 @@ def test_the_tail_of_always_wrong_requests_runs_without_drafting(abort: bool) ->
     """While the right requests run the batch drafts (their ~4 tokens a step pay for 2.5 decode steps' time); once
     they finish (and MIN_JUDGED verify steps were seen), the wrong ones left are planned at k = 0 as soon as their
     own failures outweigh the global rate in their own (adaptive_k.PRIOR pseudo-steps: they had ~5 verify steps of
-    their own by then, so at most SETTLING more steps draft), and they verify no more drafts."""
+    their own by then, so at most SETTLING more steps draft); after that only the checks that confirm k = 3's loss
+    (CONFIRMING_CHECKS, each of about CHECK_STEPS + 1 steps) draft, and they accept nothing."""
     speculation, requests = mixed_run(abort=abort)
     mixed = [k for ids, k, _ in speculation.planned if any(rid.startswith("right") for rid in ids)]
     tail = tail_plans(speculation)
     assert mixed.count(K) >= len(mixed) - 1 and len(tail) >= 20
-    assert tail[SETTLING:] == [0] * (len(tail) - SETTLING)
-    assert speculation.chosen[0] >= len(tail) - SETTLING
+    assert tail[SETTLING:].count(K) <= CHECKING and tail[SETTLING : SETTLING + 8] == [0] * 8
+    assert speculation.chosen[0] >= len(tail) - SETTLING - CHECKING
     for request in requests.values():
         assert request.verify_steps > 0
         if request.request_id.startswith("right"):
             assert request.accepted_tokens == request.drafted_tokens
         else:
-            drafted = drafting_steps(speculation, requests) + SETTLING
+            drafted = drafting_steps(speculation, requests) + SETTLING + CHECKING
             assert request.accepted_tokens == 0 and request.verify_steps <= drafted + 1
 
 
