@@ -36,7 +36,7 @@ from typing import Any
 
 sys.path.append(str(Path(__file__).resolve().parent))
 
-from executor_service.spec_decode import adaptive_k, drafter_release
+from executor_service.spec_decode import adaptive_k, adaptive_measures, drafter_release
 from executor_service.spec_decode.adaptive_k import AdaptiveK
 
 
@@ -216,11 +216,12 @@ def step_prices(path: Path, method: str, case: str) -> dict[int, dict[int, float
 
 
 def with_constants(assignments: str) -> dict[str, Any]:
-    """Sets adaptive_k's / drafter_release's constants from "NAME=VALUE,..." and returns their old values."""
+    """Sets adaptive_k's, adaptive_measures' or drafter_release's constants from "NAME=VALUE,..." and returns their
+    old values."""
     old: dict[str, Any] = {}
     for item in filter(None, assignments.split(",")):
         name, value = item.split("=", 1)
-        module = adaptive_k if hasattr(adaptive_k, name) else drafter_release
+        module = next(m for m in (adaptive_k, adaptive_measures, drafter_release) if hasattr(m, name))
         old[name] = getattr(module, name)
         setattr(module, name, type(old[name])(float(value)))
     return old
@@ -300,7 +301,10 @@ def main() -> int:
     rep.add_argument("--costs", type=Path, required=True, help="an acceptance_bench --adaptive result (GPU)")
     rep.add_argument("--batch", type=int, default=16)
     rep.add_argument(
-        "--variant", action="append", default=[], help="NAME=VALUE,...: adaptive_k / drafter_release constants"
+        "--variant",
+        action="append",
+        default=[],
+        help="NAME=VALUE,...: adaptive_k / adaptive_measures / drafter_release constants",
     )
     rep.add_argument(
         "--stalls", action="append", default=[], help="EVERY_MS,LENGTH_MS,FACTOR[,SEED] or none: slow moments of the "

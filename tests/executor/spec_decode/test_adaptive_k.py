@@ -10,7 +10,7 @@ from collections.abc import Callable, Sequence
 
 import pytest
 
-from executor_service.spec_decode import adaptive_k
+from executor_service.spec_decode import adaptive_k, adaptive_measures
 from executor_service.spec_decode.adaptive_k import MAX_REFRESH_STEPS, REFRESH_STEPS, AdaptiveK
 
 K = 7
@@ -556,12 +556,10 @@ def test_a_request_without_history_takes_the_global_rate() -> None:
     assert model.acceptance(1, "newcomer") == model.acceptance(1) == pytest.approx(7 / 8, rel=0.01)
     assert model.expected_tokens(3, ["newcomer"]) == pytest.approx(model.expected_tokens(3))
     assert model.expected_tokens(3) == pytest.approx(1 + 7 / 8 + 12 / 8, rel=0.01)
-    rate = model.acceptance(2)
-    own = (0.0 + adaptive_k.PRIOR * rate) / (1.0 + adaptive_k.PRIOR)  # r7: depth 2 tried once, not reached
+    rate, prior = model.acceptance(2), adaptive_measures.PRIOR
+    own = (0.0 + prior * rate) / (1.0 + prior)  # r7: depth 2 tried once, not reached
     assert model.acceptance(2, "r7") == pytest.approx(own)
-    assert model.acceptance(1, "r7") == pytest.approx(
-        (1.0 + adaptive_k.PRIOR * model.acceptance(1)) / (1.0 + adaptive_k.PRIOR)
-    )
+    assert model.acceptance(1, "r7") == pytest.approx((1.0 + prior * model.acceptance(1)) / (1.0 + prior))
     batch = ["r0", "r7", "newcomer"]
     mean = sum(1 + sum(model.acceptance(d, r) for d in (1, 2, 3)) for r in batch) / 3
     assert model.expected_tokens(3, batch) == pytest.approx(mean)
@@ -635,7 +633,7 @@ def unlucky_newcomer(prior: float, monkeypatch: pytest.MonkeyPatch) -> list[int]
     """At batch 1 (a k = 3 step priced at 1.4 k = 0 steps), after 60 request-steps of earlier requests accepting
     [0.5, 0.25, 0.125] by depth (2.9 tokens a step: drafting wins), a new request's first six verify steps accept
     nothing; the plans for it after each, with PRIOR = `prior`."""
-    monkeypatch.setattr(adaptive_k, "PRIOR", prior)
+    monkeypatch.setattr(adaptive_measures, "PRIOR", prior)
     model = priced({0: 0.0075, 3: 0.0105})
     for step in range(60):
         model.observe_verify([f"old{step}"], [3], [(3, 2, 1, 1, 0, 0, 0, 0)[step % 8]])
@@ -651,5 +649,5 @@ def test_a_few_unlucky_steps_of_a_request_do_not_stop_its_drafting(monkeypatch: 
     """A request planned at k = 0 verifies nothing, so its rate stays where it fell: it must not fall below break-even
     on a few steps of its own while the traffic's rate wins (seen at batch 1, T = 0.7, on the H200: 22 % of the
     steps at k = 0, 5 % slower than the fixed k). Negative control: with the prior of 4 steps it had, it stops."""
-    assert unlucky_newcomer(adaptive_k.PRIOR, monkeypatch) == [3] * 6
+    assert unlucky_newcomer(adaptive_measures.PRIOR, monkeypatch) == [3] * 6
     assert unlucky_newcomer(4.0, monkeypatch)[-1] == 0
