@@ -21,11 +21,16 @@ batch's running requests) after each step for the next step's k and tells this m
   neither the median (which would outvote the rare flush) nor a flush step taken as a plain sample misprices it.
 - `observe_verify(request_ids, depths, accepted)`: per verified request, how deep its drafts went and how many
   were accepted. The acceptance rate per depth d (the share of steps that verified depth d whose accepted drafts
-  reached it) is a decayed count, so it follows the traffic: one over all requests (the global rate), and one per
-  live request, shrunk towards the global rate as a prior of PRIOR steps, (reached + PRIOR x global) / (tried +
-  PRIOR): a request without history has the global rate (so traffic of one kind plans as with the global rate
-  alone), one with a few dozen verify steps mostly its own. `forget_request` drops a request's counts when it
-  finishes (the engine's `_finish`: a stop, an abort, a failure; a preempted request keeps them, it is still live).
+  reached it) is a decayed count per request (adaptive_measures.py). The global rate is the traffic's: the mean
+  of the last TRAFFIC_REQUESTS requests' own shares, each request weighing the same (a rate over verify steps
+  remembers ~200 request-steps: at batch 1 the last request or two). A request's own rate is its counts shrunk
+  towards the global rate as a prior of PRIOR steps, (reached + PRIOR x global) / (tried + PRIOR): mostly its own
+  after a few dozen verify steps; before TRIAL_STEPS of them it counts as accepting every draft, so each request
+  is tried before it is judged (a request planned at k = 0 verifies nothing, so a prior alone could keep it there
+  for its life). `forget_request` drops a live request's counts when it finishes (the engine's `_finish`: a stop,
+  an abort, a failure; a preempted request keeps them, it is still live); the traffic keeps its shares until
+  TRAFFIC_REQUESTS newer requests push them out. The evidence counts (`judged`, the release's MIN_VERIFIED) are
+  verify steps over all requests, decayed.
 
 Per request because acceptance differs between the requests of one batch (greedy against sampled or penalised
 requests: ~3.2 against ~1.4 tokens a step with the shipped SmolLM2 drafters), and the requests that accept most
@@ -108,6 +113,12 @@ CONFIRMING_CHECKS = 2
 # bucket exploits the configured k. At batch 1 on the H200, EAGLE-3's first 10 verify steps at T = 0.7 accepted
 # [0.20, 0, 0] by depth where its run averaged 0.9 drafts a step, and k = 0 chosen on them lost 21 % for the run.
 MIN_JUDGED = 32
+# Requests whose own shares make the global acceptance rate (each weighing the same), and the fewest of them the
+# release from the drafter is judged on: it lasts thousands of steps and covers the requests admitted meanwhile.
+# Replayed at batch 1 (bench/adaptive_replay.py), two penalised requests first released EAGLE-3 for every request
+# after them (0.73x the fixed k).
+TRAFFIC_REQUESTS = 16
+RELEASE_REQUESTS = 4
 
 PlanObserver = Callable[[int], None]  # each planned step's k (metrics)
 
@@ -148,6 +159,8 @@ class AdaptiveK:
         self._tried = [0.0] * (max_depth + 1)  # index d: steps that verified depth d
         self._expected: dict[int, float] = {}  # k -> expected_tokens(k), until the acceptance changes
         self._requests: dict[str, RequestAcceptance] = {}  # live requests' own counts, by id (forget_request)
+        self._traffic: dict[str, RequestAcceptance] = {}  # the last TRAFFIC_REQUESTS requests verified, oldest first
+        self._rates: list[float] | None = None  # the traffic's rate per depth, until the acceptance changes
         self._batch: tuple[tuple[str, ...], dict[int, float]] | None = None  # the last batch's expected tokens
         self._all_hopeless: bool | None = None  # `_every_drafting_k_hopeless`, until the acceptance changes
 
@@ -193,6 +206,9 @@ class AdaptiveK:
             own = self._requests.get(request_id)
             if own is None:
                 own = self._requests[request_id] = RequestAcceptance.fresh(len(self._tried))
+                self._traffic[request_id] = own
+                if len(self._traffic) > TRAFFIC_REQUESTS:
+                    del self._traffic[next(iter(self._traffic))]
             own.observe(min(depth, deepest), count, self._tried, self._reached)
         self._acceptance_changed()
 
@@ -208,14 +224,33 @@ class AdaptiveK:
 
     # ---- the model ---------------------------------------------------------------------------------
     def acceptance(self, depth: int, request_id: str | None = None) -> float:
-        """The share of verify steps reaching `depth` whose accepted drafts reached it: over all requests (1.0
-        until observed: drafting is tried before it is judged), or `request_id`'s own, shrunk towards that global
-        rate as a prior of PRIOR steps, (reached + PRIOR x global) / (tried + PRIOR): the global rate while it has
-        no history, its own once it has some."""
-        tried = self._tried[depth]
-        rate = self._reached[depth] / tried if tried > 0 else 1.0
-        own = self._requests.get(request_id) if request_id is not None else None
-        return rate if own is None else own.own[depth] + rate * own.weight[depth]
+        """The share of verify steps reaching `depth` whose accepted drafts reached it: the traffic's (the global
+        rate: the mean of the last TRAFFIC_REQUESTS requests' own shares; 1.0 until observed, so drafting is tried
+        before it is judged), or `request_id`'s own, shrunk towards the global rate as a prior of PRIOR steps,
+        (reached + PRIOR x global) / (tried + PRIOR): the global rate while it has no history, its own once it has
+        some."""
+        rate = self._traffic_rates()[depth]
+        if request_id is None:
+            return rate
+        own = self._requests.get(request_id)
+        return 1.0 if own is None or own.on_trial else own.own[depth] + rate * own.weight[depth]
+
+    def _traffic_rates(self) -> list[float]:
+        """Per depth, the mean of the traffic's requests' own shares (those that verified that depth), each request
+        weighing the same: at batch 1 the verify steps of the last request or two are all a step-weighted rate
+        would remember (~200 request-steps), and one request whose drafts are rarely accepted (a repetition
+        penalty) then set every newcomer's prior and released the drafter for the requests after it."""
+        if self._rates is None:
+            self._rates = [1.0] * len(self._tried)
+            for d in range(1, len(self._tried)):
+                shares = [a.reached[d] / a.tried[d] for a in self._traffic.values() if a.tried[d] > 0]
+                self._rates[d] = math.fsum(shares) / len(shares) if shares else 1.0
+        return self._rates
+
+    @property
+    def traffic_requests(self) -> int:
+        """Requests the traffic's rate stands on (the release rules ask for RELEASE_REQUESTS of them)."""
+        return len(self._traffic)
 
     def expected_tokens(self, num_draft_tokens: int, request_ids: Sequence[str] | None = None) -> float:
         """Tokens a request emits per step at `num_draft_tokens`: the bonus token and each depth's chance to be
@@ -242,11 +277,11 @@ class AdaptiveK:
         key = (*request_ids, undrafted)
         if self._batch is not None and self._batch[0] == key:
             return self._batch[1]
-        known = [own for rid in request_ids if (own := self._requests.get(rid)) is not None]
-        depths, newcomers = len(self._tried), len(request_ids) - len(known)
+        known = [own for rid in request_ids if (own := self._requests.get(rid)) is not None and not own.on_trial]
+        depths, on_trial = len(self._tried), len(request_ids) - len(known)  # on trial: every draft accepted
         own = [math.fsum(d) for d in zip(*(a.own for a in known), strict=True)] if known else [0.0] * depths
         weight = [math.fsum(d) for d in zip(*(a.weight for a in known), strict=True)] if known else [0.0] * depths
-        rates = [0.0] + [own[d] + self.acceptance(d) * (weight[d] + newcomers) for d in range(1, depths)]
+        rates = [0.0] + [own[d] + self.acceptance(d) * weight[d] + on_trial for d in range(1, depths)]
         reached = list(itertools.accumulate(rates))  # index d: the sum of the rates up to depth d
         batch = len(request_ids) + undrafted  # the undrafted requests make one token a step at any k
         expected = {k: 1.0 + reached[steps] / batch for k, steps in self.num_steps.items()}
@@ -292,7 +327,9 @@ class AdaptiveK:
         every drafting candidate out (`_hopeless`): the engine then stops following requests with the drafter
         (drafter_release.py). The global acceptance: a release lasts the requests' lives and covers the requests
         admitted meanwhile, so it is judged on the traffic, not on one batch."""
-        return self._every_drafting_k_hopeless() and self._tried[1] >= min_verified
+        if not self._every_drafting_k_hopeless():
+            return False
+        return self._tried[1] >= min_verified and self.traffic_requests >= RELEASE_REQUESTS
 
     def _every_drafting_k_hopeless(self) -> bool:
         """Whether there is a drafting candidate and every one is `_hopeless`; kept until the acceptance changes (it
@@ -311,7 +348,9 @@ class AdaptiveK:
         stops following requests, as where the acceptance rules drafting out (drafter_release.py). The global
         acceptance: a release lasts the requests' lives, so it is judged on the traffic, not on one batch."""
         bucket = self.bucket(batch)
-        if self._tried[1] < min_verified or self._current.get(bucket) != 0:  # the bucket chose k = 0 on fresh prices
+        if self._tried[1] < min_verified or self.traffic_requests < RELEASE_REQUESTS:
+            return False
+        if self._current.get(bucket) != 0:  # the bucket chose k = 0 (on prices of one moment)
             return False
         table = self.costs.get(bucket, {})
         zero = table.get(0)
@@ -341,6 +380,7 @@ class AdaptiveK:
         own counts stay: they are still their evidence (a released request verifies no more)."""
         self._reached = [0.0] * len(self._reached)
         self._tried = [0.0] * len(self._tried)
+        self._traffic.clear()
         self._acceptance_changed()
 
     def _acceptance_changed(self) -> None:
@@ -348,6 +388,7 @@ class AdaptiveK:
         self._expected.clear()
         self._batch = None
         self._all_hopeless = None
+        self._rates = None
 
     def _order(self) -> list[int]:
         """Candidates in the order they are first tried: the configured k, no drafting, then the rest, largest first."""

@@ -16,6 +16,11 @@ DECAY = 0.995  # per observed request-step: the acceptance counts' memory (~200 
 # steps at k = 0 and lost 5 % against the fixed k. Replayed on recorded acceptance (bench/adaptive_replay.py),
 # 12-24 lose nothing there and keep the gain on mixed batches (penalised requests: ~1.3 tokens a step).
 PRIOR = 16.0
+# Verify steps of its own before a request is planned on its rate: until then it counts as accepting every draft
+# (drafting is tried before it is judged, per request as MIN_JUDGED does globally). A request planned at k = 0
+# verifies nothing: at batch 1 after two penalised requests the traffic's rate planned the next, whose drafts were
+# all right, at k = 0 for its whole life.
+TRIAL_STEPS = 2
 
 
 @dataclass
@@ -79,6 +84,12 @@ class RequestAcceptance:
     tried: list[float]
     own: list[float]
     weight: list[float]
+    verify_steps: int = 0
+
+    @property
+    def on_trial(self) -> bool:
+        """Fewer than TRIAL_STEPS verify steps of its own: planned as if every draft were accepted."""
+        return self.verify_steps < TRIAL_STEPS
 
     @classmethod
     def fresh(cls, depths: int) -> RequestAcceptance:
@@ -90,6 +101,7 @@ class RequestAcceptance:
         global ones (`tried`, `reached`) in one loop: it runs for every verified request of every step (at batch
         256, depth 7, on the CPU host: ~0.3 ms a step, ~0.4 ms in two loops; the global counts alone took ~0.14)."""
         own_tried, own_reached, own, weight = self.tried, self.reached, self.own, self.weight
+        self.verify_steps += 1
         for d in range(1, depth + 1):
             hit = 1.0 if accepted >= d else 0.0
             tried[d] = tried[d] * DECAY + 1.0

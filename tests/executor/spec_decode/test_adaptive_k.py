@@ -421,29 +421,37 @@ def priced(costs: dict[int, float], batches: Sequence[int] = (1,)) -> AdaptiveK:
     return model
 
 
-def settled(prices: dict[int, float], accepted: int, steps: int = 80) -> AdaptiveK:
-    """A model with `prices` measured at batch 1 after `steps` steps of drafts that accept `accepted` (at most k)."""
+def settled(prices: dict[int, float], accepted: int, steps: int = 80, requests_in_turn: int = 4) -> AdaptiveK:
+    """A model with `prices` measured at batch 1 after `steps` steps of drafts that accept `accepted` (at most k),
+    of `requests_in_turn` requests one after another."""
     model = priced(prices)
-    drive(model, 1, lambda batch, k: prices[k], accepted=accepted, steps=steps)
+    for turn in range(requests_in_turn):
+        drive(
+            model, 1, lambda batch, k: prices[k], accepted=accepted, steps=steps // requests_in_turn, traffic=f"t{turn}"
+        )
     return model
 
 
 def test_drafting_loses_on_cost_where_every_drafting_k_is_measured_slower() -> None:
     """The release on cost (drafter_release.py): the bucket chose k = 0, every drafting k is measured and makes fewer
     tokens a second there than k = 0 at the global acceptance, over at least the evidence asked for, and the checks
-    since the bucket left it confirmed that (CONFIRMING_CHECKS). Not before those checks, nor where drafting wins,
-    nor where a drafting k or k = 0 is unmeasured, nor at another bucket."""
+    since the bucket left it confirmed that (CONFIRMING_CHECKS), over RELEASE_REQUESTS requests at least. Not before
+    those checks, nor on one request's acceptance, nor where drafting wins, nor where a drafting k or k = 0 is
+    unmeasured, nor at another bucket."""
     prices = {0: 0.010, 3: 0.025}
     model = priced(prices)
     assert not model.drafting_loses(1, 8)  # nothing observed
-    chosen = drive(model, 1, lambda batch, k: prices[k], accepted=1, steps=adaptive_k.MIN_JUDGED + 6)
+    for turn in range(adaptive_k.RELEASE_REQUESTS):  # requests one after another, at batch 1
+        chosen = drive(model, 1, lambda batch, k: prices[k], accepted=1, steps=10, traffic=f"t{turn}")
     assert chosen[-1] == 0  # judged: two tokens a step, 80 against 100 tokens a second
     assert not model.drafting_loses(1, 8)  # k = 3's loss not yet confirmed by a check
-    chosen = drive(model, 1, lambda batch, k: prices[k], accepted=1, steps=40)
+    chosen = drive(model, 1, lambda batch, k: prices[k], accepted=1, steps=40, traffic="next")
     assert chosen.count(3) >= adaptive_k.CONFIRMING_CHECKS * adaptive_k.CHECK_SAMPLES  # the checks
     assert model.drafting_loses(1, 8) and not model.drafting_ruled_out(8)  # the acceptance alone rules nothing out
     assert not model.drafting_loses(1, 10_000)  # too few request-steps
     assert not model.drafting_loses(2, 8)  # bucket 2: nothing measured
+    lone = settled(prices, accepted=1, requests_in_turn=1)  # as long, one request
+    assert lone.costs[1][3].lost_checks >= adaptive_k.CONFIRMING_CHECKS and not lone.drafting_loses(1, 8)
     assert not settled({0: 0.010, 3: 0.015}, accepted=1).drafting_loses(1, 8)  # 133 against 100: drafting pays
     assert not settled({0: 0.010, 1: 0.012, 3: 0.025}, accepted=1).drafting_loses(1, 8)  # k = 1 wins
     unmeasured = AdaptiveK((0, 3), configured=3)
@@ -547,19 +555,21 @@ def test_requests_that_draft_nothing_count_one_token_a_step() -> None:
     assert counted_as_drafting.plan(drafting + requests(14, "plain")) == K
 
 
-def test_a_request_without_history_takes_the_global_rate() -> None:
-    """A request's rate is its own counts shrunk towards the global rate by PRIOR steps: the global rate without
-    history, (reached + PRIOR x global) / (tried + PRIOR) with it; a batch's expected tokens are its requests' mean,
-    and change when a request's counts do."""
+def test_a_request_is_tried_then_planned_on_its_own_rate_shrunk_to_the_traffics() -> None:
+    """The global rate is the traffic's: the mean of its requests' own shares, each request weighing the same. A
+    request without TRIAL_STEPS verify steps of its own counts as accepting every draft (tried before it is
+    judged); after, its rate is its own counts shrunk towards the global rate by PRIOR steps, (reached + PRIOR x
+    global) / (tried + PRIOR); a batch's expected tokens are its requests' mean, and change when a count does."""
     model = AdaptiveK(range(4))
-    model.observe_verify(requests(8), [3] * 8, [3, 3, 3, 3, 3, 3, 0, 1])  # global: 7/8 at depth 1, 6/8 at 2 and 3
-    assert model.acceptance(1, "newcomer") == model.acceptance(1) == pytest.approx(7 / 8, rel=0.01)
-    assert model.expected_tokens(3, ["newcomer"]) == pytest.approx(model.expected_tokens(3))
-    assert model.expected_tokens(3) == pytest.approx(1 + 7 / 8 + 12 / 8, rel=0.01)
-    rate, prior = model.acceptance(2), adaptive_measures.PRIOR
-    own = (0.0 + prior * rate) / (1.0 + prior)  # r7: depth 2 tried once, not reached
-    assert model.acceptance(2, "r7") == pytest.approx(own)
-    assert model.acceptance(1, "r7") == pytest.approx((1.0 + prior * model.acceptance(1)) / (1.0 + prior))
+    accepted = [3, 3, 3, 3, 3, 3, 0, 1]
+    for _ in range(2):  # two verify steps each: out of their trial
+        model.observe_verify(requests(8), [3] * 8, accepted)
+    assert model.acceptance(1) == pytest.approx(7 / 8) and model.acceptance(2) == pytest.approx(6 / 8)
+    assert model.acceptance(1, "newcomer") == 1.0 and model.expected_tokens(3, ["newcomer"]) == 4.0
+    assert model.expected_tokens(3) == pytest.approx(1 + 7 / 8 + 12 / 8)
+    rate, prior, tried = model.acceptance(2), adaptive_measures.PRIOR, 1 + adaptive_measures.DECAY
+    assert model.acceptance(2, "r7") == pytest.approx((0.0 + prior * rate) / (tried + prior))  # r7: never at depth 2
+    assert model.acceptance(1, "r7") == pytest.approx((tried + prior * model.acceptance(1)) / (tried + prior))
     batch = ["r0", "r7", "newcomer"]
     mean = sum(1 + sum(model.acceptance(d, r) for d in (1, 2, 3)) for r in batch) / 3
     assert model.expected_tokens(3, batch) == pytest.approx(mean)
@@ -567,8 +577,39 @@ def test_a_request_without_history_takes_the_global_rate() -> None:
     assert model.expected_tokens(3, batch) < mean  # not the batch's figure from before
 
 
+def test_a_request_after_penalised_ones_drafts(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Batch 1 (k = 3 at 1.4 k = 0 steps' time): two requests one after the other whose drafts are accepted one
+    step in four (1.25 tokens a step: k = 0 wins for them), then one whose drafts are all right. The costs do not
+    release the drafter on two requests (RELEASE_REQUESTS), and the right one drafts: on trial first, then on its
+    own rate. Negative control: the rate of the last request alone (as a step-weighted rate at batch 1 was)
+    releases the drafter."""
+    prices = {0: 0.00075, 3: 0.00105}
+
+    def penalised_then_right() -> tuple[bool, list[int]]:
+        model = priced(prices)
+        for name in ("pen0", "pen1"):
+            verifying = None
+            for step in range(150):
+                k = model.plan([name])
+                if verifying is not None and verifying == k:
+                    model.record(1, k, prices[k])
+                if verifying:
+                    model.observe_verify([name], [verifying], [min(1 if step % 4 == 0 else 0, verifying)])
+                verifying = k
+            model.forget_request(name)
+        released = model.drafting_loses(1, 32)
+        return released, drive(model, 1, lambda batch, k: prices[k], accepted=3, steps=200, traffic="right")
+
+    released, chosen = penalised_then_right()
+    assert not released and chosen[:10] == [3] * 10 and chosen.count(3) >= 180
+    monkeypatch.setattr(adaptive_k, "TRAFFIC_REQUESTS", 1)
+    monkeypatch.setattr(adaptive_k, "RELEASE_REQUESTS", 1)
+    assert penalised_then_right()[0]
+
+
 def test_finished_requests_leave_no_state() -> None:
-    """Thousands of requests observed and finished: only the live ones keep counts of their own."""
+    """Thousands of requests observed and finished: only the live ones keep counts of their own, and the traffic's
+    rate stands on the last TRAFFIC_REQUESTS of them."""
     model = AdaptiveK((0, K), configured=K)
     for wave in range(100):
         batch = requests(32, f"wave{wave}-")
@@ -578,8 +619,9 @@ def test_finished_requests_leave_no_state() -> None:
         assert model.tracked_requests == 32
         for request_id in batch:
             model.forget_request(request_id)
-    model.observe_verify(["live"], [K], [1])
+    model.observe_verify(["live"], [K], [0])
     assert model.tracked_requests == 1 and model.describe()["tracked_requests"] == 1
+    assert model.traffic_requests == adaptive_k.TRAFFIC_REQUESTS
     assert model.acceptance(1, "live") != model.acceptance(1)  # its own counts kept
 
 

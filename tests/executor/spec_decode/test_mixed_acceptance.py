@@ -20,7 +20,7 @@ K = 3
 PRICES = {0: 0.010, K: 0.025}  # seconds per step: a speculative step at k = 3 costs 2.5 decode steps
 RIGHT, WRONG = 6, 2
 RIGHT_TOKENS, WRONG_TOKENS = 16, 48
-SETTLING = 2  # tail steps that may still draft, before the wrong requests' own rate is mostly their own
+SETTLING = 4  # tail steps that may still draft, before the wrong requests' own rate is mostly their own
 CHECKING = adaptive_k.CONFIRMING_CHECKS * (adaptive_k.CHECK_STEPS + 1)  # steps the checks confirming k = 0 draft
 
 
@@ -80,8 +80,9 @@ def tail_plans(speculation: Priced) -> list[int]:
 def test_the_tail_of_always_wrong_requests_runs_without_drafting(abort: bool) -> None:
     """While the right requests run the batch drafts (their ~4 tokens a step pay for 2.5 decode steps' time); once
     they finish (and MIN_JUDGED verify steps were seen), the wrong ones left are planned at k = 0 as soon as their
-    own failures outweigh the global rate in their own (PRIOR pseudo-steps: they had ~5 verify steps of their own by
-    then, so at most SETTLING more steps draft); after that only the checks that confirm k = 3's loss
+    own failures outweigh the global rate in their own (PRIOR pseudo-steps of the traffic's rate, which still counts
+    the right requests: they had ~5 verify steps of their own by then, so at most SETTLING more steps draft); after
+    that only the checks that confirm k = 3's loss
     (CONFIRMING_CHECKS, each of about CHECK_STEPS + 1 steps) draft, and they accept nothing."""
     speculation, requests = mixed_run(abort=abort)
     mixed = [k for ids, k, _ in speculation.planned if any(rid.startswith("right") for rid in ids)]
