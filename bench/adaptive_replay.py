@@ -13,7 +13,7 @@ does not depend on the device or the batch (fp32 emits the same tokens), so:
   at its position (at most k), and the step costs the GPU's measured price at the batch's bucket and k (a
   result file's `speculation.step_ms`, or --step-ms). Releases from the drafter follow drafter_release.py's two
   rules. Reported: tokens per second against the fixed k and against k = 0 throughout, at batch 1 (the requests
-  one after another) and at --batch (all at once).
+  one after another; a mix's penalised requests also first) and at --batch (all at once).
 
 A request whose position falls inside a recorded step (after a k = 0 step) takes that step's accepted count: the
 acceptance of nearby positions, exact for the fixed k.
@@ -227,8 +227,22 @@ def with_constants(assignments: str) -> dict[str, Any]:
     return old
 
 
+def orders(trace: list[dict[str, Any]], batch: int) -> dict[str, list[dict[str, Any]]]:
+    """The requests each case runs, by case suffix: at batch 1 acceptance_bench's 15 prompts alone, in the run's
+    order, and for a mix with penalised requests also those first (the traffic a release must not be judged on);
+    at `batch` all of them together."""
+    if batch > 1:
+        return {f"batch_{batch}": trace}
+    alone = trace[: len(trace) - 1]
+    found = {"batch_1": alone}
+    penalised = [entry for entry in alone if entry["kind"].startswith("rep")]
+    if penalised:
+        found["batch_1_penalised_first"] = penalised + [entry for entry in alone if entry not in penalised]
+    return found
+
+
 def replay_runs(traces: dict[str, Any], costs: Path, batch: int, stalls: Stalls) -> dict[str, Any]:
-    """Every run of the trace at batch 1 and `batch`: the fixed k, k = 0 throughout and adaptive."""
+    """Every run of the trace at batch 1 and `batch` (`orders`): the fixed k, k = 0 throughout and adaptive."""
     k, max_tokens = traces["k"], traces["max_tokens"]
     found: dict[str, Any] = {}
     for run_name, trace in traces["runs"].items():
@@ -236,18 +250,18 @@ def replay_runs(traces: dict[str, Any], costs: Path, batch: int, stalls: Stalls)
         for size in (1, batch):
             case = f"batch_{size}_" + ("mixed" if mix == "mixed" else f"T{mix}")
             prices = step_prices(costs, f"{method}_k{k}", case)
-            requests = trace[: len(trace) - 1] if size == 1 else trace  # acceptance_bench: 15 prompts alone
-            rates = {
-                policy: simulate(requests, prices, k, max_tokens, size, policy, [0, k], stalls)
-                for policy in ("fixed", "target", "adaptive")
-            }
-            fixed, target = rates["fixed"]["tokens_per_s"], rates["target"]["tokens_per_s"]
-            found[f"{run_name}/batch_{size}"] = {
-                "fixed_over_k0": round(fixed / target, 3),
-                "adaptive_over_k0": round(rates["adaptive"]["tokens_per_s"] / target, 3),
-                "adaptive_over_fixed": round(rates["adaptive"]["tokens_per_s"] / fixed, 3),
-                "adaptive_chosen_k_steps": rates["adaptive"]["chosen_k_steps"],
-            }
+            for name, requests in orders(trace, size).items():
+                rates = {
+                    policy: simulate(requests, prices, k, max_tokens, size, policy, [0, k], stalls)
+                    for policy in ("fixed", "target", "adaptive")
+                }
+                fixed, target = rates["fixed"]["tokens_per_s"], rates["target"]["tokens_per_s"]
+                found[f"{run_name}/{name}"] = {
+                    "fixed_over_k0": round(fixed / target, 3),
+                    "adaptive_over_k0": round(rates["adaptive"]["tokens_per_s"] / target, 3),
+                    "adaptive_over_fixed": round(rates["adaptive"]["tokens_per_s"] / fixed, 3),
+                    "adaptive_chosen_k_steps": rates["adaptive"]["chosen_k_steps"],
+                }
     return found
 
 

@@ -49,3 +49,15 @@ def test_stalls_are_the_same_moments_whatever_asks() -> None:
     assert 0.1 < forward.count(1.5) / len(forward) < 0.3
     assert adaptive_replay.parse_stalls("none").factor_at(5.0) == 1.0
     assert adaptive_replay.parse_stalls("10,2,1.5,3").seed == 3
+
+
+def test_batch_1_runs_the_penalised_requests_first_too() -> None:
+    """acceptance_bench's 15 prompts alone (the 16th place left out), and for a mix with penalised requests also
+    those first; at a larger batch all of them together."""
+    trace = [{"kind": kind, "accepted": [i]} for i, kind in enumerate(["greedy"] * 12 + ["rep1.2"] * 2 + ["x"] * 2)]
+    found = adaptive_replay.orders(trace, 1)
+    assert found["batch_1"] == trace[:15]
+    assert [e["kind"] for e in found["batch_1_penalised_first"]][:3] == ["rep1.2", "rep1.2", "greedy"]
+    assert sorted(e["accepted"][0] for e in found["batch_1_penalised_first"]) == list(range(15)) and len(found) == 2
+    assert adaptive_replay.orders(trace, 16) == {"batch_16": trace}
+    assert list(adaptive_replay.orders(trace[:12] + trace[14:], 1)) == ["batch_1"]
