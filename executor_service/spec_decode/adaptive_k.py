@@ -571,6 +571,7 @@ class AdaptiveK:
             "chosen_k_steps": dict(sorted(self.chosen.items())),
             "acceptance_per_depth": [round(self.acceptance(d), 4) for d in range(1, len(self._tried))],
             "tracked_requests": self.tracked_requests,
+            "traffic_requests": self.traffic_requests,
             "step_ms": {
                 bucket: {k: round(c.seconds * 1e3, 4) for k, c in sorted(table.items())}
                 for bucket, table in sorted(self.costs.items())

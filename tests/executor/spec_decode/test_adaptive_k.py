@@ -621,7 +621,7 @@ def test_finished_requests_leave_no_state() -> None:
             model.forget_request(request_id)
     model.observe_verify(["live"], [K], [0])
     assert model.tracked_requests == 1 and model.describe()["tracked_requests"] == 1
-    assert model.traffic_requests == adaptive_k.TRAFFIC_REQUESTS
+    assert model.traffic_requests == model.describe()["traffic_requests"] == adaptive_k.TRAFFIC_REQUESTS
     assert model.acceptance(1, "live") != model.acceptance(1)  # its own counts kept
 
 
