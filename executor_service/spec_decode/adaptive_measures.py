@@ -74,11 +74,12 @@ class StepCost:
 
 @dataclass
 class RequestAcceptance:
-    """One request's decayed counts per depth (index d, as the global ones), and what a batch's sum of rates reads
-    of them, worked out when they change: per depth its own part of its rate, reached / (tried + PRIOR), and the
-    global rate's weight in it, PRIOR / (tried + PRIOR). The global rate is kept out of them because it changes at
-    every verify step of any request: a batch's sum at depth d is then sum(own) + global(d) x sum(weight), and no
-    request's figures are worked out again for a plan."""
+    """One request's decayed counts per depth (index d, as the global evidence counts), and what a batch's sum of
+    rates reads of them, worked out when they change: per depth its own part of its rate, reached / (tried +
+    PRIOR), and the global rate's weight in it, PRIOR / (tried + PRIOR). The global rate (the traffic's: the mean
+    of recent requests' shares, reached / tried) is kept out of them because it changes at every verify step: a
+    batch's sum at depth d is then sum(own) + global(d) x sum(weight), and no request's figures are worked out
+    again for a plan. Before TRIAL_STEPS verify steps a request is on trial and counts every draft accepted."""
 
     reached: list[float]
     tried: list[float]
@@ -93,12 +94,12 @@ class RequestAcceptance:
 
     @classmethod
     def fresh(cls, depths: int) -> RequestAcceptance:
-        """No history: its rate is the global one at every depth (weight 1)."""
+        """No history (on trial; after it, with no count at a depth, its rate there is the global one: weight 1)."""
         return cls([0.0] * depths, [0.0] * depths, [0.0] * depths, [1.0] * depths)
 
     def observe(self, depth: int, accepted: int, tried: list[float], reached: list[float]) -> None:
         """A verify step of its drafts to `depth` that accepted `accepted` of them, counted in its counts and in the
-        global ones (`tried`, `reached`) in one loop: it runs for every verified request of every step (at batch
+        global evidence (`tried`, `reached`) in one loop: it runs for every verified request of every step (at batch
         256, depth 7, on the CPU host: ~0.3 ms a step, ~0.4 ms in two loops; the global counts alone took ~0.14)."""
         own_tried, own_reached, own, weight = self.tried, self.reached, self.own, self.weight
         self.verify_steps += 1
