@@ -11,9 +11,10 @@ does not depend on the device or the batch (fp32 emits the same tokens), so:
 - `replay`: the real `AdaptiveK` (as shipped, and with --variant's constants: PRIOR=4) drives a simulated engine over
   the trace: per step it plans k for the batch's running requests, each request accepts what its trace accepted
   at its position (at most k), and the step costs the GPU's measured price at the batch's bucket and k (a
-  result file's `speculation.step_ms`, or --step-ms). Releases from the drafter follow drafter_release.py's two
-  rules. Reported: tokens per second against the fixed k and against k = 0 throughout, at batch 1 (the requests
-  one after another; a mix's penalised requests also first) and at --batch (all at once).
+  result file's `speculation.step_ms`). The release from the drafter is drafter_release.py's own (`DrafterRelease`,
+  each simulated request standing for a Request). Reported: tokens per second against the fixed k and against
+  k = 0 throughout, at batch 1 (the requests one after another; a mix's penalised requests also first) and at
+  --batch (all at once).
 
 A request whose position falls inside a recorded step (after a k = 0 step) takes that step's accepted count: the
 acceptance of nearby positions, exact for the fixed k.
@@ -38,6 +39,7 @@ sys.path.append(str(Path(__file__).resolve().parent))
 
 from executor_service.spec_decode import adaptive_k, adaptive_measures, drafter_release
 from executor_service.spec_decode.adaptive_k import AdaptiveK
+from executor_service.spec_decode.drafter_release import DrafterRelease
 
 
 # ---- record --------------------------------------------------------------------------------------------------------
@@ -120,7 +122,9 @@ class Replayed:
     request_id: str
     accepted_at: list[int]
     position: int = 0
-    drafting: bool = True  # False once released from the drafter
+    # what drafter_release.DrafterRelease reads and sets of a Request: None, drafted for; 0 once released
+    num_draft_tokens: int | None = None
+    num_lookahead_tokens: int = 0
 
     @classmethod
     def of(cls, request_id: str, accepted: list[int], max_tokens: int) -> Replayed:
@@ -129,28 +133,6 @@ class Replayed:
             at += [count] * (count + 1)
         at += [0] * max(max_tokens - len(at), 0)
         return cls(request_id, at[:max_tokens])
-
-
-@dataclass
-class Release:
-    """drafter_release.py's two rules and its retry clock, over the simulated batch."""
-
-    steps_ruled_out: int = 0
-
-    def followed(self, model: AdaptiveK, running: list[Replayed]) -> list[str]:
-        """The ids the drafter still follows after this step's release, if any."""
-        ruled_out = model.drafting_ruled_out(drafter_release.MIN_VERIFIED)
-        if ruled_out or model.drafting_loses(len(running), drafter_release.MIN_VERIFIED_COST):
-            self.steps_ruled_out += 1
-            if self.steps_ruled_out < drafter_release.RETRY_STEPS:
-                for request in running:
-                    request.drafting = False
-            else:
-                self.steps_ruled_out = 0
-                model.forget_acceptance()
-        else:
-            self.steps_ruled_out = 0
-        return [r.request_id for r in running if r.drafting]
 
 
 def simulate(
@@ -164,13 +146,14 @@ def simulate(
     if policy != "adaptive":
         fixed = k if policy == "fixed" else 0
         return run(trace, prices, k, max_tokens, batch, lambda running: fixed, replace(stalls))
-    model, release = AdaptiveK(candidates, configured=k), Release()
+    model, release = AdaptiveK(candidates, configured=k), DrafterRelease(None)
 
     def plan(running: list[Replayed]) -> int:
-        drafting = release.followed(model, running)
-        if not drafting:
+        """As the engine's `_plan`: the release's rules first, then the cost model for the requests it follows."""
+        if not release.followed(running, model):  # type: ignore[arg-type]  # a Replayed stands for a Request
             model.count_plan(0)
             return 0
+        drafting = [r.request_id for r in running if r.num_draft_tokens != 0]
         return model.plan(drafting, undrafted=len(running) - len(drafting))
 
     run(trace, prices, k, max_tokens, batch, plan, replace(stalls, seed=stalls.seed + 1), model)
@@ -192,7 +175,7 @@ def run(
             cost = prices[AdaptiveK.bucket(len(running))][step_k] / 1e3 * stalls.factor_at(seconds * 1e3)
             seconds += cost
             chosen[step_k] = chosen.get(step_k, 0) + 1
-            verified = [r for r in running if step_k and r.drafting]
+            verified = [r for r in running if step_k and r.num_draft_tokens != 0]
             accepted = {r.request_id: min(r.accepted_at[r.position], step_k) for r in verified}
             if model is not None:
                 model.record(len(running), step_k, cost)

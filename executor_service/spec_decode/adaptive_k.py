@@ -200,7 +200,8 @@ class AdaptiveK:
 
     def observe_verify(self, request_ids: Sequence[str], depths: Sequence[int], accepted: Sequence[int]) -> None:
         """Per verified request: its id, the depth its drafts reached and the drafts (the path's length) accepted.
-        Counted in the global rates and in the request's own (kept until `forget_request`)."""
+        Counted in the global evidence and in the request's own counts (kept until `forget_request`; its shares in
+        the traffic's rate until TRAFFIC_REQUESTS newer requests push them out)."""
         deepest = len(self._tried) - 1
         for request_id, depth, count in zip(request_ids, depths, accepted, strict=True):
             own = self._requests.get(request_id)
@@ -218,7 +219,8 @@ class AdaptiveK:
         return len(self._requests)
 
     def forget_request(self, request_id: str) -> None:
-        """The request finished (or was aborted or failed): its own counts go (the global ones keep its evidence)."""
+        """The request finished (or was aborted or failed): its own counts go (the global evidence keeps them, and the
+        traffic's rate its shares until pushed out)."""
         if self._requests.pop(request_id, None) is not None:
             self._batch = None
 
@@ -226,9 +228,9 @@ class AdaptiveK:
     def acceptance(self, depth: int, request_id: str | None = None) -> float:
         """The share of verify steps reaching `depth` whose accepted drafts reached it: the traffic's (the global
         rate: the mean of the last TRAFFIC_REQUESTS requests' own shares; 1.0 until observed, so drafting is tried
-        before it is judged), or `request_id`'s own, shrunk towards the global rate as a prior of PRIOR steps,
-        (reached + PRIOR x global) / (tried + PRIOR): the global rate while it has no history, its own once it has
-        some."""
+        before it is judged), or `request_id`'s: 1.0 while it is on trial (fewer than TRIAL_STEPS verify steps of its
+        own), then its own shrunk towards the global rate as a prior of PRIOR steps, (reached + PRIOR x global) /
+        (tried + PRIOR), mostly its own after a few dozen verify steps."""
         rate = self._traffic_rates()[depth]
         if request_id is None:
             return rate
@@ -267,9 +269,10 @@ class AdaptiveK:
 
     def _batch_expected(self, request_ids: Sequence[str], undrafted: int = 0) -> dict[int, float]:
         """k -> the mean expected tokens per step of these requests at their own rates (none: the global rates).
-        Per depth the sum of their rates is sum(own) + global x (sum(weight) + the requests without history),
-        each request's parts worked out when its counts changed (RequestAcceptance): a plan adds up a few floats
-        per request, in C, and not even that while neither the batch nor any count changed (k = 0 steps)."""
+        Per depth the sum of their rates is sum(own) + global x sum(weight) + 1 for each request on trial (or
+        without history), each request's parts worked out when its counts changed (RequestAcceptance): a plan adds
+        up a few floats per request, in C, and not even that while neither the batch nor any count changed (k = 0
+        steps)."""
         if not request_ids:
             if undrafted:  # none of the batch drafts: one token a step whatever k
                 return dict.fromkeys(self.num_steps, 1.0)
@@ -327,8 +330,11 @@ class AdaptiveK:
         every drafting candidate out (`_hopeless`): the engine then stops following requests with the drafter
         (drafter_release.py). The global acceptance: a release lasts the requests' lives and covers the requests
         admitted meanwhile, so it is judged on the traffic, not on one batch."""
-        if not self._every_drafting_k_hopeless():
-            return False
+        return self._every_drafting_k_hopeless() and self._release_evidence(min_verified)
+
+    def _release_evidence(self, min_verified: float) -> bool:
+        """Whether the acceptance stands on enough to release requests from the drafter: `min_verified` verified
+        request-steps (decayed) and RELEASE_REQUESTS requests in the traffic (a release covers those to come)."""
         return self._tried[1] >= min_verified and self.traffic_requests >= RELEASE_REQUESTS
 
     def _every_drafting_k_hopeless(self) -> bool:
@@ -348,9 +354,7 @@ class AdaptiveK:
         stops following requests, as where the acceptance rules drafting out (drafter_release.py). The global
         acceptance: a release lasts the requests' lives, so it is judged on the traffic, not on one batch."""
         bucket = self.bucket(batch)
-        if self._tried[1] < min_verified or self.traffic_requests < RELEASE_REQUESTS:
-            return False
-        if self._current.get(bucket) != 0:  # the bucket chose k = 0 (on prices of one moment)
+        if not self._release_evidence(min_verified) or self._current.get(bucket) != 0:  # the bucket chose k = 0
             return False
         table = self.costs.get(bucket, {})
         zero = table.get(0)
