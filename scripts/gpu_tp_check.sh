@@ -13,7 +13,7 @@
 #   b1       tp_bench --graphs, batch 1 (decode latency: decode_step_ms), target-only and EAGLE-3, 128 tokens a request
 #            (DECODE_TOKENS_B1): $OUT/b1/tp_*.json
 #   tests2   test_tp_gpu.py again (the issue asks for two passes in a row): $OUT/tp_gpu_tests_2.log
-#   timeline tp_bench --graphs, batch 1, target-only, at each TP size > 1 with every rank's kernel timeline kept
+#   timeline tp_bench --graphs, batch 1 (TIMELINE_BATCH), target-only, at each TP size > 1 with every rank's kernel timeline kept
 #            (SPECDEC_TP_TIMELINE_DIR), lined up by bench/tp_timeline.py: which rank reaches each collective last
 #            and why: $OUT/timeline_tp*.json, the raw timelines in $OUT/timelines.tar.gz
 #   ar       bench/all_reduce_bench.py at each TP size > 1: NCCL, one-shot and two-shot per call in a graph, 8 KiB to
@@ -82,7 +82,7 @@ for step in ${steps//,/ }; do
       for world in ${sizes//,/ }; do
         ((world > 1)) && ((world <= $(nvidia-smi -L | wc -l))) || continue
         SPECDEC_TP_TIMELINE_DIR=/tmp/timelines/tp$world timeout -s USR1 -k 15 "$(left 120)" python3 bench/tp_bench.py \
-          --graphs --batch 1 --decode-tokens 32 --method none --tp-sizes "$world" --all-reduce "${ALL_REDUCE_B1:-auto}" \
+          --graphs --batch "${TIMELINE_BATCH:-1}" --decode-tokens 32 --method none --tp-sizes "$world" --all-reduce "${ALL_REDUCE_B1:-auto}" \
           --repeats 1 --size-timeout 100 --out /tmp/timelines/bench 2>&1 | grep -v "Warning\|return func" | tee -a "$out/timeline.log"
         python3 bench/tp_timeline.py /tmp/timelines/tp$world --out "$out/timeline_tp$world.json" | head -40
       done

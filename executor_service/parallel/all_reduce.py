@@ -25,10 +25,11 @@ Above TWO_SHOT_MAX_BYTES (prefill chunks) NCCL's ring is the right tool. At 4 GP
 512 KiB on 4x H200 (docs/benchmarks.md); two-shot's 4-GPU limits are not measured yet (the same 8 MiB as at 2).
 
 SPECDEC_TP_ALL_REDUCE picks: `auto` (default: one-shot and two-shot by size where symmetric memory sets up on
-CUDA, else NCCL; and the one-shot sizes fused with the norm after them, fused_all_reduce.py), `push` (auto's, the
-fused kernel pushing each rank's rows to its peers instead of signalling them: under measurement), `unfused` (the
-same all-reduces, the norm apart: the comparison), `nccl`, or `one-shot` (one-shot alone up to its limit, NCCL
-above; an error if it cannot be set up: the comparison before two-shot). Every rank reads the same environment (the
+CUDA, else NCCL; and the one-shot sizes fused with the norm after them, fused_all_reduce.py, pushing each rank's
+rows to its peers at 2 ranks, where it was measured faster, signalling them at more), `push` or `signal` (auto's,
+the fused kernel pushing or signalling at every size of group), `unfused` (the same all-reduces, the norm apart:
+the comparison), `nccl`, or `one-shot` (one-shot alone up to its limit, NCCL above; an error if it cannot be set
+up: the comparison before two-shot). Every rank reads the same environment (the
 followers inherit rank 0's), and the ranks agree on the outcome before the first forward.
 """
 
@@ -43,7 +44,7 @@ import torch.distributed as dist
 log = logging.getLogger("specdec.executor")
 
 ENV = "SPECDEC_TP_ALL_REDUCE"
-CHOICES = ("auto", "push", "unfused", "nccl", "one-shot")
+CHOICES = ("auto", "push", "signal", "unfused", "nccl", "one-shot")
 ONE_SHOT_MAX_BYTES = 512 * 1024  # batch 64 of an 8B model's hidden states in bf16
 TWO_SHOT_MAX_BYTES = 8 * 1024 * 1024  # a verify step of batch 128 at k = 7 (8B); prefill chunks go to NCCL
 DTYPES = (torch.bfloat16, torch.float16, torch.float32)
@@ -155,7 +156,7 @@ def set_up_all_reduce(device: torch.device, world_size: int) -> str:
         return all_reduce_kind()
     symmetric, reason = None, ""
     try:
-        two_shot = wanted in ("auto", "push", "unfused")
+        two_shot = wanted in ("auto", "push", "signal", "unfused")
         symmetric = SymmetricAllReduce(dist.group.WORLD.group_name, device, world_size, two_shot=two_shot)
     except Exception as err:  # an old torch, no peer access: NCCL does the same job, slower
         reason = f"{type(err).__name__}: {str(err)[:200]}"
@@ -168,6 +169,13 @@ def set_up_all_reduce(device: torch.device, world_size: int) -> str:
     else:
         log.warning("tensor parallelism: symmetric-memory all-reduce unavailable (%s); NCCL's instead", reason)
     return all_reduce_kind()
+
+
+def pushes_rows(wanted: str, world_size: int) -> bool:
+    """Whether the fused all-reduce + norm pushes its rows (else signals its peers): asked for, or `auto` at 2
+    ranks (2x H200, 8B shape: a batch-1 decode step 3.20 against 3.40 ms, batch 32 3.56 against 3.99). At 4 ranks
+    the pushed kernel writes three peers' buffers a row; it is not measured there yet."""
+    return wanted == "push" or (wanted == "auto" and world_size == 2)
 
 
 def one_shot_limit() -> int:

@@ -19,7 +19,13 @@ import torch
 import torch.distributed as dist
 
 from executor_service.errors import EngineUnavailable
-from executor_service.parallel.all_reduce import choice, forget_all_reduce, one_shot_limit, set_up_all_reduce
+from executor_service.parallel.all_reduce import (
+    choice,
+    forget_all_reduce,
+    one_shot_limit,
+    pushes_rows,
+    set_up_all_reduce,
+)
 from executor_service.parallel.channel import ControlRing
 from executor_service.parallel.fused_all_reduce import forget_fused, set_up_fused
 
@@ -99,8 +105,9 @@ def init_tensor_parallel(
     _group = TensorParallelGroup(rank, world_size, device, control, ring)
     _group.all_reduce = set_up_all_reduce(device, world_size)
     wanted = choice()
-    if wanted in ("auto", "push") and set_up_fused(device, world_size, one_shot_limit(), push=wanted == "push"):
-        pushed = " (pushed)" if wanted == "push" else ""
+    push = pushes_rows(wanted, world_size)
+    if wanted in ("auto", "push", "signal") and set_up_fused(device, world_size, one_shot_limit(), push=push):
+        pushed = " (pushed)" if push else ""
         _group.all_reduce += f"; fused with the norm after it up to the one-shot limit{pushed}"
     return _group
 

@@ -23,6 +23,7 @@ from executor_service.parallel.fused_all_reduce import all_reduce_add_rms_norm, 
 from executor_service.parallel.state import destroy_tensor_parallel, init_tensor_parallel
 
 CHAIN = 6  # dependent all-reduces in a row: a rank refilling the buffer while a peer reads it would show
+WIDTH = 4096  # the fused cases' hidden size (the 8B shape's)
 
 
 def inputs(rank: int, numel: int, dtype: torch.dtype, device: torch.device, round_: int) -> torch.Tensor:
@@ -54,18 +55,23 @@ def fused_pass(xs: list[torch.Tensor], residual: torch.Tensor, weight: torch.Ten
     return out
 
 
+def partial(rank: int, rows: int, call: int, dtype: torch.dtype, device: torch.device, round_: int) -> torch.Tensor:
+    """Rank `rank`'s partial sum for a pass's call `call`, with a -0.0 in it: a pushed buffer's empty mark, which
+    the kernel must send as +0.0 (or its peers would wait forever)."""
+    x = inputs(rank, rows * WIDTH, dtype, device, 10 * round_ + call).view(rows, WIDTH)
+    x[0, call] = -0.0
+    return x
+
+
 def fused_case(world: int, rank: int, rows: int, dtype: torch.dtype, device: torch.device, round_: int) -> tuple:
     """(this rank's partials of a pass's CHAIN calls, residual, weight, the expected normed and streams)."""
-    width = 4096
-    xs = [inputs(rank, rows * width, dtype, device, 10 * round_ + c).view(rows, width) for c in range(CHAIN)]
-    for c, x in enumerate(xs):
-        x[0, c] = -0.0  # a pushed buffer's empty mark: the kernel must send it as +0.0 (or wait forever)
-    residual = inputs(world, rows * width, dtype, device, 10 * round_ + 9).view(rows, width)
-    weight = torch.linspace(0.5, 1.5, width, device=device, dtype=dtype)
+    xs = [partial(rank, rows, c, dtype, device, round_) for c in range(CHAIN)]
+    residual = inputs(world, rows * WIDTH, dtype, device, 10 * round_ + 9).view(rows, WIDTH)
+    weight = torch.linspace(0.5, 1.5, WIDTH, device=device, dtype=dtype)
     want: list[torch.Tensor] = []
     for c in range(CHAIN):
-        total = sum(inputs(r, rows * width, dtype, device, 10 * round_ + c).double() for r in range(world))
-        want.extend(add_rms_norm(total.to(dtype).view(rows, width), residual, weight, 1e-6))
+        total = sum(partial(r, rows, c, dtype, device, round_).double() for r in range(world))
+        want.extend(add_rms_norm(total.to(dtype), residual, weight, 1e-6))
     return xs, residual, weight, want
 
 

@@ -17,10 +17,19 @@ def test_unknown_choice_names_the_variable(monkeypatch: pytest.MonkeyPatch) -> N
     assert len(str(info.value)) < 200  # the echoed value is cut
 
 
-@pytest.mark.parametrize("choice", ["", "auto", "NCCL", "one-shot", "Unfused", "push"])
+@pytest.mark.parametrize("choice", ["", "auto", "NCCL", "one-shot", "Unfused", "push", "Signal"])
 def test_known_choices(monkeypatch: pytest.MonkeyPatch, choice: str) -> None:
     monkeypatch.setenv(all_reduce_module.ENV, choice)
     assert all_reduce_module.choice() == (choice.lower() or "auto")
+
+
+def test_auto_pushes_rows_where_measured() -> None:
+    """`auto` pushes the fused all-reduce's rows at 2 ranks (measured faster there) and signals at 4 (not yet
+    measured); `push` and `signal` force one way at every size."""
+    pushes = all_reduce_module.pushes_rows
+    assert pushes("auto", 2) and not pushes("auto", 4)
+    assert pushes("push", 2) and pushes("push", 4)
+    assert not pushes("signal", 2) and not pushes("unfused", 2) and not pushes("nccl", 2)
 
 
 def test_cpu_group_sums_through_gloo(tmp_path) -> None:

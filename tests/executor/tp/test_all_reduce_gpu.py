@@ -1,9 +1,10 @@
 """The symmetric-memory all-reduces (parallel/all_reduce.py) on 2 and 4 GPUs (gpu marker): set up on every rank, and
 their sums exact (integer inputs) for bf16 and fp32, from 8 elements through the one-shot and two-shot limits and
 one past each, eagerly and replayed in a CUDA graph, through chains of dependent all-reduces that reuse one buffer
-(`auto`: one-shot and two-shot by size; `one-shot`: one-shot alone; `push`: auto's, with the all-reduce fused with
-the norm pushing its rows), and the fused all-reduce + norm over 1-32 rows against add_rms_norm of the exact sum. A
-negative control runs the same cases on NCCL alone (SPECDEC_TP_ALL_REDUCE=nccl: the kind reported changes)."""
+(`auto`: one-shot and two-shot by size, the all-reduce fused with the norm pushing its rows at 2 ranks and
+signalling at 4; `one-shot`: one-shot alone; `push` / `signal`: auto's, pushing / signalling at every size), and
+the fused all-reduce + norm over 1-32 rows against add_rms_norm of the exact sum. A negative control runs the same
+cases on NCCL alone (SPECDEC_TP_ALL_REDUCE=nccl: the kind reported changes)."""
 
 from __future__ import annotations
 
@@ -55,7 +56,7 @@ def run_ranks(world: int, choice: str) -> dict:
     return json.loads(outputs[0][0].strip().splitlines()[-1])
 
 
-@pytest.mark.parametrize("choice", ["auto", "one-shot", "push"])
+@pytest.mark.parametrize("choice", ["auto", "one-shot", "push", "signal"])
 @pytest.mark.parametrize("world", [2, 4])
 def test_symmetric_all_reduces_sum_exactly(world: int, choice: str) -> None:
     if torch.cuda.device_count() < world:
@@ -64,7 +65,8 @@ def test_symmetric_all_reduces_sum_exactly(world: int, choice: str) -> None:
     assert report["all_reduce"].startswith("one-shot"), report
     assert ("two-shot" in report["all_reduce"]) == (choice != "one-shot"), report
     assert ("fused" in report["all_reduce"]) == (choice != "one-shot"), report
-    assert ("pushed" in report["all_reduce"]) == (choice == "push"), report
+    pushed = choice == "push" or (choice == "auto" and world == 2)
+    assert ("pushed" in report["all_reduce"]) == pushed, report
     assert report["results"] and all(report["results"].values()), report["results"]
 
 
