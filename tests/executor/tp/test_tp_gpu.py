@@ -64,5 +64,14 @@ def test_nccl_greedy_equals_single_gpu(tp: int, graphs: bool) -> None:
         assert replays["none"].get("graph", 0) > 0, replays
         for method in [m for m in METHODS if m != "none"]:  # chains and the tree on the device step's graphs
             assert replays[method].get("spec step graph", 0) + replays[method].get("spec step graph following", 0) > 0
-        for method in METHODS:  # the same steps replayed the same graphs
-            assert replays[method] == single_replays[method], f"TP {tp}, drafter {method}"
+        for method in METHODS:  # the same steps replayed the same graphs (prefill: eagerly under TP)
+            assert replays[method] == prefill_eager(single_replays[method]), f"TP {tp}, drafter {method}"
+
+
+def prefill_eager(replays: dict[str, int]) -> dict[str, int]:
+    """One process's step counts as a TP run has them: its prefill graphs (one process's alone,
+    runner/prefill_graphs.py) count as eager passes."""
+    counts = dict(replays)
+    prefills = counts.pop("prefill graph", 0) + counts.pop("batch prefill graph", 0)
+    counts["eager"] = counts.get("eager", 0) + prefills
+    return counts
