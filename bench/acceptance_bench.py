@@ -58,6 +58,7 @@ from executor_service.server.drafting import resolve_draft
 from executor_service.server.session import EngineSettings, ModelSession, build_session
 from executor_service.server.validation import DEFAULT_BLOCK_SIZE
 from executor_service.spec_decode.adaptive_k import AdaptiveK
+from executor_service.spec_decode.drafter_release import DrafterRelease
 from specdec.v1 import common_pb2, executor_pb2
 from specdec_training.prompts import KINDS, read_prompts
 from specdec_training.target import chat_renderer, load_target, target_source
@@ -291,8 +292,8 @@ class Adaptive:
     """(d): an adaptive configuration's cost model at one batch and temperature: the untimed runs it took to
     measure the batch, and the steps it had planned by then, so the timed rounds' choices can be told apart."""
 
-    def __init__(self, model: AdaptiveK, warm_up_runs: int) -> None:
-        self.model, self.warm_up_runs = model, warm_up_runs
+    def __init__(self, model: AdaptiveK, warm_up_runs: int, release: DrafterRelease | None = None) -> None:
+        self.model, self.warm_up_runs, self.release = model, warm_up_runs, release
         self.chosen_before = Counter(model.chosen)
         self.rounds: list[dict[str, Any]] = []  # per timed round: its rate, the k it chose, the prices after it
 
@@ -315,6 +316,9 @@ class Adaptive:
             "warm_up_runs": self.warm_up_runs,
             "timed_chosen_k_steps": dict(sorted(timed.items())),
             "rounds": self.rounds,
+            # the session's release (drafter_release.py), which outlives this cost model: its counts and rulings
+            # so far in the session, this batch and temperature's last (the rulings carry their batch)
+            "release": self.release.describe() if self.release is not None else None,
         }
 
 
@@ -348,7 +352,7 @@ def warm_up(
     while not model.measured(batch) and runs < WARM_UP_RUNS:
         generate_groups(session, groups, max_tokens, mix)
         runs += 1
-    return Adaptive(model, runs)
+    return Adaptive(model, runs, session.engine.release)
 
 
 def method_of(name: str) -> str:

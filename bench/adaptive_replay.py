@@ -137,11 +137,12 @@ class Replayed:
 
 def simulate(
     trace: list[dict[str, Any]], prices: Prices, k: int, max_tokens: int, batch: int, policy: str,
-    candidates: list[int], stalls: Stalls | None = None,
+    candidates: list[int], stalls: Stalls | None = None, rounds: int = 1,
 ) -> dict[str, Any]:  # fmt: skip
     """Tokens per second and the k chosen per step for the trace's requests, `batch` at a time, under `policy`:
     "fixed" (k every step), "target" (k = 0 every step) or "adaptive" (a fresh AdaptiveK and drafter_release's
-    rules, after one untimed pass: acceptance_bench's timed rounds follow a warm-up)."""
+    rules, after one untimed pass: acceptance_bench's timed rounds follow a warm-up; `rounds` timed passes in a
+    row, the median's figures and each one's choices)."""
     stalls = stalls or Stalls()
     if policy != "adaptive":
         fixed = k if policy == "fixed" else 0
@@ -157,7 +158,10 @@ def simulate(
         return model.plan(drafting, undrafted=len(running) - len(drafting))
 
     run(trace, prices, k, max_tokens, batch, plan, replace(stalls, seed=stalls.seed + 1), model)
-    return run(trace, prices, k, max_tokens, batch, plan, replace(stalls), model)
+    seeds = [stalls.seed] + [stalls.seed + 1 + r for r in range(1, rounds)]  # the first as before; none the warm-up's
+    timed = [run(trace, prices, k, max_tokens, batch, plan, replace(stalls, seed=seed), model) for seed in seeds]
+    middle = sorted(timed, key=lambda found: found["tokens_per_s"])[len(timed) // 2]  # the median round's
+    return {**middle, "rounds": [found["chosen_k_steps"] for found in timed]}
 
 
 def run(
@@ -224,7 +228,7 @@ def orders(trace: list[dict[str, Any]], batch: int) -> dict[str, list[dict[str, 
     return found
 
 
-def replay_runs(traces: dict[str, Any], costs: Path, batch: int, stalls: Stalls) -> dict[str, Any]:
+def replay_runs(traces: dict[str, Any], costs: Path, batch: int, stalls: Stalls, rounds: int = 1) -> dict[str, Any]:
     """Every run of the trace at batch 1 and `batch` (`orders`): the fixed k, k = 0 throughout and adaptive."""
     k, max_tokens = traces["k"], traces["max_tokens"]
     found: dict[str, Any] = {}
@@ -235,7 +239,7 @@ def replay_runs(traces: dict[str, Any], costs: Path, batch: int, stalls: Stalls)
             prices = step_prices(costs, f"{method}_k{k}", case)
             for name, requests in orders(trace, size).items():
                 rates = {
-                    policy: simulate(requests, prices, k, max_tokens, size, policy, [0, k], stalls)
+                    policy: simulate(requests, prices, k, max_tokens, size, policy, [0, k], stalls, rounds)
                     for policy in ("fixed", "target", "adaptive")
                 }
                 fixed, target = rates["fixed"]["tokens_per_s"], rates["target"]["tokens_per_s"]
@@ -244,6 +248,7 @@ def replay_runs(traces: dict[str, Any], costs: Path, batch: int, stalls: Stalls)
                     "adaptive_over_k0": round(rates["adaptive"]["tokens_per_s"] / target, 3),
                     "adaptive_over_fixed": round(rates["adaptive"]["tokens_per_s"] / fixed, 3),
                     "adaptive_chosen_k_steps": rates["adaptive"]["chosen_k_steps"],
+                    "adaptive_rounds": rates["adaptive"].get("rounds"),
                 }
     return found
 
@@ -271,7 +276,7 @@ def replay(args: argparse.Namespace) -> dict[str, Any]:
         for variant in ["", *args.variant]:
             old = with_constants(variant)
             try:
-                found = replay_runs(traces, args.costs, args.batch, stalls)
+                found = replay_runs(traces, args.costs, args.batch, stalls, args.rounds)
             finally:
                 with_constants(",".join(f"{name}={value}" for name, value in old.items()))
             report["runs"][f"stalls {spec}, {variant or 'as shipped'}"] = found
@@ -297,6 +302,7 @@ def main() -> int:
     rep.add_argument("trace", type=Path)
     rep.add_argument("--costs", type=Path, required=True, help="an acceptance_bench --adaptive result (GPU)")
     rep.add_argument("--batch", type=int, default=16)
+    rep.add_argument("--rounds", type=int, default=1, help="timed passes after the warm-up (acceptance_bench: 3)")
     rep.add_argument(
         "--variant",
         action="append",

@@ -58,6 +58,7 @@ MIN_VERIFIED = 32
 # longest interval between checks. Fewer (8, before) released EAGLE-3 at batch 1 on ten unlucky first steps.
 MIN_VERIFIED_COST = MIN_JUDGED
 RETRY_STEPS = MAX_REFRESH_STEPS  # steps planned with drafting ruled out before it is tried again
+MAX_RULINGS = 32  # rulings kept with their evidence (`describe`): the first ones, for benchmarks and logs
 
 
 def follows_any(requests: list[Request]) -> bool:
@@ -80,7 +81,8 @@ class DrafterRelease:
         self.deferred, self.min_verified, self.retry_steps = deferred, min_verified, retry_steps
         self.min_verified_cost = min_verified_cost
         self.steps_ruled_out = 0  # steps planned since drafting was ruled out (0: not ruled out)
-        self.counts: Counter[str] = Counter()  # "released" (requests), "retries"
+        self.counts: Counter[str] = Counter()  # "released" (requests), "retries", "ruled out by acceptance / cost"
+        self.rulings: list[dict[str, object]] = []  # the first MAX_RULINGS rulings and what they stood on
 
     def followed(self, requests: list[Request], speculation: AdaptiveK) -> bool:
         """Once a step, before its next step is planned and the drafter runs for it: whether the drafter follows
@@ -90,6 +92,8 @@ class DrafterRelease:
         if not ruled_out and not speculation.drafting_loses(len(requests), self.min_verified_cost):
             self.steps_ruled_out = 0
             return follows_any(requests)
+        if self.steps_ruled_out == 0:
+            self._note_ruling("acceptance" if ruled_out else "cost", len(requests), speculation)
         self.steps_ruled_out += 1
         if self.steps_ruled_out >= self.retry_steps:
             self.steps_ruled_out = 0
@@ -107,3 +111,24 @@ class DrafterRelease:
         if self.deferred is not None:
             self.deferred.drop(request)
         self.counts["released"] += 1
+
+    def _note_ruling(self, rule: str, batch: int, speculation: AdaptiveK) -> None:
+        """Drafting was ruled out (by the acceptance or by the costs at the batch's size): counted, and the first
+        MAX_RULINGS kept with what they stood on, so a benchmark can tell why a drafter that wins was released."""
+        self.counts[f"ruled out by {rule}"] += 1
+        if len(self.rulings) >= MAX_RULINGS:
+            return
+        table = speculation.costs.get(AdaptiveK.bucket(batch), {})
+        self.rulings.append({
+            "rule": rule,
+            "batch": batch,
+            "plan": speculation.total_plans,
+            "traffic_requests": speculation.traffic_requests,
+            "expected_tokens": {k: round(speculation.expected_tokens(k), 3) for k in speculation.candidates},
+            "step_ms": {k: round(cost.seconds * 1e3, 4) for k, cost in sorted(table.items())},
+            "samples": {k: cost.samples for k, cost in sorted(table.items())},
+        })  # fmt: skip
+
+    def describe(self) -> dict[str, object]:
+        """Its counts and rulings (benchmarks and logs)."""
+        return {**dict(sorted(self.counts.items())), "rulings": list(self.rulings)}

@@ -61,3 +61,15 @@ def test_batch_1_runs_the_penalised_requests_first_too() -> None:
     assert sorted(e["accepted"][0] for e in found["batch_1_penalised_first"]) == list(range(15)) and len(found) == 2
     assert adaptive_replay.orders(trace, 16) == {"batch_16": trace}
     assert list(adaptive_replay.orders(trace[:12] + trace[14:], 1)) == ["batch_1"]
+
+
+def test_timed_rounds_meet_their_own_stalls() -> None:
+    """--rounds: passes in a row over one AdaptiveK (as acceptance_bench's rounds share a session), each meeting the
+    machine's slow moments of its own seed: the figures are the median round's, with every round's choices."""
+    trace = [{"kind": "greedy", "accepted": [1, 0, 2, 0] * 64}] * 4
+    stalls = adaptive_replay.Stalls(5, 2, 3.0)
+    found = adaptive_replay.simulate(trace, PRICES, 3, 256, 1, "adaptive", [0, 3], stalls, rounds=3)
+    assert len(found["rounds"]) == 3 and found["chosen_k_steps"] in found["rounds"]
+    assert found["rounds"][0] != found["rounds"][1], found["rounds"]  # other moments, other choices
+    one = adaptive_replay.simulate(trace, PRICES, 3, 256, 1, "adaptive", [0, 3], stalls)
+    assert one["chosen_k_steps"] == found["rounds"][0]  # the first round as a run of one

@@ -105,6 +105,10 @@ def test_an_always_wrong_drafter_stops_following(method: str, release: bool) -> 
     if release:
         assert drafting.release.counts["released"] == len(batch)
         assert all(r.num_draft_tokens == 0 and engine.scheduler.lookahead(r) == 0 for r in drafting.requests.values())
+        ruling = drafting.release.describe()
+        assert ruling["ruled out by acceptance"] == 1 and "ruled out by cost" not in ruling, ruling
+        assert [r["rule"] for r in ruling["rulings"]] == ["acceptance"]  # type: ignore[union-attr]
+        assert ruling["rulings"][0]["expected_tokens"][K] < 1.1  # type: ignore[index]  # what it stood on
         assert not deferred.held and deferred.filled == 0
     passes, held, steps = Counter(drafting.proposer.pass_counts), Counter(deferred.counts), Counter(engine.step_counts)
     proposed = Counter(drafting.proposed)
@@ -285,6 +289,10 @@ def test_a_drafter_that_loses_on_cost_is_released(prices: dict[int, float], rele
         assert not speculation.drafting_ruled_out(MIN_VERIFIED) and speculation.drafting_loses(8, MIN_VERIFIED_COST)
         assert all(r.num_draft_tokens == 0 and engine.scheduler.lookahead(r) == 0 for r in drafting.requests.values())
         passes, steps = Counter(drafting.proposer.pass_counts), Counter(engine.step_counts)
+        (ruling,) = drafting.release.rulings  # the evidence of the one ruling: two tokens a step, k's step dearer
+        assert ruling["rule"] == "cost" and ruling["batch"] == 8 and ruling["traffic_requests"] == 8, ruling
+        assert ruling["expected_tokens"] == {0: 1.0, K: pytest.approx(2.0, abs=0.1)}, ruling
+        assert ruling["step_ms"] == {0: pytest.approx(10.0), K: pytest.approx(25.0)}, ruling
     run_bounded(engine)
     drafting.check_tokens()
     assert_no_leak(drafting.session)
@@ -292,6 +300,7 @@ def test_a_drafter_that_loses_on_cost_is_released(prices: dict[int, float], rele
     assert all(f is not None and f.accepted_tokens > 0 for f in finishes)  # drafted, half right, before any release
     if not released:
         assert drafting.release.counts["released"] == 0 and not speculation.drafting_loses(8, MIN_VERIFIED_COST)
+        assert drafting.release.describe() == {"rulings": []}
         assert all(f is not None and f.verify_steps * 2 >= RELEASED_TOKENS - 2 for f in finishes)  # drafted throughout
         return
     assert drafting.proposer.pass_counts == passes and not deferred.held  # no drafter pass after the release
