@@ -129,7 +129,7 @@ def generate(
         for i, prompt in group:
             place = first + i
             own = replace(mix[place % len(mix)], max_tokens=max_tokens, seed=1000 + place if seeded else None)
-            request = session.new_request(f"p{i}", prompt, own, max_tokens, outputs[i].append)
+            request = session.new_request(f"p{place}", prompt, own, max_tokens, outputs[i].append)
             if ignore_eos:
                 request.eos_token_ids = frozenset()
             session.engine.add(request)

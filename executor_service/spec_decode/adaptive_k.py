@@ -83,7 +83,7 @@ from __future__ import annotations
 
 import itertools
 import math
-from collections import Counter
+from collections import Counter, deque
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 
@@ -159,7 +159,9 @@ class AdaptiveK:
         self._tried = [0.0] * (max_depth + 1)  # index d: steps that verified depth d
         self._expected: dict[int, float] = {}  # k -> expected_tokens(k), until the acceptance changes
         self._requests: dict[str, RequestAcceptance] = {}  # live requests' own counts, by id (forget_request)
-        self._traffic: dict[str, RequestAcceptance] = {}  # the last TRAFFIC_REQUESTS requests verified, oldest first
+        # the last TRAFFIC_REQUESTS requests verified, oldest first: their counts, not their ids (a caller may reuse
+        # an id for its next request, as acceptance_bench did at batch 1; the traffic is still many requests)
+        self._traffic: deque[RequestAcceptance] = deque(maxlen=TRAFFIC_REQUESTS)
         self._rates: list[float] | None = None  # the traffic's rate per depth, until the acceptance changes
         self._batch: tuple[tuple[str, ...], dict[int, float]] | None = None  # the last batch's expected tokens
         self._all_hopeless: bool | None = None  # `_every_drafting_k_hopeless`, until the acceptance changes
@@ -207,9 +209,7 @@ class AdaptiveK:
             own = self._requests.get(request_id)
             if own is None:
                 own = self._requests[request_id] = RequestAcceptance.fresh(len(self._tried))
-                self._traffic[request_id] = own
-                if len(self._traffic) > TRAFFIC_REQUESTS:
-                    del self._traffic[next(iter(self._traffic))]
+                self._traffic.append(own)
             own.observe(min(depth, deepest), count, self._tried, self._reached)
         self._acceptance_changed()
 
@@ -245,7 +245,7 @@ class AdaptiveK:
         if self._rates is None:
             self._rates = [1.0] * len(self._tried)
             for d in range(1, len(self._tried)):
-                shares = [a.reached[d] / a.tried[d] for a in self._traffic.values() if a.tried[d] > 0]
+                shares = [a.reached[d] / a.tried[d] for a in self._traffic if a.tried[d] > 0]
                 self._rates[d] = math.fsum(shares) / len(shares) if shares else 1.0
         return self._rates
 
