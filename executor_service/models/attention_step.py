@@ -10,6 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
+import numpy as np
 import torch
 
 from kernels import paged_attention
@@ -94,11 +95,31 @@ def cache_slots(block_ids: list[int], start: int, stop: int, block_size: int) ->
     return slots
 
 
+# Host lists become tensors through numpy: ~3x faster than torch.tensor at every size (1 us against 2.8 for one
+# value, 49 against 157 for a 3,000-token prompt's positions on the 2-core CPU host); a long prompt's step builds
+# several such lists (its ids, positions and slots, and the drafter's context pass's).
+NUMPY_DTYPES = {
+    torch.int64: np.int64,
+    torch.int32: np.int32,
+    torch.float32: np.float32,
+    torch.float64: np.float64,
+    torch.bool: np.bool_,
+}
+
+
+def host_tensor(values: list, dtype: torch.dtype) -> torch.Tensor:
+    """`torch.tensor(values, dtype=dtype)` on the CPU, through numpy where it has the dtype."""
+    numpy_dtype = NUMPY_DTYPES.get(dtype)
+    if numpy_dtype is None:
+        return torch.tensor(values, dtype=dtype)
+    return torch.from_numpy(np.array(values, dtype=numpy_dtype))
+
+
 def to_device(values: list, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
     """Host values as a device tensor without waiting for the device: on CUDA through pinned memory and an
     asynchronous copy (a plain `torch.tensor(..., device=cuda)` synchronizes the stream, so it would wait for
     the step in flight)."""
-    host = torch.tensor(values, dtype=dtype)
+    host = host_tensor(values, dtype)
     if device.type != "cuda":
         return host if device.type == "cpu" else host.to(device)
     return host.pin_memory().to(device, non_blocking=True)
