@@ -29,8 +29,8 @@ CUDA, else NCCL; and the one-shot sizes fused with the norm after them, fused_al
 rows to its peers at 2 ranks, where it was measured faster, signalling them at more), `push` or `signal` (auto's,
 the fused kernel pushing or signalling at every size of group), `unfused` (the same all-reduces, the norm apart:
 the comparison), `nccl`, or `one-shot` (one-shot alone up to its limit, NCCL above; an error if it cannot be set
-up: the comparison before two-shot). Every rank reads the same environment (the
-followers inherit rank 0's), and the ranks agree on the outcome before the first forward.
+up: the comparison before two-shot). Every rank reads the same environment (the followers inherit rank 0's), and
+the ranks agree on the outcome before the first forward.
 """
 
 from __future__ import annotations
