@@ -11,10 +11,11 @@ does not depend on the device or the batch (fp32 emits the same tokens), so:
 - `replay`: the real `AdaptiveK` (as shipped, and with --variant's constants: PRIOR=4) drives a simulated engine over
   the trace: per step it plans k for the batch's running requests, each request accepts what its trace accepted
   at its position (at most k), and the step costs the GPU's measured price at the batch's bucket and k (a
-  result file's `speculation.step_ms`). The release from the drafter is drafter_release.py's own (`DrafterRelease`,
-  each simulated request standing for a Request). Reported: tokens per second against the fixed k and against
-  k = 0 throughout, at batch 1 (the requests one after another; a mix's penalised requests also first) and at
-  --batch (all at once).
+  result file's `speculation.step_ms`; at batch 1 a step with every request released from the drafter costs
+  target-only's, from the same case's rate). The release from the drafter is drafter_release.py's own
+  (`DrafterRelease`, each simulated request standing for a Request). Reported: tokens per second against the
+  fixed k and against target-only, at batch 1 (the requests one after another; a mix's penalised requests also
+  first) and at --batch (all at once).
 
 A request whose position falls inside a recorded step (after a k = 0 step) takes that step's accepted count: the
 acceptance of nearby positions, exact for the fixed k.
@@ -88,7 +89,8 @@ def record(args: argparse.Namespace) -> dict[str, Any]:
 
 
 # ---- replay --------------------------------------------------------------------------------------------------------
-Prices = dict[int, dict[int, float]]  # ms a step by batch bucket and k
+Prices = dict[int, dict[int, float]]  # ms a step by batch bucket and k (RELEASED: no request followed by the drafter)
+RELEASED = -1  # a step planned with every request released from the drafter: target-only work
 
 
 @dataclass
@@ -140,12 +142,13 @@ def simulate(
     candidates: list[int], stalls: Stalls | None = None, rounds: int = 1,
 ) -> dict[str, Any]:  # fmt: skip
     """Tokens per second and the k chosen per step for the trace's requests, `batch` at a time, under `policy`:
-    "fixed" (k every step), "target" (k = 0 every step) or "adaptive" (a fresh AdaptiveK and drafter_release's
+    "fixed" (k every step), "target" (target-only: no drafter following, RELEASED's price where measured, else
+    k = 0's) or "adaptive" (a fresh AdaptiveK and drafter_release's
     rules, after one untimed pass: acceptance_bench's timed rounds follow a warm-up; `rounds` timed passes in a
     row, the median's figures and each one's choices)."""
     stalls = stalls or Stalls()
     if policy != "adaptive":
-        fixed = k if policy == "fixed" else 0
+        fixed = k if policy == "fixed" else RELEASED
         return run(trace, prices, k, max_tokens, batch, lambda running: fixed, replace(stalls))
     model, release = AdaptiveK(candidates, configured=k), DrafterRelease(None)
 
@@ -153,7 +156,7 @@ def simulate(
         """As the engine's `_plan`: the release's rules first, then the cost model for the requests it follows."""
         if not release.followed(running, model):  # type: ignore[arg-type]  # a Replayed stands for a Request
             model.count_plan(0)
-            return 0
+            return RELEASED
         drafting = [r.request_id for r in running if r.num_draft_tokens != 0]
         return model.plan(drafting, undrafted=len(running) - len(drafting))
 
@@ -176,7 +179,10 @@ def run(
         running = [Replayed.of(f"r{i}", entry["accepted"], max_tokens) for i, entry in group]
         while running:
             step_k = plan(running)
-            cost = prices[AdaptiveK.bucket(len(running))][step_k] / 1e3 * stalls.factor_at(seconds * 1e3)
+            table = prices[AdaptiveK.bucket(len(running))]
+            price = table.get(RELEASED, table[0]) if step_k == RELEASED else table[step_k]
+            step_k = max(step_k, 0)
+            cost = price / 1e3 * stalls.factor_at(seconds * 1e3)
             seconds += cost
             chosen[step_k] = chosen.get(step_k, 0) + 1
             verified = [r for r in running if step_k and r.num_draft_tokens != 0]
@@ -197,9 +203,16 @@ def run(
 
 
 def step_prices(path: Path, method: str, case: str) -> dict[int, dict[int, float]]:
-    """A result file's measured step ms per bucket and k for `method`'s adaptive session in `case`."""
-    found = json.loads(path.read_text())["speedup"]["cuda"][case]["speculation"][f"{method}_adaptive"]["step_ms"]
-    return {int(bucket): {int(k): ms for k, ms in table.items()} for bucket, table in found.items()}
+    """A result file's measured step ms per bucket and k for `method`'s adaptive session in `case`; at batch 1 also
+    a step of a request released from the drafter (RELEASED): target-only's, from the same case's rate (a k = 0
+    step with the drafter following costs more: the H200 priced DFlash's at 0.755 ms against target-only's 0.707).
+    At larger batches a released step is priced as k = 0's (target-only's price per bucket is not measured)."""
+    report = json.loads(path.read_text())["speedup"]["cuda"][case]
+    found = report["speculation"][f"{method}_adaptive"]["step_ms"]
+    prices = {int(bucket): {int(k): ms for k, ms in table.items()} for bucket, table in found.items()}
+    if case.startswith("batch_1_") and 1 in prices:
+        prices[1][RELEASED] = 1e3 / report["target_only"]["tokens_per_s"]
+    return prices
 
 
 def with_constants(assignments: str) -> dict[str, Any]:
@@ -229,7 +242,7 @@ def orders(trace: list[dict[str, Any]], batch: int) -> dict[str, list[dict[str, 
 
 
 def replay_runs(traces: dict[str, Any], costs: Path, batch: int, stalls: Stalls, rounds: int = 1) -> dict[str, Any]:
-    """Every run of the trace at batch 1 and `batch` (`orders`): the fixed k, k = 0 throughout and adaptive."""
+    """Every run of the trace at batch 1 and `batch` (`orders`): the fixed k, target-only and adaptive."""
     k, max_tokens = traces["k"], traces["max_tokens"]
     found: dict[str, Any] = {}
     for run_name, trace in traces["runs"].items():
@@ -244,8 +257,8 @@ def replay_runs(traces: dict[str, Any], costs: Path, batch: int, stalls: Stalls,
                 }
                 fixed, target = rates["fixed"]["tokens_per_s"], rates["target"]["tokens_per_s"]
                 found[f"{run_name}/{name}"] = {
-                    "fixed_over_k0": round(fixed / target, 3),
-                    "adaptive_over_k0": round(rates["adaptive"]["tokens_per_s"] / target, 3),
+                    "fixed_over_target": round(fixed / target, 3),
+                    "adaptive_over_target": round(rates["adaptive"]["tokens_per_s"] / target, 3),
                     "adaptive_over_fixed": round(rates["adaptive"]["tokens_per_s"] / fixed, 3),
                     "adaptive_chosen_k_steps": rates["adaptive"]["chosen_k_steps"],
                     "adaptive_rounds": rates["adaptive"].get("rounds"),
