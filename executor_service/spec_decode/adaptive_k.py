@@ -22,7 +22,8 @@ batch's running requests) after each step for the next step's k and tells this m
 - `observe_verify(request_ids, depths, accepted)`: per verified request, how deep its drafts went and how many
   were accepted. The acceptance rate per depth d (the share of steps that verified depth d whose accepted drafts
   reached it) is a decayed count per request (adaptive_measures.py). The global rate is the traffic's: the mean
-  of the last TRAFFIC_REQUESTS requests' own shares, each request weighing the same (a rate over verify steps
+  of the last TRAFFIC_REQUESTS requests' own shares (requests, whatever their ids: a caller may reuse one), each
+  request weighing the same (a rate over verify steps
   remembers ~200 request-steps: at batch 1 the last request or two). A request's own rate is its counts shrunk
   towards the global rate as a prior of PRIOR steps, (reached + PRIOR x global) / (tried + PRIOR): mostly its own
   after a few dozen verify steps; before TRIAL_STEPS of them it counts as accepting every draft, so each request
