@@ -10,7 +10,7 @@ import pytest
 
 BENCH = Path(__file__).resolve().parents[2] / "bench"
 # pass_profile.py reuses specdec_bench.parse_args; prefix_cache_bench.py imports specdec_bench
-SCRIPTS = ("specdec_bench", "pass_profile", "load_bench", "prefix_cache_bench", "tp_bench")
+SCRIPTS = ("specdec_bench", "pass_profile", "load_bench", "prefix_cache_bench", "tp_bench", "adaptive_engine_check")
 
 
 @pytest.mark.parametrize("script", SCRIPTS)
