@@ -429,6 +429,16 @@ def generate_groups(
     return Timed(tokens / seconds, finishes, token_ids)
 
 
+def rendered_prompts(
+    source: TargetSource, loaded: LoadedModel, path: Path, per_kind: int
+) -> dict[str, list[list[int]]]:
+    """The first `per_kind` held-out prompts of each kind, as the target's chat template renders them."""
+    renderer = chat_renderer(source, loaded)
+    assert renderer is not None, "the target has no tokenizer: acceptance on text needs one"
+    held_out = read_prompts(path)
+    return {kind: [renderer(p.text) for p in held_out if p.kind == kind][:per_kind] for kind in KINDS}
+
+
 def kind_label(settings: SamplingSettings) -> str:
     """A mix kind's name: greedy, T0.7 top_p0.9, rep1.2, logprobs5, ..."""
     parts = [] if settings.greedy else [f"T{settings.temperature:g}"]
@@ -552,12 +562,8 @@ def main() -> int:
     args = parse_args()
     device = torch.device(args.device)
     loaded = load_target(args.source, torch.bfloat16 if device.type == "cuda" else torch.float32, device)
-    renderer = chat_renderer(args.source, loaded)
-    assert renderer is not None, "the target has no tokenizer: acceptance on text needs one"
-    held_out = read_prompts(args.prompts)
     # Enough of each kind for both parts: the first per_kind measure acceptance, the first speedup_prompts are timed.
-    wanted = max(args.per_kind, args.speedup_prompts)
-    prompts = {kind: [renderer(p.text) for p in held_out if p.kind == kind][:wanted] for kind in KINDS}
+    prompts = rendered_prompts(args.source, loaded, args.prompts, max(args.per_kind, args.speedup_prompts))
     measured = {kind: ids[: args.per_kind] for kind, ids in prompts.items()}
     report: dict[str, Any] = {
         **provenance("acceptance", device),

@@ -50,18 +50,12 @@ def check(args: argparse.Namespace) -> dict[str, Any]:
     """Each pass's choices and the release's rulings, the prompts at batch 1 one after another."""
     import torch
     from acceptance_bench import generate_groups, open_session
-    from adaptive_replay import step_prices
+    from adaptive_replay import cpu_target, step_prices
 
     from executor_service.sample.sampling import SamplingSettings
-    from specdec_training.prompts import KINDS, read_prompts
-    from specdec_training.target import chat_renderer, load_target, target_source
 
     device = torch.device("cpu")
-    source = target_source(args.target)
-    loaded = load_target(source, torch.float32, device)
-    renderer = chat_renderer(source, loaded)
-    held_out = read_prompts(args.prompts)
-    chosen = [renderer(p.text) for kind in KINDS for p in [q for q in held_out if q.kind == kind][: args.per_kind]]
+    source, loaded, chosen = cpu_target(args.target, args.prompts, args.per_kind)
     drafter_dir = (REPO / "drafters" / f"smollm2-{args.drafter}").resolve()
     session = open_session(source, loaded, device, args.drafter, args.k, drafter_dir, 4096, adaptive=True)
     engine = session.engine

@@ -34,7 +34,7 @@ import sys
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 sys.path.append(str(Path(__file__).resolve().parent))
 
@@ -42,8 +42,27 @@ from executor_service.spec_decode import adaptive_k, adaptive_measures, drafter_
 from executor_service.spec_decode.adaptive_k import AdaptiveK
 from executor_service.spec_decode.drafter_release import DrafterRelease
 
+if TYPE_CHECKING:
+    from executor_service.models.loader import LoadedModel
+    from executor_service.models.model_loading import TargetSource
+
 
 # ---- record --------------------------------------------------------------------------------------------------------
+def cpu_target(target: str, prompts: Path, per_kind: int) -> tuple[TargetSource, LoadedModel, list[list[int]]]:
+    """(source, the target loaded on the CPU in fp32, acceptance_bench's timed prompts in its order): fp32 emits
+    the same tokens on every device."""
+    import torch
+    from acceptance_bench import rendered_prompts
+
+    from specdec_training.prompts import KINDS
+    from specdec_training.target import load_target, target_source
+
+    source = target_source(target)
+    loaded = load_target(source, torch.float32, torch.device("cpu"))
+    rendered = rendered_prompts(source, loaded, prompts, per_kind)
+    return source, loaded, [ids for kind in KINDS for ids in rendered[kind]]
+
+
 def record(args: argparse.Namespace) -> dict[str, Any]:
     """Per drafter and mix: each request's kind and its verify steps' accepted drafts, in order."""
     import torch
@@ -51,15 +70,9 @@ def record(args: argparse.Namespace) -> dict[str, Any]:
     from common import provenance
 
     from executor_service.sample.sampling import SamplingSettings
-    from specdec_training.prompts import KINDS, read_prompts
-    from specdec_training.target import chat_renderer, load_target, target_source
 
     device = torch.device("cpu")
-    source = target_source(args.target)
-    loaded = load_target(source, torch.float32, device)
-    renderer = chat_renderer(source, loaded)
-    held_out = read_prompts(args.prompts)
-    chosen = [renderer(p.text) for kind in KINDS for p in [q for q in held_out if q.kind == kind][: args.per_kind]]
+    source, loaded, chosen = cpu_target(args.target, args.prompts, args.per_kind)
     group = [chosen[i % len(chosen)] for i in range(args.requests)]  # places 0.., as acceptance_bench's batch
     traces: dict[str, Any] = {**provenance("acceptance_trace", device), "k": args.k, "max_tokens": args.max_tokens}
     traces["runs"] = {}
@@ -143,9 +156,8 @@ def simulate(
 ) -> dict[str, Any]:  # fmt: skip
     """Tokens per second and the k chosen per step for the trace's requests, `batch` at a time, under `policy`:
     "fixed" (k every step), "target" (target-only: no drafter following, RELEASED's price where measured, else
-    k = 0's) or "adaptive" (a fresh AdaptiveK and drafter_release's
-    rules, after one untimed pass: acceptance_bench's timed rounds follow a warm-up; `rounds` timed passes in a
-    row, the median's figures and each one's choices)."""
+    k = 0's) or "adaptive" (a fresh AdaptiveK and drafter_release's rules, after one untimed pass: acceptance_bench's
+    timed rounds follow a warm-up; `rounds` timed passes in a row, the median's figures and each one's choices)."""
     stalls = stalls or Stalls()
     if policy != "adaptive":
         fixed = k if policy == "fixed" else RELEASED

@@ -19,19 +19,18 @@ batch's running requests) after each step for the next step's k and tells this m
   about DEFER_MAX steps): the time it added to the steps it landed in, beyond plain k = 0 steps, spread over
   the k = 0 steps whose rows it ran. k = 0's price is its median plus the median of these surcharges, so
   neither the median (which would outvote the rare flush) nor a flush step taken as a plain sample misprices it.
-- `observe_verify(request_ids, depths, accepted)`: per verified request, how deep its drafts went and how many
-  were accepted. The acceptance rate per depth d (the share of steps that verified depth d whose accepted drafts
-  reached it) is a decayed count per request (adaptive_measures.py). The global rate is the traffic's: the mean
-  of the last TRAFFIC_REQUESTS requests' own shares (requests, whatever their ids: a caller may reuse one), each
-  request weighing the same (a rate over verify steps
-  remembers ~200 request-steps: at batch 1 the last request or two). A request's own rate is its counts shrunk
-  towards the global rate as a prior of PRIOR steps, (reached + PRIOR x global) / (tried + PRIOR): mostly its own
-  after a few dozen verify steps; before TRIAL_STEPS of them it counts as accepting every draft, so each request
-  is tried before it is judged (a request planned at k = 0 verifies nothing, so a prior alone could keep it there
-  for its life). `forget_request` drops a live request's counts when it finishes (the engine's `_finish`: a stop,
-  an abort, a failure; a preempted request keeps them, it is still live); the traffic keeps its shares until
-  TRAFFIC_REQUESTS newer requests push them out. The evidence counts (`judged`, the release's MIN_VERIFIED) are
-  verify steps over all requests, decayed.
+- `observe_verify(request_ids, depths, accepted)`: per verified request, how deep its drafts went and how many were
+  accepted. The acceptance rate per depth d (the share of steps that verified depth d whose accepted drafts reached
+  it) is a decayed count per request (adaptive_measures.py). The global rate is the traffic's: the mean of the last
+  TRAFFIC_REQUESTS requests' own shares (requests, whatever their ids: a caller may reuse one), each request weighing
+  the same (a rate over verify steps remembers ~200 request-steps: at batch 1 the last request or two). A request's
+  own rate is its counts shrunk towards the global rate as a prior of PRIOR steps, (reached + PRIOR x global) / (tried
+  + PRIOR): mostly its own after a few dozen verify steps; before TRIAL_STEPS of them it counts as accepting every
+  draft, so each request is tried before it is judged (a request planned at k = 0 verifies nothing, so a prior alone
+  could keep it there for its life). `forget_request` drops a live request's counts when it finishes (the engine's
+  `_finish`: a stop, an abort, a failure; a preempted request keeps them, it is still live); the traffic keeps its
+  shares until TRAFFIC_REQUESTS newer requests push them out. The evidence counts (`judged`, the release's
+  MIN_VERIFIED) are verify steps over all requests, decayed.
 
 Per request because acceptance differs between the requests of one batch (greedy against sampled or penalised
 requests: ~3.2 against ~1.4 tokens a step with the shipped SmolLM2 drafters), and the requests that accept most
