@@ -105,7 +105,7 @@ def init_tensor_parallel(
     _group = TensorParallelGroup(rank, world_size, device, control, ring)
     _group.all_reduce = set_up_all_reduce(device, world_size)
     wanted = choice()
-    push = pushes_rows(wanted, world_size)
+    push = pushes_rows(wanted)
     if wanted in ("auto", "push", "signal") and set_up_fused(device, world_size, one_shot_limit(), push=push):
         pushed = " (pushed)" if push else ""
         _group.all_reduce += f"; fused with the norm after it up to the one-shot limit{pushed}"
