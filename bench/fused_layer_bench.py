@@ -49,7 +49,7 @@ from executor_service.models.loader import build_synthetic
 from executor_service.models.model import Attention
 from kernels import pdl
 from kernels.qkv_rope_gemm import qkv_rope_store
-from kernels.small_gemm import MAX_GEMV_ROWS, small_gemm
+from kernels.small_gemm import MAX_DEFER_ROWS, MAX_GEMV_ROWS, small_gemm
 from kernels.small_gemm_table import (
     POLICY_ENV,
     GemmConfig,
@@ -76,6 +76,11 @@ GEMV_SWEEP = [GemmConfig(n, k, w, gemv=True) for n, k, w in [(4, 1024, 4), (8, 1
 # rows each, the later ones reading the weights from L2. (Smaller K and N tiles at 8 rows, tried on the H200: slower.)
 GEMV_SPLIT_SWEEP = [GemmConfig(n, k, 4, gemv=True, block_m=m) for m in (1, 2, 4) for n, k in [(4, 1024), (8, 1024),
     (8, 512), (4, 512)]]  # fmt: skip
+# Deferred GEMVs (each thread's products summed over K once, at the end): 1-2 rows, the large-K shapes of 8B and its
+# shards, where the per-step sum across warps is the suspect.
+DEFER_SWEEP = [GemmConfig(n, k, w, gemv=True, defer=True) for n, k, w in [(4, 1024, 4), (8, 512, 4), (16, 512, 8),
+    (16, 256, 4), (4, 2048, 8), (2, 2048, 4), (32, 256, 8), (8, 1024, 8)]]  # fmt: skip
+COPIES = 4  # weight copies a linear / gate-up case cycles through: 8B shards (29-117 MB each) then outgrow the L2
 CONTEXT, BLOCK_SIZE = 300, 16
 DRAFTER_MLP = {"smollm2": {"eagle3": 1024, "dflash": 768}}  # the shipped drafters' MLP widths (drafters/*/config.json)
 WIN_MARGIN = 0.95  # a fused kernel replaces cuBLAS only 5 % faster alone: a tie in isolation is no win in a step
@@ -116,10 +121,17 @@ def set_policy(policy: str) -> None:
     os.environ[POLICY_ENV] = policy
 
 
+def rotating(tensors: list[torch.Tensor]) -> Callable[[], torch.Tensor]:
+    """The next of `tensors` at each call: a graph of REPS calls reads each copy in turn, as a step reads each
+    layer's weights once, not one copy the L2 may hold."""
+    turn = itertools.cycle(tensors)
+    return lambda: next(turn)
+
+
 def linear_case(n: int, k: int, rows: int, dtype: torch.dtype, device: torch.device) -> tuple:
     x = torch.randn(rows, k, dtype=dtype, device=device)
-    w = torch.randn(n, k, dtype=dtype, device=device) / k**0.5
-    return "linear", n, k, lambda: torch.nn.functional.linear(x, w), lambda c: small_gemm(x, w, config=c)
+    w = rotating([torch.randn(n, k, dtype=dtype, device=device) / k**0.5 for _ in range(COPIES)])
+    return "linear", n, k, lambda: torch.nn.functional.linear(x, w()), lambda c: small_gemm(x, w(), config=c)
 
 
 def op_cases(cfg: ModelConfig, rows: int, dtype: torch.dtype, device: torch.device) -> list[tuple]:
@@ -131,7 +143,11 @@ def op_cases(cfg: ModelConfig, rows: int, dtype: torch.dtype, device: torch.devi
     cache = KVCache(cfg, 8, BLOCK_SIZE, dtype, device)  # cfg has one layer
     cos, sin = (torch.randn(rows, 1, cfg.head_size // 2, dtype=dtype, device=device) for _ in range(2))
     slots = torch.arange(rows, device=device)
-    gate_up = torch.nn.Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=False, device=device, dtype=dtype)
+    gate_ups = [
+        torch.nn.Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=False, device=device, dtype=dtype)
+        for _ in range(COPIES)
+    ]
+    gate_up = rotating(gate_ups)
     inp = NormInput(x, res, norm_w, 1e-5)
     qkv_w = attn.qkv_proj.weight
     hidden, attn_width = cfg.hidden_size, cfg.num_heads * cfg.head_size
@@ -144,8 +160,8 @@ def op_cases(cfg: ModelConfig, rows: int, dtype: torch.dtype, device: torch.devi
         ),
         linear_case(hidden, attn_width, rows, dtype, device),
         (
-            "gate_up_silu", gate_up.out_features, hidden, lambda: gate_up_silu(inp, gate_up),
-            lambda c: small_gemm(x, gate_up.weight, None, res, norm_w, 1e-5, silu_mul=True, config=c),
+            "gate_up_silu", gate_ups[0].out_features, hidden, lambda: gate_up_silu(inp, gate_up()),
+            lambda c: small_gemm(x, gate_up().weight, None, res, norm_w, 1e-5, silu_mul=True, config=c),
         ),
         linear_case(hidden, cfg.intermediate_size, rows, dtype, device),
         linear_case(hidden, 3 * hidden, rows, dtype, device),
@@ -182,10 +198,14 @@ def drafter_cases(preset: str, rows: int, dtype: torch.dtype, device: torch.devi
     return cases
 
 
-def op_sweep(rows: int, kind: str) -> list[GemmConfig]:
-    """The tile configs timed for `rows` rows: `kind` "all", or "gemv" alone (a shorter run at 4-32 rows)."""
+def op_sweep(rows: int, kind: str, op: str) -> list[GemmConfig]:
+    """The tile configs timed for `rows` rows of `op`: `kind` "all", "gemv" alone (a shorter run at 4-32 rows), or
+    "deferred" (the deferred GEMVs, 1-2 rows: small_gemm's ops only)."""
+    deferred = DEFER_SWEEP if rows <= MAX_DEFER_ROWS and op != "qkv_rope" else []
+    if kind == "deferred":
+        return deferred
     gemv = (GEMV_SWEEP if rows <= MAX_GEMV_ROWS else []) + (GEMV_SPLIT_SWEEP if 4 < rows <= 32 else [])
-    return gemv if kind == "gemv" else SWEEP + gemv
+    return gemv + deferred if kind == "gemv" else SWEEP + gemv + deferred
 
 
 def gemm_table(
@@ -201,7 +221,7 @@ def gemm_table(
                     preset, rows, dtype, device
                 ):
                     base = per_call_ms(unfused, device)
-                    sweep = op_sweep(rows, sweep_kind)
+                    sweep = op_sweep(rows, sweep_kind, op)
                     if not sweep:
                         continue
                     if op == "qkv_rope":  # an MMA program takes a whole head: block_n unused
@@ -209,7 +229,8 @@ def gemm_table(
                     timed = [(per_call_ms(lambda c=c, f=fused: f(c), device), c) for c in sweep]
                     best_ms, best = min(timed, key=lambda t: t[0])
                     row = {"dtype": dtype_name(dtype), "preset": preset, "op": op, "rows": rows, "n": n, "k": k,
-                           "unfused_us": base * 1e3, "fused_us": best_ms * 1e3, "config": best.__dict__}  # fmt: skip
+                           "unfused_us": base * 1e3, "fused_us": best_ms * 1e3, "config": best.__dict__,
+                           "timed_us": {str(c): round(ms * 1e3, 2) for ms, c in timed}}  # fmt: skip
                     rows_out.append(row)
                     log(f"{preset} {dtype_name(dtype)} {op} M={rows} N={n} K={k}: unfused {base * 1e3:.1f} us, "
                         f"fused {best_ms * 1e3:.1f} us {best}")  # fmt: skip
@@ -321,7 +342,10 @@ def main() -> int:
     parser.add_argument("--step-presets", default="smollm2", help="models of the decode-step runs")
     parser.add_argument("--rows", default=",".join(map(str, ROWS)), help="rows of the per-op table")
     parser.add_argument("--step-rows", default="", help="rows of the step-level trials (3.), e.g. 8")
-    parser.add_argument("--sweep", choices=("all", "gemv"), default="all", help="gemv: time the GEMV tiles only")
+    parser.add_argument(
+        "--sweep", choices=("all", "gemv", "deferred"), default="all",
+        help="gemv: the GEMV tiles only; deferred: the deferred GEMVs only (1-2 rows)",
+    )  # fmt: skip
     parser.add_argument("--no-decode-steps", action="store_true", help="skip 2. (the batch-1 decode steps)")
     parser.add_argument("--write-table", action="store_true", help="merge the winners into small_gemm_table.json")
     parser.add_argument("--out", default=str(REPO / "bench" / "results"))
@@ -334,8 +358,8 @@ def main() -> int:
     report["winners"] = winners
     if args.write_table:
         measured: dict[str, set[str]] = {}
-        for row in report["gemms"]:  # a GEMV-only sweep replaces only what it beat: its losers keep the MMA entries
-            key = table_key(row["op"], row["rows"], row["n"], row["k"])
+        for row in report["gemms"]:  # a partial sweep (gemv, deferred) replaces only what it beat: its losers keep
+            key = table_key(row["op"], row["rows"], row["n"], row["k"])  # the entries they had
             if args.sweep == "all" or key in winners.get(row["dtype"], {}):
                 measured.setdefault(row["dtype"], set()).add(key)
         merge_winners(winners, torch.cuda.get_device_name(device), measured)

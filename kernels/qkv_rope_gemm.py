@@ -139,6 +139,8 @@ def qkv_rope_store(
     `slot_mapping` in the caches [blocks, block_size, Hkv, D]; cos, sin [M, 1, D/2] (RotaryEmbedding.lookup);
     `qk_norm`: (q_norm weight, k_norm weight, eps) for Qwen3. `x2`, `norm_weight2`: a concatenated input, as
     small_gemm's (EAGLE-3). num_q_heads may be 0 (DFlash's context: keys and values only, weight's k/v rows)."""
+    if config.defer:
+        raise ValueError("qkv_rope_store has no deferred GEMV (small_gemm's option)")
     x2, nw2, k1 = check_concat(x, residual, norm_weight, x2, norm_weight2)
     rows, K = x.shape[0], weight.shape[1]
     head_size = weight.shape[0] // (num_q_heads + 2 * num_kv_heads)

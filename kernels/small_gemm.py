@@ -16,6 +16,11 @@ These kernels fold those ops into the GEMM itself:
 
 No split-K: with the residual, the norm and the activation fused, partial sums would need an fp32 buffer, a
 memset and a final pass, three launches where one is the point. Tile shapes come from kernels/small_gemm_table.py.
+
+A GEMV program (a few rows on the CUDA cores) sums each K step's products across its threads: the reduction
+crosses warps, through shared memory and a barrier at every step. With `defer` (large K: the 8B shapes' shards)
+each thread adds its products into its own slots of a [rows, BLOCK_K, BLOCK_N] accumulator and the program sums
+across threads once, after the last step, so the loads of the next steps are never held up by a barrier.
 """
 
 from __future__ import annotations
@@ -35,14 +40,22 @@ MAX_GEMV_ROWS = 8  # a GEMV program takes at most this many rows (its config's b
 # and a k = 7 chain's verify rows at batch 1
 
 
+MAX_DEFER_ROWS = 2  # a deferred GEMV's accumulator holds rows x BLOCK_K x BLOCK_N fp32 values
+
+
 def block_m(rows: int, config: GemmConfig) -> int:
     """Rows a program takes: the MMA's 16, or a GEMV's rows (at most its config's block_m) rounded up to a power
     of two."""
     if config.gemv:
         per_program = min(rows, config.block_m) if config.block_m else rows
-        if per_program > MAX_GEMV_ROWS:
-            raise ValueError(f"a GEMV program takes at most {MAX_GEMV_ROWS} rows, got {per_program}")
+        limit = MAX_DEFER_ROWS if config.defer else MAX_GEMV_ROWS
+        if per_program > limit:
+            raise ValueError(
+                f"a{' deferred' * config.defer} GEMV program takes at most {limit} rows, got {per_program}"
+            )
         return triton.next_power_of_2(per_program)
+    if config.defer:
+        raise ValueError("defer is a GEMV's option")
     return BLOCK_M
 
 
@@ -57,6 +70,13 @@ def mma(a, w, acc, PRECISION: tl.constexpr, UPCAST: tl.constexpr, GEMV: tl.const
     if UPCAST:
         return acc + tl.dot(a.to(tl.float32), w.to(tl.float32), input_precision="ieee")
     return tl.dot(a, w, acc, input_precision=PRECISION)
+
+
+@triton.jit
+def products(a, w, part):
+    """part + each product of a [BLOCK_M, BLOCK_K] and w [BLOCK_K, BLOCK_N], in fp32 and unsummed: a deferred
+    GEMV's step (summed over K once, after the last)."""
+    return part + a.to(tl.float32)[:, :, None] * w.to(tl.float32)[None, :, :]
 
 
 @triton.jit
@@ -163,7 +183,7 @@ def _small_gemm_kernel(
     x_ptr, r_ptr, h_ptr, nw_ptr, x2_ptr, nw2_ptr, w_ptr, b_ptr, out_ptr, rows, N, K1, K, eps, up_offset,
     stride_x, stride_r, stride_h, stride_x2, stride_w, stride_o,
     NORM: tl.constexpr, HAS_RESIDUAL: tl.constexpr, CONCAT: tl.constexpr, HAS_BIAS: tl.constexpr,
-    SILU_MUL: tl.constexpr, PDL: tl.constexpr, GEMV: tl.constexpr,
+    SILU_MUL: tl.constexpr, PDL: tl.constexpr, GEMV: tl.constexpr, DEFER: tl.constexpr,
     PRECISION: tl.constexpr, UPCAST: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
 ):  # fmt: skip
     pid_m, pid_n = tl.program_id(0), tl.program_id(1)
@@ -182,17 +202,29 @@ def _small_gemm_kernel(
     )  # fmt: skip
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     acc_up = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    if DEFER:
+        part = tl.zeros([BLOCK_M, BLOCK_K, BLOCK_N], dtype=tl.float32)
+        part_up = tl.zeros([BLOCK_M, BLOCK_K, BLOCK_N], dtype=tl.float32)
     for k0 in range(0, K, BLOCK_K):
         offs_k = k0 + tl.arange(0, BLOCK_K)
         a = prologue_tile(
             x_ptr, r_ptr, nw_ptr, x2_ptr, nw2_ptr, stride_x, stride_r, stride_x2, offs_m, offs_k, rows, K1, K, rstd,
             rstd2, NORM, HAS_RESIDUAL, CONCAT,
         )  # fmt: skip
-        acc = mma(a, w, acc, PRECISION, UPCAST, GEMV)
+        if DEFER:
+            part = products(a, w, part)
+        else:
+            acc = mma(a, w, acc, PRECISION, UPCAST, GEMV)
         w = weight_tile(w_ptr, 0, offs_n, n_mask, k0 + BLOCK_K, K, stride_w, BLOCK_K)
         if SILU_MUL:
-            acc_up = mma(a, w_up, acc_up, PRECISION, UPCAST, GEMV)
+            if DEFER:
+                part_up = products(a, w_up, part_up)
+            else:
+                acc_up = mma(a, w_up, acc_up, PRECISION, UPCAST, GEMV)
             w_up = weight_tile(w_ptr, up_offset, offs_n, n_mask, k0 + BLOCK_K, K, stride_w, BLOCK_K)
+    if DEFER:
+        acc = tl.sum(part, 1)
+        acc_up = tl.sum(part_up, 1)
     if HAS_BIAS:
         acc += tl.load(b_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)[None, :]
     if SILU_MUL:
@@ -245,7 +277,7 @@ def small_gemm(
         x, res, stream, nw, x2, nw2, weight, bias if bias is not None else x, out,
         rows, n_out, k1, K, eps, n_out, x.stride(0), res.stride(0), stream.stride(0), x2.stride(0), weight.stride(0),
         out.stride(0), NORM=norm_weight is not None, HAS_RESIDUAL=residual is not None, CONCAT=x2 is not x,
-        HAS_BIAS=bias is not None, SILU_MUL=silu_mul, PDL=use_pdl, GEMV=config.gemv,
+        HAS_BIAS=bias is not None, SILU_MUL=silu_mul, PDL=use_pdl, GEMV=config.gemv, DEFER=config.defer,
         PRECISION=dot_precision(x.dtype), UPCAST=dot_upcast(x), BLOCK_M=rows_per_program, BLOCK_N=config.block_n,
         BLOCK_K=config.block_k,
         num_warps=config.num_warps, **pdl.launch_options(use_pdl),

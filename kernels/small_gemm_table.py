@@ -39,13 +39,16 @@ class GemmConfig:
     """A fused kernel's tiles: columns per program (small_gemm), K step, warps; `gemv`: a few rows (decode's)
     summed on the CUDA cores in a program of exactly their bucket, instead of the tensor cores' 16-row MMA;
     `block_m` (GEMV only, 0: all): rows per program, so that a verify's 8 rows run as two programs of 4 rows
-    (the second reads the weights from L2) instead of one whose products no longer fit in registers."""
+    (the second reads the weights from L2) instead of one whose products no longer fit in registers; `defer`
+    (GEMV only, kernels/small_gemm.py): each thread keeps its own products' sums over the K steps and the program
+    sums across its threads once at the end, instead of at every K step."""
 
     block_n: int = 32
     block_k: int = 128
     num_warps: int = 4
     gemv: bool = False
     block_m: int = 0
+    defer: bool = False
 
 
 DEFAULT_CONFIG = GemmConfig()

@@ -76,9 +76,11 @@ def _fusable(*tensors: torch.Tensor | None) -> bool:
 
 
 def fused_config(op: str, inp: NormInput, layer: nn.Module, n: int) -> GemmConfig | None:
-    """The fused kernel's config for `layer` (a plain nn.Linear: a tensor-parallel row-parallel layer all-reduces
-    and stays unfused) on this input (not a partial sum: its reduction comes first), or None."""
-    if type(layer) is not nn.Linear or inp.reduce is not None:
+    """The fused kernel's config for `layer` (an nn.Linear whose forward is x @ weight.T + bias: a plain one, or
+    one that says so with `plain_forward`, as tensor parallelism's row-parallel layer) on this input (not a
+    partial sum: its reduction comes first), or None."""
+    plain = type(layer) is nn.Linear or getattr(layer, "plain_forward", False)
+    if not plain or inp.reduce is not None:
         return None
     if not _fusable(inp.x, inp.residual, inp.x2, layer.weight):
         return None

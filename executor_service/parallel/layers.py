@@ -79,6 +79,8 @@ class RowParallelLinear(nn.Linear):
     """x [T, in / N] @ weight[:, slice].T, bias and residual added once (rank 0): `forward` leaves the partial sum
     to the next norm, `residual_forward` sums it over the ranks itself."""
 
+    plain_forward = True  # forward is x @ weight.T + bias: the fused small-M GEMMs may run it (fused_layer.py)
+
     def __init__(self, full: nn.Linear, rank: int, world_size: int) -> None:
         per_rank = full.in_features // world_size
         super().__init__(per_rank, full.out_features, bias=full.bias is not None, device="meta")

@@ -25,6 +25,7 @@ EPS = 1e-5
 SMALL_TILES = GemmConfig(block_n=16, block_k=32, num_warps=4)  # several K steps and column tiles at test sizes
 GEMV_TILES = GemmConfig(block_n=8, block_k=32, num_warps=4, gemv=True)  # the same on the CUDA cores, rows <= 8
 SPLIT_GEMV_TILES = GemmConfig(block_n=8, block_k=32, num_warps=4, gemv=True, block_m=2)  # programs of 2 rows each
+DEFERRED_GEMV_TILES = GemmConfig(block_n=8, block_k=32, num_warps=4, gemv=True, block_m=2, defer=True)  # summed once
 TRITON_ATTN_HEADS = (32, 64, 80, 96, 128, 160, 192, 224, 256)  # kernels/capabilities.py's TRITON_ATTN claim
 
 
@@ -59,7 +60,11 @@ def norm_reference(x: torch.Tensor, residual: torch.Tensor | None, weight: torch
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize(("rows", "n", "k"), [(1, 40, 72), (3, 100, 200), (8, 24, 40), (17, 33, 48)])
 @pytest.mark.parametrize("prologue", ["none", "norm", "add_norm"])
-@pytest.mark.parametrize("config", [SMALL_TILES, GEMV_TILES, SPLIT_GEMV_TILES], ids=["mma", "gemv", "gemv_rows2"])
+@pytest.mark.parametrize(
+    "config",
+    [SMALL_TILES, GEMV_TILES, SPLIT_GEMV_TILES, DEFERRED_GEMV_TILES],
+    ids=["mma", "gemv", "gemv_rows2", "gemv_deferred"],
+)
 def test_small_gemm_matches_norm_then_linear(
     dtype: torch.dtype, rows: int, n: int, k: int, prologue: str, config: GemmConfig
 ) -> None:
@@ -85,7 +90,13 @@ def test_small_gemm_matches_norm_then_linear(
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize(
     ("rows", "half", "k", "config"),
-    [(1, 24, 40, SMALL_TILES), (5, 50, 72, SMALL_TILES), (2, 24, 40, GEMV_TILES), (7, 24, 40, SPLIT_GEMV_TILES)],
+    [
+        (1, 24, 40, SMALL_TILES),
+        (5, 50, 72, SMALL_TILES),
+        (2, 24, 40, GEMV_TILES),
+        (7, 24, 40, SPLIT_GEMV_TILES),
+        (3, 24, 72, DEFERRED_GEMV_TILES),
+    ],
 )
 def test_small_gemm_silu_and_mul_epilogue(dtype: torch.dtype, rows: int, half: int, k: int, config: GemmConfig) -> None:
     from kernels.small_gemm import small_gemm
@@ -273,3 +284,7 @@ def test_gemv_config_refuses_more_rows_than_it_takes() -> None:
         small_gemm(x, randn(8, 16, dtype=torch.float32, seed=2), config=GEMV_TILES)
     with pytest.raises(ValueError, match="GEMV"):  # its programs' rows, not the call's, are what is bounded
         small_gemm(x, randn(8, 16, dtype=torch.float32, seed=2), config=replace(GEMV_TILES, block_m=16))
+    with pytest.raises(ValueError, match="deferred GEMV"):  # its accumulator holds every row's products
+        small_gemm(x[:4], randn(8, 16, dtype=torch.float32, seed=2), config=replace(DEFERRED_GEMV_TILES, block_m=4))
+    with pytest.raises(ValueError, match="GEMV's option"):
+        small_gemm(x[:4], randn(8, 16, dtype=torch.float32, seed=2), config=replace(SMALL_TILES, defer=True))
