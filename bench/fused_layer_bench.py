@@ -76,6 +76,12 @@ GEMV_SWEEP = [GemmConfig(n, k, w, gemv=True) for n, k, w in [(4, 1024, 4), (8, 1
 # rows each, the later ones reading the weights from L2. (Smaller K and N tiles at 8 rows, tried on the H200: slower.)
 GEMV_SPLIT_SWEEP = [GemmConfig(n, k, 4, gemv=True, block_m=m) for m in (1, 2, 4) for n, k in [(4, 1024), (8, 1024),
     (8, 512), (4, 512)]]  # fmt: skip
+# MMA programs of 32 or 64 rows (GemmConfig.block_m): a verify or decode batch of 32-64 rows reads each weight tile
+# once, where programs of 16 rows read it two or four times (the TP shards' shapes at batch 32 ran at 55-70 % of
+# the HBM bandwidth on cuBLAS).
+WIDE_SWEEP = [GemmConfig(n, k, w, block_m=32) for n, k, w in [(16, 256, 4), (32, 128, 4), (32, 256, 4), (64, 128, 4),
+    (32, 256, 8), (64, 128, 8), (16, 512, 4)]] + [GemmConfig(n, k, w, block_m=64) for n, k, w in [(32, 128, 4),
+    (64, 64, 4), (32, 128, 8), (64, 128, 8)]]  # fmt: skip
 # Deferred GEMVs (each thread's products summed over K once, at the end): 1-2 rows, the large-K shapes of 8B and its
 # shards, where the per-step sum across warps is the suspect.
 DEFER_SWEEP = [GemmConfig(n, k, w, gemv=True, defer=True) for n, k, w in [(4, 1024, 4), (8, 512, 4), (16, 512, 8),
@@ -199,13 +205,15 @@ def drafter_cases(preset: str, rows: int, dtype: torch.dtype, device: torch.devi
 
 
 def op_sweep(rows: int, kind: str, op: str) -> list[GemmConfig]:
-    """The tile configs timed for `rows` rows of `op`: `kind` "all", "gemv" alone (a shorter run at 4-32 rows), or
-    "deferred" (the deferred GEMVs, 1-2 rows: small_gemm's ops only)."""
+    """The tile configs timed for `rows` rows of `op`: `kind` "all", "gemv" alone (a shorter run at 4-32 rows),
+    "deferred" (the deferred GEMVs, 1-2 rows: small_gemm's ops only) or "wide" (MMA programs of 32-64 rows, as many
+    rows at least)."""
     deferred = DEFER_SWEEP if rows <= MAX_DEFER_ROWS and op != "qkv_rope" else []
-    if kind == "deferred":
-        return deferred
+    wide = [c for c in WIDE_SWEEP if c.block_m <= rows]
+    if kind in ("deferred", "wide"):
+        return deferred if kind == "deferred" else wide
     gemv = (GEMV_SWEEP if rows <= MAX_GEMV_ROWS else []) + (GEMV_SPLIT_SWEEP if 4 < rows <= 32 else [])
-    return gemv + deferred if kind == "gemv" else SWEEP + gemv + deferred
+    return gemv + deferred if kind == "gemv" else SWEEP + wide + gemv + deferred
 
 
 def gemm_table(
@@ -343,8 +351,8 @@ def main() -> int:
     parser.add_argument("--rows", default=",".join(map(str, ROWS)), help="rows of the per-op table")
     parser.add_argument("--step-rows", default="", help="rows of the step-level trials (3.), e.g. 8")
     parser.add_argument(
-        "--sweep", choices=("all", "gemv", "deferred"), default="all",
-        help="gemv: the GEMV tiles only; deferred: the deferred GEMVs only (1-2 rows)",
+        "--sweep", choices=("all", "gemv", "deferred", "wide"), default="all",
+        help="gemv: the GEMV tiles alone; deferred: the deferred GEMVs (1-2 rows); wide: MMA programs of 32-64 rows",
     )  # fmt: skip
     parser.add_argument("--no-decode-steps", action="store_true", help="skip 2. (the batch-1 decode steps)")
     parser.add_argument("--write-table", action="store_true", help="merge the winners into small_gemm_table.json")
@@ -358,7 +366,9 @@ def main() -> int:
     report["winners"] = winners
     if args.write_table:
         measured: dict[str, set[str]] = {}
-        for row in report["gemms"]:  # a partial sweep (gemv, deferred) replaces only what it beat: its losers keep
+        for row in report[
+            "gemms"
+        ]:  # a partial sweep (gemv, deferred, wide) replaces only what it beat: its losers keep
             key = table_key(row["op"], row["rows"], row["n"], row["k"])  # the entries they had
             if args.sweep == "all" or key in winners.get(row["dtype"], {}):
                 measured.setdefault(row["dtype"], set()).add(key)

@@ -36,6 +36,7 @@ from kernels.pdl import wait_for_inputs
 from kernels.small_gemm_table import DEFAULT_CONFIG, GemmConfig
 
 BLOCK_M = 16  # tl.dot's smallest tile side; rows past M are masked
+MMA_BLOCK_MS = (16, 32, 64)  # an MMA config's block_m: rows per program (0: BLOCK_M)
 MAX_GEMV_ROWS = 8  # a GEMV program takes at most this many rows (its config's block_m, or all): decode batches
 # and a k = 7 chain's verify rows at batch 1
 
@@ -44,8 +45,8 @@ MAX_DEFER_ROWS = 2  # a deferred GEMV's accumulator holds rows x BLOCK_K x BLOCK
 
 
 def block_m(rows: int, config: GemmConfig) -> int:
-    """Rows a program takes: the MMA's 16, or a GEMV's rows (at most its config's block_m) rounded up to a power
-    of two."""
+    """Rows a program takes: an MMA's 16 (or its config's block_m: 32 or 64), or a GEMV's rows (at most its
+    config's block_m) rounded up to a power of two."""
     if config.gemv:
         per_program = min(rows, config.block_m) if config.block_m else rows
         limit = MAX_DEFER_ROWS if config.defer else MAX_GEMV_ROWS
@@ -56,7 +57,9 @@ def block_m(rows: int, config: GemmConfig) -> int:
         return triton.next_power_of_2(per_program)
     if config.defer:
         raise ValueError("defer is a GEMV's option")
-    return BLOCK_M
+    if config.block_m not in (0, *MMA_BLOCK_MS):
+        raise ValueError(f"an MMA program takes 16, 32 or 64 rows, not {config.block_m}")
+    return config.block_m or BLOCK_M
 
 
 @triton.jit

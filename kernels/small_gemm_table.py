@@ -38,8 +38,9 @@ OPS = ("qkv_rope", "gate_up_silu", "linear")
 class GemmConfig:
     """A fused kernel's tiles: columns per program (small_gemm), K step, warps; `gemv`: a few rows (decode's)
     summed on the CUDA cores in a program of exactly their bucket, instead of the tensor cores' 16-row MMA;
-    `block_m` (GEMV only, 0: all): rows per program, so that a verify's 8 rows run as two programs of 4 rows
-    (the second reads the weights from L2) instead of one whose products no longer fit in registers; `defer`
+    `block_m`: rows per program. A GEMV's (0: all of them): a verify's 8 rows run as two programs of 4 rows (the
+    second reads the weights from L2) instead of one whose products no longer fit in registers. An MMA's (0: 16,
+    or 32 or 64): 32 rows in one program read each weight tile once, where two programs of 16 read it twice; `defer`
     (GEMV only, kernels/small_gemm.py): each thread keeps its own products' sums over the K steps and the program
     sums across its threads once at the end, instead of at every K step."""
 

@@ -16,6 +16,10 @@
 #   timeline tp_bench --graphs, batch 1 (TIMELINE_BATCH), target-only, at each TP size > 1 with every rank's kernel timeline kept
 #            (SPECDEC_TP_TIMELINE_DIR), lined up by bench/tp_timeline.py: which rank reaches each collective last
 #            and why: $OUT/timeline_tp*.json, the raw timelines in $OUT/timelines.tar.gz
+#   gemms    bench/fused_layer_bench.py on the TP shards' GEMM shapes (GEMM_PRESETS, default llama3-8b:tp2,llama3-8b:tp4)
+#            at GEMM_ROWS rows (default 32: batch 32's decode) with --write-table, so the steps after it in the same
+#            call run with the fused kernels that beat cuBLAS there: $OUT/gemms/fused_layer_*.json and the table
+#            written, $OUT/gemms/small_gemm_table.json (merge it into the repository's when the benches gained)
 #   ar       bench/all_reduce_bench.py at each TP size > 1: NCCL, one-shot and two-shot per call in a graph, 8 KiB to
 #            8 MiB (where parallel/all_reduce.py's size limits come from): $OUT/ar/all_reduce_*.json
 # Both bench steps run EAGLE-3 with --drafts always-right (DRAFTS; `synthetic` for the step's cost alone): the target
@@ -25,9 +29,9 @@
 # are echoed in the device step (steps launch ahead, as with a real drafter); ECHO_ON=host: the older host-only echo.
 # Output stays under the device tool's 8 files: info.txt, the test logs, the bench logs and their JSON files (with
 # ar's JSON files too, one more than 8 when every step runs: run ar in a call of its own, or beside fewer steps).
-# Each step has a cap (nccl 45 s, tests 260 s (TESTS_CAP_S), b32 330 s, b1 200 s) and gets at most what is left of BUDGET_S, so
-# tests2 may be squeezed: if its log says it ran out, run `... gpu_tp_check.sh tests2` in a second call. A step cut
-# short keeps what it wrote (tp_bench writes its file after each TP size). NVLink multicast stays off (the host's
+# Each step has a cap (nccl 45 s, tests 260 s (TESTS_CAP_S), b32 330 s, b1 200 s, gemms 240 s) and gets at most what
+# is left of BUDGET_S, so tests2 may be squeezed: if its log says it ran out, run `... gpu_tp_check.sh tests2` in a
+# second call. A step cut short keeps what it wrote (tp_bench writes its file after each TP size). NVLink multicast stays off (the host's
 # rule).
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -87,6 +91,11 @@ for step in ${steps//,/ }; do
         python3 bench/tp_timeline.py /tmp/timelines/tp$world --out "$out/timeline_tp$world.json" | head -40
       done
       tar -czf "$out/timelines.tar.gz" -C /tmp timelines ;;
+    gemms) mkdir -p "$out/gemms"
+      timeout -k 10 "$(left 240)" python3 bench/fused_layer_bench.py --presets "${GEMM_PRESETS:-llama3-8b:tp2,llama3-8b:tp4}" \
+        --rows "${GEMM_ROWS:-32}" --sweep "${GEMM_SWEEP:-all}" --no-decode-steps --write-table --out "$out/gemms" 2>&1 \
+        | grep -v Warning | tail -30
+      cp kernels/small_gemm_table.json "$out/gemms/" ;;
     ar) sizes=${TP_SIZES:-1,2,4}
       for world in ${sizes//,/ }; do
         ((world > 1)) && ((world <= $(nvidia-smi -L | wc -l))) || continue

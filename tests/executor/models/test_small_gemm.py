@@ -25,6 +25,7 @@ EPS = 1e-5
 SMALL_TILES = GemmConfig(block_n=16, block_k=32, num_warps=4)  # several K steps and column tiles at test sizes
 GEMV_TILES = GemmConfig(block_n=8, block_k=32, num_warps=4, gemv=True)  # the same on the CUDA cores, rows <= 8
 SPLIT_GEMV_TILES = GemmConfig(block_n=8, block_k=32, num_warps=4, gemv=True, block_m=2)  # programs of 2 rows each
+MMA32_TILES = GemmConfig(block_n=16, block_k=32, num_warps=4, block_m=32)  # MMA programs of 32 rows
 DEFERRED_GEMV_TILES = GemmConfig(block_n=8, block_k=32, num_warps=4, gemv=True, block_m=2, defer=True)  # summed once
 TRITON_ATTN_HEADS = (32, 64, 80, 96, 128, 160, 192, 224, 256)  # kernels/capabilities.py's TRITON_ATTN claim
 
@@ -62,8 +63,8 @@ def norm_reference(x: torch.Tensor, residual: torch.Tensor | None, weight: torch
 @pytest.mark.parametrize("prologue", ["none", "norm", "add_norm"])
 @pytest.mark.parametrize(
     "config",
-    [SMALL_TILES, GEMV_TILES, SPLIT_GEMV_TILES, DEFERRED_GEMV_TILES],
-    ids=["mma", "gemv", "gemv_rows2", "gemv_deferred"],
+    [SMALL_TILES, MMA32_TILES, GEMV_TILES, SPLIT_GEMV_TILES, DEFERRED_GEMV_TILES],
+    ids=["mma", "mma_rows32", "gemv", "gemv_rows2", "gemv_deferred"],
 )
 def test_small_gemm_matches_norm_then_linear(
     dtype: torch.dtype, rows: int, n: int, k: int, prologue: str, config: GemmConfig
@@ -96,6 +97,7 @@ def test_small_gemm_matches_norm_then_linear(
         (2, 24, 40, GEMV_TILES),
         (7, 24, 40, SPLIT_GEMV_TILES),
         (3, 24, 72, DEFERRED_GEMV_TILES),
+        (40, 24, 40, MMA32_TILES),  # two programs of 32 rows, the second 8 of them
     ],
 )
 def test_small_gemm_silu_and_mul_epilogue(dtype: torch.dtype, rows: int, half: int, k: int, config: GemmConfig) -> None:
@@ -148,6 +150,7 @@ def rotary_tables(positions: list[int], size: int, dtype: torch.dtype) -> tuple[
         (torch.bfloat16, 80, 2, 2, "none", "gemv"),  # halves of 40 in column chunks of 16: the last one partial
         (torch.bfloat16, 64, 3, 1, "add_norm", "gemv,rows8"),  # a k = 7 chain's verify rows at batch 1
         (torch.bfloat16, 64, 3, 1, "add_norm", "gemv,rows8,split"),  # the same as four programs of 2 rows
+        (torch.bfloat16, 64, 3, 1, "add_norm", "rows8,mma32"),  # an MMA program of 32 rows, 24 of them masked
     ],
 )
 def test_qkv_rope_store_matches_the_unfused_path(
@@ -169,7 +172,10 @@ def test_qkv_rope_store_matches_the_unfused_path(
     k_cache, v_cache = (c.clone() for c in caches)
     q, stream = qkv_rope_store(
         x, weight, bias, residual, norm_w, EPS, heads, kv_heads, cos, sin, k_cache, v_cache, slots, qk_norm,
-        GemmConfig(block_n=16 if size == 80 else 8, block_k=16, gemv="gemv" in extras, block_m=2 * ("split" in extras)),
+        GemmConfig(
+            block_n=16 if size == 80 else 8, block_k=16, gemv="gemv" in extras,
+            block_m=2 * ("split" in extras) + 32 * ("mma32" in extras),
+        ),
     )  # fmt: skip
     tol = tolerance(dtype)
     torch.testing.assert_close(stream.cpu(), expected[1].cpu(), **stream_tolerance(dtype))
@@ -286,5 +292,7 @@ def test_gemv_config_refuses_more_rows_than_it_takes() -> None:
         small_gemm(x, randn(8, 16, dtype=torch.float32, seed=2), config=replace(GEMV_TILES, block_m=16))
     with pytest.raises(ValueError, match="deferred GEMV"):  # its accumulator holds every row's products
         small_gemm(x[:4], randn(8, 16, dtype=torch.float32, seed=2), config=replace(DEFERRED_GEMV_TILES, block_m=4))
+    with pytest.raises(ValueError, match="MMA program takes 16, 32 or 64"):
+        small_gemm(x[:4], randn(8, 16, dtype=torch.float32, seed=2), config=replace(SMALL_TILES, block_m=8))
     with pytest.raises(ValueError, match="GEMV's option"):
         small_gemm(x[:4], randn(8, 16, dtype=torch.float32, seed=2), config=replace(SMALL_TILES, defer=True))
