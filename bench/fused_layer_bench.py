@@ -77,8 +77,8 @@ GEMV_SWEEP = [GemmConfig(n, k, w, gemv=True) for n, k, w in [(4, 1024, 4), (8, 1
 GEMV_SPLIT_SWEEP = [GemmConfig(n, k, 4, gemv=True, block_m=m) for m in (1, 2, 4) for n, k in [(4, 1024), (8, 1024),
     (8, 512), (4, 512)]]  # fmt: skip
 # MMA programs of 32 or 64 rows (GemmConfig.block_m): a verify or decode batch of 32-64 rows reads each weight tile
-# once, where programs of 16 rows read it two or four times (the TP shards' shapes at batch 32 ran at 55-70 % of
-# the HBM bandwidth on cuBLAS).
+# once, where programs of 16 rows read it two or four times (TP 2's o_proj, QKV and down_proj at batch 32 ran at
+# 47-57 % of the H200's HBM bandwidth on cuBLAS).
 WIDE_SWEEP = [GemmConfig(n, k, w, block_m=32) for n, k, w in [(16, 256, 4), (32, 128, 4), (32, 256, 4), (64, 128, 4),
     (32, 256, 8), (64, 128, 8), (16, 512, 4)]] + [GemmConfig(n, k, w, block_m=64) for n, k, w in [(32, 128, 4),
     (64, 64, 4), (32, 128, 8), (64, 128, 8)]]  # fmt: skip
