@@ -39,8 +39,6 @@ BLOCK_M = 16  # tl.dot's smallest tile side; rows past M are masked
 MMA_BLOCK_MS = (16, 32, 64)  # an MMA config's block_m: rows per program (0: BLOCK_M)
 MAX_GEMV_ROWS = 8  # a GEMV program takes at most this many rows (its config's block_m, or all): decode batches
 # and a k = 7 chain's verify rows at batch 1
-
-
 MAX_DEFER_ROWS = 2  # a deferred GEMV's accumulator holds rows x BLOCK_K x BLOCK_N fp32 values
 
 
@@ -207,7 +205,8 @@ def _small_gemm_kernel(
     acc_up = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     if DEFER:
         part = tl.zeros([BLOCK_M, BLOCK_K, BLOCK_N], dtype=tl.float32)
-        part_up = tl.zeros([BLOCK_M, BLOCK_K, BLOCK_N], dtype=tl.float32)
+        if SILU_MUL:
+            part_up = tl.zeros([BLOCK_M, BLOCK_K, BLOCK_N], dtype=tl.float32)
     for k0 in range(0, K, BLOCK_K):
         offs_k = k0 + tl.arange(0, BLOCK_K)
         a = prologue_tile(
@@ -227,7 +226,8 @@ def _small_gemm_kernel(
             w_up = weight_tile(w_ptr, up_offset, offs_n, n_mask, k0 + BLOCK_K, K, stride_w, BLOCK_K)
     if DEFER:
         acc = tl.sum(part, 1)
-        acc_up = tl.sum(part_up, 1)
+        if SILU_MUL:
+            acc_up = tl.sum(part_up, 1)
     if HAS_BIAS:
         acc += tl.load(b_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)[None, :]
     if SILU_MUL:
