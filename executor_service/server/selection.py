@@ -20,10 +20,13 @@ from specdec_runtime.errors import FailedPrecondition, FieldViolation, InvalidAr
 SELECT_TIMEOUT_SECONDS = 10.0
 # gRPC's default reconnect backoff grows to 120 s (1 s, 1.6 s, 2.6 s, ...): after a selector outage the channel
 # kept failing calls for seconds once the selector was back. Retry within a second at most instead; and a call
-# that finds the channel backing off opens a fresh one (see BackendChooser.choose).
+# that finds the channel backing off opens a fresh one (see BackendChooser.choose). gRPC reads its "minimum
+# reconnect backoff" as the time a connection attempt is given to finish its handshake, not as a backoff: at
+# 100 ms a selector slow to answer (a loaded 2-core CI host) failed LoadModel with "connection attempt timed out
+# before receiving SETTINGS frame". A stopped selector still fails at once (the connection is refused).
 RECONNECT_OPTIONS = (
     ("grpc.initial_reconnect_backoff_ms", 100),
-    ("grpc.min_reconnect_backoff_ms", 100),
+    ("grpc.min_reconnect_backoff_ms", 5000),
     ("grpc.max_reconnect_backoff_ms", 1000),
     # Subchannels of its own: a fresh channel must not inherit the backing-off connection of the one it replaces.
     ("grpc.use_local_subchannel_pool", 1),
