@@ -160,7 +160,8 @@ EXECUTOR_LAYERS: tuple[Layer, ...] = (
             "spec_decode.device_penalties spec_decode.step_variants spec_decode.verifier spec_decode.host_verify "
             "spec_decode.draft_sampling spec_decode.draft_penalties spec_decode.tree_drafting spec_decode.proposer "
             "spec_decode.eagle_proposer spec_decode.dflash_proposer spec_decode.adaptive_measures "
-            "spec_decode.adaptive_k spec_decode.spec_step spec_decode.deferred_context spec_decode.drafter_release"
+            "spec_decode.acceptance_model spec_decode.adaptive_k spec_decode.spec_step spec_decode.deferred_context "
+            "spec_decode.drafter_release"
         ),
     ),
     Layer(

@@ -20,23 +20,10 @@ batch's running requests) after each step for the next step's k and tells this m
   the k = 0 steps whose rows it ran. k = 0's price is its median plus the median of these surcharges, so
   neither the median (which would outvote the rare flush) nor a flush step taken as a plain sample misprices it.
 - `observe_verify(request_ids, depths, accepted)`: per verified request, how deep its drafts went and how many were
-  accepted. The acceptance rate per depth d (the share of steps that verified depth d whose accepted drafts reached
-  it) is a decayed count per request (adaptive_measures.py). The global rate is the traffic's: the mean of the last
-  TRAFFIC_REQUESTS requests' own shares (requests, whatever their ids: a caller may reuse one), each request weighing
-  the same (a rate over verify steps remembers ~200 request-steps: at batch 1 the last request or two). A request's
-  own rate is its counts shrunk towards the global rate as a prior of PRIOR steps, (reached + PRIOR x global) / (tried
-  + PRIOR): mostly its own after a few dozen verify steps; before TRIAL_STEPS of them it counts as accepting every
-  draft, so each request is tried before it is judged (a request planned at k = 0 verifies nothing, so a prior alone
-  could keep it there for its life). `forget_request` drops a live request's counts when it finishes (the engine's
-  `_finish`: a stop, an abort, a failure; a preempted request keeps them, it is still live); the traffic keeps its
-  shares until TRAFFIC_REQUESTS newer requests push them out. The evidence counts (`judged`, the release's
-  MIN_VERIFIED) are verify steps over all requests, decayed.
+  accepted: the acceptance per depth, the traffic's and each request's own (acceptance_model.py).
 
-Per request because acceptance differs between the requests of one batch (greedy against sampled or penalised
-requests: ~3.2 against ~1.4 tokens a step with the shipped SmolLM2 drafters), and the requests that accept most
-finish first: a batch of 16 mixing them ended in a tail of two penalised requests, ~30 % of the wall time, that
-kept paying a speculative step (~2.4x a decode step on a GPU) for ~1.4 tokens, planned on a global rate the greedy
-requests' history still dominated. So the choice of k for a batch uses its own requests' rates.
+The choice of k for a batch uses its own requests' rates: acceptance differs between the requests of one batch
+(greedy against sampled or penalised), and the requests that accept most finish first.
 
 Until MIN_JUDGED verified request-steps are seen (the global count; again after `forget_acceptance`), every bucket
 exploits the configured k: a few first steps' acceptance is too noisy to judge drafting on, and k = 0 chosen on it
@@ -81,13 +68,13 @@ the drafter and plans their steps at k = 0 without this model, until a retry for
 
 from __future__ import annotations
 
-import itertools
 import math
-from collections import Counter, deque
+from collections import Counter
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 
-from executor_service.spec_decode.adaptive_measures import WINDOW, RequestAcceptance, StepCost
+from executor_service.spec_decode.acceptance_model import AcceptanceModel
+from executor_service.spec_decode.adaptive_measures import WINDOW, StepCost
 
 MIN_SAMPLES = 3  # steady steps that measure a candidate before it is compared (a median of 3 outvotes one outlier)
 MAX_EXPLORE_STEPS = 6  # a candidate under test is given up after this many steps without enough steady samples
@@ -113,11 +100,8 @@ CONFIRMING_CHECKS = 2
 # bucket exploits the configured k. At batch 1 on the H200, EAGLE-3's first 10 verify steps at T = 0.7 accepted
 # [0.20, 0, 0] by depth where its run averaged 0.9 drafts a step, and k = 0 chosen on them lost 21 % for the run.
 MIN_JUDGED = 32
-# Requests whose own shares make the global acceptance rate (each weighing the same), and the fewest of them the
-# release from the drafter is judged on: it lasts thousands of steps and covers the requests admitted meanwhile.
-# Replayed at batch 1 (bench/adaptive_replay.py), two penalised requests first released EAGLE-3 for every request
-# after them (0.73x the fixed k).
-TRAFFIC_REQUESTS = 16
+# Requests in the traffic (acceptance_model.TRAFFIC_REQUESTS) before the release from the drafter may be judged on
+# it: the release lasts thousands of steps and covers the requests admitted meanwhile.
 RELEASE_REQUESTS = 4
 
 PlanObserver = Callable[[int], None]  # each planned step's k (metrics)
@@ -154,17 +138,9 @@ class AdaptiveK:
         self._current: dict[int, int] = {}  # bucket -> the k it exploits
         self._exploring: dict[int, Exploration] = {}
         self._retry_at: dict[tuple[int, int], int] = {}  # (bucket, k) given up unmeasured -> plan count to retry
-        max_depth = max(self.num_steps.values(), default=0)
-        self._reached = [0.0] * (max_depth + 1)  # decayed counts, index d: accepted drafts reached depth d
-        self._tried = [0.0] * (max_depth + 1)  # index d: steps that verified depth d
-        self._expected: dict[int, float] = {}  # k -> expected_tokens(k), until the acceptance changes
-        self._requests: dict[str, RequestAcceptance] = {}  # live requests' own counts, by id (forget_request)
-        # the last TRAFFIC_REQUESTS requests verified, oldest first: their counts, not their ids (a caller may reuse
-        # an id for its next request, as acceptance_bench did at batch 1; the traffic is still many requests)
-        self._traffic: deque[RequestAcceptance] = deque(maxlen=TRAFFIC_REQUESTS)
-        self._rates: list[float] | None = None  # the traffic's rate per depth, until the acceptance changes
-        self._batch: tuple[tuple[str, ...], dict[int, float]] | None = None  # the last batch's expected tokens
-        self._all_hopeless: bool | None = None  # `_every_drafting_k_hopeless`, until the acceptance changes
+        self.accepted = AcceptanceModel(self.num_steps)
+        # `_every_drafting_k_hopeless` at an acceptance version (it is asked every step of a released batch)
+        self._all_hopeless: tuple[int, bool] | None = None
 
     @staticmethod
     def bucket(batch: int) -> int:
@@ -201,95 +177,31 @@ class AdaptiveK:
         cost.add_surcharge(max(seconds - landed * cost.plain, 0.0) / steps)
 
     def observe_verify(self, request_ids: Sequence[str], depths: Sequence[int], accepted: Sequence[int]) -> None:
-        """Per verified request: its id, the depth its drafts reached and the drafts (the path's length) accepted.
-        Counted in the global evidence and in the request's own counts (kept until `forget_request`; its shares in
-        the traffic's rate until TRAFFIC_REQUESTS newer requests push them out)."""
-        deepest = len(self._tried) - 1
-        for request_id, depth, count in zip(request_ids, depths, accepted, strict=True):
-            own = self._requests.get(request_id)
-            if own is None:
-                own = self._requests[request_id] = RequestAcceptance.fresh(len(self._tried))
-                self._traffic.append(own)
-            own.observe(min(depth, deepest), count, self._tried, self._reached)
-        self._acceptance_changed()
+        """Per verified request: its id, the depth its drafts reached and the drafts accepted (AcceptanceModel)."""
+        self.accepted.observe_verify(request_ids, depths, accepted)
 
     @property
     def tracked_requests(self) -> int:
         """The requests with counts of their own: live ones only (the engine forgets a request as it finishes)."""
-        return len(self._requests)
+        return self.accepted.tracked_requests
 
     def forget_request(self, request_id: str) -> None:
-        """The request finished (or was aborted or failed): its own counts go (the global evidence keeps them, and the
-        traffic's rate its shares until pushed out)."""
-        if self._requests.pop(request_id, None) is not None:
-            self._batch = None
+        """The request finished (or was aborted or failed): its own counts go."""
+        self.accepted.forget_request(request_id)
 
-    # ---- the model ---------------------------------------------------------------------------------
     def acceptance(self, depth: int, request_id: str | None = None) -> float:
-        """The share of verify steps reaching `depth` whose accepted drafts reached it: the traffic's (the global
-        rate: the mean of the last TRAFFIC_REQUESTS requests' own shares; 1.0 until observed, so drafting is tried
-        before it is judged), or `request_id`'s: 1.0 while it is on trial (fewer than TRIAL_STEPS verify steps of its
-        own), then its own shrunk towards the global rate as a prior of PRIOR steps, (reached + PRIOR x global) /
-        (tried + PRIOR), mostly its own after a few dozen verify steps."""
-        rate = self._traffic_rates()[depth]
-        if request_id is None:
-            return rate
-        own = self._requests.get(request_id)
-        return 1.0 if own is None or own.on_trial else own.own[depth] + rate * own.weight[depth]
-
-    def _traffic_rates(self) -> list[float]:
-        """Per depth, the mean of the traffic's requests' own shares (those that verified that depth), each request
-        weighing the same: at batch 1 the verify steps of the last request or two are all a step-weighted rate
-        would remember (~200 request-steps), and one request whose drafts are rarely accepted (a repetition
-        penalty) then set every newcomer's prior and released the drafter for the requests after it."""
-        if self._rates is None:
-            self._rates = [1.0] * len(self._tried)
-            for d in range(1, len(self._tried)):
-                shares = [a.reached[d] / a.tried[d] for a in self._traffic if a.tried[d] > 0]
-                self._rates[d] = math.fsum(shares) / len(shares) if shares else 1.0
-        return self._rates
+        """The traffic's acceptance at `depth`, or `request_id`'s own (AcceptanceModel.acceptance)."""
+        return self.accepted.acceptance(depth, request_id)
 
     @property
     def traffic_requests(self) -> int:
         """Requests the traffic's rate stands on (the release rules ask for RELEASE_REQUESTS of them)."""
-        return len(self._traffic)
+        return self.accepted.traffic_requests
 
     def expected_tokens(self, num_draft_tokens: int, request_ids: Sequence[str] | None = None) -> float:
-        """Tokens a request emits per step at `num_draft_tokens`: the bonus token and each depth's chance to be
-        reached (a depth is reached only if the one before it was: the rates are each depth's own share). At the
-        global rates, or (`request_ids`) the mean over these requests at their own (`acceptance`). Kept until the
-        acceptance changes (`observe_verify`): a plan reads it for every candidate."""
-        if request_ids is not None:
-            return self._batch_expected(request_ids)[num_draft_tokens]
-        found = self._expected.get(num_draft_tokens)
-        if found is None:
-            depths = range(1, self.num_steps[num_draft_tokens] + 1)
-            found = self._expected[num_draft_tokens] = 1.0 + sum(self.acceptance(d) for d in depths)
-        return found
-
-    def _batch_expected(self, request_ids: Sequence[str], undrafted: int = 0) -> dict[int, float]:
-        """k -> the mean expected tokens per step of these requests at their own rates (none: the global rates).
-        Per depth the sum of their rates is sum(own) + global x sum(weight) + 1 for each request on trial (or
-        without history), each request's parts worked out when its counts changed (RequestAcceptance): a plan adds
-        up a few floats per request, in C, and not even that while neither the batch nor any count changed (k = 0
-        steps)."""
-        if not request_ids:
-            if undrafted:  # none of the batch drafts: one token a step whatever k
-                return dict.fromkeys(self.num_steps, 1.0)
-            return {k: self.expected_tokens(k) for k in self.num_steps}
-        key = (*request_ids, undrafted)
-        if self._batch is not None and self._batch[0] == key:
-            return self._batch[1]
-        known = [own for rid in request_ids if (own := self._requests.get(rid)) is not None and not own.on_trial]
-        depths, on_trial = len(self._tried), len(request_ids) - len(known)  # on trial: every draft accepted
-        own = [math.fsum(d) for d in zip(*(a.own for a in known), strict=True)] if known else [0.0] * depths
-        weight = [math.fsum(d) for d in zip(*(a.weight for a in known), strict=True)] if known else [0.0] * depths
-        rates = [0.0] + [own[d] + self.acceptance(d) * weight[d] + on_trial for d in range(1, depths)]
-        reached = list(itertools.accumulate(rates))  # index d: the sum of the rates up to depth d
-        batch = len(request_ids) + undrafted  # the undrafted requests make one token a step at any k
-        expected = {k: 1.0 + reached[steps] / batch for k, steps in self.num_steps.items()}
-        self._batch = (key, expected)
-        return expected
+        """Tokens a request emits per step at `num_draft_tokens`, at the global rates or (`request_ids`) the mean over
+        these requests at their own (AcceptanceModel.expected_tokens)."""
+        return self.accepted.expected_tokens(num_draft_tokens, request_ids)
 
     def throughput(self, request_ids: Sequence[str], num_draft_tokens: int) -> float | None:
         """Expected tokens per second at `num_draft_tokens` for the batch of these requests (at their own rates),
@@ -310,7 +222,7 @@ class AdaptiveK:
         bucket = self.bucket(len(request_ids) + undrafted)
         self.plans[bucket] += 1
         self.total_plans += 1
-        expected = self._batch_expected(request_ids, undrafted)
+        expected = self.accepted.batch_expected(request_ids, undrafted)
         k = self._explore(bucket, expected)
         if k is None:
             k = self._best(bucket, expected)
@@ -335,15 +247,16 @@ class AdaptiveK:
     def _release_evidence(self, min_verified: float) -> bool:
         """Whether the acceptance stands on enough to release requests from the drafter: `min_verified` verified
         request-steps (decayed) and RELEASE_REQUESTS requests in the traffic (a release covers those to come)."""
-        return self._tried[1] >= min_verified and self.traffic_requests >= RELEASE_REQUESTS
+        return self.accepted.evidence >= min_verified and self.traffic_requests >= RELEASE_REQUESTS
 
     def _every_drafting_k_hopeless(self) -> bool:
         """Whether there is a drafting candidate and every one is `_hopeless`; kept until the acceptance changes (it
         is asked every step of a batch released from the drafter)."""
-        if self._all_hopeless is None:
+        version = self.accepted.version
+        if self._all_hopeless is None or self._all_hopeless[0] != version:
             drafting = [k for k in self.candidates if k > 0]
-            self._all_hopeless = bool(drafting) and all(self._hopeless(k) for k in drafting)
-        return self._all_hopeless
+            self._all_hopeless = (version, bool(drafting) and all(self._hopeless(k) for k in drafting))
+        return self._all_hopeless[1]
 
     def drafting_loses(self, batch: int, min_verified: float) -> bool:
         """Whether, at the bucket of a batch of `batch` requests, the measured step prices and the global acceptance
@@ -382,17 +295,7 @@ class AdaptiveK:
         """Start the global acceptance afresh (unobserved: 1.0, so drafting is tried again before it is judged):
         the drafter's retry after a long release (drafter_release.py), in case the traffic changed. The requests'
         own counts stay: they are still their evidence (a released request verifies no more)."""
-        self._reached = [0.0] * len(self._reached)
-        self._tried = [0.0] * len(self._tried)
-        self._traffic.clear()
-        self._acceptance_changed()
-
-    def _acceptance_changed(self) -> None:
-        """Drop what was worked out of the global acceptance: expected tokens, the last batch's, the hopeless rule."""
-        self._expected.clear()
-        self._batch = None
-        self._all_hopeless = None
-        self._rates = None
+        self.accepted.forget()
 
     def _order(self) -> list[int]:
         """Candidates in the order they are first tried: the configured k, no drafting, then the rest, largest first."""
@@ -452,7 +355,7 @@ class AdaptiveK:
 
     def _adds_too_little(self, num_draft_tokens: int, expected: float) -> bool:
         """Whether drafts expected to make `expected` tokens a step (acceptance observed) cannot beat k = 0."""
-        return num_draft_tokens > 0 and self._tried[1] > 0 and expected < 1 + HYSTERESIS
+        return num_draft_tokens > 0 and self.accepted.evidence > 0 and expected < 1 + HYSTERESIS
 
     def _due(self, bucket: int, num_draft_tokens: int, cost: StepCost, expected: dict[int, float]) -> bool:
         """Whether a measured candidate the bucket does not exploit is due a check: FRESH_STEPS after the bucket
@@ -555,7 +458,7 @@ class AdaptiveK:
     def judged(self) -> bool:
         """Whether MIN_JUDGED verified request-steps were seen, so that drafting may be judged on its acceptance
         (nothing to judge without a drafting candidate)."""
-        return len(self._tried) < 2 or self._tried[1] >= MIN_JUDGED
+        return self.accepted.depths == 0 or self.accepted.evidence >= MIN_JUDGED
 
     def measured(self, batch: int) -> bool:
         """Whether every candidate's cost at this batch's bucket is measured and none is under test: what a
@@ -573,7 +476,7 @@ class AdaptiveK:
         and of k = 0's the share that is the held context's flushes (`k0_flush_ms`, per k = 0 step)."""
         return {
             "chosen_k_steps": dict(sorted(self.chosen.items())),
-            "acceptance_per_depth": [round(self.acceptance(d), 4) for d in range(1, len(self._tried))],
+            "acceptance_per_depth": [round(self.acceptance(d), 4) for d in range(1, self.accepted.depths + 1)],
             "tracked_requests": self.tracked_requests,
             "traffic_requests": self.traffic_requests,
             "step_ms": {

@@ -10,7 +10,7 @@ from collections.abc import Callable, Sequence
 
 import pytest
 
-from executor_service.spec_decode import adaptive_k, adaptive_measures
+from executor_service.spec_decode import acceptance_model, adaptive_k, adaptive_measures
 from executor_service.spec_decode.adaptive_k import MAX_REFRESH_STEPS, REFRESH_STEPS, AdaptiveK
 
 K = 7
@@ -602,7 +602,7 @@ def test_a_request_after_penalised_ones_drafts(monkeypatch: pytest.MonkeyPatch) 
 
     released, chosen = penalised_then_right()
     assert not released and chosen[:10] == [3] * 10 and chosen.count(3) >= 180
-    monkeypatch.setattr(adaptive_k, "TRAFFIC_REQUESTS", 1)
+    monkeypatch.setattr(acceptance_model, "TRAFFIC_REQUESTS", 1)
     monkeypatch.setattr(adaptive_k, "RELEASE_REQUESTS", 1)
     assert penalised_then_right()[0]
 
@@ -637,7 +637,7 @@ def test_finished_requests_leave_no_state() -> None:
             model.forget_request(request_id)
     model.observe_verify(["live"], [K], [0])
     assert model.tracked_requests == 1 and model.describe()["tracked_requests"] == 1
-    assert model.traffic_requests == model.describe()["traffic_requests"] == adaptive_k.TRAFFIC_REQUESTS
+    assert model.traffic_requests == model.describe()["traffic_requests"] == acceptance_model.TRAFFIC_REQUESTS
     assert model.acceptance(1, "live") != model.acceptance(1)  # its own counts kept
 
 
