@@ -28,11 +28,14 @@ MAX_REFRESH_STEPS, the longest interval at which it tests again a candidate it h
 forgets its global acceptance. Drafting is then no longer ruled out (neither rule judges an acceptance never
 observed), so requests admitted from then on are followed and drafted for, which measures the acceptance
 afresh: still hopeless, or still losing on cost, once judged again, they are released too and the
-clock starts again; otherwise the drafter is used as before. A retry costs those requests' prompt passes and a few
-speculative steps, once every RETRY_STEPS steps. Requests released earlier stay released. The costs are judged at
-the batch's size: requests released while the batch is small (batch 1, where a drafter can lose) stay released if
-the load grows to a size where drafting wins or was never measured; the requests admitted then are followed and
-drafted for, the released ones served beside them on the host path until they finish.
+clock starts again; otherwise the drafter is used as before. A retry costs those requests' prompt passes and their
+speculative steps until the release is judged again (RELEASE_REQUESTS requests: at batch 1 on the H200, ~1,600
+steps of DFlash at k = 3 in a round of 3,840, a round at 0.79x target-only). So a retry that finds drafting ruled out
+again, within RETRY_STEPS steps of drafting, doubles the interval before the next (up to MAX_RETRY_BACKOFF times
+RETRY_STEPS); one after which drafting paid for that long resets it. Requests released earlier stay released.
+The costs are judged at the batch's size: requests released while the batch is small (batch 1, where a drafter can
+lose) stay released if the load grows to a size where drafting wins or was never measured; the requests admitted
+then are followed and drafted for, the released ones served beside them on the host path until they finish.
 
 A drafter that is right, and pays for itself at the batch's size, is never released, and the choice of k for the
 requests the drafter follows is the cost model's, unchanged. Greedy tokens never change (verification is exact). The
@@ -58,6 +61,7 @@ MIN_VERIFIED = 32
 # longest interval between checks. Fewer (8, before) released EAGLE-3 at batch 1 on ten unlucky first steps.
 MIN_VERIFIED_COST = MIN_JUDGED
 RETRY_STEPS = MAX_REFRESH_STEPS  # steps planned with drafting ruled out before it is tried again
+MAX_RETRY_BACKOFF = 8  # retries that found drafting ruled out again stretch the interval up to 8 x RETRY_STEPS
 MAX_RULINGS = 32  # rulings kept with their evidence (`describe`): the first ones, for benchmarks and logs
 
 
@@ -81,6 +85,8 @@ class DrafterRelease:
         self.deferred, self.min_verified, self.retry_steps = deferred, min_verified, retry_steps
         self.min_verified_cost = min_verified_cost
         self.steps_ruled_out = 0  # steps planned since drafting was ruled out (0: not ruled out)
+        self.backoff = 1  # the retry interval, in RETRY_STEPS: doubled by each retry that failed
+        self.steps_since_retry: int | None = None  # steps with drafting not ruled out since the last retry
         self.counts: Counter[str] = Counter()  # "released" (requests), "retries", "ruled out by acceptance / cost"
         self.rulings: list[dict[str, object]] = []  # the first MAX_RULINGS rulings and what they stood on
 
@@ -91,18 +97,30 @@ class DrafterRelease:
         ruled_out = speculation.drafting_ruled_out(self.min_verified)
         if not ruled_out and not speculation.drafting_loses(len(requests), self.min_verified_cost):
             self.steps_ruled_out = 0
+            if self.steps_since_retry is not None:
+                self.steps_since_retry += 1
             return follows_any(requests)
         if self.steps_ruled_out == 0:
+            self._back_off()
             self._note_ruling("acceptance" if ruled_out else "cost", len(requests), speculation)
         self.steps_ruled_out += 1
-        if self.steps_ruled_out >= self.retry_steps:
+        if self.steps_ruled_out >= self.retry_steps * self.backoff:
             self.steps_ruled_out = 0
+            self.steps_since_retry = 0
             self.counts["retries"] += 1
             speculation.forget_acceptance()  # newly admitted requests are followed and drafted for again
             return follows_any(requests)
         for request in [r for r in requests if r.num_draft_tokens != 0]:
             self.release(request)
         return False
+
+    def _back_off(self) -> None:
+        """Drafting is ruled out anew: after a retry whose requests drafted fewer than RETRY_STEPS steps (it failed),
+        the next retry waits twice as long (up to MAX_RETRY_BACKOFF times); after one that drafted for longer, or
+        the first ruling, the base interval."""
+        failed = self.steps_since_retry is not None and self.steps_since_retry < self.retry_steps
+        self.backoff = min(2 * self.backoff, MAX_RETRY_BACKOFF) if failed else 1
+        self.steps_since_retry = None
 
     def release(self, request: Request) -> None:
         """Stop following `request` for the rest of its life: no held context, no drafts, no lookahead slots."""
@@ -130,5 +148,6 @@ class DrafterRelease:
         })  # fmt: skip
 
     def describe(self) -> dict[str, object]:
-        """Its counts and rulings (benchmarks and logs)."""
-        return {**dict(sorted(self.counts.items())), "rulings": list(self.rulings)}
+        """Its counts and rulings (benchmarks and logs), and after a retry the interval's backoff."""
+        backoff = {"retry_backoff": self.backoff} if self.counts["retries"] else {}
+        return {**dict(sorted(self.counts.items())), **backoff, "rulings": list(self.rulings)}

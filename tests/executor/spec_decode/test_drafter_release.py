@@ -305,3 +305,37 @@ def test_a_drafter_that_loses_on_cost_is_released(prices: dict[int, float], rele
         return
     assert drafting.proposer.pass_counts == passes and not deferred.held  # no drafter pass after the release
     assert engine.step_counts["overlapped decode"] > steps["overlapped decode"] + 10
+
+
+def test_retries_that_fail_back_off() -> None:
+    """A retry whose requests are ruled out again within the retry interval doubles the interval before the next
+    (up to MAX_RETRY_BACKOFF times): a drafter that never pays costs fewer and fewer retries. One after which
+    drafting went on for a whole interval resets it."""
+    from types import SimpleNamespace
+
+    from executor_service.spec_decode.drafter_release import MAX_RETRY_BACKOFF, DrafterRelease
+
+    interval = 10
+    release = DrafterRelease(None, retry_steps=interval)
+    speculation = AdaptiveK((0, K), configured=K)
+    released = [SimpleNamespace(num_draft_tokens=0)]  # a batch the drafter no longer follows
+
+    def steps_to_retry() -> int:
+        """Rule drafting out and count the steps until the next retry."""
+        rule_out(speculation)
+        retries = release.counts["retries"]
+        for steps in range(1, 100 * interval):
+            release.followed(released, speculation)  # type: ignore[arg-type]
+            if release.counts["retries"] > retries:
+                return steps
+        raise AssertionError("no retry")
+
+    waits = []
+    for _ in range(5):
+        waits.append(steps_to_retry())
+        for _ in range(3):  # the retried requests draft a few steps, then are ruled out again
+            assert release.followed(released, speculation) is False  # type: ignore[arg-type]
+    assert waits == [interval * min(2**i, MAX_RETRY_BACKOFF) for i in range(5)]
+    for _ in range(interval):  # this retry's drafting pays for a whole interval
+        release.followed(released, speculation)  # type: ignore[arg-type]
+    assert steps_to_retry() == interval and release.describe()["retry_backoff"] == 1
