@@ -17,9 +17,10 @@
 #            (SPECDEC_TP_TIMELINE_DIR), lined up by bench/tp_timeline.py: which rank reaches each collective last
 #            and why: $OUT/timeline_tp*.json, the raw timelines in $OUT/timelines.tar.gz
 #   gemms    bench/fused_layer_bench.py on the TP shards' GEMM shapes (GEMM_PRESETS, default llama3-8b:tp2,llama3-8b:tp4)
-#            at GEMM_ROWS rows (default 32: batch 32's decode) with --write-table, so the steps after it in the same
-#            call run with the fused kernels that beat cuBLAS there: $OUT/gemms/fused_layer_*.json and the table
-#            written, $OUT/gemms/small_gemm_table.json (merge it into the repository's when the benches gained)
+#            at GEMM_ROWS rows (default 32: batch 32's decode), the MMA programs of 32-64 rows against cuBLAS
+#            (GEMM_SWEEP=wide; `all` times every tile, several minutes) with --write-table, so the steps after it in
+#            the same call run with the fused kernels that beat cuBLAS there: $OUT/gemms/fused_layer_*.json and the
+#            table written, $OUT/gemms/small_gemm_table.json (merge it into the repository's when the benches gained)
 #   ar       bench/all_reduce_bench.py at each TP size > 1: NCCL, one-shot and two-shot per call in a graph, 8 KiB to
 #            8 MiB (where parallel/all_reduce.py's size limits come from): $OUT/ar/all_reduce_*.json
 # Both bench steps run EAGLE-3 with --drafts always-right (DRAFTS; `synthetic` for the step's cost alone): the target
@@ -93,7 +94,7 @@ for step in ${steps//,/ }; do
       tar -czf "$out/timelines.tar.gz" -C /tmp timelines ;;
     gemms) mkdir -p "$out/gemms"
       timeout -k 10 "$(left 240)" python3 bench/fused_layer_bench.py --presets "${GEMM_PRESETS:-llama3-8b:tp2,llama3-8b:tp4}" \
-        --rows "${GEMM_ROWS:-32}" --sweep "${GEMM_SWEEP:-all}" --no-decode-steps --write-table --out "$out/gemms" 2>&1 \
+        --rows "${GEMM_ROWS:-32}" --sweep "${GEMM_SWEEP:-wide}" --no-decode-steps --write-table --out "$out/gemms" 2>&1 \
         | grep -v Warning | tail -30
       cp kernels/small_gemm_table.json "$out/gemms/" ;;
     ar) sizes=${TP_SIZES:-1,2,4}
