@@ -211,9 +211,13 @@ def op_sweep(rows: int, kind: str, op: str) -> list[GemmConfig]:
     deferred = DEFER_SWEEP if rows <= MAX_DEFER_ROWS and op != "qkv_rope" else []
     wide = [c for c in WIDE_SWEEP if c.block_m <= rows]
     if kind in ("deferred", "wide"):
-        return deferred if kind == "deferred" else wide
-    gemv = (GEMV_SWEEP if rows <= MAX_GEMV_ROWS else []) + (GEMV_SPLIT_SWEEP if 4 < rows <= 32 else [])
-    return gemv + deferred if kind == "gemv" else SWEEP + wide + gemv + deferred
+        sweep = deferred if kind == "deferred" else wide
+    else:
+        gemv = (GEMV_SWEEP if rows <= MAX_GEMV_ROWS else []) + (GEMV_SPLIT_SWEEP if 4 < rows <= 32 else [])
+        sweep = gemv + deferred if kind == "gemv" else SWEEP + wide + gemv + deferred
+    if op == "qkv_rope":  # an MMA program takes a whole head: block_n unused
+        sweep = [c for c in sweep if c.gemv or c.block_n == 32]
+    return sweep
 
 
 def gemm_table(
@@ -232,8 +236,6 @@ def gemm_table(
                     sweep = op_sweep(rows, sweep_kind, op)
                     if not sweep:
                         continue
-                    if op == "qkv_rope":  # an MMA program takes a whole head: block_n unused
-                        sweep = [c for c in sweep if c.gemv or c.block_n == 32]
                     timed = [(per_call_ms(lambda c=c, f=fused: f(c), device), c) for c in sweep]
                     best_ms, best = min(timed, key=lambda t: t[0])
                     row = {"dtype": dtype_name(dtype), "preset": preset, "op": op, "rows": rows, "n": n, "k": k,
@@ -366,10 +368,9 @@ def main() -> int:
     report["winners"] = winners
     if args.write_table:
         measured: dict[str, set[str]] = {}
-        for row in report[
-            "gemms"
-        ]:  # a partial sweep (gemv, deferred, wide) replaces only what it beat: its losers keep
-            key = table_key(row["op"], row["rows"], row["n"], row["k"])  # the entries they had
+        # a partial sweep (gemv, deferred, wide) replaces only what it beat: its losers keep the entries they had
+        for row in report["gemms"]:
+            key = table_key(row["op"], row["rows"], row["n"], row["k"])
             if args.sweep == "all" or key in winners.get(row["dtype"], {}):
                 measured.setdefault(row["dtype"], set()).add(key)
         merge_winners(winners, torch.cuda.get_device_name(device), measured)
